@@ -1,0 +1,25 @@
+"""offload: train a model whose weights and optimizer state do not fit on one GPU, on that GPU.
+
+    opt = offload.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    engine = offload.wrap(model, opt, budget="8GiB")
+    loss = engine(x).loss; loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from .api import Engine, wrap
+from .config import OffloadConfig, format_bytes, parse_bytes
+from .errors import BudgetTooSmallError, HostMemoryError, OffloadError
+from .optim import AdamW
+
+__all__ = [
+    "AdamW",
+    "BudgetTooSmallError",
+    "Engine",
+    "HostMemoryError",
+    "OffloadConfig",
+    "OffloadError",
+    "format_bytes",
+    "parse_bytes",
+    "wrap",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,213 @@
+"""The public API: ``offload.wrap(model, optimizer, budget=...)`` returns an :class:`Engine`."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from .backend import make_backend
+from .config import OffloadConfig
+from .optim import AdamW
+from .runtime import Runtime
+
+# The one piece of process-wide state: which modules are wrapped right now, so that wrapping one twice
+# (or a module that shares parameters with a wrapped one) fails loudly instead of corrupting both.
+_WRAPPED: "weakref.WeakKeyDictionary[nn.Parameter, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def wrap(model: nn.Module, optimizer: AdamW, config: OffloadConfig | None = None, **fields: Any) -> "Engine":
+    """Offload ``model``'s parameters and ``optimizer``'s state; return the engine that trains it.
+
+    Pass either a whole ``config=OffloadConfig(...)`` or its fields as keywords
+    (``budget="8GiB", dtype=torch.float32, device="cpu", bucket_bytes="32MiB"``).
+    """
+    if config is not None and fields:
+        raise TypeError("pass either config=OffloadConfig(...) or its fields as keywords, not both")
+    if config is None:
+        unknown = set(fields) - set(OffloadConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; OffloadConfig has {list(OffloadConfig.field_names())}")
+        if "budget" not in fields:
+            raise TypeError('offload.wrap needs a device memory budget, e.g. budget="8GiB"')
+        config = OffloadConfig(**fields)
+    elif not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an offload.OffloadConfig; got {type(config).__name__}")
+    return Engine(model, optimizer, config)
+
+
+class Engine:
+    """Trains one wrapped module. Call it like the module; ``backward``, ``step``, ``zero_grad``,
+    ``memory_stats``, ``state_dict``/``load_state_dict`` and ``close`` do what their names say."""
+
+    def __init__(self, model: nn.Module, optimizer: AdamW, config: OffloadConfig):
+        params, groups = _validate(model, optimizer)
+        self.module = model
+        self.optimizer = optimizer
+        self.config = config
+        backend = make_backend(config.device)
+        self._runtime = Runtime(model, optimizer, config, backend, params, groups)
+        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+        self._runtime.memory.add("buffers", buffer_bytes)
+        optimizer._bind(self)
+        for p in params:
+            _WRAPPED[p] = weakref.ref(self)
+        self._closed = False
+
+    # -- training -------------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self._runtime.abort_forward()
+            raise
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``; grads go to the host and the optimizer update starts as they arrive."""
+        self._check_open()
+        loss.backward(**kwargs)
+
+    def step(self) -> None:
+        """Wait for every bucket's AdamW update; the next forward streams the new weights."""
+        self._check_open()
+        self._runtime.step()
+
+    def zero_grad(self) -> None:
+        self._check_open()
+        self._runtime.zero_grad()
+
+    def wait_for_updates(self) -> None:
+        self._runtime.wait_for_updates()
+
+    # -- introspection --------------------------------------------------------------------------------
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Device and host bytes, and what the plan decided (``plan`` is None until the first step)."""
+        rt = self._runtime
+        plan = rt.plan
+        summary = None
+        if plan is not None:
+            summary = plan.summary() | {"bucket_bytes": self.config.bucket_bytes, "replans": rt.stats["replans"]}
+        return {
+            "budget_bytes": self.config.budget,
+            "device_peak_bytes": rt.memory.peak,
+            "device_current_bytes": rt.memory.current,
+            "device_parts": dict(rt.memory.parts),
+            "arena_bytes": plan.arena_bytes if plan is not None else 0,
+            "host_pinned_bytes": rt.host.size_bytes if rt.host is not None else 0,
+            "plan": summary,
+            "counters": dict(rt.stats),
+        }
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": fp32 weights and buffers keyed like model.state_dict(), "optimizer": ...}``."""
+        self._check_open()
+        rt = self._runtime
+        rt.wait_for_updates()
+        weights = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            p = rt.param_index.get(id(value))
+            weights[name] = rt.read_weight(p) if p is not None else value.detach().clone()
+        return {"model": weights, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_open()
+        if set(state_dict) != {"model", "optimizer"}:
+            raise ValueError('expected {"model": ..., "optimizer": ...} as returned by Engine.state_dict()')
+        rt = self._runtime
+        rt.wait_for_updates()
+        own = self.module.state_dict(keep_vars=True)
+        missing, unexpected = set(own) - set(state_dict["model"]), set(state_dict["model"]) - set(own)
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the model: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
+        with torch.no_grad():
+            for name, value in state_dict["model"].items():
+                target = own[name]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} does not match {tuple(target.shape)}")
+                p = rt.param_index.get(id(target))
+                if p is not None:
+                    rt.write_weight(p, value.to(torch.float32))
+                else:
+                    target.copy_(value)
+        rt.after_weights_written()
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def _adopt_optimizer_state(self) -> None:
+        self._runtime._adopt_optimizer_state()
+
+    # -- lifetime -------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine: the module gets its trained weights back as ordinary CPU tensors, threads stop,
+        and host and device memory are released. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._runtime.close()
+        finally:
+            self.optimizer._unbind()
+            self.optimizer.state.clear()
+            for p in self._runtime.params:
+                _WRAPPED.pop(p, None)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed; wrap the model again to keep training")
+
+    def __repr__(self) -> str:
+        return (f"Engine({type(self.module).__name__}, budget={self.config.budget}, "
+                f"device={self.config.device}, dtype={self.config.dtype})")
+
+
+def _validate(model: nn.Module, optimizer: AdamW) -> tuple[list[nn.Parameter], list[int | None]]:
+    """Check the model and optimizer before anything is touched; return params and their group index."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload.wrap expects a torch.nn.Module; got {type(model).__name__}")
+    if not isinstance(optimizer, AdamW):
+        raise TypeError(f"offload.wrap expects an offload.AdamW optimizer; got {type(optimizer).__name__}. "
+                        "Create it with offload.AdamW(model.parameters(), ...)")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to offload")
+    for p in params:
+        if p in _WRAPPED and _WRAPPED[p]() is not None:
+            raise RuntimeError("this model (or one sharing parameters with it) is already wrapped by an offload "
+                               "engine; call engine.close() on that engine first")
+        if p.device.type != "cpu":
+            raise ValueError(f"parameters must be on the CPU when wrapping (found one on {p.device}); the engine "
+                             "places them itself. Build or load the model on the CPU, then wrap it")
+        if not p.is_floating_point():
+            raise TypeError(f"all parameters must be floating point; found {p.dtype}")
+    if optimizer._engine is not None:
+        raise RuntimeError("this offload.AdamW is already bound to an engine; make one optimizer per engine")
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            group_of[id(p)] = g
+    in_model = {id(p) for p in params}
+    strangers = [k for k in group_of if k not in in_model]
+    if strangers:
+        raise ValueError(f"the optimizer holds {len(strangers)} parameter(s) that are not in the model")
+    groups: list[int | None] = []
+    for p in params:
+        g = group_of.get(id(p))
+        if p.requires_grad and g is None:
+            raise ValueError("a parameter requires grad but is not in the optimizer; add it to the optimizer "
+                             "or set requires_grad=False (frozen)")
+        groups.append(g if p.requires_grad else None)
+    return params, groups

@@ -1,0 +1,109 @@
+"""What every backend shares: events that carry errors, and lanes (ordered worker threads)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from ..errors import OffloadError
+
+
+class Event(Protocol):
+    """A point in some stream of work. ``synchronize`` blocks the calling thread until it is done
+    and re-raises the failure of the work it marks."""
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+
+class HostEvent:
+    """An :class:`Event` set by a lane (or born complete). Failures travel with it."""
+
+    __slots__ = ("_flag", "_error", "_what")
+
+    def __init__(self, done: bool = False, what: str = "") -> None:
+        self._flag = threading.Event()
+        self._error: BaseException | None = None
+        self._what = what
+        if done:
+            self._flag.set()
+
+    def set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._flag.set()
+
+    def query(self) -> bool:
+        return self._flag.is_set()
+
+    def synchronize(self) -> None:
+        self._flag.wait()
+        if self._error is not None:
+            raise OffloadError(f"offload: {self._what or 'background work'} failed: {self._error!r}") \
+                from self._error
+
+
+DONE = HostEvent(done=True)
+
+
+class Lane:
+    """One worker thread that runs submitted work in order, each item after the events it waits on.
+
+    It is the CPU backend's stand-in for a CUDA stream, and the CPU lane that runs AdamW in any backend.
+    A failed item fails its event (and the events of later items that wait on it); the lane goes on.
+    """
+
+    def __init__(self, name: str, before: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self._before = before  # called before and after each item (chaos delays)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._last: HostEvent = DONE
+
+    def submit(self, fn: Callable[[], object], waits: Iterable[Event] = (), what: str = "") -> HostEvent:
+        if self._closed:
+            raise OffloadError(f"lane {self.name} is closed")
+        if self._thread is None:  # created lazily: an engine that never streams starts no thread
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        ev = HostEvent(what=what or self.name)
+        self._queue.put((fn, tuple(waits), ev))
+        self._last = ev
+        return ev
+
+    def drain(self) -> None:
+        """Block until everything submitted so far has run; raise the first failure among them."""
+        self._last.synchronize()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, waits, ev = item
+            try:
+                for w in waits:
+                    w.synchronize()
+                if self._before:
+                    self._before()
+                with torch.no_grad():
+                    fn()
+                if self._before:
+                    self._before()
+                ev.set()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event
+                ev.set(e)
+
+    def close(self) -> None:
+        if self._thread is not None and not self._closed:
+            self._queue.put(None)
+            self._thread.join()
+        self._closed = True
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

@@ -1,0 +1,56 @@
+"""The CPU backend: the same plan, with the "device" a CPU tensor and each copy stream a worker thread.
+
+Copies really run asynchronously on their lanes, so a missing wait in the runtime shows up as wrong
+numbers in the tests, exactly as it would on a GPU. Compute runs on the calling thread, so by the time
+the runtime records an event, the compute issued before it has finished: ``record`` returns a completed
+event, and ``wait`` (make compute wait) blocks the calling thread.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .base import DONE, Event, HostEvent, Lane
+
+
+class CPUBackend:
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        # Host-to-device copies: parameter buckets into their device slots, ahead of use.
+        self._h2d = Lane("offload-h2d")
+        # Device-to-host copies: gradient slots back to host grad buffers, while backward goes on.
+        self._d2h = Lane("offload-d2h")
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """What a parameter points to while its bucket is not on the device: the right shape, dtype and
+        device, no memory (one NaN expanded), so a stray read poisons the result and a write fails."""
+        return torch.full((), float("nan"), dtype=dtype, device=self.device).expand(shape)
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> HostEvent:
+        return self._h2d.submit(lambda: dst.copy_(src), waits, "host-to-device copy")
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> HostEvent:
+        return self._d2h.submit(lambda: dst.copy_(src), waits, "device-to-host copy")
+
+    def record(self) -> Event:
+        return DONE
+
+    def wait(self, event: Event) -> None:
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        self._h2d.drain()
+        self._d2h.drain()
+
+    def threads_alive(self) -> int:
+        return int(self._h2d.alive) + int(self._d2h.alive)
+
+    def close(self) -> None:
+        self._h2d.close()
+        self._d2h.close()

@@ -1,0 +1,103 @@
+"""User-facing configuration: one frozen dataclass, validated on construction, and byte-size parsing."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_ACCEPTED = 'an int number of bytes or a string such as "64MiB", "8GiB", "1.5GB", "512KiB", "1048576"'
+
+
+def parse_bytes(value: int | float | str, what: str = "size") -> int:
+    """Parse ``8GiB``-style sizes (binary and decimal units) or plain byte counts into an int > 0."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be {_ACCEPTED}; got the bool {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not math.isfinite(value) or value != int(value):
+            raise ValueError(f"{what} must be a whole, finite number of bytes; got {value!r}. Use {_ACCEPTED}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"cannot parse {what} {value!r}; use {_ACCEPTED}")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise TypeError(f"{what} must be {_ACCEPTED}; got {type(value).__name__}")
+    if n <= 0:
+        raise ValueError(f"{what} must be positive; got {value!r}")
+    return n
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+SUPPORTED_DTYPES = (torch.float32,)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How the engine may use the device. Sizes accept ints (bytes) or strings like ``"8GiB"``."""
+
+    budget: int | str
+    """Device memory the engine may use in all: parameter arena, activations, grads in flight, buffers."""
+    dtype: torch.dtype = torch.float32
+    """Compute dtype on the device. Masters and Adam state are always fp32 on the host."""
+    device: str | torch.device | None = None
+    """``None`` picks cuda when present, else cpu (the CPU backend: a real, asynchronous stand-in)."""
+    bucket_bytes: int | str = "32MiB"
+    """Target size of a parameter bucket, the unit that moves between host and device."""
+    overlap_optimizer: bool = True
+    """Run a bucket's AdamW on the CPU as soon as its grads reach the host (during backward).
+    False: run all updates in ``step()`` (same numbers, no overlap)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalise once, here
+        set_(self, "budget", parse_bytes(self.budget, "budget"))
+        set_(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype such as torch.float32; got {self.dtype!r}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise NotImplementedError(
+                f"dtype {self.dtype} is not supported yet: this version computes in torch.float32 only "
+                "(bf16/fp16 compute with fp32 masters and loss scaling is planned)")
+        set_(self, "device", _resolve_device(self.device))
+        if not isinstance(self.overlap_optimizer, bool):
+            raise TypeError(f"overlap_optimizer must be a bool; got {self.overlap_optimizer!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be None, 'cpu', 'cuda' or a torch.device; got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda; got {dev}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch.cuda.is_available() is False; use device='cpu'")
+    return dev

@@ -1,0 +1,25 @@
+"""Exception types. Each one says what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class OffloadError(RuntimeError):
+    """Base class for errors raised by the engine."""
+
+
+class BudgetTooSmallError(OffloadError, ValueError):
+    """The device budget cannot hold the smallest feasible plan.
+
+    ``min_budget_bytes`` is the smallest budget that would work for this model, batch and bucket size;
+    ``breakdown`` names the parts it is made of (bytes each), largest first.
+    """
+
+    def __init__(self, message: str, *, min_budget_bytes: int, budget_bytes: int, breakdown: dict[str, int]):
+        super().__init__(message)
+        self.min_budget_bytes = min_budget_bytes
+        self.budget_bytes = budget_bytes
+        self.breakdown = dict(breakdown)
+
+
+class HostMemoryError(OffloadError, MemoryError):
+    """Host RAM is too small for the pinned host arena (fp32 masters, Adam state, grad staging)."""

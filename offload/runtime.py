@@ -1,0 +1,921 @@
+"""The runtime: registers the hooks and executes the plan. It decides nothing the plan has not decided;
+where there is no plan yet (the first, traced step) or the step departs from it, it fetches on demand.
+
+Residency of a bucket (one state machine per bucket, transitions asserted):
+
+    HOST --fetch--> IN_FLIGHT --wait--> DEVICE --release--> HOST
+
+[Note: saved parameters] Autograd saves views of weights for backward (``linear`` saves ``weight.t()``).
+Those views point into a device slot that may hold another bucket by the time backward runs. The
+saved-tensor pack hook therefore turns any tensor living in a bucket slot into a reference (parameter,
+byte offset, size, stride, dtype), and the unpack hook rebuilds it from wherever the bucket is then,
+fetching it first if needed. The pack hook also sees every other saved tensor: those are the
+activations, counted (once per storage) until autograd frees them.
+
+[Note: knowing where we are] Forward progress is module calls (pre/post hooks on every module); a
+``TorchFunctionMode`` sees every tensor op of the forward and reports which parameters it touches (so a
+parent reading a child's weight, tied weights and functional uses are all handled, and a parameter that
+is somehow not on the device is fetched instead of read as garbage). Backward progress is autograd nodes
+reading saved parameters (unpack hook) and gradient accumulation (post-accumulate-grad hooks); the end of
+backward is a callback queued on the autograd engine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import psutil
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.overrides import TorchFunctionMode
+
+from .backend import DONE, Lane
+from .buckets import Bucket, HostLayout, ParamSpec, host_layout, make_buckets
+from .config import OffloadConfig, format_bytes
+from .errors import HostMemoryError, OffloadError
+from .memory import HostArena
+from .optim import AdamW, adamw_
+from .schedule import BufferKind, Plan, budget_error, build_plan, validate_plan
+from .trace import EventKind, Recorder, Trace
+
+HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when sizing the host arena
+
+
+class Residency(enum.Enum):
+    HOST = "host"
+    """Only the host copy exists; the bucket's parameters are placeholders."""
+    IN_FLIGHT = "in flight"
+    """A host-to-device copy is issued; its event must be waited on before use."""
+    DEVICE = "device"
+    """On the device; the bucket's parameters are views of its slot."""
+
+
+_ALLOWED = {
+    (Residency.HOST, Residency.IN_FLIGHT),
+    (Residency.IN_FLIGHT, Residency.DEVICE),
+    (Residency.DEVICE, Residency.HOST),
+    (Residency.IN_FLIGHT, Residency.HOST),
+    (Residency.DEVICE, Residency.IN_FLIGHT),  # a resident bucket refreshed after the optimizer step
+}
+
+
+@dataclass
+class _Slot:
+    storage: torch.Tensor  # uint8 device tensor: the arena, or a bucket-sized on-demand allocation
+    offset: int  # byte offset of the bucket in ``storage``
+    planned: int | None  # plan buffer id, None when allocated on demand
+
+
+class _ParamRef:
+    """A saved tensor that is a view of a parameter (see [Note: saved parameters])."""
+
+    __slots__ = ("param", "byte_offset", "size", "stride", "dtype")
+
+    def __init__(self, param, byte_offset, size, stride, dtype):
+        self.param, self.byte_offset, self.size, self.stride, self.dtype = param, byte_offset, size, stride, dtype
+
+
+class _Saved:
+    """A saved activation; counts its storage's bytes as device memory until autograd drops it."""
+
+    __slots__ = ("tensor", "key", "memory", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, memory: "DeviceMemory"):
+        self.tensor = tensor
+        self.memory = memory
+        storage = tensor.untyped_storage()
+        self.key = storage.data_ptr()
+        memory.hold(self.key, storage.nbytes())
+
+    def __del__(self):
+        self.memory.drop(self.key)
+
+
+class DeviceMemory:
+    """Device bytes the engine is responsible for, by part, with the peak of their sum.
+
+    On the CPU backend this is the device memory (there is no allocator to ask); it counts the arena,
+    on-demand slots, module buffers, saved activations and gradients in flight.
+    """
+
+    def __init__(self) -> None:
+        self.parts: dict[str, int] = {"arena": 0, "slots": 0, "buffers": 0, "activations": 0, "grads": 0}
+        self.current = 0
+        self.peak = 0
+        self.activation_peak = 0  # of the current step
+        self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
+
+    def add(self, part: str, n: int) -> None:
+        self.parts[part] += n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def hold(self, key: int, nbytes: int) -> None:
+        entry = self._held.get(key)
+        if entry is None:
+            self._held[key] = [1, nbytes]
+            self.add("activations", nbytes)
+            self.activation_peak = max(self.activation_peak, self.parts["activations"])
+        else:
+            entry[0] += 1
+
+    def drop(self, key: int) -> None:
+        entry = self._held.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._held[key]
+            self.add("activations", -entry[1])
+
+
+class _UseDetector(TorchFunctionMode):
+    """Reports the parameters each tensor op of the forward touches (see [Note: knowing where we are])."""
+
+    def __init__(self, runtime: "Runtime"):
+        super().__init__()
+        self._index = runtime.param_index
+        self._runtime = weakref.ref(runtime)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rt = self._runtime()
+        if rt is not None and not rt.busy:
+            index = self._index
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    p = index.get(id(a))
+                    if p is not None:
+                        rt.on_touch(p)
+                elif isinstance(a, (list, tuple)):
+                    for t in a:
+                        if isinstance(t, torch.Tensor):
+                            p = index.get(id(t))
+                            if p is not None:
+                                rt.on_touch(p)
+        return func(*args, **kwargs)
+
+
+class _Busy:
+    """While the runtime's own code runs inside a forward, the use detector ignores its tensor ops."""
+
+    def __init__(self, rt: "Runtime"):
+        self.rt = rt
+
+    def __enter__(self):
+        self.prev, self.rt.busy = self.rt.busy, True
+
+    def __exit__(self, *exc):
+        self.rt.busy = self.prev
+
+
+class Runtime:
+    """Hooks plus plan execution for one wrapped module. Owned by :class:`offload.Engine`."""
+
+    def __init__(self, module: nn.Module, optimizer: AdamW, config: OffloadConfig, backend,
+                 params: Sequence[nn.Parameter], groups: Sequence[int | None]):
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.backend = backend
+        self.params = list(params)
+        self.param_index = {id(p): i for i, p in enumerate(self.params)}
+        self.specs = [ParamSpec(p.numel(), g) for p, g in zip(self.params, groups)]
+        self.dtype = config.dtype
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.busy = False
+        self.memory = DeviceMemory()
+        self.placeholders = [backend.placeholder(p.shape, self.dtype) for p in self.params]
+        self.grad_headroom = max((s.numel * self.itemsize for s in self.specs if s.group is not None), default=0)
+        self.cpu = Lane("offload-cpu-adam")  # AdamW of each bucket, in arrival order
+
+        # Before the first forward has been traced, parameters keep their original (host) tensors.
+        self.original: list[torch.Tensor] | None = [p.data for p in self.params]
+        self.trace_views: dict[int, torch.Tensor] = {}  # param -> its own device copy while tracing
+        self.trace_storage: dict[int, int] = {}  # storage ptr -> param, for those copies
+
+        self.buckets: tuple[Bucket, ...] = ()
+        self.bucket_of: list[int] = []
+        self.layout: HostLayout | None = None
+        self.host: HostArena | None = None
+        self.plan: Plan | None = None
+        self.arena: torch.Tensor | None = None
+
+        self.state: list[Residency] = []  # per bucket
+        self.slot: dict[int, _Slot] = {}  # bucket -> where it is on the device (not HOST)
+        self.slot_index: dict[int, tuple[list[int], list[int]]] = {}  # storage ptr -> (offsets, buckets)
+        self.param_offset: list[int] = []  # element offset of each parameter in its bucket
+        self.h2d_event: dict[int, object] = {}  # bucket -> its latest host-to-device copy
+        self.adam_event: dict[int, object] = {}  # bucket -> its latest AdamW (host master is written)
+        self.lru: OrderedDict[int, None] = OrderedDict()  # buckets fetched on demand, oldest first
+        self.grad_slots: dict[int, tuple[torch.Tensor, int | None]] = {}  # bucket -> (slot, plan buffer)
+        self.freeing: list[tuple[object, int, torch.Tensor]] = []  # (D2H event, bytes, slot) until copied
+        self.pending: list = []  # (bucket, params with grads, D2H event) since the last step()
+        self.awaiting_step = False
+        self.stale = False
+        self.trace: Trace | None = None
+        self.boundary = DONE  # compute event at the end of the previous forward/backward
+        self.grad_enabled = True
+        self.master = self.host_grad = self.exp_avg = self.exp_avg_sq = []
+        self.step_tensor: list[torch.Tensor] = []
+        self.steps = [0] * len(self.params)  # AdamW step count per parameter
+        self.stats = {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
+                      "over_budget_fetches": 0, "steps": 0}
+        self._module_index = {}
+        self._handles = []
+        self._contexts: list = []
+        self._reset_step()
+        self._register_hooks()
+
+    # ---------------------------------------------------------------------------------------------------
+    # hooks
+
+    def _register_hooks(self) -> None:
+        for i, m in enumerate(self.module.modules()):
+            self._module_index[id(m)] = i
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(i)))
+            self._handles.append(m.register_forward_hook(self._post_hook(i)))
+        for p, spec in zip(self.params, self.specs):
+            if spec.group is not None:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _pre_hook(self, index: int):
+        def hook(module, args):
+            with _Busy(self):
+                if index == 0 and self.recorder.stack:
+                    self.abort_forward()  # the previous call of the root module raised
+                if not self.recorder.stack:
+                    self._begin_forward()
+                self.recorder.pre(index)
+                self.users.append({})
+                self._advance(EventKind.PRE, index)
+        return hook
+
+    def _post_hook(self, index: int):
+        def hook(module, args, output):
+            with _Busy(self):
+                self._advance(EventKind.POST, index)
+                for b in self.users.pop() if self.users else ():
+                    self._unuse(b)
+                self.recorder.post(index)
+                if not self.recorder.stack:
+                    self._end_forward()
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ---------------------------------------------------------------------------------------------------
+    # step state
+
+    def _reset_step(self) -> None:
+        self.recorder = Recorder()
+        self.users: list[dict] = []  # per active module call: what it touched (param or bucket ids)
+        self.active: dict[int, int] = {}  # param (tracing) or bucket -> number of active calls using it
+        self.pos = 0  # next plan event
+        self.on_plan = self.plan is not None
+        self.in_backward = False
+        self.node_buckets: set[int] = set()  # buckets the current backward node reads
+        self.received: dict[int, set[int]] = {}  # bucket -> params whose grads arrived this backward
+        self.finished: set[int] = set()  # buckets whose grads went to the host this backward
+        self.done: dict[int, object] = {}  # plan buffer -> event after which its memory may be reused
+        self.hparams = None
+        self.memory.activation_peak = self.memory.parts["activations"]
+
+    def _begin_forward(self) -> None:
+        if self.in_backward or self.pos:
+            # The previous forward was not followed by a (completed) backward: start over cleanly.
+            self._release_all()
+        self._reset_step()
+        self.boundary = self.backend.record()
+        self.grad_enabled = torch.is_grad_enabled()
+        detector = _UseDetector(self)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        detector.__enter__()
+        hooks.__enter__()
+        self._contexts = [hooks, detector]
+
+    def _exit_contexts(self) -> None:
+        for ctx in self._contexts:  # exit in reverse order of entry
+            ctx.__exit__(None, None, None)
+        self._contexts = []
+
+    def abort_forward(self) -> None:
+        """The forward raised: undo its effects so the engine stays usable."""
+        with _Busy(self):
+            self._exit_contexts()
+            for p in list(self.trace_views):
+                self._trace_release(p)
+            self.active.clear()
+            self._release_all()
+            self._reset_step()
+
+    def _end_forward(self) -> None:
+        self._exit_contexts()
+        if self.original is not None:
+            self._finish_trace_forward()
+        if not self.grad_enabled:
+            # No backward follows a no-grad forward (evaluation): let go of everything streamed.
+            self._release_all()
+            self.pos = 0
+
+    # ---------------------------------------------------------------------------------------------------
+    # plan following
+
+    def _advance(self, kind: EventKind, key: int) -> None:
+        if not self.on_plan:
+            return
+        plan = self.plan
+        events = plan.trace.events
+        if self.pos >= len(events) or events[self.pos].kind != kind or events[self.pos].key != key:
+            self._leave_plan()
+            return
+        actions = plan.actions[self.pos]
+        self.pos += 1
+        for k in actions.release:
+            self._release_buffer(k)
+        for k in actions.prefetch:
+            self._prefetch(k)
+        for b in actions.need:
+            self._wait(b)
+
+    def _leave_plan(self) -> None:
+        """The step departs from the plan: finish it on demand and plan again at ``step()``."""
+        self.on_plan = False
+        self.stats["plan_departures"] += 1
+        if self.grad_enabled:
+            self.stale = True
+        with torch.no_grad():
+            self.backend.synchronize()
+
+    # ---------------------------------------------------------------------------------------------------
+    # residency
+
+    def _set_state(self, b: int, new: Residency) -> None:
+        old = self.state[b]
+        assert (old, new) in _ALLOWED, f"bucket {b}: illegal residency change {old.value} -> {new.value}"
+        self.state[b] = new
+
+    def _bind_params(self, b: int, slot: _Slot) -> None:
+        typed = slot.storage.view(self.dtype)
+        base = slot.offset // self.itemsize
+        bucket = self.buckets[b]
+        for p, off in zip(bucket.params, bucket.offsets):
+            param = self.params[p]
+            param.data = typed[base + off: base + off + param.numel()].view(param.shape)
+
+    def _unbind_params(self, b: int) -> None:
+        for p in self.buckets[b].params:
+            self.params[p].data = self.placeholders[p]
+
+    def _copy_in(self, b: int, slot: _Slot, waits) -> None:
+        """Issue the host-to-device copy of bucket ``b`` into ``slot``."""
+        n = self.buckets[b].numel
+        dst = slot.storage[slot.offset: slot.offset + n * self.itemsize].view(self.dtype)
+        waits = [w for w in (*waits, self.adam_event.get(b)) if w is not None]
+        fresh = b not in self.slot
+        self._set_state(b, Residency.IN_FLIGHT)
+        self.slot[b] = slot
+        self.h2d_event[b] = self.backend.h2d(dst, self.master[b], waits)
+        if fresh:
+            self._bind_params(b, slot)
+            self._index_slot(b, slot)
+
+    def _wait(self, b: int) -> None:
+        """Make compute wait until bucket ``b`` is on the device; fetch it now if it is not coming."""
+        state = self.state[b]
+        if state is Residency.DEVICE:
+            self._touch_lru(b)
+            return
+        if state is Residency.HOST:
+            if self.on_plan:
+                self._leave_plan()
+            self._fetch_on_demand(b)
+        self.backend.wait(self.h2d_event[b])
+        self._set_state(b, Residency.DEVICE)
+        self._touch_lru(b)
+
+    def _prefetch(self, k: int) -> None:
+        x = self.plan.buffers[k]
+        b = x.bucket
+        if self.state[b] is not Residency.HOST:
+            return  # already here (fetched on demand earlier in this step)
+        waits = [self.done[j] for j in x.after if j in self.done] + [self.boundary]
+        self._copy_in(b, _Slot(self.arena, x.offset, k), waits)
+        self.stats["planned_fetches"] += 1
+
+    def _fetch_on_demand(self, b: int) -> None:
+        nbytes = self.buckets[b].nbytes(self.itemsize)
+        self._make_room(nbytes)
+        storage = self.backend.empty(nbytes)
+        self.memory.add("slots", nbytes)
+        self._copy_in(b, _Slot(storage, 0, None), [self.boundary])
+        self.lru[b] = None
+        self.stats["on_demand_fetches"] += 1
+
+    def _reclaim(self, block: bool = False) -> None:
+        """Free grad slots whose device-to-host copy has finished (all of them when ``block``)."""
+        keep = []
+        for ev, nbytes, slot in self.freeing:
+            if block or ev.query():
+                ev.synchronize()
+                self.memory.add("slots", -nbytes)
+            else:
+                keep.append((ev, nbytes, slot))
+        self.freeing = keep
+
+    def _make_room(self, nbytes: int) -> None:
+        """Evict on-demand buckets, least recently used first, until ``nbytes`` more fit the budget."""
+        # Leave room for the largest gradient autograd may materialise while this bucket is here.
+        limit = self.config.budget - self.grad_headroom
+        self._reclaim(block=self.memory.current + nbytes > limit)
+        protected = set(self.active) | self.node_buckets
+        for b in list(self.lru):
+            if self.memory.current + nbytes <= limit:
+                return
+            if b not in protected and self.state[b] is not Residency.HOST:
+                self._release(b)
+        if self.memory.current + nbytes > limit:
+            self.stats["over_budget_fetches"] += 1
+
+    def _touch_lru(self, b: int) -> None:
+        if b in self.lru:
+            self.lru.move_to_end(b)
+
+    def _release(self, b: int) -> None:
+        """Bucket ``b``'s parameters are no longer needed on the device."""
+        slot = self.slot.pop(b)
+        if self.state[b] is Residency.IN_FLIGHT:
+            self.backend.wait(self.h2d_event[b])  # never free memory a copy is still writing
+            self._set_state(b, Residency.DEVICE)
+        self._set_state(b, Residency.HOST)
+        self._unbind_params(b)
+        self._unindex_slot(b, slot)
+        self.lru.pop(b, None)
+        if slot.planned is not None:
+            self.done[slot.planned] = self.backend.record()
+        else:
+            self.memory.add("slots", -self.buckets[b].nbytes(self.itemsize))
+
+    def _release_buffer(self, k: int) -> None:
+        b = self.plan.buffers[k].bucket
+        slot = self.slot.get(b)
+        if slot is not None and slot.planned == k:
+            self._release(b)
+
+    def _release_all(self) -> None:
+        """Let go of every bucket that is not resident by plan."""
+        for b in list(self.slot):
+            if self.plan is None or self.slot[b].planned != self.plan.resident_buffer[b]:
+                self._release(b)
+        self.boundary = self.backend.record()
+
+    # slot index: which bucket lives at a byte offset of a device storage (for the pack hook)
+    def _index_slot(self, b: int, slot: _Slot) -> None:
+        key = slot.storage.untyped_storage().data_ptr()
+        starts, owners = self.slot_index.setdefault(key, ([], []))
+        i = bisect.bisect_left(starts, slot.offset)
+        starts.insert(i, slot.offset)
+        owners.insert(i, b)
+
+    def _unindex_slot(self, b: int, slot: _Slot) -> None:
+        key = slot.storage.untyped_storage().data_ptr()
+        starts, owners = self.slot_index[key]
+        i = bisect.bisect_left(starts, slot.offset)
+        assert owners[i] == b
+        del starts[i], owners[i]
+        if not starts:
+            del self.slot_index[key]
+
+    # ---------------------------------------------------------------------------------------------------
+    # forward: uses
+
+    def on_touch(self, p: int) -> None:
+        """A tensor op of the forward reads parameter ``p`` (called by the use detector)."""
+        with _Busy(self):
+            self.recorder.touch(p)
+            if self.original is not None:
+                self._trace_fetch(p)
+                key = p
+            else:
+                key = self.bucket_of[p]
+                if self.state[key] is not Residency.DEVICE:
+                    self._wait(key)
+            if self.users and key not in self.users[-1]:
+                self.users[-1][key] = None
+                self.active[key] = self.active.get(key, 0) + 1
+
+    def _unuse(self, key: int) -> None:
+        n = self.active[key] - 1
+        if n:
+            self.active[key] = n
+            return
+        del self.active[key]
+        if self.original is not None:  # tracing: a parameter's copy lives only while a call uses it
+            self._trace_release(key)
+
+    def _trace_fetch(self, p: int) -> None:
+        if p in self.trace_views:
+            return
+        param = self.params[p]
+        nbytes = param.numel() * self.itemsize
+        self._make_room(nbytes)
+        storage = self.backend.empty(nbytes)
+        self.memory.add("slots", nbytes)
+        view = storage.view(self.dtype).view(param.shape)
+        self.backend.wait(self.backend.h2d(view, self.original[p], [self.boundary]))
+        param.data = view
+        self.trace_views[p] = view
+        self.trace_storage[storage.untyped_storage().data_ptr()] = p
+
+    def _trace_release(self, p: int) -> None:
+        view = self.trace_views.pop(p)
+        del self.trace_storage[view.untyped_storage().data_ptr()]
+        self.params[p].data = self.original[p]
+        self.memory.add("slots", -view.numel() * self.itemsize)
+
+    # ---------------------------------------------------------------------------------------------------
+    # saved tensors
+
+    def _pack(self, t: torch.Tensor):
+        ref = self._locate(t)
+        if ref is not None:
+            return ref
+        return _Saved(t, self.memory)
+
+    def _locate(self, t: torch.Tensor) -> _ParamRef | None:
+        if t.device != self.backend.device or t.layout != torch.strided:
+            return None
+        key = t.untyped_storage().data_ptr()
+        byte = t.storage_offset() * t.element_size()
+        p = self.trace_storage.get(key)
+        if p is not None:
+            return _ParamRef(p, byte, tuple(t.shape), t.stride(), t.dtype)
+        entry = self.slot_index.get(key)
+        if entry is None:
+            return None
+        starts, owners = entry
+        i = bisect.bisect_right(starts, byte) - 1
+        if i < 0:
+            return None
+        b = owners[i]
+        rel = byte - starts[i]
+        bucket = self.buckets[b]
+        if rel >= bucket.nbytes(self.itemsize):
+            return None
+        j = bisect.bisect_right(bucket.offsets, rel // self.itemsize) - 1
+        p = bucket.params[j]
+        return _ParamRef(p, rel - bucket.offsets[j] * self.itemsize, tuple(t.shape), t.stride(), t.dtype)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _Saved):
+            return saved.tensor
+        p = saved.param
+        b = self.bucket_of[p]
+        self._begin_backward()
+        if self.recorder.unpack(p, torch._C._current_autograd_node()):
+            self.node_buckets = set()
+            self._advance(EventKind.UNPACK, p)
+        self.node_buckets.add(b)
+        self._wait(b)
+        slot = self.slot[b]
+        start = slot.offset + self.param_offset[p] * self.itemsize + saved.byte_offset
+        typed = slot.storage.view(saved.dtype)
+        itemsize = typed.element_size()
+        return typed.as_strided(saved.size, saved.stride, start // itemsize)
+
+    # ---------------------------------------------------------------------------------------------------
+    # backward: grads
+
+    def _begin_backward(self) -> None:
+        if self.in_backward:
+            return
+        if self.awaiting_step:
+            raise OffloadError(
+                "a second backward ran before optimizer.step(): gradient accumulation is not supported yet, "
+                "and the previous backward's update has already been applied. Call step() after each backward.")
+        self.in_backward = True
+        self.hparams = self.optimizer.hparams()  # hyperparameters are read when backward begins
+        if self.on_plan and self.pos != self.plan.trace.num_forward:
+            self._leave_plan()
+        Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        p = self.param_index[id(param)]
+        grad = param.grad
+        nbytes = grad.numel() * grad.element_size()
+        self.memory.add("grads", nbytes)  # autograd has materialised it; it dies below
+        self._begin_backward()
+        self.node_buckets = set()
+        self.recorder.grad(p, nbytes)
+        self._advance(EventKind.GRAD, p)
+        b = self.bucket_of[p]
+        slot = self._grad_slot(b)
+        off = self.param_offset[p]
+        with torch.no_grad():
+            slot[off: off + param.numel()].copy_(grad.reshape(-1))
+        param.grad = None
+        del grad
+        self.memory.add("grads", -nbytes)
+        got = self.received.setdefault(b, set())
+        got.add(p)
+        if got >= self._expected(b):
+            self._finish_grads(b)
+
+    def _expected(self, b: int) -> set[int]:
+        touched = self.recorder.touched
+        return {p for run in self.buckets[b].runs for p in run.params if p in touched}
+
+    def _grad_slot(self, b: int) -> torch.Tensor:
+        """The device slot bucket ``b``'s grads are gathered in (typed, trainable prefix only)."""
+        have = self.grad_slots.get(b)
+        if have is not None:
+            return have[0]
+        n = self.buckets[b].trainable_numel
+        k = self.plan.grad_buffer[b] if self.on_plan else None
+        if k is not None:
+            x = self.plan.buffers[k]
+            for j in x.after:
+                if j in self.done:
+                    self.backend.wait(self.done[j])
+            self.backend.wait(self.boundary)
+            view = self.arena[x.offset: x.offset + n * self.itemsize].view(self.dtype)
+        else:
+            self._make_room(n * self.itemsize)
+            view = self.backend.empty(n * self.itemsize).view(self.dtype)
+            self.memory.add("slots", n * self.itemsize)
+        self.grad_slots[b] = (view, k)
+        return view
+
+    def _finish_grads(self, b: int) -> None:
+        """All of bucket ``b``'s grads are in its slot: copy them to the host, then update on the CPU."""
+        if b in self.finished:
+            return
+        self.finished.add(b)
+        view, k = self.grad_slots.pop(b)
+        d2h = self.backend.d2h(self.host_grad[b], view, [self.backend.record()])
+        if k is not None:
+            self.done[k] = d2h
+        else:  # (tensor, event): the slot is kept until the copy has read it
+            self.freeing.append((d2h, view.numel() * self.itemsize, view))
+        self.pending.append((b, frozenset(self.received[b]), d2h))
+        if self.config.overlap_optimizer:
+            self._submit_update(b, self.received[b], d2h)
+
+    def _submit_update(self, b: int, params, d2h) -> None:
+        hparams = self.hparams
+        params = frozenset(params)
+        waits = [d2h] + [e for e in (self.h2d_event.get(b),) if e is not None]
+        self.adam_event[b] = self.cpu.submit(lambda: self._update_bucket(b, params, hparams), waits,
+                                             f"AdamW of bucket {b}")
+
+    def _update_bucket(self, b: int, params: frozenset, hparams) -> None:
+        """AdamW over bucket ``b``'s flat host buffers, one call per run of same-group, same-step params."""
+        bucket = self.buckets[b]
+        master, grad, m, v = self.master[b], self.host_grad[b], self.exp_avg[b], self.exp_avg_sq[b]
+        for run in bucket.runs:
+            lr, b1, b2, eps, wd = hparams[run.group]
+            hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+            steps = {self.steps[p] for p in run.params}
+            if params.issuperset(run.params) and len(steps) == 1:
+                s, e = run.start, run.end
+                adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], steps.pop() + 1, **hp)
+                self._count_steps(run.params)
+                continue
+            for p, off in zip(bucket.params, bucket.offsets):
+                if p in run.params and p in params:
+                    s, e = off, off + self.specs[p].numel
+                    adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], self.steps[p] + 1, **hp)
+                    self._count_steps((p,))
+
+    def _count_steps(self, params) -> None:
+        for p in params:
+            self.steps[p] += 1
+            self.step_tensor[p].fill_(float(self.steps[p]))
+
+    def _end_backward(self) -> None:
+        """Queued on the autograd engine: runs once the whole backward has finished."""
+        with torch.no_grad():
+            for b in list(self.received):
+                if b not in self.finished:
+                    self._finish_grads(b)  # some grad of it never came (an unused branch): flush
+            if self.on_plan and self.pos != len(self.plan.trace.events):
+                self._leave_plan()
+            self.recorder.activation_peak = self.memory.activation_peak
+            self.trace = self.recorder.finish()
+            self._release_all()
+            self._reclaim()
+        self.awaiting_step = bool(self.pending)
+        self.in_backward = False
+        self.pos = 0
+
+    # ---------------------------------------------------------------------------------------------------
+    # optimizer step
+
+    def wait_for_updates(self) -> None:
+        self.cpu.drain()
+
+    def step(self) -> None:
+        if self.in_backward:
+            raise OffloadError("optimizer.step() was called during backward")
+        if not self.config.overlap_optimizer:
+            for b, params, d2h in self.pending:
+                self.hparams = self.optimizer.hparams()
+                self._submit_update(b, params, d2h)
+        self.cpu.drain()
+        updated = {b for b, _, _ in self.pending}
+        self.pending = []
+        self.awaiting_step = False
+        if updated:
+            self.stats["steps"] += 1
+        with torch.no_grad():
+            if self.plan is None or self.stale:
+                if self.trace is not None and self.trace.complete:
+                    self._replan(self.trace)
+            else:
+                self._refresh_resident(updated)
+        self.stale = False
+
+    def zero_grad(self) -> None:
+        """Grads never wait on the host between steps (they are consumed by the update), so nothing to do."""
+
+    def _refresh_resident(self, buckets) -> None:
+        for b in sorted(buckets & set(self.plan.resident)):
+            k = self.plan.resident_buffer[b]
+            slot = self.slot.get(b) or _Slot(self.arena, self.plan.buffers[k].offset, k)
+            if self.state[b] is Residency.IN_FLIGHT:
+                self._wait(b)
+            self._copy_in(b, slot, [self.boundary])
+
+    def _replan(self, trace: Trace) -> None:
+        plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
+                          fixed_bytes=self.memory.parts["buffers"])
+        validate_plan(plan)
+        self.backend.synchronize()
+        self.on_plan = False
+        self._release_all()
+        for b in list(self.slot):  # resident buckets of the old plan
+            self._release(b)
+        if self.arena is not None:
+            self.memory.add("arena", -self.arena.numel())
+            self.arena = None
+        if self.plan is not None:
+            self.stats["replans"] += 1
+        self.plan = plan
+        self.arena = self.backend.empty(plan.arena_bytes)
+        self.memory.add("arena", plan.arena_bytes)
+        self.boundary = self.backend.record()
+        for b in plan.resident:
+            x = plan.buffers[plan.resident_buffer[b]]
+            self._copy_in(b, _Slot(self.arena, x.offset, plan.resident_buffer[b]), [self.boundary])
+
+    # ---------------------------------------------------------------------------------------------------
+    # the end of the traced forward: buckets and the host arena
+
+    def _finish_trace_forward(self) -> None:
+        """First forward done: pack buckets in first-use order, check the budget, build the host side."""
+        touched = list(self.recorder.touched)
+        seen = set(touched)
+        order = touched + [p for p in range(len(self.params)) if p not in seen]
+        buckets = make_buckets(self.specs, order, self.config.bucket_bytes, self.itemsize)
+        bucket_of = [0] * len(self.params)
+        for bk in buckets:
+            for p in bk.params:
+                bucket_of[p] = bk.index
+        self._check_min_budget(buckets, bucket_of)
+        layout = host_layout(buckets)
+        self._check_host_ram(layout.total_bytes)
+        host = HostArena(layout.total_bytes)
+        self.buckets, self.bucket_of, self.layout, self.host = buckets, bucket_of, layout, host
+        self.param_offset = [0] * len(self.params)
+        for bk in buckets:
+            for p, off in zip(bk.params, bk.offsets):
+                self.param_offset[p] = off
+        self.master = [host.view(layout.master[b.index], b.numel, torch.float32) for b in buckets]
+        self.host_grad = [host.view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
+        self.exp_avg = [host.view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
+        self.exp_avg_sq = [host.view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32)
+                           for b in buckets]
+        self.state = [Residency.HOST] * len(buckets)
+        with torch.no_grad():
+            for p in range(len(self.params)):
+                self.param_master(p).copy_(self.original[p].reshape(-1))
+        self.step_tensor = [torch.tensor(0.0) for _ in self.params]
+        self.original = None
+        for p, param in enumerate(self.params):
+            param.data = self.placeholders[p]
+        self._adopt_optimizer_state()
+        # Saved references from this forward point at per-parameter copies; from now on they resolve
+        # through buckets (backward fetches on demand: there is no plan until this step is recorded).
+        self.trace_storage.clear()
+
+    def _check_min_budget(self, buckets: Sequence[Bucket], bucket_of: Sequence[int]) -> None:
+        rec = self.recorder
+        nbytes = [b.nbytes(self.itemsize) for b in buckets]
+        worst = 0
+        stack: list[tuple[int, set[int]]] = []
+        for i, ev in enumerate(rec.events):
+            while stack and stack[-1][0] <= i:
+                stack.pop()
+            if ev.kind == EventKind.PRE:
+                stack.append((rec.ends[i], {bucket_of[p] for p in rec.uses[i]}))
+                live = set().union(*(s for _, s in stack))
+                worst = max(worst, sum(nbytes[b] for b in live))
+        grad_slot = max((b.grad_nbytes(self.itemsize) for b in buckets), default=0)
+        grad = max((s.numel * self.itemsize for s in self.specs if s.group is not None), default=0)
+        parts = dict(buckets=worst, grad_slot=grad_slot, activations=self.memory.activation_peak,
+                     fixed=self.memory.parts["buffers"], grad=grad)
+        if sum(parts.values()) > self.config.budget:
+            raise budget_error(self.config.budget, **parts)
+
+    def _check_host_ram(self, nbytes: int) -> None:
+        available = psutil.virtual_memory().available
+        if nbytes * HOST_RAM_HEADROOM > available:
+            raise HostMemoryError(
+                f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grads: "
+                f"16 bytes per trainable parameter, 4 per frozen one) but only {format_bytes(available)} is "
+                "available. Free host memory, freeze more parameters, or use a machine with more RAM.")
+
+    def param_master(self, p: int) -> torch.Tensor:
+        off = self.param_offset[p]
+        return self.master[self.bucket_of[p]][off: off + self.specs[p].numel]
+
+    def param_state(self, p: int, which: str) -> torch.Tensor:
+        off = self.param_offset[p]
+        flat = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[which][self.bucket_of[p]]
+        return flat[off: off + self.specs[p].numel].view(self.params[p].shape)
+
+    def _adopt_optimizer_state(self) -> None:
+        """Point ``optimizer.state`` at the host arena, taking over any state loaded before."""
+        if self.host is None:
+            return
+        with torch.no_grad():
+            for p, param in enumerate(self.params):
+                if self.specs[p].group is None:
+                    continue
+                old = self.optimizer.state.get(param, {})
+                m, v = self.param_state(p, "exp_avg"), self.param_state(p, "exp_avg_sq")
+                if "exp_avg" in old and old["exp_avg"] is not m:
+                    m.copy_(old["exp_avg"].reshape(m.shape))
+                    v.copy_(old["exp_avg_sq"].reshape(v.shape))
+                if "step" in old and old["step"] is not self.step_tensor[p]:
+                    self.steps[p] = int(float(old["step"]))
+                self.step_tensor[p].fill_(float(self.steps[p]))
+                self.optimizer.state[param] = {"step": self.step_tensor[p], "exp_avg": m, "exp_avg_sq": v}
+
+    # ---------------------------------------------------------------------------------------------------
+    # weights in and out
+
+    def read_weight(self, p: int) -> torch.Tensor:
+        """Current fp32 value of parameter ``p`` (a copy)."""
+        if self.original is not None:
+            return self.original[p].detach().to(torch.float32, copy=True)
+        return self.param_master(p).view(self.params[p].shape).clone()
+
+    def write_weight(self, p: int, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            if self.original is not None:
+                self.original[p].copy_(value)
+            else:
+                self.param_master(p).copy_(value.reshape(-1))
+
+    def after_weights_written(self) -> None:
+        """Masters changed behind the plan's back: refresh whatever is on the device."""
+        if self.host is None:
+            return
+        with torch.no_grad():
+            self.backend.synchronize()
+            for b in list(self.slot):
+                self._release(b)
+            if self.plan is not None:
+                for b in self.plan.resident:
+                    x = self.plan.buffers[self.plan.resident_buffer[b]]
+                    self._copy_in(b, _Slot(self.arena, x.offset, self.plan.resident_buffer[b]), [self.boundary])
+
+    def close(self) -> None:
+        """Give every parameter its trained fp32 value back as an ordinary tensor, and stop the threads."""
+        self.remove_hooks()
+        try:
+            self.cpu.drain()
+            self.backend.synchronize()
+        finally:
+            if self.host is not None:
+                for p, param in enumerate(self.params):
+                    param.data = self.read_weight(p).to(param.dtype if param.is_floating_point() else torch.float32)
+            elif self.original is not None:
+                for p, param in enumerate(self.params):
+                    param.data = self.original[p]
+            self.cpu.close()
+            self.backend.close()
+            self.slot.clear()
+            self.arena = None
+            self.host = None
+            self.master = self.host_grad = self.exp_avg = self.exp_avg_sq = []

@@ -1,0 +1,118 @@
+"""What one training step did, recorded as it ran: the events the plan is keyed on.
+
+Forward events are module calls (PRE/POST, keyed by module index); the parameters a call needs are the
+ones touched by tensor ops while it was the innermost active call (so tied weights, a parent reading a
+child's weight, and functional uses are all seen). Backward events are autograd nodes that read saved
+parameters (UNPACK, one event per node, keyed by the first parameter it reads) and gradient
+accumulations (GRAD, keyed by parameter). Recording is cheap (list appends), so every step is recorded
+and a step that departs from the plan can be planned again from its own record.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+
+class EventKind(enum.IntEnum):
+    PRE = 0
+    """A module's forward begins. Key: module index."""
+    POST = 1
+    """A module's forward ended. Key: module index."""
+    UNPACK = 2
+    """A backward node reads saved parameter tensors. Key: the first parameter it reads."""
+    GRAD = 3
+    """A parameter's gradient is final for this backward. Key: parameter id."""
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: EventKind
+    key: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    events: tuple[Event, ...]
+    num_forward: int  # events[:num_forward] happened in forward
+    uses: tuple[tuple[int, ...], ...]  # per event: parameters it needs on the device
+    ends: tuple[int, ...]  # per event: index of the event at which those needs end (exclusive)
+    touched: tuple[int, ...]  # parameters touched in forward, in first-touch order
+    activation_peak_bytes: int  # peak bytes of saved activations (parameters excluded)
+    max_grad_bytes: int  # largest gradient autograd materialises before the engine takes it
+    seconds: tuple[float, ...]  # wall time from each event to the next
+
+    @property
+    def complete(self) -> bool:
+        """Forward and backward were both seen."""
+        return 0 < self.num_forward < len(self.events)
+
+
+class Recorder:
+    """Builds a :class:`Trace` from the hooks of one step."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.uses: list[list[int]] = []
+        self.ends: list[int] = []
+        self.times: list[float] = []
+        self.stack: list[int] = []  # event indices of the active PRE events
+        self.touched: dict[int, None] = {}  # insertion-ordered set
+        self.num_forward = 0
+        self.last_node: object | None = None
+        self.activation_peak = 0
+        self.max_grad = 0
+
+    def _add(self, kind: EventKind, key: int) -> int:
+        self.events.append(Event(kind, key))
+        self.uses.append([])
+        self.ends.append(len(self.events))
+        self.times.append(time.perf_counter())
+        return len(self.events) - 1
+
+    def pre(self, module: int) -> None:
+        self.stack.append(self._add(EventKind.PRE, module))
+
+    def post(self, module: int) -> None:
+        i = self._add(EventKind.POST, module)
+        if self.stack:
+            self.ends[self.stack.pop()] = i
+        if not self.stack:
+            self.num_forward = len(self.events)
+
+    def touch(self, param: int) -> None:
+        self.touched.setdefault(param)
+        if self.stack:
+            uses = self.uses[self.stack[-1]]
+            if not uses or uses[-1] != param:
+                uses.append(param)
+
+    def unpack(self, param: int, node: object) -> bool:
+        """Record a saved parameter read by ``node``; True when it starts a new event."""
+        if node is not None and node is self.last_node and self.events[-1].kind == EventKind.UNPACK:
+            if param not in self.uses[-1]:
+                self.uses[-1].append(param)
+            return False
+        self.last_node = node
+        self.uses[self._add(EventKind.UNPACK, param)].append(param)
+        return True
+
+    def grad(self, param: int, nbytes: int) -> None:
+        self.last_node = None
+        self._add(EventKind.GRAD, param)
+        self.max_grad = max(self.max_grad, nbytes)
+
+    def finish(self) -> Trace:
+        now = time.perf_counter()
+        seconds = tuple(b - a for a, b in zip(self.times, self.times[1:] + [now]))
+        return Trace(
+            events=tuple(self.events),
+            num_forward=self.num_forward,
+            uses=tuple(tuple(dict.fromkeys(u)) for u in self.uses),
+            ends=tuple(self.ends),
+            touched=tuple(self.touched),
+            activation_peak_bytes=self.activation_peak,
+            max_grad_bytes=self.max_grad,
+            seconds=seconds,
+        )
