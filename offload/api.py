@@ -15,7 +15,15 @@ from .runtime import Runtime
 
 # The one piece of process-wide state: which modules are wrapped right now, so that wrapping one twice
 # (or a module that shares parameters with a wrapped one) fails loudly instead of corrupting both.
-_WRAPPED: "weakref.WeakKeyDictionary[nn.Parameter, weakref.ref]" = weakref.WeakKeyDictionary()
+# Keyed by id (tensors compare elementwise, so they cannot be dict keys), checked by weak reference.
+_WRAPPED: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _wrapped_by(p: nn.Parameter) -> "Engine | None":
+    entry = _WRAPPED.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
 
 
 def wrap(model: nn.Module, optimizer: AdamW, config: OffloadConfig | None = None, **fields: Any) -> "Engine":
@@ -53,7 +61,7 @@ class Engine:
         self._runtime.memory.add("buffers", buffer_bytes)
         optimizer._bind(self)
         for p in params:
-            _WRAPPED[p] = weakref.ref(self)
+            _WRAPPED[id(p)] = (weakref.ref(p), weakref.ref(self))
         self._closed = False
 
     # -- training -------------------------------------------------------------------------------------
@@ -157,7 +165,8 @@ class Engine:
             self.optimizer._unbind()
             self.optimizer.state.clear()
             for p in self._runtime.params:
-                _WRAPPED.pop(p, None)
+                if _wrapped_by(p) is self:
+                    del _WRAPPED[id(p)]
 
     def __enter__(self) -> "Engine":
         return self
@@ -185,7 +194,7 @@ def _validate(model: nn.Module, optimizer: AdamW) -> tuple[list[nn.Parameter], l
     if not params:
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to offload")
     for p in params:
-        if p in _WRAPPED and _WRAPPED[p]() is not None:
+        if _wrapped_by(p) is not None:
             raise RuntimeError("this model (or one sharing parameters with it) is already wrapped by an offload "
                                "engine; call engine.close() on that engine first")
         if p.device.type != "cpu":

@@ -281,7 +281,7 @@ class Runtime:
         self.users: list[dict] = []  # per active module call: what it touched (param or bucket ids)
         self.active: dict[int, int] = {}  # param (tracing) or bucket -> number of active calls using it
         self.pos = 0  # next plan event
-        self.on_plan = self.plan is not None
+        self.on_plan = self.plan is not None and self.arena is not None
         self.in_backward = False
         self.node_buckets: set[int] = set()  # buckets the current backward node reads
         self.received: dict[int, set[int]] = {}  # bucket -> params whose grads arrived this backward
@@ -294,6 +294,8 @@ class Runtime:
         if self.in_backward or self.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
             self._release_all()
+        if self.plan is not None and self.arena is None:
+            self._activate(self.plan)  # after a departure from it
         self._reset_step()
         self.boundary = self.backend.record()
         self.grad_enabled = torch.is_grad_enabled()
@@ -348,13 +350,41 @@ class Runtime:
             self._wait(b)
 
     def _leave_plan(self) -> None:
-        """The step departs from the plan: finish it on demand and plan again at ``step()``."""
+        """The step departs from the plan: finish it on demand, within the budget, and plan again at
+        ``step()``. The arena goes (its layout only fits the plan); grads gathered in it move out first."""
         self.on_plan = False
         self.stats["plan_departures"] += 1
         if self.grad_enabled:
             self.stale = True
         with torch.no_grad():
             self.backend.synchronize()
+            for b, (view, k) in list(self.grad_slots.items()):
+                if k is not None:
+                    moved = self.backend.empty(view.numel() * self.itemsize).view(self.dtype)
+                    self.memory.add("slots", moved.numel() * self.itemsize)
+                    moved.copy_(view)
+                    self.grad_slots[b] = (moved, None)
+            self._deactivate()
+
+    def _activate(self, plan: Plan) -> None:
+        """Make ``plan`` the one executed: allocate its arena and bring in its resident buckets."""
+        self.plan = plan
+        self.arena = self.backend.empty(plan.arena_bytes)
+        self.memory.add("arena", plan.arena_bytes)
+        self.boundary = self.backend.record()
+        for b in plan.resident:
+            k = plan.resident_buffer[b]
+            self._copy_in(b, _Slot(self.arena, plan.buffers[k].offset, k), [self.boundary])
+
+    def _deactivate(self) -> None:
+        """Release every bucket and free the arena (the plan is kept)."""
+        self.backend.synchronize()
+        for b in list(self.slot):
+            self._release(b)
+        self.boundary = self.backend.record()
+        if self.arena is not None:
+            self.memory.add("arena", -self.arena.numel())
+            self.arena = None
 
     # ---------------------------------------------------------------------------------------------------
     # residency
@@ -759,23 +789,11 @@ class Runtime:
         plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
                           fixed_bytes=self.memory.parts["buffers"])
         validate_plan(plan)
-        self.backend.synchronize()
         self.on_plan = False
-        self._release_all()
-        for b in list(self.slot):  # resident buckets of the old plan
-            self._release(b)
-        if self.arena is not None:
-            self.memory.add("arena", -self.arena.numel())
-            self.arena = None
+        self._deactivate()
         if self.plan is not None:
             self.stats["replans"] += 1
-        self.plan = plan
-        self.arena = self.backend.empty(plan.arena_bytes)
-        self.memory.add("arena", plan.arena_bytes)
-        self.boundary = self.backend.record()
-        for b in plan.resident:
-            x = plan.buffers[plan.resident_buffer[b]]
-            self._copy_in(b, _Slot(self.arena, x.offset, plan.resident_buffer[b]), [self.boundary])
+        self._activate(plan)
 
     # ---------------------------------------------------------------------------------------------------
     # the end of the traced forward: buckets and the host arena
@@ -892,13 +910,9 @@ class Runtime:
         if self.host is None:
             return
         with torch.no_grad():
-            self.backend.synchronize()
-            for b in list(self.slot):
-                self._release(b)
+            self._deactivate()
             if self.plan is not None:
-                for b in self.plan.resident:
-                    x = self.plan.buffers[self.plan.resident_buffer[b]]
-                    self._copy_in(b, _Slot(self.arena, x.offset, self.plan.resident_buffer[b]), [self.boundary])
+                self._activate(self.plan)
 
     def close(self) -> None:
         """Give every parameter its trained fp32 value back as an ordinary tensor, and stop the threads."""

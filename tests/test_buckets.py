@@ -1,0 +1,77 @@
+"""Bucketing and host layout (pure functions)."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from offload.buckets import HOST_ALIGN, ParamSpec, host_layout, make_buckets
+
+specs_st = st.lists(st.tuples(st.integers(1, 5000), st.sampled_from([None, 0, 1, 2])), min_size=1, max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(specs_st, st.integers(4, 40000), st.randoms(use_true_random=False))
+def test_every_param_once_never_straddles_first_use_order(raw, bucket_bytes, rnd):
+    specs = [ParamSpec(n, g) for n, g in raw]
+    order = list(range(len(specs)))
+    rnd.shuffle(order)
+    buckets = make_buckets(specs, order, bucket_bytes, itemsize=4)
+    seen = [p for b in buckets for p in b.params]
+    assert sorted(seen) == list(range(len(specs)))  # each parameter exactly once
+    for b in buckets:
+        # contiguous, non-overlapping, in-bounds offsets
+        spans = sorted(zip(b.offsets, b.params))
+        pos = 0
+        for off, p in spans:
+            assert off == pos
+            pos += specs[p].numel
+        assert pos == b.numel
+        # over-size buckets only for a single oversize parameter
+        assert b.nbytes(4) <= bucket_bytes or len(b.params) == 1
+        # trainable prefix, grouped into runs; frozen after
+        groups = [specs[p].group for p in b.params]
+        n_train = sum(g is not None for g in groups)
+        assert all(g is not None for g in groups[:n_train]) and all(g is None for g in groups[n_train:])
+        assert b.trainable_numel == sum(specs[p].numel for p in b.params[:n_train])
+        run_params = [p for r in b.runs for p in r.params]
+        assert run_params == list(b.params[:n_train])
+        for r in b.runs:
+            assert {specs[p].group for p in r.params} == {r.group}
+            assert r.end - r.start == sum(specs[p].numel for p in r.params)
+    # buckets follow first-use order: a bucket's members come from one contiguous stretch of ``order``
+    where = {p: i for i, p in enumerate(order)}
+    spans = [(min(where[p] for p in b.params), max(where[p] for p in b.params)) for b in buckets]
+    for (_, hi), (lo, _) in zip(spans, spans[1:]):
+        assert hi < lo
+
+
+def test_greedy_packing_example():
+    specs = [ParamSpec(10, 0), ParamSpec(10, None), ParamSpec(25, 0), ParamSpec(5, 1)]
+    buckets = make_buckets(specs, [0, 1, 2, 3], bucket_bytes=80, itemsize=4)  # 20 elements per bucket
+    assert [b.params for b in buckets] == [(0, 1), (2,), (3,)]
+    assert buckets[0].trainable_numel == 10 and buckets[0].offsets == (0, 10)
+
+
+def test_bad_order_rejected():
+    with pytest.raises(ValueError, match="permutation"):
+        make_buckets([ParamSpec(1, 0)] * 2, [0, 0], 16, 4)
+
+
+@given(specs_st, st.integers(4, 40000))
+def test_host_layout_disjoint_and_aligned(raw, bucket_bytes):
+    specs = [ParamSpec(n, g) for n, g in raw]
+    buckets = make_buckets(specs, list(range(len(specs))), bucket_bytes, 4)
+    lay = host_layout(buckets)
+    regions = []
+    for b in buckets:
+        regions.append((lay.master[b.index], b.numel * 4))
+        for f in (lay.grad, lay.exp_avg, lay.exp_avg_sq):
+            regions.append((f[b.index], b.trainable_numel * 4))
+    for off, _ in regions:
+        assert off % HOST_ALIGN == 0
+    spans = sorted((o, o + n) for o, n in regions if n)
+    for (_, e), (s, _) in zip(spans, spans[1:]):
+        assert e <= s
+    assert all(e <= lay.total_bytes for _, e in spans)
+    # exactly 16 bytes per trainable and 4 per frozen element, plus alignment padding only
+    exact = sum(b.numel * 4 + 3 * b.trainable_numel * 4 for b in buckets)
+    assert exact <= lay.total_bytes <= exact + len(regions) * HOST_ALIGN

@@ -1,0 +1,59 @@
+"""Configuration parsing and validation."""
+
+import math
+
+import pytest
+import torch
+
+import offload
+from offload import OffloadConfig, parse_bytes
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("64MiB", 64 * 2**20), ("8GiB", 8 * 2**30), ("1.5GB", 1_500_000_000), ("512KiB", 512 * 1024),
+    ("1048576", 1048576), (" 2 gib ", 2 * 2**30), ("3M", 3 * 2**20), (4096, 4096), ("1e3", 1000),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12 parsecs", "", "GiB", "-1GiB", "1.2.3MiB", "0", 0, -5, math.nan, math.inf, 1.5])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError) as e:
+        parse_bytes(bad, "budget")
+    assert "budget" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [True, None, [1], torch.tensor(3)])
+def test_parse_bytes_rejects_types(bad):
+    with pytest.raises(TypeError):
+        parse_bytes(bad)
+
+
+def test_config_normalises_and_is_frozen():
+    c = OffloadConfig(budget="1MiB", device="cpu", bucket_bytes="64KiB")
+    assert c.budget == 2**20 and c.bucket_bytes == 2**16 and c.device == torch.device("cpu")
+    with pytest.raises(Exception):
+        c.budget = 3  # frozen
+
+
+def test_config_rejects_unsupported():
+    with pytest.raises(NotImplementedError, match="float32"):
+        OffloadConfig(budget="1GiB", dtype=torch.float16)
+    with pytest.raises(TypeError):
+        OffloadConfig(budget="1GiB", dtype="float32")
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        OffloadConfig(budget="1GiB", device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="is_available"):
+            OffloadConfig(budget="1GiB", device="cuda")
+
+
+def test_default_device():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert OffloadConfig(budget=1024).device.type == expected
+
+
+def test_format_bytes():
+    assert offload.format_bytes(1536) == "1.50 KiB"
+    assert offload.format_bytes(12) == "12 B"
