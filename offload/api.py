@@ -200,8 +200,9 @@ def _validate(model: nn.Module, optimizer: AdamW) -> tuple[list[nn.Parameter], l
         if p.device.type != "cpu":
             raise ValueError(f"parameters must be on the CPU when wrapping (found one on {p.device}); the engine "
                              "places them itself. Build or load the model on the CPU, then wrap it")
-        if not p.is_floating_point():
-            raise TypeError(f"all parameters must be floating point; found {p.dtype}")
+        if p.dtype != torch.float32:
+            raise TypeError(f"parameters must be torch.float32 (the engine keeps fp32 masters and computes in "
+                            f"the configured dtype); found {p.dtype}. Convert the model with model.float() first")
     if optimizer._engine is not None:
         raise RuntimeError("this offload.AdamW is already bound to an engine; make one optimizer per engine")
     group_of: dict[int, int] = {}
