@@ -1,0 +1,123 @@
+// The only translation unit that includes pybind11: exposes the C++ core as `offload._C`.
+// Error mapping: std::invalid_argument -> ValueError, ArenaOutOfMemory -> MemoryError.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "arena_planner.h"
+#include "pinned_arena.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// Python ints are signed: take int64 and reject negatives with a ValueError that names the
+// argument, instead of pybind11's generic TypeError for a failed size_t conversion.
+std::size_t non_negative(std::int64_t value, const char* name) {
+  if (value < 0) throw std::invalid_argument(std::string(name) + " must be >= 0, got " + std::to_string(value));
+  return static_cast<std::size_t>(value);
+}
+
+py::dict stats_dict(const offload::ArenaStats& s) {
+  py::dict d;
+  d["size_bytes"] = s.size_bytes;
+  d["reserved_bytes"] = s.reserved_bytes;
+  d["in_use_bytes"] = s.in_use_bytes;
+  d["largest_free_bytes"] = s.largest_free_bytes;
+  d["num_allocations"] = s.num_allocations;
+  d["num_free_gaps"] = s.num_free_gaps;
+  d["num_os_allocations"] = s.num_os_allocations;
+  return d;
+}
+
+using Sizes = std::vector<std::int64_t>;
+
+std::pair<Sizes, std::int64_t> plan_arena(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
+                                          std::int64_t alignment) {
+  offload::ArenaPlan plan = offload::plan_arena({sizes, starts, ends}, alignment);
+  return {std::move(plan.offsets), plan.total_bytes};
+}
+
+std::int64_t arena_lower_bound(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
+                               std::int64_t alignment) {
+  return offload::arena_lower_bound({sizes, starts, ends}, alignment);
+}
+
+void bind_pinned_arena(py::module_& m) {
+  using offload::PinnedArena;
+  py::class_<PinnedArena>(m, "PinnedArena", py::buffer_protocol(),
+                          "Exact-size, 2 MiB-aligned, first-touched host region with a best-fit sub-allocator.")
+      // The GIL is released while the region is mapped and touched: that can take seconds for
+      // tens of GiB, and other Python threads should keep running meanwhile.
+      .def(py::init([](std::int64_t size_bytes, unsigned touch_threads) {
+             const std::size_t size = non_negative(size_bytes, "size_bytes");
+             py::gil_scoped_release release;
+             return std::make_unique<PinnedArena>(size, touch_threads);
+           }),
+           py::arg("size_bytes"), py::arg("touch_threads") = 0)
+      .def_property_readonly("size_bytes", &PinnedArena::size_bytes)
+      .def_property_readonly("reserved_bytes", &PinnedArena::reserved_bytes)
+      .def_property_readonly("data_ptr",
+                             [](const PinnedArena& a) { return reinterpret_cast<std::uintptr_t>(a.data()); })
+      .def(
+          "reserve",
+          [](PinnedArena& a, std::int64_t offset, std::int64_t size) {
+            a.reserve(non_negative(offset, "offset"), non_negative(size, "size"));
+          },
+          py::arg("offset"), py::arg("size"))
+      .def(
+          "allocate",
+          [](PinnedArena& a, std::int64_t size, std::int64_t alignment) {
+            return a.allocate(non_negative(size, "size"), non_negative(alignment, "alignment"));
+          },
+          py::arg("size"), py::arg("alignment") = 64)
+      .def(
+          "release", [](PinnedArena& a, std::int64_t offset) { a.release(non_negative(offset, "offset")); },
+          py::arg("offset"))
+      .def("stats", [](const PinnedArena& a) { return stats_dict(a.stats()); })
+      .def("__repr__",
+           [](const PinnedArena& a) {
+             const offload::ArenaStats s = a.stats();
+             return "PinnedArena(size_bytes=" + std::to_string(s.size_bytes) +
+                    ", in_use_bytes=" + std::to_string(s.in_use_bytes) +
+                    ", num_allocations=" + std::to_string(s.num_allocations) + ")";
+           })
+      // 1-D writable uint8 buffer over [0, size_bytes): torch.frombuffer(arena, dtype=torch.uint8)
+      // shares the memory and holds a reference to the arena, keeping the mapping alive.
+      .def_buffer([](PinnedArena& a) {
+        return py::buffer_info(a.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(a.size_bytes())}, {py::ssize_t{1}},
+                               /*readonly=*/false);
+      });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "offload C++ core: pinned host arena and offline arena planner (no torch, no CUDA).";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const offload::ArenaOutOfMemory& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  bind_pinned_arena(m);
+
+  m.def("plan_arena", &plan_arena, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
+        py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
+        "Greedy-by-size best-fit offsets. Returns (offsets in input order, total bytes).");
+  m.def("arena_lower_bound", &arena_lower_bound, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
+        py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
+        "Max over time of the sum of live aligned sizes.");
+}

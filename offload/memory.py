@@ -1,0 +1,146 @@
+"""The Python face of the C++ memory core (``offload._C``).
+
+Two things live here:
+
+* ``plan_arena``: offline byte offsets for the device buffers a plan creates, so the device side
+  is one ``torch.empty`` that never fragments. Pure: data in, frozen dataclass out, no
+  ``torch.cuda``.
+* ``HostArena``: one exact-size host region (mmap'd, 2 MiB-aligned, first-touched) with typed
+  tensor views. Pinning it (``cudaHostRegister``) is the CUDA backend's job, not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from offload import _C
+
+__all__ = ["ArenaLayout", "HostArena", "Interval", "plan_arena"]
+
+
+def _require_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _require_power_of_two(name: str, value: int) -> None:
+    _require_int(name, value)
+    if value <= 0 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One device buffer the plan needs for a span of events."""
+
+    size: int  # bytes (> 0)
+    start: int  # first event index at which it is live
+    end: int  # first event index at which it is no longer live (end > start)
+
+    def __post_init__(self) -> None:
+        for name in ("size", "start", "end"):
+            _require_int(f"Interval.{name}", getattr(self, name))
+        if self.size <= 0:
+            raise ValueError(f"Interval.size must be positive, got {self.size}")
+        if self.end <= self.start:
+            raise ValueError(
+                f"Interval.end ({self.end}) must be greater than start ({self.start}): "
+                "intervals are half-open [start, end)"
+            )
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Where each interval's buffer lives in one arena."""
+
+    offsets: tuple[int, ...]  # byte offset of each interval's buffer, input order
+    total_bytes: int  # arena size
+    lower_bound_bytes: int  # max over time of live bytes: no layout can be smaller
+
+
+def plan_arena(intervals: Sequence[Interval], alignment: int = 256) -> ArenaLayout:
+    """Offsets for ``intervals`` by greedy-by-size best fit (see ``cpp/arena_planner.h``).
+
+    Every offset is a multiple of ``alignment`` (a power of two) and sizes are rounded up to it;
+    two buffers live at the same event never overlap in memory.
+    """
+    _require_power_of_two("alignment", alignment)
+    for i, interval in enumerate(intervals):
+        if not isinstance(interval, Interval):
+            raise TypeError(f"intervals[{i}] must be an Interval, got {type(interval).__name__}")
+    sizes = [iv.size for iv in intervals]
+    starts = [iv.start for iv in intervals]
+    ends = [iv.end for iv in intervals]
+    offsets, total = _C.plan_arena(sizes, starts, ends, alignment)
+    lower_bound = _C.arena_lower_bound(sizes, starts, ends, alignment)
+    return ArenaLayout(offsets=tuple(offsets), total_bytes=total, lower_bound_bytes=lower_bound)
+
+
+class HostArena:
+    """Exact-size host region (C++ PinnedArena) with typed tensor views."""
+
+    def __init__(self, size_bytes: int, touch_threads: int = 0) -> None:
+        _require_int("size_bytes", size_bytes)
+        _require_int("touch_threads", touch_threads)
+        if size_bytes < 0 or touch_threads < 0:
+            raise ValueError(
+                f"size_bytes and touch_threads must be >= 0, got {size_bytes} and {touch_threads}"
+            )
+        self._arena = _C.PinnedArena(size_bytes, touch_threads)
+        # Made once. frombuffer holds a reference to the C++ arena, so views outlive this object
+        # safely; it rejects empty buffers, hence the special case.
+        if size_bytes == 0:
+            self.tensor = torch.empty(0, dtype=torch.uint8)
+        else:
+            self.tensor = torch.frombuffer(self._arena, dtype=torch.uint8)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._arena.size_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes mapped: ``size_bytes`` rounded up to 2 MiB."""
+        return self._arena.reserved_bytes
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of byte 0 (2 MiB-aligned; 0 for an empty arena), e.g. for cudaHostRegister."""
+        return self._arena.data_ptr
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D ``dtype`` tensor of ``numel`` elements starting at byte ``offset``."""
+        _require_int("offset", offset)
+        _require_int("numel", numel)
+        itemsize = dtype.itemsize
+        if offset < 0 or numel < 0:
+            raise ValueError(f"offset and numel must be >= 0, got {offset} and {numel}")
+        if offset % itemsize:
+            raise ValueError(f"offset {offset} is not aligned to {dtype} (itemsize {itemsize})")
+        end = offset + numel * itemsize
+        if end > self.size_bytes:
+            raise ValueError(
+                f"view [{offset}, {end}) is past the end of the arena ({self.size_bytes} bytes)"
+            )
+        return self.tensor[offset:end].view(dtype)
+
+    def reserve(self, offset: int, size: int) -> None:
+        """Claim ``[offset, offset + size)`` (for example a planned offset)."""
+        self._arena.reserve(offset, size)
+
+    def allocate(self, size: int, alignment: int = 64) -> int:
+        """Best-fit allocation; returns the offset. ``MemoryError`` if no free gap fits."""
+        return self._arena.allocate(size, alignment)
+
+    def release(self, offset: int) -> None:
+        """Free a ``reserve``d or ``allocate``d range and merge it with its free neighbours."""
+        self._arena.release(offset)
+
+    def stats(self) -> dict[str, int]:
+        return self._arena.stats()
+
+    def __repr__(self) -> str:
+        return f"HostArena({self._arena!r})"
