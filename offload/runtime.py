@@ -812,6 +812,11 @@ class Runtime:
         layout = host_layout(buckets)
         self._check_host_ram(layout.total_bytes)
         host = HostArena(layout.total_bytes)
+        for bk in buckets:  # claim each region, so the arena's own stats account for every byte
+            host.reserve(layout.master[bk.index], bk.numel * 4)
+            if bk.trainable_numel:
+                for region in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
+                    host.reserve(region[bk.index], bk.trainable_numel * 4)
         self.buckets, self.bucket_of, self.layout, self.host = buckets, bucket_of, layout, host
         self.param_offset = [0] * len(self.params)
         for bk in buckets:
