@@ -106,7 +106,7 @@ class Engine:
             "device_current_bytes": rt.memory.current,
             "device_parts": dict(rt.memory.parts),
             "arena_bytes": plan.arena_bytes if plan is not None else 0,
-            "host_pinned_bytes": rt.host.size_bytes if rt.host is not None else 0,
+            "host_pinned_bytes": rt.host.nbytes if rt.host is not None else 0,
             "plan": summary,
             "counters": dict(rt.stats),
         }

@@ -29,22 +29,20 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-import psutil
 import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
+from .accounting import DeviceMemory, SavedActivation
 from .backend import DONE, Lane
-from .buckets import Bucket, HostLayout, ParamSpec, host_layout, make_buckets
-from .config import OffloadConfig, format_bytes
-from .errors import HostMemoryError, OffloadError
-from .memory import HostArena
-from .optim import AdamW, adamw_
-from .schedule import BufferKind, Plan, budget_error, build_plan, validate_plan
+from .buckets import Bucket, ParamSpec, make_buckets
+from .config import OffloadConfig
+from .errors import OffloadError
+from .host import HostState
+from .optim import AdamW
+from .schedule import Plan, budget_error, build_plan, forward_min_budget, validate_plan
 from .trace import EventKind, Recorder, Trace
-
-HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when sizing the host arena
 
 
 class Residency(enum.Enum):
@@ -79,60 +77,6 @@ class _ParamRef:
 
     def __init__(self, param, byte_offset, size, stride, dtype):
         self.param, self.byte_offset, self.size, self.stride, self.dtype = param, byte_offset, size, stride, dtype
-
-
-class _Saved:
-    """A saved activation; counts its storage's bytes as device memory until autograd drops it."""
-
-    __slots__ = ("tensor", "key", "memory", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, memory: "DeviceMemory"):
-        self.tensor = tensor
-        self.memory = memory
-        storage = tensor.untyped_storage()
-        self.key = storage.data_ptr()
-        memory.hold(self.key, storage.nbytes())
-
-    def __del__(self):
-        self.memory.drop(self.key)
-
-
-class DeviceMemory:
-    """Device bytes the engine is responsible for, by part, with the peak of their sum.
-
-    On the CPU backend this is the device memory (there is no allocator to ask); it counts the arena,
-    on-demand slots, module buffers, saved activations and gradients in flight.
-    """
-
-    def __init__(self) -> None:
-        self.parts: dict[str, int] = {"arena": 0, "slots": 0, "buffers": 0, "activations": 0, "grads": 0}
-        self.current = 0
-        self.peak = 0
-        self.activation_peak = 0  # of the current step
-        self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
-
-    def add(self, part: str, n: int) -> None:
-        self.parts[part] += n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-
-    def hold(self, key: int, nbytes: int) -> None:
-        entry = self._held.get(key)
-        if entry is None:
-            self._held[key] = [1, nbytes]
-            self.add("activations", nbytes)
-            self.activation_peak = max(self.activation_peak, self.parts["activations"])
-        else:
-            entry[0] += 1
-
-    def drop(self, key: int) -> None:
-        entry = self._held.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self._held[key]
-            self.add("activations", -entry[1])
 
 
 class _UseDetector(TorchFunctionMode):
@@ -202,15 +146,12 @@ class Runtime:
 
         self.buckets: tuple[Bucket, ...] = ()
         self.bucket_of: list[int] = []
-        self.layout: HostLayout | None = None
-        self.host: HostArena | None = None
         self.plan: Plan | None = None
         self.arena: torch.Tensor | None = None
 
         self.state: list[Residency] = []  # per bucket
         self.slot: dict[int, _Slot] = {}  # bucket -> where it is on the device (not HOST)
         self.slot_index: dict[int, tuple[list[int], list[int]]] = {}  # storage ptr -> (offsets, buckets)
-        self.param_offset: list[int] = []  # element offset of each parameter in its bucket
         self.h2d_event: dict[int, object] = {}  # bucket -> its latest host-to-device copy
         self.adam_event: dict[int, object] = {}  # bucket -> its latest AdamW (host master is written)
         self.lru: OrderedDict[int, None] = OrderedDict()  # buckets fetched on demand, oldest first
@@ -222,9 +163,7 @@ class Runtime:
         self.trace: Trace | None = None
         self.boundary = DONE  # compute event at the end of the previous forward/backward
         self.grad_enabled = True
-        self.master = self.host_grad = self.exp_avg = self.exp_avg_sq = []
-        self.step_tensor: list[torch.Tensor] = []
-        self.steps = [0] * len(self.params)  # AdamW step count per parameter
+        self.host: HostState | None = None
         self.stats = {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
                       "over_budget_fetches": 0, "steps": 0}
         self._module_index = {}
@@ -414,7 +353,7 @@ class Runtime:
         fresh = b not in self.slot
         self._set_state(b, Residency.IN_FLIGHT)
         self.slot[b] = slot
-        self.h2d_event[b] = self.backend.h2d(dst, self.master[b], waits)
+        self.h2d_event[b] = self.backend.h2d(dst, self.host.master[b], waits)
         if fresh:
             self._bind_params(b, slot)
             self._index_slot(b, slot)
@@ -579,7 +518,7 @@ class Runtime:
         ref = self._locate(t)
         if ref is not None:
             return ref
-        return _Saved(t, self.memory)
+        return SavedActivation(t, self.memory)
 
     def _locate(self, t: torch.Tensor) -> _ParamRef | None:
         if t.device != self.backend.device or t.layout != torch.strided:
@@ -606,7 +545,7 @@ class Runtime:
         return _ParamRef(p, rel - bucket.offsets[j] * self.itemsize, tuple(t.shape), t.stride(), t.dtype)
 
     def _unpack(self, saved):
-        if isinstance(saved, _Saved):
+        if isinstance(saved, SavedActivation):
             return saved.tensor
         p = saved.param
         b = self.bucket_of[p]
@@ -617,7 +556,7 @@ class Runtime:
         self.node_buckets.add(b)
         self._wait(b)
         slot = self.slot[b]
-        start = slot.offset + self.param_offset[p] * self.itemsize + saved.byte_offset
+        start = slot.offset + self.host.offset[p] * self.itemsize + saved.byte_offset
         typed = slot.storage.view(saved.dtype)
         itemsize = typed.element_size()
         return typed.as_strided(saved.size, saved.stride, start // itemsize)
@@ -649,7 +588,7 @@ class Runtime:
         self._advance(EventKind.GRAD, p)
         b = self.bucket_of[p]
         slot = self._grad_slot(b)
-        off = self.param_offset[p]
+        off = self.host.offset[p]
         with torch.no_grad():
             slot[off: off + param.numel()].copy_(grad.reshape(-1))
         param.grad = None
@@ -691,7 +630,7 @@ class Runtime:
             return
         self.finished.add(b)
         view, k = self.grad_slots.pop(b)
-        d2h = self.backend.d2h(self.host_grad[b], view, [self.backend.record()])
+        d2h = self.backend.d2h(self.host.grad[b], view, [self.backend.record()])
         if k is not None:
             self.done[k] = d2h
         else:  # (tensor, event): the slot is kept until the copy has read it
@@ -704,32 +643,8 @@ class Runtime:
         hparams = self.hparams
         params = frozenset(params)
         waits = [d2h] + [e for e in (self.h2d_event.get(b),) if e is not None]
-        self.adam_event[b] = self.cpu.submit(lambda: self._update_bucket(b, params, hparams), waits,
+        self.adam_event[b] = self.cpu.submit(lambda: self.host.update(b, params, hparams), waits,
                                              f"AdamW of bucket {b}")
-
-    def _update_bucket(self, b: int, params: frozenset, hparams) -> None:
-        """AdamW over bucket ``b``'s flat host buffers, one call per run of same-group, same-step params."""
-        bucket = self.buckets[b]
-        master, grad, m, v = self.master[b], self.host_grad[b], self.exp_avg[b], self.exp_avg_sq[b]
-        for run in bucket.runs:
-            lr, b1, b2, eps, wd = hparams[run.group]
-            hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
-            steps = {self.steps[p] for p in run.params}
-            if params.issuperset(run.params) and len(steps) == 1:
-                s, e = run.start, run.end
-                adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], steps.pop() + 1, **hp)
-                self._count_steps(run.params)
-                continue
-            for p, off in zip(bucket.params, bucket.offsets):
-                if p in run.params and p in params:
-                    s, e = off, off + self.specs[p].numel
-                    adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], self.steps[p] + 1, **hp)
-                    self._count_steps((p,))
-
-    def _count_steps(self, params) -> None:
-        for p in params:
-            self.steps[p] += 1
-            self.step_tensor[p].fill_(float(self.steps[p]))
 
     def _end_backward(self) -> None:
         """Queued on the autograd engine: runs once the whole backward has finished."""
@@ -804,34 +719,17 @@ class Runtime:
         seen = set(touched)
         order = touched + [p for p in range(len(self.params)) if p not in seen]
         buckets = make_buckets(self.specs, order, self.config.bucket_bytes, self.itemsize)
-        bucket_of = [0] * len(self.params)
-        for bk in buckets:
-            for p in bk.params:
-                bucket_of[p] = bk.index
-        self._check_min_budget(buckets, bucket_of)
-        layout = host_layout(buckets)
-        self._check_host_ram(layout.total_bytes)
-        host = HostArena(layout.total_bytes)
-        for bk in buckets:  # claim each region, so the arena's own stats account for every byte
-            host.reserve(layout.master[bk.index], bk.numel * 4)
-            if bk.trainable_numel:
-                for region in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
-                    host.reserve(region[bk.index], bk.trainable_numel * 4)
-        self.buckets, self.bucket_of, self.layout, self.host = buckets, bucket_of, layout, host
-        self.param_offset = [0] * len(self.params)
-        for bk in buckets:
-            for p, off in zip(bk.params, bk.offsets):
-                self.param_offset[p] = off
-        self.master = [host.view(layout.master[b.index], b.numel, torch.float32) for b in buckets]
-        self.host_grad = [host.view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
-        self.exp_avg = [host.view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
-        self.exp_avg_sq = [host.view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32)
-                           for b in buckets]
-        self.state = [Residency.HOST] * len(buckets)
+        rec = self.recorder
+        need = forward_min_budget(rec.events, rec.uses, rec.ends, buckets, self.specs, self.itemsize,
+                                  activations=self.memory.activation_peak, fixed=self.memory.parts["buffers"])
+        if sum(need.values()) > self.config.budget:
+            raise budget_error(self.config.budget, **need)
+        host = HostState(buckets, self.specs, [p.shape for p in self.params])  # may raise HostMemoryError
         with torch.no_grad():
             for p in range(len(self.params)):
-                self.param_master(p).copy_(self.original[p].reshape(-1))
-        self.step_tensor = [torch.tensor(0.0) for _ in self.params]
+                host.param_master(p).copy_(self.original[p].reshape(-1))
+        self.host, self.buckets, self.bucket_of = host, host.buckets, host.bucket_of
+        self.state = [Residency.HOST] * len(buckets)
         self.original = None
         for p, param in enumerate(self.params):
             param.data = self.placeholders[p]
@@ -840,59 +738,9 @@ class Runtime:
         # through buckets (backward fetches on demand: there is no plan until this step is recorded).
         self.trace_storage.clear()
 
-    def _check_min_budget(self, buckets: Sequence[Bucket], bucket_of: Sequence[int]) -> None:
-        rec = self.recorder
-        nbytes = [b.nbytes(self.itemsize) for b in buckets]
-        worst = 0
-        stack: list[tuple[int, set[int]]] = []
-        for i, ev in enumerate(rec.events):
-            while stack and stack[-1][0] <= i:
-                stack.pop()
-            if ev.kind == EventKind.PRE:
-                stack.append((rec.ends[i], {bucket_of[p] for p in rec.uses[i]}))
-                live = set().union(*(s for _, s in stack))
-                worst = max(worst, sum(nbytes[b] for b in live))
-        grad_slot = max((b.grad_nbytes(self.itemsize) for b in buckets), default=0)
-        grad = max((s.numel * self.itemsize for s in self.specs if s.group is not None), default=0)
-        parts = dict(buckets=worst, grad_slot=grad_slot, activations=self.memory.activation_peak,
-                     fixed=self.memory.parts["buffers"], grad=grad)
-        if sum(parts.values()) > self.config.budget:
-            raise budget_error(self.config.budget, **parts)
-
-    def _check_host_ram(self, nbytes: int) -> None:
-        available = psutil.virtual_memory().available
-        if nbytes * HOST_RAM_HEADROOM > available:
-            raise HostMemoryError(
-                f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grads: "
-                f"16 bytes per trainable parameter, 4 per frozen one) but only {format_bytes(available)} is "
-                "available. Free host memory, freeze more parameters, or use a machine with more RAM.")
-
-    def param_master(self, p: int) -> torch.Tensor:
-        off = self.param_offset[p]
-        return self.master[self.bucket_of[p]][off: off + self.specs[p].numel]
-
-    def param_state(self, p: int, which: str) -> torch.Tensor:
-        off = self.param_offset[p]
-        flat = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[which][self.bucket_of[p]]
-        return flat[off: off + self.specs[p].numel].view(self.params[p].shape)
-
     def _adopt_optimizer_state(self) -> None:
-        """Point ``optimizer.state`` at the host arena, taking over any state loaded before."""
-        if self.host is None:
-            return
-        with torch.no_grad():
-            for p, param in enumerate(self.params):
-                if self.specs[p].group is None:
-                    continue
-                old = self.optimizer.state.get(param, {})
-                m, v = self.param_state(p, "exp_avg"), self.param_state(p, "exp_avg_sq")
-                if "exp_avg" in old and old["exp_avg"] is not m:
-                    m.copy_(old["exp_avg"].reshape(m.shape))
-                    v.copy_(old["exp_avg_sq"].reshape(v.shape))
-                if "step" in old and old["step"] is not self.step_tensor[p]:
-                    self.steps[p] = int(float(old["step"]))
-                self.step_tensor[p].fill_(float(self.steps[p]))
-                self.optimizer.state[param] = {"step": self.step_tensor[p], "exp_avg": m, "exp_avg_sq": v}
+        if self.host is not None:
+            self.host.adopt_optimizer_state(self.optimizer, self.params)
 
     # ---------------------------------------------------------------------------------------------------
     # weights in and out
@@ -901,14 +749,14 @@ class Runtime:
         """Current fp32 value of parameter ``p`` (a copy)."""
         if self.original is not None:
             return self.original[p].detach().to(torch.float32, copy=True)
-        return self.param_master(p).view(self.params[p].shape).clone()
+        return self.host.param_master(p).view(self.params[p].shape).clone()
 
     def write_weight(self, p: int, value: torch.Tensor) -> None:
         with torch.no_grad():
             if self.original is not None:
                 self.original[p].copy_(value)
             else:
-                self.param_master(p).copy_(value.reshape(-1))
+                self.host.param_master(p).copy_(value.reshape(-1))
 
     def after_weights_written(self) -> None:
         """Masters changed behind the plan's back: refresh whatever is on the device."""
@@ -937,4 +785,3 @@ class Runtime:
             self.slot.clear()
             self.arena = None
             self.host = None
-            self.master = self.host_grad = self.exp_avg = self.exp_avg_sq = []

@@ -285,6 +285,27 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
     return _assemble(trace, buckets, itemsize, resident, chosen, specs, layout, budget_bytes, fixed_bytes)
 
 
+def forward_min_budget(events, uses, ends, buckets: Sequence[Bucket], specs, itemsize: int, *,
+                       activations: int, fixed: int) -> dict[str, int]:
+    """The least device memory any plan needs, from a recorded forward (before backward is seen): the
+    buckets the deepest stack of active module calls needs at once, one grad slot, the largest grad
+    autograd materialises, activations and fixed buffers."""
+    bucket_of = bucket_of_from(buckets)
+    nbytes = [b.nbytes(itemsize) for b in buckets]
+    worst = 0
+    stack: list[tuple[int, set[int]]] = []
+    for i, ev in enumerate(events):
+        while stack and stack[-1][0] <= i:
+            stack.pop()
+        if ev.kind == EventKind.PRE:
+            stack.append((ends[i], {bucket_of[p] for p in uses[i]}))
+            live = set().union(*(s for _, s in stack))
+            worst = max(worst, sum(nbytes[b] for b in live))
+    return dict(buckets=worst, grad_slot=max((b.grad_nbytes(itemsize) for b in buckets), default=0),
+                grad=max((s.numel * itemsize for s in specs if s.group is not None), default=0),
+                activations=activations, fixed=fixed)
+
+
 def budget_error(budget: int, **parts: int) -> BudgetTooSmallError:
     names = {"arena": "parameter buckets and grad slots (streaming everything just in time)",
              "activations": "saved activations", "fixed": "module buffers",

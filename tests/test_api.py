@@ -105,10 +105,10 @@ def test_budget_too_small_leaves_model_intact():
 
 
 def test_host_ram_too_small(monkeypatch):
-    import offload.runtime as runtime
+    import offload.host as host
     m = _mlp()
     engine = offload.wrap(m, offload.AdamW(m.parameters()), budget="1MiB", device="cpu")
-    monkeypatch.setattr(runtime.psutil, "virtual_memory", lambda: SimpleNamespace(available=1000))
+    monkeypatch.setattr(host.psutil, "virtual_memory", lambda: SimpleNamespace(available=1000))
     with pytest.raises(offload.HostMemoryError, match="host arena needs"):
         engine(torch.randn(2, 32))
     assert engine.memory_stats()["host_pinned_bytes"] == 0

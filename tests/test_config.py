@@ -1,5 +1,6 @@
 """Configuration parsing and validation."""
 
+import dataclasses
 import math
 
 import pytest
@@ -33,8 +34,8 @@ def test_parse_bytes_rejects_types(bad):
 def test_config_normalises_and_is_frozen():
     c = OffloadConfig(budget="1MiB", device="cpu", bucket_bytes="64KiB")
     assert c.budget == 2**20 and c.bucket_bytes == 2**16 and c.device == torch.device("cpu")
-    with pytest.raises(Exception):
-        c.budget = 3  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.budget = 3
 
 
 def test_config_rejects_unsupported():

@@ -1,0 +1,59 @@
+"""Device memory the engine is responsible for, by part, and saved activations counted while they live."""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeviceMemory:
+    """Device bytes the engine is responsible for, by part, with the peak of their sum.
+
+    On the CPU backend this is the device memory (there is no allocator to ask); it counts the arena,
+    on-demand slots, module buffers, saved activations and gradients in flight.
+    """
+
+    def __init__(self) -> None:
+        self.parts: dict[str, int] = {"arena": 0, "slots": 0, "buffers": 0, "activations": 0, "grads": 0}
+        self.current = 0
+        self.peak = 0
+        self.activation_peak = 0  # of the current step
+        self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
+
+    def add(self, part: str, n: int) -> None:
+        self.parts[part] += n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def hold(self, key: int, nbytes: int) -> None:
+        entry = self._held.get(key)
+        if entry is None:
+            self._held[key] = [1, nbytes]
+            self.add("activations", nbytes)
+            self.activation_peak = max(self.activation_peak, self.parts["activations"])
+        else:
+            entry[0] += 1
+
+    def drop(self, key: int) -> None:
+        entry = self._held.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._held[key]
+            self.add("activations", -entry[1])
+
+
+class SavedActivation:
+    """A saved activation; counts its storage's bytes as device memory until autograd drops it."""
+
+    __slots__ = ("tensor", "key", "memory", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, memory: DeviceMemory):
+        self.tensor = tensor
+        self.memory = memory
+        storage = tensor.untyped_storage()
+        self.key = storage.data_ptr()
+        memory.hold(self.key, storage.nbytes())
+
+    def __del__(self):
+        self.memory.drop(self.key)

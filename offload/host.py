@@ -1,0 +1,105 @@
+"""The host side of the engine: fp32 masters, AdamW state and grad buffers of every bucket, laid out by
+``buckets.host_layout`` in one exact-size host arena (``cpp/pinned_arena``), and the bucket update."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import psutil
+import torch
+
+from .buckets import Bucket, ParamSpec, host_layout
+from .config import format_bytes
+from .errors import HostMemoryError
+from .memory import HostArena
+from .optim import adamw_
+
+HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when sizing the host arena
+
+
+class HostState:
+    def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size]):
+        layout = host_layout(buckets)
+        check_host_ram(layout.total_bytes)
+        self.arena = HostArena(layout.total_bytes)
+        self.buckets, self.specs, self.shapes, self.layout = tuple(buckets), list(specs), list(shapes), layout
+        for b in buckets:  # claim each region, so the arena's own stats account for every byte
+            self.arena.reserve(layout.master[b.index], b.numel * 4)
+            if b.trainable_numel:
+                for region in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
+                    self.arena.reserve(region[b.index], b.trainable_numel * 4)
+        view = self.arena.view
+        self.master = [view(layout.master[b.index], b.numel, torch.float32) for b in buckets]
+        self.grad = [view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
+        self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
+        self.exp_avg_sq = [view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32) for b in buckets]
+        self.bucket_of = [0] * len(specs)
+        self.offset = [0] * len(specs)  # element offset of each parameter inside its bucket
+        for b in buckets:
+            for p, off in zip(b.params, b.offsets):
+                self.bucket_of[p], self.offset[p] = b.index, off
+        self.steps = [0] * len(specs)  # AdamW step count per parameter
+        self.step_tensor = [torch.tensor(0.0) for _ in specs]  # the same, as optimizer.state[p]["step"]
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.size_bytes
+
+    def param_master(self, p: int) -> torch.Tensor:
+        off = self.offset[p]
+        return self.master[self.bucket_of[p]][off: off + self.specs[p].numel]
+
+    def param_state(self, p: int, which: str) -> torch.Tensor:
+        off = self.offset[p]
+        flat = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[which][self.bucket_of[p]]
+        return flat[off: off + self.specs[p].numel].view(self.shapes[p])
+
+    def update(self, b: int, params: frozenset, hparams) -> None:
+        """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
+        same-group, same-step parameters (runs a parameter with another step count apart)."""
+        bucket = self.buckets[b]
+        master, grad, m, v = self.master[b], self.grad[b], self.exp_avg[b], self.exp_avg_sq[b]
+        for run in bucket.runs:
+            lr, b1, b2, eps, wd = hparams[run.group]
+            hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+            steps = {self.steps[p] for p in run.params}
+            if params.issuperset(run.params) and len(steps) == 1:
+                s, e = run.start, run.end
+                adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], steps.pop() + 1, **hp)
+                self._count(run.params)
+                continue
+            for p in run.params:
+                if p in params:
+                    s, e = self.offset[p], self.offset[p] + self.specs[p].numel
+                    adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], self.steps[p] + 1, **hp)
+                    self._count((p,))
+
+    def _count(self, params) -> None:
+        for p in params:
+            self.steps[p] += 1
+            self.step_tensor[p].fill_(float(self.steps[p]))
+
+    @torch.no_grad()
+    def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+        """Point ``optimizer.state`` at this arena, taking over any state loaded into it before."""
+        for p, param in enumerate(params):
+            if self.specs[p].group is None:
+                continue
+            old = optimizer.state.get(param, {})
+            m, v = self.param_state(p, "exp_avg"), self.param_state(p, "exp_avg_sq")
+            if "exp_avg" in old and old["exp_avg"] is not m:
+                m.copy_(old["exp_avg"].reshape(m.shape))
+                v.copy_(old["exp_avg_sq"].reshape(v.shape))
+            if "step" in old and old["step"] is not self.step_tensor[p]:
+                self.steps[p] = int(float(old["step"]))
+            self.step_tensor[p].fill_(float(self.steps[p]))
+            optimizer.state[param] = {"step": self.step_tensor[p], "exp_avg": m, "exp_avg_sq": v}
+
+
+def check_host_ram(nbytes: int) -> None:
+    available = psutil.virtual_memory().available
+    if nbytes * HOST_RAM_HEADROOM > available:
+        raise HostMemoryError(
+            f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grads: "
+            f"16 bytes per trainable parameter, 4 per frozen one) but only {format_bytes(available)} is "
+            "available. Free host memory, freeze more parameters, or use a machine with more RAM.")
