@@ -676,6 +676,7 @@ class Runtime:
                 self.hparams = self.optimizer.hparams()
                 self._submit_update(b, params, d2h)
         self.cpu.drain()
+        self._reclaim(block=True)  # every update waited for its grads' copy: all grad slots are free
         updated = {b for b, _, _ in self.pending}
         self.pending = []
         self.awaiting_step = False
