@@ -442,10 +442,13 @@ class Runtime:
 
     def _release_all(self) -> None:
         """Let go of every bucket that is not resident by plan."""
-        for b in list(self.slot):
-            if self.plan is None or self.slot[b].planned != self.plan.resident_buffer[b]:
+        for b, slot in list(self.slot.items()):
+            if not self._is_resident(b, slot):
                 self._release(b)
         self.boundary = self.backend.record()
+
+    def _is_resident(self, b: int, slot: _Slot) -> bool:
+        return self.plan is not None and slot.planned is not None and slot.planned == self.plan.resident_buffer[b]
 
     # slot index: which bucket lives at a byte offset of a device storage (for the pack hook)
     def _index_slot(self, b: int, slot: _Slot) -> None:
@@ -683,9 +686,8 @@ class Runtime:
         if updated:
             self.stats["steps"] += 1
         with torch.no_grad():
-            if self.plan is None or self.stale:
-                if self.trace is not None and self.trace.complete:
-                    self._replan(self.trace)
+            if (self.plan is None or self.stale) and self.trace is not None and self.trace.complete:
+                self._replan(self.trace)  # brings every resident bucket in afresh
             else:
                 self._refresh_resident(updated)
         self.stale = False
@@ -694,12 +696,11 @@ class Runtime:
         """Grads never wait on the host between steps (they are consumed by the update), so nothing to do."""
 
     def _refresh_resident(self, buckets) -> None:
-        for b in sorted(buckets & set(self.plan.resident)):
-            k = self.plan.resident_buffer[b]
-            slot = self.slot.get(b) or _Slot(self.arena, self.plan.buffers[k].offset, k)
+        """Updated buckets that stay on the device get their new weights (the next forward waits)."""
+        for b in sorted(buckets & set(self.slot)):
             if self.state[b] is Residency.IN_FLIGHT:
                 self._wait(b)
-            self._copy_in(b, slot, [self.boundary])
+            self._copy_in(b, self.slot[b], [self.boundary])
 
     def _replan(self, trace: Trace) -> None:
         plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,

@@ -228,3 +228,36 @@ def test_adamw_unbound_matches_torch_bitwise():
         b(x).sin().sum().backward()
         oa.step(); ob.step(); oa.zero_grad(); ob.zero_grad()
     assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+
+
+class EvalDetour(Branchy):
+    """Evaluation takes a path training never takes (like generation code paths)."""
+
+    def forward(self, x, odd: bool = False):
+        return super().forward(x, odd or not self.training)
+
+
+def test_eval_on_a_different_path_keeps_the_training_plan():
+    engine, opt, ref, ref_opt = _ref_and_engine(EvalDetour(), budget_frac=0.6)
+    x_eval = torch.randn(4, 16, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():  # evaluation first: the engine must cope before it has seen a training step
+        torch.testing.assert_close(engine(x_eval), ref(x_eval), rtol=0, atol=0)
+    for step in range(8):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        engine(x).square().mean().backward()
+        opt.step()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step % 3 == 2:
+            engine.module.eval()
+            ref.eval()
+            with torch.no_grad():
+                torch.testing.assert_close(engine(x_eval), ref(x_eval), rtol=0, atol=0)
+            engine.module.train()
+            ref.train()
+    _assert_same(engine, ref)
+    stats = engine.memory_stats()
+    assert stats["counters"]["plan_departures"] >= 2  # each evaluation departs ...
+    assert stats["plan"]["replans"] == 0  # ... but training keeps its plan
+    assert stats["device_peak_bytes"] <= stats["budget_bytes"]
