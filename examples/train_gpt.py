@@ -1,23 +1,20 @@
-"""Train a small GPT through offload, with a device budget smaller than its weights.
+"""Train a small GPT whose weights do not fit the device budget, with offload.
 
-Byte-level language modelling on text every Python installation has: the standard library's own source.
-Runs on the CPU backend by default (the "device" is a CPU arena, copies run on worker threads), so it
-works anywhere; ``--device cuda`` once the CUDA backend lands.
+    python examples/train_gpt.py                         # 4.8M parameters, budget 3/4 of their 18 MiB
+    python examples/train_gpt.py --steps 500 --budget 12MiB
 
-    python examples/train_gpt.py                 # 100 steps, 19M parameters (73 MiB of fp32 weights), budget 40 MiB
-    python examples/train_gpt.py --steps 20      # quick check: loss goes down, device peak <= budget
+A byte-level (vocab 256) language model trained on the .py files of this Python's own standard library:
+real text, available offline. The device budget defaults to 3/4 of the model's fp32 weights, so the weights
+alone do not fit, let alone weights + grads + AdamW state (16 bytes a parameter): offload keeps the fp32
+masters and the optimizer state in host memory and streams parameter buckets to the device every step.
+Without a GPU the "device" is offload's CPU backend, which runs the same plan.
 
-Exit status 1 if the loss did not go down or the device peak went over the budget.
-
-The defaults keep activations (which grow with batch x sequence x width x depth) smaller than the weights
-(width^2 x depth), so that streaming the weights is what makes the model fit: wide and shallow, a small
-batch. Activation checkpointing will lift that limit.
+Exits with 1 if the loss did not go down or the device peak went over the budget.
 """
-
-from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import sysconfig
 import time
@@ -25,156 +22,222 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import GPT, GPTConfig  # noqa: E402
+import offload
+from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
-import offload  # noqa: E402
-from offload import format_bytes  # noqa: E402
+DATA_BYTES = 4 * 2**20  # how much standard-library source to read
+VAL_FRACTION = 0.05  # held out for validation: the last 5 % of the bytes
+VAL_BATCHES = 8  # batches in one validation-loss estimate (always the same ones)
+
+console = Console()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
-    p.add_argument("--budget", default="40MiB", help='device memory budget (default "40MiB", about half the weights)')
-    p.add_argument("--bucket-bytes", default="2MiB", help="bucket size: the unit moved to the device (default 2MiB)")
-    p.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
-    p.add_argument("--n-layer", type=int, default=6, help="transformer blocks (default 6)")
-    p.add_argument("--n-embd", type=int, default=512, help="model width (default 512)")
-    p.add_argument("--n-head", type=int, default=8, help="attention heads (default 8)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the weights and the batches (default 0)")
-    p.add_argument("--eval-every", type=int, default=25, help="validation loss every N steps (default 25)")
-    p.add_argument("--data-mib", type=float, default=4.0, help="MiB of text to read (default 4)")
-    return p.parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="training steps")
+    p.add_argument("--budget", help='device memory budget, e.g. "12MiB" (default: 3/4 of the fp32 weights)')
+    p.add_argument("--bucket-bytes", help='bytes per parameter bucket, e.g. "1MiB" (default: 1/12 of the weights)')
+    p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--seq", type=int, default=32, help="tokens (bytes) per sequence")
+    p.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
+    p.add_argument("--n-head", type=int, default=8, help="attention heads; must divide --n-embd")
+    p.add_argument("--n-embd", type=int, default=256, help="model width")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (linear warmup, then cosine decay)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weight init and the batch sampling")
+    p.add_argument("--eval-every", type=int, default=25, help="steps between validation-loss estimates")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.eval_every < 1:
+        p.error("--steps and --eval-every must be at least 1")
+    return args
 
 
-def load_text(limit_bytes: int) -> torch.Tensor:
-    """The standard library's .py files, in a fixed order, as bytes (deterministic on one Python)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= limit_bytes:
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def load_stdlib_source(limit: int = DATA_BYTES) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The first `limit` bytes of the standard library's .py files, walked in sorted order (the same bytes
+    on every run with this Python). Returns (train bytes, validation bytes, number of files read)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total, files = [], 0, 0
+    for root, dirs, names in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(n for n in names if n.endswith(".py")):
+            chunks.append(Path(root, name).read_bytes())
+            total, files = total + len(chunks[-1]), files + 1
+            if total >= limit:
+                break
+        if total >= limit:
             break
-    if total < 64 * 1024:
-        raise SystemExit(f"found only {total} bytes of Python source under {root}; cannot train on that")
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit_bytes]), dtype=torch.uint8).long()
+    if total < 100_000:
+        sys.exit(f"found only {total} bytes of .py source under {stdlib}; this example needs the stdlib sources")
+    data = torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
+    n_val = int(len(data) * VAL_FRACTION)
+    return data[:-n_val], data[-n_val:], files
 
 
-def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        x = torch.stack([data[s: s + seq] for s in starts])
-        y = torch.stack([data[s + 1: s + seq + 1] for s in starts])
-        yield x, y
+def get_batch(data: torch.Tensor, batch: int, seq: int, g: torch.Generator):
+    """`batch` random windows of `seq` bytes; the targets are the same windows shifted by one byte."""
+    ix = torch.randint(len(data) - seq - 1, (batch,), generator=g).tolist()
+    x = torch.stack([data[i : i + seq] for i in ix]).long()
+    y = torch.stack([data[i + 1 : i + 1 + seq] for i in ix]).long()
+    return x, y
 
 
-def lr_lambda(total: int, warmup: int):
-    def f(step: int) -> float:  # linear warmup, then cosine down to 10 %
+def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    """Weight decay on matrices (Linear and Embedding weights) only, as in nanoGPT."""
+    params = list(model.parameters())  # the tied embedding / LM head weight once
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def lr_lambda(total_steps: int):
+    """Linear warmup over the first 10 % of the steps, then cosine decay to 10 % of the peak."""
+    warmup = max(1, total_steps // 10)
+
+    def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
 
 
 @torch.no_grad()
-def evaluate(engine, data: torch.Tensor, batch: int, seq: int, device: torch.device, n: int = 4) -> float:
-    engine.module.eval()
-    losses = []
-    for i, (x, y) in zip(range(n), batches(data, batch, seq, seed=12345)):
-        _, loss = engine(x.to(device), y.to(device))
-        losses.append(loss.item())
+def evaluate(engine, batches, device: str) -> float:
+    engine.module.eval()  # a forward-only plan: no gradients, no optimizer
+    losses = [engine(x.to(device), y.to(device))[1].item() for x, y in batches]
     engine.module.train()
     return sum(losses) / len(losses)
 
 
-def summary_table(engine, params: int) -> Table:
-    s = engine.memory_stats()
-    plan = s["plan"] or {}
-    t = Table(title="memory", show_header=True, header_style="bold")
-    t.add_column("what")
-    t.add_column("bytes", justify="right")
-    t.add_column("note")
-    t.add_row("device budget", format_bytes(s["budget_bytes"]), "")
-    peak_ok = s["device_peak_bytes"] <= s["budget_bytes"]
-    t.add_row("device peak", format_bytes(s["device_peak_bytes"]),
-              "[green]within budget[/]" if peak_ok else "[red]OVER BUDGET[/]")
-    t.add_row("  parameter arena", format_bytes(s["arena_bytes"]),
-              f"lower bound {format_bytes(plan.get('arena_lower_bound_bytes', 0))}")
-    t.add_row("  saved activations (peak)", format_bytes(plan.get("activation_bytes", 0)), "")
-    t.add_row("fp32 weights + grads + Adam", format_bytes(16 * params), "what plain PyTorch keeps on the device")
-    t.add_row("host arena", format_bytes(s["host_pinned_bytes"]), "fp32 masters, Adam m/v, grads (pinned on CUDA)")
-    t.add_row("buckets", f"{plan.get('resident_buckets', 0)} resident / {plan.get('streamed_buckets', 0)} streamed",
-              f"{plan.get('fetches_per_step', 0)} fetches per step, {plan.get('replans', 0)} re-plans")
-    return t
+def memory_table(stats: dict) -> Table:
+    table = Table(title="device memory (engine.memory_stats())")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_column("what it is")
+    table.add_row("budget", format_bytes(stats["budget_bytes"]), "--budget")
+    table.add_row("device peak", format_bytes(stats["device_peak_bytes"]), "most device memory in use at once")
+    plan = stats["plan"]
+    lower = f"; lower bound {format_bytes(plan['arena_lower_bound_bytes'])} (most bytes live at once)" if plan else ""
+    table.add_row("arena", format_bytes(stats["arena_bytes"]), "the one device buffer the plan lays out" + lower)
+    table.add_row("pinned host", format_bytes(stats["host_pinned_bytes"]), "host arena: fp32 weights, AdamW m/v, grads (pinned on CUDA)")
+    if plan:
+        table.add_row("activations", format_bytes(plan["activation_bytes"]), "saved for backward, traced in step 1")
+        buckets = f"{plan['num_buckets']} x ~{format_bytes(plan['bucket_bytes'])}"
+        table.add_row("buckets", buckets, f"{plan['resident_buckets']} resident, {plan['streamed_buckets']} streamed")
+        table.add_row("re-plans", str(plan["replans"]), "plans rebuilt because execution left the traced order")
+    return table
+
+
+def train(engine, opt, sched, train_data, val_data, args, device: str) -> list[float]:
+    """The training loop, as with any torch optimizer. Returns the loss of every step."""
+    g = torch.Generator().manual_seed(args.seed)
+    g_val = torch.Generator().manual_seed(args.seed + 1)
+    val_batches = [get_batch(val_data, args.batch, args.seq, g_val) for _ in range(VAL_BATCHES)]
+    columns = (
+        TextColumn("[bold]train"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn("{task.fields[ms]:.0f} ms/step"),
+        TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+    )
+    losses = []
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("train", total=args.steps, loss=float("nan"), ms=0.0, tps=0.0)
+        for step in range(args.steps):
+            t0 = time.perf_counter()
+            x, y = get_batch(train_data, args.batch, args.seq, g)
+            _, loss = engine(x.to(device), y.to(device))  # step 1 is traced; the plan is built after it
+            loss.backward()  # gradients go to the host bucket by bucket, during backward
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            losses.append(loss.item())
+            dt = time.perf_counter() - t0
+            progress.update(task, advance=1, loss=losses[-1], ms=1000 * dt, tps=x.numel() / dt)
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                val = evaluate(engine, val_batches, device)
+                progress.console.print(f"step {step + 1}: train loss {losses[-1]:.3f}, val loss {val:.3f}")
+    return losses
+
+
+def report(stats: dict, losses: list[float]) -> bool:
+    """Print the memory summary and the verdict; True if the loss went down within the budget."""
+    console.print(memory_table(stats))
+    peak, budget = format_bytes(stats["device_peak_bytes"]), format_bytes(stats["budget_bytes"])
+    within = stats["device_peak_bytes"] <= stats["budget_bytes"]
+    if within:
+        console.print(f"[green]device peak {peak} <= budget {budget}: within budget[/green]")
+    else:
+        console.print(f"[red]device peak {peak} > budget {budget}: OVER BUDGET[/red]")
+    k = min(5, len(losses))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    colour = "green" if last < first else "red"
+    console.print(f"[{colour}]loss {first:.3f} -> {last:.3f} (mean of the first {k} steps -> of the last {k})")
+    return within and last < first
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    console = Console()
-    cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
-                    n_embd=args.n_embd, init_seed=args.seed)
-    model = GPT(cfg)
-    params = sum(p.numel() for p in model.parameters())
-    text = load_text(int(args.data_mib * 2**20))
-    split = int(len(text) * 0.95)
-    train, val = text[:split], text[split:]
+    torch.manual_seed(args.seed)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    train_data, val_data, files = load_stdlib_source()
+    console.print(
+        f"data: {format_bytes(len(train_data) + len(val_data))} of stdlib source from {files} files; "
+        f"{format_bytes(len(val_data))} held out"
+    )
+    config = GPTConfig(
+        vocab_size=256,
+        block_size=args.seq,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        init_seed=args.seed,
+    )
+    model = GPT(config)
+    weights = 4 * model.num_params()
+    console.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {format_bytes(weights)} of fp32 weights")
+    console.print(f"plain PyTorch keeps weights + grads + AdamW state on the device: {format_bytes(4 * weights)}")
 
-    opt = offload.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps, warmup=max(1, args.steps // 10)))
-    engine = offload.wrap(model, opt, budget=args.budget, bucket_bytes=args.bucket_bytes, device=args.device)
-    device = engine.config.device
-    console.print(f"[bold]GPT[/] {cfg.n_layer} layers x {cfg.n_embd} wide: {params / 1e6:.2f}M parameters, "
-                  f"{format_bytes(4 * params)} of fp32 weights, {format_bytes(16 * params)} with grads and Adam "
-                  f"state; device budget [bold]{format_bytes(engine.config.budget)}[/] on {device}; "
-                  f"{len(train) / 2**20:.1f} MiB of training text")
-
-    losses, times = [], []
-    columns = [TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[ms]} ms/step"),
-               TextColumn("{task.fields[tps]} tok/s"), TimeRemainingColumn()]
-    data = batches(train, args.batch, args.seq, seed=args.seed)
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("training", total=args.steps, loss="-", ms="-", tps="-")
-        for step in range(args.steps):
-            x, y = next(data)
-            t0 = time.perf_counter()
-            _, loss = engine(x.to(device), y.to(device))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            dt = time.perf_counter() - t0
-            losses.append(loss.item())
-            times.append(dt)
-            progress.update(task, advance=1, loss=f"{losses[-1]:.3f}", ms=f"{1000 * dt:.0f}",
-                            tps=f"{args.batch * args.seq / dt:,.0f}")
-            if args.eval_every and (step + 1) % args.eval_every == 0:
-                progress.console.print(f"step {step + 1}: validation loss "
-                                       f"{evaluate(engine, val, args.batch, args.seq, device):.3f}")
-
-    console.print(summary_table(engine, params))
-    k = min(5, max(1, len(losses) // 2))
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    steady = times[1:] or times
-    console.print(f"loss {first:.3f} -> {last:.3f} (mean of first and last {k} steps); median step "
-                  f"{1000 * sorted(steady)[len(steady) // 2]:.0f} ms after the traced first step "
-                  f"({1000 * times[0]:.0f} ms)")
-    stats = engine.memory_stats()
-    engine.close()
-    ok = last < first and stats["device_peak_bytes"] <= stats["budget_bytes"]
-    if not ok:
-        console.print("[red]FAILED[/]: the loss did not go down or the device peak exceeded the budget")
-    return 0 if ok else 1
+    opt = offload.AdamW(param_groups(model), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps))
+    engine = None
+    try:
+        engine = offload.wrap(
+            model,
+            opt,
+            budget=args.budget or int(0.75 * weights),
+            bucket_bytes=args.bucket_bytes or weights // 12,
+            dtype=getattr(torch, args.dtype),
+            device=device,
+        )
+        budget = engine.memory_stats()["budget_bytes"]
+        verdict = "the weights alone do not fit" if budget < weights else "the weights fit"
+        console.print(f"device: {device}, budget {format_bytes(budget)}: {verdict}")
+        losses = train(engine, opt, sched, train_data, val_data, args, device)
+        stats = engine.memory_stats()
+    except offload.BudgetTooSmallError as e:  # raised by wrap, or after the traced first step
+        console.print(str(e), style="red", markup=False)
+        console.print(f"Try --budget {math.ceil(e.min_budget_bytes / 2**20)}MiB or more.")
+        return 2
+    finally:
+        if engine is not None:
+            engine.close()
+    return 0 if report(stats, losses) else 1
 
 
 if __name__ == "__main__":

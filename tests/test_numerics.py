@@ -1,0 +1,282 @@
+"""Training through offload gives the weights plain PyTorch gives.
+
+Every test trains a model from tests/models.py twice from identical initial weights on identical batches:
+once with plain PyTorch and `torch.optim.AdamW(foreach=False)`, the reference answer, and once through
+`offload.wrap` on the CPU backend, fp32 end to end. The reference is a deepcopy taken before wrapping, or,
+where one reference run is shared by several tests (`reference_run`), a second build of the same
+deterministic factory, checked equal first. After 50 steps the engine's fp32 master weights and buffers
+(`engine.state_dict()["model"]`) must equal the reference's `model.state_dict()` to rtol 1e-5 / atol 1e-6,
+and so must every step's loss.
+
+[Note: why lr 3e-4 and weight_decay 0.1]
+Adam divides each update by the gradient's own running scale, so rounding differences do not stay at
+the last bit. An AdamW that is correct but rounds differently (fp64 math, another order of operations)
+ends 50 steps within ~0.4x the tolerance on these models at lr 3e-4, but up to ~10x outside it at
+lr 1e-3, where the tiny GPT and the BatchNorm CNN amplify the difference (with ReLU instead of tanh, the
+CNN: 10^4x). A real bug is far outside at either lr: with weight_decay 0.1, a dropped weight decay alone
+moves the weights by >100x the tolerance, a one-step-stale bucket or a wrong group lr by more.
+"""
+
+import contextlib
+import copy
+import functools
+import io
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import offload
+from models import CASES, Case, run
+
+STEPS = 50
+EVAL_AFTER = (20, 35, 50)  # test_eval_mid_training evaluates after this many training steps
+EVAL_STEP = 10_000  # the eval batch is make_batch(EVAL_STEP): a batch no training step sees
+ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)  # see [Note: why lr 3e-4 ...]
+TOL = dict(rtol=1e-5, atol=1e-6)
+# Outputs pass the weights' differences through every layer: an engine whose weights are within TOL can
+# be ~1e-5 off in a 12-layer output. A stale or wrongly-moded forward is off by 1e-3 or more.
+EVAL_TOL = dict(rtol=1e-4, atol=3e-5)
+
+# Device budget as a multiple of the model's fp32 parameter bytes; buckets are always a tenth of them.
+BUDGETS = {
+    "streaming": 0.6,  # the weights do not fit: some buckets must stream
+    "resident": 4.0,  # everything fits with room to spare: no bucket may stream
+}
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight counts once
+
+
+@contextlib.contextmanager
+def offloaded(model: torch.nn.Module, budget: str = "streaming", params=None):
+    """Wrap `model` with an offload.AdamW over `params` (default: all parameters); yield (engine,
+    optimizer) and close the engine afterwards, whatever happens."""
+    nbytes = param_bytes(model)
+    opt = offload.AdamW(model.parameters() if params is None else params, **ADAMW)
+    engine = offload.wrap(
+        model,
+        opt,
+        budget=int(BUDGETS[budget] * nbytes),
+        bucket_bytes=nbytes // 10,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    try:
+        yield engine, opt
+    finally:
+        engine.close()
+
+
+def reference(case: Case, params=None):
+    """A plain-PyTorch copy of the case's model, taken before it is wrapped, and its AdamW."""
+    model = copy.deepcopy(case.model)
+    opt = torch.optim.AdamW(model.parameters() if params is None else params(model), foreach=False, **ADAMW)
+    return model, opt
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    initial: dict  # model.state_dict() before training
+    losses: list[float]  # the loss of every step
+    evals: dict  # steps trained -> eval-mode output on the eval batch (EVAL_AFTER)
+    final: dict  # model.state_dict() after STEPS steps
+
+
+@functools.cache
+def reference_run(name: str) -> ReferenceRun:
+    """Plain PyTorch on one case, once per model and shared by the tests that train it the plain way
+    (evaluating in between changes no state, so one run serves with and without the evals)."""
+    case = CASES[name]()
+    model, opt = reference(case)
+    initial = copy.deepcopy(model.state_dict())
+    losses, evals = [], {}
+    for done in EVAL_AFTER:
+        losses += train(model, opt, case, done - len(losses), start=len(losses))
+        evals[done] = evaluate(model, model, case.make_batch(EVAL_STEP))
+    # Comparing with this run means something only if it moved every trainable parameter, and no frozen one.
+    for n, p in model.named_parameters():
+        assert (not torch.equal(p.detach(), initial[n])) == p.requires_grad, f"reference run: {n}"
+    return ReferenceRun(initial, losses, evals, copy.deepcopy(model.state_dict()))
+
+
+def train(forward, opt, case: Case, steps: int, start: int = 0, scheduler=None) -> list[float]:
+    """The ordinary PyTorch loop, for the reference (a module) and the engine alike. Returns the losses."""
+    losses = []
+    for step in range(start, start + steps):
+        batch = case.make_batch(step)
+        loss = case.loss_fn(run(forward, batch), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def evaluate(forward, module: torch.nn.Module, batch):
+    module.eval()
+    with torch.no_grad():
+        out = run(forward, batch)
+    module.train()
+    return out
+
+
+def assert_same_model_state(engine, expected: dict) -> None:
+    """Parameters and buffers (BatchNorm statistics included), under model.state_dict()'s keys."""
+    actual = engine.state_dict()["model"]
+    assert actual.keys() == expected.keys()
+    for name, want in expected.items():
+        # Float entries must be fp32 CPU tensors; an integer buffer (num_batches_tracked) only has to count right.
+        torch.testing.assert_close(
+            actual[name], want, **TOL, check_dtype=want.is_floating_point(), msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def assert_same_state_dict(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name, want in expected.items():
+        assert torch.equal(actual[name], want), name
+
+
+def assert_same_optimizer_state(actual: dict, expected: dict) -> None:
+    """torch's AdamW state_dict format: groups with their hyper-parameters and parameter indices, and per
+    stepped parameter `step`, `exp_avg`, `exp_avg_sq`. Parameters torch never stepped (frozen ones) have no
+    state in torch; the engine may keep zeros for them."""
+    for got, want in zip(actual["param_groups"], expected["param_groups"], strict=True):
+        assert list(got["params"]) == list(want["params"])
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            assert got[key] == pytest.approx(want[key]), key
+    for index, want in expected["state"].items():
+        got = actual["state"][index]
+        assert float(got["step"]) == float(want["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            # Relative to the tensor's largest entry (exp_avg_sq is ~grad**2: a fixed atol would say
+            # nothing), and loose: moments are running sums of gradients, whose small entries are
+            # differences of large terms. A lost, zeroed or misplaced moment is off by ~100 %; the
+            # precise check is that training after load_state_dict matches the reference.
+            scale = want[key].abs().max().item()
+            torch.testing.assert_close(
+                got[key], want[key], rtol=1e-3, atol=1e-3 * scale, msg=lambda m, i=index, k=key: f"state[{i}][{k}]: {m}"
+            )
+
+
+def assert_memory(engine, budget: str, model_bytes: int) -> None:
+    stats = engine.memory_stats()
+    assert stats["budget_bytes"] == int(BUDGETS[budget] * model_bytes)
+    assert 0 < stats["device_peak_bytes"] <= stats["budget_bytes"]
+    plan = stats["plan"]
+    assert plan["resident_buckets"] + plan["streamed_buckets"] == plan["num_buckets"]
+    if budget == "streaming":
+        assert plan["streamed_buckets"] > 0, plan
+    else:
+        assert plan["streamed_buckets"] == 0, plan
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_matches_pytorch(name: str, budget: str):
+    ref = reference_run(name)
+    case = CASES[name]()
+    model_bytes = param_bytes(case.model)
+    assert_same_state_dict(case.model.state_dict(), ref.initial)  # the factory is deterministic
+    with offloaded(case.model, budget) as (engine, opt):
+        assert engine.memory_stats()["plan"] is None  # planned only after the traced first step
+        losses = train(engine, opt, case, STEPS)
+        torch.testing.assert_close(losses, ref.losses, **TOL)
+        assert_same_model_state(engine, ref.final)
+        assert_memory(engine, budget, model_bytes)
+
+
+def decay_groups(model: torch.nn.Module) -> list[dict]:
+    """nanoGPT's split: weight decay on matrices only. The groups' lrs differ too, so a mix-up shows."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return [
+        {"params": matrices, "lr": 3e-4, "weight_decay": 0.1},
+        {"params": vectors, "lr": 1e-3, "weight_decay": 0.0},
+    ]
+
+
+def lr_lambdas() -> list:
+    return [lambda step: min(1.0, (step + 1) / 10), lambda step: 0.95**step]  # per group: warmup; decay
+
+
+def test_param_groups_and_lr_scheduler():
+    case = CASES["gpt"]()  # the tied embedding / LM head weight sits in the decayed group
+    ref_model, ref_opt = reference(case, params=decay_groups)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambdas())
+    ref_losses = train(ref_model, ref_opt, case, STEPS, scheduler=ref_sched)
+
+    with offloaded(case.model, params=decay_groups(case.model)) as (engine, opt):
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambdas())
+        losses = train(engine, opt, case, STEPS, scheduler=sched)
+        assert [g["lr"] for g in opt.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups])
+        torch.testing.assert_close(losses, ref_losses, **TOL)
+        assert_same_model_state(engine, ref_model.state_dict())
+
+
+def test_engine_backward_step_zero_grad():
+    """engine.backward(loss); engine.step(); engine.zero_grad() is the same loop as loss.backward(); opt.step()..."""
+    ref = reference_run("bert")
+    case = CASES["bert"]()  # its forward takes a keyword argument (attention_mask)
+    with offloaded(case.model) as (engine, _):
+        losses = []
+        for step in range(STEPS):
+            batch = case.make_batch(step)
+            loss = case.loss_fn(run(engine, batch), batch)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        torch.testing.assert_close(losses, ref.losses, **TOL)
+        assert_same_model_state(engine, ref.final)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eval_mid_training(name: str):
+    """Forward-only evaluation between training steps (BatchNorm on running statistics in eval mode)
+    gives the reference's outputs, and training afterwards still matches."""
+    ref = reference_run(name)
+    case = CASES[name]()
+    with offloaded(case.model) as (engine, opt):
+        losses = []
+        for done in EVAL_AFTER:
+            losses += train(engine, opt, case, done - len(losses), start=len(losses))
+            actual = evaluate(engine, engine.module, case.make_batch(EVAL_STEP))
+            torch.testing.assert_close(
+                actual, ref.evals[done], **EVAL_TOL, msg=lambda m, d=done: f"eval after {d} steps: {m}"
+            )
+        torch.testing.assert_close(losses, ref.losses, **TOL)
+        assert_same_model_state(engine, ref.final)
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn_batchnorm", "frozen_layers"])
+def test_state_dict_round_trip(name: str):
+    """Half the steps in one engine, a checkpoint through torch.save / torch.load, the other half in a
+    fresh engine: the same weights as an uninterrupted reference. The optimizer state is torch's."""
+    half = STEPS // 2
+    case = CASES[name]()
+    ref_model, ref_opt = reference(case)
+    train(ref_model, ref_opt, case, half)
+    with offloaded(case.model) as (engine, opt):
+        train(engine, opt, case, half)
+        saved = engine.state_dict()
+        assert_same_model_state(engine, ref_model.state_dict())
+        assert_same_optimizer_state(saved["optimizer"], ref_opt.state_dict())
+        checkpoint = io.BytesIO()
+        torch.save(saved, checkpoint)
+    ref_losses = train(ref_model, ref_opt, case, STEPS - half, start=half)
+
+    fresh = CASES[name]().model
+    with torch.no_grad():
+        for tensor in fresh.state_dict().values():
+            tensor.add_(1)  # nothing of the fresh init may pass for a loaded value
+    with offloaded(fresh) as (engine, opt):
+        checkpoint.seek(0)
+        engine.load_state_dict(torch.load(checkpoint, weights_only=True))
+        losses = train(engine, opt, case, STEPS - half, start=half)
+        torch.testing.assert_close(losses, ref_losses, **TOL)
+        assert_same_model_state(engine, ref_model.state_dict())
