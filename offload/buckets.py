@@ -89,6 +89,16 @@ def _bucket(index: int, members: list[int], specs: Sequence[ParamSpec]) -> Bucke
                   tuple(Run(g, s, e, tuple(ps)) for g, s, e, ps in runs))
 
 
+def locate(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per parameter id: (its bucket index, its element offset inside that bucket)."""
+    n = sum(len(b.params) for b in buckets)
+    bucket_of, offset = [0] * n, [0] * n
+    for b in buckets:
+        for p, off in zip(b.params, b.offsets):
+            bucket_of[p], offset[p] = b.index, off
+    return tuple(bucket_of), tuple(offset)
+
+
 @dataclass(frozen=True)
 class HostLayout:
     """Byte offsets in the host arena: per bucket an fp32 master, and for its trainable prefix fp32 grad,

@@ -8,7 +8,7 @@ from typing import Sequence
 import psutil
 import torch
 
-from .buckets import Bucket, ParamSpec, host_layout
+from .buckets import Bucket, ParamSpec, host_layout, locate
 from .config import format_bytes
 from .errors import HostMemoryError
 from .memory import HostArena
@@ -33,11 +33,7 @@ class HostState:
         self.grad = [view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg_sq = [view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32) for b in buckets]
-        self.bucket_of = [0] * len(specs)
-        self.offset = [0] * len(specs)  # element offset of each parameter inside its bucket
-        for b in buckets:
-            for p, off in zip(b.params, b.offsets):
-                self.bucket_of[p], self.offset[p] = b.index, off
+        self.bucket_of, self.offset = locate(buckets)  # offset: element offset inside the bucket
         self.steps = [0] * len(specs)  # AdamW step count per parameter
         self.step_tensor = [torch.tensor(0.0) for _ in specs]  # the same, as optimizer.state[p]["step"]
 

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-from .buckets import Bucket
+from .buckets import Bucket, locate
 from .config import format_bytes
 from .errors import BudgetTooSmallError
 from .memory import Interval, plan_arena
@@ -79,8 +79,9 @@ class Plan:
         return self.arena_bytes + self.trace.activation_peak_bytes + self.fixed_bytes + self.trace.max_grad_bytes
 
     def summary(self) -> dict:
-        streamed = [b for b in range(len(self.buckets)) if b not in set(self.resident)]
-        fetches = sum(1 for x in self.buffers if x.kind is BufferKind.PARAM and x.bucket in set(streamed))
+        resident = set(self.resident)
+        streamed = [b for b in range(len(self.buckets)) if b not in resident]
+        fetches = sum(1 for x in self.buffers if x.kind is BufferKind.PARAM and x.bucket not in resident)
         return {
             "num_buckets": len(self.buckets),
             "resident_buckets": len(self.resident),
@@ -180,9 +181,16 @@ STRATEGIES = (
 )
 
 
-def _layout(trace, buckets, bucket_of, itemsize, resident, strategy):
-    n = len(trace.events)
+def _intervals(trace, buckets, bucket_of, strategy):
+    """What a layout needs that does not depend on residency: per bucket its param-buffer intervals
+    (prefetch moved in) and its grad-slot interval. Computed once per strategy."""
     needs = _with_prefetch(_need_intervals(trace, bucket_of, strategy.merge_phase), strategy.lookahead)
+    return needs, _grad_intervals(trace, buckets, bucket_of)
+
+
+def _layout(trace, buckets, itemsize, resident, intervals):
+    n = len(trace.events)
+    needs, grads = intervals
     specs: list[tuple[int, BufferKind, int, int, int]] = []  # bucket, kind, start, end, size
     for b in range(len(buckets)):
         size = buckets[b].nbytes(itemsize)
@@ -190,7 +198,7 @@ def _layout(trace, buckets, bucket_of, itemsize, resident, strategy):
             specs.append((b, BufferKind.PARAM, 0, n, size))
         else:
             specs.extend((b, BufferKind.PARAM, s, e, size) for s, e in needs.get(b, []))
-    for b, (s, e) in sorted(_grad_intervals(trace, buckets, bucket_of).items()):
+    for b, (s, e) in sorted(grads.items()):
         specs.append((b, BufferKind.GRAD, s, e, buckets[b].grad_nbytes(itemsize)))
     specs = [x for x in specs if x[4] > 0]
     layout = plan_arena([Interval(size=x[4], start=x[2], end=x[3]) for x in specs], alignment=ARENA_ALIGN)
@@ -210,7 +218,7 @@ def _after(specs, offsets) -> list[tuple[int, ...]]:
 
 def _assemble(trace, buckets, itemsize, resident, strategy, specs, layout, budget, fixed) -> Plan:
     n = len(trace.events)
-    bucket_of = bucket_of_from(buckets)
+    bucket_of = locate(buckets)[0]
     after = _after(specs, layout.offsets)
     buffers = tuple(Buffer(b, kind, s, e, size, layout.offsets[k], after[k])
                     for k, (b, kind, s, e, size) in enumerate(specs))
@@ -236,16 +244,6 @@ def _assemble(trace, buckets, itemsize, resident, strategy, specs, layout, budge
         budget_bytes=budget, fixed_bytes=fixed, itemsize=itemsize, strategy=strategy.name)
 
 
-def bucket_of_from(buckets: Sequence[Bucket]) -> tuple[int, ...]:
-    """Parameter id -> bucket index."""
-    n = sum(len(b.params) for b in buckets)
-    out = [0] * n
-    for b in buckets:
-        for p in b.params:
-            out[p] = b.index
-    return tuple(out)
-
-
 def _needed(trace: Trace, i: int, bucket_of: Sequence[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(bucket_of[p] for p in trace.uses[i]))
 
@@ -260,11 +258,12 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
 
     Raises :class:`BudgetTooSmallError` when even streaming everything just in time does not fit.
     """
-    bucket_of = bucket_of_from(buckets)
+    bucket_of = locate(buckets)[0]
     extra = trace.activation_peak_bytes + fixed_bytes + trace.max_grad_bytes
     chosen = None
     for strategy in STRATEGIES:
-        specs, layout = _layout(trace, buckets, bucket_of, itemsize, frozenset(), strategy)
+        intervals = _intervals(trace, buckets, bucket_of, strategy)
+        specs, layout = _layout(trace, buckets, itemsize, frozenset(), intervals)
         if layout.total_bytes + extra <= budget_bytes:
             chosen = strategy
             break
@@ -273,13 +272,13 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
                            fixed=fixed_bytes, grad=trace.max_grad_bytes)
     # Greedy residency: the buckets fetched most often first (each saves that many copies per step), then
     # the smallest (more buckets fit). Keep one only if the whole plan still fits.
-    needs = _with_prefetch(_need_intervals(trace, bucket_of, chosen.merge_phase), chosen.lookahead)
+    needs = intervals[0]
     candidates = sorted(range(len(buckets)),
                         key=lambda b: (-len(needs.get(b, ())), buckets[b].numel, b))
     resident: set[int] = set()
     for b in candidates:
         trial = resident | {b}
-        t_specs, t_layout = _layout(trace, buckets, bucket_of, itemsize, trial, chosen)
+        t_specs, t_layout = _layout(trace, buckets, itemsize, trial, intervals)
         if t_layout.total_bytes + extra <= budget_bytes:
             resident, specs, layout = trial, t_specs, t_layout
     return _assemble(trace, buckets, itemsize, resident, chosen, specs, layout, budget_bytes, fixed_bytes)
@@ -290,7 +289,7 @@ def forward_min_budget(events, uses, ends, buckets: Sequence[Bucket], specs, ite
     """The least device memory any plan needs, from a recorded forward (before backward is seen): the
     buckets the deepest stack of active module calls needs at once, one grad slot, the largest grad
     autograd materialises, activations and fixed buffers."""
-    bucket_of = bucket_of_from(buckets)
+    bucket_of = locate(buckets)[0]
     nbytes = [b.nbytes(itemsize) for b in buckets]
     worst = 0
     stack: list[tuple[int, set[int]]] = []
@@ -326,7 +325,7 @@ def budget_error(budget: int, **parts: int) -> BudgetTooSmallError:
 def validate_plan(plan: Plan) -> None:
     """Check the invariants the runtime relies on; raise AssertionError naming the first violation."""
     n = len(plan.trace.events)
-    bucket_of = bucket_of_from(plan.buckets)
+    bucket_of = locate(plan.buckets)[0]
     live: list[list[int]] = [[] for _ in range(n)]
     for k, x in enumerate(plan.buffers):
         assert 0 <= x.start < x.end <= n, f"buffer {k} has a bad interval [{x.start}, {x.end})"

@@ -21,6 +21,15 @@ def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, **kw)
     return engine, opt, ref, ref_opt
 
 
+def _step_both(engine, opt, ref, ref_opt, loss, *inputs):
+    """One training step of the engine and of the plain-PyTorch reference on the same inputs."""
+    loss(engine(*inputs)).backward()
+    opt.step()
+    loss(ref(*inputs)).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 def _assert_same(engine, ref):
     got = engine.state_dict()["model"]
     for name, want in ref.state_dict().items():
@@ -51,11 +60,7 @@ def test_departure_from_plan_is_correct_and_replans():
     for step in range(12):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
         odd = step % 4 == 3
-        engine(x, odd).square().mean().backward()
-        opt.step()
-        ref(x, odd).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(engine, opt, ref, ref_opt, lambda out: out.square().mean(), x, odd)
     _assert_same(engine, ref)
     stats = engine.memory_stats()
     assert stats["counters"]["plan_departures"] >= 3
@@ -84,11 +89,7 @@ def test_functional_and_tied_uses():
     engine, opt, ref, ref_opt = _ref_and_engine(ParentReadsChild(), budget_frac=0.85)
     for step in range(6):
         idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
-        engine(idx).logsumexp(-1).mean().backward()
-        opt.step()
-        ref(idx).logsumexp(-1).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(engine, opt, ref, ref_opt, lambda out: out.logsumexp(-1).mean(), idx)
     _assert_same(engine, ref)
     assert engine.memory_stats()["counters"]["plan_departures"] == 0
 
@@ -116,11 +117,7 @@ def test_low_arithmetic_density_streaming():
     engine, opt, ref, ref_opt = _ref_and_engine(model, budget_frac=0.6, bucket_frac=0.12)
     for step in range(8):
         x = torch.randn(1, 32, generator=torch.Generator().manual_seed(step))
-        engine(x).square().sum().backward()
-        opt.step()
-        ref(x).square().sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(engine, opt, ref, ref_opt, lambda out: out.square().sum(), x)
     _assert_same(engine, ref)
     assert engine.memory_stats()["plan"]["streamed_buckets"] > 0
 
@@ -155,11 +152,7 @@ def test_exception_in_forward_leaves_engine_usable():
             with pytest.raises(RuntimeError, match="boom"):
                 engine(x)
             model.fail = False
-        engine(x).sum().backward()
-        opt.step()
-        ref(x).sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(engine, opt, ref, ref_opt, lambda out: out.sum(), x)
     _assert_same(engine, ref)
 
 
@@ -168,11 +161,7 @@ def test_close_returns_trained_weights_and_stops_threads():
     engine, opt, ref, ref_opt = _ref_and_engine(model, budget_frac=0.6)
     for step in range(3):
         x = torch.randn(2, 32, generator=torch.Generator().manual_seed(step))
-        engine(x).sum().backward()
-        opt.step()
-        ref(x).sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(engine, opt, ref, ref_opt, lambda out: out.sum(), x)
     assert engine._runtime.cpu.alive and engine._runtime.backend.threads_alive() == 2
     engine.close()
     engine.close()  # idempotent
@@ -244,11 +233,7 @@ def test_eval_on_a_different_path_keeps_the_training_plan():
         torch.testing.assert_close(engine(x_eval), ref(x_eval), rtol=0, atol=0)
     for step in range(8):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        engine(x).square().mean().backward()
-        opt.step()
-        ref(x).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step_both(engine, opt, ref, ref_opt, lambda out: out.square().mean(), x)
         if step % 3 == 2:
             engine.module.eval()
             ref.eval()
