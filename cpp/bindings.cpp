@@ -39,10 +39,21 @@ py::dict stats_dict(const offload::ArenaStats& s) {
 
 using Sizes = std::vector<std::int64_t>;
 
-std::pair<Sizes, std::int64_t> plan_arena(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
-                                          std::int64_t alignment) {
-  offload::ArenaPlan plan = offload::plan_arena({sizes, starts, ends}, alignment);
-  return {std::move(plan.offsets), plan.total_bytes};
+// Returns (offsets, total bytes, winning heuristic, {heuristic: total bytes} for every heuristic run).
+py::tuple plan_arena(const Sizes& sizes, const Sizes& starts, const Sizes& ends, std::int64_t alignment,
+                     const std::string& heuristic) {
+  offload::ArenaPlan plan;
+  {
+    py::gil_scoped_release release;
+    plan = heuristic == "best" ? offload::plan_arena({sizes, starts, ends}, alignment)
+                               : offload::plan_arena({sizes, starts, ends}, alignment,
+                                                     offload::heuristic_from_name(heuristic));
+  }
+  py::dict totals;
+  for (int h = 0; h < offload::kNumHeuristics; ++h) {
+    if (plan.totals[h] >= 0) totals[offload::heuristic_name(static_cast<offload::Heuristic>(h))] = plan.totals[h];
+  }
+  return py::make_tuple(plan.offsets, plan.total_bytes, offload::heuristic_name(plan.heuristic), totals);
 }
 
 std::int64_t arena_lower_bound(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
@@ -160,8 +171,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("adamw_has_openmp", &offload::adamw_has_openmp, "Whether the CPU AdamW runs on OpenMP threads.");
 
   m.def("plan_arena", &plan_arena, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
-        py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
-        "Greedy-by-size best-fit offsets. Returns (offsets in input order, total bytes).");
+        py::arg("alignment") = 256, py::arg("heuristic") = "best",
+        "Best-fit offsets under each heuristic (or the one named); keeps the smallest. Returns (offsets in "
+        "input order, total bytes, heuristic, {heuristic: total bytes}).");
   m.def("arena_lower_bound", &arena_lower_bound, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
         py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
         "Max over time of the sum of live aligned sizes.");

@@ -3,8 +3,8 @@
 Two things live here:
 
 * ``plan_arena``: offline byte offsets for the device buffers a plan creates, so the device side
-  is one ``torch.empty`` that never fragments. Pure: data in, frozen dataclass out, no
-  ``torch.cuda``.
+  is one ``torch.empty`` that never fragments. Three heuristics run and the smallest arena wins.
+  Pure: data in, frozen dataclass out, no ``torch.cuda``.
 * ``HostArena``: one exact-size host region (mmap'd, 2 MiB-aligned, first-touched) with typed
   tensor views. Pinning it (``cudaHostRegister``) is the CUDA backend's job, not this module's.
 """
@@ -18,7 +18,10 @@ import torch
 
 from offload import _C
 
-__all__ = ["ArenaLayout", "HostArena", "Interval", "plan_arena"]
+__all__ = ["ARENA_HEURISTICS", "ArenaLayout", "HostArena", "Interval", "plan_arena"]
+
+ARENA_HEURISTICS = ("greedy_by_size", "greedy_by_breadth", "best_fit_by_lifetime")
+"""The orderings ``plan_arena`` tries (see ``cpp/arena_planner.h``); on equal size the first wins."""
 
 
 def _require_int(name: str, value: object) -> None:
@@ -59,24 +62,35 @@ class ArenaLayout:
     offsets: tuple[int, ...]  # byte offset of each interval's buffer, input order
     total_bytes: int  # arena size
     lower_bound_bytes: int  # max over time of live bytes: no layout can be smaller
+    heuristic: str = "greedy_by_size"  # the ordering that produced this layout (one of ARENA_HEURISTICS)
+    candidates: tuple[tuple[str, int], ...] = ()  # (heuristic, arena bytes) for every heuristic tried
+
+    @property
+    def overhead(self) -> float:
+        """Arena bytes over the lower bound (1.0 is optimal; 1.0 for an empty plan)."""
+        return self.total_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
 
 
-def plan_arena(intervals: Sequence[Interval], alignment: int = 256) -> ArenaLayout:
-    """Offsets for ``intervals`` by greedy-by-size best fit (see ``cpp/arena_planner.h``).
+def plan_arena(intervals: Sequence[Interval], alignment: int = 256, heuristic: str = "best") -> ArenaLayout:
+    """Offsets for ``intervals``: best fit under each of ``ARENA_HEURISTICS``, the smallest arena kept
+    (``heuristic`` names one to run only that one). See ``cpp/arena_planner.h``.
 
     Every offset is a multiple of ``alignment`` (a power of two) and sizes are rounded up to it;
     two buffers live at the same event never overlap in memory.
     """
     _require_power_of_two("alignment", alignment)
+    if heuristic != "best" and heuristic not in ARENA_HEURISTICS:
+        raise ValueError(f"heuristic must be 'best' or one of {ARENA_HEURISTICS}, got {heuristic!r}")
     for i, interval in enumerate(intervals):
         if not isinstance(interval, Interval):
             raise TypeError(f"intervals[{i}] must be an Interval, got {type(interval).__name__}")
     sizes = [iv.size for iv in intervals]
     starts = [iv.start for iv in intervals]
     ends = [iv.end for iv in intervals]
-    offsets, total = _C.plan_arena(sizes, starts, ends, alignment)
+    offsets, total, winner, totals = _C.plan_arena(sizes, starts, ends, alignment, heuristic)
     lower_bound = _C.arena_lower_bound(sizes, starts, ends, alignment)
-    return ArenaLayout(offsets=tuple(offsets), total_bytes=total, lower_bound_bytes=lower_bound)
+    return ArenaLayout(offsets=tuple(offsets), total_bytes=total, lower_bound_bytes=lower_bound, heuristic=winner,
+                       candidates=tuple((h, totals[h]) for h in ARENA_HEURISTICS if h in totals))
 
 
 class HostArena:
