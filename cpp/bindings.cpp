@@ -102,12 +102,14 @@ void bind_pinned_arena(py::module_& m) {
                           "Exact-size, 2 MiB-aligned, first-touched host region with a best-fit sub-allocator.")
       // The GIL is released while the region is mapped and touched: that can take seconds for
       // tens of GiB, and other Python threads should keep running meanwhile.
-      .def(py::init([](std::int64_t size_bytes, unsigned touch_threads) {
+      .def(py::init([](std::int64_t size_bytes, unsigned touch_threads, int numa_node, bool populate) {
              const std::size_t size = non_negative(size_bytes, "size_bytes");
              py::gil_scoped_release release;
-             return std::make_unique<PinnedArena>(size, touch_threads);
+             return std::make_unique<PinnedArena>(size, offload::TouchOptions{touch_threads, numa_node, populate});
            }),
-           py::arg("size_bytes"), py::arg("touch_threads") = 0)
+           py::arg("size_bytes"), py::arg("touch_threads") = 0, py::arg("numa_node") = -1,
+           py::arg("populate") = true)
+      .def_property_readonly("touch_method", &PinnedArena::touch_method)
       .def_property_readonly("size_bytes", &PinnedArena::size_bytes)
       .def_property_readonly("reserved_bytes", &PinnedArena::reserved_bytes)
       .def_property_readonly("data_ptr",

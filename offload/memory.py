@@ -18,7 +18,7 @@ import torch
 
 from offload import _C
 
-__all__ = ["ARENA_HEURISTICS", "ArenaLayout", "HostArena", "Interval", "plan_arena"]
+__all__ = ["ARENA_HEURISTICS", "ArenaLayout", "HostArena", "Interval", "numa_node_of_pci_device", "plan_arena"]
 
 ARENA_HEURISTICS = ("greedy_by_size", "greedy_by_breadth", "best_fit_by_lifetime")
 """The orderings ``plan_arena`` tries (see ``cpp/arena_planner.h``); on equal size the first wins."""
@@ -94,22 +94,39 @@ def plan_arena(intervals: Sequence[Interval], alignment: int = 256, heuristic: s
 
 
 class HostArena:
-    """Exact-size host region (C++ PinnedArena) with typed tensor views."""
+    """Exact-size host region (C++ PinnedArena) with typed tensor views.
 
-    def __init__(self, size_bytes: int, touch_threads: int = 0) -> None:
+    ``touch_threads`` threads back its pages at construction (0: one per core); ``numa_node`` runs them
+    on that node's CPUs so the pages land there (for a GPU, its node: ``numa_node_of_pci_device``);
+    ``populate`` backs each thread's range with one ``madvise(MADV_POPULATE_WRITE)`` instead of a write
+    per page, where the kernel has it (``touch_method`` says which happened).
+    """
+
+    def __init__(self, size_bytes: int, touch_threads: int = 0, numa_node: int | None = None,
+                 populate: bool = True) -> None:
         _require_int("size_bytes", size_bytes)
         _require_int("touch_threads", touch_threads)
         if size_bytes < 0 or touch_threads < 0:
             raise ValueError(
                 f"size_bytes and touch_threads must be >= 0, got {size_bytes} and {touch_threads}"
             )
-        self._arena = _C.PinnedArena(size_bytes, touch_threads)
+        if numa_node is not None:
+            _require_int("numa_node", numa_node)
+            if numa_node < 0:
+                raise ValueError(f"numa_node must be >= 0 or None, got {numa_node}")
+        self._arena = _C.PinnedArena(size_bytes, touch_threads, -1 if numa_node is None else numa_node,
+                                     bool(populate))
         # Made once. frombuffer holds a reference to the C++ arena, so views outlive this object
         # safely; it rejects empty buffers, hence the special case.
         if size_bytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)
         else:
             self.tensor = torch.frombuffer(self._arena, dtype=torch.uint8)
+
+    @property
+    def touch_method(self) -> str:
+        """How the pages were backed: "populate" (madvise), "write" (a store per page) or "none" (empty)."""
+        return self._arena.touch_method
 
     @property
     def size_bytes(self) -> int:
@@ -158,3 +175,15 @@ class HostArena:
 
     def __repr__(self) -> str:
         return f"HostArena({self._arena!r})"
+
+
+def numa_node_of_pci_device(bus_id: str) -> int | None:
+    """The NUMA node of a PCI device (for example a GPU, ``"0000:3b:00.0"``), or None where the machine
+    has no NUMA or does not say."""
+    from pathlib import Path
+
+    try:
+        node = int(Path(f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
