@@ -1,10 +1,12 @@
 #include "arena_planner.h"
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -52,19 +54,19 @@ std::vector<std::int64_t> aligned_sizes(const BufferLifetimes& b, std::int64_t a
 class Placer {
  public:
   Placer(const std::vector<std::int64_t>& size, const BufferLifetimes& b) : size_(size), b_(b) {
-    by_start_.resize(size.size());
-    std::iota(by_start_.begin(), by_start_.end(), 0);
-    std::sort(by_start_.begin(), by_start_.end(), [&](std::size_t x, std::size_t y) {
+    std::vector<std::size_t> by_start(size.size());
+    std::iota(by_start.begin(), by_start.end(), 0);
+    std::sort(by_start.begin(), by_start.end(), [&](std::size_t x, std::size_t y) {
       return b.starts[x] != b.starts[y] ? b.starts[x] < b.starts[y] : x < y;
     });
     sorted_starts_.resize(size.size());
     position_.resize(size.size());
-    for (std::size_t k = 0; k < by_start_.size(); ++k) {
-      sorted_starts_[k] = b.starts[by_start_[k]];
-      position_[by_start_[k]] = k;
+    entries_.resize(size.size());
+    for (std::size_t k = 0; k < by_start.size(); ++k) {
+      sorted_starts_[k] = b.starts[by_start[k]];
+      position_[by_start[k]] = k;
+      entries_[k].end = b.ends[by_start[k]];
     }
-    placed_.assign(size.size(), false);
-    offset_.assign(size.size(), 0);
   }
 
   // Best fit among the placed buffers live at the same time, walked in offset order: the smallest gap
@@ -77,10 +79,11 @@ class Placer {
     const auto first = std::upper_bound(sorted_starts_.begin(), sorted_starts_.end(), earliest);
     const auto last = std::lower_bound(first, sorted_starts_.end(), end);
     live_.clear();
-    for (auto at = first; at != last; ++at) {
-      const std::size_t k = static_cast<std::size_t>(at - sorted_starts_.begin());
-      const std::size_t j = by_start_[k];
-      if (placed_[k] && b_.ends[j] > start) live_.emplace_back(offset_[j], offset_[j] + size_[j]);
+    const Entry* e = entries_.data();
+    for (auto k = static_cast<std::size_t>(first - sorted_starts_.begin()),
+              stop = static_cast<std::size_t>(last - sorted_starts_.begin());
+         k < stop; ++k) {
+      if (e[k].placed && e[k].end > start) live_.emplace_back(e[k].lo, e[k].hi);
     }
     std::sort(live_.begin(), live_.end());
     std::int64_t best_offset = -1;
@@ -94,35 +97,51 @@ class Placer {
       }
       prev_end = std::max(prev_end, hi);
     }
-    offset_[i] = best_offset >= 0 ? best_offset : prev_end;
-    placed_[position_[i]] = true;
+    const std::int64_t offset = best_offset >= 0 ? best_offset : prev_end;
+    Entry& mine = entries_[position_[i]];
+    mine.placed = true;
+    mine.lo = offset;
+    mine.hi = offset + size_[i];
     longest_ = std::max(longest_, end - start);
-    return offset_[i];
+    return offset;
   }
 
  private:
+  struct Entry {  // one per buffer, in start order: what the scan reads, side by side
+    std::int64_t end = 0;
+    std::int64_t lo = 0;  // [lo, hi): its bytes, once placed
+    std::int64_t hi = 0;
+    bool placed = false;
+  };
   const std::vector<std::int64_t>& size_;
   const BufferLifetimes& b_;
-  std::vector<std::size_t> by_start_;         // buffer ids sorted by start
-  std::vector<std::int64_t> sorted_starts_;   // their starts
-  std::vector<std::size_t> position_;         // buffer id -> index in by_start_
-  std::vector<bool> placed_;                  // by index in by_start_
-  std::vector<std::int64_t> offset_;          // by buffer id, valid once placed
-  std::int64_t longest_ = 0;                  // longest lifetime placed so far
+  std::vector<std::int64_t> sorted_starts_;  // starts in start order
+  std::vector<std::size_t> position_;        // buffer id -> index in start order
+  std::vector<Entry> entries_;               // by index in start order
+  std::int64_t longest_ = 0;                 // longest lifetime placed so far
   std::vector<std::pair<std::int64_t, std::int64_t>> live_;  // scratch: [offset, offset + size)
 };
 
-ArenaPlan place(const std::vector<std::size_t>& order, const std::vector<std::int64_t>& size,
-                const BufferLifetimes& buffers, Heuristic heuristic) {
-  Placer placer(size, buffers);
+// Places with `slot` sizes (the aligned sizes, or their size classes); the arena's total counts the
+// aligned sizes, since padding at the top is never touched.
+ArenaPlan place(const std::vector<std::size_t>& order, const std::vector<std::int64_t>& slot,
+                const std::vector<std::int64_t>& size, const BufferLifetimes& buffers) {
+  Placer placer(slot, buffers);
   ArenaPlan plan;
-  plan.heuristic = heuristic;
   plan.offsets.assign(order.size(), 0);
   for (const std::size_t i : order) {
     plan.offsets[i] = placer.place(i);
     plan.total_bytes = std::max(plan.total_bytes, plan.offsets[i] + size[i]);
   }
   return plan;
+}
+
+// Rounds up to 8 significant bits (a multiple of a power of two, so alignment is kept).
+std::int64_t size_class(std::int64_t size) {
+  int bits = 0;
+  while (bits < 63 && (std::int64_t{1} << bits) <= size) ++bits;
+  const std::int64_t quantum = std::int64_t{1} << std::max(0, bits - 8);
+  return (size + quantum - 1) / quantum * quantum;
 }
 
 // Sorts 0..n-1 by `key` (a tuple compared lexicographically; the index breaks the last tie, so every
@@ -186,65 +205,96 @@ std::vector<std::size_t> breadth_order(const std::vector<std::int64_t>& size, co
   return sorted_by(n, [&](std::size_t i) { return std::make_tuple(buffer_rank[i], -size[i], b.starts[i]); });
 }
 
-std::vector<std::size_t> heuristic_order(Heuristic h, const std::vector<std::int64_t>& size,
-                                         const BufferLifetimes& b) {
-  switch (h) {
-    case Heuristic::kGreedyBySize:
+std::vector<std::size_t> ordering(Ordering o, const std::vector<std::int64_t>& size, const BufferLifetimes& b) {
+  switch (o) {
+    case Ordering::kBySize:
       // Biggest first: large buffers are the hardest to fit, small ones then fill the gaps.
       return sorted_by(size.size(), [&](std::size_t i) { return std::make_pair(-size[i], b.starts[i]); });
-    case Heuristic::kGreedyByBreadth:
+    case Ordering::kByBreadth:
       return breadth_order(size, b);
-    case Heuristic::kBestFitByLifetime:
+    case Ordering::kByLifetime:
       // Longest-lived first: they constrain every other buffer; short ones then slot in around them.
       return sorted_by(size.size(), [&](std::size_t i) {
         return std::make_tuple(-(b.ends[i] - b.starts[i]), -size[i], b.starts[i]);
       });
   }
-  throw std::invalid_argument("unknown heuristic");
+  throw std::invalid_argument("unknown ordering");
+}
+
+ArenaPlan run_heuristic(int heuristic, const std::vector<std::int64_t>& size,
+                        const std::vector<std::int64_t>& classes, const BufferLifetimes& b) {
+  const auto o = static_cast<Ordering>(heuristic % 3);
+  const std::vector<std::int64_t>& slot = heuristic < 3 ? size : classes;
+  ArenaPlan plan = place(ordering(o, slot, b), slot, size, b);
+  plan.heuristic = heuristic;
+  return plan;
+}
+
+std::vector<std::int64_t> size_classes(const std::vector<std::int64_t>& size) {
+  std::vector<std::int64_t> out(size.size());
+  std::transform(size.begin(), size.end(), out.begin(), size_class);
+  return out;
 }
 
 }  // namespace
 
-const char* heuristic_name(Heuristic h) {
-  switch (h) {
-    case Heuristic::kGreedyBySize:
-      return "greedy_by_size";
-    case Heuristic::kGreedyByBreadth:
-      return "greedy_by_breadth";
-    case Heuristic::kBestFitByLifetime:
-      return "best_fit_by_lifetime";
-  }
-  return "unknown";
+const char* heuristic_name(int heuristic) {
+  static const char* const kNames[kNumHeuristics] = {
+      "greedy_by_size",           "greedy_by_breadth",           "best_fit_by_lifetime",
+      "greedy_by_size+size_classes", "greedy_by_breadth+size_classes", "best_fit_by_lifetime+size_classes"};
+  return heuristic >= 0 && heuristic < kNumHeuristics ? kNames[heuristic] : "unknown";
 }
 
-Heuristic heuristic_from_name(const std::string& name) {
+int heuristic_from_name(const std::string& name) {
+  std::string known;
   for (int h = 0; h < kNumHeuristics; ++h) {
-    if (name == heuristic_name(static_cast<Heuristic>(h))) return static_cast<Heuristic>(h);
+    if (name == heuristic_name(h)) return h;
+    known += (h ? ", " : "") + std::string(heuristic_name(h));
   }
-  throw std::invalid_argument("unknown arena heuristic '" + name +
-                              "': expected greedy_by_size, greedy_by_breadth or best_fit_by_lifetime");
+  throw std::invalid_argument("unknown arena heuristic '" + name + "': expected one of " + known);
 }
 
-ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment, Heuristic heuristic) {
+ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment, int heuristic) {
+  if (heuristic < 0 || heuristic >= kNumHeuristics) {
+    throw std::invalid_argument("unknown arena heuristic " + std::to_string(heuristic));
+  }
   const std::vector<std::int64_t> size = aligned_sizes(buffers, alignment);
-  ArenaPlan plan = place(heuristic_order(heuristic, size, buffers), size, buffers, heuristic);
+  ArenaPlan plan = run_heuristic(heuristic, size, size_classes(size), buffers);
   plan.totals.assign(kNumHeuristics, -1);
-  plan.totals[static_cast<int>(heuristic)] = plan.total_bytes;
+  plan.totals[heuristic] = plan.total_bytes;
   return plan;
 }
 
 ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment) {
   const std::vector<std::int64_t> size = aligned_sizes(buffers, alignment);
-  ArenaPlan best;
-  std::vector<std::int64_t> totals(kNumHeuristics, -1);
-  for (int h = 0; h < kNumHeuristics; ++h) {
-    const auto heuristic = static_cast<Heuristic>(h);
-    ArenaPlan plan = place(heuristic_order(heuristic, size, buffers), size, buffers, heuristic);
-    totals[h] = plan.total_bytes;
-    if (h == 0 || plan.total_bytes < best.total_bytes) best = std::move(plan);  // ties keep the earlier
+  const std::vector<std::int64_t> classes = size_classes(size);
+  // The heuristics are independent: large inputs run them on parallel threads (each is pure and
+  // deterministic, so the result does not depend on the thread count).
+  std::vector<ArenaPlan> plans(kNumHeuristics);
+  auto run = [&](int h) { plans[h] = run_heuristic(h, size, classes, buffers); };
+  constexpr std::size_t kParallelFrom = 2000;  // buffers; below this a thread costs more than a heuristic
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  if (size.size() < kParallelFrom || cores == 1) {
+    for (int h = 0; h < kNumHeuristics; ++h) run(h);
+  } else {
+    std::atomic<int> next{0};
+    auto worker = [&] {
+      for (int h = next++; h < kNumHeuristics; h = next++) run(h);
+    };
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < std::min<unsigned>(cores, kNumHeuristics); ++t) pool.emplace_back(worker);
+    worker();
+    for (auto& t : pool) t.join();
   }
-  best.totals = std::move(totals);
-  return best;
+  int best = 0;
+  for (int h = 1; h < kNumHeuristics; ++h) {
+    if (plans[h].total_bytes < plans[best].total_bytes) best = h;  // ties keep the earlier
+  }
+  std::vector<std::int64_t> totals(kNumHeuristics);
+  for (int h = 0; h < kNumHeuristics; ++h) totals[h] = plans[h].total_bytes;
+  ArenaPlan out = std::move(plans[best]);
+  out.totals = std::move(totals);
+  return out;
 }
 
 std::int64_t arena_lower_bound(const BufferLifetimes& buffers, std::int64_t alignment) {

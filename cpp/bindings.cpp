@@ -45,13 +45,13 @@ py::tuple plan_arena(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
   offload::ArenaPlan plan;
   {
     py::gil_scoped_release release;
-    plan = heuristic == "best" ? offload::plan_arena({sizes, starts, ends}, alignment)
-                               : offload::plan_arena({sizes, starts, ends}, alignment,
-                                                     offload::heuristic_from_name(heuristic));
+    plan = heuristic == "best"
+               ? offload::plan_arena({sizes, starts, ends}, alignment)
+               : offload::plan_arena({sizes, starts, ends}, alignment, offload::heuristic_from_name(heuristic));
   }
   py::dict totals;
   for (int h = 0; h < offload::kNumHeuristics; ++h) {
-    if (plan.totals[h] >= 0) totals[offload::heuristic_name(static_cast<offload::Heuristic>(h))] = plan.totals[h];
+    if (plan.totals[h] >= 0) totals[offload::heuristic_name(h)] = plan.totals[h];
   }
   return py::make_tuple(plan.offsets, plan.total_bytes, offload::heuristic_name(plan.heuristic), totals);
 }

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import bisect
 
-HEURISTICS = ("greedy_by_size", "greedy_by_breadth", "best_fit_by_lifetime")  # tie order: first wins
+ORDERINGS = ("greedy_by_size", "greedy_by_breadth", "best_fit_by_lifetime")
+HEURISTICS = ORDERINGS + tuple(f"{o}+size_classes" for o in ORDERINGS)  # tie order: first wins
+
+
+def size_class(size: int) -> int:
+    """``size`` rounded up to 8 significant bits (at most 1/128 more)."""
+    quantum = 1 << max(0, size.bit_length() - 8)
+    return -(-size // quantum) * quantum
 
 
 def round_up(size: int, alignment: int) -> int:
@@ -16,7 +23,7 @@ def round_up(size: int, alignment: int) -> int:
 
 
 def order(heuristic: str, aligned: list[int], starts: list[int], ends: list[int]) -> list[int]:
-    """The order in which ``heuristic`` places the buffers (ties broken by start, then index)."""
+    """The order in which ordering ``heuristic`` places the buffers (ties broken by start, then index)."""
     n = len(aligned)
     if heuristic == "greedy_by_size":
         return sorted(range(n), key=lambda i: (-aligned[i], starts[i], i))
@@ -54,12 +61,21 @@ def place(order_: list[int], aligned: list[int], starts: list[int], ends: list[i
     return offsets, total
 
 
+def run(heuristic: str, aligned: list[int], starts: list[int], ends: list[int]) -> tuple[list[int], int]:
+    """One heuristic: its ordering and best-fit placement on the aligned sizes, or on their size classes
+    (then the total still counts the aligned sizes: padding at the top is never touched)."""
+    ordering, _, classes = heuristic.partition("+")
+    slot = [size_class(a) for a in aligned] if classes else aligned
+    offsets, _ = place(order(ordering, slot, starts, ends), slot, starts, ends)
+    return offsets, max((o + a for o, a in zip(offsets, aligned)), default=0)
+
+
 def plan(sizes: list[int], starts: list[int], ends: list[int], alignment: int,
          heuristic: str = "best") -> tuple[list[int], int, str, dict[str, int]]:
     """Same contract as ``offload._C.plan_arena``: (offsets, total, winning heuristic, totals)."""
     aligned = [round_up(s, alignment) for s in sizes]
     names = HEURISTICS if heuristic == "best" else (heuristic,)
-    results = {h: place(order(h, aligned, starts, ends), aligned, starts, ends) for h in names}
+    results = {h: run(h, aligned, starts, ends) for h in names}
     winner = min(names, key=lambda h: (results[h][1], names.index(h)))
     return results[winner][0], results[winner][1], winner, {h: r[1] for h, r in results.items()}
 

@@ -20,8 +20,11 @@ from offload import _C
 
 __all__ = ["ARENA_HEURISTICS", "ArenaLayout", "HostArena", "Interval", "numa_node_of_pci_device", "plan_arena"]
 
-ARENA_HEURISTICS = ("greedy_by_size", "greedy_by_breadth", "best_fit_by_lifetime")
-"""The orderings ``plan_arena`` tries (see ``cpp/arena_planner.h``); on equal size the first wins."""
+ARENA_HEURISTICS = ("greedy_by_size", "greedy_by_breadth", "best_fit_by_lifetime",
+                    "greedy_by_size+size_classes", "greedy_by_breadth+size_classes",
+                    "best_fit_by_lifetime+size_classes")
+"""What ``plan_arena`` tries (see ``cpp/arena_planner.h``): three orderings, each with exact sizes and with
+sizes rounded up to size classes; on equal arena size the first wins."""
 
 
 def _require_int(name: str, value: object) -> None:
@@ -74,6 +77,7 @@ class ArenaLayout:
 def plan_arena(intervals: Sequence[Interval], alignment: int = 256, heuristic: str = "best") -> ArenaLayout:
     """Offsets for ``intervals``: best fit under each of ``ARENA_HEURISTICS``, the smallest arena kept
     (``heuristic`` names one to run only that one). See ``cpp/arena_planner.h``.
+    ``total_bytes`` is at least ``lower_bound_bytes``; ``overhead`` is their ratio.
 
     Every offset is a multiple of ``alignment`` (a power of two) and sizes are rounded up to it;
     two buffers live at the same event never overlap in memory.
