@@ -96,6 +96,21 @@ bool adamw_step(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp
   return offload::adamw_step(b, h, check_finite, num_threads, isa);
 }
 
+void adamw_memory_traffic(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+                          std::uintptr_t grad, const std::string& grad_dtype, std::uintptr_t lowp_out,
+                          std::int64_t numel, int num_threads) {
+  offload::AdamWBuffers b;
+  b.param = reinterpret_cast<float*>(param);
+  b.exp_avg = reinterpret_cast<float*>(exp_avg);
+  b.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  b.grad = reinterpret_cast<const void*>(grad);
+  b.grad_type = scalar_type(grad_dtype, "grad_dtype");
+  b.lowp_out = reinterpret_cast<void*>(lowp_out);
+  b.numel = non_negative(numel, "numel");
+  py::gil_scoped_release release;
+  offload::adamw_memory_traffic(b, num_threads);
+}
+
 void bind_pinned_arena(py::module_& m) {
   using offload::PinnedArena;
   py::class_<PinnedArena>(m, "PinnedArena", py::buffer_protocol(),
@@ -169,6 +184,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("grad_scale") = 1.0, py::arg("check_finite") = false, py::arg("num_threads") = 1,
         py::arg("isa") = "auto",
         "Fused AdamW over raw fp32 buffers (addresses as ints). Returns found_inf; see cpp/cpu_adam.h.");
+  m.def("adamw_memory_traffic", &adamw_memory_traffic, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("grad"), py::arg("grad_dtype"), py::arg("lowp_out"), py::arg("numel"), py::arg("num_threads") = 1,
+        "adamw_step's loads and stores without its arithmetic (overwrites the buffers): the bandwidth bound.");
   m.def("adamw_isa", &offload::adamw_isa, "Instruction set the CPU AdamW dispatches to on this CPU.");
   m.def("adamw_has_openmp", &offload::adamw_has_openmp, "Whether the CPU AdamW runs on OpenMP threads.");
 

@@ -10,10 +10,16 @@
 #include <omp.h>
 #endif
 
+#if defined(__SSE2__)
+#include <emmintrin.h>  // _mm_stream_si128: part of x86-64's baseline, no dispatch needed
+#endif
+
 // Built with -ffp-contract=off (CMakeLists.txt): every fused multiply-add below is written out, none is
 // added by the compiler. See [Note: AdamW op order] in cpu_adam.h.
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+// OFFLOAD_PORTABLE_ONLY builds what a non-x86 machine gets (for checking that path compiles).
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(OFFLOAD_PORTABLE_ONLY)
 #define OFFLOAD_X86_DISPATCH 1
 #else
 #define OFFLOAD_X86_DISPATCH 0
@@ -179,12 +185,28 @@ OFFLOAD_ALWAYS_INLINE void round_to_lowp(const float* OFFLOAD_RESTRICT param, st
   for (std::size_t i = 0; i < n; ++i) out[i] = kLowp == 1 ? float_to_bf16(param[i]) : float_to_fp16(param[i]);
 }
 
+// Copies n 16-bit values with non-temporal stores where the CPU has them. The low-precision copy is
+// only written here (the next host-to-device copy reads it), so a normal store would first read each
+// line into the cache (2 more bytes of traffic per parameter) and evict data the update still needs.
+OFFLOAD_ALWAYS_INLINE void stream_out(const std::uint16_t* OFFLOAD_RESTRICT src, std::size_t n,
+                                      std::uint16_t* OFFLOAD_RESTRICT dst) {
+  std::size_t i = 0;
+#if defined(__SSE2__)
+  while (i < n && (reinterpret_cast<std::uintptr_t>(dst + i) & 15u) != 0) dst[i] = src[i], ++i;
+  for (; i + 8 <= n; i += 8) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
 // The whole update of elements [begin, end).
 template <bool kFma, ScalarType G, int kLowp>  // kLowp: 0 none, 1 bf16, 2 fp16
 OFFLOAD_ALWAYS_INLINE void update_range(const AdamWBuffers& b, const Coeffs& c, std::size_t begin,
                                         std::size_t end) {
   constexpr std::size_t kGradBytes = G == ScalarType::kFloat32 ? 4 : 2;
   alignas(64) float grad_block[kBlock];
+  alignas(64) std::uint16_t lowp_block[kBlock];
   for (std::size_t at = begin; at < end; at += kBlock) {
     const std::size_t n = std::min(kBlock, end - at);
     const float* grad = static_cast<const float*>(b.grad) + at;
@@ -193,8 +215,44 @@ OFFLOAD_ALWAYS_INLINE void update_range(const AdamWBuffers& b, const Coeffs& c, 
       grad = grad_block;
     }
     update_fp32<kFma>(b.param + at, b.exp_avg + at, b.exp_avg_sq + at, grad, n, c);
-    if constexpr (kLowp != 0) round_to_lowp<kLowp>(b.param + at, n, static_cast<std::uint16_t*>(b.lowp_out) + at);
+    if constexpr (kLowp != 0) {
+      round_to_lowp<kLowp>(b.param + at, n, lowp_block);
+      stream_out(lowp_block, n, static_cast<std::uint16_t*>(b.lowp_out) + at);
+    }
   }
+#if defined(__SSE2__)
+  if constexpr (kLowp != 0) _mm_sfence();  // order the streamed stores before anyone is told we are done
+#endif
+}
+
+// The memory traffic of update_range with no AdamW arithmetic: the same loads and stores, in the same
+// blocks, with trivial operations. Its speed is the bandwidth bound for the kernel on this machine.
+template <ScalarType G, int kLowp>
+OFFLOAD_ALWAYS_INLINE void traffic_range(const AdamWBuffers& b, std::size_t begin, std::size_t end) {
+  constexpr std::size_t kGradBytes = G == ScalarType::kFloat32 ? 4 : 2;
+  alignas(64) float grad_block[kBlock];
+  alignas(64) std::uint16_t lowp_block[kBlock];
+  for (std::size_t at = begin; at < end; at += kBlock) {
+    const std::size_t n = std::min(kBlock, end - at);
+    widen_grads<G>(static_cast<const char*>(b.grad) + at * kGradBytes, 1.0f, n, grad_block);
+    float* OFFLOAD_RESTRICT p = b.param + at;
+    float* OFFLOAD_RESTRICT m = b.exp_avg + at;
+    float* OFFLOAD_RESTRICT v = b.exp_avg_sq + at;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float g = grad_block[i];
+      const float pi = p[i], mi = m[i], vi = v[i];
+      p[i] = pi + g;
+      m[i] = mi + g;
+      v[i] = vi + g;
+    }
+    if constexpr (kLowp != 0) {
+      for (std::size_t i = 0; i < n; ++i) lowp_block[i] = static_cast<std::uint16_t>(bits_of(p[i]) >> 16);
+      stream_out(lowp_block, n, static_cast<std::uint16_t*>(b.lowp_out) + at);
+    }
+  }
+#if defined(__SSE2__)
+  if constexpr (kLowp != 0) _mm_sfence();
+#endif
 }
 
 // True when every grad * scale in [begin, end) is finite. An OR over integer flags, so it vectorises.
@@ -210,10 +268,12 @@ OFFLOAD_ALWAYS_INLINE bool finite_range(const void* grad, float grad_scale, std:
 
 using UpdateFn = void (*)(const AdamWBuffers&, const Coeffs&, std::size_t, std::size_t);
 using FiniteFn = bool (*)(const void*, float, std::size_t, std::size_t);
+using TrafficFn = void (*)(const AdamWBuffers&, std::size_t, std::size_t);
 
 struct Kernels {
-  UpdateFn update[3][3];  // [grad type][lowp: none, bf16, fp16]
-  FiniteFn finite[3];     // [grad type]
+  UpdateFn update[3][3];    // [grad type][lowp: none, bf16, fp16]
+  FiniteFn finite[3];       // [grad type]
+  TrafficFn traffic[3][2];  // [grad type][lowp: none, some]
 };
 
 // One set of kernels per instruction set: the same source, compiled with that ISA's target attribute.
@@ -228,13 +288,20 @@ struct Kernels {
   ATTR bool finite_##NAME(const void* g, float s, std::size_t begin, std::size_t end) {                 \
     return finite_range<G>(g, s, begin, end);                                                          \
   }                                                                                                    \
+  template <ScalarType G, int kLowp>                                                                   \
+  ATTR void traffic_##NAME(const AdamWBuffers& b, std::size_t begin, std::size_t end) {                 \
+    traffic_range<G, kLowp>(b, begin, end);                                                            \
+  }                                                                                                    \
   constexpr ScalarType kF32_##NAME = ScalarType::kFloat32, kBF16_##NAME = ScalarType::kBFloat16,        \
                        kF16_##NAME = ScalarType::kFloat16;                                             \
   const Kernels kKernels_##NAME = {                                                                    \
       {{update_##NAME<kF32_##NAME, 0>, update_##NAME<kF32_##NAME, 1>, update_##NAME<kF32_##NAME, 2>},   \
        {update_##NAME<kBF16_##NAME, 0>, update_##NAME<kBF16_##NAME, 1>, update_##NAME<kBF16_##NAME, 2>}, \
        {update_##NAME<kF16_##NAME, 0>, update_##NAME<kF16_##NAME, 1>, update_##NAME<kF16_##NAME, 2>}},  \
-      {finite_##NAME<kF32_##NAME>, finite_##NAME<kBF16_##NAME>, finite_##NAME<kF16_##NAME>}};
+      {finite_##NAME<kF32_##NAME>, finite_##NAME<kBF16_##NAME>, finite_##NAME<kF16_##NAME>},            \
+      {{traffic_##NAME<kF32_##NAME, 0>, traffic_##NAME<kF32_##NAME, 1>},                                  \
+       {traffic_##NAME<kBF16_##NAME, 0>, traffic_##NAME<kBF16_##NAME, 1>},                                \
+       {traffic_##NAME<kF16_##NAME, 0>, traffic_##NAME<kF16_##NAME, 1>}}};
 
 #if OFFLOAD_X86_DISPATCH
 OFFLOAD_KERNELS(baseline, , false)
@@ -283,11 +350,11 @@ int type_index(ScalarType t) { return static_cast<int>(t); }
 template <typename Fn>
 void parallel_runs(std::size_t n, int num_threads, Fn&& fn) {
   constexpr std::size_t kMinPerWorker = std::size_t{1} << 15;
-  constexpr std::size_t kLine = 16;  // floats per 64-byte cache line
   const std::size_t workers = std::min<std::size_t>(static_cast<std::size_t>(num_threads),
                                                     std::max<std::size_t>(1, n / kMinPerWorker));
 #ifdef _OPENMP
   if (workers > 1) {
+    constexpr std::size_t kLine = 16;  // floats per 64-byte cache line
     const std::size_t per = ((n + workers - 1) / workers + kLine - 1) / kLine * kLine;
     const long count = static_cast<long>(workers);
 #pragma omp parallel for num_threads(static_cast<int>(workers)) schedule(static, 1)
@@ -356,6 +423,14 @@ bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check
   parallel_runs(buffers.numel, num_threads,
                 [&](long, std::size_t begin, std::size_t end) { update(buffers, coeffs, begin, end); });
   return false;
+}
+
+void adamw_memory_traffic(const AdamWBuffers& buffers, int num_threads) {
+  validate(buffers, AdamWHyper{}, num_threads, "auto");
+  if (buffers.numel == 0) return;
+  const TrafficFn traffic =
+      kernels_for(best_isa()).traffic[type_index(buffers.grad_type)][buffers.lowp_out == nullptr ? 0 : 1];
+  parallel_runs(buffers.numel, num_threads, [&](long, std::size_t begin, std::size_t end) { traffic(buffers, begin, end); });
 }
 
 const char* adamw_isa() { return best_isa(); }

@@ -108,6 +108,13 @@ def adamw_step(
     Releases the GIL.
     """
 
+def adamw_memory_traffic(
+    param: int, exp_avg: int, exp_avg_sq: int, grad: int, grad_dtype: str, lowp_out: int, numel: int,
+    num_threads: int = 1,
+) -> None:
+    """``adamw_step``'s loads and stores (same blocks, same threads) without its arithmetic: overwrites the
+    buffers with meaningless values. Its speed is the kernel's bandwidth bound on this machine."""
+
 def adamw_isa() -> str:
     """The instruction set ``adamw_step`` dispatches to on this CPU: "avx512", "avx2" or "baseline"."""
 

@@ -320,3 +320,15 @@ def test_c_level_errors():
                       1e-3, 0.9, 0.999, 1e-8, 0.0)
     with pytest.raises(ValueError, match="instruction set 'sse9'"):
         run_kernel(p, g, m, v, isa="sse9")
+
+
+def test_memory_traffic_probe_touches_every_buffer():
+    # The benchmark's bandwidth bound: the kernel's loads and stores with trivial arithmetic.
+    p, g, m, v = state(70_001, torch.bfloat16, seed=10, offset=1)
+    lowp = torch.zeros(70_001, dtype=torch.bfloat16)
+    p0, m0, v0 = clones(p, m, v)
+    _C.adamw_memory_traffic(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), "bfloat16", lowp.data_ptr(),
+                            p.numel(), 2)
+    for new, old in ((p, p0), (m, m0), (v, v0)):
+        assert torch.equal(new, old + g.float())
+    assert torch.equal(bits(lowp), (bits(p) >> 16).to(torch.int16).to(torch.int64))
