@@ -123,7 +123,7 @@ void bind_pinned_arena(py::module_& m) {
              return std::make_unique<PinnedArena>(size, offload::TouchOptions{touch_threads, numa_node, populate});
            }),
            py::arg("size_bytes"), py::arg("touch_threads") = 0, py::arg("numa_node") = -1,
-           py::arg("populate") = true)
+           py::arg("populate") = false)
       .def_property_readonly("touch_method", &PinnedArena::touch_method)
       .def_property_readonly("size_bytes", &PinnedArena::size_bytes)
       .def_property_readonly("reserved_bytes", &PinnedArena::reserved_bytes)

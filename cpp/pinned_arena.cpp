@@ -85,9 +85,10 @@ void bind_to(const std::vector<int>& cpus) {
 // Backs every page of [data, data + bytes) now, rather than page-faulting later inside
 // cudaHostRegister or a copy. Each thread takes a contiguous run of whole huge pages, so with the
 // kernel's first-touch policy each 2 MiB page lands on the NUMA node of the thread that backed it.
-// A thread first asks the kernel to populate its run in one call (MADV_POPULATE_WRITE: no fault per
-// page); where the kernel lacks that, it writes one byte per OS page (a write: a read would only map
-// the shared zero page). Returns true when every run was populated by madvise.
+// A thread writes one byte per OS page of its run (a write: a read would only map the shared zero
+// page), or with TouchOptions::populate asks the kernel to populate the run in one call
+// (MADV_POPULATE_WRITE), falling back to writes where it cannot. Returns true when every run was
+// populated by madvise.
 bool touch_pages(std::uint8_t* data, std::size_t bytes, const TouchOptions& touch) {
   const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   const std::size_t huge_pages = (bytes + PinnedArena::kHugePageBytes - 1) / PinnedArena::kHugePageBytes;

@@ -34,12 +34,12 @@ class PinnedArena:
     All methods are thread-safe.
     """
 
-    def __init__(self, size_bytes: int, touch_threads: int = 0, numa_node: int = -1, populate: bool = True) -> None:
+    def __init__(self, size_bytes: int, touch_threads: int = 0, numa_node: int = -1, populate: bool = False) -> None:
         """Map and touch ``size_bytes`` bytes (0 = no mapping). ``touch_threads=0`` uses every core.
 
         ``numa_node >= 0`` runs the touching threads on that node's CPUs (first touch puts the pages
         there). ``populate`` backs each thread's range with ``madvise(MADV_POPULATE_WRITE)`` where the
-        kernel has it, else a write per page. Releases the GIL while touching. Raises ``MemoryError``
+        kernel has it, else (and by default) a write per page. Releases the GIL while touching. Raises ``MemoryError``
         if the OS refuses the mapping, ``ValueError`` for a NUMA node the machine does not have.
         """
     @property
