@@ -105,6 +105,11 @@ def run_case(name: str, kind: str, intervals: list[Interval], repeats: int) -> d
     }
 
 
+def short(heuristic: str) -> str:
+    """"greedy_by_breadth+size_classes" -> "breadth+sc"."""
+    return heuristic.replace("greedy_by_", "").replace("best_fit_by_", "").replace("+size_classes", "+sc")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
@@ -112,7 +117,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128, help="sequence length of the traced step (meta device)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=160)
     info_before = machine()
     describe(console, info_before)
 
@@ -128,7 +133,7 @@ def main() -> int:
     cases.append(run_case("random-10000 (10,000 buffers)", "random", ten_thousand(rng), repeats=5))
 
     model_rows = [[c["name"], c["buffers"], f"{c['arena_bytes'] / 2**20:.1f}", f"{c['lower_bound_bytes'] / 2**20:.1f}",
-                   f"{c['ratio']:.4f}", c["heuristic"], f"{c['plan_ms']:.2f}", c["reference_agrees"]]
+                   f"{c['ratio']:.4f}", short(c["heuristic"]), f"{c['plan_ms']:.2f}", c["reference_agrees"]]
                   for c in cases if c["kind"] == "model"]
     print_table("Arena planner on model plans (32 MiB bf16 buckets)",
                 ["name", "buffers", "arena MiB", "lower bound MiB", "ratio", "heuristic", "plan ms", "ref agrees"],
@@ -137,15 +142,15 @@ def main() -> int:
     for family in families:
         fc = [c for c in cases if c["kind"] == "random" and family in c["name"]]
         checked = [c["reference_agrees"] for c in fc if c["reference_agrees"] is not None]
-        wins = {h: sum(c["heuristic"] == h for c in fc) for h in arena_reference.HEURISTICS}
+        wins = {short(h): sum(c["heuristic"] == h for c in fc) for h in arena_reference.HEURISTICS}
         random_rows.append([family, len(fc), f"{sum(c['ratio'] for c in fc) / len(fc):.4f}",
                             f"{max(c['ratio'] for c in fc):.4f}", f"{max(c['plan_ms'] for c in fc):.2f}",
-                            f"{sum(checked)}/{len(checked)}", " ".join(f"{h}:{k}" for h, k in wins.items())])
+                            f"{sum(checked)}/{len(checked)}", " ".join(f"{h}:{k}" for h, k in wins.items() if k)])
     big = cases[-1]
     random_rows.append([big["name"], 1, f"{big['ratio']:.4f}", f"{big['ratio']:.4f}", f"{big['plan_ms']:.2f}",
-                        "not checked", big["heuristic"]])
+                        "not checked", short(big["heuristic"])])
     print_table("Arena planner on random interval sets",
-                ["name", "sets", "mean ratio", "max ratio", "max plan ms", "ref agrees", "winners"],
+                ["name", "sets", "mean ratio", "max ratio", "max plan ms", "ref agrees", "winners (+sc: size classes)"],
                 random_rows, console)
 
     model_max = max(c["ratio"] for c in cases if c["kind"] == "model")

@@ -247,7 +247,7 @@ def main() -> int:
             c["speedup_vs_deepspeed"] = round(r, 3)
             vs_ds = f", {r:.2f}x deepspeed (goal 1.6x: {'met' if r >= 1.6 else 'MISSED'})"
         console.print(f"{c['params'] / 1e6:.0f}M (medians): {c['speedup_vs_torch']:.2f}x torch (goal 1.8x: "
-                      f"{'met' if c['speedup_vs_torch'] >= 1.8 else 'MISSED'}){vs_ds}, {c['pct_of_bound']:.0f} % of "
+                      f"{'met' if c['speedup_vs_torch'] >= 1.8 else 'MISSED'}){vs_ds}, {c['pct_of_bound']:.1f} % of "
                       f"the bandwidth bound (goal 90 %: {'met' if c['pct_of_bound'] >= 90 else 'MISSED'})")
     goals["speedup_vs_deepspeed"] = {str(c["params"]): c.get("speedup_vs_deepspeed") for c in ok}
     goals["speedup_vs_deepspeed_met"] = (all(c.get("speedup_vs_deepspeed", 0) >= 1.6 for c in ok)

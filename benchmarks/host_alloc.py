@@ -7,8 +7,9 @@ back 8 GiB, and OS allocations per step in steady state.
   ``pow2_rule``: what a per-request allocator that rounds up to a power of two reserves (torch's
   CachingHostAllocator behind ``torch.empty(pin_memory=True)``), computed from that rule.
   ``torch_pinned``: ``torch.empty(pin_memory=True)`` per region, measured only on a machine with CUDA.
-* 8 GiB: map + back the pages, with madvise(MADV_POPULATE_WRITE) or a write per page, on all cores or one,
-  against ``torch.empty(...).fill_(0)`` (pageable: no pinning here without a GPU).
+* 8 GiB: map + back the pages, with a write per page or madvise(MADV_POPULATE_WRITE), on all cores or one,
+  against ``torch.empty(...).fill_(0)`` (pageable: no pinning here without a GPU); each variant several
+  times, interleaved; alloc_s is the fastest round, all rounds are recorded.
 * Steady state: a training step's worth of allocate/release per bucket, 100 steps after a warm-up; OS
   allocations counted as entries of /proc/self/maps that appeared or changed (mmap, munmap, brk all show).
 
@@ -88,9 +89,12 @@ def enough_ram(nbytes: int) -> tuple[bool, str]:
 
 def mix_cases(model: str) -> list[dict]:
     regions, layout_bytes = bucket_regions(model)
-    sizes = [size for _, size in regions]
+    # A step's transient buffers come on top: grad staging for the 4 largest regions in flight.
+    staging = sorted(size for _, size in regions)[-4:]
+    sizes = [size for _, size in regions] + staging
     requested = sum(sizes)
-    base = {"name": f"{model} bucket mix ({len(sizes)} regions)", "requested_bytes": requested}
+    base = {"name": f"{model} bucket mix ({len(regions)} regions + {len(staging)} staging)",
+            "requested_bytes": requested}
     out = [{**base, "impl": "pow2_rule", "reserved_bytes": sum(next_pow2(s) for s in sizes), "alloc_s": None,
             "steady_os_allocs": None, "status": "computed",
             "note": "each request rounded up to a power of two (torch's CachingHostAllocator rule)"}]
@@ -98,8 +102,7 @@ def mix_cases(model: str) -> list[dict]:
                 "status": "not run", "reason": "no CUDA device here: pinned allocation needs one"
                 if not torch.cuda.is_available() else "this script does not measure it yet"})
     # The engine's arena: every region at its host_layout offset (64-byte aligned), plus room for the
-    # transient buffers of a step (here: grad staging for the 4 largest regions in flight).
-    staging = sorted(sizes)[-4:]
+    # staging buffers, which each step allocates and releases.
     arena_bytes = layout_bytes + sum(-(-s // 64) * 64 for s in staging)
     ok, why = enough_ram(arena_bytes)
     if not ok:
@@ -114,45 +117,52 @@ def mix_cases(model: str) -> list[dict]:
     steady = steady_state_os_allocs(arena, staging)
     out.append({**base, "impl": "offload", "reserved_bytes": arena.reserved_bytes, "alloc_s": round(alloc_s, 3),
                 "steady_os_allocs": steady, "status": "ok", "touch_method": arena.touch_method,
-                "arena_bytes": arena_bytes, "note": "reserved includes room for 4 in-flight grad staging buffers"})
+                "arena_bytes": arena_bytes})
     del arena
     gc.collect()
     return out
 
 
-def big_cases(nbytes: int, threads: int) -> list[dict]:
-    out = []
+def big_cases(nbytes: int, threads: int, rounds: int) -> list[dict]:
+    """Map + back ``nbytes``, each variant ``rounds`` times, rounds interleaved (in a VM the first touch of
+    guest memory the hypervisor has not backed yet is much slower than a later one: the times vary with
+    what ran before, and the rounds show it)."""
     ok, why = enough_ram(nbytes)
-    variants = [("populate", threads, True), ("write", threads, False), ("populate", 1, True), ("write", 1, False)]
-    for method, t, populate in variants:
-        name = f"{nbytes / GiB:.0f} GiB, {method}, {t} thread{'s' if t > 1 else ''}"
+    gib = f"{nbytes / GiB:.0f} GiB"
+    variants = {f"{gib}, write, {threads} threads": ("offload", threads, False),
+                f"{gib}, populate, {threads} threads": ("offload", threads, True),
+                f"{gib}, write, 1 thread": ("offload", 1, False),
+                f"{gib}, populate, 1 thread": ("offload", 1, True),
+                f"{gib}, torch.empty + fill_(0), {torch.get_num_threads()} threads": ("torch_empty", 0, False)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    methods: dict[str, str] = {}
+    for _ in range(rounds if ok else 0):
+        for name, (impl, t, populate) in variants.items():
+            t0 = time.perf_counter()
+            if impl == "offload":
+                arena = HostArena(nbytes, t, populate=populate)
+                times[name].append(time.perf_counter() - t0)
+                methods[name] = arena.touch_method
+                del arena
+            else:
+                x = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+                times[name].append(time.perf_counter() - t0)
+                del x
+            gc.collect()
+    out = []
+    for name, (impl, t, populate) in variants.items():
+        case = {"name": name, "impl": impl, "requested_bytes": nbytes, "steady_os_allocs": None}
         if not ok:
-            out.append({"name": name, "impl": "offload", "requested_bytes": nbytes, "reserved_bytes": None,
-                        "alloc_s": None, "steady_os_allocs": None, "status": "not run", "reason": why})
+            out.append({**case, "reserved_bytes": None, "alloc_s": None, "status": "not run", "reason": why})
             continue
-        t0 = time.perf_counter()
-        arena = HostArena(nbytes, t, populate=populate)
-        alloc_s = time.perf_counter() - t0
-        out.append({"name": name, "impl": "offload", "requested_bytes": nbytes, "reserved_bytes": arena.reserved_bytes,
-                    "alloc_s": round(alloc_s, 3), "steady_os_allocs": None, "status": "ok",
-                    "touch_method": arena.touch_method, "touch_threads": t})
-        del arena
-        gc.collect()
-    name = f"{nbytes / GiB:.0f} GiB, torch.empty + fill_(0), {torch.get_num_threads()} threads"
-    if ok:
-        t0 = time.perf_counter()
-        x = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-        alloc_s = time.perf_counter() - t0
-        del x
-        out.append({"name": name, "impl": "torch_empty", "requested_bytes": nbytes, "reserved_bytes": nbytes,
-                    "alloc_s": round(alloc_s, 3), "steady_os_allocs": None, "status": "ok",
-                    "note": "pageable memory; torch's pinned allocation needs CUDA"})
-    else:
-        out.append({"name": name, "impl": "torch_empty", "requested_bytes": nbytes, "reserved_bytes": None,
-                    "alloc_s": None, "steady_os_allocs": None, "status": "not run", "reason": why})
-    out.append({"name": f"{nbytes / GiB:.0f} GiB, torch.empty(pin_memory=True)", "impl": "torch_pinned",
-                "requested_bytes": nbytes, "reserved_bytes": None, "alloc_s": None, "steady_os_allocs": None,
-                "status": "not run", "reason": "no CUDA device here: pinned allocation needs one"})
+        reserved = -(-nbytes // (2 << 20)) * (2 << 20) if impl == "offload" else nbytes
+        out.append({**case, "reserved_bytes": reserved, "alloc_s": round(min(times[name]), 3), "status": "ok",
+                    "alloc_s_rounds": [round(x, 3) for x in times[name]],
+                    **({"touch_method": methods[name], "touch_threads": t} if impl == "offload" else
+                       {"note": "pageable memory; torch's pinned allocation needs CUDA"})})
+    out.append({"name": f"{gib}, torch.empty(pin_memory=True)", "impl": "torch_pinned", "requested_bytes": nbytes,
+                "reserved_bytes": None, "alloc_s": None, "steady_os_allocs": None, "status": "not run",
+                "reason": "no CUDA device here: pinned allocation needs one"})
     return out
 
 
@@ -162,6 +172,7 @@ def main() -> int:
     ap.add_argument("--models", default="bert-large,gpt2-1.5b,gpt-6.7b")
     ap.add_argument("--big-gib", type=float, default=8.0, help="size of the allocate+touch case")
     ap.add_argument("--threads", type=int, default=0, help="touch threads (0: every core)")
+    ap.add_argument("--rounds", type=int, default=3, help="times each 8 GiB variant runs (alloc_s: the fastest)")
     args = ap.parse_args()
     console = Console(width=150)
     info = machine()
@@ -170,21 +181,22 @@ def main() -> int:
     cases = []
     for model in args.models.split(","):
         cases.extend(mix_cases(model))
-    cases.extend(big_cases(int(args.big_gib * GiB), threads))
+    cases.extend(big_cases(int(args.big_gib * GiB), threads, args.rounds))
 
     rows = []
     for c in cases:
         ratio = f"{c['reserved_bytes'] / c['requested_bytes']:.4f}" if c.get("reserved_bytes") else ""
         rows.append([c["name"], c["impl"], f"{c['requested_bytes'] / GiB:.3f}",
                      f"{c['reserved_bytes'] / GiB:.3f}" if c.get("reserved_bytes") else "", ratio,
-                     "" if c["alloc_s"] is None else f"{c['alloc_s']:.2f}",
+                     "" if c["alloc_s"] is None else f"{c['alloc_s']:.2f}" + (
+                         f" ({', '.join(f'{x:.2f}' for x in c['alloc_s_rounds'])})" if "alloc_s_rounds" in c else ""),
                      "" if c["steady_os_allocs"] is None else c["steady_os_allocs"],
                      c["status"] if c["status"] != "not run" else f"not run: {c['reason']}"])
     print_table("Host allocation", ["name", "impl", "requested GiB", "reserved GiB", "reserved/requested",
-                                    "alloc+touch s", "steady OS allocs/100 steps", "status"], rows, console)
+                                    "alloc+touch s (rounds)", "steady OS allocs/100 steps", "status"], rows, console)
     write_json(args.json, {"benchmark": "host_alloc", "machine": info, "load_average_after": machine()["load_average"],
                            "settings": {"bucket_bytes": BUCKET_BYTES, "touch_threads": threads,
-                                        "big_bytes": int(args.big_gib * GiB)},
+                                        "big_bytes": int(args.big_gib * GiB), "rounds": args.rounds},
                            "cases": cases})
     return 0
 
