@@ -63,9 +63,10 @@ struct TouchOptions {
   // Best effort: a thread the OS will not move touches from where it is. -1: no binding.
   int numa_node = -1;
   // Back each thread's range with one madvise(MADV_POPULATE_WRITE) (Linux 5.14+) instead of a write
-  // per 4 KiB page (falls back to writes where the kernel lacks it). Off by default: on Linux 6.18 it
-  // measured slower than writes, with transparent huge pages (3-6x) and without (1.2x)
-  // (benchmarks/host_alloc.py); kept for kernels or VMs where a page fault is expensive.
+  // per 4 KiB page (falls back to writes where the kernel lacks it). Off by default: on the 2-core VM
+  // where it was measured (Linux 6.18, THP on) neither was consistently faster (8 GiB on 2 threads:
+  // 0.9-1.3 s either way; the order of runs mattered more, see benchmarks/host_alloc.py). Kept for
+  // kernels or machines where a page fault per page is expensive (THP off).
   bool populate = false;
 };
 

@@ -103,8 +103,8 @@ class HostArena:
     ``touch_threads`` threads back its pages at construction (0: one per core); ``numa_node`` runs them
     on that node's CPUs so the pages land there (for a GPU, its node: ``numa_node_of_pci_device``);
     ``populate`` backs each thread's range with one ``madvise(MADV_POPULATE_WRITE)`` instead of a write
-    per page, where the kernel has it (``touch_method`` says which happened). Off by default: slower
-    than writes where measured (see ``cpp/pinned_arena.h``).
+    per page, where the kernel has it (``touch_method`` says which happened). Off by default: no
+    consistent gain where measured (see ``cpp/pinned_arena.h``).
     """
 
     def __init__(self, size_bytes: int, touch_threads: int = 0, numa_node: int | None = None,
