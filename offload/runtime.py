@@ -727,6 +727,7 @@ class Runtime:
         if sum(need.values()) > self.config.budget:
             raise budget_error(self.config.budget, **need)
         host = HostState(buckets, self.specs, [p.shape for p in self.params])  # may raise HostMemoryError
+        self.backend.pin_host(host.arena)  # page-locked once, after first touch (CUDA; no-op on the CPU backend)
         with torch.no_grad():
             for p in range(len(self.params)):
                 host.param_master(p).copy_(self.original[p].reshape(-1))
