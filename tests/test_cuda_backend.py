@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 import offload
 import offload.api
@@ -389,3 +390,17 @@ def test_simulated_gpu_departures_evaluation_and_checkpoint(monkeypatch):
     for key, value in want.items():
         assert torch.equal(got[key], value), key
     assert made[0]._api.pending() == 0
+
+
+def test_profiler_shows_the_backend_phases(monkeypatch):
+    """Each backend phase is a record_function range, so a torch profiler trace shows copies and waits."""
+    _use_backend(monkeypatch, lambda: CUDABackend(torch.device("cpu"), api=FakeCuda()))
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+    opt = offload.AdamW(model.parameters())
+    with offload.wrap(model, opt, budget=int(0.6 * 6 * 33 * 32 * 4), bucket_bytes=4096, device="cpu") as engine:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                engine(torch.randn(2, 32)).sum().backward()
+                opt.step()
+    names = {e.key for e in prof.key_averages()}
+    assert {"offload::pin_host", "offload::h2d", "offload::d2h", "offload::wait", "offload::synchronize"} <= names
