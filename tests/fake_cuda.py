@@ -128,7 +128,7 @@ class FakeCuda:
     def current_stream(self) -> FakeStream:
         return self.compute
 
-    def new_event(self) -> FakeEvent:
+    def new_event(self, blocking: bool = False) -> FakeEvent:
         return FakeEvent(self)
 
     def copy(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:

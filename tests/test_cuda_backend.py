@@ -171,7 +171,7 @@ def test_pin_host_registers_the_exact_arena_once_and_close_unregisters():
     arena = HostArena(3 * 2**20 + 12345)  # not a power of two, not a page multiple
     backend.pin_host(arena)
     backend.pin_host(arena)  # once only
-    assert sim.fake_cudart.calls == [("register", arena.data_ptr, 3 * 2**20 + 12345, 0)]
+    assert sim.fake_cudart.calls == [("register", arena.data_ptr, 3 * 2**20 + 12345, 1)]  # 1: portable
     assert backend.pinned_bytes == arena.size_bytes
     backend.pin_host(HostArena(0))  # nothing to pin
     assert len(sim.fake_cudart.calls) == 1
@@ -317,7 +317,7 @@ def test_simulated_gpu_call_sequence(monkeypatch):
     assert calls.index("pin_host") < first_arena_copy
     assert not any(c == "h2d" for c in calls[first_arena_copy:])  # after tracing, every H2D reads the pinned arena
     register = [c for c in sim.fake_cudart.calls if c[0] == "register"]
-    assert register == [("register", backend.pinned_arena.data_ptr, backend.pinned_arena.size_bytes, 0)]
+    assert register == [("register", backend.pinned_arena.data_ptr, backend.pinned_arena.size_bytes, 1)]
     assert sim.fake_cudart.calls[-1] == ("unregister", backend.pinned_arena.data_ptr)
     # Step 1 is traced; its step() plans and makes the arena. Steps 2..6 run on the plan.
     assert calls[:marks[0]].count("empty") > 1  # per-parameter copies while tracing, then the arena
@@ -341,7 +341,7 @@ class EventBeforeCopy(CUDABackend):
     def _copy(self, stream, dst, src, waits):
         for event in waits:
             self._stream_wait(stream, event)
-        done = self._api.new_event()
+        done = self._api.new_event(blocking=True)
         done.record(stream)
         self._api.copy(stream, dst, src)
         return done

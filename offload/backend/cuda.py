@@ -55,7 +55,9 @@ from .base import Event, HostEvent
 
 __all__ = ["CUDABackend", "CudaAPI", "HostRegistry"]
 
-_HOST_REGISTER_DEFAULT = 0  # cudaHostRegisterDefault: page-locked, for the current context's device
+# cudaHostRegisterPortable: pinned for every CUDA context, not only the one current when registering (the
+# engine may run on cuda:1 while cuda:0 is current); as torch's own pin_memory utilities register.
+_HOST_REGISTER_PORTABLE = 1
 
 
 class CudaAPI:
@@ -71,8 +73,8 @@ class CudaAPI:
     def current_stream(self):
         return torch.cuda.current_stream(self.device)
 
-    def new_event(self):
-        return torch.cuda.Event()
+    def new_event(self, blocking: bool = False):
+        return torch.cuda.Event(blocking=blocking)
 
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue ``dst.copy_(src)`` on ``stream`` (asynchronous where the host side is pinned)."""
@@ -121,7 +123,7 @@ class HostRegistry:
         for start, (n, _) in self._ranges.items():
             if ptr < start + n and start < ptr + nbytes:
                 raise OffloadError(f"host range [{ptr:#x}, +{nbytes}) overlaps the pinned range [{start:#x}, +{n})")
-        err = int(self._cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_DEFAULT))
+        err = int(self._cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
         if err != 0:
             raise OffloadError(
                 f"cudaHostRegister of the {nbytes}-byte host arena failed with CUDA error {err}. Without pinned "
@@ -232,7 +234,9 @@ class CUDABackend:
         for event in waits:
             self._stream_wait(stream, event)
         self._api.copy(stream, dst, src)
-        done = self._api.new_event()
+        # Blocking: a host thread that waits for a copy (the CPU lane before AdamW reads grads or rewrites a
+        # master) sleeps instead of spinning on a core the CPU AdamW could use.
+        done = self._api.new_event(blocking=True)
         done.record(stream)
         return done
 
