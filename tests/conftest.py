@@ -56,10 +56,13 @@ def device(request):
         return
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    flags = (torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"), \
-        (torch.backends.cudnn, "benchmark"), (torch.backends.cudnn, "deterministic")
+    assert not torch.backends.cuda.matmul.allow_tf32  # torch's default; a test that changed it must restore it
+    # Matmuls are fp32 (IEEE) by default already; cuDNN convolutions default to TF32. Only the one legacy flag
+    # is set: mixing it with the newer fp32_precision API makes torch raise.
+    flags = (torch.backends.cudnn, "allow_tf32"), (torch.backends.cudnn, "benchmark"), \
+        (torch.backends.cudnn, "deterministic")
     saved = [getattr(obj, name) for obj, name in flags]
-    for (obj, name), value in zip(flags, (False, False, False, True)):
+    for (obj, name), value in zip(flags, (False, False, True)):
         setattr(obj, name, value)
     _warm_cuda()
     try:
