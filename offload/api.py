@@ -115,12 +115,16 @@ class Engine:
         """Device and host bytes, and what the plan decided (``plan`` is None until the first step)."""
         rt = self._runtime
         plan = rt.plan
+        # On CUDA the allocator's measured peak since wrap (arena, activations, grads, temporaries); on the
+        # CPU backend, which has no allocator to ask, the runtime's own accounting.
+        measured = rt.backend.peak_bytes()
         summary = None
         if plan is not None:
             summary = plan.summary() | {"bucket_bytes": self.config.bucket_bytes, "replans": rt.stats["replans"]}
         return {
             "budget_bytes": self.config.budget,
-            "device_peak_bytes": rt.memory.peak,
+            "device_peak_bytes": rt.memory.peak if measured is None else measured,
+            "device_peak_accounted_bytes": rt.memory.peak,
             "device_current_bytes": rt.memory.current,
             "device_parts": dict(rt.memory.parts),
             "arena_bytes": plan.arena_bytes if plan is not None else 0,

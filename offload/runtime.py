@@ -861,6 +861,7 @@ class Runtime:
             raise budget_error(self.config.budget, **need)
         lowp = self.dtype if self.dtype != torch.float32 else None
         host = HostState(buckets, self.specs, [p.shape for p in self.params], lowp)  # may raise HostMemoryError
+        self.backend.pin_host(host.arena)  # page-locked once, after first touch (CUDA; no-op on the CPU backend)
         with torch.no_grad():
             for p in range(len(self.params)):
                 host.write_master(p, self.original[p])

@@ -32,6 +32,13 @@ class CPUBackend:
         device, no memory (one NaN expanded), so a stray read poisons the result and a write fails."""
         return torch.full((), float("nan"), dtype=dtype, device=self.device).expand(shape)
 
+    def pin_host(self, arena) -> None:
+        """Nothing to pin: there is no device to copy to by DMA (the CUDA backend registers the arena)."""
+
+    def peak_bytes(self) -> int | None:
+        """None: no allocator to ask; the runtime's own accounting is the device peak on this backend."""
+        return None
+
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> HostEvent:
         return self._h2d.submit(lambda: dst.copy_(src), waits, "host-to-device copy")
 
