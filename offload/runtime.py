@@ -164,6 +164,7 @@ class Runtime:
         self.pending: dict[int, tuple[frozenset, object]] = {}
         self.awaiting_step = False
         self.deferred = not config.overlap_optimizer  # updates run in step(), after every grad is in
+        self.grad_copies: list = []  # device-to-host grad copies of the last backward, not yet waited for
         self.norms: dict[int, torch.Tensor] = {}  # param -> 2-norm of its gathered grad (deferred mode)
         self.clip_factor = 1.0  # set by clip_grad_norm_, applied by the next step()
         self.scaler = LossScaler(config.loss_scale) if config.loss_scale is not None else None
@@ -248,6 +249,11 @@ class Runtime:
         if self.plan is not None and self.arena is None:
             self._activate(self.plan)  # after a departure from it
         self._reset_step()
+        # Grad copies of an earlier backward of this step (accumulation) may still be reading their slots,
+        # and the plan reuses those bytes: everything this pass issues comes after them.
+        for event in self.grad_copies:
+            self.backend.wait(event)
+        self.grad_copies = []
         self.boundary = self.backend.record()
         self.grad_enabled = torch.is_grad_enabled()
         contexts = []
@@ -687,6 +693,7 @@ class Runtime:
             d2h = self.backend.d2h(staging, view, waits)
             ready = self.cpu.submit(lambda: self._accumulate(b, staging, got), [d2h, earlier[1]],
                                     f"gradient accumulation of bucket {b}")
+        self.grad_copies.append(d2h)
         if k is not None:
             self.done[k] = d2h
         else:  # (tensor, event): the slot is kept until the copy has read it

@@ -265,18 +265,23 @@ def _use_backend(monkeypatch, factory):
     return made
 
 
-def _train(case, steps, budget_frac=0.6, on_step=None):
-    """Streamed training of a test model (see tests/models.py); returns the final fp32 state and losses."""
+def _train(case, steps, budget_frac=0.6, on_step=None, dtype=torch.float32, accumulate=1, clip=None):
+    """Streamed training of a test model (see tests/models.py); returns the final fp32 state and losses.
+    ``accumulate`` > 1 or ``clip`` train with overlap_optimizer=False."""
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
     opt = offload.AdamW(case.model.parameters(), lr=3e-4, weight_decay=0.1)
+    deferred = {"overlap_optimizer": False} if accumulate > 1 or clip is not None else {}
     engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
-                          dtype=torch.float32, device="cpu")
+                          dtype=dtype, device="cpu", **deferred)
     losses = []
     try:
         for step in range(steps):
-            batch = case.make_batch(step)
-            loss = case.loss_fn(run(engine, batch), batch)
-            loss.backward()
+            for i in range(accumulate):
+                batch = case.make_batch(step * accumulate + i)
+                loss = case.loss_fn(run(engine, batch), batch)
+                engine.backward(loss)
+            if clip is not None:
+                engine.clip_grad_norm_(clip)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
@@ -301,6 +306,21 @@ def test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend(monkeypatch, name
         assert torch.equal(got[key], value), key
     sim = made[0]._api
     assert sim.copies > 0 and sim.pending() == 0
+    assert stats["plan"]["streamed_buckets"] > 0
+
+
+@pytest.mark.parametrize("features", [dict(dtype=torch.bfloat16), dict(dtype=torch.float16),
+                                      dict(accumulate=2, clip=0.5)], ids=["bf16", "fp16", "accumulate-clip"])
+def test_simulated_gpu_training_features_bit_for_bit_like_the_cpu_backend(monkeypatch, features):
+    """16-bit copies, loss scaling, accumulation staging and clipping norms through the CUDA backend's
+    ordering rules give the CPU backend's numbers exactly."""
+    want, want_losses, _ = _train(CASES["gpt"](), 6, budget_frac=0.6, **features)
+    made = _use_backend(monkeypatch, lambda: CUDABackend(torch.device("cpu"), api=FakeCuda(lazy=True)))
+    got, losses, stats = _train(CASES["gpt"](), 6, budget_frac=0.6, **features)
+    assert losses == want_losses
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    assert made[0]._api.copies > 0 and made[0]._api.pending() == 0
     assert stats["plan"]["streamed_buckets"] > 0
 
 
