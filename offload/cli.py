@@ -1,5 +1,6 @@
-"""The ``offload`` command line: ``offload probe`` (measure this machine) and ``offload report`` (will this
-model train on this GPU, and how fast). The CLI only prints what the planners and probes return."""
+"""The ``offload`` command line: ``offload probe`` (measure this machine). ``offload report`` (will this model
+train on this GPU, and how fast) is to come (issue 5). The CLI only prints what the planners and probes
+return."""
 
 from __future__ import annotations
 
@@ -53,12 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("probe", help="measure this machine: PCIe curve (CUDA), CPU AdamW, host bandwidth")
     p.add_argument("--json", metavar="PATH", help="write the measurements (and a hardware model) as JSON")
     p.set_defaults(run=_probe)
-    try:
-        from .report import add_report_parser
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        add_report_parser(sub)
     return ap
 
 
