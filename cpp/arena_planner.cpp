@@ -1,21 +1,17 @@
 #include "arena_planner.h"
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <utility>
 
 namespace offload {
 namespace {
-
-struct Placed {
-  std::int64_t offset;
-  std::int64_t size;  // aligned
-  std::int64_t start;
-  std::int64_t end;
-};
 
 // Validates the input and returns every size rounded up to the alignment.
 std::vector<std::int64_t> aligned_sizes(const BufferLifetimes& b, std::int64_t alignment) {
@@ -49,60 +45,256 @@ std::vector<std::int64_t> aligned_sizes(const BufferLifetimes& b, std::int64_t a
   return aligned;
 }
 
-bool live_together(const Placed& p, std::int64_t start, std::int64_t end) {
-  return p.start < end && start < p.end;
+// Places buffers one at a time at their best-fit offset. Only placed buffers live at the same time as
+// the new one matter; they are found through a start-sorted index: a buffer live at the same time as
+// [start, end) starts before `end` and after `start - longest lifetime placed so far`. So a placement
+// costs about the number of buffers near it in time (plus sorting those by offset), not the number
+// placed: 10,000 buffers with short lifetimes take milliseconds, and O(n^2) remains the worst case
+// (every buffer live at once).
+class Placer {
+ public:
+  Placer(const std::vector<std::int64_t>& size, const BufferLifetimes& b) : size_(size), b_(b) {
+    std::vector<std::size_t> by_start(size.size());
+    std::iota(by_start.begin(), by_start.end(), 0);
+    std::sort(by_start.begin(), by_start.end(), [&](std::size_t x, std::size_t y) {
+      return b.starts[x] != b.starts[y] ? b.starts[x] < b.starts[y] : x < y;
+    });
+    sorted_starts_.resize(size.size());
+    position_.resize(size.size());
+    entries_.resize(size.size());
+    for (std::size_t k = 0; k < by_start.size(); ++k) {
+      sorted_starts_[k] = b.starts[by_start[k]];
+      position_[by_start[k]] = k;
+      entries_[k].end = b.ends[by_start[k]];
+    }
+  }
+
+  // Best fit among the placed buffers live at the same time, walked in offset order: the smallest gap
+  // between them that holds the buffer (ties: lowest offset), else just above the highest of them.
+  std::int64_t place(std::size_t i) {
+    const std::int64_t start = b_.starts[i];
+    const std::int64_t end = b_.ends[i];
+    constexpr std::int64_t kMin = std::numeric_limits<std::int64_t>::min();
+    const std::int64_t earliest = start < kMin + longest_ ? kMin : start - longest_;  // exclusive
+    const auto first = std::upper_bound(sorted_starts_.begin(), sorted_starts_.end(), earliest);
+    const auto last = std::lower_bound(first, sorted_starts_.end(), end);
+    live_.clear();
+    const Entry* e = entries_.data();
+    for (auto k = static_cast<std::size_t>(first - sorted_starts_.begin()),
+              stop = static_cast<std::size_t>(last - sorted_starts_.begin());
+         k < stop; ++k) {
+      if (e[k].placed && e[k].end > start) live_.emplace_back(e[k].lo, e[k].hi);
+    }
+    std::sort(live_.begin(), live_.end());
+    std::int64_t best_offset = -1;
+    std::int64_t best_gap = std::numeric_limits<std::int64_t>::max();
+    std::int64_t prev_end = 0;  // end of the highest conflicting buffer seen so far
+    for (const auto& [lo, hi] : live_) {
+      const std::int64_t gap = lo - prev_end;       // negative when conflicting buffers overlap
+      if (gap >= size_[i] && gap < best_gap) {      // strict: ties keep the lowest offset
+        best_gap = gap;
+        best_offset = prev_end;
+      }
+      prev_end = std::max(prev_end, hi);
+    }
+    const std::int64_t offset = best_offset >= 0 ? best_offset : prev_end;
+    Entry& mine = entries_[position_[i]];
+    mine.placed = true;
+    mine.lo = offset;
+    mine.hi = offset + size_[i];
+    longest_ = std::max(longest_, end - start);
+    return offset;
+  }
+
+ private:
+  struct Entry {  // one per buffer, in start order: what the scan reads, side by side
+    std::int64_t end = 0;
+    std::int64_t lo = 0;  // [lo, hi): its bytes, once placed
+    std::int64_t hi = 0;
+    bool placed = false;
+  };
+  const std::vector<std::int64_t>& size_;
+  const BufferLifetimes& b_;
+  std::vector<std::int64_t> sorted_starts_;  // starts in start order
+  std::vector<std::size_t> position_;        // buffer id -> index in start order
+  std::vector<Entry> entries_;               // by index in start order
+  std::int64_t longest_ = 0;                 // longest lifetime placed so far
+  std::vector<std::pair<std::int64_t, std::int64_t>> live_;  // scratch: [offset, offset + size)
+};
+
+// Places with `slot` sizes (the aligned sizes, or their size classes); the arena's total counts the
+// aligned sizes, since padding at the top is never touched.
+ArenaPlan place(const std::vector<std::size_t>& order, const std::vector<std::int64_t>& slot,
+                const std::vector<std::int64_t>& size, const BufferLifetimes& buffers) {
+  Placer placer(slot, buffers);
+  ArenaPlan plan;
+  plan.offsets.assign(order.size(), 0);
+  for (const std::size_t i : order) {
+    plan.offsets[i] = placer.place(i);
+    plan.total_bytes = std::max(plan.total_bytes, plan.offsets[i] + size[i]);
+  }
+  return plan;
 }
 
-// Best fit among the placed buffers that are live at the same time, walked in offset order: the
-// smallest gap between them that holds `size`, else just above the highest of them.
-std::int64_t best_fit_offset(const std::vector<Placed>& by_offset, std::int64_t size,
-                             std::int64_t start, std::int64_t end) {
-  std::int64_t best_offset = -1;
-  std::int64_t best_gap = std::numeric_limits<std::int64_t>::max();
-  std::int64_t prev_end = 0;  // end of the highest conflicting buffer seen so far
-  for (const Placed& p : by_offset) {
-    if (!live_together(p, start, end)) continue;
-    const std::int64_t gap = p.offset - prev_end;  // negative when conflicting buffers overlap
-    if (gap >= size && gap < best_gap) {           // strict: ties keep the lowest offset
-      best_gap = gap;
-      best_offset = prev_end;
-    }
-    prev_end = std::max(prev_end, p.offset + p.size);
+// Rounds up to 8 significant bits (a multiple of a power of two, so alignment is kept).
+std::int64_t size_class(std::int64_t size) {
+  int bits = 0;
+  while (bits < 63 && (std::int64_t{1} << bits) <= size) ++bits;
+  const std::int64_t quantum = std::int64_t{1} << std::max(0, bits - 8);
+  return (size + quantum - 1) / quantum * quantum;
+}
+
+// Sorts 0..n-1 by `key` (a tuple compared lexicographically; the index breaks the last tie, so every
+// order is total and deterministic).
+template <typename Key>
+std::vector<std::size_t> sorted_by(std::size_t n, Key key) {
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    const auto ka = key(a);
+    const auto kb = key(b);
+    return ka != kb ? ka < kb : a < b;
+  });
+  return order;
+}
+
+// Greedy by breadth. The steps are the distinct start times (live bytes only grow at a start, so
+// every peak is at one). Steps are visited widest first (ties: earlier); each buffer is placed when
+// the first step it is live at is visited, so its rank is the minimum step rank over its lifetime:
+// a range-minimum query, answered from a sparse table.
+std::vector<std::size_t> breadth_order(const std::vector<std::int64_t>& size, const BufferLifetimes& b) {
+  const std::size_t n = size.size();
+  std::vector<std::int64_t> steps(b.starts.begin(), b.starts.end());
+  std::sort(steps.begin(), steps.end());
+  steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+  const std::size_t t = steps.size();
+  auto step_index = [&](std::int64_t time) {  // first step >= time
+    return static_cast<std::size_t>(std::lower_bound(steps.begin(), steps.end(), time) - steps.begin());
+  };
+  // Live bytes at each step: +size at the buffer's first step, -size at the first step >= its end.
+  std::vector<std::int64_t> delta(t + 1, 0);
+  for (std::size_t i = 0; i < n; ++i) {
+    delta[step_index(b.starts[i])] += size[i];
+    delta[step_index(b.ends[i])] -= size[i];
   }
-  return best_offset >= 0 ? best_offset : prev_end;
+  std::vector<std::int64_t> breadth(t);
+  std::int64_t live = 0;
+  for (std::size_t s = 0; s < t; ++s) breadth[s] = live += delta[s];
+  const std::vector<std::size_t> step_order =
+      sorted_by(t, [&](std::size_t s) { return std::make_pair(-breadth[s], steps[s]); });
+  std::vector<std::size_t> rank(t);
+  for (std::size_t r = 0; r < t; ++r) rank[step_order[r]] = r;
+
+  // Sparse table: table[k][s] = min rank over steps [s, s + 2^k).
+  std::vector<std::vector<std::size_t>> table{rank};
+  for (std::size_t k = 1; (std::size_t{1} << k) <= t; ++k) {
+    const std::vector<std::size_t>& prev = table.back();
+    const std::size_t half = std::size_t{1} << (k - 1);
+    std::vector<std::size_t> next(t - (std::size_t{1} << k) + 1);
+    for (std::size_t s = 0; s < next.size(); ++s) next[s] = std::min(prev[s], prev[s + half]);
+    table.push_back(std::move(next));
+  }
+  std::vector<std::size_t> buffer_rank(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t lo = step_index(b.starts[i]);
+    const std::size_t hi = step_index(b.ends[i]);  // exclusive; > lo since the buffer's start is a step
+    std::size_t k = 0;
+    while ((std::size_t{2} << k) <= hi - lo) ++k;
+    buffer_rank[i] = std::min(table[k][lo], table[k][hi - (std::size_t{1} << k)]);
+  }
+  return sorted_by(n, [&](std::size_t i) { return std::make_tuple(buffer_rank[i], -size[i], b.starts[i]); });
+}
+
+std::vector<std::size_t> ordering(Ordering o, const std::vector<std::int64_t>& size, const BufferLifetimes& b) {
+  switch (o) {
+    case Ordering::kBySize:
+      // Biggest first: large buffers are the hardest to fit, small ones then fill the gaps.
+      return sorted_by(size.size(), [&](std::size_t i) { return std::make_pair(-size[i], b.starts[i]); });
+    case Ordering::kByBreadth:
+      return breadth_order(size, b);
+    case Ordering::kByLifetime:
+      // Longest-lived first: they constrain every other buffer; short ones then slot in around them.
+      return sorted_by(size.size(), [&](std::size_t i) {
+        return std::make_tuple(-(b.ends[i] - b.starts[i]), -size[i], b.starts[i]);
+      });
+  }
+  throw std::invalid_argument("unknown ordering");
+}
+
+ArenaPlan run_heuristic(int heuristic, const std::vector<std::int64_t>& size,
+                        const std::vector<std::int64_t>& classes, const BufferLifetimes& b) {
+  const auto o = static_cast<Ordering>(heuristic % 3);
+  const std::vector<std::int64_t>& slot = heuristic < 3 ? size : classes;
+  ArenaPlan plan = place(ordering(o, slot, b), slot, size, b);
+  plan.heuristic = heuristic;
+  return plan;
+}
+
+std::vector<std::int64_t> size_classes(const std::vector<std::int64_t>& size) {
+  std::vector<std::int64_t> out(size.size());
+  std::transform(size.begin(), size.end(), out.begin(), size_class);
+  return out;
 }
 
 }  // namespace
 
+const char* heuristic_name(int heuristic) {
+  static const char* const kNames[kNumHeuristics] = {
+      "greedy_by_size",           "greedy_by_breadth",           "best_fit_by_lifetime",
+      "greedy_by_size+size_classes", "greedy_by_breadth+size_classes", "best_fit_by_lifetime+size_classes"};
+  return heuristic >= 0 && heuristic < kNumHeuristics ? kNames[heuristic] : "unknown";
+}
+
+int heuristic_from_name(const std::string& name) {
+  std::string known;
+  for (int h = 0; h < kNumHeuristics; ++h) {
+    if (name == heuristic_name(h)) return h;
+    known += (h ? ", " : "") + std::string(heuristic_name(h));
+  }
+  throw std::invalid_argument("unknown arena heuristic '" + name + "': expected one of " + known);
+}
+
+ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment, int heuristic) {
+  if (heuristic < 0 || heuristic >= kNumHeuristics) {
+    throw std::invalid_argument("unknown arena heuristic " + std::to_string(heuristic));
+  }
+  const std::vector<std::int64_t> size = aligned_sizes(buffers, alignment);
+  ArenaPlan plan = run_heuristic(heuristic, size, size_classes(size), buffers);
+  plan.totals.assign(kNumHeuristics, -1);
+  plan.totals[heuristic] = plan.total_bytes;
+  return plan;
+}
+
 ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment) {
   const std::vector<std::int64_t> size = aligned_sizes(buffers, alignment);
-  const std::size_t n = size.size();
-
-  // Biggest first: large buffers are the hardest to fit, small ones then fill the gaps.
-  std::vector<std::size_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    if (size[a] != size[b]) return size[a] > size[b];
-    if (buffers.starts[a] != buffers.starts[b]) return buffers.starts[a] < buffers.starts[b];
-    return a < b;
-  });
-
-  // Kept sorted by offset, so each placement is one linear scan (O(n^2) overall: 10,000
-  // buffers take tens of milliseconds, and no per-buffer sort is needed).
-  std::vector<Placed> by_offset;
-  by_offset.reserve(n);
-  ArenaPlan plan;
-  plan.offsets.assign(n, 0);
-  for (const std::size_t i : order) {
-    const Placed placed{best_fit_offset(by_offset, size[i], buffers.starts[i], buffers.ends[i]),
-                        size[i], buffers.starts[i], buffers.ends[i]};
-    const auto at = std::upper_bound(by_offset.begin(), by_offset.end(), placed.offset,
-                                     [](std::int64_t offset, const Placed& p) { return offset < p.offset; });
-    by_offset.insert(at, placed);
-    plan.offsets[i] = placed.offset;
-    plan.total_bytes = std::max(plan.total_bytes, placed.offset + placed.size);
+  const std::vector<std::int64_t> classes = size_classes(size);
+  // The heuristics are independent: large inputs run them on parallel threads (each is pure and
+  // deterministic, so the result does not depend on the thread count).
+  std::vector<ArenaPlan> plans(kNumHeuristics);
+  auto run = [&](int h) { plans[h] = run_heuristic(h, size, classes, buffers); };
+  constexpr std::size_t kParallelFrom = 2000;  // buffers; below this a thread costs more than a heuristic
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  if (size.size() < kParallelFrom || cores == 1) {
+    for (int h = 0; h < kNumHeuristics; ++h) run(h);
+  } else {
+    std::atomic<int> next{0};
+    auto worker = [&] {
+      for (int h = next++; h < kNumHeuristics; h = next++) run(h);
+    };
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < std::min<unsigned>(cores, kNumHeuristics); ++t) pool.emplace_back(worker);
+    worker();
+    for (auto& t : pool) t.join();
   }
-  return plan;
+  int best = 0;
+  for (int h = 1; h < kNumHeuristics; ++h) {
+    if (plans[h].total_bytes < plans[best].total_bytes) best = h;  // ties keep the earlier
+  }
+  std::vector<std::int64_t> totals(kNumHeuristics);
+  for (int h = 0; h < kNumHeuristics; ++h) totals[h] = plans[h].total_bytes;
+  ArenaPlan out = std::move(plans[best]);
+  out.totals = std::move(totals);
+  return out;
 }
 
 std::int64_t arena_lower_bound(const BufferLifetimes& buffers, std::int64_t alignment) {

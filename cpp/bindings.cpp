@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "arena_planner.h"
+#include "cpu_adam.h"
 #include "pinned_arena.h"
 
 namespace py = pybind11;
@@ -38,15 +39,61 @@ py::dict stats_dict(const offload::ArenaStats& s) {
 
 using Sizes = std::vector<std::int64_t>;
 
-std::pair<Sizes, std::int64_t> plan_arena(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
-                                          std::int64_t alignment) {
-  offload::ArenaPlan plan = offload::plan_arena({sizes, starts, ends}, alignment);
-  return {std::move(plan.offsets), plan.total_bytes};
+// Returns (offsets, total bytes, winning heuristic, {heuristic: total bytes} for every heuristic run).
+py::tuple plan_arena(const Sizes& sizes, const Sizes& starts, const Sizes& ends, std::int64_t alignment,
+                     const std::string& heuristic) {
+  offload::ArenaPlan plan;
+  {
+    py::gil_scoped_release release;
+    plan = heuristic == "best"
+               ? offload::plan_arena({sizes, starts, ends}, alignment)
+               : offload::plan_arena({sizes, starts, ends}, alignment, offload::heuristic_from_name(heuristic));
+  }
+  py::dict totals;
+  for (int h = 0; h < offload::kNumHeuristics; ++h) {
+    if (plan.totals[h] >= 0) totals[offload::heuristic_name(h)] = plan.totals[h];
+  }
+  return py::make_tuple(plan.offsets, plan.total_bytes, offload::heuristic_name(plan.heuristic), totals);
 }
 
 std::int64_t arena_lower_bound(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
                                std::int64_t alignment) {
   return offload::arena_lower_bound({sizes, starts, ends}, alignment);
+}
+
+offload::ScalarType scalar_type(const std::string& name, const char* what) {
+  if (name == "float32") return offload::ScalarType::kFloat32;
+  if (name == "bfloat16") return offload::ScalarType::kBFloat16;
+  if (name == "float16") return offload::ScalarType::kFloat16;
+  throw std::invalid_argument(std::string(what) + " must be 'float32', 'bfloat16' or 'float16', got '" + name + "'");
+}
+
+// Pointers arrive as integers (tensor.data_ptr()); the Python wrapper (offload/cpu_adam.py) checks
+// dtypes, lengths, contiguity and overlap before calling.
+bool adamw_step(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
+                const std::string& grad_dtype, std::uintptr_t lowp_out, const std::string& lowp_dtype,
+                std::int64_t numel, std::int64_t step, double lr, double beta1, double beta2, double eps,
+                double weight_decay, double grad_scale, bool check_finite, int num_threads,
+                const std::string& isa) {
+  offload::AdamWBuffers b;
+  b.param = reinterpret_cast<float*>(param);
+  b.exp_avg = reinterpret_cast<float*>(exp_avg);
+  b.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  b.grad = reinterpret_cast<const void*>(grad);
+  b.grad_type = scalar_type(grad_dtype, "grad_dtype");
+  b.lowp_out = reinterpret_cast<void*>(lowp_out);
+  if (lowp_out != 0) b.lowp_type = scalar_type(lowp_dtype, "lowp_dtype");
+  b.numel = non_negative(numel, "numel");
+  offload::AdamWHyper h;
+  h.step = step;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.grad_scale = grad_scale;
+  py::gil_scoped_release release;  // pure arithmetic on raw memory: other Python threads may run
+  return offload::adamw_step(b, h, check_finite, num_threads, isa);
 }
 
 void bind_pinned_arena(py::module_& m) {
@@ -55,12 +102,14 @@ void bind_pinned_arena(py::module_& m) {
                           "Exact-size, 2 MiB-aligned, first-touched host region with a best-fit sub-allocator.")
       // The GIL is released while the region is mapped and touched: that can take seconds for
       // tens of GiB, and other Python threads should keep running meanwhile.
-      .def(py::init([](std::int64_t size_bytes, unsigned touch_threads) {
+      .def(py::init([](std::int64_t size_bytes, unsigned touch_threads, int numa_node, bool populate) {
              const std::size_t size = non_negative(size_bytes, "size_bytes");
              py::gil_scoped_release release;
-             return std::make_unique<PinnedArena>(size, touch_threads);
+             return std::make_unique<PinnedArena>(size, offload::TouchOptions{touch_threads, numa_node, populate});
            }),
-           py::arg("size_bytes"), py::arg("touch_threads") = 0)
+           py::arg("size_bytes"), py::arg("touch_threads") = 0, py::arg("numa_node") = -1,
+           py::arg("populate") = true)
+      .def_property_readonly("touch_method", &PinnedArena::touch_method)
       .def_property_readonly("size_bytes", &PinnedArena::size_bytes)
       .def_property_readonly("reserved_bytes", &PinnedArena::reserved_bytes)
       .def_property_readonly("data_ptr",
@@ -100,7 +149,7 @@ void bind_pinned_arena(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "offload C++ core: pinned host arena and offline arena planner (no torch, no CUDA).";
+  m.doc() = "offload C++ core: pinned host arena, offline arena planner, fused CPU AdamW (no torch, no CUDA).";
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -114,9 +163,19 @@ PYBIND11_MODULE(_C, m) {
 
   bind_pinned_arena(m);
 
+  m.def("adamw_step", &adamw_step, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"),
+        py::arg("grad_dtype"), py::arg("lowp_out"), py::arg("lowp_dtype"), py::arg("numel"), py::arg("step"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("grad_scale") = 1.0, py::arg("check_finite") = false, py::arg("num_threads") = 1,
+        py::arg("isa") = "auto",
+        "Fused AdamW over raw fp32 buffers (addresses as ints). Returns found_inf; see cpp/cpu_adam.h.");
+  m.def("adamw_isa", &offload::adamw_isa, "Instruction set the CPU AdamW dispatches to on this CPU.");
+  m.def("adamw_has_openmp", &offload::adamw_has_openmp, "Whether the CPU AdamW runs on OpenMP threads.");
+
   m.def("plan_arena", &plan_arena, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
-        py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
-        "Greedy-by-size best-fit offsets. Returns (offsets in input order, total bytes).");
+        py::arg("alignment") = 256, py::arg("heuristic") = "best",
+        "Best-fit offsets under each heuristic (or the one named); keeps the smallest. Returns (offsets in "
+        "input order, total bytes, heuristic, {heuristic: total bytes}).");
   m.def("arena_lower_bound", &arena_lower_bound, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
         py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
         "Max over time of the sum of live aligned sizes.");

@@ -1,14 +1,22 @@
 #include "pinned_arena.h"
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__) && !defined(MADV_POPULATE_WRITE)
+#define MADV_POPULATE_WRITE 23  // Linux 5.14 uapi; older glibc headers lack the name
+#endif
 
 namespace offload {
 namespace {
@@ -35,30 +43,85 @@ struct JoinAll {
   }
 };
 
-// Writes one byte per OS page of [data, data + bytes) so the kernel backs every page now rather
-// than page-faulting later inside cudaHostRegister or a copy. A write is needed: a read would only
-// map the shared zero page. Each thread takes a contiguous run of whole huge pages, so with the
-// kernel's first-touch policy each 2 MiB page lands on the NUMA node of the thread that touched it.
-void touch_pages(std::uint8_t* data, std::size_t bytes, unsigned num_threads) {
+// The CPUs of NUMA node `node`, from sysfs ("0-3,8-11"). Throws std::invalid_argument when the
+// node does not exist.
+std::vector<int> numa_node_cpus(int node) {
+  const std::string path = "/sys/devices/system/node/node" + std::to_string(node) + "/cpulist";
+  std::ifstream file(path);
+  std::string list;
+  if (node < 0 || !file || !std::getline(file, list)) {
+    throw std::invalid_argument("PinnedArena: NUMA node " + std::to_string(node) + " does not exist on this machine (" +
+                                path + " is not readable)");
+  }
+  std::vector<int> cpus;
+  std::stringstream ranges(list);
+  std::string range;
+  while (std::getline(ranges, range, ',')) {
+    if (range.empty()) continue;
+    const std::size_t dash = range.find('-');
+    const int lo = std::stoi(range.substr(0, dash));
+    const int hi = dash == std::string::npos ? lo : std::stoi(range.substr(dash + 1));
+    for (int cpu = lo; cpu <= hi; ++cpu) cpus.push_back(cpu);
+  }
+  return cpus;
+}
+
+// Moves the calling thread onto `cpus` (best effort: a cgroup may forbid it; then the pages land
+// wherever this thread runs, which is still correct, only possibly remote).
+void bind_to(const std::vector<int>& cpus) {
+#ifdef __linux__
+  if (cpus.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int cpu : cpus) {
+    if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &set);
+  }
+  pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+#else
+  (void)cpus;
+#endif
+}
+
+// Backs every page of [data, data + bytes) now, rather than page-faulting later inside
+// cudaHostRegister or a copy. Each thread takes a contiguous run of whole huge pages, so with the
+// kernel's first-touch policy each 2 MiB page lands on the NUMA node of the thread that backed it.
+// A thread first asks the kernel to populate its run in one call (MADV_POPULATE_WRITE: no fault per
+// page); where the kernel lacks that, it writes one byte per OS page (a write: a read would only map
+// the shared zero page). Returns true when every run was populated by madvise.
+bool touch_pages(std::uint8_t* data, std::size_t bytes, const TouchOptions& touch) {
   const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   const std::size_t huge_pages = (bytes + PinnedArena::kHugePageBytes - 1) / PinnedArena::kHugePageBytes;
-  const std::size_t workers = std::clamp<std::size_t>(num_threads, 1, huge_pages);
+  const unsigned threads = touch.threads == 0 ? std::max(1u, std::thread::hardware_concurrency()) : touch.threads;
+  const std::size_t workers = std::clamp<std::size_t>(threads, 1, huge_pages);
   const std::size_t chunk = (huge_pages + workers - 1) / workers * PinnedArena::kHugePageBytes;
+  const std::vector<int> cpus = touch.numa_node >= 0 ? numa_node_cpus(touch.numa_node) : std::vector<int>{};
+  std::vector<char> populated((bytes + chunk - 1) / chunk, 0);
 
-  std::vector<std::thread> threads;
-  JoinAll join_all{threads};
-  for (std::size_t begin = 0; begin < bytes; begin += chunk) {
+  auto work = [&, data, page](std::size_t run, std::size_t begin, std::size_t end) {
+    bind_to(cpus);
+#ifdef __linux__
+    if (touch.populate && madvise(data + begin, end - begin, MADV_POPULATE_WRITE) == 0) {
+      populated[run] = 1;
+      return;
+    }
+#endif
+    volatile std::uint8_t* p = data;  // volatile: the stores must not be elided
+    for (std::size_t i = begin; i < end; i += page) p[i] = 0;  // mmap memory is zero already
+  };
+  std::vector<std::thread> pool;
+  JoinAll join_all{pool};
+  for (std::size_t run = 0, begin = 0; begin < bytes; ++run, begin += chunk) {
     const std::size_t end = std::min(bytes, begin + chunk);
-    auto work = [data, page, begin, end] {
-      volatile std::uint8_t* p = data;  // volatile: the stores must not be elided
-      for (std::size_t i = begin; i < end; i += page) p[i] = 0;  // mmap memory is zero already
-    };
-    if (end == bytes) {
-      work();  // the calling thread takes the last chunk instead of idling in join()
+    // The calling thread takes the last run instead of idling in join(), unless it would have to be
+    // moved to another NUMA node for it.
+    if (end == bytes && cpus.empty()) {
+      work(run, begin, end);
     } else {
-      threads.emplace_back(work);
+      pool.emplace_back(work, run, begin, end);
     }
   }
+  for (auto& t : pool) t.join();
+  return std::all_of(populated.begin(), populated.end(), [](char c) { return c != 0; });
 }
 
 }  // namespace
@@ -94,12 +157,12 @@ MappedRegion::~MappedRegion() {
   if (data_ != nullptr) munmap(data_, size_);
 }
 
-PinnedArena::PinnedArena(std::size_t size_bytes, unsigned touch_threads)
+PinnedArena::PinnedArena(std::size_t size_bytes, const TouchOptions& touch)
     : size_bytes_(size_bytes), region_(size_bytes, kHugePageBytes) {
+  if (touch.numa_node >= 0) numa_node_cpus(touch.numa_node);  // a bad node fails even for size 0
   if (size_bytes_ == 0) return;
-  if (touch_threads == 0) touch_threads = std::max(1u, std::thread::hardware_concurrency());
-  touch_pages(region_.data(), size_bytes_, touch_threads);
-  free_.emplace(0, size_bytes_);
+  touch_method_ = touch_pages(region_.data(), size_bytes_, touch) ? "populate" : "write";
+  add_gap(0, size_bytes_);
 }
 
 void PinnedArena::reserve(std::size_t offset, std::size_t size) {
@@ -129,26 +192,25 @@ std::size_t PinnedArena::allocate(std::size_t size, std::size_t alignment) {
   }
   std::lock_guard<std::mutex> lock(mutex_);
   // Align the address, not the offset: they agree up to 2 MiB (the base is 2 MiB-aligned), and
-  // the address is what a caller's alignment requirement is about. A linear scan is enough: the
-  // arena holds one allocation per bucket (hundreds), and a single ordered map stays simple.
+  // the address is what a caller's alignment requirement is about. Gaps are visited smallest first
+  // (ties: lowest offset), so the first that fits after padding is the best fit.
   const auto base = reinterpret_cast<std::uintptr_t>(data());
   auto best = free_.end();
   std::size_t best_offset = 0;
-  for (auto gap = free_.begin(); gap != free_.end(); ++gap) {
-    const std::size_t misalignment = (base + gap->first) & (alignment - 1);
+  for (auto it = free_by_size_.lower_bound({size, 0}); it != free_by_size_.end(); ++it) {
+    const auto [gap_size, gap_offset] = *it;
+    const std::size_t misalignment = (base + gap_offset) & (alignment - 1);
     const std::size_t padding = misalignment == 0 ? 0 : alignment - misalignment;
-    const bool fits = padding <= gap->second && gap->second - padding >= size;
-    if (fits && (best == free_.end() || gap->second < best->second)) {  // ties: lowest offset
-      best = gap;
-      best_offset = gap->first + padding;
+    if (padding <= gap_size && gap_size - padding >= size) {
+      best = free_.find(gap_offset);
+      best_offset = gap_offset + padding;
+      break;
     }
   }
   if (best == free_.end()) {
-    std::size_t largest = 0;
-    for (const auto& gap : free_) largest = std::max(largest, gap.second);
     throw ArenaOutOfMemory("PinnedArena.allocate: no free gap holds " + std::to_string(size) +
                            " bytes aligned to " + std::to_string(alignment) +
-                           "; largest free gap is " + std::to_string(largest) + " bytes (arena " +
+                           "; largest free gap is " + std::to_string(largest_gap()) + " bytes (arena " +
                            std::to_string(size_bytes_) + " bytes, " + std::to_string(in_use_bytes_) +
                            " in use)");
   }
@@ -173,17 +235,17 @@ void PinnedArena::release(std::size_t offset) {
   auto next = free_.lower_bound(start);
   if (next != free_.end() && next->first == start + size) {
     size += next->second;
-    next = free_.erase(next);
+    next = erase_gap(next);
   }
   if (next != free_.begin()) {
     const auto prev = std::prev(next);
     if (prev->first + prev->second == start) {
       start = prev->first;
       size += prev->second;
-      free_.erase(prev);
+      erase_gap(prev);
     }
   }
-  free_.emplace(start, size);
+  add_gap(start, size);
 }
 
 ArenaStats PinnedArena::stats() const {
@@ -192,7 +254,7 @@ ArenaStats PinnedArena::stats() const {
   s.size_bytes = size_bytes_;
   s.reserved_bytes = region_.size();
   s.in_use_bytes = in_use_bytes_;
-  for (const auto& gap : free_) s.largest_free_bytes = std::max(s.largest_free_bytes, gap.second);
+  s.largest_free_bytes = largest_gap();
   s.num_allocations = live_.size();
   s.num_free_gaps = free_.size();
   s.num_os_allocations = region_.data() == nullptr ? 0 : 1;
@@ -204,11 +266,26 @@ void PinnedArena::claim(std::map<std::size_t, std::size_t>::iterator gap, std::s
                         std::size_t size) {
   const std::size_t gap_start = gap->first;
   const std::size_t gap_end = gap->first + gap->second;
-  free_.erase(gap);
-  if (offset > gap_start) free_.emplace(gap_start, offset - gap_start);
-  if (offset + size < gap_end) free_.emplace(offset + size, gap_end - offset - size);
+  erase_gap(gap);
+  if (offset > gap_start) add_gap(gap_start, offset - gap_start);
+  if (offset + size < gap_end) add_gap(offset + size, gap_end - offset - size);
   live_.emplace(offset, size);
   in_use_bytes_ += size;
+}
+
+// Caller holds mutex_. The two gap indexes change together, only here.
+void PinnedArena::add_gap(std::size_t offset, std::size_t size) {
+  free_.emplace(offset, size);
+  free_by_size_.emplace(size, offset);
+}
+
+std::map<std::size_t, std::size_t>::iterator PinnedArena::erase_gap(std::map<std::size_t, std::size_t>::iterator gap) {
+  free_by_size_.erase({gap->second, gap->first});
+  return free_.erase(gap);
+}
+
+std::size_t PinnedArena::largest_gap() const {
+  return free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
 }
 
 }  // namespace offload

@@ -1,4 +1,4 @@
-"""offload C++ core: pinned host arena and offline arena planner (no torch, no CUDA).
+"""offload C++ core: pinned host arena, offline arena planner, fused CPU AdamW (no torch, no CUDA).
 
 Hand-written stub for the pybind11 module built from cpp/. C++ errors arrive as ``ValueError``
 (bad arguments) or ``MemoryError`` (the OS or the arena is out of memory).
@@ -34,11 +34,17 @@ class PinnedArena:
     All methods are thread-safe.
     """
 
-    def __init__(self, size_bytes: int, touch_threads: int = 0) -> None:
+    def __init__(self, size_bytes: int, touch_threads: int = 0, numa_node: int = -1, populate: bool = True) -> None:
         """Map and touch ``size_bytes`` bytes (0 = no mapping). ``touch_threads=0`` uses every core.
 
-        Releases the GIL while touching. Raises ``MemoryError`` if the OS refuses the mapping.
+        ``numa_node >= 0`` runs the touching threads on that node's CPUs (first touch puts the pages
+        there). ``populate`` backs each thread's range with ``madvise(MADV_POPULATE_WRITE)`` where the
+        kernel has it, else a write per page. Releases the GIL while touching. Raises ``MemoryError``
+        if the OS refuses the mapping, ``ValueError`` for a NUMA node the machine does not have.
         """
+    @property
+    def touch_method(self) -> str:
+        """"populate", "write" or "none" (zero size): how the pages were backed."""
     @property
     def size_bytes(self) -> int:
         """Exactly the size asked for."""
@@ -69,19 +75,41 @@ class PinnedArena:
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
 def plan_arena(
-    sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256
-) -> tuple[list[int], int]:
-    """Offsets for buffers with known lifetimes: greedy by size, best fit.
+    sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256,
+    heuristic: str = "best",
+) -> tuple[list[int], int, str, dict[str, int]]:
+    """Offsets for buffers with known lifetimes: best fit under three orderings, smallest arena kept.
 
     Buffer ``i`` needs ``sizes[i]`` bytes (> 0, rounded up to ``alignment``, a power of two)
-    during events ``[starts[i], ends[i])`` (``end > start``). Buffers are placed largest first
-    (ties: earlier start, then lower index), each in the smallest gap between the already-placed
-    buffers live at the same time, else just above the highest of them. Returns the offsets in
-    input order and the total bytes (max of offset + aligned size). Deterministic; releases the
-    GIL. Raises ``ValueError`` on bad input.
+    during events ``[starts[i], ends[i])`` (``end > start``). Each ordering ("greedy_by_size":
+    largest first; "greedy_by_breadth": buffers of the step with most live bytes first;
+    "best_fit_by_lifetime": longest-lived first; ties by earlier start, then lower index) places
+    each buffer in the smallest gap between the already-placed buffers live at the same time, else
+    just above the highest of them. ``heuristic="best"`` runs all three and keeps the smallest
+    arena (ties: that order); a name runs only that one. Returns the offsets in input order, the
+    total bytes (max of offset + aligned size), the heuristic that produced them and the total of
+    every heuristic run. Deterministic; releases the GIL. Raises ``ValueError`` on bad input.
     """
 
 def arena_lower_bound(
     sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256
 ) -> int:
     """Max over time of the sum of live aligned sizes: no layout can be smaller than this."""
+
+def adamw_step(
+    param: int, exp_avg: int, exp_avg_sq: int, grad: int, grad_dtype: str, lowp_out: int, lowp_dtype: str,
+    numel: int, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    grad_scale: float = 1.0, check_finite: bool = False, num_threads: int = 1, isa: str = "auto",
+) -> bool:
+    """Fused AdamW over raw buffers given by address (use ``offload.cpu_adam.adamw_step``, which checks
+    its tensors). ``grad_dtype``/``lowp_dtype``: "float32", "bfloat16" or "float16"; ``lowp_out`` 0 for
+    none. ``isa``: "auto", "avx512", "avx2" or "baseline" (``ValueError`` if the CPU lacks it). Returns
+    found_inf: with ``check_finite``, True (and nothing written) if any grad * grad_scale is not finite.
+    Releases the GIL.
+    """
+
+def adamw_isa() -> str:
+    """The instruction set ``adamw_step`` dispatches to on this CPU: "avx512", "avx2" or "baseline"."""
+
+def adamw_has_openmp() -> bool:
+    """Whether ``adamw_step`` runs on OpenMP threads (else on the calling thread only)."""

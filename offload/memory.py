@@ -3,8 +3,8 @@
 Two things live here:
 
 * ``plan_arena``: offline byte offsets for the device buffers a plan creates, so the device side
-  is one ``torch.empty`` that never fragments. Pure: data in, frozen dataclass out, no
-  ``torch.cuda``.
+  is one ``torch.empty`` that never fragments. Three heuristics run and the smallest arena wins.
+  Pure: data in, frozen dataclass out, no ``torch.cuda``.
 * ``HostArena``: one exact-size host region (mmap'd, 2 MiB-aligned, first-touched) with typed
   tensor views. Pinning it (``cudaHostRegister``) is the CUDA backend's job, not this module's.
 """
@@ -18,7 +18,13 @@ import torch
 
 from offload import _C
 
-__all__ = ["ArenaLayout", "HostArena", "Interval", "plan_arena"]
+__all__ = ["ARENA_HEURISTICS", "ArenaLayout", "HostArena", "Interval", "numa_node_of_pci_device", "plan_arena"]
+
+ARENA_HEURISTICS = ("greedy_by_size", "greedy_by_breadth", "best_fit_by_lifetime",
+                    "greedy_by_size+size_classes", "greedy_by_breadth+size_classes",
+                    "best_fit_by_lifetime+size_classes")
+"""What ``plan_arena`` tries (see ``cpp/arena_planner.h``): three orderings, each with exact sizes and with
+sizes rounded up to size classes; on equal arena size the first wins."""
 
 
 def _require_int(name: str, value: object) -> None:
@@ -59,43 +65,72 @@ class ArenaLayout:
     offsets: tuple[int, ...]  # byte offset of each interval's buffer, input order
     total_bytes: int  # arena size
     lower_bound_bytes: int  # max over time of live bytes: no layout can be smaller
+    heuristic: str = "greedy_by_size"  # the ordering that produced this layout (one of ARENA_HEURISTICS)
+    candidates: tuple[tuple[str, int], ...] = ()  # (heuristic, arena bytes) for every heuristic tried
+
+    @property
+    def overhead(self) -> float:
+        """Arena bytes over the lower bound (1.0 is optimal; 1.0 for an empty plan)."""
+        return self.total_bytes / self.lower_bound_bytes if self.lower_bound_bytes else 1.0
 
 
-def plan_arena(intervals: Sequence[Interval], alignment: int = 256) -> ArenaLayout:
-    """Offsets for ``intervals`` by greedy-by-size best fit (see ``cpp/arena_planner.h``).
+def plan_arena(intervals: Sequence[Interval], alignment: int = 256, heuristic: str = "best") -> ArenaLayout:
+    """Offsets for ``intervals``: best fit under each of ``ARENA_HEURISTICS``, the smallest arena kept
+    (``heuristic`` names one to run only that one). See ``cpp/arena_planner.h``.
+    ``total_bytes`` is at least ``lower_bound_bytes``; ``overhead`` is their ratio.
 
     Every offset is a multiple of ``alignment`` (a power of two) and sizes are rounded up to it;
     two buffers live at the same event never overlap in memory.
     """
     _require_power_of_two("alignment", alignment)
+    if heuristic != "best" and heuristic not in ARENA_HEURISTICS:
+        raise ValueError(f"heuristic must be 'best' or one of {ARENA_HEURISTICS}, got {heuristic!r}")
     for i, interval in enumerate(intervals):
         if not isinstance(interval, Interval):
             raise TypeError(f"intervals[{i}] must be an Interval, got {type(interval).__name__}")
     sizes = [iv.size for iv in intervals]
     starts = [iv.start for iv in intervals]
     ends = [iv.end for iv in intervals]
-    offsets, total = _C.plan_arena(sizes, starts, ends, alignment)
+    offsets, total, winner, totals = _C.plan_arena(sizes, starts, ends, alignment, heuristic)
     lower_bound = _C.arena_lower_bound(sizes, starts, ends, alignment)
-    return ArenaLayout(offsets=tuple(offsets), total_bytes=total, lower_bound_bytes=lower_bound)
+    return ArenaLayout(offsets=tuple(offsets), total_bytes=total, lower_bound_bytes=lower_bound, heuristic=winner,
+                       candidates=tuple((h, totals[h]) for h in ARENA_HEURISTICS if h in totals))
 
 
 class HostArena:
-    """Exact-size host region (C++ PinnedArena) with typed tensor views."""
+    """Exact-size host region (C++ PinnedArena) with typed tensor views.
 
-    def __init__(self, size_bytes: int, touch_threads: int = 0) -> None:
+    ``touch_threads`` threads back its pages at construction (0: one per core); ``numa_node`` runs them
+    on that node's CPUs so the pages land there (for a GPU, its node: ``numa_node_of_pci_device``);
+    ``populate`` backs each thread's range with one ``madvise(MADV_POPULATE_WRITE)`` instead of a write
+    per page, where the kernel has it (``touch_method`` says which happened).
+    """
+
+    def __init__(self, size_bytes: int, touch_threads: int = 0, numa_node: int | None = None,
+                 populate: bool = True) -> None:
         _require_int("size_bytes", size_bytes)
         _require_int("touch_threads", touch_threads)
         if size_bytes < 0 or touch_threads < 0:
             raise ValueError(
                 f"size_bytes and touch_threads must be >= 0, got {size_bytes} and {touch_threads}"
             )
-        self._arena = _C.PinnedArena(size_bytes, touch_threads)
+        if numa_node is not None:
+            _require_int("numa_node", numa_node)
+            if numa_node < 0:
+                raise ValueError(f"numa_node must be >= 0 or None, got {numa_node}")
+        self._arena = _C.PinnedArena(size_bytes, touch_threads, -1 if numa_node is None else numa_node,
+                                     bool(populate))
         # Made once. frombuffer holds a reference to the C++ arena, so views outlive this object
         # safely; it rejects empty buffers, hence the special case.
         if size_bytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)
         else:
             self.tensor = torch.frombuffer(self._arena, dtype=torch.uint8)
+
+    @property
+    def touch_method(self) -> str:
+        """How the pages were backed: "populate" (madvise), "write" (a store per page) or "none" (empty)."""
+        return self._arena.touch_method
 
     @property
     def size_bytes(self) -> int:
@@ -144,3 +179,15 @@ class HostArena:
 
     def __repr__(self) -> str:
         return f"HostArena({self._arena!r})"
+
+
+def numa_node_of_pci_device(bus_id: str) -> int | None:
+    """The NUMA node of a PCI device (for example a GPU, ``"0000:3b:00.0"``), or None where the machine
+    has no NUMA or does not say."""
+    from pathlib import Path
+
+    try:
+        node = int(Path(f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None

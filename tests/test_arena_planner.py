@@ -1,8 +1,7 @@
-"""The C++ arena planner against a pure-Python reference of the same algorithm."""
+"""The C++ arena planner against its pure-Python reference (offload/arena_reference.py)."""
 
 from __future__ import annotations
 
-import bisect
 import random
 
 import pytest
@@ -10,55 +9,26 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import _C
-from offload.memory import ArenaLayout, Interval, plan_arena
+from offload import _C, arena_reference
+from offload.memory import ARENA_HEURISTICS, ArenaLayout, Interval, plan_arena
 
 # Deterministic (same examples every run) and no .hypothesis/ database in the working tree.
 PROPERTY_SETTINGS = settings(max_examples=200, derandomize=True, database=None, deadline=None)
 
 
-# --- reference ------------------------------------------------------------------------------
+# --- reference: offload/arena_reference.py ----------------------------------------------------------
+
+
+def reference_plan(sizes, starts, ends, alignment, heuristic="best"):
+    return arena_reference.plan(sizes, starts, ends, alignment, heuristic)
+
+
+def reference_lower_bound(sizes, starts, ends, alignment):
+    return arena_reference.lower_bound(sizes, starts, ends, alignment)
 
 
 def round_up(size: int, alignment: int) -> int:
     return -(-size // alignment) * alignment
-
-
-def reference_plan(
-    sizes: list[int], starts: list[int], ends: list[int], alignment: int
-) -> tuple[list[int], int]:
-    """Greedy by size, best fit (TFLite / XLA best-fit heap): the spec the C++ must match exactly.
-
-    Buffers go largest first (ties: earlier start, then lower index). Each one looks at the
-    placed buffers live at the same time, in offset order, and takes the smallest gap between them
-    that fits (ties: lowest offset); if none fits, it goes just above the highest of them.
-    """
-    aligned = [round_up(s, alignment) for s in sizes]
-    order = sorted(range(len(sizes)), key=lambda i: (-aligned[i], starts[i], i))
-    placed: list[tuple[int, int]] = []  # (offset, index), sorted by offset
-    offsets = [0] * len(sizes)
-    for i in order:
-        best_offset, best_gap, prev_end = None, None, 0
-        for offset, j in placed:
-            if starts[j] >= ends[i] or starts[i] >= ends[j]:
-                continue  # never live at the same time: may share memory
-            gap = offset - prev_end
-            if gap >= aligned[i] and (best_gap is None or gap < best_gap):
-                best_offset, best_gap = prev_end, gap
-            prev_end = max(prev_end, offset + aligned[j])
-        offsets[i] = prev_end if best_offset is None else best_offset
-        bisect.insort(placed, (offsets[i], i))
-    total = max((o + a for o, a in zip(offsets, aligned)), default=0)
-    return offsets, total
-
-
-def reference_lower_bound(sizes: list[int], starts: list[int], ends: list[int], alignment: int) -> int:
-    """Max over event indices of the live aligned bytes (brute force over every start)."""
-    aligned = [round_up(s, alignment) for s in sizes]
-    return max(
-        (sum(a for a, s, e in zip(aligned, starts, ends) if s <= t < e) for t in set(starts)),
-        default=0,
-    )
 
 
 # --- checks ----------------------------------------------------------------------------------
@@ -80,14 +50,18 @@ def count_conflicts(offsets, sizes, starts, ends, alignment: int, rows: int = 10
     return conflicts // 2
 
 
-def check_layout(intervals: list[Interval], alignment: int) -> ArenaLayout:
+def check_layout(intervals: list[Interval], alignment: int, heuristic: str = "best") -> ArenaLayout:
     sizes = [iv.size for iv in intervals]
     starts = [iv.start for iv in intervals]
     ends = [iv.end for iv in intervals]
-    layout = plan_arena(intervals, alignment)
+    layout = plan_arena(intervals, alignment, heuristic)
 
-    assert layout.offsets == tuple(reference_plan(sizes, starts, ends, alignment)[0])
-    assert layout.total_bytes == reference_plan(sizes, starts, ends, alignment)[1]
+    offsets, total, winner, totals = reference_plan(sizes, starts, ends, alignment, heuristic)
+    assert layout.offsets == tuple(offsets)
+    assert layout.total_bytes == total
+    assert layout.heuristic == winner
+    assert dict(layout.candidates) == totals
+    assert layout.total_bytes == min(totals.values())
     assert layout.lower_bound_bytes == reference_lower_bound(sizes, starts, ends, alignment)
 
     assert count_conflicts(layout.offsets, sizes, starts, ends, alignment) == 0
@@ -120,10 +94,77 @@ def test_matches_reference_and_is_valid(intervals, alignment):
     check_layout(intervals, alignment)
 
 
+@settings(PROPERTY_SETTINGS, max_examples=100)
+@given(intervals=intervals_strategy(), alignment=st.sampled_from([1, 256]),
+       heuristic=st.sampled_from(ARENA_HEURISTICS))
+def test_each_heuristic_matches_reference_and_is_valid(intervals, alignment, heuristic):
+    layout = check_layout(intervals, alignment, heuristic)
+    assert layout.heuristic == heuristic and [h for h, _ in layout.candidates] == [heuristic]
+
+
 @settings(PROPERTY_SETTINGS, max_examples=50)
 @given(intervals=intervals_strategy())
 def test_deterministic(intervals):
     assert plan_arena(intervals) == plan_arena(intervals)
+
+
+# Small cases (found by searching random ones with the reference) where each heuristic alone is best:
+# together they do better than any one of them. Totals in ARENA_HEURISTICS order.
+WINS = {
+    "greedy_by_size": ([3001, 1000, 3001, 1001, 2000, 1003], [1, 2, 6, 0, 6, 0], [2, 7, 7, 5, 9, 2],
+                       (6005, 7002, 7002, 6008, 6008, 7005)),
+    "greedy_by_breadth": ([1002, 1002, 1003, 1002, 2000], [3, 0, 1, 1, 2], [5, 2, 2, 6, 7],
+                          (4009, 4004, 4005, 4014, 4007, 4007)),
+    "best_fit_by_lifetime": ([1001, 2001, 1003, 1003, 2000, 1002], [0, 0, 6, 4, 3, 6], [5, 3, 9, 7, 6, 9],
+                             (4005, 4005, 4004, 4015, 5005, 4007)),
+    "greedy_by_size+size_classes": ([1003, 1001, 3001, 1003, 1000, 1000], [2, 4, 6, 1, 2, 1], [5, 8, 8, 5, 6, 6],
+                                    (6002, 6008, 6005, 5012, 6013, 6009)),
+    "greedy_by_breadth+size_classes": ([1001, 1001, 1003, 1000, 1001, 1000], [2, 2, 6, 6, 1, 3],
+                                       [4, 4, 10, 11, 3, 7], (4003, 4003, 4004, 4012, 3009, 5009)),
+    "best_fit_by_lifetime+size_classes": ([1000, 1002, 1002, 2000, 3001], [3, 1, 0, 1, 6], [8, 4, 2, 5, 11],
+                                          (5004, 6001, 5003, 5008, 5008, 4008)),
+}
+
+
+@pytest.mark.parametrize("winner", list(WINS))
+def test_each_heuristic_wins_somewhere(winner):
+    sizes, starts, ends, totals = WINS[winner]
+    layout = check_layout([Interval(*x) for x in zip(sizes, starts, ends)], 1)
+    assert layout.heuristic == winner
+    assert dict(layout.candidates) == dict(zip(ARENA_HEURISTICS, totals))
+
+
+def test_size_classes_let_near_equal_buffers_share_slots():
+    # Never more than two live at once, but buffer 2 is 4 KiB larger than the others: with exact sizes it
+    # fits no slot another buffer left, and every ordering needs three slots; size classes make the
+    # sizes equal and two slots do.
+    mib = 1 << 20
+    a, b = 19 * mib + 1024, 19 * mib + 5120
+    intervals = [Interval(a, 3, 5), Interval(a, 3, 8), Interval(b, 8, 9), Interval(a, 6, 9)]
+    layout = check_layout(intervals, 256)
+    assert layout.heuristic == "best_fit_by_lifetime+size_classes"
+    assert min(total for h, total in layout.candidates if "+" not in h) == 3 * a  # three slots
+    assert layout.total_bytes == arena_reference.size_class(a) + a  # two: the top one holds an a
+
+
+def test_size_class_rounding():
+    assert [arena_reference.size_class(s) for s in (1, 255, 256, 257, 1000, 1 << 20, (1 << 20) + 1)] == \
+        [1, 255, 256, 258, 1000, 1 << 20, (1 << 20) + 8192]
+
+
+def test_ties_go_to_the_first_heuristic():
+    layout = check_layout([Interval(1000, t, t + 1) for t in range(10)], 256)
+    assert set(dict(layout.candidates).values()) == {1024} and len(layout.candidates) == 6
+    assert layout.heuristic == "greedy_by_size"
+    assert layout.overhead == 1.0
+
+
+def test_breadth_places_the_widest_step_first():
+    # Step 0 holds 3 KiB live (a, b), step 5 holds 4 KiB (c, d): breadth places c and d first (largest
+    # first), then the buffers of step 0; by size, the 2 KiB buffer a would go first.
+    intervals = [Interval(2048, 0, 3), Interval(1024, 0, 3), Interval(1536, 5, 8), Interval(2560, 5, 8)]
+    layout = check_layout(intervals, 512, "greedy_by_breadth")
+    assert layout.offsets == (0, 2048, 2560, 0)
 
 
 def test_chain_reuses_memory():
@@ -159,14 +200,24 @@ def test_no_fit_goes_above_highest():
 
 
 def test_empty():
-    assert plan_arena([]) == ArenaLayout(offsets=(), total_bytes=0, lower_bound_bytes=0)
-    assert _C.plan_arena([], [], []) == ([], 0)
+    layout = plan_arena([])
+    assert (layout.offsets, layout.total_bytes, layout.lower_bound_bytes) == ((), 0, 0)
+    assert layout.candidates == tuple((h, 0) for h in ARENA_HEURISTICS) and layout.overhead == 1.0
+    assert _C.plan_arena([], [], []) == ([], 0, "greedy_by_size", dict.fromkeys(ARENA_HEURISTICS, 0))
     assert _C.arena_lower_bound([], [], []) == 0
 
 
 def test_one_buffer_rounds_up_to_alignment():
     layout = plan_arena([Interval(1, 3, 4)], alignment=256)
-    assert layout == ArenaLayout(offsets=(0,), total_bytes=256, lower_bound_bytes=256)
+    assert layout == ArenaLayout(offsets=(0,), total_bytes=256, lower_bound_bytes=256, heuristic="greedy_by_size",
+                                 candidates=tuple((h, 256) for h in ARENA_HEURISTICS))
+
+
+def test_unknown_heuristic():
+    with pytest.raises(ValueError, match="heuristic must be 'best' or one of"):
+        plan_arena([Interval(8, 0, 1)], heuristic="first_fit")
+    with pytest.raises(ValueError, match="unknown arena heuristic 'first_fit'"):
+        _C.plan_arena([8], [0], [1], 256, "first_fit")
 
 
 def test_identical_intervals_stack_in_input_order():
@@ -188,6 +239,7 @@ def test_half_open_intervals_share_memory():
         (lambda: Interval(8, 3, 3), "must be greater than start"),
         (lambda: Interval(8, 4, 2), "must be greater than start"),
         (lambda: plan_arena([Interval(8, 0, 1)], alignment=3), "power of two"),
+        (lambda: plan_arena([Interval(8, 0, 1)], alignment=2**40 + 1), "power of two"),
         (lambda: plan_arena([Interval(8, 0, 1)], alignment=0), "power of two"),
     ],
 )
@@ -236,8 +288,9 @@ def test_ten_thousand_buffers():
         sizes.append(rng.choice([1 << 20, 4 << 20, 16 << 20]) + rng.randrange(0, 1 << 20))
         starts.append(start)
         ends.append(start + rng.randrange(1, 400))
-    offsets, total = _C.plan_arena(sizes, starts, ends, 256)
     lower = _C.arena_lower_bound(sizes, starts, ends, 256)
-    assert all(o % 256 == 0 for o in offsets)
-    assert count_conflicts(offsets, sizes, starts, ends, 256) == 0
-    assert total >= lower
+    for heuristic in ARENA_HEURISTICS:
+        offsets, total, _, _ = _C.plan_arena(sizes, starts, ends, 256, heuristic)
+        assert all(o % 256 == 0 for o in offsets)
+        assert count_conflicts(offsets, sizes, starts, ends, 256) == 0
+        assert total >= lower

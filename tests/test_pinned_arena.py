@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from offload import _C
-from offload.memory import HostArena
+from offload.memory import HostArena, numa_node_of_pci_device
 
 MiB = 1 << 20
 HUGE_PAGE = 2 * MiB
@@ -97,14 +98,64 @@ def test_exact_size_and_2mib_alignment(size):
     }
 
 
+HAS_NODE_0 = Path("/sys/devices/system/node/node0/cpulist").exists()
+
+
+@pytest.mark.parametrize("populate", [True, False])
 @pytest.mark.parametrize("touch_threads", [0, 1, 3, 64])
-def test_first_touch_backs_every_page(touch_threads):
+def test_first_touch_backs_every_page(touch_threads, populate):
     size = 24 * MiB + 4096
     rss_before = psutil.Process().memory_info().rss
-    arena = HostArena(size, touch_threads)
+    arena = HostArena(size, touch_threads, populate=populate)
     rss_growth = psutil.Process().memory_info().rss - rss_before
     assert rss_growth >= size - MiB  # backed now, not at first use
     assert int(arena.tensor.count_nonzero()) == 0  # touching writes zeros over zeroed pages
+    # populate falls back to writes only where the kernel lacks MADV_POPULATE_WRITE (before Linux 5.14)
+    assert arena.touch_method == "populate" if populate else arena.touch_method == "write"
+
+
+@pytest.mark.skipif(not HAS_NODE_0, reason="no NUMA information in sysfs")
+def test_touch_on_a_numa_node_backs_every_page():
+    rss_before = psutil.Process().memory_info().rss
+    arena = HostArena(16 * MiB, 2, numa_node=0)
+    assert psutil.Process().memory_info().rss - rss_before >= 15 * MiB
+    assert arena.stats()["num_free_gaps"] == 1
+
+
+def test_unknown_numa_node_is_a_value_error():
+    with pytest.raises(ValueError, match="NUMA node 4096 does not exist"):
+        _C.PinnedArena(MiB, 1, 4096)
+    with pytest.raises(ValueError, match="NUMA node 4096 does not exist"):
+        _C.PinnedArena(0, 1, 4096)  # even when nothing is mapped
+    with pytest.raises(ValueError, match="numa_node must be >= 0 or None"):
+        HostArena(MiB, numa_node=-2)
+
+
+def test_numa_node_of_pci_device():
+    assert numa_node_of_pci_device("not-a-device") is None
+    for dev in sorted(Path("/sys/bus/pci/devices").glob("*"))[:3]:
+        node = numa_node_of_pci_device(dev.name)
+        assert node is None or node >= 0
+
+
+def test_steady_state_makes_no_os_allocation():
+    # A step's worth of bucket-sized allocate/release, repeated: after a warm-up the process's memory
+    # map (every mmap, munmap and brk shows in it) must not change at all.
+    arena = _C.PinnedArena(64 * MiB, 1)
+    sizes = [3 * MiB + 4096 * k for k in range(12)]
+
+    def one_step():
+        offsets = [arena.allocate(size, 4096) for size in sizes]
+        for offset in offsets[::2] + offsets[1::2]:
+            arena.release(offset)
+
+    for _ in range(50):
+        one_step()
+    maps_before = Path("/proc/self/maps").read_text()
+    for _ in range(500):
+        one_step()
+    assert Path("/proc/self/maps").read_text() == maps_before
+    assert arena.stats()["num_os_allocations"] == 1 and arena.stats()["num_free_gaps"] == 1
 
 
 def test_zero_size_arena():

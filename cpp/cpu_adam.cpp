@@ -1,0 +1,371 @@
+#include "cpu_adam.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// Built with -ffp-contract=off (CMakeLists.txt): every fused multiply-add below is written out, none is
+// added by the compiler. See [Note: AdamW op order] in cpu_adam.h.
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define OFFLOAD_X86_DISPATCH 1
+#else
+#define OFFLOAD_X86_DISPATCH 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define OFFLOAD_ALWAYS_INLINE inline __attribute__((always_inline))
+#define OFFLOAD_RESTRICT __restrict__
+#else
+#define OFFLOAD_ALWAYS_INLINE inline
+#define OFFLOAD_RESTRICT
+#endif
+
+namespace offload {
+namespace {
+
+// --- scalar conversions (branch-free, so loops using them vectorise) ------------------------------
+
+OFFLOAD_ALWAYS_INLINE std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+OFFLOAD_ALWAYS_INLINE float float_of(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+OFFLOAD_ALWAYS_INLINE float bf16_to_float(std::uint16_t h) { return float_of(std::uint32_t{h} << 16); }
+
+// Exact. Subnormal halves go through an int-to-float conversion rather than an fp32 subnormal, so the
+// result does not depend on the denormals-are-zero flag of the calling thread. (Written so that no value
+// goes float -> int -> float: GCC 12 does not vectorise such chains.)
+OFFLOAD_ALWAYS_INLINE float fp16_to_float(std::uint16_t h) {
+  const std::uint32_t sign = std::uint32_t{h & 0x8000u} << 16;
+  const std::uint32_t em = h & 0x7fffu;                    // exponent and mantissa
+  const std::uint32_t normal = (em << 13) + 0x38000000u;   // rebias the exponent: 15 -> 127
+  const std::uint32_t special = (em << 13) | 0x7f800000u;  // inf, nan (payload and quiet bit kept)
+  const float finite = float_of(sign | (em >= 0x7c00u ? special : normal));
+  const float magnitude = static_cast<float>(static_cast<std::int32_t>(em)) * 0x1p-24f;  // exact below 0x400
+  const float subnormal = sign != 0 ? -magnitude : magnitude;
+  return em < 0x0400u ? subnormal : finite;
+}
+
+// Round to nearest even; nan becomes the quiet nan 0x7fc0 (as c10::BFloat16 does).
+OFFLOAD_ALWAYS_INLINE std::uint16_t float_to_bf16(float f) {
+  const std::uint32_t u = bits_of(f);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<std::uint16_t>(nan ? 0x7fc0u : rounded);
+}
+
+// Round to nearest even, overflow to inf, nan to a quiet nan, subnormals exact.
+OFFLOAD_ALWAYS_INLINE std::uint16_t float_to_fp16(float f) {
+  const std::uint32_t u = bits_of(f);
+  const std::uint32_t sign = (u >> 16) & 0x8000u;
+  const std::uint32_t a = u & 0x7fffffffu;
+  // |f| in [2^-14, 65520): rebias the exponent (127 -> 15) and round away the 13 low mantissa bits; a
+  // carry out of the mantissa correctly bumps the exponent. (Wraps for small a; those lanes take `sub`.)
+  const std::uint32_t normal = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+  // |f| < 2^-14: in 0.5 + |f| one ulp is 2^-24, the fp16 subnormal step, so the FPU's own
+  // round-to-nearest-even leaves the rounded subnormal count in the low bits.
+  const std::uint32_t sub = bits_of(std::fabs(f) + 0.5f) - 0x3f000000u;
+  std::uint32_t h = a < 0x38800000u ? sub : normal;
+  h = a >= 0x477ff000u ? 0x7c00u : h;  // 65520 and above (inf included) round to inf
+  h = a > 0x7f800000u ? 0x7e00u : h;   // nan
+  return static_cast<std::uint16_t>(sign | h);
+}
+
+template <ScalarType G>
+OFFLOAD_ALWAYS_INLINE float load_grad(const void* grad, std::size_t i) {
+  if constexpr (G == ScalarType::kFloat32) {
+    return static_cast<const float*>(grad)[i];
+  } else if constexpr (G == ScalarType::kBFloat16) {
+    return bf16_to_float(static_cast<const std::uint16_t*>(grad)[i]);
+  } else {
+    return fp16_to_float(static_cast<const std::uint16_t*>(grad)[i]);
+  }
+}
+
+template <bool kFma>
+OFFLOAD_ALWAYS_INLINE float madd(float a, float b, float c) {
+  if constexpr (kFma) {
+    return std::fma(a, b, c);
+  } else {
+    return a * b + c;  // two roundings: -ffp-contract=off keeps it so
+  }
+}
+
+// Per-call scalars, each computed in double and rounded to float once, as torch does with Python
+// floats (see [Note: AdamW op order]).
+struct Coeffs {
+  float decay;
+  float grad_scale;
+  float w;            // lerp weight 1 - beta1
+  float w_minus_1;    // w - 1, in float as torch computes it
+  bool lerp_small;    // |w| < 0.5 picks torch's first lerp formula
+  float beta2;
+  float one_minus_beta2;
+  float bc2_sqrt;
+  float eps;
+  float neg_step_size;
+};
+
+Coeffs make_coeffs(const AdamWHyper& h) {
+  Coeffs c{};
+  const double step = static_cast<double>(h.step);
+  c.decay = static_cast<float>(h.weight_decay != 0 ? 1.0 - h.lr * h.weight_decay : 1.0);
+  c.grad_scale = static_cast<float>(h.grad_scale);
+  c.w = static_cast<float>(1.0 - h.beta1);
+  c.w_minus_1 = c.w - 1.0f;
+  c.lerp_small = std::fabs(c.w) < 0.5f;
+  c.beta2 = static_cast<float>(h.beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  // pow(x, 0.5), not sqrt(x): Python's `x ** 0.5` calls libm pow, and the two may differ in the last bit.
+  c.bc2_sqrt = static_cast<float>(std::pow(1.0 - std::pow(h.beta2, step), 0.5));
+  c.eps = static_cast<float>(h.eps);
+  c.neg_step_size = static_cast<float>(-(h.lr / (1.0 - std::pow(h.beta1, step))));
+  return c;
+}
+
+// Elements are processed in blocks that stay in L1: the grads of a block are first widened to fp32, then
+// one loop does the fp32 arithmetic, then another rounds the new master to the low-precision copy. Each
+// loop is simple enough that the compiler vectorises it for every dtype combination (one loop doing all
+// three does not vectorise with GCC 12 when 16-bit types are involved), and no extra memory traffic
+// results: the block buffers never leave L1.
+constexpr std::size_t kBlock = 1024;
+
+template <ScalarType G>
+OFFLOAD_ALWAYS_INLINE void widen_grads(const void* OFFLOAD_RESTRICT grad, float grad_scale, std::size_t n,
+                                       float* OFFLOAD_RESTRICT out) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = load_grad<G>(grad, i) * grad_scale;
+}
+
+// Every coefficient is copied into a local first: a store through `param` could otherwise alias `c`
+// in the compiler's eyes and block vectorisation.
+template <bool kFma>
+OFFLOAD_ALWAYS_INLINE void update_fp32(float* OFFLOAD_RESTRICT param, float* OFFLOAD_RESTRICT exp_avg,
+                                       float* OFFLOAD_RESTRICT exp_avg_sq, const float* OFFLOAD_RESTRICT grad,
+                                       std::size_t n, const Coeffs& c) {
+  const float decay = c.decay, beta2 = c.beta2, one_minus_beta2 = c.one_minus_beta2;
+  const float bc2_sqrt = c.bc2_sqrt, eps = c.eps, neg_step_size = c.neg_step_size;
+  const bool small = c.lerp_small;
+  const float coeff = small ? c.w : c.w_minus_1;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float g = grad[i];
+    const float p = param[i] * decay;
+    const float m_old = exp_avg[i];
+    const float m = madd<kFma>(coeff, g - m_old, small ? m_old : g);
+    const float v = madd<kFma>(one_minus_beta2 * g, g, exp_avg_sq[i] * beta2);
+    const float denom = std::sqrt(v) / bc2_sqrt + eps;
+    param[i] = p + (neg_step_size * m) / denom;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+  }
+}
+
+template <int kLowp>
+OFFLOAD_ALWAYS_INLINE void round_to_lowp(const float* OFFLOAD_RESTRICT param, std::size_t n,
+                                         std::uint16_t* OFFLOAD_RESTRICT out) {
+  for (std::size_t i = 0; i < n; ++i) out[i] = kLowp == 1 ? float_to_bf16(param[i]) : float_to_fp16(param[i]);
+}
+
+// The whole update of elements [begin, end).
+template <bool kFma, ScalarType G, int kLowp>  // kLowp: 0 none, 1 bf16, 2 fp16
+OFFLOAD_ALWAYS_INLINE void update_range(const AdamWBuffers& b, const Coeffs& c, std::size_t begin,
+                                        std::size_t end) {
+  constexpr std::size_t kGradBytes = G == ScalarType::kFloat32 ? 4 : 2;
+  alignas(64) float grad_block[kBlock];
+  for (std::size_t at = begin; at < end; at += kBlock) {
+    const std::size_t n = std::min(kBlock, end - at);
+    const float* grad = static_cast<const float*>(b.grad) + at;
+    if (G != ScalarType::kFloat32 || c.grad_scale != 1.0f) {
+      widen_grads<G>(static_cast<const char*>(b.grad) + at * kGradBytes, c.grad_scale, n, grad_block);
+      grad = grad_block;
+    }
+    update_fp32<kFma>(b.param + at, b.exp_avg + at, b.exp_avg_sq + at, grad, n, c);
+    if constexpr (kLowp != 0) round_to_lowp<kLowp>(b.param + at, n, static_cast<std::uint16_t*>(b.lowp_out) + at);
+  }
+}
+
+// True when every grad * scale in [begin, end) is finite. An OR over integer flags, so it vectorises.
+template <ScalarType G>
+OFFLOAD_ALWAYS_INLINE bool finite_range(const void* grad, float grad_scale, std::size_t begin, std::size_t end) {
+  std::uint32_t bad = 0;
+  for (std::size_t i = begin; i < end; ++i) {
+    const float g = load_grad<G>(grad, i) * grad_scale;
+    bad |= static_cast<std::uint32_t>((bits_of(g) & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad == 0;
+}
+
+using UpdateFn = void (*)(const AdamWBuffers&, const Coeffs&, std::size_t, std::size_t);
+using FiniteFn = bool (*)(const void*, float, std::size_t, std::size_t);
+
+struct Kernels {
+  UpdateFn update[3][3];  // [grad type][lowp: none, bf16, fp16]
+  FiniteFn finite[3];     // [grad type]
+};
+
+// One set of kernels per instruction set: the same source, compiled with that ISA's target attribute.
+// FMA mirrors torch: its AVX2/AVX-512 kernels fuse, its baseline x86 kernels cannot (no FMA unit
+// assumed); on other architectures torch's vector kernels fuse too.
+#define OFFLOAD_KERNELS(NAME, ATTR, FMA)                                                                \
+  template <ScalarType G, int kLowp>                                                                   \
+  ATTR void update_##NAME(const AdamWBuffers& b, const Coeffs& c, std::size_t begin, std::size_t end) { \
+    update_range<FMA, G, kLowp>(b, c, begin, end);                                                      \
+  }                                                                                                    \
+  template <ScalarType G>                                                                              \
+  ATTR bool finite_##NAME(const void* g, float s, std::size_t begin, std::size_t end) {                 \
+    return finite_range<G>(g, s, begin, end);                                                          \
+  }                                                                                                    \
+  constexpr ScalarType kF32_##NAME = ScalarType::kFloat32, kBF16_##NAME = ScalarType::kBFloat16,        \
+                       kF16_##NAME = ScalarType::kFloat16;                                             \
+  const Kernels kKernels_##NAME = {                                                                    \
+      {{update_##NAME<kF32_##NAME, 0>, update_##NAME<kF32_##NAME, 1>, update_##NAME<kF32_##NAME, 2>},   \
+       {update_##NAME<kBF16_##NAME, 0>, update_##NAME<kBF16_##NAME, 1>, update_##NAME<kBF16_##NAME, 2>}, \
+       {update_##NAME<kF16_##NAME, 0>, update_##NAME<kF16_##NAME, 1>, update_##NAME<kF16_##NAME, 2>}},  \
+      {finite_##NAME<kF32_##NAME>, finite_##NAME<kBF16_##NAME>, finite_##NAME<kF16_##NAME>}};
+
+#if OFFLOAD_X86_DISPATCH
+OFFLOAD_KERNELS(baseline, , false)
+OFFLOAD_KERNELS(avx2, __attribute__((target("avx2,fma"))), true)
+OFFLOAD_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))), true)
+#else
+OFFLOAD_KERNELS(baseline, , true)
+#endif
+
+#undef OFFLOAD_KERNELS
+
+bool cpu_has(const char* isa) {
+#if OFFLOAD_X86_DISPATCH
+  __builtin_cpu_init();
+  const std::string name = isa;
+  // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
+  if (name == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+  if (name == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return std::string(isa) == "baseline";
+}
+
+const char* best_isa() {
+  static const char* const best = cpu_has("avx512") ? "avx512" : cpu_has("avx2") ? "avx2" : "baseline";
+  return best;
+}
+
+const Kernels& kernels_for(const std::string& isa) {
+#if OFFLOAD_X86_DISPATCH
+  if (isa == "avx512") return kKernels_avx512;
+  if (isa == "avx2") return kKernels_avx2;
+#endif
+  (void)isa;
+  return kKernels_baseline;
+}
+
+int type_index(ScalarType t) { return static_cast<int>(t); }
+
+// Splits [0, n) into one contiguous run per worker (cache-line aligned borders) and calls fn(begin, end)
+// on each, on OpenMP threads. Small inputs stay on the calling thread: below ~32 Ki elements (about
+// 1 MB of traffic) waking a thread costs more than it saves.
+template <typename Fn>
+void parallel_runs(std::size_t n, int num_threads, Fn&& fn) {
+  constexpr std::size_t kMinPerWorker = std::size_t{1} << 15;
+  constexpr std::size_t kLine = 16;  // floats per 64-byte cache line
+  const std::size_t workers = std::min<std::size_t>(static_cast<std::size_t>(num_threads),
+                                                    std::max<std::size_t>(1, n / kMinPerWorker));
+#ifdef _OPENMP
+  if (workers > 1) {
+    const std::size_t per = ((n + workers - 1) / workers + kLine - 1) / kLine * kLine;
+    const long count = static_cast<long>(workers);
+#pragma omp parallel for num_threads(static_cast<int>(workers)) schedule(static, 1)
+    for (long w = 0; w < count; ++w) {
+      const std::size_t begin = static_cast<std::size_t>(w) * per;
+      const std::size_t end = std::min(n, begin + per);
+      if (begin < end) fn(w, begin, end);
+    }
+    return;
+  }
+#endif
+  (void)workers;
+  fn(0L, std::size_t{0}, n);
+}
+
+void validate(const AdamWBuffers& b, const AdamWHyper& h, int num_threads, const std::string& isa) {
+  if (b.numel > 0 && (b.param == nullptr || b.exp_avg == nullptr || b.exp_avg_sq == nullptr || b.grad == nullptr)) {
+    throw std::invalid_argument("adamw_step: param, grad, exp_avg and exp_avg_sq must not be null");
+  }
+  if (b.lowp_out != nullptr && b.lowp_type != ScalarType::kBFloat16 && b.lowp_type != ScalarType::kFloat16) {
+    throw std::invalid_argument("adamw_step: the low-precision copy must be bf16 or fp16");
+  }
+  if (type_index(b.grad_type) < 0 || type_index(b.grad_type) > 2) {
+    throw std::invalid_argument("adamw_step: grad must be fp32, bf16 or fp16");
+  }
+  if (h.step < 1) throw std::invalid_argument("adamw_step: step must be >= 1, got " + std::to_string(h.step));
+  if (num_threads < 1) {
+    throw std::invalid_argument("adamw_step: num_threads must be >= 1, got " + std::to_string(num_threads));
+  }
+  if (isa != "auto" && !cpu_has(isa.c_str())) {
+    throw std::invalid_argument("adamw_step: instruction set '" + isa +
+                                "' is not available on this CPU or build (have: " + best_isa() + ")");
+  }
+}
+
+}  // namespace
+
+bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check_finite, int num_threads) {
+  return adamw_step(buffers, hyper, check_finite, num_threads, "auto");
+}
+
+bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check_finite, int num_threads,
+                const std::string& isa) {
+  validate(buffers, hyper, num_threads, isa);
+  if (buffers.numel == 0) return false;
+  const Kernels& k = kernels_for(isa == "auto" ? best_isa() : isa);
+  const Coeffs coeffs = make_coeffs(hyper);
+  const int g = type_index(buffers.grad_type);
+
+  if (check_finite) {
+    // A separate pass: nothing may be written unless every grad is finite.
+    const FiniteFn finite = k.finite[g];
+    bool all_finite = true;
+    constexpr int kMaxWorkers = 256;
+    bool worker_ok[kMaxWorkers];
+    std::fill(worker_ok, worker_ok + kMaxWorkers, true);
+    parallel_runs(buffers.numel, std::min(num_threads, kMaxWorkers), [&](long w, std::size_t begin, std::size_t end) {
+      worker_ok[w] = finite(buffers.grad, coeffs.grad_scale, begin, end);
+    });
+    for (bool ok : worker_ok) all_finite = all_finite && ok;
+    if (!all_finite) return true;
+  }
+
+  const int lowp = buffers.lowp_out == nullptr ? 0 : buffers.lowp_type == ScalarType::kBFloat16 ? 1 : 2;
+  const UpdateFn update = k.update[g][lowp];
+  parallel_runs(buffers.numel, num_threads,
+                [&](long, std::size_t begin, std::size_t end) { update(buffers, coeffs, begin, end); });
+  return false;
+}
+
+const char* adamw_isa() { return best_isa(); }
+
+bool adamw_has_openmp() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace offload

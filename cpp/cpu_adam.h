@@ -1,0 +1,72 @@
+// Fused CPU AdamW: one pass over a bucket's flat buffers.
+//
+// Reads the fp32 master, the grad (fp32, bf16 or fp16), Adam m and v; writes the master, m, v and,
+// optionally, the low-precision copy (bf16 or fp16, round to nearest even) that the next
+// host-to-device copy sends. Replaces six torch passes (offload/optim.py: adamw_) with one.
+//
+// [Note: AdamW op order] The arithmetic is torch.optim.AdamW(foreach=False, fused=False) operation for
+// operation, in fp32, with every scalar computed in double and rounded to float once, as torch does:
+//   p  = p * float(1 - lr*wd)                            (skipped when wd == 0, as torch skips it)
+//   g  = float(grad) * float(grad_scale)
+//   m  = lerp(m, g, w),  w = float(1 - beta1)            torch's CPU lerp: w < 0.5 ? fma(w, g-m, m)
+//                                                                                : fma(w-1, g-m, g)
+//   v  = fma(float(1-beta2) * g, g, v * float(beta2))    what torch's vectorised addcmul compiles to
+//   d  = sqrt(v) / float(pow(1 - beta2^step, 0.5)) + float(eps)
+//   p  = p + (float(-lr / (1 - beta1^step)) * m) / d
+// The fused multiply-adds are fused exactly where torch's AVX2/AVX-512 kernels fuse them (checked
+// against torch bit for bit, see tests/test_cpu_adam.py); on an x86-64 CPU without FMA they are
+// unfused, as in torch's default-capability kernels. The file is built with -ffp-contract=off so the
+// compiler adds no other contraction. sqrt is IEEE (correctly rounded); torch's own sqrt on large
+// tensors goes through MKL VML and is 1 ulp low on about 0.6 % of elements, so against torch ops the
+// master can differ by 1 ulp there, m and v never.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace offload {
+
+enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct AdamWHyper {
+  std::int64_t step = 1;  // step count after this update: 1 on the first update
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double grad_scale = 1.0;  // multiplies the grad before use (1/loss_scale times a clip coefficient)
+};
+
+// numel elements each. The buffers must not overlap; any 4-byte (fp32) or 2-byte alignment is fine.
+struct AdamWBuffers {
+  float* param = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  const void* grad = nullptr;
+  ScalarType grad_type = ScalarType::kFloat32;
+  void* lowp_out = nullptr;                     // nullptr: no low-precision copy
+  ScalarType lowp_type = ScalarType::kBFloat16;  // kBFloat16 or kFloat16 when lowp_out is set
+  std::size_t numel = 0;
+};
+
+// One AdamW update. With check_finite, first checks every grad * grad_scale: if any is inf or nan it
+// writes nothing and returns true (found inf). Otherwise returns false. Runs on up to num_threads
+// OpenMP threads (1 when built without OpenMP or when numel is small).
+// Throws std::invalid_argument on null pointers with numel > 0, step < 1, num_threads < 1 or a lowp
+// type that is not bf16/fp16.
+bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check_finite, int num_threads);
+
+// The same with the instruction set forced (for tests): "auto", "avx512", "avx2" or "baseline".
+// Throws std::invalid_argument for one this CPU or build lacks.
+bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check_finite, int num_threads,
+                const std::string& isa);
+
+// The instruction set the runtime dispatcher picked on this CPU: "avx512", "avx2" or "baseline".
+const char* adamw_isa();
+
+// Whether this build runs the kernel on OpenMP threads.
+bool adamw_has_openmp();
+
+}  // namespace offload
