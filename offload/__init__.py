@@ -6,15 +6,17 @@
 """
 
 from .api import Engine, wrap
-from .config import OffloadConfig, format_bytes, parse_bytes
-from .errors import BudgetTooSmallError, HostMemoryError, OffloadError
+from .config import LossScaleConfig, OffloadConfig, format_bytes, parse_bytes
+from .errors import BudgetTooSmallError, CheckpointError, HostMemoryError, OffloadError
 from .optim import AdamW
 
 __all__ = [
     "AdamW",
     "BudgetTooSmallError",
+    "CheckpointError",
     "Engine",
     "HostMemoryError",
+    "LossScaleConfig",
     "OffloadConfig",
     "OffloadError",
     "format_bytes",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import checkpoint
 from .backend import make_backend
 from .config import OffloadConfig
 from .optim import AdamW
@@ -75,9 +77,25 @@ class Engine:
             raise
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``; grads go to the host and the optimizer update starts as they arrive."""
+        """``loss.backward()`` (multiplied by the loss scale with float16); grads go to the host as they are
+        made, and with ``overlap_optimizer`` each bucket's update starts as soon as its grads are there."""
         self._check_open()
-        loss.backward(**kwargs)
+        rt = self._runtime
+        if rt.scaler is not None:
+            rt.next_backward_scale = rt.scaler.scale
+            loss = loss * rt.scaler.scale
+        try:
+            loss.backward(**kwargs)
+        finally:
+            rt.next_backward_scale = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients gathered since the last step, as ``torch.nn.utils.clip_grad_norm_`` would, and
+        return their total norm (unscaled). Call it between the last backward and ``step()``; it needs
+        ``overlap_optimizer=False``. The norms were computed as the grads were made, so this reads no grads."""
+        self._check_open()
+        return self._runtime.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def step(self) -> None:
         """Wait for every bucket's AdamW update; the next forward streams the new weights."""
@@ -97,17 +115,27 @@ class Engine:
         """Device and host bytes, and what the plan decided (``plan`` is None until the first step)."""
         rt = self._runtime
         plan = rt.plan
+        # On CUDA the allocator's measured peak since wrap (arena, activations, grads, temporaries); on the
+        # CPU backend, which has no allocator to ask, the runtime's own accounting.
+        measured = rt.backend.peak_bytes()
         summary = None
         if plan is not None:
             summary = plan.summary() | {"bucket_bytes": self.config.bucket_bytes, "replans": rt.stats["replans"]}
         return {
             "budget_bytes": self.config.budget,
-            "device_peak_bytes": rt.memory.peak,
+            "device_peak_bytes": rt.memory.peak if measured is None else measured,
+            "device_peak_accounted_bytes": rt.memory.peak,
             "device_current_bytes": rt.memory.current,
             "device_parts": dict(rt.memory.parts),
             "arena_bytes": plan.arena_bytes if plan is not None else 0,
             "host_pinned_bytes": rt.host.nbytes if rt.host is not None else 0,
             "plan": summary,
+            "optimizer": {
+                "overlap": not rt.deferred,
+                "loss_scale": rt.scaler.scale if rt.scaler is not None else None,
+                "skipped_steps": rt.stats["skipped_steps"],
+                "last_step_skipped": rt.last_step_skipped,
+            },
             "counters": dict(rt.stats),
         }
 
@@ -147,6 +175,20 @@ class Engine:
                     target.copy_(value)
         rt.after_weights_written()
         self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
+        """Write a checkpoint to ``path`` atomically: fp32 weights and buffers under ``["model"]`` (keyed
+        like ``model.state_dict()``, so plain ``model.load_state_dict(torch.load(path)["model"])`` works),
+        AdamW state, loss-scaler state, RNG states, and ``extra`` (e.g. an LR scheduler's state_dict).
+        A crash or kill during the write leaves the previous file at ``path`` intact."""
+        self._check_open()
+        checkpoint.save(self, path, extra)
+
+    def load(self, path: str | os.PathLike) -> dict | None:
+        """Resume from a checkpoint written by :meth:`save`; returns its ``extra``. Training then goes on
+        exactly as if it had not stopped (same weights, AdamW state, loss scale and RNG streams)."""
+        self._check_open()
+        return checkpoint.load(self, path)
 
     def _adopt_optimizer_state(self) -> None:
         self._runtime._adopt_optimizer_state()

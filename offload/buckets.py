@@ -101,18 +101,21 @@ def locate(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 @dataclass(frozen=True)
 class HostLayout:
-    """Byte offsets in the host arena: per bucket an fp32 master, and for its trainable prefix fp32 grad,
-    Adam m and Adam v."""
+    """Byte offsets in the host arena: per bucket an fp32 master and, when the device computes in a
+    16-bit dtype, the low-precision copy the host-to-device copy sends (``lowp``, empty otherwise); for
+    its trainable prefix an fp32 grad (the accumulator), Adam m and Adam v."""
 
     master: tuple[int, ...]
+    lowp: tuple[int, ...]
     grad: tuple[int, ...]
     exp_avg: tuple[int, ...]
     exp_avg_sq: tuple[int, ...]
     total_bytes: int
 
 
-def host_layout(buckets: Sequence[Bucket]) -> HostLayout:
-    fields: dict[str, list[int]] = {"master": [], "grad": [], "exp_avg": [], "exp_avg_sq": []}
+def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0) -> HostLayout:
+    """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none."""
+    fields: dict[str, list[int]] = {"master": [], "lowp": [], "grad": [], "exp_avg": [], "exp_avg_sq": []}
     off = 0
 
     def take(nbytes: int) -> int:
@@ -123,6 +126,7 @@ def host_layout(buckets: Sequence[Bucket]) -> HostLayout:
 
     for b in buckets:
         fields["master"].append(take(b.numel * 4))
+        fields["lowp"].append(take(b.numel * lowp_itemsize))
         for name in ("grad", "exp_avg", "exp_avg_sq"):
             fields[name].append(take(b.trainable_numel * 4))
     return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off)

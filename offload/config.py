@@ -51,7 +51,31 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
-SUPPORTED_DTYPES = (torch.float32,)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (the rules of ``torch.amp.GradScaler``): the loss is multiplied by
+    ``scale`` before backward; a step whose grads hold an inf or NaN is skipped and the scale is
+    multiplied by ``backoff_factor``; after ``growth_interval`` clean steps in a row it is multiplied by
+    ``growth_factor``."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
+            raise ValueError(f"init_scale must be a finite number > 0; got {self.init_scale!r}")
+        if not self.growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1; got {self.growth_factor!r}")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1); got {self.backoff_factor!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1; got {self.growth_interval!r}")
 
 
 @dataclass(frozen=True)
@@ -66,9 +90,14 @@ class OffloadConfig:
     """``None`` picks cuda when present, else cpu (the CPU backend: a real, asynchronous stand-in)."""
     bucket_bytes: int | str = "32MiB"
     """Target size of a parameter bucket, the unit that moves between host and device."""
-    overlap_optimizer: bool = True
-    """Run a bucket's AdamW on the CPU as soon as its grads reach the host (during backward).
-    False: run all updates in ``step()`` (same numbers, no overlap)."""
+    overlap_optimizer: bool | None = None
+    """True: run a bucket's AdamW on the CPU as soon as its grads reach the host, while backward goes on.
+    That needs one backward per step and no look at the grads in between, so gradient accumulation and
+    ``clip_grad_norm_`` need False: grads gather on the host and the updates run in ``step()`` (same
+    numbers, less overlap). ``None`` (default): True, except for float16, whose overflow check must see
+    every grad before any update."""
+    loss_scale: LossScaleConfig | None = None
+    """Dynamic loss scaling; used (with these defaults when None) for float16 only."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -77,12 +106,21 @@ class OffloadConfig:
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype such as torch.float32; got {self.dtype!r}")
         if self.dtype not in SUPPORTED_DTYPES:
-            raise NotImplementedError(
-                f"dtype {self.dtype} is not supported yet: this version computes in torch.float32 only "
-                "(bf16/fp16 compute with fp32 masters and loss scaling is planned)")
+            raise ValueError(f"dtype {self.dtype} is not supported; use one of "
+                             f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
         set_(self, "device", _resolve_device(self.device))
+        if self.overlap_optimizer is None:
+            set_(self, "overlap_optimizer", self.dtype != torch.float16)
         if not isinstance(self.overlap_optimizer, bool):
-            raise TypeError(f"overlap_optimizer must be a bool; got {self.overlap_optimizer!r}")
+            raise TypeError(f"overlap_optimizer must be a bool or None; got {self.overlap_optimizer!r}")
+        if self.overlap_optimizer and self.dtype == torch.float16:
+            raise ValueError("overlap_optimizer=True cannot be used with float16: a step whose grads overflow "
+                             "must be skipped, which is only known once every grad has arrived. Leave "
+                             "overlap_optimizer unset (or False), or compute in torch.bfloat16")
+        if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
+            raise TypeError(f"loss_scale must be an offload.LossScaleConfig; got {self.loss_scale!r}")
+        if self.dtype == torch.float16 and self.loss_scale is None:
+            set_(self, "loss_scale", LossScaleConfig())
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -23,3 +23,7 @@ class BudgetTooSmallError(OffloadError, ValueError):
 
 class HostMemoryError(OffloadError, MemoryError):
     """Host RAM is too small for the pinned host arena (fp32 masters, Adam state, grad staging)."""
+
+
+class CheckpointError(OffloadError, ValueError):
+    """A checkpoint cannot be loaded: not an offload checkpoint, truncated or corrupt, or of another model."""

@@ -1,5 +1,6 @@
-"""The host side of the engine: fp32 masters, AdamW state and grad buffers of every bucket, laid out by
-``buckets.host_layout`` in one exact-size host arena (``cpp/pinned_arena``), and the bucket update."""
+"""The host side of the engine: fp32 masters, AdamW state, grad accumulators and the low-precision copies
+of every bucket, laid out by ``buckets.host_layout`` in one exact-size host arena (``cpp/pinned_arena``),
+and the bucket update."""
 
 from __future__ import annotations
 
@@ -18,18 +19,25 @@ HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when s
 
 
 class HostState:
-    def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size]):
-        layout = host_layout(buckets)
-        check_host_ram(layout.total_bytes)
+    def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
+                 lowp_dtype: torch.dtype | None = None):
+        """``lowp_dtype``: the device's 16-bit compute dtype, whose copy of each bucket is kept here for the
+        host-to-device copy and rewritten by every update; None when the device computes in fp32."""
+        lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
+        layout = host_layout(buckets, lowp_itemsize)
+        check_host_ram(layout.total_bytes, lowp_itemsize)
         self.arena = HostArena(layout.total_bytes)
         self.buckets, self.specs, self.shapes, self.layout = tuple(buckets), list(specs), list(shapes), layout
         for b in buckets:  # claim each region, so the arena's own stats account for every byte
             self.arena.reserve(layout.master[b.index], b.numel * 4)
+            if lowp_itemsize and b.numel:
+                self.arena.reserve(layout.lowp[b.index], b.numel * lowp_itemsize)
             if b.trainable_numel:
                 for region in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
                     self.arena.reserve(region[b.index], b.trainable_numel * 4)
         view = self.arena.view
         self.master = [view(layout.master[b.index], b.numel, torch.float32) for b in buckets]
+        self.lowp = [view(layout.lowp[b.index], b.numel, lowp_dtype) for b in buckets] if lowp_dtype else None
         self.grad = [view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg_sq = [view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32) for b in buckets]
@@ -41,34 +49,71 @@ class HostState:
     def nbytes(self) -> int:
         return self.arena.size_bytes
 
+    def source(self, b: int) -> torch.Tensor:
+        """What the host-to-device copy of bucket ``b`` reads: its device-dtype host copy."""
+        return self.lowp[b] if self.lowp is not None else self.master[b]
+
+    def refresh_lowp(self, b: int, start: int = 0, end: int | None = None) -> None:
+        """Round ``master[b][start:end]`` into the low-precision copy (nearest even)."""
+        if self.lowp is not None:
+            self.lowp[b][start:end].copy_(self.master[b][start:end])
+
+    def exact(self, region: str, b: int, start: int, numel: int) -> torch.Tensor:
+        """A tensor over ``numel`` fp32 elements of bucket ``b``'s ``region`` whose storage is exactly those
+        bytes (no copy), so ``torch.save`` writes them and nothing else of the arena."""
+        offset = getattr(self.layout, region)[b] + start * 4
+        return torch.frombuffer(self.arena._arena, dtype=torch.float32, count=numel, offset=offset)
+
     def param_master(self, p: int) -> torch.Tensor:
         off = self.offset[p]
         return self.master[self.bucket_of[p]][off: off + self.specs[p].numel]
+
+    def write_master(self, p: int, value: torch.Tensor) -> None:
+        """Set parameter ``p``'s fp32 master (and its low-precision copy) to ``value``."""
+        self.param_master(p).copy_(value.reshape(-1))
+        off = self.offset[p]
+        self.refresh_lowp(self.bucket_of[p], off, off + self.specs[p].numel)
 
     def param_state(self, p: int, which: str) -> torch.Tensor:
         off = self.offset[p]
         flat = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[which][self.bucket_of[p]]
         return flat[off: off + self.specs[p].numel].view(self.shapes[p])
 
-    def update(self, b: int, params: frozenset, hparams) -> None:
+    def update(self, b: int, params: frozenset, hparams, grad_factors: Sequence[float] = ()) -> None:
         """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
-        same-group, same-step parameters (runs a parameter with another step count apart)."""
+        same-group, same-step parameters (runs a parameter with another step count apart).
+
+        ``grad_factors`` multiply the grads first, one after the other (the loss-scale inverse, then the
+        clipping coefficient: the order in which torch's GradScaler.unscale_ and clip_grad_norm_ apply them).
+        """
         bucket = self.buckets[b]
         master, grad, m, v = self.master[b], self.grad[b], self.exp_avg[b], self.exp_avg_sq[b]
+
+        def one(s: int, e: int, step: int, hp: dict) -> None:
+            for f in grad_factors:
+                if f != 1.0:
+                    grad[s:e].mul_(f)
+            adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], step, **hp)
+            self.refresh_lowp(b, s, e)
+
         for run in bucket.runs:
             lr, b1, b2, eps, wd = hparams[run.group]
             hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
             steps = {self.steps[p] for p in run.params}
             if params.issuperset(run.params) and len(steps) == 1:
-                s, e = run.start, run.end
-                adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], steps.pop() + 1, **hp)
+                one(run.start, run.end, steps.pop() + 1, hp)
                 self._count(run.params)
                 continue
             for p in run.params:
                 if p in params:
-                    s, e = self.offset[p], self.offset[p] + self.specs[p].numel
-                    adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], self.steps[p] + 1, **hp)
+                    one(self.offset[p], self.offset[p] + self.specs[p].numel, self.steps[p] + 1, hp)
                     self._count((p,))
+
+    def grad_norms(self, b: int, params, ord: float = 2.0) -> dict[int, torch.Tensor]:
+        """Per-parameter norm of the accumulated host grads of ``params`` (all in bucket ``b``)."""
+        grad = self.grad[b]
+        return {p: torch.linalg.vector_norm(grad[self.offset[p]: self.offset[p] + self.specs[p].numel], ord)
+                for p in params}
 
     def _count(self, params) -> None:
         for p in params:
@@ -92,10 +137,11 @@ class HostState:
             optimizer.state[param] = {"step": self.step_tensor[p], "exp_avg": m, "exp_avg_sq": v}
 
 
-def check_host_ram(nbytes: int) -> None:
+def check_host_ram(nbytes: int, lowp_itemsize: int = 0) -> None:
     available = psutil.virtual_memory().available
     if nbytes * HOST_RAM_HEADROOM > available:
         raise HostMemoryError(
             f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grads: "
-            f"16 bytes per trainable parameter, 4 per frozen one) but only {format_bytes(available)} is "
-            "available. Free host memory, freeze more parameters, or use a machine with more RAM.")
+            f"{16 + lowp_itemsize} bytes per trainable parameter, {4 + lowp_itemsize} per frozen one) but only "
+            f"{format_bytes(available)} is available. Free host memory, freeze more parameters, or use a "
+            "machine with more RAM.")

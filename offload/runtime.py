@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from .config import OffloadConfig
 from .errors import OffloadError
 from .host import HostState
 from .optim import AdamW
+from .scaler import LossScaler
 from .schedule import Plan, budget_error, build_plan, forward_min_budget, validate_plan
 from .trace import EventKind, Recorder, Trace
 
@@ -157,15 +159,26 @@ class Runtime:
         self.lru: OrderedDict[int, None] = OrderedDict()  # buckets fetched on demand, oldest first
         self.grad_slots: dict[int, tuple[torch.Tensor, int | None]] = {}  # bucket -> (slot, plan buffer)
         self.freeing: list[tuple[object, int, torch.Tensor]] = []  # (D2H event, bytes, slot) until copied
-        self.pending: list = []  # (bucket, params with grads, D2H event) since the last step()
+        # bucket -> (params whose grads were gathered since the last step(), event after which the host grad
+        # buffer holds them): what the next update covers, and what accumulation adds to
+        self.pending: dict[int, tuple[frozenset, object]] = {}
         self.awaiting_step = False
+        self.deferred = not config.overlap_optimizer  # updates run in step(), after every grad is in
+        self.grad_copies: list = []  # device-to-host grad copies of the last backward, not yet waited for
+        self.norms: dict[int, torch.Tensor] = {}  # param -> 2-norm of its gathered grad (deferred mode)
+        self.clip_factor = 1.0  # set by clip_grad_norm_, applied by the next step()
+        self.scaler = LossScaler(config.loss_scale) if config.loss_scale is not None else None
+        self.next_backward_scale: float | None = None  # set by Engine.backward just before loss.backward()
+        self.step_scale: float | None = None  # the loss scale of this step's backward passes
         self.stale = False
         self.trace: Trace | None = None
         self.boundary = DONE  # compute event at the end of the previous forward/backward
         self.grad_enabled = True
         self.host: HostState | None = None
         self.stats = {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
-                      "over_budget_fetches": 0, "steps": 0}
+                      "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0}
+        self.last_step_skipped = False
+        self._warned = False
         self._module_index = {}
         self._handles = []
         self._contexts: list = []
@@ -236,13 +249,23 @@ class Runtime:
         if self.plan is not None and self.arena is None:
             self._activate(self.plan)  # after a departure from it
         self._reset_step()
+        # Grad copies of an earlier backward of this step (accumulation) may still be reading their slots,
+        # and the plan reuses those bytes: everything this pass issues comes after them.
+        for event in self.grad_copies:
+            self.backend.wait(event)
+        self.grad_copies = []
         self.boundary = self.backend.record()
         self.grad_enabled = torch.is_grad_enabled()
-        detector = _UseDetector(self)
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        detector.__enter__()
-        hooks.__enter__()
-        self._contexts = [hooks, detector]
+        contexts = []
+        if self.dtype != torch.float32:
+            # Ops autocast keeps in fp32 (softmax, norms, losses) upcast the 16-bit weights and activations;
+            # matmuls read the 16-bit weights as they are. No cast cache: it would hold weight views.
+            contexts.append(torch.autocast(self.backend.device.type, dtype=self.dtype, cache_enabled=False))
+        contexts.append(_UseDetector(self))
+        contexts.append(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        for ctx in contexts:
+            ctx.__enter__()
+        self._contexts = contexts[::-1]
 
     def _exit_contexts(self) -> None:
         for ctx in self._contexts:  # exit in reverse order of entry
@@ -353,7 +376,7 @@ class Runtime:
         fresh = b not in self.slot
         self._set_state(b, Residency.IN_FLIGHT)
         self.slot[b] = slot
-        self.h2d_event[b] = self.backend.h2d(dst, self.host.master[b], waits)
+        self.h2d_event[b] = self.backend.h2d(dst, self.host.source(b), waits)
         if fresh:
             self._bind_params(b, slot)
             self._index_slot(b, slot)
@@ -511,7 +534,9 @@ class Runtime:
     def _trace_release(self, p: int) -> None:
         view = self.trace_views.pop(p)
         del self.trace_storage[view.untyped_storage().data_ptr()]
-        self.params[p].data = self.original[p]
+        # Never back to the fp32 original while tracing a 16-bit run: a parameter whose dtype changes gets a
+        # new gradient accumulator, and a tied weight released between two uses would then have two.
+        self.params[p].data = self.original[p] if self.dtype == torch.float32 else self.placeholders[p]
         self.memory.add("slots", -view.numel() * self.itemsize)
 
     # ---------------------------------------------------------------------------------------------------
@@ -570,12 +595,27 @@ class Runtime:
     def _begin_backward(self) -> None:
         if self.in_backward:
             return
-        if self.awaiting_step:
+        if self.awaiting_step and not self.deferred:
             raise OffloadError(
-                "a second backward ran before optimizer.step(): gradient accumulation is not supported yet, "
-                "and the previous backward's update has already been applied. Call step() after each backward.")
+                "a second backward ran before optimizer.step(), but this engine applies each bucket's AdamW "
+                "while backward runs (overlap_optimizer=True), so the previous backward's update is already "
+                "applied. To accumulate gradients over several backward passes, wrap with "
+                "overlap_optimizer=False; otherwise call step() after each backward.")
+        scaled = self.next_backward_scale is not None
+        scale = self.next_backward_scale if scaled else 1.0
+        self.next_backward_scale = None
+        if self.step_scale is not None and scale != self.step_scale:
+            raise OffloadError(
+                f"this backward's loss is scaled by {scale:g} but the grads gathered since the last step() "
+                f"by {self.step_scale:g}: with float16, call engine.backward(loss) for every backward pass")
+        self.step_scale = scale
+        if self.scaler is not None and not scaled and not self._warned:
+            self._warned = True
+            warnings.warn("offload: with float16, call engine.backward(loss) rather than loss.backward(), so "
+                          "that the loss is scaled and small gradients do not underflow to zero", stacklevel=3)
         self.in_backward = True
-        self.hparams = self.optimizer.hparams()  # hyperparameters are read when backward begins
+        self.stats["backwards"] += 1
+        self.hparams = self.optimizer.hparams()  # overlapped updates: hyperparameters read as backward begins
         if self.on_plan and self.pos != self.plan.trace.num_forward:
             self._leave_plan()
         Variable._execution_engine.queue_callback(self._end_backward)
@@ -633,20 +673,51 @@ class Runtime:
             return
         self.finished.add(b)
         view, k = self.grad_slots.pop(b)
-        d2h = self.backend.d2h(self.host.grad[b], view, [self.backend.record()])
+        got = frozenset(self.received[b])
+        bucket = self.buckets[b]
+        host = self.host
+        with torch.no_grad():
+            for run in bucket.runs:  # a parameter without a grad this pass contributes zeros, not garbage
+                for p in run.params:
+                    if p not in got:
+                        view[host.offset[p]: host.offset[p] + self.specs[p].numel].zero_()
+            earlier = self.pending.get(b)
+            if self.deferred and earlier is None:  # the norms clipping needs, where the grads are
+                self.norms.update(self._slot_norms(view, got))
+        waits = [self.backend.record()] + [e for e in (self.adam_event.get(b),) if e is not None]
+        if earlier is None:
+            d2h = self.backend.d2h(host.grad[b], view, waits)
+            ready = d2h
+        else:  # accumulate: copy out beside the sum, add on the CPU lane (which also owns the sum's norms)
+            staging = torch.empty(view.numel(), dtype=self.dtype)
+            d2h = self.backend.d2h(staging, view, waits)
+            ready = self.cpu.submit(lambda: self._accumulate(b, staging, got), [d2h, earlier[1]],
+                                    f"gradient accumulation of bucket {b}")
+        self.grad_copies.append(d2h)
         if k is not None:
             self.done[k] = d2h
         else:  # (tensor, event): the slot is kept until the copy has read it
             self.freeing.append((d2h, view.numel() * self.itemsize, view))
-        self.pending.append((b, frozenset(self.received[b]), d2h))
-        if self.config.overlap_optimizer:
-            self._submit_update(b, self.received[b], d2h)
+        self.pending[b] = ((earlier[0] if earlier else frozenset()) | got, ready)
+        if not self.deferred:
+            self._submit_update(b, got, ready)
 
-    def _submit_update(self, b: int, params, d2h) -> None:
-        hparams = self.hparams
+    def _slot_norms(self, view: torch.Tensor, params) -> dict[int, torch.Tensor]:
+        dtype = None if self.dtype == torch.float32 else torch.float32
+        off = self.host.offset
+        return {p: torch.linalg.vector_norm(view[off[p]: off[p] + self.specs[p].numel], dtype=dtype)
+                for p in params}
+
+    def _accumulate(self, b: int, staging: torch.Tensor, got) -> None:
+        """CPU lane: add one more backward's grads of bucket ``b`` into the fp32 sum, renew their norms."""
+        self.host.grad[b].add_(staging)
+        self.norms.update(self.host.grad_norms(b, got))
+
+    def _submit_update(self, b: int, params, ready, hparams=None, factors: tuple[float, ...] = ()) -> None:
+        hparams = hparams or self.hparams
         params = frozenset(params)
-        waits = [d2h] + [e for e in (self.h2d_event.get(b),) if e is not None]
-        self.adam_event[b] = self.cpu.submit(lambda: self.host.update(b, params, hparams), waits,
+        waits = [ready] + [e for e in (self.h2d_event.get(b),) if e is not None]
+        self.adam_event[b] = self.cpu.submit(lambda: self.host.update(b, params, hparams, factors), waits,
                                              f"AdamW of bucket {b}")
 
     def _end_backward(self) -> None:
@@ -674,15 +745,14 @@ class Runtime:
     def step(self) -> None:
         if self.in_backward:
             raise OffloadError("optimizer.step() was called during backward")
-        if not self.config.overlap_optimizer:
-            for b, params, d2h in self.pending:
-                self.hparams = self.optimizer.hparams()
-                self._submit_update(b, params, d2h)
+        skipped = False
+        if self.deferred and self.pending:
+            skipped = self._step_deferred()
         self.cpu.drain()
         self._reclaim(block=True)  # every update waited for its grads' copy: all grad slots are free
-        updated = {b for b, _, _ in self.pending}
-        self.pending = []
-        self.awaiting_step = False
+        updated = set() if skipped else set(self.pending)
+        self._clear_grads()
+        self.last_step_skipped = skipped
         if updated:
             self.stats["steps"] += 1
         with torch.no_grad():
@@ -692,8 +762,78 @@ class Runtime:
                 self._refresh_resident(updated)
         self.stale = False
 
+    def _step_deferred(self) -> bool:
+        """Run the gathered updates (loss scale and clipping applied); return True if the step is skipped."""
+        hparams = self.optimizer.hparams()  # read now, as torch.optim does
+        factors = []
+        if self.scaler is not None:
+            self.cpu.drain()  # the norms of accumulated grads are computed on the CPU lane
+            norms = [self.norms[p] for ps, _ in self.pending.values() for p in ps]
+            found_inf = bool(norms) and not bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all())
+            inv_scale = 1.0 / self.step_scale if self.step_scale else 1.0
+            self.scaler.update(found_inf)
+            if found_inf:
+                self.stats["skipped_steps"] += 1
+                return True
+            factors.append(inv_scale)
+        factors.append(self.clip_factor)
+        for b in sorted(self.pending):  # first-use order: the next forward's first buckets are done first
+            params, ready = self.pending[b]
+            self._submit_update(b, params, ready, hparams, tuple(factors))
+        return False
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """``torch.nn.utils.clip_grad_norm_`` over every grad gathered since the last step, applied by the
+        next ``step()``. Returns the total norm (of the unscaled grads, with float16 loss scaling)."""
+        if not self.deferred:
+            raise OffloadError(
+                "clip_grad_norm_ needs every grad before any update, but this engine applies each bucket's "
+                "AdamW while backward runs (overlap_optimizer=True). Wrap with overlap_optimizer=False to clip.")
+        if self.in_backward:
+            raise OffloadError("clip_grad_norm_ was called during backward")
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        params = sorted(p for ps, _ in self.pending.values() for p in ps)
+        if not params:
+            return torch.tensor(0.0)
+        self.cpu.drain()  # grads (and the norms of accumulated ones) are final
+        if norm_type == 2.0:
+            norms = [self.norms[p].float().cpu() for p in params]
+        else:
+            by_bucket: dict[int, list[int]] = {}
+            for p in params:
+                by_bucket.setdefault(self.bucket_of[p], []).append(p)
+            found = {}
+            for b, ps in by_bucket.items():
+                found.update(self.host.grad_norms(b, ps, norm_type))
+            norms = [found[p] for p in params]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if self.step_scale is not None and self.step_scale != 1.0:
+            total = total / self.step_scale  # exact: loss scales are powers of two
+        if self.clip_factor != 1.0:
+            total = total * self.clip_factor
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                               "cannot be clipped. Pass error_if_nonfinite=False to go on anyway")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self.clip_factor *= float(coef)
+        return total
+
     def zero_grad(self) -> None:
-        """Grads never wait on the host between steps (they are consumed by the update), so nothing to do."""
+        """Grads are consumed by the update, so after step() there is nothing to clear; before it (deferred
+        updates), the grads gathered so far are dropped, as ``optimizer.zero_grad()`` would."""
+        if self.in_backward:
+            raise OffloadError("zero_grad() was called during backward")
+        if self.deferred and self.pending:
+            self.cpu.drain()
+            self._reclaim(block=True)
+            self._clear_grads()
+
+    def _clear_grads(self) -> None:
+        self.pending = {}
+        self.norms = {}
+        self.clip_factor = 1.0
+        self.step_scale = None
+        self.awaiting_step = False
 
     def _refresh_resident(self, buckets) -> None:
         """Updated buckets that stay on the device get their new weights (the next forward waits)."""
@@ -726,10 +866,12 @@ class Runtime:
                                   activations=self.memory.activation_peak, fixed=self.memory.parts["buffers"])
         if sum(need.values()) > self.config.budget:
             raise budget_error(self.config.budget, **need)
-        host = HostState(buckets, self.specs, [p.shape for p in self.params])  # may raise HostMemoryError
+        lowp = self.dtype if self.dtype != torch.float32 else None
+        host = HostState(buckets, self.specs, [p.shape for p in self.params], lowp)  # may raise HostMemoryError
+        self.backend.pin_host(host.arena)  # page-locked once, after first touch (CUDA; no-op on the CPU backend)
         with torch.no_grad():
             for p in range(len(self.params)):
-                host.param_master(p).copy_(self.original[p].reshape(-1))
+                host.write_master(p, self.original[p])
         self.host, self.buckets, self.bucket_of = host, host.buckets, host.bucket_of
         self.state = [Residency.HOST] * len(buckets)
         self.original = None
@@ -758,7 +900,7 @@ class Runtime:
             if self.original is not None:
                 self.original[p].copy_(value)
             else:
-                self.host.param_master(p).copy_(value.reshape(-1))
+                self.host.write_master(p, value)
 
     def after_weights_written(self) -> None:
         """Masters changed behind the plan's back: refresh whatever is on the device."""
@@ -778,7 +920,7 @@ class Runtime:
         finally:
             if self.host is not None:
                 for p, param in enumerate(self.params):
-                    param.data = self.read_weight(p).to(param.dtype if param.is_floating_point() else torch.float32)
+                    param.data = self.read_weight(p)  # fp32, as every parameter was when wrapped
             elif self.original is not None:
                 for p, param in enumerate(self.params):
                     param.data = self.original[p]

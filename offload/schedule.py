@@ -1,10 +1,15 @@
-"""The first scheduler: which buckets stay on the device, when each streamed one is fetched and
-released, and where every device buffer lives in the arena (pure: data in, frozen Plan out).
+"""The scheduler: which buckets stay on the device, when each streamed one is fetched and released, and
+where every device buffer lives in the arena (pure: data in, frozen Plan out).
 
-Policy (the greedy cost-model scheduler replaces it): stream every bucket with a one-bucket lookahead
-(a bucket's copy is issued when the previous group of buckets starts being used), release it after its
-last use in each phase, refetch it for backward; then make buckets resident, most-fetched first, as long
-as the planned peak fits the budget.
+Policy: the greedy cost-model scheduler (:func:`build_plan`). It starts from "everything streamed", with
+each bucket's copy placed as late as possible while still arriving before use given the copy queue
+(or, where memory is tighter, just in time); it simulates the step (``offload/simulate.py``) and then
+repeatedly takes the move that removes the most simulated stall per byte of device memory: keep a bucket
+on the device for the whole step (resident), or keep it between its last forward use and its first
+backward use (the last layers). Once no stall is left, it goes on taking the moves that save the most
+copy time per byte, so that spare budget still cuts traffic. Every point of that sequence is simulated;
+the plan is the fastest point whose memory fits the budget. The sequence does not depend on the budget
+(the budget only says where it stops), so a larger budget never gives a slower plan.
 
 [Note: event positions] A buffer lives on the half-open interval [start, end) of event indices. At event
 ``i`` the runtime (1) releases the buffers whose ``end == i`` (recording "compute done with it"),
@@ -15,17 +20,24 @@ Because of (1) before (2), two buffers with touching intervals may share memory.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from .buckets import Bucket, locate
 from .config import format_bytes
 from .errors import BudgetTooSmallError
+from .hw import PRESETS, HardwareModel
 from .memory import Interval, plan_arena
+from .simulate import STEP_START, Bound, Program, SimResult, physical_bound, simulate
 from .trace import EventKind, Trace
 
 ARENA_ALIGN = 256  # bytes; every bucket view starts on a 256-byte boundary (what cudaMalloc gives)
+DEFAULT_HW = PRESETS["pcie4"]  # the cost model's hardware when the caller gives none (``offload probe`` measures)
 
 
 class BufferKind(enum.Enum):
@@ -68,6 +80,8 @@ class Plan:
     fixed_bytes: int  # module buffers and other engine memory outside the arena
     itemsize: int  # bytes per element of the compute dtype on the device
     strategy: str
+    simulated: SimResult | None = None  # the cost model's prediction for this plan (greedy plans)
+    hw_name: str = ""  # the hardware model that prediction used
 
     @property
     def activation_bytes(self) -> int:
@@ -94,6 +108,8 @@ class Plan:
             "planned_peak_bytes": self.peak_bytes,
             "strategy": self.strategy,
             "events": len(self.trace.events),
+            "predicted_step_s": self.simulated.step_s if self.simulated is not None else None,
+            "hw": self.hw_name,
         }
 
 
@@ -207,16 +223,24 @@ def _layout(trace, buckets, itemsize, resident, intervals):
 
 def _after(specs, offsets) -> list[tuple[int, ...]]:
     """For each buffer, the earlier buffers (ended before it starts) whose memory it reuses."""
-    order = sorted(range(len(specs)), key=lambda k: specs[k][2])
-    out: list[tuple[int, ...]] = [()] * len(specs)
-    for k in order:
-        lo, hi = offsets[k], offsets[k] + specs[k][4]
-        out[k] = tuple(j for j in range(len(specs))
-                       if specs[j][3] <= specs[k][2] and offsets[j] < hi and lo < offsets[j] + specs[j][4])
+    if not specs:
+        return []
+    start = np.array([x[2] for x in specs])
+    end = np.array([x[3] for x in specs])
+    lo = np.array(offsets, dtype=np.int64)
+    hi = lo + np.array([x[4] for x in specs], dtype=np.int64)
+    by_end = np.argsort(end, kind="stable")
+    sorted_end = end[by_end]
+    out: list[tuple[int, ...]] = []
+    for k in range(len(specs)):
+        cand = by_end[:np.searchsorted(sorted_end, start[k], side="right")]
+        hit = cand[(lo[cand] < hi[k]) & (lo[k] < hi[cand])]
+        out.append(tuple(sorted(hit.tolist())))
     return out
 
 
-def _assemble(trace, buckets, itemsize, resident, strategy, specs, layout, budget, fixed) -> Plan:
+def _assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fixed, *, simulated=None,
+              hw_name="") -> Plan:
     n = len(trace.events)
     bucket_of = locate(buckets)[0]
     after = _after(specs, layout.offsets)
@@ -241,7 +265,8 @@ def _assemble(trace, buckets, itemsize, resident, strategy, specs, layout, budge
                       for i in range(n)),
         grad_buffer=tuple(grad_buffer), resident_buffer=tuple(resident_buffer),
         arena_bytes=layout.total_bytes, lower_bound_bytes=layout.lower_bound_bytes,
-        budget_bytes=budget, fixed_bytes=fixed, itemsize=itemsize, strategy=strategy.name)
+        budget_bytes=budget, fixed_bytes=fixed, itemsize=itemsize, strategy=name, simulated=simulated,
+        hw_name=hw_name)
 
 
 def _needed(trace: Trace, i: int, bucket_of: Sequence[int]) -> tuple[int, ...]:
@@ -253,35 +278,358 @@ def _needed(trace: Trace, i: int, bucket_of: Sequence[int]) -> tuple[int, ...]:
 
 
 def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget_bytes: int,
-               fixed_bytes: int) -> Plan:
-    """The plan with the most resident buckets that fits ``budget_bytes``.
+               fixed_bytes: int, hw: HardwareModel | None = None,
+               compute_s: Sequence[float] | None = None) -> Plan:
+    """The greedy cost-model plan (see the module docstring) that fits ``budget_bytes``.
 
-    Raises :class:`BudgetTooSmallError` when even streaming everything just in time does not fit.
+    ``hw`` defaults to :data:`DEFAULT_HW`; ``compute_s`` (seconds of compute per trace event) defaults to
+    the trace's own :attr:`Trace.compute_seconds`. Raises :class:`BudgetTooSmallError` when even streaming
+    everything just in time does not fit.
     """
-    bucket_of = locate(buckets)[0]
+    hw = hw or DEFAULT_HW
+    compute = _compute_times(trace, compute_s)
+    g = _Greedy(trace, buckets, itemsize, hw, compute)
     extra = trace.activation_peak_bytes + fixed_bytes + trace.max_grad_bytes
-    chosen = None
-    for strategy in STRATEGIES:
-        intervals = _intervals(trace, buckets, bucket_of, strategy)
-        specs, layout = _layout(trace, buckets, itemsize, frozenset(), intervals)
+    points = g.candidates(budget_bytes - extra)
+    while points:
+        best = min(p.step_s for p in points)
+        point = max((p for p in points if p.step_s <= best * (1 + 1e-9)), key=lambda p: p.rank)
+        specs, layout = _layout(trace, buckets, itemsize, point.resident, (point.streamed, g.grads))
         if layout.total_bytes + extra <= budget_bytes:
-            chosen = strategy
-            break
-    if chosen is None:
-        raise budget_error(budget_bytes, arena=layout.total_bytes, activations=trace.activation_peak_bytes,
-                           fixed=fixed_bytes, grad=trace.max_grad_bytes)
-    # Greedy residency: the buckets fetched most often first (each saves that many copies per step), then
-    # the smallest (more buckets fit). Keep one only if the whole plan still fits.
-    needs = intervals[0]
-    candidates = sorted(range(len(buckets)),
-                        key=lambda b: (-len(needs.get(b, ())), buckets[b].numel, b))
-    resident: set[int] = set()
-    for b in candidates:
-        trial = resident | {b}
-        t_specs, t_layout = _layout(trace, buckets, itemsize, trial, intervals)
-        if t_layout.total_bytes + extra <= budget_bytes:
-            resident, specs, layout = trial, t_specs, t_layout
-    return _assemble(trace, buckets, itemsize, resident, chosen, specs, layout, budget_bytes, fixed_bytes)
+            return _assemble(trace, buckets, itemsize, point.resident, f"greedy ({point.mode})", specs, layout,
+                             budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name)
+        points = [p for p in points if p is not point]  # its arena fragments past the budget: next best
+    jit = {b: [list(iv) for iv in ivs] for b, ivs in g.uses.items()}
+    _, layout = _layout(trace, buckets, itemsize, frozenset(), (jit, g.grads))
+    raise budget_error(budget_bytes, arena=max(layout.total_bytes, budget_bytes - extra + 1),
+                       activations=trace.activation_peak_bytes, fixed=fixed_bytes, grad=trace.max_grad_bytes)
+
+
+def _compute_times(trace: Trace, compute_s: Sequence[float] | None) -> tuple[float, ...]:
+    if compute_s is None:
+        compute_s = trace.compute_seconds
+    if len(compute_s) != len(trace.events):
+        raise ValueError(f"compute_s has {len(compute_s)} entries for {len(trace.events)} trace events")
+    if any(not (c >= 0) for c in compute_s):
+        raise ValueError("compute_s must be non-negative seconds")
+    return tuple(float(c) for c in compute_s)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the greedy cost-model scheduler
+
+MODES = ("latest", "lookahead", "just in time")
+"""Where a streamed bucket's copy is issued. ``latest``: as late as possible while still arriving before
+use, given the copy queue (a backward pass over the copies in deadline order). ``lookahead``: when the
+previous streamed use begins (double buffering). ``just in time``: at the event that needs it (the least
+memory; the copy is waited for)."""
+
+MAX_POINTS = 32  # simulated points per mode's sequence at most ~this many moves apart (speed on huge traces)
+
+
+@dataclass(frozen=True)
+class _Point:
+    """One simulated point of a mode's move sequence."""
+
+    mode: str
+    resident: frozenset
+    streamed: dict  # bucket -> [[issue, end], ...]
+    sim: SimResult
+    peak: int  # max live arena bytes (the arena's lower bound)
+    rank: tuple  # tie-break among equally fast points: fewest bytes copied, most resident, then mode order
+
+    @property
+    def step_s(self) -> float:
+        return self.sim.step_s
+
+
+class _Greedy:
+    """Everything about one (trace, buckets, hardware) that the moves do not change, computed once."""
+
+    def __init__(self, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,
+                 compute: tuple[float, ...]):
+        self.trace, self.buckets, self.hw, self.compute = trace, buckets, hw, compute
+        self.n = len(trace.events)
+        bucket_of = locate(buckets)[0]
+        self.uses = {b: [tuple(iv) for iv in ivs]
+                     for b, ivs in _need_intervals(trace, bucket_of, merge_phase=False).items()}
+        self.grads = _grad_intervals(trace, buckets, bucket_of)
+        self.grad_issue = _grad_issue(trace, buckets, bucket_of)
+        self.needs = [_needed(trace, i, bucket_of) for i in range(self.n)]
+        self.nbytes = [b.nbytes(itemsize) for b in buckets]
+        self.size = [_align(x) for x in self.nbytes]
+        self.grad_bytes = {b: buckets[b].grad_nbytes(itemsize) for b in self.grads}
+        self.dur = [hw.h2d_seconds(x) for x in self.nbytes]
+        self.tau = [0.0]
+        for c in compute:
+            self.tau.append(self.tau[-1] + c)
+        self.grad_profile = [0] * (self.n + 1)
+        for b, (s, e) in self.grads.items():
+            self.grad_profile[s] += _align(self.grad_bytes[b])
+            self.grad_profile[e] -= _align(self.grad_bytes[b])
+
+    # -- one point --------------------------------------------------------------------------------------
+
+    def intervals(self, mode: str, resident: frozenset, keep: frozenset) -> dict[int, list[list[int]]]:
+        """Per streamed bucket: its buffers [issue, end), copies placed by ``mode``."""
+        f = self.trace.num_forward
+        needs = {}
+        for b, ivs in self.uses.items():
+            if b in resident:
+                continue
+            ivs = [list(iv) for iv in ivs]
+            if b in keep:  # one buffer from the last forward use to the end of the first backward use
+                j = next(j for j in range(len(ivs) - 1) if ivs[j][0] < f <= ivs[j + 1][0])
+                ivs[j:j + 2] = [[ivs[j][0], ivs[j + 1][1]]]
+            needs[b] = ivs
+        copies = sorted((iv[0], b, k) for b, ivs in needs.items() for k, iv in enumerate(ivs))
+        issue = {}
+        if mode == "latest":
+            nxt = float("inf")
+            for s, b, k in reversed(copies):
+                latest = min(self.tau[s], nxt) - self.dur[b]
+                nxt = latest
+                issue[b, k] = min(s, max(0, bisect.bisect_right(self.tau, latest) - 1))
+        elif mode == "lookahead":
+            starts = sorted({s for s, _, _ in copies})
+            prev = {s: starts[j - 1] if j else s for j, s in enumerate(starts)}
+            issue = {(b, k): prev[s] for s, b, k in copies}
+        else:
+            issue = {(b, k): s for s, b, k in copies}
+        out = {}
+        for b, ivs in needs.items():
+            moved: list[list[int]] = []
+            for k, (s, e) in enumerate(ivs):
+                p = issue[b, k]
+                if moved and p <= moved[-1][1]:
+                    moved[-1][1] = e  # the copy would start before the last use ended: keep the bucket
+                else:
+                    moved.append([p, e])
+            out[b] = moved
+        return out
+
+    def program(self, resident: frozenset, streamed: dict) -> Program:
+        n = self.n
+        events, owners, nbytes = [], [], []
+        copy_of: dict[int, list[tuple[int, int, int]]] = {}  # bucket -> [(start, end, copy id)]
+        for b in sorted(resident):
+            if b in self.grads:  # updated last step: refreshed before this step's forward (runtime.step)
+                copy_of[b] = [(0, n, len(events))]
+                events.append(STEP_START), owners.append(b), nbytes.append(self.nbytes[b])
+        for p, b, e in sorted((p, b, e) for b, ivs in streamed.items() for p, e in ivs):
+            copy_of.setdefault(b, []).append((p, e, len(events)))
+            events.append(p), owners.append(b), nbytes.append(self.nbytes[b])
+        cursor = {b: 0 for b in copy_of}
+        waits = []
+        for i in range(n):
+            w = []
+            for b in self.needs[i]:
+                lst = copy_of.get(b)
+                if lst is None:
+                    continue  # resident and not updated: already there
+                c = cursor[b]
+                while lst[c][1] <= i:
+                    c += 1
+                cursor[b] = c
+                w.append(lst[c][2])
+            waits.append(tuple(w))
+        d2h = sorted((self.grad_issue[b], b) for b in self.grads)
+        return Program(
+            compute_s=self.compute, h2d_event=tuple(events), h2d_bucket=tuple(owners), h2d_bytes=tuple(nbytes),
+            waits=tuple(waits), d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
+            d2h_bytes=tuple(self.grad_bytes[b] for _, b in d2h),
+            adam_numel=tuple(self.buckets[b].trainable_numel for _, b in d2h))
+
+    def profile(self, resident: frozenset, streamed: dict) -> list[int]:
+        """Live arena bytes at each event (aligned sizes, as the arena planner counts them)."""
+        diff = list(self.grad_profile)
+        for b in resident:
+            diff[0] += self.size[b]
+            diff[self.n] -= self.size[b]
+        for b, ivs in streamed.items():
+            for p, e in ivs:
+                diff[p] += self.size[b]
+                diff[e] -= self.size[b]
+        return list(itertools.accumulate(diff[:-1]))
+
+    # -- the move sequence ----------------------------------------------------------------------------
+
+    def candidates(self, capacity: int) -> list[_Point]:
+        """Every simulated point of every mode's sequence whose live bytes fit ``capacity``."""
+        points = []
+        for m, mode in enumerate(MODES):
+            resident, keep = frozenset(), frozenset()
+            while True:
+                streamed = self.intervals(mode, resident, keep)
+                prof = self.profile(resident, streamed)
+                peak = max(prof, default=0)
+                if peak > capacity:
+                    break  # resident bytes only grow along the sequence: every later point is larger too
+                program = self.program(resident, streamed)
+                sim = simulate(program, self.hw)
+                rank = (-sim.h2d_bytes, sum(self.size[b] for b in resident), -m)
+                points.append(_Point(mode, resident, streamed, sim, peak, rank))
+                moves = self.moves(resident, keep, streamed, program, sim, prof)
+                if not moves:
+                    break
+                for kind, b in moves:
+                    if kind == "resident":
+                        resident = resident | {b}
+                        keep = keep - {b}
+                    else:
+                        keep = keep | {b}
+        return points
+
+    def moves(self, resident, keep, streamed, program, sim, prof) -> list[tuple[str, int]]:
+        """The next batch of moves, best first: most stall removed per byte while there is stall, then most
+        copy time saved per byte. A batch covers the stall seen (at most ~1/MAX_POINTS of the buckets)."""
+        credit = sim.stall_by_bucket(program) if sim.stall_s > 0 else None
+        copies: dict[int, list[int]] = {}
+        for k, b in enumerate(program.h2d_bucket):
+            copies.setdefault(b, []).append(k)
+        rmq = _MaxTable(prof)
+        peak = max(prof, default=0)
+        scored = []
+        for b, ivs in streamed.items():
+            ks = copies.get(b, [])
+            if not ks:
+                continue
+            gain = (sum(sim.copy_credit[k] for k in ks) if credit is not None
+                    else sum(self.dur[b] for _ in ks) - (self.dur[b] if b in self.grads else 0.0))
+            outside = max((rmq.max(a, z) for a, z in _gaps(ivs, self.n)), default=0)
+            inside = max((rmq.max(p, e) for p, e in ivs), default=0)
+            cost = max(0, max(outside + self.size[b], inside) - peak)
+            if gain > 0 or (credit is None and gain >= 0):  # no stall left: equal traffic still moves in
+                scored.append((gain / (cost + self.size[b] / 1024), "resident", b, gain))
+            if b not in keep:
+                gain, cost = self._keep(b, ivs, ks, program, sim, credit is not None, rmq, peak)
+                if gain > 0:
+                    scored.append((gain / (cost + self.size[b] / 1024), "keep", b, gain))
+        scored.sort(key=lambda x: (-x[0], x[2], x[1]))
+        cap = max(1, -(-len(self.uses) // MAX_POINTS))
+        out, seen, got = [], set(), 0.0
+        for _, kind, b, gain in scored:
+            if b in seen:
+                continue
+            seen.add(b)
+            out.append((kind, b))
+            got += gain
+            if len(out) >= cap or (credit is not None and got >= sim.stall_s):
+                break
+        return out
+
+
+    def _keep(self, b, ivs, ks, program, sim, stalled, rmq, peak) -> tuple[float, int]:
+        """(gain, peak bytes added) of keeping bucket ``b`` from its last forward use to its first backward
+        use; (0, 0) when it has no such pair or is already kept by its copy placement."""
+        f = self.trace.num_forward
+        need = self.uses[b]
+        j = next((j for j, (s, _) in enumerate(need) if s >= f), None)
+        if not j:
+            return 0.0, 0
+        fwd = next(iv for iv in ivs if iv[0] <= need[j - 1][0] < iv[1])
+        bwd = next(iv for iv in ivs if iv[0] <= need[j][0] < iv[1])
+        if fwd is bwd:
+            return 0.0, 0
+        k = next(k for k in ks if program.h2d_event[k] == bwd[0])
+        gain = sim.copy_credit[k] if stalled else self.dur[b]
+        return gain, max(0, rmq.max(fwd[1], bwd[0]) + self.size[b] - peak)
+
+class _MaxTable:
+    """Range maximum over a fixed list in O(1) per query (a sparse table)."""
+
+    def __init__(self, values: Sequence[int]):
+        level = np.asarray(values, dtype=np.int64)
+        self.levels = [level.tolist()]
+        k = 1
+        while 2 * k <= len(values):
+            level = np.maximum(level[:-k], level[k:])
+            self.levels.append(level.tolist())
+            k *= 2
+
+    def max(self, lo: int, hi: int) -> int:
+        """max(values[lo:hi]); 0 for an empty range."""
+        if hi <= lo:
+            return 0
+        j = (hi - lo).bit_length() - 1
+        row = self.levels[j]
+        return max(row[lo], row[hi - (1 << j)])
+
+
+def _gaps(ivs, n):
+    """The event ranges not covered by sorted, disjoint intervals ``ivs`` within [0, n)."""
+    prev = 0
+    for p, e in ivs:
+        if p > prev:
+            yield prev, p
+        prev = e
+    if prev < n:
+        yield prev, n
+
+
+def _grad_issue(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]) -> dict[int, int]:
+    """Per bucket with grads: the event at which its grads go to the host (its last grad, or the end of
+    backward, ``len(events)``, for a bucket flushed then)."""
+    n = len(trace.events)
+    touched = set(trace.touched)
+    last: dict[int, int] = {}
+    got: dict[int, set[int]] = {}
+    for i, ev in enumerate(trace.events):
+        if ev.kind == EventKind.GRAD:
+            b = bucket_of[ev.key]
+            last[b] = i
+            got.setdefault(b, set()).add(ev.key)
+    out = {}
+    for b, i in last.items():
+        expected = {p for run in buckets[b].runs for p in run.params if p in touched}
+        out[b] = i if got[b] >= expected else n
+    return out
+
+
+def _align(n: int) -> int:
+    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+
+
+# ---------------------------------------------------------------------------------------------------------
+# simulating and bounding any plan
+
+
+def program_of(plan: Plan, compute_s: Sequence[float] | None = None) -> Program:
+    """The lane program of a plan (what :func:`offload.simulate.simulate` runs)."""
+    g = _Greedy(plan.trace, plan.buckets, plan.itemsize, DEFAULT_HW, _compute_times(plan.trace, compute_s))
+    resident = frozenset(plan.resident)
+    streamed: dict[int, list[list[int]]] = {}
+    for x in plan.buffers:
+        if x.kind is BufferKind.PARAM and x.bucket not in resident:
+            streamed.setdefault(x.bucket, []).append([x.start, x.end])
+    return g.program(resident, {b: sorted(ivs) for b, ivs in streamed.items()})
+
+
+def simulate_plan(plan: Plan, hw: HardwareModel, compute_s: Sequence[float] | None = None) -> SimResult:
+    return simulate(program_of(plan, compute_s), hw)
+
+
+def least_traffic(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capacity: int) -> dict[str, int]:
+    """The fewest bytes any plan of this engine moves per step: every updated bucket comes back to the
+    device once (new weights) and sends its grads once; buckets used but not updated stream only what
+    ``capacity`` (arena bytes available) cannot hold."""
+    bucket_of = locate(buckets)[0]
+    grads = _grad_intervals(trace, buckets, bucket_of)
+    used = {bucket_of[p] for uses in trace.uses for p in uses}
+    updated = sum(buckets[b].nbytes(itemsize) for b in grads)
+    others = sum(buckets[b].nbytes(itemsize) for b in used - set(grads))
+    return {"h2d": updated + max(0, others - max(0, capacity)),
+            "d2h": sum(buckets[b].grad_nbytes(itemsize) for b in grads),
+            "adam_numel": sum(buckets[b].trainable_numel for b in grads)}
+
+
+def plan_bound(plan: Plan, hw: HardwareModel, compute_s: Sequence[float] | None = None) -> Bound:
+    """The physical bound for this plan's trace, buckets and budget (not for the plan's own choices)."""
+    compute = _compute_times(plan.trace, compute_s)
+    t = plan.trace
+    capacity = plan.budget_bytes - t.activation_peak_bytes - plan.fixed_bytes - t.max_grad_bytes
+    least = least_traffic(t, plan.buckets, plan.itemsize, capacity)
+    return physical_bound(sum(compute), least["h2d"], least["d2h"], least["adam_numel"], hw)
 
 
 def forward_min_budget(events, uses, ends, buckets: Sequence[Bucket], specs, itemsize: int, *,

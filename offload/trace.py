@@ -42,6 +42,14 @@ class Trace:
     activation_peak_bytes: int  # peak bytes of saved activations (parameters excluded)
     max_grad_bytes: int  # largest gradient autograd materialises before the engine takes it
     seconds: tuple[float, ...]  # wall time from each event to the next
+    overhead: tuple[float, ...] = ()  # per event: part of ``seconds`` the engine spent waiting or fetching
+
+    @property
+    def compute_seconds(self) -> tuple[float, ...]:
+        """Per event: the compute time the scheduler's cost model uses, ``seconds`` less ``overhead``."""
+        if not self.overhead:
+            return self.seconds
+        return tuple(max(0.0, s - o) for s, o in zip(self.seconds, self.overhead))
 
     @property
     def complete(self) -> bool:
@@ -63,13 +71,26 @@ class Recorder:
         self.last_node: object | None = None
         self.activation_peak = 0
         self.max_grad = 0
+        self.overhead: list[float] = []  # per event, seconds spent inside ``excluded()``
+        self._excluded_since: float | None = None
 
     def _add(self, kind: EventKind, key: int) -> int:
         self.events.append(Event(kind, key))
         self.uses.append([])
         self.ends.append(len(self.events))
         self.times.append(time.perf_counter())
+        self.overhead.append(0.0)
         return len(self.events) - 1
+
+    def exclude_begin(self) -> None:
+        """The engine starts work that is not the model's compute (an on-demand fetch, a wait for a copy):
+        time until :meth:`exclude_end` is not counted as the current event's compute."""
+        self._excluded_since = time.perf_counter()
+
+    def exclude_end(self) -> None:
+        if self._excluded_since is not None and self.overhead:
+            self.overhead[-1] += time.perf_counter() - self._excluded_since
+        self._excluded_since = None
 
     def pre(self, module: int) -> None:
         self.stack.append(self._add(EventKind.PRE, module))
@@ -115,4 +136,5 @@ class Recorder:
             activation_peak_bytes=self.activation_peak,
             max_grad_bytes=self.max_grad,
             seconds=seconds,
+            overhead=tuple(self.overhead),
         )

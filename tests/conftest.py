@@ -1,5 +1,7 @@
-"""Shared test setup: the example's GPT importable as `gpt`, tests/models.py as `models`, fixed seeds."""
+"""Shared test setup: the example's GPT importable as `gpt`, tests/models.py as `models`, fixed seeds, and the
+`device` fixture that runs a test on the CPU backend and (marked `gpu`, skipped without CUDA) on CUDA."""
 
+import functools
 import os
 import random
 import sys
@@ -27,3 +29,44 @@ def fixed_seeds():
     use their own generators anyway (tests/models.py); this catches anything that does not."""
     random.seed(0)
     torch.manual_seed(0)
+
+
+@functools.cache
+def _warm_cuda() -> None:
+    """Create, before any engine measures its device peak, what the process keeps for good on first use: the
+    CUDA context and cuBLAS/cuBLASLt workspaces (per thread and stream, so one forward on this thread and one
+    backward on autograd's device thread)."""
+    layer = torch.nn.Linear(8, 8, device="cuda")
+    layer(torch.randn(4, 8, device="cuda", requires_grad=True)).sum().backward()
+    torch.cuda.synchronize()
+
+
+@pytest.fixture
+def cuda_warm():
+    """For GPU tests that measure device memory: see _warm_cuda."""
+    _warm_cuda()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The device a test trains on: the CPU backend, or CUDA (marked `gpu`; skipped without CUDA). On CUDA
+    TF32 is off and cuDNN deterministic, so fp32 means fp32 for the reference and the engine alike."""
+    if request.param == "cpu":
+        yield torch.device("cpu")
+        return
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert not torch.backends.cuda.matmul.allow_tf32  # torch's default; a test that changed it must restore it
+    # Matmuls are fp32 (IEEE) by default already; cuDNN convolutions default to TF32. Only the one legacy flag
+    # is set: mixing it with the newer fp32_precision API makes torch raise.
+    flags = (torch.backends.cudnn, "allow_tf32"), (torch.backends.cudnn, "benchmark"), \
+        (torch.backends.cudnn, "deterministic")
+    saved = [getattr(obj, name) for obj, name in flags]
+    for (obj, name), value in zip(flags, (False, False, True)):
+        setattr(obj, name, value)
+    _warm_cuda()
+    try:
+        yield torch.device("cuda", torch.cuda.current_device())
+    finally:
+        for (obj, name), value in zip(flags, saved):
+            setattr(obj, name, value)

@@ -31,6 +31,12 @@ class Batch:
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the model's forward
     target: torch.Tensor | None = None  # what loss_fn compares the output against; never seen by the model
 
+    def to(self, device) -> "Batch":
+        """The same batch with every tensor on ``device`` (for the CUDA runs)."""
+        def move(x):
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+        return Batch(tuple(move(a) for a in self.args), {k: move(v) for k, v in self.kwargs.items()}, move(self.target))
+
 
 class Case(NamedTuple):
     model: nn.Module

@@ -38,9 +38,23 @@ def test_config_normalises_and_is_frozen():
         c.budget = 3
 
 
+def test_config_resolves_optimizer_overlap_by_dtype():
+    assert OffloadConfig(budget="1GiB").overlap_optimizer is True
+    assert OffloadConfig(budget="1GiB", dtype=torch.bfloat16).overlap_optimizer is True
+    half = OffloadConfig(budget="1GiB", dtype=torch.float16)
+    assert half.overlap_optimizer is False and half.loss_scale == offload.LossScaleConfig()
+    assert OffloadConfig(budget="1GiB", overlap_optimizer=False).loss_scale is None
+
+
 def test_config_rejects_unsupported():
-    with pytest.raises(NotImplementedError, match="float32"):
-        OffloadConfig(budget="1GiB", dtype=torch.float16)
+    with pytest.raises(ValueError, match="not supported"):
+        OffloadConfig(budget="1GiB", dtype=torch.float64)
+    with pytest.raises(ValueError, match="float16"):
+        OffloadConfig(budget="1GiB", dtype=torch.float16, overlap_optimizer=True)
+    with pytest.raises(TypeError, match="LossScaleConfig"):
+        OffloadConfig(budget="1GiB", dtype=torch.float16, loss_scale=2.0)
+    with pytest.raises(ValueError, match="backoff"):
+        offload.LossScaleConfig(backoff_factor=2.0)
     with pytest.raises(TypeError):
         OffloadConfig(budget="1GiB", dtype="float32")
     with pytest.raises(ValueError, match="cpu or cuda"):

@@ -2,7 +2,8 @@
 
 Every test trains a model from tests/models.py twice from identical initial weights on identical batches:
 once with plain PyTorch and `torch.optim.AdamW(foreach=False)`, the reference answer, and once through
-`offload.wrap` on the CPU backend, fp32 end to end. The reference is a deepcopy taken before wrapping, or,
+`offload.wrap`, fp32 end to end, on the CPU backend and (the `device` fixture, marked `gpu`) on CUDA, where the
+reference trains on the GPU too. The reference is a deepcopy taken before wrapping, or,
 where one reference run is shared by several tests (`reference_run`), a second build of the same
 deterministic factory, checked equal first. After 50 steps the engine's fp32 master weights and buffers
 (`engine.state_dict()["model"]`) must equal the reference's `model.state_dict()` to rtol 1e-5 / atol 1e-6,
@@ -50,7 +51,7 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def offloaded(model: torch.nn.Module, budget: str = "streaming", params=None):
+def offloaded(model: torch.nn.Module, budget: str = "streaming", params=None, device="cpu"):
     """Wrap `model` with an offload.AdamW over `params` (default: all parameters); yield (engine,
     optimizer) and close the engine afterwards, whatever happens."""
     nbytes = param_bytes(model)
@@ -61,7 +62,7 @@ def offloaded(model: torch.nn.Module, budget: str = "streaming", params=None):
         budget=int(BUDGETS[budget] * nbytes),
         bucket_bytes=nbytes // 10,
         dtype=torch.float32,
-        device="cpu",
+        device=device,
     )
     try:
         yield engine, opt
@@ -69,9 +70,9 @@ def offloaded(model: torch.nn.Module, budget: str = "streaming", params=None):
         engine.close()
 
 
-def reference(case: Case, params=None):
+def reference(case: Case, params=None, device="cpu"):
     """A plain-PyTorch copy of the case's model, taken before it is wrapped, and its AdamW."""
-    model = copy.deepcopy(case.model)
+    model = copy.deepcopy(case.model).to(device)
     opt = torch.optim.AdamW(model.parameters() if params is None else params(model), foreach=False, **ADAMW)
     return model, opt
 
@@ -85,27 +86,39 @@ class ReferenceRun:
 
 
 @functools.cache
-def reference_run(name: str) -> ReferenceRun:
+def reference_run(name: str, device="cpu") -> ReferenceRun:
     """Plain PyTorch on one case, once per model and shared by the tests that train it the plain way
     (evaluating in between changes no state, so one run serves with and without the evals)."""
     case = CASES[name]()
-    model, opt = reference(case)
-    initial = copy.deepcopy(model.state_dict())
+    model, opt = reference(case, device=device)
+    initial = _cpu(copy.deepcopy(model.state_dict()))
     losses, evals = [], {}
     for done in EVAL_AFTER:
-        losses += train(model, opt, case, done - len(losses), start=len(losses))
-        evals[done] = evaluate(model, model, case.make_batch(EVAL_STEP))
+        losses += train(model, opt, case, done - len(losses), start=len(losses), device=device)
+        evals[done] = _cpu(evaluate(model, model, case.make_batch(EVAL_STEP), device))
     # Comparing with this run means something only if it moved every trainable parameter, and no frozen one.
     for n, p in model.named_parameters():
-        assert (not torch.equal(p.detach(), initial[n])) == p.requires_grad, f"reference run: {n}"
-    return ReferenceRun(initial, losses, evals, copy.deepcopy(model.state_dict()))
+        assert (not torch.equal(p.detach().cpu(), initial[n])) == p.requires_grad, f"reference run: {n}"
+    return ReferenceRun(initial, losses, evals, _cpu(copy.deepcopy(model.state_dict())))
 
 
-def train(forward, opt, case: Case, steps: int, start: int = 0, scheduler=None) -> list[float]:
+def _cpu(x):
+    """Tensors (in dicts, tuples and lists too) on the CPU, for comparing a run on the GPU with the engine's
+    host masters; a no-op for CPU tensors."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cpu(v) for v in x)
+    return x
+
+
+def train(forward, opt, case: Case, steps: int, start: int = 0, scheduler=None, device="cpu") -> list[float]:
     """The ordinary PyTorch loop, for the reference (a module) and the engine alike. Returns the losses."""
     losses = []
     for step in range(start, start + steps):
-        batch = case.make_batch(step)
+        batch = case.make_batch(step).to(device)
         loss = case.loss_fn(run(forward, batch), batch)
         loss.backward()
         opt.step()
@@ -116,10 +129,10 @@ def train(forward, opt, case: Case, steps: int, start: int = 0, scheduler=None) 
     return losses
 
 
-def evaluate(forward, module: torch.nn.Module, batch):
+def evaluate(forward, module: torch.nn.Module, batch, device="cpu"):
     module.eval()
     with torch.no_grad():
-        out = run(forward, batch)
+        out = run(forward, batch.to(device))
     module.train()
     return out
 
@@ -129,6 +142,7 @@ def assert_same_model_state(engine, expected: dict) -> None:
     actual = engine.state_dict()["model"]
     assert actual.keys() == expected.keys()
     for name, want in expected.items():
+        want = want.cpu()  # the reference may have trained on the GPU; the engine's masters are on the host
         # Float entries must be fp32 CPU tensors; an integer buffer (num_batches_tracked) only has to count right.
         torch.testing.assert_close(
             actual[name], want, **TOL, check_dtype=want.is_floating_point(), msg=lambda m, name=name: f"{name}: {m}"
@@ -157,9 +171,10 @@ def assert_same_optimizer_state(actual: dict, expected: dict) -> None:
             # nothing), and loose: moments are running sums of gradients, whose small entries are
             # differences of large terms. A lost, zeroed or misplaced moment is off by ~100 %; the
             # precise check is that training after load_state_dict matches the reference.
-            scale = want[key].abs().max().item()
+            expected_moment = want[key].cpu()
+            scale = expected_moment.abs().max().item()
             torch.testing.assert_close(
-                got[key], want[key], rtol=1e-3, atol=1e-3 * scale, msg=lambda m, i=index, k=key: f"state[{i}][{k}]: {m}"
+                got[key], expected_moment, rtol=1e-3, atol=1e-3 * scale, msg=lambda m, i=index, k=key: f"state[{i}][{k}]: {m}"
             )
 
 
@@ -177,14 +192,14 @@ def assert_memory(engine, budget: str, model_bytes: int) -> None:
 
 @pytest.mark.parametrize("budget", list(BUDGETS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_training_matches_pytorch(name: str, budget: str):
-    ref = reference_run(name)
+def test_training_matches_pytorch(name: str, budget: str, device):
+    ref = reference_run(name, device)
     case = CASES[name]()
     model_bytes = param_bytes(case.model)
     assert_same_state_dict(case.model.state_dict(), ref.initial)  # the factory is deterministic
-    with offloaded(case.model, budget) as (engine, opt):
+    with offloaded(case.model, budget, device=device) as (engine, opt):
         assert engine.memory_stats()["plan"] is None  # planned only after the traced first step
-        losses = train(engine, opt, case, STEPS)
+        losses = train(engine, opt, case, STEPS, device=device)
         torch.testing.assert_close(losses, ref.losses, **TOL)
         assert_same_model_state(engine, ref.final)
         assert_memory(engine, budget, model_bytes)
@@ -204,28 +219,28 @@ def lr_lambdas() -> list:
     return [lambda step: min(1.0, (step + 1) / 10), lambda step: 0.95**step]  # per group: warmup; decay
 
 
-def test_param_groups_and_lr_scheduler():
+def test_param_groups_and_lr_scheduler(device):
     case = CASES["gpt"]()  # the tied embedding / LM head weight sits in the decayed group
-    ref_model, ref_opt = reference(case, params=decay_groups)
+    ref_model, ref_opt = reference(case, params=decay_groups, device=device)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambdas())
-    ref_losses = train(ref_model, ref_opt, case, STEPS, scheduler=ref_sched)
+    ref_losses = train(ref_model, ref_opt, case, STEPS, scheduler=ref_sched, device=device)
 
-    with offloaded(case.model, params=decay_groups(case.model)) as (engine, opt):
+    with offloaded(case.model, params=decay_groups(case.model), device=device) as (engine, opt):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambdas())
-        losses = train(engine, opt, case, STEPS, scheduler=sched)
+        losses = train(engine, opt, case, STEPS, scheduler=sched, device=device)
         assert [g["lr"] for g in opt.param_groups] == pytest.approx([g["lr"] for g in ref_opt.param_groups])
         torch.testing.assert_close(losses, ref_losses, **TOL)
         assert_same_model_state(engine, ref_model.state_dict())
 
 
-def test_engine_backward_step_zero_grad():
+def test_engine_backward_step_zero_grad(device):
     """engine.backward(loss); engine.step(); engine.zero_grad() is the same loop as loss.backward(); opt.step()..."""
-    ref = reference_run("bert")
+    ref = reference_run("bert", device)
     case = CASES["bert"]()  # its forward takes a keyword argument (attention_mask)
-    with offloaded(case.model) as (engine, _):
+    with offloaded(case.model, device=device) as (engine, _):
         losses = []
         for step in range(STEPS):
-            batch = case.make_batch(step)
+            batch = case.make_batch(step).to(device)
             loss = case.loss_fn(run(engine, batch), batch)
             engine.backward(loss)
             engine.step()
@@ -236,16 +251,16 @@ def test_engine_backward_step_zero_grad():
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_eval_mid_training(name: str):
+def test_eval_mid_training(name: str, device):
     """Forward-only evaluation between training steps (BatchNorm on running statistics in eval mode)
     gives the reference's outputs, and training afterwards still matches."""
-    ref = reference_run(name)
+    ref = reference_run(name, device)
     case = CASES[name]()
-    with offloaded(case.model) as (engine, opt):
+    with offloaded(case.model, device=device) as (engine, opt):
         losses = []
         for done in EVAL_AFTER:
-            losses += train(engine, opt, case, done - len(losses), start=len(losses))
-            actual = evaluate(engine, engine.module, case.make_batch(EVAL_STEP))
+            losses += train(engine, opt, case, done - len(losses), start=len(losses), device=device)
+            actual = _cpu(evaluate(engine, engine.module, case.make_batch(EVAL_STEP), device))
             torch.testing.assert_close(
                 actual, ref.evals[done], **EVAL_TOL, msg=lambda m, d=done: f"eval after {d} steps: {m}"
             )
@@ -254,29 +269,29 @@ def test_eval_mid_training(name: str):
 
 
 @pytest.mark.parametrize("name", ["gpt", "cnn_batchnorm", "frozen_layers"])
-def test_state_dict_round_trip(name: str):
+def test_state_dict_round_trip(name: str, device):
     """Half the steps in one engine, a checkpoint through torch.save / torch.load, the other half in a
     fresh engine: the same weights as an uninterrupted reference. The optimizer state is torch's."""
     half = STEPS // 2
     case = CASES[name]()
-    ref_model, ref_opt = reference(case)
-    train(ref_model, ref_opt, case, half)
-    with offloaded(case.model) as (engine, opt):
-        train(engine, opt, case, half)
+    ref_model, ref_opt = reference(case, device=device)
+    train(ref_model, ref_opt, case, half, device=device)
+    with offloaded(case.model, device=device) as (engine, opt):
+        train(engine, opt, case, half, device=device)
         saved = engine.state_dict()
         assert_same_model_state(engine, ref_model.state_dict())
         assert_same_optimizer_state(saved["optimizer"], ref_opt.state_dict())
         checkpoint = io.BytesIO()
         torch.save(saved, checkpoint)
-    ref_losses = train(ref_model, ref_opt, case, STEPS - half, start=half)
+    ref_losses = train(ref_model, ref_opt, case, STEPS - half, start=half, device=device)
 
     fresh = CASES[name]().model
     with torch.no_grad():
         for tensor in fresh.state_dict().values():
             tensor.add_(1)  # nothing of the fresh init may pass for a loaded value
-    with offloaded(fresh) as (engine, opt):
+    with offloaded(fresh, device=device) as (engine, opt):
         checkpoint.seek(0)
         engine.load_state_dict(torch.load(checkpoint, weights_only=True))
-        losses = train(engine, opt, case, STEPS - half, start=half)
+        losses = train(engine, opt, case, STEPS - half, start=half, device=device)
         torch.testing.assert_close(losses, ref_losses, **TOL)
         assert_same_model_state(engine, ref_model.state_dict())

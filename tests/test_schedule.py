@@ -1,11 +1,17 @@
-"""The first scheduler, on random traces: every plan it returns is valid, and its budget errors are true."""
+"""The greedy cost-model scheduler, on random traces and random hardware: every plan it returns is valid
+and fits, its budget errors are true, its simulated step respects the physical bound, a larger budget never
+makes it slower, and it is never slower than streaming everything."""
+
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from offload import BudgetTooSmallError
+from offload.baselines import Case, double_buffer
 from offload.buckets import ParamSpec, make_buckets
-from offload.schedule import BufferKind, build_plan, validate_plan
+from offload.hw import PRESETS, HardwareModel, latency_curve
+from offload.schedule import BufferKind, build_plan, plan_bound, simulate_plan, validate_plan
 from offload.trace import EventKind, Recorder
 
 
@@ -51,6 +57,21 @@ def traces(draw):
     return trace, buckets
 
 
+@st.composite
+def machines(draw):
+    """A random link and CPU, and random compute seconds for each event of a trace."""
+    bw = draw(st.floats(1e5, 1e8))
+    curve = latency_curve(bw, draw(st.floats(0, 1e-3)))
+    d2h = latency_curve(draw(st.floats(1e5, 1e8)), draw(st.floats(0, 1e-3)))
+    return HardwareModel("random", curve, d2h, duplex_factor=draw(st.floats(0.3, 1.0)),
+                         adam_params_per_s=draw(st.floats(1e4, 1e8)), host_bytes_per_s=1e9,
+                         device_flops_per_s=1e12, device_bytes_per_s=1e11)
+
+
+def _compute(draw, trace):
+    return [draw(st.floats(0, 1e-3)) for _ in trace.events]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), st.integers(0, 60000), st.integers(0, 3000))
 def test_plans_are_valid_and_errors_are_true(case, budget, fixed):
@@ -78,6 +99,52 @@ def test_plans_are_valid_and_errors_are_true(case, budget, fixed):
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_simulated_step_respects_the_physical_bound(case, hw, data):
+    trace, buckets = case
+    compute = _compute(data.draw, trace)
+    budget = data.draw(st.integers(0, 60000))
+    try:
+        plan = build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute)
+    except BudgetTooSmallError as e:
+        plan = build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
+                          compute_s=compute)
+    validate_plan(plan)
+    bound = plan_bound(plan, hw, compute)
+    assert plan.simulated.step_s >= bound.seconds * (1 - 1e-9)
+    # the prediction carried by the plan is what simulating the plan itself gives
+    again = simulate_plan(plan, hw, compute)
+    assert again.step_s == pytest.approx(plan.simulated.step_s, rel=1e-9, abs=1e-15)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_larger_budget_is_never_slower(case, hw, data):
+    trace, buckets = case
+    compute = _compute(data.draw, trace)
+    try:
+        small = build_plan(trace, buckets, itemsize=4, budget_bytes=data.draw(st.integers(0, 30000)), fixed_bytes=0,
+                           hw=hw, compute_s=compute)
+    except BudgetTooSmallError as e:
+        small = build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
+                           compute_s=compute)
+    larger = small.budget_bytes + data.draw(st.integers(1, 30000))
+    big = build_plan(trace, buckets, itemsize=4, budget_bytes=larger, fixed_bytes=0, hw=hw, compute_s=compute)
+    assert big.simulated.step_s <= small.simulated.step_s * (1 + 1e-9) + 1e-15
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_greedy_is_never_slower_than_streaming_everything(case, hw, data):
+    trace, buckets = case
+    compute = _compute(data.draw, trace)
+    streamed = double_buffer(Case(trace, tuple(buckets), 4, hw, tuple(compute), budget_bytes=10**9))
+    budget = streamed.peak_bytes + data.draw(st.integers(0, 20000))
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute)
+    assert plan.simulated.step_s <= streamed.step_s * (1 + 1e-9) + 1e-15
+
+
 def _chain_trace(n_layers, numel):
     """A plain stack of layers, one parameter each: forward 0..n-1, backward n-1..0."""
     rec = Recorder()
@@ -103,19 +170,23 @@ def test_big_budget_keeps_everything_resident():
     assert plan.summary()["fetches_per_step"] == 0
 
 
-def test_tight_budget_streams_with_lookahead():
+def test_tight_budget_streams_and_prefetches():
     trace, buckets = _chain_trace(8, 1000)
+    hw = PRESETS["pcie4"]
     b = 4096  # one bucket of 1000 fp32 rounded to the 256-byte arena alignment
+    copy = hw.h2d_seconds(4000)
+    # each layer computes for twice a copy: streaming can hide every copy but the first
+    compute = [2 * copy if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0 for ev in trace.events]
     # two param slots (current + prefetched) + one grad slot + the largest grad autograd materialises
-    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=4 * b, fixed_bytes=0)
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=4 * b, fixed_bytes=0, hw=hw, compute_s=compute)
     validate_plan(plan)
     s = plan.summary()
     assert s["streamed_buckets"] >= 6
     assert plan.arena_bytes <= 3 * b
-    # every streamed layer is fetched once for forward and once for backward
-    assert s["fetches_per_step"] >= 2 * s["streamed_buckets"] - 2
-    # lookahead: every streamed copy but the very first is issued before the event that first needs it
-    assert plan.strategy.startswith("lookahead")
+    # every streamed layer is fetched for forward and again for backward, but for the last layers, whose
+    # forward and backward uses are close enough to keep them in between
+    assert s["fetches_per_step"] >= 2 * s["streamed_buckets"] - 4
+    # every streamed copy but the very first is issued before the event that first needs it
     bucket_needs = {}
     for i, uses in enumerate(trace.uses):
         for p in uses:
@@ -126,23 +197,40 @@ def test_tight_budget_streams_with_lookahead():
             first = min(i for i in bucket_needs[x.bucket] if x.start <= i < x.end)
             early.append(first > x.start)
     assert early.count(False) <= 1 and len(early) >= 12
+    # so compute waits for the first copy only (and for copies queued behind a resident bucket's refresh)
+    assert plan.simulated.stall_s <= 2 * copy * (1 + len(plan.resident))
+    # with the whole budget it needs, the plan keeps everything and only waits for the refreshes
+    roomy = build_plan(trace, buckets, itemsize=4, budget_bytes=20 * b, fixed_bytes=0, hw=hw, compute_s=compute)
+    assert roomy.summary()["streamed_buckets"] == 0
+    assert roomy.simulated.step_s <= plan.simulated.step_s
 
 
-def test_too_small_names_the_minimum():
-    trace, buckets = _chain_trace(4, 1000)
-    with pytest.raises(BudgetTooSmallError) as e:
-        build_plan(trace, buckets, itemsize=4, budget_bytes=1000, fixed_bytes=0)
-    assert e.value.min_budget_bytes > 1000
-    assert "Try budget>=" in str(e.value)
-    build_plan(trace, buckets, itemsize=4, budget_bytes=e.value.min_budget_bytes, fixed_bytes=0)
+def test_last_layers_are_kept_between_forward_and_backward():
+    """The last layer's forward and backward uses are adjacent: with one bucket of spare memory the plan
+    keeps it instead of fetching it twice."""
+    trace, buckets = _chain_trace(8, 1000)
+    hw = PRESETS["pcie4"]
+    compute = [hw.h2d_seconds(4000) / 4 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0
+               for ev in trace.events]  # copy-bound: every copy saved shortens the step
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=5 * 4096, fixed_bytes=0, hw=hw, compute_s=compute)
+    validate_plan(plan)
+    per_bucket = {}
+    for x in plan.buffers:
+        if x.kind is BufferKind.PARAM:
+            per_bucket.setdefault(x.bucket, []).append(x)
+    assert len(per_bucket[7]) == 1  # the last layer: one copy serves forward and backward
+    assert sum(len(v) for v in per_bucket.values()) < 2 * 8
 
 
-def test_grad_events_define_grad_slots():
-    trace, buckets = _chain_trace(4, 100)
-    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=10**6, fixed_bytes=0)
-    grads = [x for x in plan.buffers if x.kind is BufferKind.GRAD]
-    assert sorted(x.bucket for x in grads) == [0, 1, 2, 3]
-    for x in grads:
-        ev = trace.events[x.start]
-        assert ev.kind == EventKind.GRAD and ev.key == x.bucket
-        assert x.end == x.start + 1  # the slot is free once its one grad has been taken
+@pytest.mark.parametrize("n", [300, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_greedy_time_on_many_buckets(n):
+    """The issue asks for < 1 s on 10,000 buckets; this pure-Python version does not reach that (see
+    benchmarks/schedule_sim.py for the measured times). The test bounds it loosely to catch blow-ups."""
+    trace, buckets = _chain_trace(n, 256)
+    compute = [1e-5 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0 for ev in trace.events]
+    t0 = time.perf_counter()
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=n * 1024 // 4, fixed_bytes=0,
+                      hw=PRESETS["pcie4"], compute_s=compute)
+    elapsed = time.perf_counter() - t0
+    assert plan.peak_bytes <= plan.budget_bytes
+    assert elapsed < n / 10, f"build_plan took {elapsed:.1f} s for {n} buckets"

@@ -6,12 +6,27 @@ import torch
 
 from .base import DONE, Event, HostEvent, Lane
 from .cpu import CPUBackend
+from .cuda import CUDABackend
 
-__all__ = ["CPUBackend", "DONE", "Event", "HostEvent", "Lane", "make_backend"]
+__all__ = ["CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "make_backend"]
 
 
-def make_backend(device: torch.device):
+def make_backend(device: str | torch.device):
+    """The backend for ``device``: ``cpu`` (the asynchronous CPU stand-in) or ``cuda[:index]``."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:<index>' or a torch.device; got {device!r}") from e
     if device.type == "cpu":
         return CPUBackend()
-    raise NotImplementedError(
-        f"the {device.type} backend is not implemented yet; pass device='cpu' to use the CPU backend")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} was asked for but torch.cuda.is_available() is False (no GPU, or a "
+                             "CPU-only torch build); use device='cpu' for the CPU backend")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise ValueError(f"device {device} does not exist: this machine has {count} CUDA device(s)")
+        # An explicit index: tensors report cuda:N, and the runtime compares devices.
+        return CUDABackend(torch.device("cuda", index))
+    raise ValueError(f"no backend for device type {device.type!r}; use 'cuda' or 'cpu'")

@@ -8,6 +8,7 @@ event, and ``wait`` (make compute wait) blocks the calling thread.
 
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import torch
@@ -18,11 +19,15 @@ from .base import DONE, Event, HostEvent, Lane
 class CPUBackend:
     device = torch.device("cpu")
 
-    def __init__(self) -> None:
+    def __init__(self, h2d_bytes_per_s: float | None = None, d2h_bytes_per_s: float | None = None) -> None:
         # Host-to-device copies: parameter buckets into their device slots, ahead of use.
         self._h2d = Lane("offload-h2d")
         # Device-to-host copies: gradient slots back to host grad buffers, while backward goes on.
         self._d2h = Lane("offload-d2h")
+        # Optional link throttling: a copy of n bytes takes at least n / bandwidth seconds (the lane sleeps
+        # for the rest, off the CPU), so the CPU backend behaves like a PCIe link of that bandwidth. Used to
+        # check the simulator against the runtime (benchmarks/sim_vs_runtime.py).
+        self._bandwidth = (h2d_bytes_per_s, d2h_bytes_per_s)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -32,11 +37,31 @@ class CPUBackend:
         device, no memory (one NaN expanded), so a stray read poisons the result and a write fails."""
         return torch.full((), float("nan"), dtype=dtype, device=self.device).expand(shape)
 
+    def pin_host(self, arena) -> None:
+        """Nothing to pin: there is no device to copy to by DMA (the CUDA backend registers the arena)."""
+
+    def peak_bytes(self) -> int | None:
+        """None: no allocator to ask; the runtime's own accounting is the device peak on this backend."""
+        return None
+
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> HostEvent:
-        return self._h2d.submit(lambda: dst.copy_(src), waits, "host-to-device copy")
+        return self._h2d.submit(self._copy(dst, src, self._bandwidth[0]), waits, "host-to-device copy")
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> HostEvent:
-        return self._d2h.submit(lambda: dst.copy_(src), waits, "device-to-host copy")
+        return self._d2h.submit(self._copy(dst, src, self._bandwidth[1]), waits, "device-to-host copy")
+
+    @staticmethod
+    def _copy(dst: torch.Tensor, src: torch.Tensor, bandwidth: float | None):
+        if bandwidth is None:
+            return lambda: dst.copy_(src)
+
+        def throttled():
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            rest = dst.numel() * dst.element_size() / bandwidth - (time.perf_counter() - t0)
+            if rest > 0:
+                time.sleep(rest)
+        return throttled
 
     def record(self) -> Event:
         return DONE

@@ -1,0 +1,120 @@
+"""Does the simulator predict the runtime? On the CPU backend with throttled copy lanes (a copy of n bytes
+takes n / bandwidth, the lane sleeping off the CPU), train an MLP under a budget that forces streaming,
+and compare the measured step time with what ``offload.simulate`` predicts for the plan the runtime
+executes.
+
+Inputs of the prediction, all measured in this run: compute seconds per event from a step of the same
+model with everything resident and unthrottled copies (the runtime records a trace every step), the CPU
+AdamW throughput (``offload probe``'s measurement), and the configured link bandwidth. The harness reads
+the engine's trace and plan (``engine._runtime``): the public API exposes only their summary.
+
+    python benchmarks/sim_vs_runtime.py --json benchmarks/results/sim_vs_runtime_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+import offload
+from offload.backend.cpu import CPUBackend
+from offload.hw import HardwareModel, latency_curve
+from offload.probe import cpu_adam_params_per_s
+from offload.schedule import simulate_plan
+
+
+def mlp(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())))
+
+
+def run(budget, width, depth, batch, steps, bandwidth=None):
+    model = mlp(width, depth)
+    opt = offload.AdamW(model.parameters(), lr=1e-4)
+    engine = offload.wrap(model, opt, budget=budget, device="cpu", bucket_bytes=width * width * 4 + width * 4)
+    if bandwidth is not None:  # swap in a throttled backend before anything has run
+        old = engine._runtime.backend
+        engine._runtime.backend = CPUBackend(bandwidth, bandwidth)
+        old.close()
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = engine(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    rt = engine._runtime
+    out = (times, rt.trace, rt.plan, engine.memory_stats())
+    engine.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--bandwidth", type=float, default=1.0e9, help="throttled link, bytes/s")
+    ap.add_argument("--budget-fraction", type=float, default=0.4, help="of the parameter bytes")
+    args = ap.parse_args()
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    torch.set_num_threads(1)  # compute on one core; the other runs the AdamW lane
+    param_bytes = args.depth * (args.width * args.width + args.width) * 4
+    rows, out = [], {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+                     "args": vars(args), "cases": []}
+    with console.status("measuring compute (everything resident, unthrottled)"):
+        _, clean, _, _ = run(param_bytes * 4, args.width, args.depth, args.batch, 4)
+    with console.status("measuring CPU AdamW"):
+        adam = cpu_adam_params_per_s()
+    curve = latency_curve(args.bandwidth, 0.0)
+    hw = HardwareModel("cpu backend, throttled", curve, curve, duplex_factor=1.0, adam_params_per_s=adam,
+                       host_bytes_per_s=1e10, device_flops_per_s=1e11, device_bytes_per_s=1e10, measured=True)
+    for frac in (args.budget_fraction, 4.0):
+        extra = clean.activation_peak_bytes + clean.max_grad_bytes + (1 << 20)  # + 1 MiB slack for the arena
+        budget = int(param_bytes * frac) + extra if frac < 1 else param_bytes * 4
+        load = os.getloadavg()[0]
+        with console.status(f"training at budget {frac:.0%} of the parameters, throttled"):
+            times, trace, plan, stats = run(budget, args.width, args.depth, args.batch, args.steps, args.bandwidth)
+        if [e for e in trace.events] != [e for e in clean.events]:
+            console.print("[red]the traced events differ between runs; cannot compare[/red]")
+            return 1
+        sim = simulate_plan(plan, hw, clean.seconds)
+        measured = statistics.median(times[3:])
+        err = (sim.step_s - measured) / measured
+        case = {"budget_bytes": budget, "resident": len(plan.resident), "buckets": len(plan.buckets),
+                "measured_step_s": measured, "all_steps_s": times, "predicted_step_s": sim.step_s,
+                "predicted_stall_s": sim.stall_s, "compute_s": sim.compute_s, "relative_error": err,
+                "load_avg_1m": load, "device_peak_bytes": stats["device_peak_bytes"]}
+        out["cases"].append(case)
+        rows.append(case)
+    table = Table(title=f"simulated vs measured step, CPU backend, link {args.bandwidth / 1e9:.1f} GB/s")
+    for col in ("budget", "resident/buckets", "measured s", "predicted s", "error", "load"):
+        table.add_column(col, justify="right")
+    for c in rows:
+        table.add_row(offload.format_bytes(c["budget_bytes"]), f"{c['resident']}/{c['buckets']}",
+                      f"{c['measured_step_s']:.3f}", f"{c['predicted_step_s']:.3f}", f"{c['relative_error']:+.0%}",
+                      f"{c['load_avg_1m']:.1f}")
+    console.print(table)
+    console.print(out["machine"], f"CPU AdamW {adam / 1e6:.0f} M params/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,286 @@
+"""The CUDA backend: the plan's copies on two side streams, every dependency a CUDA event, the host arena
+page-locked with ``cudaHostRegister``.
+
+[Note: streams and events]
+Compute runs on the *current* stream (whatever stream the caller's forward and backward run on; autograd
+runs a backward op on the stream of its forward op). Two more streams exist, each created once, on first
+use: one for host-to-device copies (parameter buckets into their slots) and one for device-to-host copies
+(gradients to the host). The runtime names every dependency as an event:
+
+* ``record()`` marks the compute issued so far (an event on the current stream);
+* ``h2d``/``d2h`` make their stream wait for the given events, enqueue the copy and return the event that
+  marks its end;
+* ``wait(event)`` makes the *current stream* wait for it: the host does not block, so the CPU keeps
+  issuing kernels ahead of the GPU. Only a :class:`HostEvent` (work of a CPU lane, e.g. AdamW writing a
+  master the next copy reads) is waited for on the host: no CUDA stream can wait on a host thread.
+
+Slot reuse is protected by those events, not by ``record_stream``: the arena is one tensor we own, so the
+caching allocator cannot know which bytes of it a copy still reads. A planned slot is overwritten by a
+prefetch only after the event of its previous occupant's last reader (a compute event at release, or the
+D2H event of a gradient slot), and a gradient slot is refilled by compute only after its D2H event; those
+waits come from the plan (``Buffer.after``) through the runtime. Host buffers are protected the same way:
+the CPU lane waits (host side) for the event of the copy that reads or writes them.
+
+[Note: stream-ordered memory]
+Memory from ``empty()`` comes from PyTorch's caching allocator on the current stream. The allocator may
+hand back a block that compute freed a moment ago while kernels reading it are still queued; that is safe
+for later compute (same stream, in order) but not for the H2D stream, which is not ordered after them.
+So every ``empty()`` makes the H2D stream wait for the current stream (``wait_stream``), and the H2D
+stream does the same when it is created. Side streams never free memory compute allocated: the runtime
+waits for a copy's event on the compute stream before it drops a slot the copy writes, and keeps a slot a
+D2H reads until that copy's event has completed (a ``(tensor, event)`` pair, as in FSDP2). A copy that
+converts dtypes (e.g. fp32 host to bf16 device) is correct but takes PyTorch's staging path (a conversion
+on the host into pageable memory for H2D, a device temporary allocated on the D2H stream for D2H); the fast
+path is a same-dtype copy between a device slot and the pinned arena.
+
+[Note: pinning]
+The host arena (``cpp/pinned_arena``: mmap'd, 2 MiB aligned, first-touched by parallel threads so each
+page sits on its toucher's NUMA node) is registered once with ``cudaHostRegister`` at its exact size, so
+copies to and from it are DMA'd asynchronously instead of staged through a driver bounce buffer; no
+power-of-two rounding as ``pin_memory()``'s caching host allocator does. ``close()`` (or garbage collection
+of the backend) unregisters it; the backend keeps the arena alive until then, so it is never unmapped
+while registered.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Iterable
+
+import torch
+from torch.autograd.profiler import record_function
+
+from ..errors import OffloadError
+from .base import Event, HostEvent
+
+__all__ = ["CUDABackend", "CudaAPI", "HostRegistry"]
+
+# cudaHostRegisterPortable: pinned for every CUDA context, not only the one current when registering (the
+# engine may run on cuda:1 while cuda:0 is current); as torch's own pin_memory utilities register.
+_HOST_REGISTER_PORTABLE = 1
+
+
+class CudaAPI:
+    """The few ``torch.cuda`` calls the backend makes, in one place, so the CPU tests can stand in a
+    simulated GPU (``tests/fake_cuda.py``) and run the backend's logic without CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def new_event(self, blocking: bool = False):
+        return torch.cuda.Event(blocking=blocking)
+
+    def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueue ``dst.copy_(src)`` on ``stream`` (asynchronous where the host side is pinned)."""
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def cudart(self):
+        return torch.cuda.cudart()
+
+    def reset_peak(self) -> int:
+        """Reset the allocator's peak statistic; return the bytes allocated now."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_allocated(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+class HostRegistry:
+    """Host ranges page-locked with ``cudaHostRegister``, each registered once, until :meth:`release_all`.
+
+    Each range keeps a reference to its owner (the arena), so the memory cannot be unmapped while it is
+    registered. ``cudart`` is a callable returning ``torch.cuda.cudart()`` (or a fake, in tests).
+    """
+
+    def __init__(self, cudart: Callable[[], object]) -> None:
+        self._cudart = cudart
+        self._ranges: dict[int, tuple[int, object]] = {}  # address -> (bytes, owner kept alive)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for n, _ in self._ranges.values())
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return sorted((ptr, n) for ptr, (n, _) in self._ranges.items())
+
+    def register(self, ptr: int, nbytes: int, owner: object) -> bool:
+        """Page-lock ``[ptr, ptr + nbytes)``; False if there is nothing to do (empty, or already registered)."""
+        if nbytes == 0:
+            return False
+        have = self._ranges.get(ptr)
+        if have is not None:
+            if have[0] != nbytes:
+                raise OffloadError(f"host range at {ptr:#x} is already pinned with {have[0]} bytes, not {nbytes}")
+            return False
+        for start, (n, _) in self._ranges.items():
+            if ptr < start + n and start < ptr + nbytes:
+                raise OffloadError(f"host range [{ptr:#x}, +{nbytes}) overlaps the pinned range [{start:#x}, +{n})")
+        err = int(self._cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+        if err != 0:
+            raise OffloadError(
+                f"cudaHostRegister of the {nbytes}-byte host arena failed with CUDA error {err}. Without pinned "
+                "memory host/device copies cannot overlap compute. Check `ulimit -l` (locked-memory limit) and "
+                "free host RAM; an earlier asynchronous CUDA error can also surface here "
+                "(rerun with CUDA_LAUNCH_BLOCKING=1 to find it).")
+        self._ranges[ptr] = (nbytes, owner)
+        return True
+
+    def release_all(self) -> None:
+        """Unregister every range (all are tried; the first failure is raised after)."""
+        failures = []
+        for ptr in list(self._ranges):
+            err = int(self._cudart().cudaHostUnregister(ptr))
+            del self._ranges[ptr]  # forgotten either way: retrying an unregister cannot help
+            if err != 0:
+                failures.append((ptr, err))
+        if failures:
+            raise OffloadError(f"cudaHostUnregister failed for {len(failures)} range(s): "
+                               + ", ".join(f"{p:#x} (CUDA error {e})" for p, e in failures))
+
+
+class CUDABackend:
+    """Streams, events, device memory and host pinning for one CUDA device (see [Note: streams and events])."""
+
+    def __init__(self, device: torch.device, api: CudaAPI | None = None) -> None:
+        self.device = device
+        self._api = api if api is not None else CudaAPI(device)
+        self._h2d = None  # created on first use: see _h2d_stream
+        self._d2h = None  # created on first use: see _d2h_stream
+        self._nan: dict[torch.dtype, torch.Tensor] = {}
+        self._pinned = HostRegistry(self._api.cudart)
+        # Unregister pinned memory also if the engine is dropped without close(); not at interpreter exit,
+        # where the process's teardown releases it and the CUDA runtime may already be gone.
+        self._unpin = weakref.finalize(self, self._pinned.release_all)
+        self._unpin.atexit = False
+        self._closed = False
+        # Device peak: the allocator's peak since this backend was made, above what was allocated then.
+        self._peak_base = self._api.reset_peak()
+
+    # -- streams ------------------------------------------------------------------------------------------
+
+    def _h2d_stream(self):
+        if self._h2d is None:
+            # Parameter buckets go host -> device on a stream of their own so the copy engine moves the next
+            # bucket while compute runs on the current one; one stream keeps the copies in plan order.
+            self._h2d = self._api.new_stream()
+            self._h2d.wait_stream(self._api.current_stream())  # [Note: stream-ordered memory]
+        return self._h2d
+
+    def _d2h_stream(self):
+        if self._d2h is None:
+            # Gradients go device -> host on another stream, apart from the H2D one: the two directions use
+            # separate copy engines, so a gradient copy never queues behind a prefetch, nor a prefetch behind
+            # it, and backward goes on while both run.
+            self._d2h = self._api.new_stream()
+        return self._d2h
+
+    # -- memory -------------------------------------------------------------------------------------------
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self._h2d is not None:
+            self._h2d.wait_stream(self._api.current_stream())  # [Note: stream-ordered memory]
+        return t
+
+    def placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A parameter's value while its bucket is not on the device: the right shape, dtype and device,
+        one NaN scalar per dtype expanded (no memory per parameter), so a stray read poisons the result and
+        a write fails."""
+        nan = self._nan.get(dtype)
+        if nan is None:
+            nan = self._nan[dtype] = torch.full((), float("nan"), dtype=dtype, device=self.device)
+        return nan.expand(shape)
+
+    def pin_host(self, arena) -> None:
+        """Page-lock ``arena`` (an :class:`offload.memory.HostArena`) once, at its exact size; undone by
+        :meth:`close`. Call it after the arena's pages were first-touched (see [Note: pinning])."""
+        self._check_open()
+        with record_function("offload::pin_host"):
+            self._pinned.register(arena.data_ptr, arena.size_bytes, arena)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned.nbytes
+
+    def peak_bytes(self) -> int | None:
+        """Peak device bytes allocated through PyTorch since this backend was made (or :meth:`reset_peak`),
+        above what was allocated then: the arena, on-demand slots, activations, gradients, temporaries."""
+        peak = self._api.max_allocated()
+        return None if peak is None else max(0, peak - self._peak_base)
+
+    def reset_peak(self) -> None:
+        self._peak_base = self._api.reset_peak()
+
+    # -- copies and events --------------------------------------------------------------------------------
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event:
+        with record_function("offload::h2d"):
+            return self._copy(self._h2d_stream(), dst, src, waits)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event:
+        with record_function("offload::d2h"):
+            return self._copy(self._d2h_stream(), dst, src, waits)
+
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event]) -> Event:
+        self._check_open()
+        for event in waits:
+            self._stream_wait(stream, event)
+        self._api.copy(stream, dst, src)
+        # Blocking: a host thread that waits for a copy (the CPU lane before AdamW reads grads or rewrites a
+        # master) sleeps instead of spinning on a core the CPU AdamW could use.
+        done = self._api.new_event(blocking=True)
+        done.record(stream)
+        return done
+
+    def record(self) -> Event:
+        """An event marking all compute issued so far on the current stream."""
+        event = self._api.new_event()
+        event.record(self._api.current_stream())
+        return event
+
+    def wait(self, event: Event) -> None:
+        """Make compute (the current stream) wait for ``event``; the host blocks only for a host event."""
+        with record_function("offload::wait"):
+            self._stream_wait(self._api.current_stream(), event)
+
+    @staticmethod
+    def _stream_wait(stream, event: Event) -> None:
+        if isinstance(event, HostEvent):
+            event.synchronize()  # CPU-lane work (or DONE): no stream can wait on a host thread
+        else:
+            stream.wait_event(event)
+
+    def synchronize(self) -> None:
+        """Block the host until every copy issued so far has finished."""
+        with record_function("offload::synchronize"):
+            for stream in (self._h2d, self._d2h):
+                if stream is not None:
+                    stream.synchronize()
+
+    # -- lifetime -----------------------------------------------------------------------------------------
+
+    def threads_alive(self) -> int:
+        return 0  # CUDA streams, no threads of our own
+
+    def close(self) -> None:
+        """Wait for the copies, unregister pinned host memory, drop the streams. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize()
+        finally:
+            self._unpin()  # runs release_all once; a later call (or garbage collection) does nothing
+            self._h2d = self._d2h = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("the CUDA backend is closed")

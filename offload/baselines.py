@@ -1,0 +1,247 @@
+"""Other engines' placement rules, expressed on the same simulator, for an honest comparison (pure).
+
+Each policy turns (trace, buckets, hardware, compute times) into a lane :class:`~offload.simulate.Program`
+and a device peak. They model the *rules* of each system at its default settings, on this engine's trace
+and buckets; they are not measurements of those systems. What each one simplifies is in its docstring.
+
+* ``zero-offload``: DeepSpeed ZeRO-Offload. Every low-precision parameter on the device; grads go to the
+  host during backward; CPU Adam runs after backward; all updated parameters are copied back before the
+  next forward.
+* ``zero3-offload``: DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on one GPU.
+  Parameters are fetched one by one just in time, prefetching the next ``stage3_prefetch_bucket_size``
+  (5e7) elements of the trace; parameters under ``stage3_param_persistence_threshold`` (1e5 elements) stay
+  on the device; each is released after use; CPU Adam after backward.
+* ``gemini-cpu``: ColossalAI Gemini with host placement: chunks (here: this engine's buckets) are fetched
+  synchronously when needed and evicted, when the budget is full, by the farthest next use (OPT); CPU Adam
+  after backward; every updated chunk is fetched again next step.
+* ``double-buffer``: MegaTrain-style one-layer double buffering: everything streamed, each bucket's copy
+  issued when the previous bucket starts being used, CPU Adam overlapped with backward as here.
+* ``greedy``: this engine's scheduler (:func:`offload.schedule.build_plan`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .buckets import Bucket, ParamSpec, locate, make_buckets
+from .errors import BudgetTooSmallError
+from .hw import HardwareModel
+from .memory import Interval, plan_arena
+from .schedule import ARENA_ALIGN, _grad_intervals, _grad_issue, _need_intervals, _with_prefetch, build_plan
+from .simulate import STEP_START, Program, SimResult, simulate
+from .trace import Trace
+
+ZERO3_PREFETCH_NUMEL = 50_000_000  # stage3_prefetch_bucket_size default
+ZERO3_PERSISTENCE_NUMEL = 100_000  # stage3_param_persistence_threshold default
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model step on one machine under one budget."""
+
+    trace: Trace
+    buckets: tuple[Bucket, ...]
+    itemsize: int
+    hw: HardwareModel
+    compute_s: tuple[float, ...]
+    budget_bytes: int
+    fixed_bytes: int = 0
+
+    @property
+    def extra(self) -> int:
+        """Device bytes outside the parameter arena: activations, module buffers, the largest grad."""
+        return self.trace.activation_peak_bytes + self.fixed_bytes + self.trace.max_grad_bytes
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: str
+    sim: SimResult | None  # None when the policy cannot run at all in this budget
+    peak_bytes: int
+    fits: bool  # peak_bytes <= budget
+
+    @property
+    def step_s(self) -> float | None:
+        return self.sim.step_s if self.sim is not None else None
+
+
+def _align(n: int) -> int:
+    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+
+
+def _param_specs(buckets: Sequence[Bucket]) -> tuple[list[ParamSpec], list[int]]:
+    """Per parameter (numel, group), and the parameters in bucket (first-use) order."""
+    n = sum(len(b.params) for b in buckets)
+    specs: list[ParamSpec | None] = [None] * n
+    order = []
+    for b in buckets:
+        group = {p: run.group for run in b.runs for p in run.params}
+        ends = list(b.offsets[1:]) + [b.numel]
+        for p, off, end in zip(b.params, b.offsets, ends):
+            specs[p] = ParamSpec(end - off, group.get(p))
+            order.append(p)
+    return specs, order
+
+
+def _lanes(case: Case, units: Sequence[Bucket], streamed: dict[int, list], resident: Sequence[int],
+           refresh: set[int], adam_after_backward: bool) -> Program:
+    """A program whose copies are per ``unit`` (buckets of some packing of the same parameters) and whose
+    grads go to the host per bucket of ``case.buckets`` at this engine's points."""
+    trace = case.trace
+    n = len(trace.events)
+    unit_of = locate(units)[0]
+    events, owners, nbytes = [], [], []
+    copy_of: dict[int, list[tuple[int, int, int]]] = {}
+    for u in sorted(resident):
+        if u in refresh:
+            copy_of[u] = [(0, n, len(events))]
+            events.append(STEP_START), owners.append(u), nbytes.append(units[u].nbytes(case.itemsize))
+    for p, u, e in sorted((p, u, e) for u, ivs in streamed.items() for p, e in ivs):
+        copy_of.setdefault(u, []).append((p, e, len(events)))
+        events.append(p), owners.append(u), nbytes.append(units[u].nbytes(case.itemsize))
+    waits = []
+    for i in range(n):
+        w = []
+        for u in dict.fromkeys(unit_of[p] for p in trace.uses[i]):
+            for s, e, k in copy_of.get(u, ()):
+                if s <= i < e:
+                    w.append(k)
+                    break
+        waits.append(tuple(w))
+    bucket_of = locate(case.buckets)[0]
+    issue = _grad_issue(trace, case.buckets, bucket_of)
+    d2h = sorted((e, b) for b, e in issue.items())
+    return Program(
+        compute_s=case.compute_s, h2d_event=tuple(events), h2d_bucket=tuple(owners), h2d_bytes=tuple(nbytes),
+        waits=tuple(waits), d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
+        d2h_bytes=tuple(case.buckets[b].grad_nbytes(case.itemsize) for _, b in d2h),
+        adam_numel=tuple(case.buckets[b].trainable_numel for _, b in d2h), adam_after_backward=adam_after_backward)
+
+
+def _peak(case: Case, units, streamed, resident, grads_too: bool = True) -> int:
+    """Device peak: the arena this engine's planner would lay these buffers out in, plus activations,
+    module buffers and the largest grad in flight."""
+    n = len(case.trace.events)
+    ivs = [Interval(units[u].nbytes(case.itemsize), 0, n) for u in resident if units[u].numel]
+    ivs += [Interval(units[u].nbytes(case.itemsize), p, e) for u, spans in streamed.items() for p, e in spans
+            if units[u].numel]
+    if grads_too:
+        for b, (s, e) in _grad_intervals(case.trace, case.buckets, locate(case.buckets)[0]).items():
+            if case.buckets[b].trainable_numel:
+                ivs.append(Interval(case.buckets[b].grad_nbytes(case.itemsize), s, e))
+    return plan_arena(ivs, alignment=ARENA_ALIGN).total_bytes + case.extra
+
+
+def _result(name: str, case: Case, program: Program, peak: int) -> PolicyResult:
+    return PolicyResult(name, simulate(program, case.hw), peak, peak <= case.budget_bytes)
+
+
+def _updated(case: Case, units: Sequence[Bucket]) -> set[int]:
+    """Units holding a parameter that gets a gradient this step (their weights change at the update)."""
+    unit_of = locate(units)[0]
+    got = {ev.key for ev in case.trace.events if ev.kind.name == "GRAD"}
+    return {unit_of[p] for p in got}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the policies
+
+
+def zero_offload(case: Case) -> PolicyResult:
+    """All low-precision parameters resident; the updated ones copied back before the next forward. Grad
+    buffers are modelled as this engine's grad slots (smaller than DeepSpeed's 5e8-element reduce bucket)."""
+    units = case.buckets
+    resident = range(len(units))
+    program = _lanes(case, units, {}, resident, _updated(case, units), adam_after_backward=True)
+    return _result("zero-offload", case, program, _peak(case, units, {}, resident))
+
+
+def zero3_offload(case: Case) -> PolicyResult:
+    """Per-parameter fetch just in time with a 5e7-element prefetch window and the 1e5-element persistence
+    threshold (DeepSpeed defaults); each parameter released after each use."""
+    specs, order = _param_specs(case.buckets)
+    units = make_buckets(specs, order, bucket_bytes=1, itemsize=case.itemsize)  # one parameter per unit
+    unit_of = locate(units)[0]
+    persistent = [u for u in range(len(units)) if units[u].numel <= ZERO3_PERSISTENCE_NUMEL]
+    pset = set(persistent)
+    needs = {u: ivs for u, ivs in _need_intervals(case.trace, unit_of, merge_phase=False).items() if u not in pset}
+    fetches = sorted((s, u, k) for u, ivs in needs.items() for k, (s, _) in enumerate(ivs))
+    streamed: dict[int, list] = {u: [] for u in needs}
+    window, lo = 0, 0
+    for j, (s, u, k) in enumerate(fetches):  # issued when the fetch 5e7 elements earlier begins its use
+        window += units[u].numel
+        while window > ZERO3_PREFETCH_NUMEL and lo < j:
+            window -= units[fetches[lo][1]].numel
+            lo += 1
+        issue = fetches[lo][0]
+        ivs = streamed[u]
+        end = needs[u][k][1]
+        if ivs and issue <= ivs[-1][1]:
+            ivs[-1][1] = end
+        else:
+            ivs.append([issue, end])
+    program = _lanes(case, units, streamed, persistent, _updated(case, units) & pset, adam_after_backward=True)
+    return _result("zero3-offload", case, program, _peak(case, units, streamed, persistent))
+
+
+def gemini_cpu(case: Case) -> PolicyResult:
+    """Synchronous fetch at first need; when the budget is full, evict the chunk whose next use is farthest
+    (OPT). Chunks start every step on the host (their masters were updated there)."""
+    units = case.buckets
+    bucket_of = locate(units)[0]
+    n = len(case.trace.events)
+    needs = _need_intervals(case.trace, bucket_of, merge_phase=False)
+    starts = {u: [s for s, _ in ivs] for u, ivs in needs.items()}
+    size = [_align(u.nbytes(case.itemsize)) for u in units]
+    capacity = case.budget_bytes - case.extra
+    on: dict[int, int] = {}  # chunk -> event it arrived
+    used = 0
+    streamed: dict[int, list] = {}
+    for i in range(n):
+        want = list(dict.fromkeys(bucket_of[p] for p in case.trace.uses[i]))
+        for u in want:
+            if u in on:
+                continue
+            while used + size[u] > capacity:
+                victims = [v for v in on if v not in want]
+                if not victims:
+                    break  # over the budget: Gemini would fail here; the peak says so
+                v = max(victims, key=lambda v: _next_use(starts[v], i))
+                streamed.setdefault(v, []).append([on.pop(v), i])
+                used -= size[v]
+            on[u] = i
+            used += size[u]
+    for v, s in on.items():
+        streamed.setdefault(v, []).append([s, n])
+    program = _lanes(case, units, streamed, (), set(), adam_after_backward=True)
+    return _result("gemini-cpu", case, program, _peak(case, units, streamed, (), grads_too=False))
+
+
+def _next_use(starts: list[int], i: int) -> int:
+    k = bisect.bisect_right(starts, i)
+    return starts[k] if k < len(starts) else 1 << 60
+
+
+def double_buffer(case: Case) -> PolicyResult:
+    """Everything streamed, each copy issued when the previous bucket's use begins."""
+    units = case.buckets
+    needs = _with_prefetch(_need_intervals(case.trace, locate(units)[0], merge_phase=False), lookahead=True)
+    program = _lanes(case, units, needs, (), set(), adam_after_backward=False)
+    return _result("double-buffer", case, program, _peak(case, units, needs, ()))
+
+
+def greedy(case: Case) -> PolicyResult:
+    try:
+        plan = build_plan(case.trace, case.buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
+                          fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s)
+    except BudgetTooSmallError as e:
+        return PolicyResult("greedy", None, e.min_budget_bytes, False)
+    return PolicyResult("greedy", plan.simulated, plan.peak_bytes, True)
+
+
+POLICIES: dict[str, Callable[[Case], PolicyResult]] = {
+    "greedy": greedy, "zero-offload": zero_offload, "zero3-offload": zero3_offload, "gemini-cpu": gemini_cpu,
+    "double-buffer": double_buffer,
+}

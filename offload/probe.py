@@ -1,0 +1,113 @@
+"""``offload probe``: measure this machine for the cost model.
+
+On CUDA: the pinned host-to-device and device-to-host bandwidth curve (1 KiB ... 256 MiB), each direction
+alone and both at once (which gives the duplex factor). Everywhere: the CPU AdamW throughput (the engine's
+own update function on flat fp32 buffers) and the host memory bandwidth. Without CUDA the PCIe figures
+are not measured: the hardware model written then carries the ``pcie4`` preset's link, and says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from .hw import PRESETS, PROBE_SIZES, HardwareModel
+from .optim import adamw_
+
+
+def _best_of(fn: Callable[[], None], repeat: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def cpu_adam_params_per_s(numel: int = 1 << 22, repeat: int = 3) -> float:
+    p, g, m, v = (torch.randn(numel) for _ in range(4))
+    v.abs_()
+    step = iter(range(1, 1 << 30))
+    seconds = _best_of(lambda: adamw_(p, g, m, v, next(step), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                      weight_decay=0.01), repeat)
+    return numel / seconds
+
+
+def host_bytes_per_s(nbytes: int = 1 << 28, repeat: int = 3) -> float:
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_of(lambda: dst.copy_(src), repeat)  # read + write
+
+
+def pcie_curves(sizes=PROBE_SIZES, repeat: int = 5) -> dict:  # pragma: no cover - needs CUDA
+    """Per size: H2D and D2H bytes/s alone, and each while the other direction copies too."""
+    dev = torch.device("cuda")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    out = {"sizes": list(sizes), "h2d": [], "d2h": [], "h2d_duplex": [], "d2h_duplex": []}
+    for n in sizes:
+        host_a = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host_b = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dev_a = torch.empty(n, dtype=torch.uint8, device=dev)
+        dev_b = torch.empty(n, dtype=torch.uint8, device=dev)
+
+        def timed(stream, copy):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                copy()
+                end.record(stream)
+            return start, end
+
+        samples = {k: [] for k in ("h2d", "d2h", "h2d_duplex", "d2h_duplex")}
+        for _ in range(repeat + 1):
+            for key, stream, copy in (("h2d", up, lambda: dev_a.copy_(host_a, non_blocking=True)),
+                                      ("d2h", down, lambda: host_b.copy_(dev_b, non_blocking=True))):
+                s, e = timed(stream, copy)
+                torch.cuda.synchronize()
+                samples[key].append(s.elapsed_time(e) / 1e3)
+            s1, e1 = timed(up, lambda: dev_a.copy_(host_a, non_blocking=True))
+            s2, e2 = timed(down, lambda: host_b.copy_(dev_b, non_blocking=True))
+            torch.cuda.synchronize()
+            samples["h2d_duplex"].append(s1.elapsed_time(e1) / 1e3)
+            samples["d2h_duplex"].append(s2.elapsed_time(e2) / 1e3)
+        for key, vals in samples.items():
+            out[key].append(n / statistics.median(vals[1:]))
+    return out
+
+
+def probe(progress: Callable[[str], None] = lambda msg: None) -> dict:
+    """Measure what this machine allows; return a JSON-ready dict with a ``hardware_model`` entry."""
+    result: dict = {"cuda": torch.cuda.is_available()}
+    progress("CPU AdamW throughput")
+    adam = cpu_adam_params_per_s()
+    progress("host memory bandwidth")
+    host = host_bytes_per_s()
+    result.update(cpu_adam_params_per_s=adam, host_bytes_per_s=host)
+    base = PRESETS["pcie4"]
+    if result["cuda"]:  # pragma: no cover - needs CUDA
+        progress("PCIe bandwidth curve")
+        curves = pcie_curves()
+        result["pcie"] = curves
+        pairs = list(zip(curves["h2d"], curves["h2d_duplex"]))
+        duplex = min(1.0, max(0.05, pairs[-1][1] / pairs[-1][0]))
+        model = replace(base, name=f"probe ({torch.cuda.get_device_name()})",
+                        h2d=tuple(zip(curves["sizes"], curves["h2d"])), d2h=tuple(zip(curves["sizes"], curves["d2h"])),
+                        duplex_factor=duplex, adam_params_per_s=adam, host_bytes_per_s=host, measured=True,
+                        notes="PCIe, CPU AdamW and host bandwidth measured by offload probe; device roofline "
+                              "from the pcie4 preset (not measured)")
+    else:
+        result["pcie"] = None
+        model = replace(base, name="probe (no CUDA)", adam_params_per_s=adam, host_bytes_per_s=host, measured=False,
+                        notes="no CUDA: PCIe NOT measured (pcie4 preset link); CPU AdamW and host bandwidth measured")
+    result["hardware_model"] = model.to_dict()
+    result["bucket_bytes_hint"] = model.bucket_bytes_hint()
+    return result
+
+
+def hardware_from_probe(result: dict) -> HardwareModel:
+    return HardwareModel.from_dict(result["hardware_model"])

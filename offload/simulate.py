@@ -1,0 +1,183 @@
+"""A discrete-event simulator of one training step (pure): compute, host-to-device, device-to-host and
+CPU lanes, from a :class:`Program` (what the step does, in lane terms) and a :class:`HardwareModel`.
+
+The lanes follow the runtime's rules (``offload/runtime.py``):
+
+* compute runs the trace's events in order; at event ``i`` it first issues the copies the plan hangs
+  there, then waits for the copies of the buckets event ``i`` needs, then computes for ``compute_s[i]``;
+* each copy lane is one FIFO queue: a copy starts when it has been issued and the copy before it is done,
+  and takes ``nbytes / bandwidth(nbytes)``; a copy that starts while the other direction is busy runs at
+  ``duplex_factor`` times its bandwidth (sampled when it starts: an approximation of a shared link);
+* a bucket's gradient copy to the host is issued when its last gradient is produced (or at the end of
+  backward for a bucket flushed then), and its AdamW runs on the CPU lane as soon as that copy is done
+  (or, for the baseline policies that do so, only after backward);
+* resident buckets updated in the previous step are copied in again at the start of the step (the
+  runtime does it in ``step()``), ahead of any prefetch.
+
+The step ends when every lane is idle: ``optimizer.step()`` waits for the CPU lane. Copies are issued
+when compute *reaches* their event, which is what the CPU backend does; a CUDA host thread runs ahead of
+the device, so on a GPU a copy may start earlier: the simulator is conservative there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .hw import HardwareModel
+
+STEP_START = -1  # Copy.event of a copy issued before event 0 (a resident bucket's refresh)
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one step does, in lane terms. Copies are listed in issue order (the queue order)."""
+
+    compute_s: tuple[float, ...]  # per event
+    h2d_event: tuple[int, ...]  # per host-to-device copy: the event that issues it (STEP_START: before 0)
+    h2d_bucket: tuple[int, ...]
+    h2d_bytes: tuple[int, ...]
+    waits: tuple[tuple[int, ...], ...]  # per event: the host-to-device copies compute waits for
+    d2h_event: tuple[int, ...]  # per device-to-host copy: issuing event (len(compute_s): end of backward)
+    d2h_bucket: tuple[int, ...]
+    d2h_bytes: tuple[int, ...]
+    adam_numel: tuple[int, ...]  # per device-to-host copy: parameters its AdamW updates afterwards
+    adam_after_backward: bool = False  # True: AdamW waits for the whole backward (DeepSpeed, Gemini)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    step_s: float
+    compute_s: float  # sum of compute over the step
+    stall_s: float  # time compute waited for copies
+    stall_per_event: tuple[float, ...]
+    h2d_bytes: int
+    d2h_bytes: int
+    h2d_busy_s: float
+    d2h_busy_s: float
+    adam_s: float
+    tail_s: float  # step end minus compute end: copies and AdamW not hidden behind compute
+    copy_credit: tuple[float, ...]  # per host-to-device copy: the share of stall it caused (see simulate)
+
+    def stall_by_bucket(self, program: Program) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for b, c in zip(program.h2d_bucket, self.copy_credit):
+            out[b] = out.get(b, 0.0) + c
+        return out
+
+
+def simulate(program: Program, hw: HardwareModel) -> SimResult:
+    """Run the four lanes over one step.
+
+    Stall attribution (``copy_credit``): when compute waits ``s`` seconds for copy ``k``, every copy of the
+    host-to-device lane's current busy period up to ``k`` shares ``s`` in proportion to its duration: had
+    any of them not been queued, ``k`` would have arrived that much earlier. The scheduler uses the credit
+    to rank which bucket to keep on the device.
+    """
+    n = len(program.compute_s)
+    h2d_solo = [hw.h2d_seconds(x) for x in program.h2d_bytes]
+    h2d_done = [0.0] * len(h2d_solo)
+    h2d_dur = [0.0] * len(h2d_solo)
+    period_of = [0] * len(h2d_solo)  # first copy of the busy period each copy belongs to
+    stall_at = [0.0] * len(h2d_solo)  # per copy: stall / (busy-period duration up to it), summed
+    duplex = hw.duplex_factor
+    by_event: dict[int, list[int]] = {}
+    for k, e in enumerate(program.h2d_event):
+        by_event.setdefault(e, []).append(k)
+    d2h_by_event: dict[int, list[int]] = {}
+    for k, e in enumerate(program.d2h_event):
+        d2h_by_event.setdefault(e, []).append(k)
+
+    h2d_free = d2h_free = cpu_free = 0.0
+    h2d_busy = d2h_busy = adam_total = 0.0
+    period_start, period_len = 0, 0.0
+    pending_adam: list[tuple[float, float]] = []  # (grads on host at, AdamW seconds), when after backward
+    stall = [0.0] * n
+    cum = [0.0] * len(h2d_solo)  # busy-period duration up to and including each copy
+    t = 0.0
+
+    def issue_h2d(k: int, now: float) -> None:
+        nonlocal h2d_free, h2d_busy, period_start, period_len
+        start = max(now, h2d_free)
+        if start > h2d_free or k == 0:  # the lane was idle: a new busy period
+            period_start, period_len = k, 0.0
+        dur = h2d_solo[k] / duplex if d2h_free > start else h2d_solo[k]
+        h2d_free = start + dur
+        h2d_dur[k] = dur
+        h2d_done[k] = h2d_free
+        h2d_busy += dur
+        period_len += dur
+        period_of[k] = period_start
+        cum[k] = period_len
+
+    def issue_d2h(k: int, now: float) -> None:
+        nonlocal d2h_free, d2h_busy, cpu_free, adam_total
+        start = max(now, d2h_free)
+        solo = hw.d2h_seconds(program.d2h_bytes[k])
+        dur = solo / duplex if h2d_free > start else solo
+        d2h_free = start + dur
+        d2h_busy += dur
+        adam = hw.adam_seconds(program.adam_numel[k])
+        adam_total += adam
+        if program.adam_after_backward:
+            pending_adam.append((d2h_free, adam))
+        else:
+            cpu_free = max(cpu_free, d2h_free) + adam
+
+    for k in by_event.get(STEP_START, ()):
+        issue_h2d(k, 0.0)
+    for i in range(n):
+        for k in by_event.get(i, ()):
+            issue_h2d(k, t)
+        for k in program.waits[i]:
+            done = h2d_done[k]
+            if done > t:
+                s = done - t
+                stall[i] += s
+                stall_at[k] += s / cum[k]
+                t = done
+        for k in d2h_by_event.get(i, ()):
+            issue_d2h(k, t)
+        t += program.compute_s[i]
+    compute_end = t
+    for k in d2h_by_event.get(n, ()):
+        issue_d2h(k, t)
+    for ready, adam in pending_adam:
+        cpu_free = max(cpu_free, ready, compute_end) + adam
+    step = max(compute_end, h2d_free, d2h_free, cpu_free)
+    return SimResult(
+        step_s=step, compute_s=sum(program.compute_s), stall_s=sum(stall), stall_per_event=tuple(stall),
+        h2d_bytes=sum(program.h2d_bytes), d2h_bytes=sum(program.d2h_bytes), h2d_busy_s=h2d_busy,
+        d2h_busy_s=d2h_busy, adam_s=adam_total, tail_s=step - compute_end,
+        copy_credit=_credit(h2d_dur, period_of, stall_at))
+
+
+def _credit(dur: Sequence[float], period_of: Sequence[int], stall_at: Sequence[float]) -> tuple[float, ...]:
+    """credit[j] = dur[j] * sum of stall_at[k] over later copies k of j's busy period (a reverse scan)."""
+    out = [0.0] * len(dur)
+    acc = 0.0
+    for j in reversed(range(len(dur))):
+        if j + 1 < len(dur) and period_of[j + 1] != period_of[j]:
+            acc = 0.0
+        acc += stall_at[j]
+        out[j] = dur[j] * acc
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The physical limit of one step: no schedule of these bytes on this hardware can be faster."""
+
+    seconds: float
+    limit: str  # which part sets it: compute, h2d, d2h or cpu_adam
+    parts: dict
+
+
+def physical_bound(compute_s: float, h2d_bytes: int, d2h_bytes: int, adam_numel: int,
+                   hw: HardwareModel) -> Bound:
+    """``max(compute, H2D bytes / peak H2D, D2H bytes / peak D2H, CPU AdamW)`` for the least bytes any
+    plan must move (see :func:`offload.schedule.least_traffic`)."""
+    parts = {"compute": compute_s, "h2d": h2d_bytes / hw.peak_h2d, "d2h": d2h_bytes / hw.peak_d2h,
+             "cpu_adam": hw.adam_seconds(adam_numel)}
+    limit = max(parts, key=parts.get)
+    return Bound(parts[limit], limit, parts)

@@ -1,0 +1,29 @@
+"""The command line, driven as a subprocess."""
+
+import json
+import subprocess
+import sys
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "offload", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_probe_without_cuda_says_pcie_was_not_measured(tmp_path):
+    out = tmp_path / "probe.json"
+    r = _run("probe", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "CPU AdamW" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["cpu_adam_params_per_s"] > 0 and data["host_bytes_per_s"] > 0
+    if not data["cuda"]:
+        assert "not measured" in r.stdout and data["pcie"] is None
+        assert data["hardware_model"]["measured"] is False
+    from offload.hw import load_hw
+    assert load_hw(out).adam_params_per_s == data["cpu_adam_params_per_s"]
+
+
+def test_unknown_command_is_a_usage_error():
+    r = _run("bogus")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr

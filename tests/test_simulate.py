@@ -1,0 +1,97 @@
+"""The simulator on programs small enough to work out by hand, and the hardware model."""
+
+import json
+
+import pytest
+
+from offload.hw import PRESETS, HardwareModel, latency_curve, load_hw
+from offload.simulate import STEP_START, Program, physical_bound, simulate
+
+
+def _hw(bw=1000.0, duplex=1.0, adam=100.0):
+    curve = ((1, bw), (10**9, bw))  # flat: a copy of n bytes takes n / bw seconds
+    return HardwareModel("test", curve, curve, duplex_factor=duplex, adam_params_per_s=adam, host_bytes_per_s=1e9,
+                         device_flops_per_s=1e12, device_bytes_per_s=1e11)
+
+
+def _program(**kw):
+    base = dict(compute_s=(1.0, 1.0, 1.0), h2d_event=(), h2d_bucket=(), h2d_bytes=(), waits=((), (), ()),
+                d2h_event=(), d2h_bucket=(), d2h_bytes=(), adam_numel=())
+    base.update(kw)
+    return Program(**base)
+
+
+def test_compute_only():
+    r = simulate(_program(), _hw())
+    assert r.step_s == 3.0 and r.stall_s == 0.0
+
+
+def test_a_prefetch_hides_behind_compute_and_a_late_one_stalls():
+    # copy 0 (500 B = 0.5 s) issued at event 0 and needed at event 1: hidden. Copy 1 (2000 B = 2 s) issued
+    # at event 1, needed at event 2: it arrives at 1 + 2 = 3 s, compute reaches event 2 at 2 s: 1 s stall.
+    p = _program(h2d_event=(0, 1), h2d_bucket=(0, 1), h2d_bytes=(500, 2000), waits=((), (0,), (1,)))
+    r = simulate(p, _hw())
+    assert r.stall_s == pytest.approx(1.0)
+    assert r.stall_per_event == pytest.approx((0.0, 0.0, 1.0))
+    assert r.step_s == pytest.approx(4.0)
+    assert r.h2d_bytes == 2500
+    # the stall is credited to the copies of the busy period it waited on, in proportion to their time:
+    # copy 0 ended before copy 1 started (separate busy periods), so copy 1 gets all of it
+    assert r.copy_credit == pytest.approx((0.0, 1.0))
+
+
+def test_fifo_queue_and_credit_sharing():
+    # both copies issued at the start; compute needs copy 1 at event 0: it waits for copy 0 then copy 1
+    p = _program(h2d_event=(STEP_START, STEP_START), h2d_bucket=(0, 1), h2d_bytes=(1000, 3000),
+                 waits=((1,), (), ()))
+    r = simulate(p, _hw())
+    assert r.stall_s == pytest.approx(4.0)
+    assert r.copy_credit == pytest.approx((1.0, 3.0))  # 4 s shared 1:3 by duration
+    assert r.step_s == pytest.approx(7.0)
+
+
+def test_grads_adam_and_duplex():
+    # grads of 1000 B go to the host at event 1 (1 s), then AdamW of 100 params (1 s): done at 1 + 1 + 1 = 3 s
+    p = _program(d2h_event=(1,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(100,))
+    assert simulate(p, _hw()).step_s == pytest.approx(3.0)
+    # after backward (the baselines' rule): AdamW starts at 3 s, ends at 4 s
+    late = _program(d2h_event=(1,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(100,), adam_after_backward=True)
+    assert simulate(late, _hw()).step_s == pytest.approx(4.0)
+    # a host-to-device copy that starts while the grads are copying runs at half speed
+    both = _program(h2d_event=(1,), h2d_bucket=(1,), h2d_bytes=(1000,), waits=((), (), (0,)),
+                    d2h_event=(0,), d2h_bucket=(0,), d2h_bytes=(2000,), adam_numel=(0,))
+    r = simulate(both, _hw(duplex=0.5))
+    assert r.h2d_busy_s == pytest.approx(2.0)
+    assert r.stall_s == pytest.approx(1.0)  # issued at 1 s, done at 3 s, needed at 2 s
+
+
+def test_physical_bound_names_its_limit():
+    b = physical_bound(1.0, 5000, 0, 10, _hw())
+    assert b.limit == "h2d" and b.seconds == pytest.approx(5.0)
+
+
+def test_curve_interpolation_and_hint():
+    hw = PRESETS["pcie4"]
+    assert hw.h2d_seconds(0) == 0.0
+    small, big = hw.h2d_seconds(4096), hw.h2d_seconds(256 << 20)
+    assert 4096 / small < 256 * 2**20 / big <= hw.peak_h2d  # bandwidth grows with size
+    assert hw.h2d_seconds(1 << 30) == pytest.approx((1 << 30) / hw.h2d[-1][1])  # beyond the curve: its end
+    hint = hw.bucket_bytes_hint()
+    assert dict(hw.h2d)[hint] >= 0.9 * hw.peak_h2d
+    curve = latency_curve(1e9, 1e-5)
+    assert curve[0][1] < curve[-1][1] < 1e9
+
+
+def test_load_hw(tmp_path):
+    assert load_hw("PCIE5").name == "pcie5"
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"hardware_model": PRESETS["pcie3"].to_dict()}))
+    assert load_hw(path) == PRESETS["pcie3"]
+    with pytest.raises(ValueError, match="pcie3"):
+        load_hw("pcie9")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="offload probe"):
+        load_hw(bad)
+    with pytest.raises(ValueError, match="duplex"):
+        _hw(duplex=0)
