@@ -1,8 +1,9 @@
 """Arena planner against its lower bound (max live bytes), on plans from real model traces and on random
 interval sets, and how long planning takes.
 
-Model plans: GPT-2 1.5B, BERT-large and a 6.7B-shaped GPT are built on the meta device, one training step is
-traced the way the engine traces it, parameters are bucketed (32 MiB of bf16, the default) and the device
+Model plans: GPT-2 1.5B (gpt2-xl), BERT-large and GPT-3 6.7B (``offload.presets``) are built on the meta device,
+one training step is traced the way the engine traces it (``offload.metatrace``), parameters are bucketed
+(32 MiB of bf16, the default) and the device
 buffers of each schedule strategy (everything streamed), and of ``build_plan`` at half the streamed
 weights' size as budget (some buckets resident), are laid out. Random: 1,000 interval sets of three kinds,
 plus one of 10,000 buffers for the time goal. The C++ layout is checked against the Python reference
@@ -24,14 +25,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-import meta_models  # noqa: E402
 from common import describe, machine, median, print_table, write_json  # noqa: E402
 from offload import arena_reference  # noqa: E402
-from offload.buckets import ParamSpec, locate, make_buckets  # noqa: E402
+from offload.buckets import locate, make_buckets  # noqa: E402
+from offload.hw import load_hw  # noqa: E402
 from offload.memory import Interval, plan_arena  # noqa: E402
+from offload.metatrace import trace_meta  # noqa: E402
+from offload.presets import MODELS, preset_inputs  # noqa: E402
 from offload.schedule import ARENA_ALIGN, STRATEGIES, _intervals, _layout, build_plan  # noqa: E402
+
+MODEL_NAMES = ("gpt2-xl", "bert-large", "gpt3-6.7b")  # GPT-2 1.5B, BERT-large, a 6.7B GPT
 
 BUCKET_BYTES = 32 << 20
 ITEMSIZE = 2  # bf16 on the device
@@ -39,21 +45,22 @@ REFERENCE_MAX_BUFFERS = 200  # the Python reference is quadratic Python: check i
 
 
 def model_interval_sets(name: str, seq: int) -> list[tuple[str, list[Interval]]]:
-    model = meta_models.build(name)
-    trace, params = meta_models.trace_step(model, seq=seq)
-    specs = [ParamSpec(p.numel(), 0) for p in params]
-    touched = set(trace.touched)
-    order = list(trace.touched) + [p for p in range(len(params)) if p not in touched]
-    buckets = make_buckets(specs, order, BUCKET_BYTES, ITEMSIZE)
+    shape = MODELS[name]
+    mt = trace_meta(shape.build("meta", torch.bfloat16), preset_inputs(shape, 1, seq), load_hw("pcie4"))
+    trace = mt.trace
+    buckets = make_buckets(mt.specs, mt.order, BUCKET_BYTES, ITEMSIZE)
     bucket_of = locate(buckets)[0]
     out = []
     for strategy in STRATEGIES:
         specs_, _ = _layout(trace, buckets, ITEMSIZE, frozenset(), _intervals(trace, buckets, bucket_of, strategy))
         out.append((f"{name}: {strategy.name}, all streamed", [Interval(x[4], x[2], x[3]) for x in specs_]))
+    # The scheduler's own plan (offload.schedule.build_plan) with half the weights' size as budget.
     half = sum(b.nbytes(ITEMSIZE) for b in buckets) // 2
-    plan = build_plan(trace, buckets, itemsize=ITEMSIZE, budget_bytes=half, fixed_bytes=0)
-    out.append((f"{name}: build_plan, budget {half / 2**30:.1f} GiB ({len(plan.resident)}/{len(buckets)} "
-                f"resident)", [Interval(b.size, b.start, b.end) for b in plan.buffers]))
+    plan = build_plan(trace, buckets, itemsize=ITEMSIZE, budget_bytes=half + trace.activation_peak_bytes
+                      + trace.max_grad_bytes, fixed_bytes=0, hw=load_hw("pcie4"))
+    out.append((f"{name}: build_plan on pcie4, budget {half / 2**30:.1f} GiB + activations "
+                f"({len(plan.resident)}/{len(buckets)} resident)",
+                [Interval(b.size, b.start, b.end) for b in plan.buffers]))
     return out
 
 
@@ -122,7 +129,7 @@ def main() -> int:
     describe(console, info_before)
 
     cases = []
-    for name in meta_models.SHAPES:
+    for name in MODEL_NAMES:
         for case_name, intervals in model_interval_sets(name, args.seq):
             cases.append(run_case(case_name, "model", intervals, repeats=5))
     rng = random.Random(args.seed)

@@ -1,8 +1,9 @@
 """Host memory for fp32 masters and Adam state: bytes reserved for bytes requested, time to allocate and
 back 8 GiB, and OS allocations per step in steady state.
 
-* Bucket mix: the host regions the engine asks for (fp32 master, grad, m and v of every bucket;
-  ``offload.buckets.host_layout``) for models built on the meta device and bucketed at 32 MiB of bf16.
+* Bucket mix: the host regions the engine asks for (fp32 master, bf16 copy, grad, m and v of every bucket;
+  ``offload.buckets.host_layout``) for ``offload.presets`` models (BERT-large, GPT-2 1.5B = gpt2-xl, GPT-3
+  6.7B) built on the meta device and bucketed at 32 MiB of bf16.
   ``offload``: one exact-size arena (cpp/pinned_arena), created for real where the machine has the RAM.
   ``pow2_rule``: what a per-request allocator that rounds up to a power of two reserves (torch's
   CachingHostAllocator behind ``torch.empty(pin_memory=True)``), computed from that rule.
@@ -30,10 +31,10 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-import meta_models  # noqa: E402
 from common import describe, machine, print_table, write_json  # noqa: E402
 from offload.buckets import ParamSpec, host_layout, make_buckets  # noqa: E402
 from offload.memory import HostArena  # noqa: E402
+from offload.presets import MODELS  # noqa: E402
 
 GiB = 1 << 30
 BUCKET_BYTES = 32 << 20
@@ -41,15 +42,16 @@ RAM_HEADROOM = 1.25  # run an allocation only when 1.25x its size is available
 
 
 def bucket_regions(model: str) -> tuple[list[tuple[int, int]], int]:
-    """The host regions the engine requests for ``model`` (per bucket an fp32 master, grad, m and v), as
-    (offset, size) in ``host_layout``'s arena, and that arena's size."""
-    params = list(meta_models.build(model).parameters())
+    """The host regions the engine requests for ``model`` trained in bf16 (per bucket an fp32 master, its
+    bf16 copy, and fp32 grad, m and v), as (offset, size) in ``host_layout``'s arena, and that arena's size."""
+    params = list(MODELS[model].build("meta").parameters())
     specs = [ParamSpec(p.numel(), 0) for p in params]
     buckets = make_buckets(specs, list(range(len(params))), BUCKET_BYTES, 2)
-    layout = host_layout(buckets)
+    layout = host_layout(buckets, lowp_itemsize=2)
     regions = []
     for b in buckets:
         regions.append((layout.master[b.index], b.numel * 4))
+        regions.append((layout.lowp[b.index], b.numel * 2))
         for field in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
             regions.append((field[b.index], b.trainable_numel * 4))
     return [r for r in regions if r[1] > 0], layout.total_bytes
@@ -169,7 +171,7 @@ def big_cases(nbytes: int, threads: int, rounds: int) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--models", default="bert-large,gpt2-1.5b,gpt-6.7b")
+    ap.add_argument("--models", default="bert-large,gpt2-xl,gpt3-6.7b", help="offload.presets names")
     ap.add_argument("--big-gib", type=float, default=8.0, help="size of the allocate+touch case")
     ap.add_argument("--threads", type=int, default=0, help="touch threads (0: every core)")
     ap.add_argument("--rounds", type=int, default=3, help="times each 8 GiB variant runs (alloc_s: the fastest)")
