@@ -1,10 +1,15 @@
-"""The ``offload`` command line: ``offload probe`` (measure this machine). ``offload report`` (will this model
-train on this GPU, and how fast) is to come (issue 5). The CLI only prints what the planners and probes
-return."""
+"""The ``offload`` command line: ``offload report`` (will this model train on this GPU, how much host RAM,
+how fast) and ``offload probe`` (measure this machine). The CLI only prints what the planners and probes
+return (``offload/report.py``, ``offload/probe.py``).
+
+Exit status: 0 when the answer is "fits" (report) or the probe ran; 1 when the model does not fit (the report
+is still printed, and one line on stderr says why) or cannot be reported on; 2 for usage errors. Errors are
+one line on stderr, never a traceback."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -12,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import format_bytes
+from .report import DTYPES
 
 USAGE_ERROR = 2
 
@@ -48,9 +54,36 @@ def _probe(args, console: Console) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="offload", description="offload: plan and measure offloaded training")
+    from .presets import MODELS
+
+    ap = _Parser(prog="offload", description="offload: plan and measure offloaded training")
     sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("report", help="will this model train on this GPU under this budget, and how fast",
+                       description="Trace the model on the meta device (no GPU, no weights), plan it as the "
+                       "engine would, and print memory, plan, predicted step time and a verdict.")
+    r.add_argument("--model", required=True,
+                   help=f"a preset ({', '.join(MODELS)}), module:factory (factory(batch=, seq=) or factory() "
+                   "returning a module or (module, inputs)), or a transformers config class such as "
+                   "transformers.GPT2Config together with --config FILE")
+    r.add_argument("--config", metavar="FILE", help="JSON config file for a transformers config class")
+    r.add_argument("--budget", required=True, help='device memory budget, e.g. "24GiB" or a byte count')
+    r.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    r.add_argument("--seq", type=int, default=1024, help="sequence length in tokens (default 1024)")
+    r.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="device compute dtype (default bf16)")
+    r.add_argument("--hw", default="pcie4", help="pcie3, pcie4, pcie5 (nominal presets) or a JSON file written "
+                   "by `offload probe --json` (default pcie4)")
+    r.add_argument("--host-ram", help="host RAM to plan for, e.g. 256GiB (default: available on this machine)")
+    r.add_argument("--bucket-bytes", default=None, help="bucket size (default: the engine's, 32MiB)")
+    r.add_argument("--json", action="store_true", help="print JSON (keys documented in the README) instead")
+    r.set_defaults(run=_report)
     p = sub.add_parser("probe", help="measure this machine: PCIe curve (CUDA), CPU AdamW, host bandwidth")
     p.add_argument("--json", metavar="PATH", help="write the measurements (and a hardware model) as JSON")
     p.set_defaults(run=_probe)
@@ -59,6 +92,161 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)  # usage errors: argparse prints one line and exits with 2
+    args = ap.parse_args(argv)  # usage errors: one line and exit status 2
     console = Console(width=None if sys.stdout.isatty() else 140)
     return args.run(args, console)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# offload report
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"offload report: error: {message}", file=sys.stderr)
+    return status
+
+
+def _request(args):
+    import psutil
+
+    from .config import OffloadConfig, parse_bytes
+    from .hw import load_hw
+    from .report import ReportError, Request
+
+    def size(value, what):
+        try:
+            return parse_bytes(value, what)
+        except (TypeError, ValueError) as e:
+            raise ReportError(str(e), usage=True) from None
+
+    try:
+        hw = load_hw(args.hw)
+    except ValueError as e:
+        raise ReportError(str(e), usage=True) from None
+    if args.host_ram is None:
+        host_ram, source = psutil.virtual_memory().available, "available on this machine"
+    else:
+        host_ram, source = size(args.host_ram, "--host-ram"), "given"
+    bucket = args.bucket_bytes or OffloadConfig.__dataclass_fields__["bucket_bytes"].default
+    return Request(model=args.model, budget_bytes=size(args.budget, "--budget"), batch=args.batch, seq=args.seq,
+                   dtype=DTYPES[args.dtype], hw=hw, host_ram_bytes=host_ram, host_ram_source=source,
+                   bucket_bytes=size(bucket, "--bucket-bytes"), config=args.config)
+
+
+def _report(args, console: Console) -> int:
+    from .report import ReportError, make_report
+
+    err = Console(stderr=True)
+    show = not args.json and err.is_terminal
+    try:
+        request = _request(args)
+        with err.status("offload report") if show else contextlib.nullcontext() as status:
+            report = make_report(request, progress=status.update if status is not None else lambda msg: None)
+    except ReportError as e:
+        return _fail(str(e), USAGE_ERROR if e.usage else 1)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        _render(report, console)
+    if not report.fits or not report.host_fits:
+        return _fail(_verdict(report), 1)
+    return 0
+
+
+_ROWS = {"params": "params", "grads": "grads", "master_weights": "master weights (fp32)", "adam_m": "Adam m",
+         "adam_v": "Adam v", "lowp_staging": "low-precision staging", "activations": "activations",
+         "workspace": "workspace"}
+_FIX = {"activation_checkpointing": "activation checkpointing per block", "batch": "--batch {}",
+        "seq": "--seq {}", "budget": "--budget {}"}
+_SYSTEMS = {"zero-offload": "DeepSpeed ZeRO-Offload", "zero3-offload": "DeepSpeed ZeRO-3 offload",
+            "gemini-cpu": "ColossalAI Gemini (CPU placement)"}
+
+
+def _fix_text(fix) -> str:
+    value = format_bytes(fix.value).replace(" ", "") if fix.change == "budget" else fix.value
+    text = _FIX[fix.change].format(value)
+    note = "; estimated" if fix.estimated else ""
+    return f"{text} (needs {format_bytes(fix.min_budget_bytes)}{note})"
+
+
+def _verdict(report) -> str:
+    """The verdict in one line: fits, or what overflows and the smallest change that fits."""
+    r = report.request
+    if report.fits:
+        line = (f"fits: {r.model} trains with batch {r.batch} x seq {r.seq} in {format_bytes(r.budget_bytes)} "
+                f"(needs at least {format_bytes(report.min_budget_bytes)})")
+    else:
+        gpu = report.gpu_bytes
+        if report.overflow == "activations":
+            what = (f"the activations ({format_bytes(gpu['activations'])}) overflow the "
+                    f"{format_bytes(r.budget_bytes)} budget; the weights stream and need only "
+                    f"{format_bytes(report.min_budget_bytes - gpu['activations'])}")
+        else:
+            what = (f"the streamed weights, grads and buffers alone need "
+                    f"{format_bytes(report.min_budget_bytes - gpu['activations'])} of the "
+                    f"{format_bytes(r.budget_bytes)} budget")
+        fixes = [_fix_text(f) for f in report.fixes]
+        line = f"does not fit: {what}. Smallest change: {fixes[0]}"
+        if len(fixes) > 1:
+            line += "; or " + "; or ".join(fixes[1:])
+    if not report.host_fits:
+        line += (f". Host RAM: needs {format_bytes(report.host_needed_bytes)} but "
+                 f"{format_bytes(r.host_ram_bytes)} is {r.host_ram_source}: use a machine with more RAM, "
+                 "freeze parameters, or pass --host-ram for the target machine")
+    return line
+
+
+def _render(report, console: Console) -> None:
+    r = report.request
+    hw = f"{r.hw.name} ({'measured by offload probe' if r.hw.measured else 'nominal preset, not measured'})"
+    console.print(f"[bold]offload report[/bold]: {r.model} ({report.source}), batch {r.batch} x seq {r.seq}, "
+                  f"{next(k for k, v in DTYPES.items() if v == r.dtype)}, budget {format_bytes(r.budget_bytes)}, "
+                  f"hardware {hw}")
+    console.print(f"parameters: {report.params:,} ({report.trainable_params:,} trainable)")
+
+    title = "memory (planned device peak)" if report.fits else "memory at the minimum budget (plan does not fit)"
+    t = Table(title=title)
+    for col, just in (("part", "left"), ("GPU", "right"), ("pinned host", "right")):
+        t.add_column(col, justify=just)
+    for key, label in _ROWS.items():
+        t.add_row(label, format_bytes(report.gpu_bytes[key]), format_bytes(report.host_bytes[key]))
+    t.add_row("[bold]total[/bold]", format_bytes(report.gpu_bytes["total"]), format_bytes(report.host_bytes["total"]))
+    console.print(t)
+    console.print("GPU workspace = module buffers + arena fragmentation (allocator temporaries and the CUDA "
+                  "context are not modelled); activations: meta trace of one forward + backward")
+
+    s = report.plan.summary()
+    console.print(f"[bold]plan[/bold] ({s['strategy']}): {s['num_buckets']} buckets of up to "
+                  f"{format_bytes(r.bucket_bytes)}, {s['resident_buckets']} resident, {s['streamed_buckets']} "
+                  f"streamed ({s['fetches_per_step']} fetches per step); arena {format_bytes(s['arena_bytes'])} "
+                  f"vs lower bound {format_bytes(s['arena_lower_bound_bytes'])}")
+    if report.fits:
+        lanes = report.lanes_s
+        console.print(
+            f"[bold]step[/bold] (estimated; compute from a roofline on {r.hw.name}'s assumed device): "
+            f"{report.predicted_step_s:.3f} s, {report.tokens_per_s:,.0f} tokens/s, bound: {report.bound} "
+            f"(compute {lanes['compute']:.3f} s, H2D {lanes['h2d']:.3f} s, D2H {lanes['d2h']:.3f} s, "
+            f"CPU AdamW {lanes['cpu_adam']:.3f} s, stall {lanes['stall']:.3f} s; physical lower bound "
+            f"{report.bound_s:.3f} s)")
+    ckpt = report.activations.checkpointed_bytes
+    if ckpt is not None:
+        console.print(f"activations with per-block checkpointing (estimate; not in the engine yet): "
+                      f"{format_bytes(ckpt)}")
+    host_ok = "[green]fits[/green]" if report.host_fits else "[red]does not fit[/red]"
+    console.print(f"[bold]host RAM[/bold]: needs {format_bytes(report.host_needed_bytes)} (host arena + 5 % "
+                  f"headroom), {format_bytes(r.host_ram_bytes)} {r.host_ram_source}: {host_ok}")
+
+    b = Table(title=f"the same model under other systems' memory rules (budget {format_bytes(r.budget_bytes)})")
+    for col in ("system", "GPU peak", "fits", "step (s)", "host bytes (rule)"):
+        b.add_column(col, justify="left" if col == "system" else "right")
+    b.add_row("offload (this plan)", format_bytes(report.min_budget_bytes if not report.fits
+                                                  else report.gpu_bytes["total"]),
+              "yes" if report.fits else "no", f"{report.predicted_step_s:.3f}" if report.fits else "-",
+              format_bytes(report.host_bytes["total"]))
+    for name, x in report.baselines.items():
+        b.add_row(_SYSTEMS[name], format_bytes(x["gpu_peak_bytes"]), "yes" if x["fits"] else "no",
+                  f"{x['predicted_step_s']:.3f}" if x["predicted_step_s"] is not None else "-",
+                  format_bytes(x["host_bytes"]))
+    console.print(b)
+    colour = "green" if report.fits and report.host_fits else "red"
+    console.print(f"[bold {colour}]verdict[/bold {colour}]: {_verdict(report)}")

@@ -1,0 +1,575 @@
+"""``offload report``: will this model train on this GPU under this budget, how much host RAM does it need,
+and how fast will a step be? Answered without a GPU and without weights.
+
+The model is built on the ``meta`` device and one forward + backward is traced there
+(:func:`offload.metatrace.trace_meta`: the engine's events, saved-activation bytes, roofline compute
+estimates). Then exactly what the engine does after its warm-up step is done to that trace: parameters are
+packed into buckets (:func:`offload.buckets.make_buckets`), the plan comes from
+:func:`offload.schedule.build_plan` (the engine's one planner; its simulator gives the step time), and the
+host arena layout from :func:`offload.buckets.host_layout`. The baselines are
+:mod:`offload.baselines` on the same trace and buckets.
+
+What is *estimated* rather than traced, and labelled so in the output: compute times (a per-operator
+roofline on the hardware model's assumed device throughput), the activation bytes under per-block
+activation checkpointing (from per-block saved bytes of the meta trace; the engine does not checkpoint
+yet), and the host bytes of the baselines (their documented per-parameter rules).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .baselines import Case, gemini_cpu, zero3_offload, zero_offload
+from .buckets import host_layout, make_buckets
+from .errors import BudgetTooSmallError
+from .host import HOST_RAM_HEADROOM
+from .hw import HardwareModel
+from .metatrace import MetaTrace, _Counter, _Saved, trace_meta
+from .presets import MODELS, preset_inputs
+from .schedule import ARENA_ALIGN, BufferKind, Plan, build_plan, forward_min_budget, plan_bound
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Host bytes per parameter under each baseline's placement rule (not measured; what each system keeps on the
+# host for a trainable parameter with mixed precision and Adam): DeepSpeed ZeRO-Offload keeps fp32 master,
+# fp32 grads and Adam m, v on the host (16); ZeRO-3 with offload_param adds the fp16 parameter (18);
+# Gemini with CPU placement keeps fp16 parameter chunks (grads reuse them), fp32 masters and m, v (14).
+BASELINE_HOST_BYTES_PER_PARAM = {"zero-offload": 16, "zero3-offload": 18, "gemini-cpu": 14}
+BASELINES = {"zero-offload": zero_offload, "zero3-offload": zero3_offload, "gemini-cpu": gemini_cpu}
+
+BREAKDOWN = ("params", "grads", "master_weights", "adam_m", "adam_v", "lowp_staging", "activations", "workspace")
+"""Rows of the memory breakdown (keys of ``gpu_bytes`` / ``host_bytes``, each with a ``total``)."""
+
+
+class ReportError(Exception):
+    """Bad input or a model that cannot be reported on; ``usage`` marks a usage error (exit status 2)."""
+
+    def __init__(self, message: str, usage: bool = False):
+        super().__init__(message)
+        self.usage = usage
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to report on. ``model``: a preset name, ``module:factory``, or a transformers config class
+    (``transformers.GPT2Config``) when ``config`` (a JSON file) is given."""
+
+    model: str
+    budget_bytes: int
+    batch: int
+    seq: int
+    dtype: torch.dtype
+    hw: HardwareModel
+    host_ram_bytes: int
+    host_ram_source: str  # "given" or "available on this machine"
+    bucket_bytes: int
+    config: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.seq < 1:
+            raise ReportError(f"--batch and --seq must be >= 1; got {self.batch} and {self.seq}", usage=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# models on the meta device
+
+Build = Callable[[int, int], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]
+"""(batch, seq) -> (fp32 model on the meta device, run(model) -> loss)."""
+
+
+def model_source(request: Request) -> tuple[str, Build]:
+    """(kind, build) for the request's model; raises :class:`ReportError` for a model it cannot build.
+    Attention runs as a fused kernel in every run (see :class:`FusedAttention`)."""
+    kind, build = _source(request)
+
+    def fused(batch: int, seq: int):
+        model, run = build(batch, seq)
+
+        def run_fused(m):
+            with FusedAttention():
+                return run(m)
+        return model, run_fused
+    return kind, fused
+
+
+class FusedAttention(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` as the fused kernel a GPU (and torch's CPU backend) runs, not the
+    math fallback the meta device takes. The math path saves the (seq x seq) attention probabilities in
+    fp32 for backward; flash attention saves q, k, v, the output and a (batch, heads, seq) log-sum-exp.
+    Without a mask: the flash kernel; with one: the memory-efficient kernel; with ``enable_gqa``: as is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        opts = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:])) | kwargs
+        mask, p, causal, scale = (opts.get("attn_mask"), opts.get("dropout_p", 0.0), opts.get("is_causal", False),
+                                  opts.get("scale"))
+        if opts.get("enable_gqa") or q.device.type != "meta":
+            return func(*args, **kwargs)
+        if mask is None:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, causal, scale=scale)[0]
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)  # same bytes as the additive bias
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]), True, p, causal,
+            scale=scale)[0]
+
+
+def _source(request: Request) -> tuple[str, Build]:
+    spec = request.model
+    if request.config is not None:
+        return "transformers", _transformers_build(spec, request.config)
+    if spec in MODELS:
+        shape = MODELS[spec]
+
+        def build(batch: int, seq: int):
+            try:
+                run = preset_inputs(shape, batch, seq)
+            except ValueError as e:
+                raise ReportError(f"{spec}: {e}", usage=True) from None
+            return shape.build("meta", torch.float32), run
+        return "preset", build
+    if ":" in spec:
+        return "factory", _factory_build(spec)
+    raise ReportError(f"unknown model {spec!r}: use a preset ({', '.join(MODELS)}), module:factory, or a "
+                      "transformers config class with --config FILE", usage=True)
+
+
+def _factory_build(spec: str) -> Build:
+    module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # so `offload report --model mymodels:build` finds ./mymodels.py
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except ImportError as e:
+        raise ReportError(f"cannot import {module_name!r} for --model {spec}: {e}", usage=True) from None
+    except AttributeError:
+        raise ReportError(f"module {module_name!r} has no {attr!r} (--model {spec})", usage=True) from None
+    if not callable(factory):
+        raise ReportError(f"{spec} is not callable", usage=True)
+    try:
+        takes_shape = {"batch", "seq"} <= set(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        takes_shape = False
+
+    def build(batch: int, seq: int):
+        try:
+            with torch.device("meta"):
+                made = factory(batch=batch, seq=seq) if takes_shape else factory()
+        except Exception as e:
+            raise ReportError(f"the factory {spec} raised {type(e).__name__}: {e}") from None
+        model, inputs = made if isinstance(made, tuple) else (made, None)
+        if not isinstance(model, nn.Module):
+            raise ReportError(f"the factory {spec} returned {type(model).__name__}, not an nn.Module (or a "
+                              "(module, inputs) pair)")
+        if inputs is None:
+            inputs = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return model.to("meta").float(), _runner(_to_meta(inputs))
+    return build
+
+
+def _transformers_build(class_path: str, config_path: str) -> Build:
+    try:
+        import transformers
+    except ImportError:
+        raise ReportError("--config needs the transformers package: pip install 'offload[hf]'",
+                          usage=True) from None
+    name = class_path.removeprefix("transformers.")
+    cls = getattr(transformers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
+        raise ReportError(f"{class_path!r} is not a transformers config class (e.g. transformers.GPT2Config)",
+                          usage=True)
+    try:
+        config = cls.from_json_file(config_path)
+    except (OSError, ValueError) as e:
+        raise ReportError(f"cannot read the config {config_path}: {e}", usage=True) from None
+
+    def build(batch: int, seq: int):
+        with torch.device("meta"):
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:  # not a causal LM (an encoder): the bare model, loss = mean of its output
+                model = transformers.AutoModel.from_config(config)
+        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        labels = {"labels": ids} if "labels" in inspect.signature(model.forward).parameters else {}
+        return model.float(), _runner({"input_ids": ids, **labels})
+    return build
+
+
+def _to_meta(inputs):
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to("meta")
+    if isinstance(inputs, dict):
+        return {k: _to_meta(v) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_to_meta(v) for v in inputs)
+    return inputs
+
+
+def _runner(inputs) -> Callable[[nn.Module], torch.Tensor]:
+    """run(model): call the model on ``inputs`` (a tensor, a tuple of args or a dict of kwargs); the loss
+    is a scalar output, its ``.loss``, a scalar in an output tuple, or else the mean of the first output."""
+    def run(model):
+        if isinstance(inputs, dict):
+            out = model(**inputs)
+        elif isinstance(inputs, (tuple, list)):
+            out = model(*inputs)
+        else:
+            out = model(inputs)
+        return _loss(out)
+    return run
+
+
+def _loss(out) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    items = out if isinstance(out, (tuple, list)) else (out.to_tuple() if hasattr(out, "to_tuple") else (out,))
+    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if t.dim() == 0:
+            return t
+    if not tensors:
+        raise ReportError(f"the model returned {type(out).__name__}; expected a tensor, a loss or a tuple")
+    return tensors[0].float().mean()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# activations: forward-only counts at other shapes, and per-block checkpointing
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Saved-activation bytes of one forward, counted the way the engine counts them (per storage, inside
+    the root module's forward, parameters excluded), and per repeated block."""
+
+    peak_bytes: int
+    block_saved: tuple[int, ...]  # bytes each block holds after its forward
+    block_input: tuple[int, ...]  # bytes of each block's input (what per-block checkpointing keeps)
+
+    @property
+    def checkpointed_bytes(self) -> int | None:
+        """Estimate under per-block checkpointing: every block keeps only its input, and backward
+        recomputes one block at a time (its saved bytes come back while its grads are computed)."""
+        if not self.block_saved:
+            return None
+        return (self.peak_bytes - sum(self.block_saved) + sum(self.block_input) + max(self.block_saved))
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the ``nn.ModuleList`` holding the most parameters (a transformer's layers)."""
+    best, best_n = [], 0
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 1:
+            n = sum(p.numel() for p in m.parameters())
+            if n > best_n:
+                best, best_n = list(m), n
+    return best
+
+
+def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> Activations:
+    """One forward on the meta device (no backward: saved activations only accumulate in forward)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    counter = _Counter()
+    blocks = repeated_blocks(model)
+    saved, inputs, at = [0] * len(blocks), [0] * len(blocks), [0] * len(blocks)
+    handles, active = [], []
+
+    def pack(t):
+        return t if t.untyped_storage()._cdata in params else _Saved(t, counter)
+
+    def unpack(x):
+        return x.tensor if isinstance(x, _Saved) else x
+
+    def root_pre(module, args):
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        ctx.__enter__()
+        active.append(ctx)
+
+    def root_post(module, args, out):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    def block_pre(k):
+        def hook(module, args):
+            at[k] = counter.current
+            inputs[k] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        return hook
+
+    def block_post(k):
+        def hook(module, args, out):
+            saved[k] = counter.current - at[k]
+        return hook
+
+    handles.append(model.register_forward_pre_hook(root_pre))
+    handles.append(model.register_forward_hook(root_post))
+    for k, b in enumerate(blocks):
+        handles.append(b.register_forward_pre_hook(block_pre(k)))
+        handles.append(b.register_forward_hook(block_post(k)))
+    try:
+        loss = run(model)
+        del loss
+    finally:
+        for h in handles:
+            h.remove()
+        while active:
+            active.pop().__exit__(None, None, None)
+    return Activations(counter.peak, tuple(saved), tuple(inputs))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the report
+
+
+@dataclass(frozen=True)
+class Fix:
+    change: str  # "activation_checkpointing", "batch", "seq" or "budget"
+    value: int | None  # the new batch, seq or budget bytes (None for checkpointing)
+    min_budget_bytes: int  # what the device then needs
+    estimated: bool = False  # True where the activation bytes are an estimate, not traced
+
+    def to_json(self) -> dict:
+        return {"change": self.change, "value": self.value, "min_budget_bytes": self.min_budget_bytes,
+                "estimated": self.estimated}
+
+
+@dataclass(frozen=True)
+class Report:
+    request: Request
+    source: str
+    params: int
+    trainable_params: int
+    gpu_bytes: dict[str, int]
+    host_bytes: dict[str, int]
+    fits: bool
+    min_budget_bytes: int
+    overflow: str | None  # what does not fit: "activations" or "weights" (params, grads, buffers); None
+    plan: Plan  # the plan at the budget, or at the minimum budget when the budget is too small
+    activations: Activations
+    fixes: tuple[Fix, ...]
+    baselines: dict[str, dict[str, Any]]
+    lanes_s: dict[str, float] = field(default_factory=dict)
+    bound: str | None = None
+    bound_s: float | None = None  # the physical lower bound of a step with this trace, buckets, budget
+
+    @property
+    def host_needed_bytes(self) -> int:
+        return int(self.host_bytes["total"] * HOST_RAM_HEADROOM)
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_needed_bytes <= self.request.host_ram_bytes
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        return self.plan.simulated.step_s if self.fits and self.plan.simulated is not None else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        s = self.predicted_step_s
+        return self.request.batch * self.request.seq / s if s else None
+
+    def to_json(self) -> dict:
+        r = self.request
+        summary = self.plan.summary()
+        return {
+            "model": r.model, "source": self.source, "batch": r.batch, "seq": r.seq,
+            "dtype": next(k for k, v in DTYPES.items() if v == r.dtype),
+            "hw": r.hw.name, "hw_measured": r.hw.measured, "budget_bytes": r.budget_bytes,
+            "bucket_bytes": r.bucket_bytes,
+            "params": self.params, "trainable_params": self.trainable_params,
+            "gpu_bytes": dict(self.gpu_bytes), "host_bytes": dict(self.host_bytes),
+            "fits": self.fits, "min_budget_bytes": self.min_budget_bytes, "overflow": self.overflow,
+            "host_ram_bytes": r.host_ram_bytes, "host_ram_source": r.host_ram_source,
+            "host_needed_bytes": self.host_needed_bytes, "host_fits": self.host_fits,
+            "plan": summary if self.fits else None,
+            "predicted_step_s": self.predicted_step_s, "tokens_per_s": self.tokens_per_s,
+            "bound": self.bound if self.fits else None, "bound_s": self.bound_s if self.fits else None,
+            "lanes_s": dict(self.lanes_s) if self.fits else None,
+            "activations_source": "meta trace",
+            "checkpointed_activation_bytes": self.activations.checkpointed_bytes,
+            "fixes": [f.to_json() for f in self.fixes],
+            "baselines": self.baselines,
+            "estimates": {"compute_s": "per-operator roofline on the hardware model's device figures",
+                          "checkpointed_activation_bytes": "per-block rule on the meta trace's block bytes",
+                          "baselines.host_bytes": "per-parameter rule of each system"},
+        }
+
+
+def make_report(request: Request, progress: Callable[[str], None] = lambda msg: None) -> Report:
+    """Trace, plan and simulate ``request``. Raises :class:`ReportError` for a model it cannot handle."""
+    kind, build = model_source(request)
+    progress(f"building {request.model} on the meta device")
+    model, run = build(request.batch, request.seq)
+    fixed = sum(b.numel() * b.element_size() for b in model.buffers())  # the engine keeps buffers as built
+    model = model.to(request.dtype)
+    params = sum(p.numel() for p in model.parameters())
+    if params == 0:
+        raise ReportError(f"{request.model} has no parameters: there is nothing to offload")
+    progress(f"tracing one training step of {request.model} (batch {request.batch}, seq {request.seq})")
+    mt = _trace(model, run, request)
+    acts = measure_activations(model, run)
+    itemsize = request.dtype.itemsize
+    buckets = make_buckets(list(mt.specs), list(mt.order), request.bucket_bytes, itemsize)
+    compute = mt.compute_s(request.hw)
+    progress("planning")
+    min_budget = min_budget_bytes(mt, buckets, itemsize, fixed)
+    fits = min_budget <= request.budget_bytes
+    plan = build_plan(mt.trace, buckets, itemsize=itemsize, budget_bytes=max(request.budget_bytes, min_budget),
+                      fixed_bytes=fixed, hw=request.hw, compute_s=compute)  # (at min_budget it always fits)
+    weights_side = min_budget - mt.trace.activation_peak_bytes
+    overflow = None if fits else ("weights" if weights_side > request.budget_bytes else "activations")
+    fixes = () if fits else _fixes(request, build, acts, mt.trace.activation_peak_bytes, weights_side, progress)
+    progress("simulating the baselines")
+    case = Case(mt.trace, buckets, itemsize, request.hw, compute, request.budget_bytes, fixed)
+    lowp = itemsize if request.dtype != torch.float32 else 0
+    host = host_breakdown(buckets, lowp)
+    sim = plan.simulated
+    lanes = {"compute": sim.compute_s, "h2d": sim.h2d_busy_s, "d2h": sim.d2h_busy_s, "cpu_adam": sim.adam_s,
+             "stall": sim.stall_s}
+    bound = max(("compute", sim.compute_s), ("pcie", max(sim.h2d_busy_s, sim.d2h_busy_s)),
+                ("cpu_adam", sim.adam_s), key=lambda kv: kv[1])[0]
+    return Report(
+        request=request, source=kind, params=params, trainable_params=sum(b.trainable_numel for b in buckets),
+        gpu_bytes=gpu_breakdown(plan), host_bytes=host, fits=fits, min_budget_bytes=min_budget,
+        overflow=overflow, plan=plan, activations=acts, fixes=fixes,
+        baselines=_baselines(case, host["total"] - host["workspace"], params), lanes_s=lanes, bound=bound,
+        bound_s=plan_bound(plan, request.hw, compute).seconds)
+
+
+def _trace(model: nn.Module, run, request: Request) -> MetaTrace:
+    try:
+        return trace_meta(model, run, request.hw)
+    except ReportError:
+        raise
+    except Exception as e:  # the model does something the meta device cannot (e.g. .item() on a tensor)
+        raise ReportError(f"cannot trace {request.model} on the meta device ({type(e).__name__}: {e}); "
+                          "offload report needs a model whose forward runs on meta tensors") from None
+
+
+def min_budget_bytes(mt: MetaTrace, buckets, itemsize: int, fixed: int) -> int:
+    """The least device budget the engine accepts: the larger of its two checks, the one at the end of the
+    warm-up forward (:func:`offload.schedule.forward_min_budget`) and the planner's (every bucket streamed
+    just in time: what :func:`build_plan` reports when asked for a plan that cannot fit)."""
+    t = mt.trace
+    first = sum(forward_min_budget(t.events, t.uses, t.ends, buckets, mt.specs, itemsize,
+                                   activations=t.activation_peak_bytes, fixed=fixed).values())
+    try:
+        build_plan(t, buckets, itemsize=itemsize, budget_bytes=1, fixed_bytes=fixed)
+    except BudgetTooSmallError as e:
+        return max(first, e.min_budget_bytes)
+    return first
+
+
+def gpu_breakdown(plan: Plan) -> dict[str, int]:
+    """The planned device peak by part. The arena is split at its busiest event (parameter buffers and
+    grad slots live then); the rest of the arena (fragmentation) and module buffers are ``workspace``. The
+    parts add up to :attr:`Plan.peak_bytes`, the planner's own figure."""
+    n = len(plan.trace.events)
+    diff = {BufferKind.PARAM: [0] * (n + 1), BufferKind.GRAD: [0] * (n + 1)}
+    for x in plan.buffers:
+        size = -(-x.size // ARENA_ALIGN) * ARENA_ALIGN
+        diff[x.kind][x.start] += size
+        diff[x.kind][x.end] -= size
+    live_p = live_g = best_p = best_g = 0
+    for i in range(n):
+        live_p += diff[BufferKind.PARAM][i]
+        live_g += diff[BufferKind.GRAD][i]
+        if live_p + live_g > best_p + best_g:
+            best_p, best_g = live_p, live_g
+    t = plan.trace
+    out = dict.fromkeys(BREAKDOWN, 0)
+    out.update(params=best_p, grads=best_g + t.max_grad_bytes, activations=t.activation_peak_bytes,
+               workspace=plan.arena_bytes - best_p - best_g + plan.fixed_bytes)
+    out["total"] = sum(out.values())
+    assert out["total"] == plan.peak_bytes, (out, plan.peak_bytes)
+    return out
+
+
+def host_breakdown(buckets, lowp_itemsize: int) -> dict[str, int]:
+    """The engine's host arena by part (the layout ``HostState`` allocates); alignment padding is
+    ``workspace``. Grads are the engine's fp32 accumulators (one per trainable parameter)."""
+    numel = sum(b.numel for b in buckets)
+    trainable = sum(b.trainable_numel for b in buckets)
+    out = dict.fromkeys(BREAKDOWN, 0)
+    out.update(master_weights=4 * numel, lowp_staging=lowp_itemsize * numel, grads=4 * trainable,
+               adam_m=4 * trainable, adam_v=4 * trainable)
+    total = host_layout(buckets, lowp_itemsize).total_bytes
+    out["workspace"] = total - sum(out.values())
+    out["total"] = total
+    return out
+
+
+def _baselines(case: Case, engine_host: int, params: int) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, policy in BASELINES.items():
+        r = policy(case)
+        out[name] = {"gpu_peak_bytes": r.peak_bytes, "fits": r.fits,
+                     "predicted_step_s": r.step_s if r.fits else None,
+                     "host_bytes": BASELINE_HOST_BYTES_PER_PARAM[name] * params}
+    return out
+
+
+def _fixes(request: Request, build: Build, acts: Activations, act_bytes: int, weights_side: int,
+           progress) -> tuple[Fix, ...]:
+    """Single changes that make the plan fit, most preferred first: when activations overflow,
+    per-block checkpointing (keeps batch and sequence), then the largest batch, then the longest
+    sequence that fit; always the budget. Batch and sequence are checked by counting the activations of
+    a forward at that shape on the meta device, not by scaling."""
+    budget = request.budget_bytes
+    out = []
+    if weights_side < budget:
+        ckpt = acts.checkpointed_bytes
+        if ckpt is not None and weights_side + ckpt <= budget:
+            out.append(Fix("activation_checkpointing", None, weights_side + ckpt, estimated=True))
+
+        def fits_at(batch: int, seq: int) -> int | None:
+            model, run = build(batch, seq)
+            need = weights_side + measure_activations(model.to(request.dtype), run).peak_bytes
+            return need if need <= budget else None
+
+        progress("looking for a batch size that fits")
+        b = _largest(list(range(1, request.batch)), lambda b: fits_at(b, request.seq))
+        if b is not None:
+            out.append(Fix("batch", b[0], b[1]))
+        progress("looking for a sequence length that fits")
+        step = 64 if request.seq > 64 else 1
+        s = _largest(list(range(step, request.seq, step)), lambda s: fits_at(request.batch, s))
+        if s is not None:
+            out.append(Fix("seq", s[0], s[1]))
+    out.append(Fix("budget", weights_side + act_bytes, weights_side + act_bytes))
+    return tuple(out)
+
+
+def _largest(candidates: list[int], need: Callable[[int], int | None]) -> tuple[int, int] | None:
+    """Binary search for the largest candidate whose ``need`` is not None (need grows with the value)."""
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = need(candidates[mid])
+        if got is not None:
+            best, lo = (candidates[mid], got), mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def dumps(report: Report) -> str:
+    return json.dumps(report.to_json(), indent=1)
+
+
+__all__ = ["Request", "Report", "ReportError", "Fix", "Activations", "make_report", "model_source",
+           "measure_activations", "min_budget_bytes", "gpu_breakdown", "host_breakdown", "DTYPES", "BREAKDOWN"]

@@ -1,0 +1,296 @@
+"""``offload report``: driven as a subprocess (table text, JSON, errors), and checked against the engine."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import offload
+from offload.buckets import make_buckets
+from offload.hw import PRESETS
+from offload.metatrace import trace_meta
+from offload.presets import Shape
+from offload.report import (BREAKDOWN, FusedAttention, ReportError, Request, make_report, measure_activations,
+                            min_budget_bytes, model_source)
+from offload.schedule import build_plan
+
+MiB, GiB = 2**20, 2**30
+SMALL = Shape("gpt2", vocab=512, n_ctx=64, d=128, n_layer=4, n_head=4, ffn=512)  # ~1 M parameters
+
+FACTORIES = textwrap.dedent("""
+    import torch
+    from offload.presets import Shape
+
+    SMALL = Shape("gpt2", vocab=512, n_ctx=64, d=128, n_layer=4, n_head=4, ffn=512)
+
+    def small(batch, seq):
+        return SMALL.build(torch.get_default_device()), torch.zeros(batch, seq, dtype=torch.long)
+
+    def small_model_only():
+        return SMALL.build(torch.get_default_device())
+
+    def broken(batch, seq):
+        raise RuntimeError("no such checkpoint")
+""")
+
+
+def _run(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "offload", "report", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+@pytest.fixture
+def factories(tmp_path):
+    (tmp_path / "report_factories.py").write_text(FACTORIES)
+    return tmp_path
+
+
+def _one_line_error(r, status):
+    assert r.returncode == status, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    return r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# acceptance: GPT-2 XL
+
+
+def test_gpt2_xl_fits_8gib_at_batch_1():
+    r = _run("--model", "gpt2-xl", "--budget", "8GiB", "--batch", "1", "--seq", "1024", "--json",
+             "--host-ram", "64GiB")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert abs(data["params"] - 1.558e9) / 1.558e9 < 0.01
+    assert data["fits"] is True and data["host_fits"] is True
+    assert data["min_budget_bytes"] <= 8 * GiB
+    assert data["gpu_bytes"]["total"] <= 8 * GiB
+    assert data["predicted_step_s"] > 0 and data["bound"] in ("compute", "pcie", "cpu_adam")
+    assert set(data["baselines"]) == {"zero-offload", "zero3-offload", "gemini-cpu"}
+    # ZeRO-Offload keeps every bf16 parameter on the device: 3.1 GB of weights alone, plus activations.
+    assert data["baselines"]["zero-offload"]["gpu_peak_bytes"] > 2 * data["params"]
+    # The host arena: fp32 master, grad, Adam m and v (16 B) + the bf16 copy (2 B) per parameter.
+    assert data["host_bytes"]["total"] >= 18 * data["params"]
+
+
+def test_gpt2_xl_100mib_does_not_fit():
+    r = _run("--model", "gpt2-xl", "--budget", "100MiB", "--batch", "1", "--seq", "1024", "--json",
+             "--host-ram", "64GiB")
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    data = json.loads(r.stdout)
+    assert data["fits"] is False and data["min_budget_bytes"] > 100 * MiB
+    assert data["predicted_step_s"] is None
+    assert data["fixes"][-1] == {"change": "budget", "value": data["min_budget_bytes"],
+                                 "min_budget_bytes": data["min_budget_bytes"], "estimated": False}
+
+
+def test_gpt2_xl_batch_8_activations_overflow_and_the_fix_is_named():
+    r = _run("--model", "gpt2-xl", "--budget", "8GiB", "--batch", "8", "--seq", "1024", "--host-ram", "64GiB")
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    out = " ".join(r.stdout.split())  # rich wraps long lines
+    assert "does not fit: the activations" in out and "overflow the 8.00 GiB budget" in out
+    assert "Smallest change: activation checkpointing per block" in out
+    assert "--batch " in out and "--seq " in out and "--budget " in out
+    assert "ZeRO-Offload" in out and "Gemini" in out and "pinned host" in out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the table and the JSON on a small model
+
+
+def test_table_and_json_of_a_factory_model(factories):
+    table = _run("--model", "report_factories:small", "--budget", "64MiB", "--batch", "2", "--seq", "64",
+                 "--host-ram", "1GiB", cwd=factories)
+    assert table.returncode == 0, table.stderr
+    for text in ("params", "grads", "master weights", "Adam m", "Adam v", "low-precision staging",
+                 "activations", "workspace", "GPU", "pinned host", "plan", "tokens/s", "bound", "host RAM",
+                 "verdict", "fits"):
+        assert text in table.stdout, text
+    r = _run("--model", "report_factories:small", "--budget", "64MiB", "--batch", "2", "--seq", "64",
+             "--host-ram", "1GiB", "--json", cwd=factories)
+    assert r.returncode == 0 and r.stderr == ""
+    data = json.loads(r.stdout)
+    for key in ("params", "gpu_bytes", "host_bytes", "fits", "min_budget_bytes", "predicted_step_s", "bound",
+                "baselines", "plan", "tokens_per_s", "host_needed_bytes", "fixes"):
+        assert key in data, key
+    for part in ("gpu_bytes", "host_bytes"):
+        assert set(data[part]) == {*BREAKDOWN, "total"}
+        assert sum(v for k, v in data[part].items() if k != "total") == data[part]["total"]
+    assert data["params"] == sum(p.numel() for p in SMALL.build("meta").parameters())
+    assert data["host_bytes"]["master_weights"] == 4 * data["params"]
+    assert data["host_bytes"]["lowp_staging"] == 2 * data["params"]  # bf16 by default
+    assert data["gpu_bytes"]["master_weights"] == data["gpu_bytes"]["adam_m"] == 0
+    assert data["tokens_per_s"] == pytest.approx(2 * 64 / data["predicted_step_s"])
+
+
+def test_factory_without_shape_arguments_gets_token_ids(factories):
+    r = _run("--model", "report_factories:small_model_only", "--budget", "64MiB", "--seq", "32", "--json",
+             "--host-ram", "1GiB", cwd=factories)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["fits"] is True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_unknown_preset_lists_the_known_ones():
+    err = _one_line_error(_run("--model", "gpt5", "--budget", "8GiB"), 2)
+    assert "gpt5" in err and "gpt2-xl" in err and "llama-70b" in err and "bert-large" in err
+
+
+def test_unparsable_budget():
+    err = _one_line_error(_run("--model", "gpt2", "--budget", "eight gigs"), 2)
+    assert "--budget" in err
+
+
+def test_missing_budget_and_bad_dtype_are_usage_errors():
+    _one_line_error(_run("--model", "gpt2"), 2)
+    _one_line_error(_run("--model", "gpt2", "--budget", "8GiB", "--dtype", "int8"), 2)
+    _one_line_error(_run("--model", "gpt2", "--budget", "8GiB", "--hw", "pcie9"), 2)
+
+
+def test_a_factory_that_raises(factories):
+    err = _one_line_error(_run("--model", "report_factories:broken", "--budget", "8GiB", cwd=factories), 1)
+    assert "report_factories:broken raised RuntimeError: no such checkpoint" in err
+
+
+def test_a_factory_that_does_not_exist(factories):
+    err = _one_line_error(_run("--model", "report_factories:nothing", "--budget", "8GiB", cwd=factories), 2)
+    assert "nothing" in err
+
+
+def test_budget_below_the_minimum(factories):
+    r = _run("--model", "report_factories:small", "--budget", "1MiB", "--seq", "64", "--host-ram", "1GiB",
+             cwd=factories)
+    err = _one_line_error(r, 1)
+    assert "does not fit" in err and "--budget" in err
+
+
+def test_host_ram_that_cannot_hold_the_state(factories):
+    r = _run("--model", "report_factories:small", "--budget", "64MiB", "--seq", "64", "--host-ram", "4MiB",
+             "--json", cwd=factories)
+    err = _one_line_error(r, 1)
+    assert "Host RAM" in err
+    data = json.loads(r.stdout)
+    assert data["fits"] is True and data["host_fits"] is False
+    assert data["host_needed_bytes"] > 4 * MiB
+
+
+def test_transformers_config_needs_transformers(tmp_path):
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        err = _one_line_error(_run("--model", "transformers.GPT2Config", "--config", str(tmp_path / "c.json"),
+                                   "--budget", "8GiB"), 2)
+        assert "transformers" in err
+    else:
+        pytest.skip("transformers is installed")
+
+
+@pytest.mark.hf
+def test_transformers_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
+    path = tmp_path / "config.json"
+    config.to_json_file(path)
+    r = _run("--model", "transformers.GPT2Config", "--config", str(path), "--budget", "64MiB", "--seq", "32",
+             "--json", "--host-ram", "1GiB")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert data["params"] == expected and data["fits"] is True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# one planner: the report's prediction against the engine's measurement
+
+
+def _request(budget, batch, seq, dtype=torch.float32, bucket="256KiB", model="report_factories:small"):
+    from offload.config import parse_bytes
+    return Request(model=model, budget_bytes=parse_bytes(budget), batch=batch, seq=seq, dtype=dtype,
+                   hw=PRESETS["pcie4"], host_ram_bytes=GiB, host_ram_source="given",
+                   bucket_bytes=parse_bytes(bucket))
+
+
+@pytest.mark.parametrize("budget", ["5.4MiB", "12MiB"])  # tight (everything streamed) and roomy (resident)
+def test_report_predicts_the_engines_device_peak(factories, monkeypatch, budget):
+    monkeypatch.chdir(factories)
+    batch, seq = 2, 64
+    report = make_report(_request(budget, batch, seq))
+    assert report.fits
+    torch.manual_seed(0)
+    model = SMALL.build("cpu")
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    engine = offload.wrap(model, opt, budget=budget, dtype=torch.float32, device="cpu", bucket_bytes="256KiB")
+    idx = torch.randint(0, SMALL.vocab, (batch, seq))
+    for _ in range(3):
+        engine(idx).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = engine.memory_stats()
+    engine.close()
+    measured = stats["device_peak_bytes"]
+    predicted = report.gpu_bytes["total"]
+    assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
+    assert report.gpu_bytes["activations"] == pytest.approx(stats["plan"]["activation_bytes"], rel=0.01)
+    assert report.host_bytes["total"] == stats["host_pinned_bytes"]
+    assert report.plan.summary()["num_buckets"] == stats["plan"]["num_buckets"]
+
+
+def test_min_budget_is_where_the_planner_starts_to_accept(factories, monkeypatch):
+    monkeypatch.chdir(factories)
+    _, build = model_source(_request("64MiB", 2, 64))
+    model, run = build(2, 64)
+    mt = trace_meta(model, run, PRESETS["pcie4"])
+    buckets = make_buckets(list(mt.specs), list(mt.order), 256 * 1024, 4)
+    need = min_budget_bytes(mt, buckets, 4, 0)
+    build_plan(mt.trace, buckets, itemsize=4, budget_bytes=need, fixed_bytes=0)  # does not raise
+    assert not make_report(_request(str(need - 1), 2, 64)).fits
+    assert make_report(_request(str(need), 2, 64)).fits
+
+
+def test_forward_only_count_equals_the_traced_activation_peak(factories, monkeypatch):
+    monkeypatch.chdir(factories)
+    _, build = model_source(_request("64MiB", 2, 64))
+    model, run = build(2, 64)
+    acts = measure_activations(model, run)
+    assert acts.peak_bytes == trace_meta(model, run, PRESETS["pcie4"]).trace.activation_peak_bytes
+    assert len(acts.block_saved) == SMALL.n_layer
+    assert acts.checkpointed_bytes < acts.peak_bytes
+
+
+def test_fused_attention_saves_no_seq_by_seq_matrix():
+    model = SMALL.build("meta")
+    idx = torch.zeros(1, 64, dtype=torch.long, device="meta")
+    math = measure_activations(model, lambda m: m(idx)).peak_bytes
+
+    def fused(m):
+        with FusedAttention():
+            return m(idx)
+    # The meta device's math path keeps fp32 (heads x seq x seq) probabilities per layer; flash keeps none.
+    probabilities = SMALL.n_layer * SMALL.n_head * 64 * 64 * 4
+    assert math - measure_activations(model, fused).peak_bytes >= probabilities
+
+
+def test_report_error_for_a_model_that_cannot_run_on_meta(tmp_path, monkeypatch):
+    (tmp_path / "item_model.py").write_text(textwrap.dedent("""
+        import torch
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Linear(4, 4)
+            def forward(self, x):
+                return self.w(x.float()).sum() * float(x.sum().item())
+        def build():
+            return M()
+    """))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ReportError, match="meta device"):
+        make_report(_request("64MiB", 1, 4, model="item_model:build"))
