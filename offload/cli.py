@@ -62,15 +62,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .presets import MODELS
-
     ap = _Parser(prog="offload", description="offload: plan and measure offloaded training")
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="will this model train on this GPU under this budget, and how fast",
                        description="Trace the model on the meta device (no GPU, no weights), plan it as the "
                        "engine would, and print memory, plan, predicted step time and a verdict.")
     r.add_argument("--model", required=True,
-                   help=f"a preset ({', '.join(MODELS)}), module:factory (factory(batch=, seq=) or factory() "
+                   help="a preset (gpt2, gpt2-xl, bert-large, llama-7b, llama-70b, ...: a wrong name lists them "
+                   "all), module:factory (factory(batch=, seq=) or factory() "
                    "returning a module or (module, inputs)), or a transformers config class such as "
                    "transformers.GPT2Config together with --config FILE")
     r.add_argument("--config", metavar="FILE", help="JSON config file for a transformers config class")
@@ -239,9 +238,8 @@ def _render(report, console: Console) -> None:
     b = Table(title=f"the same model under other systems' memory rules (budget {format_bytes(r.budget_bytes)})")
     for col in ("system", "GPU peak", "fits", "step (s)", "host bytes (rule)"):
         b.add_column(col, justify="left" if col == "system" else "right")
-    b.add_row("offload (this plan)", format_bytes(report.min_budget_bytes if not report.fits
-                                                  else report.gpu_bytes["total"]),
-              "yes" if report.fits else "no", f"{report.predicted_step_s:.3f}" if report.fits else "-",
+    b.add_row("offload (this plan)" if report.fits else "offload (plan at the minimum budget)",
+              format_bytes(report.gpu_bytes["total"]), "yes" if report.fits else "no", f"{report.predicted_step_s:.3f}" if report.fits else "-",
               format_bytes(report.host_bytes["total"]))
     for name, x in report.baselines.items():
         b.add_row(_SYSTEMS[name], format_bytes(x["gpu_peak_bytes"]), "yes" if x["fits"] else "no",

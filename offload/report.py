@@ -399,7 +399,6 @@ class Report:
             "predicted_step_s": self.predicted_step_s, "tokens_per_s": self.tokens_per_s,
             "bound": self.bound if self.fits else None, "bound_s": self.bound_s if self.fits else None,
             "lanes_s": dict(self.lanes_s) if self.fits else None,
-            "activations_source": "meta trace",
             "checkpointed_activation_bytes": self.activations.checkpointed_bytes,
             "fixes": [f.to_json() for f in self.fixes],
             "baselines": self.baselines,

@@ -128,11 +128,10 @@ def test_table_and_json_of_a_factory_model(factories):
     assert data["tokens_per_s"] == pytest.approx(2 * 64 / data["predicted_step_s"])
 
 
-def test_factory_without_shape_arguments_gets_token_ids(factories):
-    r = _run("--model", "report_factories:small_model_only", "--budget", "64MiB", "--seq", "32", "--json",
-             "--host-ram", "1GiB", cwd=factories)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["fits"] is True
+def test_factory_without_shape_arguments_gets_token_ids(factories, monkeypatch):
+    monkeypatch.chdir(factories)
+    report = make_report(_request("64MiB", 1, 32, model="report_factories:small_model_only"))
+    assert report.fits and report.params == sum(p.numel() for p in SMALL.build("meta").parameters())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -149,20 +148,25 @@ def test_unparsable_budget():
     assert "--budget" in err
 
 
-def test_missing_budget_and_bad_dtype_are_usage_errors():
-    _one_line_error(_run("--model", "gpt2"), 2)
-    _one_line_error(_run("--model", "gpt2", "--budget", "8GiB", "--dtype", "int8"), 2)
-    _one_line_error(_run("--model", "gpt2", "--budget", "8GiB", "--hw", "pcie9"), 2)
+def test_bad_dtype_is_a_usage_error():
+    err = _one_line_error(_run("--model", "gpt2", "--budget", "8GiB", "--dtype", "int8"), 2)
+    assert "bf16" in err
+
+
+def test_bad_hardware_and_unknown_factory_are_usage_errors(factories, monkeypatch):
+    from offload import cli
+    with pytest.raises(ReportError, match="pcie9") as e:
+        cli._request(cli.build_parser().parse_args(["report", "--model", "gpt2", "--budget", "8GiB", "--hw", "pcie9"]))
+    assert e.value.usage
+    monkeypatch.chdir(factories)
+    with pytest.raises(ReportError, match="has no 'nothing'") as e:
+        model_source(_request("8GiB", 1, 8, model="report_factories:nothing"))
+    assert e.value.usage
 
 
 def test_a_factory_that_raises(factories):
     err = _one_line_error(_run("--model", "report_factories:broken", "--budget", "8GiB", cwd=factories), 1)
     assert "report_factories:broken raised RuntimeError: no such checkpoint" in err
-
-
-def test_a_factory_that_does_not_exist(factories):
-    err = _one_line_error(_run("--model", "report_factories:nothing", "--budget", "8GiB", cwd=factories), 2)
-    assert "nothing" in err
 
 
 def test_budget_below_the_minimum(factories):
