@@ -227,7 +227,7 @@ def _render(report, console: Console) -> None:
             f"(compute {lanes['compute']:.3f} s, H2D {lanes['h2d']:.3f} s, D2H {lanes['d2h']:.3f} s, "
             f"CPU AdamW {lanes['cpu_adam']:.3f} s, stall {lanes['stall']:.3f} s; physical lower bound "
             f"{report.bound_s:.3f} s)")
-    ckpt = report.activations.checkpointed_bytes
+    ckpt = report.checkpointed_activation_bytes
     if ckpt is not None:
         console.print(f"activations with per-block checkpointing (estimate; not in the engine yet): "
                       f"{format_bytes(ckpt)}")

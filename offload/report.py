@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -358,12 +357,16 @@ class Report:
     min_budget_bytes: int
     overflow: str | None  # what does not fit: "activations" or "weights" (params, grads, buffers); None
     plan: Plan  # the plan at the budget, or at the minimum budget when the budget is too small
-    activations: Activations
+    activations: Activations | None  # per-block counts, taken only when the plan does not fit
     fixes: tuple[Fix, ...]
     baselines: dict[str, dict[str, Any]]
     lanes_s: dict[str, float] = field(default_factory=dict)
     bound: str | None = None
     bound_s: float | None = None  # the physical lower bound of a step with this trace, buckets, budget
+
+    @property
+    def checkpointed_activation_bytes(self) -> int | None:
+        return self.activations.checkpointed_bytes if self.activations is not None else None
 
     @property
     def host_needed_bytes(self) -> int:
@@ -399,7 +402,7 @@ class Report:
             "predicted_step_s": self.predicted_step_s, "tokens_per_s": self.tokens_per_s,
             "bound": self.bound if self.fits else None, "bound_s": self.bound_s if self.fits else None,
             "lanes_s": dict(self.lanes_s) if self.fits else None,
-            "checkpointed_activation_bytes": self.activations.checkpointed_bytes,
+            "checkpointed_activation_bytes": self.checkpointed_activation_bytes,
             "fixes": [f.to_json() for f in self.fixes],
             "baselines": self.baselines,
             "estimates": {"compute_s": "per-operator roofline on the hardware model's device figures",
@@ -420,7 +423,6 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         raise ReportError(f"{request.model} has no parameters: there is nothing to offload")
     progress(f"tracing one training step of {request.model} (batch {request.batch}, seq {request.seq})")
     mt = _trace(model, run, request)
-    acts = measure_activations(model, run)
     itemsize = request.dtype.itemsize
     buckets = make_buckets(list(mt.specs), list(mt.order), request.bucket_bytes, itemsize)
     compute = mt.compute_s(request.hw)
@@ -431,6 +433,10 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
                       fixed_bytes=fixed, hw=request.hw, compute_s=compute)  # (at min_budget it always fits)
     weights_side = min_budget - mt.trace.activation_peak_bytes
     overflow = None if fits else ("weights" if weights_side > request.budget_bytes else "activations")
+    acts = None
+    if overflow == "activations":  # what per-block checkpointing would save: one more forward, per block
+        progress("counting activations per block")
+        acts = measure_activations(model, run)
     fixes = () if fits else _fixes(request, build, acts, mt.trace.activation_peak_bytes, weights_side, progress)
     progress("simulating the baselines")
     case = Case(mt.trace, buckets, itemsize, request.hw, compute, request.budget_bytes, fixed)
@@ -445,7 +451,7 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         request=request, source=kind, params=params, trainable_params=sum(b.trainable_numel for b in buckets),
         gpu_bytes=gpu_breakdown(plan), host_bytes=host, fits=fits, min_budget_bytes=min_budget,
         overflow=overflow, plan=plan, activations=acts, fixes=fixes,
-        baselines=_baselines(case, host["total"] - host["workspace"], params), lanes_s=lanes, bound=bound,
+        baselines=_baselines(case, params), lanes_s=lanes, bound=bound,
         bound_s=plan_bound(plan, request.hw, compute).seconds)
 
 
@@ -512,7 +518,7 @@ def host_breakdown(buckets, lowp_itemsize: int) -> dict[str, int]:
     return out
 
 
-def _baselines(case: Case, engine_host: int, params: int) -> dict[str, dict[str, Any]]:
+def _baselines(case: Case, params: int) -> dict[str, dict[str, Any]]:
     out = {}
     for name, policy in BASELINES.items():
         r = policy(case)
@@ -522,7 +528,7 @@ def _baselines(case: Case, engine_host: int, params: int) -> dict[str, dict[str,
     return out
 
 
-def _fixes(request: Request, build: Build, acts: Activations, act_bytes: int, weights_side: int,
+def _fixes(request: Request, build: Build, acts: Activations | None, act_bytes: int, weights_side: int,
            progress) -> tuple[Fix, ...]:
     """Single changes that make the plan fit, most preferred first: when activations overflow,
     per-block checkpointing (keeps batch and sequence), then the largest batch, then the longest
@@ -530,7 +536,7 @@ def _fixes(request: Request, build: Build, acts: Activations, act_bytes: int, we
     a forward at that shape on the meta device, not by scaling."""
     budget = request.budget_bytes
     out = []
-    if weights_side < budget:
+    if acts is not None:  # the activations overflow
         ckpt = acts.checkpointed_bytes
         if ckpt is not None and weights_side + ckpt <= budget:
             out.append(Fix("activation_checkpointing", None, weights_side + ckpt, estimated=True))
@@ -564,10 +570,6 @@ def _largest(candidates: list[int], need: Callable[[int], int | None]) -> tuple[
         else:
             hi = mid - 1
     return best
-
-
-def dumps(report: Report) -> str:
-    return json.dumps(report.to_json(), indent=1)
 
 
 __all__ = ["Request", "Report", "ReportError", "Fix", "Activations", "make_report", "model_source",
