@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 
 from rich.console import Console
@@ -135,6 +136,8 @@ def _request(args):
 def _report(args, console: Console) -> int:
     from .report import ReportError, make_report
 
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `--model mymodels:build` finds ./mymodels.py, as `python -m` would
     err = Console(stderr=True)
     show = not args.json and err.is_terminal
     try:

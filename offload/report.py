@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -149,8 +147,6 @@ def _source(request: Request) -> tuple[str, Build]:
 
 def _factory_build(spec: str) -> Build:
     module_name, _, attr = spec.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # so `offload report --model mymodels:build` finds ./mymodels.py
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except ImportError as e:

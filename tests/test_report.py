@@ -129,7 +129,7 @@ def test_table_and_json_of_a_factory_model(factories):
 
 
 def test_factory_without_shape_arguments_gets_token_ids(factories, monkeypatch):
-    monkeypatch.chdir(factories)
+    monkeypatch.syspath_prepend(factories)
     report = make_report(_request("64MiB", 1, 32, model="report_factories:small_model_only"))
     assert report.fits and report.params == sum(p.numel() for p in SMALL.build("meta").parameters())
 
@@ -158,7 +158,7 @@ def test_bad_hardware_and_unknown_factory_are_usage_errors(factories, monkeypatc
     with pytest.raises(ReportError, match="pcie9") as e:
         cli._request(cli.build_parser().parse_args(["report", "--model", "gpt2", "--budget", "8GiB", "--hw", "pcie9"]))
     assert e.value.usage
-    monkeypatch.chdir(factories)
+    monkeypatch.syspath_prepend(factories)
     with pytest.raises(ReportError, match="has no 'nothing'") as e:
         model_source(_request("8GiB", 1, 8, model="report_factories:nothing"))
     assert e.value.usage
@@ -225,7 +225,7 @@ def _request(budget, batch, seq, dtype=torch.float32, bucket="256KiB", model="re
 
 @pytest.mark.parametrize("budget", ["5.4MiB", "12MiB"])  # tight (everything streamed) and roomy (resident)
 def test_report_predicts_the_engines_device_peak(factories, monkeypatch, budget):
-    monkeypatch.chdir(factories)
+    monkeypatch.syspath_prepend(factories)
     batch, seq = 2, 64
     report = make_report(_request(budget, batch, seq))
     assert report.fits
@@ -249,7 +249,7 @@ def test_report_predicts_the_engines_device_peak(factories, monkeypatch, budget)
 
 
 def test_min_budget_is_where_the_planner_starts_to_accept(factories, monkeypatch):
-    monkeypatch.chdir(factories)
+    monkeypatch.syspath_prepend(factories)
     _, build = model_source(_request("64MiB", 2, 64))
     model, run = build(2, 64)
     mt = trace_meta(model, run, PRESETS["pcie4"])
@@ -261,7 +261,7 @@ def test_min_budget_is_where_the_planner_starts_to_accept(factories, monkeypatch
 
 
 def test_forward_only_count_equals_the_traced_activation_peak(factories, monkeypatch):
-    monkeypatch.chdir(factories)
+    monkeypatch.syspath_prepend(factories)
     _, build = model_source(_request("64MiB", 2, 64))
     model, run = build(2, 64)
     acts = measure_activations(model, run)
@@ -295,6 +295,6 @@ def test_report_error_for_a_model_that_cannot_run_on_meta(tmp_path, monkeypatch)
         def build():
             return M()
     """))
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(tmp_path)
     with pytest.raises(ReportError, match="meta device"):
         make_report(_request("64MiB", 1, 4, model="item_model:build"))
