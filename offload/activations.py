@@ -96,17 +96,17 @@ def recompute_seconds(profile: ActivationProfile, chosen: Iterable[int]) -> floa
     return sum(by_module[m].forward_s for m in chosen)
 
 
-def choose_checkpoints(profile: ActivationProfile, capacity: int) -> CheckpointChoice:
-    """The fewest blocks to checkpoint so that the activation peak fits ``capacity`` bytes: greedily the
-    block whose checkpointing saves the most first. ``fits`` is False (and every block is chosen) when even
-    that is not enough."""
+def choose_checkpoints(profile: ActivationProfile, capacity: int, base: Iterable[int] = ()) -> CheckpointChoice:
+    """The fewest blocks to checkpoint (besides those of ``base``, kept) so that the activation peak fits
+    ``capacity`` bytes: greedily the block whose checkpointing saves the most first. ``fits`` is False (and
+    every block is chosen) when even that is not enough."""
     order = sorted(profile.blocks, key=lambda b: (-(b.saved - b.inputs), b.module))
-    chosen: list[int] = []
+    chosen: list[int] = sorted(set(base))
     need = activation_bytes(profile, chosen)
     for b in order:
         if need <= capacity:
             break
-        if b.saved <= b.inputs:
+        if b.saved <= b.inputs or b.module in chosen:
             continue  # checkpointing it keeps as much as it saves: no gain
         chosen.append(b.module)
         need = activation_bytes(profile, chosen)

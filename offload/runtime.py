@@ -769,6 +769,8 @@ class Runtime:
             for region in set(self.recompute_event) | set(self.recompute_holds) | set(self.held):
                 self.region_done(region)  # a call whose inputs need no grad: its backward is over now
             self.recorder.activation_peak = self.memory.activation_peak
+            if self.plan is not None and self.memory.activation_peak > self.plan.activation_bytes:
+                self.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
             self.trace = self.recorder.finish()
             self.profile = self._profile(self.memory.activation_peak)
             self._release_all()
@@ -885,11 +887,13 @@ class Runtime:
 
     def _replan(self, trace: Trace) -> None:
         if self.auto_checkpoint and self.checkpoint_choice is None and self._choose_checkpoints(trace):
-            return  # other blocks are checkpointed from now on: the next step is recorded and planned
+            return self._drop_plan()  # other blocks are checkpointed from now on: the next step is planned
         try:
             plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
                               fixed_bytes=self.memory.parts["buffers"])
         except BudgetTooSmallError as e:
+            if self.auto_checkpoint and self._choose_checkpoints(trace):
+                return self._drop_plan()  # the activations grew (a longer sequence): checkpoint more blocks
             parts = e.breakdown
             raise self._activation_hint(e, self.config.budget - sum(parts.values()) + parts["activations"]) from None
         validate_plan(plan)
@@ -994,12 +998,19 @@ class Runtime:
                           rec.calls(self.ckpt.blocks), self.ckpt.active,
                           self.forward_end_activations or self.memory.parts["activations"], peak)
 
+    def _drop_plan(self) -> None:
+        """Run the next step on demand (its calls will differ from the plan's) and plan it at its step()."""
+        self.on_plan = False
+        self._deactivate()  # every bucket back to the host: nothing resident keeps pre-update weights
+        self.plan = None
+
     def _choose_checkpoints(self, trace: Trace) -> bool:
         """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
         budget from now on. True when that changes what is checkpointed."""
         capacity = (self.config.budget - self.memory.parts["buffers"] - trace.max_grad_bytes
                     - min_arena_bytes(trace, self.buckets, self.itemsize))
-        choice = choose_checkpoints(self.profile, capacity)
+        base = self.ckpt.active if self.checkpoint_choice is not None else ()  # later: only ever more
+        choice = choose_checkpoints(self.profile, capacity, base)
         if not choice.fits:
             need = dict(arena=min_arena_bytes(trace, self.buckets, self.itemsize), activations=choice.activation_bytes,
                         fixed=self.memory.parts["buffers"], grad=trace.max_grad_bytes)
