@@ -215,3 +215,21 @@ def test_auto_checkpoints_more_when_the_sequence_grows():
     assert len(chosen[2]) < len(chosen[-1]), chosen  # more blocks once the sequences are long
     assert set(chosen[2]) <= set(chosen[-1])
     assert_same(auto, plain)
+
+
+def test_simulated_gpu_bit_for_bit(monkeypatch, reference):
+    """The CUDA backend's ordering rules (tests/fake_cuda.py: copies land as late as CUDA allows) with
+    recomputes in backward: a recompute that read a slot before its copy would change the numbers."""
+    from fake_cuda import FakeCuda
+    from offload.backend.cuda import CUDABackend
+    made = []
+
+    def make(device):
+        made.append(CUDABackend(torch.device("cpu"), api=FakeCuda(lazy=True)))
+        return made[-1]
+
+    monkeypatch.setattr(offload.api, "make_backend", make)
+    run = train(make_model(), budget=1_750_000, activation_checkpointing="auto")
+    assert run[2][-1]["activation_checkpointing"]["checkpointed"]
+    assert made[0]._api.copies > 0 and made[0]._api.pending() == 0
+    assert_same(run, reference)
