@@ -36,7 +36,8 @@ from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
 from .accounting import DeviceMemory, SavedActivation
-from .activations import AUTO, ActivationProfile, CheckpointChoice, checkpoint_hint, choose_checkpoints, profile_of
+from .activations import (AUTO, ActivationProfile, CheckpointChoice, checkpoint_hint, choose_checkpoints,
+                          profile_of, recompute_seconds)
 from .backend import DONE, Lane
 from .buckets import Bucket, ParamSpec, make_buckets
 from .config import OffloadConfig
@@ -1046,6 +1047,10 @@ class Runtime:
             "checkpointed": [names[m] for m in sorted(self.ckpt.active)],
             "blocks": len(names),
             "estimated_activation_bytes": choice.activation_bytes if choice is not None else None,
+            # forward seconds of the checkpointed blocks, as measured: what recomputing adds to backward
+            # (the trace's RECOMPUTE events carry the measured time into the scheduler's cost model)
+            "recompute_s": (recompute_seconds(self.profile, self.ckpt.active & {b.module for b in self.profile.blocks})
+                            if self.profile is not None else None),
             "saved_bytes_per_block": ({b.name: b.saved for b in self.profile.blocks}
                                       if self.profile is not None else {}),
         }
