@@ -36,7 +36,7 @@ def batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(model, steps=6, micro=1, clip=None, **options):
+def train(model, steps=4, micro=1, clip=None, **options):
     """Train through offload; return (losses, fp32 weights, memory_stats after each step, engine trace)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = offload.AdamW(params, **ADAMW)
@@ -195,7 +195,7 @@ def test_auto_checkpoints_more_when_the_sequence_grows():
         engine = offload.wrap(model, opt, device="cpu", bucket_bytes=80_000, **options)
         losses, chosen, peaks = [], [], []
         try:
-            for step in range(7):
+            for step in range(6):
                 x, y = batch(step)
                 _, loss = engine(x[:, :seq_at(step)], targets=y[:, :seq_at(step)])
                 loss.backward()
