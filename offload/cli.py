@@ -158,7 +158,7 @@ def _report(args, console: Console) -> int:
 _ROWS = {"params": "params", "grads": "grads", "master_weights": "master weights (fp32)", "adam_m": "Adam m",
          "adam_v": "Adam v", "lowp_staging": "low-precision staging", "activations": "activations",
          "workspace": "workspace"}
-_FIX = {"activation_checkpointing": "activation checkpointing per block", "batch": "--batch {}",
+_FIX = {"activation_checkpointing": 'activation_checkpointing="auto" ({} blocks)', "batch": "--batch {}",
         "seq": "--seq {}", "budget": "--budget {}"}
 _SYSTEMS = {"zero-offload": "DeepSpeed ZeRO-Offload", "zero3-offload": "DeepSpeed ZeRO-3 offload",
             "gemini-cpu": "ColossalAI Gemini (CPU placement)"}
@@ -166,6 +166,8 @@ _SYSTEMS = {"zero-offload": "DeepSpeed ZeRO-Offload", "zero3-offload": "DeepSpee
 
 def _fix_text(fix) -> str:
     value = format_bytes(fix.value).replace(" ", "") if fix.change == "budget" else fix.value
+    if fix.change == "activation_checkpointing":
+        value = f"{fix.value} of {fix.of}"
     text = _FIX[fix.change].format(value)
     note = "; estimated" if fix.estimated else ""
     return f"{text} (needs {format_bytes(fix.min_budget_bytes)}{note})"
@@ -232,8 +234,8 @@ def _render(report, console: Console) -> None:
             f"{report.bound_s:.3f} s)")
     ckpt = report.checkpointed_activation_bytes
     if ckpt is not None:
-        console.print(f"activations with per-block checkpointing (estimate; not in the engine yet): "
-                      f"{format_bytes(ckpt)}")
+        console.print(f'activations with every block checkpointed (estimate, the engine\'s rule for '
+                      f'activation_checkpointing="auto"): {format_bytes(ckpt)}')
     host_ok = "[green]fits[/green]" if report.host_fits else "[red]does not fit[/red]"
     console.print(f"[bold]host RAM[/bold]: needs {format_bytes(report.host_needed_bytes)} (host arena + 5 % "
                   f"headroom), {format_bytes(r.host_ram_bytes)} {r.host_ram_source}: {host_ok}")

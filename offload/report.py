@@ -10,9 +10,10 @@ host arena layout from :func:`offload.buckets.host_layout`. The baselines are
 :mod:`offload.baselines` on the same trace and buckets.
 
 What is *estimated* rather than traced, and labelled so in the output: compute times (a per-operator
-roofline on the hardware model's assumed device throughput), the activation bytes under per-block
-activation checkpointing (from per-block saved bytes of the meta trace; the engine does not checkpoint
-yet), and the host bytes of the baselines (their documented per-parameter rules).
+roofline on the hardware model's assumed device throughput), the activation bytes under the engine's
+``activation_checkpointing="auto"`` (its own estimate and choice rules, :mod:`offload.activations`, on
+per-block bytes counted on the meta device), and the host bytes of the baselines (their per-parameter
+rules).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from .buckets import host_layout, make_buckets
 from .errors import BudgetTooSmallError
 from .host import HOST_RAM_HEADROOM
 from .hw import HardwareModel
+from .activations import ActivationProfile, activation_bytes, choose_checkpoints, profile_of
 from .metatrace import MetaTrace, _Counter, _Saved, trace_meta
 from .presets import MODELS, preset_inputs
+from .recompute import find_blocks
 from .schedule import ARENA_ALIGN, BufferKind, Plan, build_plan, forward_min_budget, plan_bound
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -246,42 +249,20 @@ def _loss(out) -> torch.Tensor:
 # activations: forward-only counts at other shapes, and per-block checkpointing
 
 
-@dataclass(frozen=True)
-class Activations:
-    """Saved-activation bytes of one forward, counted the way the engine counts them (per storage, inside
-    the root module's forward, parameters excluded), and per repeated block."""
-
-    peak_bytes: int
-    block_saved: tuple[int, ...]  # bytes each block holds after its forward
-    block_input: tuple[int, ...]  # bytes of each block's input (what per-block checkpointing keeps)
-
-    @property
-    def checkpointed_bytes(self) -> int | None:
-        """Estimate under per-block checkpointing: every block keeps only its input, and backward
-        recomputes one block at a time (its saved bytes come back while its grads are computed)."""
-        if not self.block_saved:
-            return None
-        return (self.peak_bytes - sum(self.block_saved) + sum(self.block_input) + max(self.block_saved))
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of the ``nn.ModuleList`` holding the most parameters (a transformer's layers)."""
-    best, best_n = [], 0
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1:
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n = list(m), n
-    return best
-
-
-def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> Activations:
-    """One forward on the meta device (no backward: saved activations only accumulate in forward)."""
+def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> ActivationProfile:
+    """One forward on the meta device (no backward: saved activations only accumulate in forward), counted
+    the way the engine counts them (per storage, inside the root module's forward, parameters excluded),
+    per block of ``activation_checkpointing="auto"`` (:func:`offload.recompute.find_blocks`) too: the
+    :class:`~offload.activations.ActivationProfile` the engine's checkpoint planner takes (forward seconds 0:
+    not measured here)."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     counter = _Counter()
-    blocks = repeated_blocks(model)
-    saved, inputs, at = [0] * len(blocks), [0] * len(blocks), [0] * len(blocks)
-    handles, active = [], []
+    names = find_blocks(model)
+    modules = list(model.modules())
+    saved: dict[int, int] = {}
+    inputs: dict[int, int] = {}
+    calls: dict[int, tuple[int, float]] = {}
+    handles, active, at = [], [], {}
 
     def pack(t):
         return t if t.untyped_storage()._cdata in params else _Saved(t, counter)
@@ -298,22 +279,24 @@ def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tenso
         if active:
             active.pop().__exit__(None, None, None)
 
-    def block_pre(k):
+    def block_pre(m):
         def hook(module, args):
-            at[k] = counter.current
-            inputs[k] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+            at[m] = counter.current
+            inputs[m] = inputs.get(m, 0) + sum(a.numel() * a.element_size() for a in args
+                                               if isinstance(a, torch.Tensor))
+            calls.setdefault(m, (len(calls), 0.0))
         return hook
 
-    def block_post(k):
+    def block_post(m):
         def hook(module, args, out):
-            saved[k] = counter.current - at[k]
+            saved[m] = saved.get(m, 0) + counter.current - at[m]
         return hook
 
     handles.append(model.register_forward_pre_hook(root_pre))
     handles.append(model.register_forward_hook(root_post))
-    for k, b in enumerate(blocks):
-        handles.append(b.register_forward_pre_hook(block_pre(k)))
-        handles.append(b.register_forward_hook(block_post(k)))
+    for m in names:
+        handles.append(modules[m].register_forward_pre_hook(block_pre(m)))
+        handles.append(modules[m].register_forward_hook(block_post(m)))
     try:
         loss = run(model)
         del loss
@@ -322,7 +305,7 @@ def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tenso
             h.remove()
         while active:
             active.pop().__exit__(None, None, None)
-    return Activations(counter.peak, tuple(saved), tuple(inputs))
+    return profile_of(names, saved, inputs, calls, (), forward_end=counter.current, peak=counter.peak)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -332,13 +315,17 @@ def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tenso
 @dataclass(frozen=True)
 class Fix:
     change: str  # "activation_checkpointing", "batch", "seq" or "budget"
-    value: int | None  # the new batch, seq or budget bytes (None for checkpointing)
+    value: int  # the new batch, seq or budget bytes; for checkpointing, how many blocks "auto" would pick
     min_budget_bytes: int  # what the device then needs
     estimated: bool = False  # True where the activation bytes are an estimate, not traced
+    of: int | None = None  # checkpointing: of how many blocks
 
     def to_json(self) -> dict:
-        return {"change": self.change, "value": self.value, "min_budget_bytes": self.min_budget_bytes,
-                "estimated": self.estimated}
+        out = {"change": self.change, "value": self.value, "min_budget_bytes": self.min_budget_bytes,
+               "estimated": self.estimated}
+        if self.of is not None:
+            out["blocks"] = self.of
+        return out
 
 
 @dataclass(frozen=True)
@@ -353,7 +340,7 @@ class Report:
     min_budget_bytes: int
     overflow: str | None  # what does not fit: "activations" or "weights" (params, grads, buffers); None
     plan: Plan  # the plan at the budget, or at the minimum budget when the budget is too small
-    activations: Activations | None  # per-block counts, taken only when the plan does not fit
+    activations: ActivationProfile | None  # per-block counts, taken only when the activations overflow
     fixes: tuple[Fix, ...]
     baselines: dict[str, dict[str, Any]]
     lanes_s: dict[str, float] = field(default_factory=dict)
@@ -362,7 +349,10 @@ class Report:
 
     @property
     def checkpointed_activation_bytes(self) -> int | None:
-        return self.activations.checkpointed_bytes if self.activations is not None else None
+        """Estimated activation peak with every block checkpointed (the engine's estimate rule)."""
+        if self.activations is None or not self.activations.blocks:
+            return None
+        return activation_bytes(self.activations, [b.module for b in self.activations.blocks])
 
     @property
     def host_needed_bytes(self) -> int:
@@ -524,22 +514,24 @@ def _baselines(case: Case, params: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _fixes(request: Request, build: Build, acts: Activations | None, act_bytes: int, weights_side: int,
+def _fixes(request: Request, build: Build, acts: ActivationProfile | None, act_bytes: int, weights_side: int,
            progress) -> tuple[Fix, ...]:
-    """Single changes that make the plan fit, most preferred first: when activations overflow,
-    per-block checkpointing (keeps batch and sequence), then the largest batch, then the longest
-    sequence that fit; always the budget. Batch and sequence are checked by counting the activations of
-    a forward at that shape on the meta device, not by scaling."""
+    """Single changes that make the plan fit, most preferred first: when activations overflow, the engine's
+    ``activation_checkpointing="auto"`` (its own choice rule, :func:`choose_checkpoints`, on the meta
+    counts; keeps batch and sequence), then the largest batch, then the longest sequence that fit; always
+    the budget. Batch and sequence are checked by counting the activations of a forward at that shape on
+    the meta device, not by scaling."""
     budget = request.budget_bytes
     out = []
     if acts is not None:  # the activations overflow
-        ckpt = acts.checkpointed_bytes
-        if ckpt is not None and weights_side + ckpt <= budget:
-            out.append(Fix("activation_checkpointing", None, weights_side + ckpt, estimated=True))
+        choice = choose_checkpoints(acts, budget - weights_side) if acts.blocks else None
+        if choice is not None and choice.fits:
+            out.append(Fix("activation_checkpointing", len(choice.modules), weights_side + choice.activation_bytes,
+                           estimated=True, of=len(acts.blocks)))
 
         def fits_at(batch: int, seq: int) -> int | None:
             model, run = build(batch, seq)
-            need = weights_side + measure_activations(model.to(request.dtype), run).peak_bytes
+            need = weights_side + measure_activations(model.to(request.dtype), run).peak
             return need if need <= budget else None
 
         progress("looking for a batch size that fits")
@@ -568,5 +560,5 @@ def _largest(candidates: list[int], need: Callable[[int], int | None]) -> tuple[
     return best
 
 
-__all__ = ["Request", "Report", "ReportError", "Fix", "Activations", "make_report", "model_source",
+__all__ = ["Request", "Report", "ReportError", "Fix", "make_report", "model_source",
            "measure_activations", "min_budget_bytes", "gpu_breakdown", "host_breakdown", "DTYPES", "BREAKDOWN"]

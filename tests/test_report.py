@@ -10,6 +10,7 @@ import torch
 
 import offload
 from offload.buckets import make_buckets
+from offload.activations import activation_bytes
 from offload.hw import PRESETS
 from offload.metatrace import trace_meta
 from offload.presets import Shape
@@ -94,7 +95,7 @@ def test_gpt2_xl_batch_8_activations_overflow_and_the_fix_is_named():
     assert "Traceback" not in r.stderr
     out = " ".join(r.stdout.split())  # rich wraps long lines
     assert "does not fit: the activations" in out and "overflow the 8.00 GiB budget" in out
-    assert "Smallest change: activation checkpointing per block" in out
+    assert 'Smallest change: activation_checkpointing="auto"' in out
     assert "--batch " in out and "--seq " in out and "--budget " in out
     assert "ZeRO-Offload" in out and "Gemini" in out and "pinned host" in out
 
@@ -265,22 +266,22 @@ def test_forward_only_count_equals_the_traced_activation_peak(factories, monkeyp
     _, build = model_source(_request("64MiB", 2, 64))
     model, run = build(2, 64)
     acts = measure_activations(model, run)
-    assert acts.peak_bytes == trace_meta(model, run, PRESETS["pcie4"]).trace.activation_peak_bytes
-    assert len(acts.block_saved) == SMALL.n_layer
-    assert acts.checkpointed_bytes < acts.peak_bytes
+    assert acts.peak == trace_meta(model, run, PRESETS["pcie4"]).trace.activation_peak_bytes
+    assert [b.name for b in acts.blocks] == [f"blocks.{i}" for i in range(SMALL.n_layer)]
+    assert activation_bytes(acts, [b.module for b in acts.blocks]) < acts.peak
 
 
 def test_fused_attention_saves_no_seq_by_seq_matrix():
     model = SMALL.build("meta")
     idx = torch.zeros(1, 64, dtype=torch.long, device="meta")
-    math = measure_activations(model, lambda m: m(idx)).peak_bytes
+    math = measure_activations(model, lambda m: m(idx)).peak
 
     def fused(m):
         with FusedAttention():
             return m(idx)
     # The meta device's math path keeps fp32 (heads x seq x seq) probabilities per layer; flash keeps none.
     probabilities = SMALL.n_layer * SMALL.n_head * 64 * 64 * 4
-    assert math - measure_activations(model, fused).peak_bytes >= probabilities
+    assert math - measure_activations(model, fused).peak >= probabilities
 
 
 def test_report_error_for_a_model_that_cannot_run_on_meta(tmp_path, monkeypatch):
