@@ -11,7 +11,8 @@ import torch
 
 from .buckets import Bucket, ParamSpec, host_layout, locate
 from .config import format_bytes
-from .errors import HostMemoryError
+from .cpu_adam import KERNEL_AVAILABLE, adamw_step
+from .errors import HostMemoryError, OffloadError
 from .memory import HostArena
 from .optim import adamw_
 
@@ -20,9 +21,17 @@ HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when s
 
 class HostState:
     def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
-                 lowp_dtype: torch.dtype | None = None):
+                 lowp_dtype: torch.dtype | None = None, fused: bool = KERNEL_AVAILABLE):
         """``lowp_dtype``: the device's 16-bit compute dtype, whose copy of each bucket is kept here for the
-        host-to-device copy and rewritten by every update; None when the device computes in fp32."""
+        host-to-device copy and rewritten by every update; None when the device computes in fp32.
+        ``fused``: updates run on the C++ kernel (``offload.AdamW.fused``); False: torch ops."""
+        if fused and not KERNEL_AVAILABLE:
+            raise ValueError("fused=True needs the C++ AdamW kernel, which offload._C lacks")
+        self.fused = fused
+        # fp16 grads can overflow: the step-wide check (runtime, from the grad norms) skips such a step
+        # before any update; the kernel checks each bucket again, so an inf that slipped past it could
+        # never reach the weights.
+        self.check_finite = lowp_dtype == torch.float16
         lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
         layout = host_layout(buckets, lowp_itemsize)
         check_host_ram(layout.total_bytes, lowp_itemsize)
@@ -83,19 +92,35 @@ class HostState:
         """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
         same-group, same-step parameters (runs a parameter with another step count apart).
 
-        ``grad_factors`` multiply the grads first, one after the other (the loss-scale inverse, then the
-        clipping coefficient: the order in which torch's GradScaler.unscale_ and clip_grad_norm_ apply them).
+        ``grad_factors`` multiply the grads first (the loss-scale inverse, then the clipping coefficient:
+        the order in which torch's GradScaler.unscale_ and clip_grad_norm_ apply them). The fused kernel
+        takes their product as its ``grad_scale`` and writes the new 16-bit copy in the same pass; the torch
+        path multiplies the grads in place one factor after the other, then rounds the copy. (With the
+        default power-of-two loss scales and one clipping coefficient both round the same.)
         """
         bucket = self.buckets[b]
         master, grad, m, v = self.master[b], self.grad[b], self.exp_avg[b], self.exp_avg_sq[b]
+        lowp = self.lowp[b] if self.lowp is not None else None
+        scale = 1.0
+        for f in grad_factors:
+            scale *= f
 
-        def one(s: int, e: int, step: int, hp: dict) -> None:
+        def fused(s: int, e: int, step: int, hp: dict) -> None:
+            found_inf = adamw_step(master[s:e], grad[s:e], m[s:e], v[s:e], step=step, **hp, grad_scale=scale,
+                                   lowp_out=None if lowp is None else lowp[s:e], check_finite=self.check_finite)
+            if found_inf:
+                self._inf_error(b)
+
+        def plain(s: int, e: int, step: int, hp: dict) -> None:
+            if self.check_finite and not bool(torch.isfinite(grad[s:e]).all()):
+                self._inf_error(b)
             for f in grad_factors:
                 if f != 1.0:
                     grad[s:e].mul_(f)
             adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], step, **hp)
             self.refresh_lowp(b, s, e)
 
+        one = fused if self.fused else plain
         for run in bucket.runs:
             lr, b1, b2, eps, wd = hparams[run.group]
             hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
@@ -108,6 +133,11 @@ class HostState:
                 if p in params:
                     one(self.offset[p], self.offset[p] + self.specs[p].numel, self.steps[p] + 1, hp)
                     self._count((p,))
+
+    @staticmethod
+    def _inf_error(b: int) -> None:
+        raise OffloadError(f"bucket {b}'s float16 grads hold an inf or NaN although the step-wide overflow check "
+                           "passed; the bucket was not updated. This is a bug in offload: please report it")
 
     def grad_norms(self, b: int, params, ord: float = 2.0) -> dict[int, torch.Tensor]:
         """Per-parameter norm of the accumulated host grads of ``params`` (all in bucket ``b``)."""

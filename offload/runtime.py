@@ -867,7 +867,8 @@ class Runtime:
         if sum(need.values()) > self.config.budget:
             raise budget_error(self.config.budget, **need)
         lowp = self.dtype if self.dtype != torch.float32 else None
-        host = HostState(buckets, self.specs, [p.shape for p in self.params], lowp)  # may raise HostMemoryError
+        host = HostState(buckets, self.specs, [p.shape for p in self.params], lowp,  # may raise HostMemoryError
+                         fused=self.optimizer.fused)
         self.backend.pin_host(host.arena)  # page-locked once, after first touch (CUDA; no-op on the CPU backend)
         with torch.no_grad():
             for p in range(len(self.params)):
