@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 
 import torch
+
+from .hw import HardwareModel, load_hw
 
 _UNITS = {
     "": 1, "b": 1,
@@ -98,6 +101,10 @@ class OffloadConfig:
     every grad before any update."""
     loss_scale: LossScaleConfig | None = None
     """Dynamic loss scaling; used (with these defaults when None) for float16 only."""
+    hw: HardwareModel | str | os.PathLike | None = None
+    """The machine the scheduler plans for: a :class:`offload.hw.HardwareModel`, a preset name (``"pcie3"``,
+    ``"pcie4"``, ``"pcie5"``: nominal figures) or the path of the JSON that ``offload probe --json`` wrote
+    (measured). Resolved once, here, with :func:`offload.hw.load_hw`. ``None``: the ``pcie4`` preset."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -121,6 +128,10 @@ class OffloadConfig:
             raise TypeError(f"loss_scale must be an offload.LossScaleConfig; got {self.loss_scale!r}")
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
+        if self.hw is not None:
+            if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
+                raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
+            set_(self, "hw", load_hw(self.hw))  # ValueError naming the presets for an unknown name or file
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -387,11 +387,13 @@ class Runtime:
         if state is Residency.DEVICE:
             self._touch_lru(b)
             return
+        self.recorder.exclude_begin()  # waiting is not compute: the cost model simulates it (trace.overhead)
         if state is Residency.HOST:
             if self.on_plan:
                 self._leave_plan()
             self._fetch_on_demand(b)
         self.backend.wait(self.h2d_event[b])
+        self.recorder.exclude_end()
         self._set_state(b, Residency.DEVICE)
         self._touch_lru(b)
 
@@ -522,11 +524,13 @@ class Runtime:
             return
         param = self.params[p]
         nbytes = param.numel() * self.itemsize
+        self.recorder.exclude_begin()  # the warm-up's synchronous fetches are not compute (trace.overhead)
         self._make_room(nbytes)
         storage = self.backend.empty(nbytes)
         self.memory.add("slots", nbytes)
         view = storage.view(self.dtype).view(param.shape)
         self.backend.wait(self.backend.h2d(view, self.original[p], [self.boundary]))
+        self.recorder.exclude_end()
         param.data = view
         self.trace_views[p] = view
         self.trace_storage[storage.untyped_storage().data_ptr()] = p
@@ -844,7 +848,7 @@ class Runtime:
 
     def _replan(self, trace: Trace) -> None:
         plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
-                          fixed_bytes=self.memory.parts["buffers"])
+                          fixed_bytes=self.memory.parts["buffers"], hw=self.config.hw)
         validate_plan(plan)
         self.on_plan = False
         self._deactivate()

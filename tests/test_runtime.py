@@ -304,3 +304,19 @@ def test_eval_on_a_different_path_keeps_the_training_plan(device):
     assert stats["counters"]["plan_departures"] >= 2  # each evaluation departs ...
     assert stats["plan"]["replans"] == 0  # ... but training keeps its plan
     assert stats["device_peak_bytes"] <= stats["budget_bytes"]
+
+
+def test_plan_uses_the_configured_hardware_and_the_trace_excludes_waits():
+    """OffloadConfig(hw=...) reaches build_plan; the engine's own fetches and waits are overhead, not compute
+    (Trace.compute_seconds), so the cost model does not count the warm-up's synchronous copies as compute."""
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    engine, opt, _, _ = _ref_and_engine(model, budget_frac=0.6, hw="pcie5")
+    for step in range(2):
+        engine(torch.randn(2, 64, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+    rt = engine._runtime
+    assert rt.plan.hw_name == "pcie5" and rt.plan.simulated is not None
+    trace = rt.trace
+    assert len(trace.overhead) == len(trace.seconds) and sum(trace.overhead) > 0
+    assert all(0 <= c <= s for c, s in zip(trace.compute_seconds, trace.seconds))
+    engine.close()

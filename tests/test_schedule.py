@@ -97,6 +97,24 @@ def test_plans_are_valid_and_errors_are_true(case, budget, fixed):
     for spans in per_bucket.values():
         spans.sort()
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    _assert_waits_cover_every_earlier_occupant(plan)
+
+
+def _assert_waits_cover_every_earlier_occupant(plan):
+    """[Note: waits on earlier buffers]: every earlier buffer sharing memory with x is waited for, directly
+    or through the waits of a buffer x waits for (the brute-force closure)."""
+    bufs = plan.buffers
+    for k, x in enumerate(bufs):
+        reach, todo = set(), list(x.after)
+        while todo:
+            j = todo.pop()
+            if j not in reach:
+                reach.add(j)
+                todo.extend(bufs[j].after)
+        for j, y in enumerate(bufs):
+            shares = y.offset < x.offset + x.size and x.offset < y.offset + y.size
+            if j != k and shares and y.end <= x.start:
+                assert j in reach, f"buffer {k} never waits for earlier buffer {j} in its memory"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
