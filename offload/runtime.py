@@ -44,7 +44,7 @@ from .host import HostState
 from .optim import AdamW
 from .scaler import LossScaler
 from .schedule import Plan, budget_error, build_plan, forward_min_budget, validate_plan
-from .trace import EventKind, Recorder, Trace
+from .trace import Event, EventKind, Recorder, Trace
 
 
 EVAL_PLANS_KEPT = 4  # forward-only plans kept, one per recent no-grad path (see [Note: forward-only plans])
@@ -155,6 +155,8 @@ class Runtime:
         self.train_plan: Plan | None = None  # forward + backward, from a recorded training step
         self.eval_plan: Plan | None = None  # forward only, for forwards under torch.no_grad()
         self.eval_plans: OrderedDict[tuple, Plan] = OrderedDict()  # recent forward-only plans by path
+        self.eval_next: dict[tuple, tuple] = {}  # path -> the path the no-grad forward after it took
+        self.eval_last: tuple | None = None  # path of the latest no-grad forward
         self.arena: torch.Tensor | None = None
 
         self.state: list[Residency] = []  # per bucket
@@ -211,7 +213,7 @@ class Runtime:
                 if index == 0 and self.recorder.stack:
                     self.abort_forward()  # the previous call of the root module raised
                 if not self.recorder.stack:
-                    self._begin_forward()
+                    self._begin_forward(index)
                 self.recorder.pre(index)
                 self.users.append({})
                 self._advance(EventKind.PRE, index)
@@ -250,15 +252,19 @@ class Runtime:
         self.hparams = None
         self.memory.activation_peak = self.memory.parts["activations"]
 
-    def _begin_forward(self) -> None:
+    def _begin_forward(self, root: int) -> None:
         grad_enabled = torch.is_grad_enabled()
         if self.in_backward or self.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
             self._release_all()
         # [Note: forward-only plans] A forward under torch.no_grad() (evaluation, generate()) has no
         # backward to keep buckets for or prefetch for: it runs its own plan, built from a recorded
-        # no-grad forward. Switching plans frees one arena before the other is allocated.
-        want = self.train_plan if grad_enabled else self.eval_plan
+        # no-grad forward. Recent no-grad paths keep their plans. A forward takes the path that followed
+        # the previous one last time, if it starts at the module called, else the latest that does
+        # (generate() on T5 calls the encoder, then the model computing cross-attention keys, then the
+        # model reading them from its cache: three paths, always in that order). Switching plans frees
+        # one arena before the other is allocated.
+        want = self.train_plan if grad_enabled else self._eval_plan_for(root)
         if want is not self.plan and self.host is not None:
             self._deactivate()
             self.plan = want
@@ -304,17 +310,30 @@ class Runtime:
             self._finish_trace_forward()
         if not self.grad_enabled:
             # No backward follows a no-grad forward (evaluation): let go of everything streamed.
-            followed = self.on_plan and self.plan is self.eval_plan and self.pos == len(self.plan.trace.events)
+            followed = self.on_plan and self.pos == len(self.plan.trace.events)  # self.plan: an eval plan
             self._release_all()
             self.pos = 0
-            if not followed and self.host is not None:
-                self._plan_forward_only(self.recorder.finish())
+            if self.host is not None:
+                self._plan_forward_only(self.plan.trace if followed else self.recorder.finish())
+
+    def _eval_plan_for(self, root: int) -> Plan | None:
+        start = Event(EventKind.PRE, root)
+        plan = self.eval_plans.get(self.eval_next.get(self.eval_last))
+        if plan is not None and plan.trace.events[0] == start:
+            return plan
+        for plan in reversed(self.eval_plans.values()):
+            if plan.trace.events[0] == start:
+                return plan
+        return None  # no path seen starts here: fetch on demand and record one
 
     def _plan_forward_only(self, trace: Trace) -> None:
         """Make the plan of this no-grad forward's path the one the next no-grad forward follows (see
         [Note: forward-only plans]). Paths seen recently (generate(): the first call and the later ones)
         keep their plans, so alternating between them does not plan again."""
         key = (trace.events, trace.uses)
+        if self.eval_last is not None:
+            self.eval_next[self.eval_last] = key
+        self.eval_last = key
         plan = self.eval_plans.get(key)
         if plan is None:
             try:
@@ -326,7 +345,8 @@ class Runtime:
             self.stats["eval_plans_built"] += 1
             self.eval_plans[key] = plan
             while len(self.eval_plans) > EVAL_PLANS_KEPT:
-                self.eval_plans.popitem(last=False)
+                gone, _ = self.eval_plans.popitem(last=False)
+                self.eval_next = {a: b for a, b in self.eval_next.items() if gone not in (a, b)}
         self.eval_plans.move_to_end(key)
         self.eval_plan = plan
 

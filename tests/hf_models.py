@@ -59,30 +59,30 @@ def _causal_lm(model: nn.Module, salt: int) -> HFCase:
 
 
 def gpt2() -> HFCase:
-    config = tf.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=3, n_head=4,
+    config = tf.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=128, n_layer=3, n_head=4,
                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
                            pad_token_id=0)
     return _causal_lm(_build(11, lambda: tf.GPT2LMHeadModel(config)), 11)
 
 
 def llama() -> HFCase:
-    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=3,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     return _causal_lm(_build(12, lambda: tf.LlamaForCausalLM(config)), 12)
 
 
 def opt() -> HFCase:
-    config = tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=3,
-                          num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=64,
+    config = tf.OPTConfig(vocab_size=VOCAB, hidden_size=128, ffn_dim=512, num_hidden_layers=3,
+                          num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=128,
                           dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return _causal_lm(_build(13, lambda: tf.OPTForCausalLM(config)), 13)
 
 
 def bert_mlm() -> HFCase:
-    config = tf.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                           intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+    config = tf.BertConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                           intermediate_size=512, max_position_embeddings=32, hidden_dropout_prob=0.0,
                            attention_probs_dropout_prob=0.0, pad_token_id=0)
     model = _build(14, lambda: tf.BertForMaskedLM(config))
     mask_id = 1
@@ -102,7 +102,7 @@ def bert_mlm() -> HFCase:
 
 def t5() -> HFCase:
     """Encoder-decoder; encoder, decoder and LM head share one embedding matrix."""
-    config = tf.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+    config = tf.T5Config(vocab_size=VOCAB, d_model=128, d_kv=32, d_ff=512, num_layers=2, num_decoder_layers=2,
                          num_heads=4, dropout_rate=0.0, tie_word_embeddings=True, decoder_start_token_id=0,
                          pad_token_id=0, eos_token_id=2)
     model = _build(15, lambda: tf.T5ForConditionalGeneration(config))
@@ -115,14 +115,14 @@ def t5() -> HFCase:
 
 
 def vit() -> HFCase:
-    config = tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=3,
-                          num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+    config = tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=128, num_hidden_layers=3,
+                          num_attention_heads=4, intermediate_size=512, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, num_labels=5)
     model = _build(16, lambda: tf.ViTForImageClassification(config))
     teacher = torch.randn(5, 3 * 16 * 16, generator=_gen(0, 160))
 
     def make_batch(step):
-        images = torch.randn(BATCH, 3, 16, 16, generator=_gen(step, 16))
+        images = torch.randn(1, 3, 16, 16, generator=_gen(step, 16))  # one image: activations stay small
         return {"pixel_values": images, "labels": (images.flatten(1) @ teacher.T).argmax(1)}
 
     return HFCase(model, make_batch, None)
