@@ -20,7 +20,6 @@ either does not hold, if the loss did not go down or if the device peak went ove
 """
 
 import argparse
-import math
 import sys
 import time
 
@@ -108,21 +107,34 @@ def below_lowest_trainable(model: nn.Module, args) -> set[int]:
     return {id(p) for p in params}
 
 
-def transfers_table(rt, stats: dict, below: set[int], per_step: list[float], steps: int) -> Table:
-    table = Table(title=f"what crossed the bus, per step (mean of the last {steps} steps)")
-    for col in ("buckets", "count", "bytes each", "host->device per step", "fetches per step"):
-        table.add_column(col, justify="right" if col != "buckets" else "left")
+def planned_bytes(plan, b) -> tuple[int, int]:
+    """Bytes the plan copies to the device for bucket ``b`` each step: in all, and in copies that stay on
+    into backward or are made for it (the backward refetches). Resident buckets are not copied by the plan."""
+    if b in plan.resident:
+        return 0, 0
+    nf = plan.trace.num_forward
+    mine = [x for x in plan.buffers if x.bucket == b and x.kind.value == "param"]
+    return sum(x.size for x in mine), sum(x.size for x in mine if x.end > nf)
+
+
+def classify(rt, below: set[int]) -> dict[str, list]:
     kinds = {"frozen, below the lowest trainable": [], "the rest": []}
     for b in rt.buckets:
-        key = "frozen, below the lowest trainable" if all(id(rt.params[p]) in below for p in b.params) else "the rest"
-        kinds[key].append(b)
-    for name, buckets in kinds.items():
-        if not buckets:
-            continue
-        moved = sum(per_step[b.index] for b in buckets)
-        size = sum(b.nbytes(rt.itemsize) for b in buckets)
-        table.add_row(name, str(len(buckets)), format_bytes(size / len(buckets)), format_bytes(moved),
-                      f"{moved / size:.2f}")
+        low = all(id(rt.params[p]) in below for p in b.params)
+        kinds["frozen, below the lowest trainable" if low else "the rest"].append(b)
+    return kinds
+
+
+def transfers_table(rt, below: set[int], per_step: list[float], steps: int) -> Table:
+    table = Table(title=f"host -> device copies per step (measured: mean of the last {steps} steps)")
+    for col in ("buckets", "count", "bytes", "copied per step", "of which for backward (plan)"):
+        table.add_column(col, justify="right" if col != "buckets" else "left")
+    for name, buckets in classify(rt, below).items():
+        if buckets:
+            size = sum(b.nbytes(rt.itemsize) for b in buckets)
+            moved = sum(per_step[b.index] for b in buckets)
+            backward = sum(planned_bytes(rt.train_plan, b.index)[1] for b in buckets)
+            table.add_row(name, str(len(buckets)), format_bytes(size), format_bytes(moved), format_bytes(backward))
     return table
 
 
@@ -171,7 +183,7 @@ def main(argv=None) -> int:
         start = marks.get("start", {"h2d_bytes_by_bucket": [0] * len(rt.buckets), "d2h_bytes": 0})
         measured = max(1, args.steps - 2)
         per_step = [(a - b) / measured for a, b in zip(end["h2d_bytes_by_bucket"], start["h2d_bytes_by_bucket"])]
-        console.print(transfers_table(rt, stats, below, per_step, measured))
+        console.print(transfers_table(rt, below, per_step, measured))
         ok = report(rt, stats, below, per_step, losses, trainable, total, dtype)
     finally:
         engine.close()
@@ -195,14 +207,19 @@ def report(rt, stats, below, per_step, losses, trainable, total, dtype) -> bool:
     checks = []
     checks.append(("host arena holds no optimizer state for frozen weights",
                    formula <= host <= formula + 5 * 64 * len(rt.buckets)))
-    plan = stats["plan"]
-    below_buckets = [b for b in rt.buckets if all(id(rt.params[p]) in below for p in b.params)]
-    once = all(per_step[b.index] <= b.nbytes(rt.itemsize) for b in below_buckets)
-    checks.append(("buckets below the lowest trainable parameter cross at most once a step (no backward "
-                   "refetch)", once))
+    summary, plan = stats["plan"], rt.train_plan
+    below_buckets = classify(rt, below)["frozen, below the lowest trainable"]
+    no_backward = all(planned_bytes(plan, b.index)[1] == 0 for b in below_buckets)
+    checks.append(("buckets below the lowest trainable parameter are not copied for backward", no_backward))
+    # What was measured is what the plan says: its copies, plus the refresh of updated resident buckets
+    # (none after a step float16 skipped for overflow).
+    planned = [planned_bytes(plan, b.index)[0] for b in rt.buckets]
+    refresh = [b.nbytes(rt.itemsize) if b.index in plan.resident and b.trainable_numel else 0 for b in rt.buckets]
+    checks.append(("bytes copied per bucket = the plan's",
+                   all(p <= m <= p + r for m, p, r in zip(per_step, planned, refresh))))
     peak, budget = stats["device_peak_bytes"], stats["budget_bytes"]
     checks.append((f"device peak {format_bytes(peak)} <= budget {format_bytes(budget)} "
-                   f"({plan['streamed_buckets']} of {plan['num_buckets']} buckets streamed)", peak <= budget))
+                   f"({summary['streamed_buckets']} of {summary['num_buckets']} buckets streamed)", peak <= budget))
     k = min(5, len(losses) // 2)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     checks.append((f"loss {first:.3f} -> {last:.3f} (mean of the first {k} -> last {k} steps)", last < first))

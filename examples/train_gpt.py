@@ -62,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="examples/gpt.py, or transformers' GPT2LMHeadModel (needs the hf extra)")
     p.add_argument("--save", help="checkpoint file written at every evaluation and at the end")
     p.add_argument("--resume", help="checkpoint file (from --save) to continue from")
+    p.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted (--save writes there)")
     p.add_argument("--eval-every", type=int, default=25, help="steps between validation-loss estimates")
     args = p.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
@@ -198,7 +199,8 @@ def train(engine, opt, sched, train_data, val_data, args, device: str, start: in
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), ms=0.0, tps=0.0,
                                  peak="-")
-        for step in range(start, args.steps):
+        end = min(args.steps, args.stop_after or args.steps)
+        for step in range(start, end):
             t0 = time.perf_counter()
             x, y = get_batch(train_data, args.batch, args.seq, g)
             loss = lm_loss(engine, x.to(device), y.to(device))  # step 1 is traced; the plan is built after it
@@ -210,7 +212,7 @@ def train(engine, opt, sched, train_data, val_data, args, device: str, start: in
             dt = time.perf_counter() - t0
             peak = format_bytes(engine.memory_stats()["device_peak_bytes"])
             progress.update(task, advance=1, loss=losses[-1], ms=1000 * dt, tps=x.numel() / dt, peak=peak)
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            if (step + 1) % args.eval_every == 0 or step + 1 == end:
                 val = evaluate(engine, val_batches, device)
                 progress.console.print(f"step {step + 1}: train loss {losses[-1]:.3f}, val loss {val:.3f}")
                 if args.save:
