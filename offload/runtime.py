@@ -112,15 +112,24 @@ class _UseDetector(TorchFunctionMode):
 
 
 class _Busy:
-    """While the runtime's own code runs inside a forward, the use detector ignores its tensor ops."""
+    """While the runtime's own code runs inside a forward, the use detector ignores its tensor ops. Under
+    ``torch.inference_mode()`` that code runs outside it: the arena, slots and views it makes are used by the
+    copy threads and by later training steps, which inference tensors would refuse."""
 
     def __init__(self, rt: "Runtime"):
         self.rt = rt
+        self.guard = None
 
     def __enter__(self):
         self.prev, self.rt.busy = self.rt.busy, True
+        if torch.is_inference_mode_enabled():
+            self.guard = torch.inference_mode(False)
+            self.guard.__enter__()
 
     def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+            self.guard = None
         self.rt.busy = self.prev
 
 

@@ -112,6 +112,10 @@ def test_hf_model_trains_and_evaluates_like_pytorch(name: str, references):
 
         before = dict(stats["counters"])
         torch.testing.assert_close(logits(engine, case.model, eval_batch(case)), logits_ref, **EVAL_TOL)
+        case.model.eval()
+        with torch.inference_mode():  # the engine's own buffers must not become inference tensors
+            torch.testing.assert_close(engine(**eval_batch(case)).logits, logits_ref, **EVAL_TOL)
+        case.model.train()
         if case.prompt is not None:
             case.model.eval()
             generated = case.model.generate(**case.prompt, **GENERATE)  # the module itself: hooks do the rest
@@ -129,7 +133,8 @@ def test_hf_model_trains_and_evaluates_like_pytorch(name: str, references):
         assert after["d2h_bytes"] == before["d2h_bytes"]  # no gradient left the device
         assert all(p.grad is None for p in case.model.parameters())
 
-        # Training goes on after evaluation, on the training plan, and still matches.
+        # Training goes on after evaluation, on the same training plan.
+        train(engine, opt, case, 1)
         assert engine.memory_stats()["plan"]["replans"] == stats["plan"]["replans"]
     finally:
         engine.close()
