@@ -496,7 +496,8 @@ def host_breakdown(buckets, lowp_itemsize: int) -> dict[str, int]:
     numel = sum(b.numel for b in buckets)
     trainable = sum(b.trainable_numel for b in buckets)
     out = dict.fromkeys(BREAKDOWN, 0)
-    out.update(master_weights=4 * numel, lowp_staging=lowp_itemsize * numel, grads=4 * trainable,
+    master = trainable if lowp_itemsize else numel  # with a 16-bit copy, frozen parameters have no fp32 master
+    out.update(master_weights=4 * master, lowp_staging=lowp_itemsize * numel, grads=4 * trainable,
                adam_m=4 * trainable, adam_v=4 * trainable)
     total = host_layout(buckets, lowp_itemsize).total_bytes
     out["workspace"] = total - sum(out.values())
