@@ -33,6 +33,12 @@ FACTORIES = textwrap.dedent("""
     def small_model_only():
         return SMALL.build(torch.get_default_device())
 
+    def frozen_embeddings(batch, seq):
+        model = SMALL.build(torch.get_default_device())
+        model.wte.requires_grad_(False)
+        model.wpe.requires_grad_(False)
+        return model, torch.zeros(batch, seq, dtype=torch.long)
+
     def broken(batch, seq):
         raise RuntimeError("no such checkpoint")
 """)
@@ -247,6 +253,24 @@ def test_report_predicts_the_engines_device_peak(factories, monkeypatch, budget)
     assert report.gpu_bytes["activations"] == pytest.approx(stats["plan"]["activation_bytes"], rel=0.01)
     assert report.host_bytes["total"] == stats["host_pinned_bytes"]
     assert report.plan.summary()["num_buckets"] == stats["plan"]["num_buckets"]
+
+
+def test_host_bytes_with_frozen_parameters_match_the_engine(factories, monkeypatch):
+    monkeypatch.syspath_prepend(factories)
+    report = make_report(_request("64MiB", 1, 16, dtype=torch.bfloat16, model="report_factories:frozen_embeddings"))
+    frozen = SMALL.vocab * SMALL.d + SMALL.n_ctx * SMALL.d
+    assert report.trainable_params == report.params - frozen
+    assert report.host_bytes["master_weights"] == 4 * report.trainable_params  # frozen: only the bf16 copy
+    assert report.host_bytes["workspace"] >= 0
+    model = SMALL.build("cpu")
+    model.wte.requires_grad_(False)
+    model.wpe.requires_grad_(False)
+    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    engine = offload.wrap(model, opt, budget="64MiB", dtype=torch.bfloat16, device="cpu", bucket_bytes="256KiB")
+    engine(torch.zeros(1, 16, dtype=torch.long)).backward()
+    opt.step()
+    assert report.host_bytes["total"] == engine.memory_stats()["host_pinned_bytes"]
+    engine.close()
 
 
 def test_min_budget_is_where_the_planner_starts_to_accept(factories, monkeypatch):
