@@ -143,6 +143,14 @@ def _nvidia_smi() -> str | None:
     return r.stdout.strip() or None
 
 
+def size_label(n: int) -> str:
+    """A budget for file names: 8GiB, 768KiB, 1000B."""
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n % 2**k == 0:
+            return f"{n >> k}{unit}"
+    return f"{n}B"
+
+
 def gib(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
 

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench_runner import gib, machine, not_startable, run_child, write_json  # noqa: E402
+from bench_runner import gib, machine, size_label, not_startable, run_child, write_json  # noqa: E402
 from bench_systems import SYSTEMS  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
 from offload.presets import Shape  # noqa: E402
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
         left = None if args.time_budget is None else args.time_budget - (time.perf_counter() - t0)
         if left is not None and left <= 0:
             return {"ok": False, "status": "not_run", "error": f"time budget of {args.time_budget:.0f} s used up"}
-        label = f"max-{system}-{budget // 2**10}KiB-L{n_layer}"
+        label = f"max-{system}-{size_label(budget)}-L{n_layer}"
         log = Path(args.logs) / f"{label}.log" if args.logs else None
         with console.status(label):
             res = run_child(spec, args.timeout if left is None else min(args.timeout, left), log)

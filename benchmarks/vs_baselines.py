@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench_runner import gib, machine, not_startable, run_child, write_json  # noqa: E402
+from bench_runner import gib, machine, size_label, not_startable, run_child, write_json  # noqa: E402
 from bench_systems import SYSTEMS  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
 from offload.hw import load_hw  # noqa: E402
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         for system in args.system_list:
             spec = base | {"system": system, "budget_bytes": budget,
                            "cap": not (system == "offload" and args.no_cap_offload)}
-            label = f"{model}-{budget // 2**20}MiB-{system}"
+            label = f"{model}-{size_label(budget)}-{system}"
             res = not_startable(spec, params_of[model], not args.no_skip) or child(spec, label)
             run = record(spec, res)
             if system == "offload":
