@@ -19,8 +19,9 @@ yet, so none of the systems gets it):
     torch          plain PyTorch: fp32 params, torch.optim.AdamW(fused=True), autocast bf16
     gemini         ColossalAI Gemini (placement "auto", bf16, HybridAdam) -- written from ColossalAI's
                    documented API and never run (it cannot be installed beside torch >= 2.6)
-    compute        not a system: forward + backward only, bf16 weights resident, no optimizer, no budget
-                   cap; the measured compute half of this engine's physical bound
+    compute        not a system: forward + backward only, bf16 weights resident, under autocast as this
+                   engine computes, no optimizer, no budget cap; the measured compute part of this engine's
+                   physical bound
 
 On CUDA the GPU budget is enforced for every system (this engine included) with
 ``torch.cuda.set_per_process_memory_fraction(budget / total)``; this engine is also given it as its own
@@ -247,8 +248,11 @@ def sys_torchao(spec, device, idx):
 
 def deepspeed_config(spec: dict, device: torch.device, stage: int) -> dict:
     pin = device.type == "cuda"
+    # Buckets of 2e8 elements (400 MB in bf16) rather than DeepSpeed's default 5e8 (1 GB each), so its fixed
+    # buffers take less of an 8 GiB budget. Everything else is DeepSpeed's default.
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": pin},
-            "contiguous_gradients": True, "overlap_comm": True}
+            "contiguous_gradients": True, "overlap_comm": True, "reduce_bucket_size": int(2e8),
+            "allgather_bucket_size": int(2e8)}
     if stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     return {
@@ -311,7 +315,9 @@ def sys_compute(spec, device, idx):
     model = build_model(spec, device, torch.bfloat16)
 
     def step():
-        model(idx).backward()
+        with autocast(device):  # as this engine computes: bf16 weights under autocast
+            loss = model(idx)
+        loss.backward()
         for p in model.parameters():
             p.grad = None
 

@@ -27,14 +27,19 @@ def load(paths: list[str]) -> tuple[list[dict], list[dict]]:
     vs, mm = [], []
     for p in paths:
         data = json.loads(Path(p).read_text())
+        if not isinstance(data, dict):
+            print(f"skipping {p}: not a vs_baselines.py or max_model.py result")
+            continue
         data["_file"] = Path(p).name
         kind = data.get("benchmark")
         if kind == "vs_baselines" or "runs" in data:
             vs.append(data)
         if kind == "max_model" or "max_model" in data:
             mm.append(data)
-        if not (kind or "runs" in data or "max_model" in data):
-            raise ValueError(f"{p} is not a vs_baselines.py or max_model.py result")
+        if not (kind in ("vs_baselines", "max_model") or "runs" in data or "max_model" in data):
+            print(f"skipping {p}: not a vs_baselines.py or max_model.py result")
+    if not (vs or mm):
+        raise ValueError("none of the files is a vs_baselines.py or max_model.py result")
     return vs, mm
 
 
@@ -255,7 +260,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         vs, mm = load(args.results)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         ap.error(str(e))
     (out / "results.md").write_text(markdown(vs, mm) + "\n")
     print(f"wrote {out / 'results.md'}")
