@@ -207,7 +207,15 @@ def sys_offload(spec, device, idx):
             t = plan.trace
             capacity = plan.budget_bytes - t.activation_peak_bytes - plan.fixed_bytes - t.max_grad_bytes
             out["least_traffic"] = least_traffic(t, plan.buckets, plan.itemsize, capacity)
+            # The simulator's step for this plan: as planned (the runtime plans with its default hardware
+            # preset and the warm-up step's wall times), and with --hw's link and AdamW figures.
             out["predicted_step_s"] = plan.simulated.step_s if plan.simulated is not None else None
+            out["planned_with_hw"] = plan.hw_name
+            if spec.get("hw"):
+                from offload.hw import load_hw
+                from offload.schedule import simulate_plan
+
+                out["predicted_step_s_hw"] = simulate_plan(plan, load_hw(spec["hw"])).step_s
             out["traced_compute_s"] = sum(t.compute_seconds)
         return out
 

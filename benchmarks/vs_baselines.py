@@ -27,6 +27,7 @@ Then ``python benchmarks/plot.py results.json --out DIR`` draws the plots and wr
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -184,9 +185,9 @@ def add_bound(run: dict, compute: dict | None, hw) -> None:
     b = physical_bound(compute["step_s"], least["h2d"], least["d2h"], least["adam_numel"], hw)
     run["bound"] = {"seconds": b.seconds, "limit": b.limit, "parts": b.parts, "hw": hw.name,
                     "hw_measured": hw.measured, "least_traffic": least,
-                    "compute_source": "measured: median forward+backward, bf16 weights resident, no optimizer"}
+                    "compute_source": "measured: median forward+backward, bf16 weights resident under "
+                                      "autocast, no optimizer (the calibration[] entry of this model)"}
     run["step_over_bound"] = run["step_s"] / b.seconds
-    run["predicted_step_s"] = run["details"].get("predicted_step_s")
 
 
 def main(argv=None) -> int:
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
             calibration[model] = res
             out["calibration"].append(res)
         for system in args.system_list:
-            spec = base | {"system": system, "budget_bytes": budget,
+            spec = base | {"system": system, "budget_bytes": budget, "hw": args.hw,
                            "cap": not (system == "offload" and args.no_cap_offload)}
             label = f"{model}-{size_label(budget)}-{system}"
             res = not_startable(spec, params_of[model], not args.no_skip) or child(spec, label)
@@ -240,7 +241,7 @@ def main(argv=None) -> int:
             console.print(f"{label}: {run['status']}" + (f", {run['step_s']:.4f} s/step" if run["ok"] else
                                                          f" ({(run['error'] or '')[:160]})"))
     out["total_s"] = time.perf_counter() - t_start
-    out["machine"]["load_average_end"] = list(__import__("os").getloadavg())
+    out["machine"]["load_average_end"] = list(os.getloadavg())
     write_json(args.json, out)
     print_table(console, out)
     if args.json:
@@ -259,7 +260,8 @@ def print_table(console: Console, out: dict) -> None:
         speed = (f"{o['tokens_per_s'] / r['tokens_per_s']:.2f}x" if o and r["ok"] and r["system"] != "offload"
                  else "")
         t.add_row(r["model"], gib(r["budget_bytes"]), r["system"], r["status"],
-                  f"{r['step_s']:.4f}" if r["step_s"] else "-", f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-",
+                  f"{r['step_s']:.4f}" if r["step_s"] else "-",
+                  f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-",
                   f"{r['tflops']:.2f}" if r["tflops"] else "-", gib(r["peak_gpu_bytes"]), gib(r["peak_host_bytes"]),
                   f"{r['step_over_bound']:.2f}" if r.get("step_over_bound") else "", speed)
     console.print(t)

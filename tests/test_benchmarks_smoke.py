@@ -75,6 +75,7 @@ def test_smoke_figures_are_consistent(smoke):
     assert 0 < ours["peak_gpu_bytes"] <= ours["budget_bytes"]  # the CPU backend's accounted device peak
     assert ours["details"]["host_pinned_bytes"] > 0
     assert ours["details"]["least_traffic"]["h2d"] > 0
+    assert ours["details"]["predicted_step_s"] > 0 and ours["details"]["predicted_step_s_hw"] > 0
     # the bound: measured compute (the calibration child) and the plan's least traffic, from the file alone
     (cal,) = data["calibration"]
     assert cal["system"] == "compute" and cal["ok"] and cal["step_s"] > 0
