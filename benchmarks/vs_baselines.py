@@ -251,8 +251,8 @@ def main(argv=None) -> int:
 
 def print_table(console: Console, out: dict) -> None:
     t = Table(title="vs baselines (same GPU budget); step = median of the timed steps")
-    for c in ("model", "budget", "system", "status", "step s", "tokens/s", "TFLOPS", "peak GPU GiB",
-              "peak host GiB", "x bound", "offload speedup"):
+    for c in ("model", "budget", "system", "status", "step s", "tokens/s", "TFLOPS", "peak GPU",
+              "peak host", "x bound", "offload speedup"):
         t.add_column(c, justify="left" if c in ("model", "system", "status") else "right")
     ours = {(r["model"], r["budget_bytes"]): r for r in out["runs"] if r["system"] == "offload" and r["ok"]}
     for r in out["runs"]:
