@@ -9,8 +9,8 @@ system's OOM, crash or hang cannot take the others with it, and so its peak GPU 
 RSS are its own.
 
 Every system trains the same model (``offload.presets``-style transformer, random init, synthetic tokens)
-with AdamW and bf16 compute over fp32 master weights, no activation checkpointing (this engine has none
-yet, so none of the systems gets it):
+with AdamW and bf16 compute over fp32 master weights, and no activation checkpointing for anyone (the
+same setting for every system; this engine's ``activation_checkpointing`` stays off):
 
     offload        this engine: fp32 masters + AdamW state on the host, bf16 buckets streamed, CPU AdamW
     zero_offload   DeepSpeed ZeRO-2, offload_optimizer to pinned CPU memory (bf16 params on the GPU)

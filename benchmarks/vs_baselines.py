@@ -1,6 +1,6 @@
 """This engine against ZeRO-Offload, ZeRO-3 offload, torchao's CPUOffloadOptimizer, plain PyTorch and
 ColossalAI Gemini: same GPU, same GPU budget, same model, batch, sequence length, bf16 compute over fp32
-masters with AdamW, no activation checkpointing for anyone (this engine has none yet).
+masters with AdamW, no activation checkpointing for anyone (this engine's option stays off too).
 
 For each model x budget x system, one child process (``bench_systems.py``) builds the model (random
 init), trains ``--warmup`` steps untimed and ``--steps`` timed steps on synthetic tokens, and reports the
