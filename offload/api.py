@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint
+from . import checkpoint, faults, guards
 from .backend import make_backend
 from .config import OffloadConfig
 from .optim import AdamW
@@ -57,7 +57,8 @@ class Engine:
         self.module = model
         self.optimizer = optimizer
         self.config = config
-        backend = make_backend(config.device)
+        backend = make_backend(config.device, chaos=config.chaos)
+        guards.check_budget(config.budget, backend)
         self._runtime = Runtime(model, optimizer, config, backend, params, groups)
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         self._runtime.memory.add("buffers", buffer_bytes)
@@ -72,8 +73,8 @@ class Engine:
         self._check_open()
         try:
             return self.module(*args, **kwargs)
-        except BaseException:
-            self._runtime.abort_forward()
+        except BaseException as e:  # KeyboardInterrupt too: the engine must stay usable
+            faults.abort_forward(self._runtime, e)
             raise
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -86,6 +87,10 @@ class Engine:
             loss = loss * rt.scaler.scale
         try:
             loss.backward(**kwargs)
+        except BaseException as e:  # KeyboardInterrupt too: see offload/faults.py
+            if rt.in_backward:
+                faults.abort_backward(rt, e)
+            raise
         finally:
             rt.next_backward_scale = None
 

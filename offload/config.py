@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .chaos import ChaosConfig
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -98,6 +100,9 @@ class OffloadConfig:
     every grad before any update."""
     loss_scale: LossScaleConfig | None = None
     """Dynamic loss scaling; used (with these defaults when None) for float16 only."""
+    chaos: ChaosConfig | None = None
+    """Testing only: random, seeded delays around every copy and CPU update (``offload.ChaosConfig``), to
+    show that no result depends on timing. None (default): off."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -119,6 +124,8 @@ class OffloadConfig:
                              "overlap_optimizer unset (or False), or compute in torch.bfloat16")
         if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be an offload.LossScaleConfig; got {self.loss_scale!r}")
+        if self.chaos is not None and not isinstance(self.chaos, ChaosConfig):
+            raise TypeError(f"chaos must be an offload.ChaosConfig (or None); got {self.chaos!r}")
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
 

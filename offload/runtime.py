@@ -35,9 +35,11 @@ from torch import nn
 from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
+from . import faults, guards
 from .accounting import DeviceMemory, SavedActivation
 from .backend import DONE, Lane
 from .buckets import Bucket, ParamSpec, make_buckets
+from .chaos import chaos_delay
 from .config import OffloadConfig
 from .errors import OffloadError
 from .host import HostState
@@ -139,7 +141,8 @@ class Runtime:
         self.memory = DeviceMemory()
         self.placeholders = [backend.placeholder(p.shape, self.dtype) for p in self.params]
         self.grad_headroom = max((s.numel * self.itemsize for s in self.specs if s.group is not None), default=0)
-        self.cpu = Lane("offload-cpu-adam")  # AdamW of each bucket, in arrival order
+        # AdamW of each bucket, in arrival order
+        self.cpu = Lane("offload-cpu-adam", before=chaos_delay(config.chaos, "cpu-adam"))
 
         # Before the first forward has been traced, parameters keep their original (host) tensors.
         self.original: list[torch.Tensor] | None = [p.data for p in self.params]
@@ -178,6 +181,8 @@ class Runtime:
         self.stats = {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
                       "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0}
         self.last_step_skipped = False
+        self.backward_seen = False  # a backward ran since the last step() (guards.check_step_has_grads)
+        self.guard = guards.ParamGuard(self)
         self._warned = False
         self._module_index = {}
         self._handles = []
@@ -201,7 +206,7 @@ class Runtime:
         def hook(module, args):
             with _Busy(self):
                 if index == 0 and self.recorder.stack:
-                    self.abort_forward()  # the previous call of the root module raised
+                    faults.abort_forward(self, None)  # the previous call of the root module raised
                 if not self.recorder.stack:
                     self._begin_forward()
                 self.recorder.pre(index)
@@ -243,6 +248,8 @@ class Runtime:
         self.memory.activation_peak = self.memory.parts["activations"]
 
     def _begin_forward(self) -> None:
+        faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
+        self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
         if self.in_backward or self.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
             self._release_all()
@@ -614,6 +621,7 @@ class Runtime:
             warnings.warn("offload: with float16, call engine.backward(loss) rather than loss.backward(), so "
                           "that the loss is scaled and small gradients do not underflow to zero", stacklevel=3)
         self.in_backward = True
+        self.backward_seen = True
         self.stats["backwards"] += 1
         self.hparams = self.optimizer.hparams()  # overlapped updates: hyperparameters read as backward begins
         if self.on_plan and self.pos != self.plan.trace.num_forward:
@@ -743,8 +751,8 @@ class Runtime:
         self.cpu.drain()
 
     def step(self) -> None:
-        if self.in_backward:
-            raise OffloadError("optimizer.step() was called during backward")
+        faults.check_backward_finished(self, "optimizer.step()")
+        guards.check_step_has_grads(self)
         skipped = False
         if self.deferred and self.pending:
             skipped = self._step_deferred()
@@ -789,8 +797,7 @@ class Runtime:
             raise OffloadError(
                 "clip_grad_norm_ needs every grad before any update, but this engine applies each bucket's "
                 "AdamW while backward runs (overlap_optimizer=True). Wrap with overlap_optimizer=False to clip.")
-        if self.in_backward:
-            raise OffloadError("clip_grad_norm_ was called during backward")
+        faults.check_backward_finished(self, "clip_grad_norm_")
         max_norm, norm_type = float(max_norm), float(norm_type)
         params = sorted(p for ps, _ in self.pending.values() for p in ps)
         if not params:
@@ -821,8 +828,7 @@ class Runtime:
     def zero_grad(self) -> None:
         """Grads are consumed by the update, so after step() there is nothing to clear; before it (deferred
         updates), the grads gathered so far are dropped, as ``optimizer.zero_grad()`` would."""
-        if self.in_backward:
-            raise OffloadError("zero_grad() was called during backward")
+        faults.check_backward_finished(self, "zero_grad()")
         if self.deferred and self.pending:
             self.cpu.drain()
             self._reclaim(block=True)
