@@ -88,8 +88,7 @@ class Engine:
         try:
             loss.backward(**kwargs)
         except BaseException as e:  # KeyboardInterrupt too: see offload/faults.py
-            if rt.in_backward:
-                faults.abort_backward(rt, e)
+            faults.abort_backward(rt, e)
             raise
         finally:
             rt.next_backward_scale = None

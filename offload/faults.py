@@ -20,6 +20,7 @@ with a plain ``loss.backward()`` is noticed (and cleaned up) by the next forward
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -50,8 +51,24 @@ def abort_forward(rt, error: BaseException | None) -> None:
                   "next forward.", OffloadWarning, stacklevel=3)
 
 
+def watch_root(rt) -> None:
+    """Notice an exception leaving the wrapped module's forward when it is called directly (not through the
+    engine): a forward hook with ``always_call`` runs even then (not for KeyboardInterrupt, which torch
+    lets through; that one is noticed by the next forward)."""
+    def hook(module, args, output):
+        if rt.recorder.stack:  # the forward did not reach its end
+            abort_forward(rt, sys.exc_info()[1])
+
+    rt._handles.append(rt.module.register_forward_hook(hook, always_call=True))
+
+
 def abort_backward(rt, error: BaseException | None) -> None:
     """The backward of ``rt`` raised ``error`` (None: noticed later): see [Note: what a fault discards]."""
+    if not rt.in_backward:  # it raised before reaching anything of the engine's: nothing was gathered
+        with torch.no_grad():
+            rt._release_all()  # what the forward streamed in (as the next forward would)
+        rt.pos = 0
+        return
     problems = []
     with torch.no_grad():
         try:

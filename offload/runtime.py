@@ -189,6 +189,7 @@ class Runtime:
         self._contexts: list = []
         self._reset_step()
         self._register_hooks()
+        faults.watch_root(self)
 
     # ---------------------------------------------------------------------------------------------------
     # hooks
