@@ -123,6 +123,17 @@ class _Busy:
         self.rt.busy = self.prev
 
 
+def _weak_hook(method):
+    """``method`` (bound), holding its object weakly; does nothing once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        fn = ref()
+        if fn is not None:
+            fn(*args)
+    return hook
+
+
 class Runtime:
     """Hooks plus plan execution for one wrapped module. Owned by :class:`offload.Engine`."""
 
@@ -199,9 +210,13 @@ class Runtime:
             self._module_index[id(m)] = i
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(i)))
             self._handles.append(m.register_forward_hook(self._post_hook(i)))
+        # Tensor hooks are held by the tensor's C++ side, where Python's gc cannot see them: a hook holding the
+        # runtime strongly would make runtime -> params -> hook -> runtime an uncollectable cycle, so an engine
+        # dropped without close() would never be freed (host arena, threads and all).
+        on_grad = _weak_hook(self._on_grad)
         for p, spec in zip(self.params, self.specs):
             if spec.group is not None:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
 
     def _pre_hook(self, index: int):
         def hook(module, args):
