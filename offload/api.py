@@ -167,11 +167,15 @@ class Engine:
         if missing or unexpected:
             raise KeyError(f"state dict does not match the model: missing {sorted(missing)}, "
                            f"unexpected {sorted(unexpected)}")
+        wrong = [f"{name}: {tuple(value.shape)} where the model has {tuple(own[name].shape)}"
+                 for name, value in state_dict["model"].items() if tuple(value.shape) != tuple(own[name].shape)]
+        if wrong:  # checked before anything is written: a refused state dict changes nothing
+            raise ValueError(f"state dict does not match the model's shapes: {'; '.join(wrong[:8])}"
+                             + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""))
+        self.optimizer.check_state_shapes(state_dict["optimizer"])
         with torch.no_grad():
             for name, value in state_dict["model"].items():
                 target = own[name]
-                if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(f"{name}: shape {tuple(value.shape)} does not match {tuple(target.shape)}")
                 p = rt.param_index.get(id(target))
                 if p is not None:
                     rt.write_weight(p, value.to(torch.float32))

@@ -10,6 +10,7 @@ of every forward, in one pass over the parameters (pointer and version-counter c
 from __future__ import annotations
 
 import psutil
+import torch
 
 from .config import format_bytes
 from .errors import OffloadError
@@ -24,6 +25,9 @@ class ParamGuard:
     def __init__(self, rt) -> None:
         self.rt = rt
         self.versions: list[int] | None = None  # version counters, once the engine owns the storage
+        self.names = [f"parameter {p}" for p in range(len(rt.params))]  # as named when wrapped
+        for name, param in rt.module.named_parameters():
+            self.names[rt.param_index[id(param)]] = name
 
     def check(self) -> None:
         rt = self.rt
@@ -35,7 +39,7 @@ class ParamGuard:
         if self.versions is not None:
             written = [p for p, param in enumerate(rt.params) if param._version != self.versions[p] and p not in moved]
         if moved or written:
-            self._restore(moved)
+            self._restore(moved, written)
             names = self._names()
             parts = []
             if moved:
@@ -48,8 +52,13 @@ class ParamGuard:
             raise OffloadError(f"parameters of the wrapped model changed outside the engine after wrapping: "
                                f"{'; '.join(parts)}. The engine keeps the weights in its own memory (fp32 masters "
                                f"on the host), so the change was not used and has been undone. {_HOW_TO_SET}.")
-        if rt.host is not None:
-            self.versions = [param._version for param in rt.params]
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """Remember the parameters' version counters (from the first step on; before it the user's writes go
+        to the original tensors, which the traced first forward reads)."""
+        if self.rt.host is not None:
+            self.versions = [param._version for param in self.rt.params]
 
     def _changed_set(self, current) -> None:
         rt = self.rt
@@ -62,17 +71,14 @@ class ParamGuard:
                            f"offloaded or trained by the engine. {_HOW_TO_SET}.")
 
     def _names(self) -> list[str]:
-        rt = self.rt
-        names = [f"parameter {p}" for p in range(len(rt.params))]
-        for name, param in rt.module.named_parameters(remove_duplicate=False):
-            p = rt.param_index.get(id(param))
-            if p is not None and names[p].startswith("parameter "):
-                names[p] = name
-        return names
+        return self.names
 
-    def _restore(self, moved: list[int]) -> None:
-        """Point reassigned parameters back at what the engine gave them."""
+    def _restore(self, moved: list[int], written: list[int]) -> None:
+        """Point reassigned parameters back at what the engine gave them; copy the buckets written in place
+        on the device afresh from their host masters."""
         rt = self.rt
+        with torch.no_grad():
+            rt._refresh_resident({rt.bucket_of[p] for p in written})
         for p in moved:
             param = rt.params[p]
             if rt.original is not None:
@@ -105,6 +111,7 @@ def check_step_has_grads(rt) -> None:
                            "there are no gradients to apply. Call loss.backward() (or engine.backward(loss)) "
                            "before optimizer.step()")
     rt.backward_seen = False
+    rt.guard.snapshot()
 
 
 def check_budget(budget: int, backend) -> None:
@@ -125,3 +132,23 @@ def host_total_bytes() -> int:
     """The CPU backend's device is host RAM."""
     return psutil.virtual_memory().total
 
+
+
+def refuse_compile() -> None:
+    """``torch.compile`` of a wrapped module is refused: the engine swaps parameter storage between calls and
+    follows the forward through hooks, a tensor-function mode and saved-tensor hooks, none of which a
+    compiled graph would replay. Compile the model's submodules before wrapping instead."""
+    if torch.compiler.is_compiling() or _in_compile_region():
+        raise OffloadError("torch.compile of a module wrapped by offload is not supported: the engine moves "
+                           "parameters between host and device around every module call, which a compiled graph "
+                           "would not replay. Call the wrapped module (or the engine) without torch.compile.")
+
+
+def _in_compile_region() -> bool:
+    """True inside a call of a ``torch.compile``d function, also where dynamo fell back to running Python (as
+    torch's own ``set_stance`` checks it): the frame-evaluation callback is installed then."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # a torch without dynamo cannot compile
+        return False
+    return get_eval_frame_callback() not in (None, False)

@@ -220,6 +220,7 @@ class Runtime:
 
     def _pre_hook(self, index: int):
         def hook(module, args):
+            guards.refuse_compile()
             with _Busy(self):
                 if index == 0 and self.recorder.stack:
                     faults.abort_forward(self, None)  # the previous call of the root module raised
