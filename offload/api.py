@@ -71,11 +71,15 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
+        rt = self._runtime
+        outer, rt.engine_call = rt.engine_call, True
         try:
             return self.module(*args, **kwargs)
         except BaseException as e:  # KeyboardInterrupt too: the engine must stay usable
-            faults.abort_forward(self._runtime, e)
+            faults.abort_forward(rt, e)
             raise
+        finally:
+            rt.engine_call = outer
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` (multiplied by the loss scale with float16); grads go to the host as they are

@@ -47,8 +47,8 @@ def abort_forward(rt, error: BaseException | None) -> None:
         what = f"{streamed} parameter bucket(s) it had brought to the device (released), and {what}"
     if tracing:
         what += "; the first step is traced again by the next forward"
-    warnings.warn(f"offload: the forward {_describe(error)}. Discarded: {what}. The engine is ready for the "
-                  "next forward.", OffloadWarning, stacklevel=3)
+    _warn(f"offload: the forward {_describe(error)}. Discarded: {what}. The engine is ready for the next forward.",
+          error)
 
 
 def watch_root(rt) -> None:
@@ -56,7 +56,7 @@ def watch_root(rt) -> None:
     engine): a forward hook with ``always_call`` runs even then (not for KeyboardInterrupt, which torch
     lets through; that one is noticed by the next forward)."""
     def hook(module, args, output):
-        if rt.recorder.stack:  # the forward did not reach its end
+        if rt.recorder.stack and not rt.engine_call:  # it did not reach its end (through the engine: see there)
             abort_forward(rt, sys.exc_info()[1])
 
     rt._handles.append(rt.module.register_forward_hook(hook, always_call=True))
@@ -110,7 +110,18 @@ def abort_backward(rt, error: BaseException | None) -> None:
     if problems:
         msg += " Background work also failed: " + "; ".join(problems)
     msg += " Call zero_grad() and go on with the next step."
-    warnings.warn(msg, OffloadWarning, stacklevel=3)
+    _warn(msg, error)
+
+
+def _warn(message: str, error: BaseException | None) -> None:
+    """Warn; where a filter turns the warning into an error while ``error`` is propagating, the message goes
+    onto ``error`` as a note instead, so that a warnings filter never hides the exception that caused it."""
+    try:
+        warnings.warn(message, OffloadWarning, stacklevel=4)
+    except OffloadWarning:
+        if error is None:
+            raise
+        error.add_note(message)
 
 
 def _ranges(xs: list[int]) -> str:

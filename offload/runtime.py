@@ -194,6 +194,7 @@ class Runtime:
         self.last_step_skipped = False
         self.backward_seen = False  # a backward ran since the last step() (guards.check_step_has_grads)
         self.guard = guards.ParamGuard(self)
+        self.engine_call = False  # a forward called through Engine.__call__, which handles its faults
         self._warned = False
         self._module_index = {}
         self._handles = []

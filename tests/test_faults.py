@@ -287,3 +287,20 @@ def test_step_during_backward_is_refused_not_mistaken_for_a_fault():
     assert seen == [1]
     assert_nothing_held(engine)
     engine.close()
+
+
+def test_an_error_filter_on_the_warning_never_hides_the_fault():
+    """With OffloadWarning turned into an error (as this test suite does), the fault itself still propagates,
+    the warning's text attached to it as a note."""
+    model, engine, opt, ref, ref_opt = make()
+    normal_step(engine, opt, ref, ref_opt, 0)
+    model.forward_fault = RuntimeError("boom")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", offload.OffloadWarning)
+        with pytest.raises(RuntimeError, match="boom") as info:
+            engine(batch(1)[0])
+    model.forward_fault = None
+    assert any("Discarded" in note for note in info.value.__notes__)
+    del info
+    assert_nothing_held(engine)
+    engine.close()

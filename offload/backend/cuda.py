@@ -244,16 +244,17 @@ class CUDABackend:
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event:
         with record_function("offload::h2d"):
-            return self._copy(self._h2d_stream(), dst, src, waits, self._chaos["h2d"])
+            return self._copy(self._h2d_stream(), dst, src, waits)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event:
         with record_function("offload::d2h"):
-            return self._copy(self._d2h_stream(), dst, src, waits, self._chaos["d2h"])
+            return self._copy(self._d2h_stream(), dst, src, waits)
 
-    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event], chaos=None) -> Event:
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event]) -> Event:
         self._check_open()
         for event in waits:
             self._stream_wait(stream, event)
+        chaos = self._chaos["h2d" if stream is self._h2d else "d2h"]
         if chaos is not None:
             self._api.sleep(stream, chaos.draw())
         self._api.copy(stream, dst, src)
