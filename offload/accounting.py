@@ -24,14 +24,16 @@ class DeviceMemory:
         self.current += n
         self.peak = max(self.peak, self.current)
 
-    def hold(self, key: int, nbytes: int) -> None:
+    def hold(self, key: int, nbytes: int) -> bool:
+        """Count storage ``key`` as activations (once, however often it is held); True if it is new."""
         entry = self._held.get(key)
         if entry is None:
             self._held[key] = [1, nbytes]
             self.add("activations", nbytes)
             self.activation_peak = max(self.activation_peak, self.parts["activations"])
-        else:
-            entry[0] += 1
+            return True
+        entry[0] += 1
+        return False
 
     def drop(self, key: int) -> None:
         entry = self._held.get(key)

@@ -144,6 +144,7 @@ class Engine:
                 "skipped_steps": rt.stats["skipped_steps"],
                 "last_step_skipped": rt.last_step_skipped,
             },
+            "activation_checkpointing": rt.checkpoint_stats(),
             "counters": dict(rt.stats),
         }
 

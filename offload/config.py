@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -103,6 +104,12 @@ class OffloadConfig:
     chaos: ChaosConfig | None = None
     """Testing only: random, seeded delays around every copy and CPU update (``offload.ChaosConfig``), to
     show that no result depends on timing. None (default): off."""
+    activation_checkpointing: Union[None, str, Sequence[str], Callable] = None
+    """Recompute some modules' forward in backward instead of keeping their activations (non-reentrant
+    ``torch.utils.checkpoint``; numbers unchanged). ``"auto"``: the engine measures what each transformer
+    block saves and checkpoints the fewest blocks that make the step fit the budget. A list of module names
+    (as in ``model.named_modules()``), or a callable ``(name, module) -> bool``, checkpoints those always.
+    None (default): nothing is checkpointed."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -128,10 +135,27 @@ class OffloadConfig:
             raise TypeError(f"chaos must be an offload.ChaosConfig (or None); got {self.chaos!r}")
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
+        set_(self, "activation_checkpointing", _checkpointing(self.activation_checkpointing))
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def _checkpointing(value):
+    if value is None or callable(value):
+        return value
+    if isinstance(value, str):
+        if value != "auto":
+            raise ValueError(f'activation_checkpointing must be None, "auto", a list of module names or a callable '
+                             f'(name, module) -> bool; got the string {value!r} (for one module, pass [{value!r}])')
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+        if not value:
+            raise ValueError("activation_checkpointing=[] names no module; use None to checkpoint nothing")
+        return tuple(value)
+    raise TypeError(f'activation_checkpointing must be None, "auto", a list of module names or a callable '
+                    f"(name, module) -> bool; got {value!r}")
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

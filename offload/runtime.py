@@ -37,15 +37,18 @@ from torch.overrides import TorchFunctionMode
 
 from . import faults, guards
 from .accounting import DeviceMemory, SavedActivation
+from .activations import (AUTO, ActivationProfile, CheckpointChoice, checkpoint_hint, choose_checkpoints,
+                          profile_of, recompute_seconds)
 from .backend import DONE, Lane
 from .buckets import Bucket, ParamSpec, make_buckets
 from .chaos import chaos_delay
 from .config import OffloadConfig
-from .errors import OffloadError
+from .errors import BudgetTooSmallError, OffloadError
 from .host import HostState
 from .optim import AdamW
+from .recompute import Checkpointer, candidates
 from .scaler import LossScaler
-from .schedule import Plan, budget_error, build_plan, forward_min_budget, validate_plan
+from .schedule import Plan, budget_error, build_plan, forward_min_budget, min_arena_bytes, validate_plan
 from .trace import EventKind, Recorder, Trace
 
 
@@ -199,9 +202,22 @@ class Runtime:
         self._module_index = {}
         self._handles = []
         self._contexts: list = []
+        # Activation checkpointing (offload/recompute.py, [Note: recompute and the parameter buckets]).
+        spec = config.activation_checkpointing
+        self.auto_checkpoint = spec == AUTO
+        blocks = candidates(spec, module)
+        if self.auto_checkpoint and not blocks:
+            raise ValueError('activation_checkpointing="auto" found no repeated blocks (children of an '
+                             "nn.ModuleList or nn.Sequential with submodules) to checkpoint in this model; "
+                             "name the modules instead: activation_checkpointing=[\"layers.0\", ...]")
+        self.ckpt = Checkpointer(module, self, blocks)
+        self.checkpoint_choice: CheckpointChoice | None = None  # what "auto" decided after the warm-up
+        self.profile: ActivationProfile | None = None  # activation bytes per block, of the last step
         self._reset_step()
         self._register_hooks()
         faults.watch_root(self)
+        if spec is not None:
+            self.ckpt.set_active(blocks)  # "auto": the warm-up step checkpoints every block, then chooses
 
     # ---------------------------------------------------------------------------------------------------
     # hooks
@@ -222,6 +238,8 @@ class Runtime:
     def _pre_hook(self, index: int):
         def hook(module, args):
             guards.refuse_compile()
+            if self.ckpt.recomputing is not None:
+                return  # backward recomputes a checkpointed call: its RECOMPUTE event stands for it
             with _Busy(self):
                 if index == 0 and self.recorder.stack:
                     faults.abort_forward(self, None)  # the previous call of the root module raised
@@ -234,6 +252,8 @@ class Runtime:
 
     def _post_hook(self, index: int):
         def hook(module, args, output):
+            if self.ckpt.recomputing is not None:
+                return
             with _Busy(self):
                 self._advance(EventKind.POST, index)
                 for b in self.users.pop() if self.users else ():
@@ -247,6 +267,7 @@ class Runtime:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.ckpt.close()
 
     # ---------------------------------------------------------------------------------------------------
     # step state
@@ -264,6 +285,13 @@ class Runtime:
         self.done: dict[int, object] = {}  # plan buffer -> event after which its memory may be reused
         self.hparams = None
         self.memory.activation_peak = self.memory.parts["activations"]
+        self.ckpt.reset()
+        self.forward_end_activations = 0  # saved bytes held when this step's forward ended
+        self.recompute_event: dict[int, int] = {}  # checkpointed call (region) -> its RECOMPUTE event
+        self.recompute_region: int | None = None  # the region being recomputed now
+        self.reserve = 0  # bytes the recompute in progress is still expected to save
+        self.held: dict[int, set[int]] = {}  # region -> buckets its recomputed weight views point into
+        self.recompute_holds: dict[int, list[int]] = {}  # region -> storages of its recomputed tensors
 
     def _begin_forward(self) -> None:
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
@@ -309,6 +337,7 @@ class Runtime:
 
     def _end_forward(self) -> None:
         self._exit_contexts()
+        self.forward_end_activations = self.memory.parts["activations"]
         if self.original is not None:
             self._finish_trace_forward()
         if not self.grad_enabled:
@@ -452,9 +481,11 @@ class Runtime:
     def _make_room(self, nbytes: int) -> None:
         """Evict on-demand buckets, least recently used first, until ``nbytes`` more fit the budget."""
         # Leave room for the largest gradient autograd may materialise while this bucket is here.
-        limit = self.config.budget - self.grad_headroom
+        limit = self.config.budget - self.grad_headroom - self.reserve
         self._reclaim(block=self.memory.current + nbytes > limit)
         protected = set(self.active) | self.node_buckets
+        for buckets in self.held.values():  # recomputed weight views point into them (see recompute.py)
+            protected |= buckets
         for b in list(self.lru):
             if self.memory.current + nbytes <= limit:
                 return
@@ -532,6 +563,8 @@ class Runtime:
             if self.users and key not in self.users[-1]:
                 self.users[-1][key] = None
                 self.active[key] = self.active.get(key, 0) + 1
+            if self.recompute_region is not None:
+                self.held.setdefault(self.recompute_region, set()).add(key)
 
     def _unuse(self, key: int) -> None:
         n = self.active[key] - 1
@@ -571,6 +604,12 @@ class Runtime:
         ref = self._locate(t)
         if ref is not None:
             return ref
+        stack = self.recorder.stack
+        if stack and t.device == self.backend.device and t.layout == torch.strided:
+            block = self.ckpt.block_of.get(self.recorder.events[stack[-1]].key)
+            if block is not None:  # what this block saves: what checkpointing it would spare
+                with _Busy(self):
+                    self.ckpt.count(block, None, t)
         return SavedActivation(t, self.memory)
 
     def _locate(self, t: torch.Tensor) -> _ParamRef | None:
@@ -754,8 +793,13 @@ class Runtime:
                     self._finish_grads(b)  # some grad of it never came (an unused branch): flush
             if self.on_plan and self.pos != len(self.plan.trace.events):
                 self._leave_plan()
+            for region in set(self.recompute_event) | set(self.recompute_holds) | set(self.held):
+                self.region_done(region)  # a call whose inputs need no grad: its backward is over now
             self.recorder.activation_peak = self.memory.activation_peak
+            if self.plan is not None and self.memory.activation_peak > self.plan.activation_bytes:
+                self.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
             self.trace = self.recorder.finish()
+            self.profile = self._profile(self.memory.activation_peak)
             self._release_all()
             self._reclaim()
         self.awaiting_step = bool(self.pending)
@@ -867,8 +911,16 @@ class Runtime:
             self._copy_in(b, self.slot[b], [self.boundary])
 
     def _replan(self, trace: Trace) -> None:
-        plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
-                          fixed_bytes=self.memory.parts["buffers"])
+        if self.auto_checkpoint and self.checkpoint_choice is None and self._choose_checkpoints(trace):
+            return self._drop_plan()  # other blocks are checkpointed from now on: the next step is planned
+        try:
+            plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
+                              fixed_bytes=self.memory.parts["buffers"])
+        except BudgetTooSmallError as e:
+            if self.auto_checkpoint and self._choose_checkpoints(trace):
+                return self._drop_plan()  # the activations grew (a longer sequence): checkpoint more blocks
+            parts = e.breakdown
+            raise self._activation_hint(e, self.config.budget - sum(parts.values()) + parts["activations"]) from None
         validate_plan(plan)
         self.on_plan = False
         self._deactivate()
@@ -889,7 +941,9 @@ class Runtime:
         need = forward_min_budget(rec.events, rec.uses, rec.ends, buckets, self.specs, self.itemsize,
                                   activations=self.memory.activation_peak, fixed=self.memory.parts["buffers"])
         if sum(need.values()) > self.config.budget:
-            raise budget_error(self.config.budget, **need)
+            self.profile = self._profile(self.memory.activation_peak)
+            capacity = self.config.budget - sum(need.values()) + need["activations"]
+            raise self._activation_hint(budget_error(self.config.budget, **need), capacity)
         lowp = self.dtype if self.dtype != torch.float32 else None
         host = HostState(buckets, self.specs, [p.shape for p in self.params], lowp)  # may raise HostMemoryError
         self.backend.pin_host(host.arena)  # page-locked once, after first touch (CUDA; no-op on the CPU backend)
@@ -909,6 +963,121 @@ class Runtime:
     def _adopt_optimizer_state(self) -> None:
         if self.host is not None:
             self.host.adopt_optimizer_state(self.optimizer, self.params)
+
+    # ---------------------------------------------------------------------------------------------------
+    # activation checkpointing (offload/recompute.py calls these; see its [Note: recompute and ...])
+
+    def recompute_begin(self, region: int, module: int) -> list:
+        """Backward is about to recompute checkpointed call ``region`` of ``module``: record it as one
+        RECOMPUTE event, follow the plan, and return the contexts to run the recompute under."""
+        with _Busy(self):
+            self._begin_backward()
+            self.node_buckets = set()
+            self.recompute_event[region] = self.recorder.recompute_begin(module)
+            self._advance(EventKind.RECOMPUTE, module)
+            # On demand, fetches keep room for what the recompute will save (as measured in forward).
+            self.reserve = self.ckpt.region_bytes.get(region, 0)
+            if not self.on_plan:
+                self._make_room(0)
+            self.recompute_region = region
+        return [_UseDetector(self)]  # the weights it reads are fetched (and held) like forward's
+
+    def recompute_saved(self, region: int, t: torch.Tensor) -> None:
+        """A tensor the recompute saves for the call's backward: device memory until the call is done."""
+        with _Busy(self):
+            if t.device != self.backend.device or t.layout != torch.strided:
+                return
+            ref = self._locate(t)
+            if ref is not None:  # a weight view into a slot: that bucket stays put
+                self.held.setdefault(region, set()).add(self.bucket_of[ref.param])
+                return
+            storage = t.untyped_storage()
+            if self.memory.hold(storage.data_ptr(), storage.nbytes()):
+                self.reserve = max(0, self.reserve - storage.nbytes())
+            self.recompute_holds.setdefault(region, []).append(storage.data_ptr())
+
+    def recompute_end(self, region: int) -> None:
+        self.recorder.recompute_end()
+        self.recompute_region = None
+        self.reserve = 0
+
+    def region_saved(self, block: int, region: int, t: torch.Tensor) -> None:
+        """Forward of a checkpointed call: ``t`` is what it would have saved (measured, not kept)."""
+        with _Busy(self):
+            if t.device == self.backend.device and t.layout == torch.strided and self._locate(t) is None:
+                self.ckpt.count(block, region, t)
+
+    def region_done(self, region: int) -> None:
+        """The backward of checkpointed call ``region`` is over: its buckets and recomputed tensors go."""
+        with _Busy(self):
+            i = self.recompute_event.pop(region, None)
+            if i is not None:
+                self.recorder.region_done(i)
+            self.held.pop(region, None)
+            for key in self.recompute_holds.pop(region, ()):
+                self.memory.drop(key)
+
+    def _profile(self, peak: int) -> ActivationProfile:
+        rec = self.recorder
+        return profile_of(self.ckpt.blocks, self.ckpt.saved, self.ckpt.inputs,
+                          rec.calls(self.ckpt.blocks), self.ckpt.active,
+                          self.forward_end_activations or self.memory.parts["activations"], peak)
+
+    def _drop_plan(self) -> None:
+        """Run the next step on demand (its calls will differ from the plan's) and plan it at its step()."""
+        self.on_plan = False
+        self._deactivate()  # every bucket back to the host: nothing resident keeps pre-update weights
+        self.plan = None
+
+    def _choose_checkpoints(self, trace: Trace) -> bool:
+        """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
+        budget from now on. True when that changes what is checkpointed."""
+        capacity = (self.config.budget - self.memory.parts["buffers"] - trace.max_grad_bytes
+                    - min_arena_bytes(trace, self.buckets, self.itemsize))
+        base = self.ckpt.active if self.checkpoint_choice is not None else ()  # later: only ever more
+        choice = choose_checkpoints(self.profile, capacity, base)
+        if not choice.fits:
+            need = dict(arena=min_arena_bytes(trace, self.buckets, self.itemsize), activations=choice.activation_bytes,
+                        fixed=self.memory.parts["buffers"], grad=trace.max_grad_bytes)
+            raise self._activation_hint(budget_error(self.config.budget, **need), capacity)
+        self.checkpoint_choice = choice
+        if frozenset(choice.modules) == self.ckpt.active:
+            return False
+        self.ckpt.set_active(choice.modules)
+        return True
+
+    def _activation_hint(self, err: BudgetTooSmallError, capacity: int) -> BudgetTooSmallError:
+        """``err`` with what activation checkpointing would (or could not) do about it, when activations
+        are part of the problem."""
+        if not err.breakdown.get("activations"):
+            return err
+        hint = checkpoint_hint(self.profile, capacity, self.checkpoint_mode)
+        if not hint:
+            return err
+        return BudgetTooSmallError(f"{err} Activations: {hint}.", min_budget_bytes=err.min_budget_bytes,
+                                   budget_bytes=err.budget_bytes, breakdown=err.breakdown)
+
+    @property
+    def checkpoint_mode(self) -> str:
+        spec = self.config.activation_checkpointing
+        return "off" if spec is None else ("auto" if spec == AUTO else "modules")
+
+    def checkpoint_stats(self) -> dict:
+        """What is checkpointed and what the activations measured, for ``memory_stats()``."""
+        names = self.ckpt.blocks
+        choice = self.checkpoint_choice
+        return {
+            "mode": self.checkpoint_mode,
+            "checkpointed": [names[m] for m in sorted(self.ckpt.active)],
+            "blocks": len(names),
+            "estimated_activation_bytes": choice.activation_bytes if choice is not None else None,
+            # forward seconds of the checkpointed blocks, as measured: what recomputing adds to backward
+            # (the trace's RECOMPUTE events carry the measured time into the scheduler's cost model)
+            "recompute_s": (recompute_seconds(self.profile, self.ckpt.active & {b.module for b in self.profile.blocks})
+                            if self.profile is not None else None),
+            "saved_bytes_per_block": ({b.name: b.saved for b in self.profile.blocks}
+                                      if self.profile is not None else {}),
+        }
 
     # ---------------------------------------------------------------------------------------------------
     # weights in and out

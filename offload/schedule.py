@@ -693,3 +693,13 @@ def validate_plan(plan: Plan) -> None:
             assert y.end <= x.start, f"buffer {k} waits on buffer {j}, which is still live"
     assert plan.peak_bytes <= plan.budget_bytes, (
         f"planned peak {plan.peak_bytes} exceeds the budget {plan.budget_bytes}")
+
+
+def min_arena_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> int:
+    """Arena bytes of the leanest plan for ``trace``: every bucket streamed just in time, nothing kept
+    (what :func:`build_plan` reports when even that does not fit). The rest of the budget is what
+    activations, fixed buffers and the largest gradient may use at most."""
+    bucket_of = locate(buckets)[0]
+    needs = _need_intervals(trace, bucket_of, merge_phase=False)
+    _, layout = _layout(trace, buckets, itemsize, frozenset(), (needs, _grad_intervals(trace, buckets, bucket_of)))
+    return layout.total_bytes

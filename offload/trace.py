@@ -4,7 +4,9 @@ Forward events are module calls (PRE/POST, keyed by module index); the parameter
 ones touched by tensor ops while it was the innermost active call (so tied weights, a parent reading a
 child's weight, and functional uses are all seen). Backward events are autograd nodes that read saved
 parameters (UNPACK, one event per node, keyed by the first parameter it reads) and gradient
-accumulations (GRAD, keyed by parameter). Recording is cheap (list appends), so every step is recorded
+accumulations (GRAD, keyed by parameter); a checkpointed module call that backward recomputes is one
+RECOMPUTE event (keyed by module index) whose uses are the parameters the recompute reads and which ends
+when that call's backward is over (see offload/recompute.py). Recording is cheap (list appends), so every step is recorded
 and a step that departs from the plan can be planned again from its own record.
 """
 
@@ -24,6 +26,9 @@ class EventKind(enum.IntEnum):
     """A backward node reads saved parameter tensors. Key: the first parameter it reads."""
     GRAD = 3
     """A parameter's gradient is final for this backward. Key: parameter id."""
+    RECOMPUTE = 4
+    """Backward recomputes a checkpointed module call; its needs last until that call's backward is over.
+    Key: module index."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,34 @@ class Recorder:
         if not self.stack:
             self.num_forward = len(self.events)
 
+    def recompute_begin(self, module: int) -> int:
+        """A checkpointed call of ``module`` is recomputed; parameters touched until :meth:`recompute_end`
+        are its uses, needed until :meth:`region_done` (or the end of backward)."""
+        i = self._add(EventKind.RECOMPUTE, module)
+        self.ends[i] = -1  # open until region_done
+        self.stack.append(i)
+        return i
+
+    def recompute_end(self) -> None:
+        if self.stack and self.events[self.stack[-1]].kind == EventKind.RECOMPUTE:
+            self.stack.pop()
+
+    def region_done(self, i: int) -> None:
+        """The backward of the call recomputed at event ``i`` is over: its needs end at the next event."""
+        self.ends[i] = len(self.events)
+
+    def calls(self, modules) -> dict[int, tuple[int, float]]:
+        """Per module of ``modules`` called in forward: (event index of its first call, seconds its calls
+        took in all, PRE to POST as recorded)."""
+        out: dict[int, tuple[int, float]] = {}
+        now = time.perf_counter()
+        for i, ev in enumerate(self.events[:self.num_forward or len(self.events)]):
+            if ev.kind == EventKind.PRE and ev.key in modules and self.ends[i] > i:
+                end = self.times[self.ends[i]] if self.ends[i] < len(self.times) else now
+                first, s = out.get(ev.key, (i, 0.0))
+                out[ev.key] = (first, s + end - self.times[i])
+        return out
+
     def touch(self, param: int) -> None:
         self.touched.setdefault(param)
         if self.stack:
@@ -131,7 +164,7 @@ class Recorder:
             events=tuple(self.events),
             num_forward=self.num_forward,
             uses=tuple(tuple(dict.fromkeys(u)) for u in self.uses),
-            ends=tuple(self.ends),
+            ends=tuple(len(self.events) if e < 0 else e for e in self.ends),
             touched=tuple(self.touched),
             activation_peak_bytes=self.activation_peak,
             max_grad_bytes=self.max_grad,

@@ -1,0 +1,148 @@
+"""Activation memory in the plan: which modules to checkpoint, and the activation bytes that choice gives
+(pure: data in, frozen dataclasses out).
+
+Long sequences make saved activations, not weights, what overflows the device budget. A step measures,
+for every *block* (a module that may be checkpointed), the bytes its forward saves for backward
+(``saved``; measured by the saved-tensor hooks whether the block ran checkpointed or not), the bytes of
+its inputs (``inputs``: a checkpointed block keeps only those), and its forward seconds (what a recompute
+costs). From that one measurement :func:`activation_bytes` tells the activation peak of any other choice
+of checkpointed blocks, and :func:`choose_checkpoints` picks the fewest blocks (largest saving first)
+that bring it under a capacity.
+
+[Note: the activation estimate] Let F be the saved bytes held at the end of the measured forward, when
+the set M of blocks was checkpointed. Checkpointing a block r that was not adds its inputs and drops
+what it saved (F - saved_r + inputs_r); un-checkpointing one adds back what it saves (F + saved_r; its
+inputs may stay held, so they are not subtracted). That gives F_C, the bytes held when the forward of
+the set C ends. Backward then runs the blocks in reverse call order, and recomputes each checkpointed
+one: its saved bytes exist again on top of what is still held, which is F_C less what the blocks called
+after it have already let go of (their saved bytes, or their inputs if checkpointed). So the peak is at
+most max(F_C, max over r in C of F_C - freed_after(r) + saved_r). When C is M itself the measured peak
+is returned as it is. The estimate only errs high (a block's input that it also saves is counted twice;
+the saved bytes outside the blocks are taken as held all through backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from .config import format_bytes as _fmt
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One block, as a step measured it (summed over its calls in that step)."""
+
+    module: int  # module index (position in ``model.modules()``)
+    name: str  # qualified name (``model.named_modules()``)
+    saved: int  # bytes its forward saves for backward (distinct storages; parameters excluded)
+    inputs: int  # bytes of its tensor inputs (what a checkpointed call keeps instead)
+    forward_s: float  # seconds of its forward: what recomputing it costs in backward
+    order: int = 0  # when it was first called in the step (backward meets the blocks in reverse)
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Saved-activation bytes of one measured step, per block and in all."""
+
+    blocks: tuple[BlockProfile, ...]
+    checkpointed: frozenset  # module indices that ran checkpointed in the measured step
+    forward_end: int  # saved bytes held when the forward ended
+    peak: int  # peak saved bytes over the step (recomputes in backward included)
+
+    def block(self, module: int) -> BlockProfile:
+        return next(b for b in self.blocks if b.module == module)
+
+
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """What :func:`choose_checkpoints` decided."""
+
+    modules: tuple[int, ...]  # module indices to checkpoint, in model order
+    names: tuple[str, ...]
+    activation_bytes: int  # the activation peak this choice gives (see [Note: the activation estimate])
+    recompute_s: float  # forward seconds added to backward by recomputing them
+    fits: bool  # activation_bytes <= the capacity asked for
+
+
+def activation_bytes(profile: ActivationProfile, chosen: Iterable[int]) -> int:
+    """Peak saved-activation bytes if exactly the blocks ``chosen`` were checkpointed (an upper bound
+    from ``profile``; see [Note: the activation estimate])."""
+    chosen = frozenset(chosen)
+    if chosen == profile.checkpointed:
+        return profile.peak
+    by_module = {b.module: b for b in profile.blocks}
+    unknown = chosen - set(by_module)
+    if unknown:
+        raise ValueError(f"modules {sorted(unknown)} were not measured as blocks in this profile")
+    held = profile.forward_end
+    held += sum(by_module[m].saved for m in profile.checkpointed - chosen if m in by_module)
+    held -= sum(by_module[m].saved - by_module[m].inputs for m in chosen - profile.checkpointed)
+    peak, freed = held, 0
+    for b in sorted(profile.blocks, key=lambda b: -b.order):  # the order backward meets them
+        if b.module in chosen:
+            peak = max(peak, held - freed + b.saved)
+            freed += b.inputs
+        else:
+            freed += b.saved
+    return peak
+
+
+def recompute_seconds(profile: ActivationProfile, chosen: Iterable[int]) -> float:
+    """Forward seconds that recomputing ``chosen`` adds to a step's backward (as measured)."""
+    by_module = {b.module: b for b in profile.blocks}
+    return sum(by_module[m].forward_s for m in chosen)
+
+
+def choose_checkpoints(profile: ActivationProfile, capacity: int, base: Iterable[int] = ()) -> CheckpointChoice:
+    """The fewest blocks to checkpoint (besides those of ``base``, kept) so that the activation peak fits
+    ``capacity`` bytes: greedily the block whose checkpointing saves the most first. ``fits`` is False (and
+    every block is chosen) when even that is not enough."""
+    order = sorted(profile.blocks, key=lambda b: (-(b.saved - b.inputs), b.module))
+    chosen: list[int] = sorted(set(base))
+    need = activation_bytes(profile, chosen)
+    for b in order:
+        if need <= capacity:
+            break
+        if b.saved <= b.inputs or b.module in chosen:
+            continue  # checkpointing it keeps as much as it saves: no gain
+        chosen.append(b.module)
+        need = activation_bytes(profile, chosen)
+    names = {b.module: b.name for b in profile.blocks}
+    modules = tuple(sorted(chosen))
+    return CheckpointChoice(modules, tuple(names[m] for m in modules), need,
+                            recompute_seconds(profile, modules), need <= capacity)
+
+
+def checkpoint_hint(profile: ActivationProfile | None, capacity: int, mode: str) -> str:
+    """One sentence for a budget error whose activations do not fit ``capacity`` bytes: what activation
+    checkpointing would do about it. ``mode``: the engine's ``"off"``, ``"auto"`` or ``"modules"``."""
+    if mode == "modules":
+        return ('activation_checkpointing="auto" checkpoints as many transformer blocks as the budget needs '
+                "(the named modules are not enough)")
+    if profile is None or not profile.blocks:
+        if mode == "auto":
+            return ""
+        return ('activation_checkpointing=["name.of.block", ...] (modules to recompute in backward) may fit; '
+                'no repeated blocks were found for "auto"')
+    choice = choose_checkpoints(profile, capacity)
+    n = len(profile.blocks)
+    if choice.fits and mode == "off":
+        return (f'activation_checkpointing="auto" fits: checkpointing {len(choice.modules)} of {n} blocks brings '
+                f"them to about {_fmt(choice.activation_bytes)}")
+    every = activation_bytes(profile, [b.module for b in profile.blocks])
+    return (f"even with all {n} blocks checkpointed they need about {_fmt(every)}, so a budget of about "
+            f"{_fmt(every - capacity)} more would fit; or a smaller batch or sequence length")
+
+
+def profile_of(names: Mapping[int, str], saved: Mapping[int, int], inputs: Mapping[int, int],
+               calls: Mapping[int, tuple[int, float]], checkpointed: Iterable[int], forward_end: int,
+               peak: int) -> ActivationProfile:
+    """An :class:`ActivationProfile` from per-module measurements; ``calls``: module -> (index of its first
+    call, seconds of its calls). Modules never called are left out."""
+    blocks = tuple(BlockProfile(m, names[m], saved.get(m, 0), inputs.get(m, 0), calls[m][1], calls[m][0])
+                   for m in sorted(names) if m in calls)
+    return ActivationProfile(blocks, frozenset(checkpointed), forward_end, peak)
+

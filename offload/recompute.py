@@ -1,0 +1,296 @@
+"""Activation checkpointing, executed for the runtime: chosen modules run under non-reentrant
+``torch.utils.checkpoint``, entered and left from forward hooks (as ``torch.distributed._composable``'s
+``checkpoint`` does), so the model's code and module tree stay as they are.
+
+[Note: recompute and the parameter buckets] A checkpointed call saves nothing for backward but its
+inputs (checkpoint's own saved-tensor hooks sit above the engine's). In backward, the first node that
+needs one of its tensors makes checkpoint run the module's forward again under *its* saved-tensor hooks,
+so the weight views the recomputed ops save bypass the engine's pack hook and point straight into the
+device slots of their buckets. The engine therefore (1) runs the use detector during the recompute, so the
+weights it reads are fetched and recorded as one RECOMPUTE event of the trace, (2) keeps those buckets
+where they are until the call's backward is over, which a pass-through autograd function on the call's
+inputs reports (its backward runs once the grads of all the inputs are made, i.e. after every node of
+the call; see ``_RegionEnd``), and the planner's need interval of the RECOMPUTE event ends there too,
+and (3) counts the recomputed tensors as device memory from the recompute until then (an upper bound:
+autograd frees them one by one as it goes).
+
+The bytes a checkpointed call would have saved are measured in forward by a pack hook placed above
+checkpoint's own (it passes every tensor on), so a step that checkpoints a block still measures what not
+checkpointing it would cost (see ``offload/activations.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable
+
+import torch
+from torch import nn
+# The implementation of torch.utils.checkpoint.checkpoint(..., use_reentrant=False), as a generator that a
+# forward pre-hook enters and a forward hook finishes (what torch.distributed._composable.checkpoint does).
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
+
+from .activations import AUTO
+
+
+def find_blocks(model: nn.Module) -> dict[int, str]:
+    """The blocks ``activation_checkpointing="auto"`` may checkpoint: children of an ``nn.ModuleList`` or
+    ``nn.Sequential`` that are repeated (two or more of one class) and have submodules of their own
+    (transformer blocks, not single layers); the outermost such, by module index -> name."""
+    index = {id(m): i for i, m in enumerate(model.modules())}
+    names = {id(m): n for n, m in model.named_modules()}
+    found: dict[int, str] = {}
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = list(container.children())
+        for child in kids:
+            same = sum(type(k) is type(child) for k in kids)
+            if same >= 2 and any(True for _ in child.children()):
+                found[index[id(child)]] = names[id(child)]
+    return _outermost(model, found)
+
+
+def resolve(spec, model: nn.Module) -> dict[int, str]:
+    """The modules a non-auto ``activation_checkpointing`` names, by module index -> name."""
+    named = list(model.named_modules())
+    chosen: dict[int, str] = {}
+    if callable(spec):
+        for i, (name, m) in enumerate(named):
+            if i and spec(name, m):
+                chosen[i] = name
+    else:
+        where = {name: i for i, (name, _) in enumerate(named)}
+        missing = [n for n in spec if n not in where]
+        if missing:
+            some = ", ".join(repr(n) for n, _ in named[1:6])
+            raise ValueError(f"activation_checkpointing names modules the model does not have: {missing}; "
+                             f"names are as in model.named_modules(), e.g. {some}")
+        if "" in spec:
+            raise ValueError("activation_checkpointing cannot checkpoint the wrapped model itself (name ''); "
+                             "name its blocks")
+        chosen = {where[n]: n for n in spec}
+    kept = _outermost(model, chosen)
+    if len(kept) != len(chosen):
+        inner = sorted(set(chosen.values()) - set(kept.values()))
+        raise ValueError(f"activation_checkpointing names modules inside other named modules: {inner}; "
+                         "name either the outer or the inner ones")
+    return kept
+
+
+def candidates(spec, model: nn.Module) -> dict[int, str]:
+    """Blocks that may be checkpointed under ``spec`` (None: the auto blocks, for error hints only)."""
+    if spec is None or spec == AUTO:
+        return find_blocks(model)
+    return resolve(spec, model)
+
+
+def _outermost(model: nn.Module, chosen: dict[int, str]) -> dict[int, str]:
+    names = set(chosen.values())
+    return {i: n for i, n in chosen.items()
+            if not any(n.startswith(o + ".") for o in names if o != n)}
+
+
+class _RegionEnd(torch.autograd.Function):
+    """Identity on a checkpointed call's inputs; its backward runs after every node of the call (they all
+    lie between the call's outputs and these inputs, and come later in creation order, which autograd
+    runs first), so it reports that the call's backward is over."""
+
+    @staticmethod
+    def forward(ctx, done, *xs):
+        ctx.done = done
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
+
+
+class _AboveCheckpoint:
+    """Saved-tensor hooks pushed above the ones on top when entered (checkpoint's): ``seen(x)`` for every
+    saved tensor, then checkpoint's own pack and unpack, unchanged."""
+
+    def __init__(self, seen: Callable[[torch.Tensor], None]):
+        self.seen = seen
+        self.ctx = None
+
+    def __enter__(self):
+        below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        assert below is not None, "entered outside torch.utils.checkpoint's saved-tensor hooks"
+        pack_below, unpack_below = below
+        seen = self.seen
+
+        def pack(x):
+            seen(x)
+            return pack_below(x)
+
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack_below)
+        self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
+        return False
+
+
+class Checkpointer:
+    """Runs the chosen modules checkpointed and measures, per block, what its forward saves.
+
+    The runtime owns it; it calls back into the runtime at the four moments the runtime must know of:
+    ``region_begin`` (a checkpointed call starts), ``recompute_begin``/``recompute_end`` (backward
+    recomputes it) and ``region_done`` (its backward is over).
+    """
+
+    def __init__(self, model: nn.Module, runtime, blocks: dict[int, str]):
+        self.modules = list(model.modules())
+        self.blocks = dict(blocks)  # module index -> name: what is measured (and may be checkpointed)
+        self.block_of: dict[int, int] = {}  # module index -> the block containing it (itself included)
+        for i, m in enumerate(self.modules):
+            if i in blocks:
+                for sub in m.modules():
+                    self.block_of[self._index(sub)] = i
+        self.rt = weakref.ref(runtime)
+        self.active: frozenset = frozenset()  # module indices checkpointed now
+        self.handles: dict[int, list] = {}
+        self.gens: list = []  # generators of the checkpointed calls in progress (innermost last)
+        self.recomputing: int | None = None  # region being recomputed
+        self.reset()
+
+    def _index(self, m: nn.Module) -> int:
+        return next(i for i, x in enumerate(self.modules) if x is m)
+
+    def reset(self) -> None:
+        """A new step: measurements start over."""
+        self.saved: dict[int, int] = {}  # block -> bytes its calls saved (or would have, if checkpointed)
+        self.inputs: dict[int, int] = {}  # block -> bytes of its calls' tensor inputs
+        self.regions: list[int] = []  # region id -> module index
+        self.region_bytes: dict[int, int] = {}  # region -> bytes its forward saved (what recompute makes)
+        self._seen: dict[int, dict[int, weakref.ref]] = {}  # region -> address -> tensor counted there
+
+    def set_active(self, modules) -> None:
+        """Checkpoint exactly ``modules`` (module indices) from the next forward on."""
+        modules = frozenset(modules)
+        for i in self.active - modules:
+            for h in self.handles.pop(i):
+                h.remove()
+        for i in sorted(modules - self.active):
+            m = self.modules[i]
+            self.handles[i] = [m.register_forward_pre_hook(self._pre(i), with_kwargs=True),
+                               m.register_forward_hook(self._post, prepend=True, always_call=True)]
+        self.active = modules
+
+    def close(self) -> None:
+        self.set_active(())
+
+    # -- measuring --------------------------------------------------------------------------------------
+
+    def count(self, block: int, region: int | None, x: torch.Tensor) -> None:
+        """``x`` is saved inside ``block``: count its storage once per region (or per step).
+
+        A checkpointed forward keeps none of what it saves, so an address can come back for another tensor:
+        an address counts as seen only while the tensor first seen there is alive (a storage that outlives
+        that tensor through another view is then counted twice: the error is on the high side)."""
+        seen = self._seen.setdefault(-1 if region is None else region, {})
+        storage = x.untyped_storage()
+        ptr = storage.data_ptr()
+        earlier = seen.get(ptr)
+        if earlier is not None and earlier() is not None:
+            return
+        seen[ptr] = weakref.ref(x)
+        self.saved[block] = self.saved.get(block, 0) + storage.nbytes()
+        if region is not None:
+            self.region_bytes[region] = self.region_bytes.get(region, 0) + storage.nbytes()
+
+    # -- the hooks --------------------------------------------------------------------------------------
+
+    def _pre(self, index: int):
+        def hook(module, args, kwargs):
+            rt = self.rt()
+            if rt is None or self.recomputing is not None or not torch.is_grad_enabled():
+                self.gens.append(None)
+                return None
+            region = len(self.regions)
+            self.regions.append(index)
+            self.inputs[index] = self.inputs.get(index, 0) + sum(
+                _nbytes(x) for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
+            args, kwargs = _mark_inputs(args, kwargs, _Done(rt, region))
+            gen = _checkpoint_without_reentrant_generator(
+                module, True, lambda: self._contexts(rt, region, index), "default", False, True,
+                *args, **kwargs)
+            next(gen)
+            self.gens.append(gen)
+            return args, kwargs
+        return hook
+
+    def _post(self, module, args, output):
+        gen = self.gens.pop() if self.gens else None
+        if gen is None:
+            return None
+        try:
+            next(gen)
+        except StopIteration:
+            return None
+        raise RuntimeError("the checkpoint generator did not finish with its forward")
+
+    def _contexts(self, rt, region: int, index: int):
+        forward = _AboveCheckpoint(lambda x: rt.region_saved(index, region, x))
+        return forward, _RecomputeScope(self, rt, region, index)
+
+
+class _RecomputeScope:
+    """Entered by checkpoint around the recomputed forward of one call (in backward)."""
+
+    def __init__(self, owner: Checkpointer, rt, region: int, index: int):
+        self.owner, self.rt, self.region, self.index = owner, rt, region, index
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        self.owner.recomputing = self.region
+        try:
+            for ctx in self.rt.recompute_begin(self.region, self.index):
+                self.stack.enter_context(ctx)
+            self.stack.enter_context(_AboveCheckpoint(lambda x: self.rt.recompute_saved(self.region, x)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            self.stack.close()  # also when checkpoint stops the recompute early (_StopRecomputationError)
+        finally:
+            self.owner.recomputing = None
+            self.rt.recompute_end(self.region)
+        return False
+
+
+class _Done:
+    """Callback of ``_RegionEnd``; holds the runtime weakly (the autograd graph may outlive it)."""
+
+    def __init__(self, rt, region: int):
+        self.rt, self.region = weakref.ref(rt), region
+
+    def __call__(self) -> None:
+        rt = self.rt()
+        if rt is not None:
+            rt.region_done(self.region)
+
+
+def _mark_inputs(args: tuple, kwargs: dict, done: _Done) -> tuple[tuple, dict]:
+    """Route the tensor inputs that require grad through one ``_RegionEnd``."""
+    keys = [("a", i) for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
+    keys += [("k", k) for k, x in kwargs.items() if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not keys:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    outs = _RegionEnd.apply(done, *[args[k] if kind == "a" else kwargs[k] for kind, k in keys])
+    for (kind, k), y in zip(keys, outs):
+        if kind == "a":
+            args[k] = y
+        else:
+            kwargs[k] = y
+    return tuple(args), kwargs
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.untyped_storage().nbytes() if x.layout == torch.strided else 0
