@@ -57,7 +57,8 @@ class Engine:
         self.module = model
         self.optimizer = optimizer
         self.config = config
-        backend = make_backend(config.device, chaos=config.chaos)
+        # (chaos passed only when on: tests stand in make_backend(device) for a simulated GPU)
+        backend = make_backend(config.device) if config.chaos is None else make_backend(config.device, chaos=config.chaos)
         guards.check_budget(config.budget, backend)
         self._runtime = Runtime(model, optimizer, config, backend, params, groups)
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
