@@ -12,6 +12,10 @@ module buffers) plus 10 %, 25 % or 50 % of the parameters' bf16 bytes, i.e. the 
 that could stay on the device.
 
     python benchmarks/schedule_sim.py --json benchmarks/results/schedule_sim.json
+    python benchmarks/schedule_sim.py --models none --chain 1000,3000,10000   # planner speed only
+
+``--chain N,...``: the planner's own speed on a plain stack of N one-parameter layers (N buckets, 4N trace
+events), the issue's "< 1 s for 10,000 buckets" case: wall and CPU seconds of ``build_plan``.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from rich.console import Console
 from rich.table import Table
 
 from offload.baselines import POLICIES, Case
-from offload.buckets import make_buckets
+from offload.buckets import ParamSpec, make_buckets
 from offload.config import format_bytes, parse_bytes
 from offload.hw import PRESETS
 from offload.metatrace import trace_meta
 from offload.presets import MODELS, preset_inputs
-from offload.schedule import least_traffic
+from offload.schedule import build_plan, least_traffic
 from offload.simulate import physical_bound
+from offload.trace import EventKind, Recorder
 
 CASES = (("gpt2-xl", 1, 1024), ("gpt3-6.7b", 1, 2048), ("bert-large", 8, 512))
 FRACTIONS = (0.10, 0.25, 0.50)
@@ -46,12 +51,41 @@ def machine() -> dict:
             "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
+def chain(n: int, numel: int = 256):
+    """A plain stack of ``n`` layers, one parameter (one bucket) each: forward 0..n-1, backward n-1..0."""
+    rec = Recorder()
+    rec.pre(n)
+    for i in range(n):
+        rec.pre(i)
+        rec.touch(i)
+        rec.post(i)
+    rec.post(n)
+    for i in reversed(range(n)):
+        rec.unpack(i, object())
+        rec.grad(i, numel * 4)
+    trace = rec.finish()
+    return trace, make_buckets([ParamSpec(numel, 0)] * n, list(range(n)), numel * 4, 4)
+
+
+def time_chain(n: int) -> dict:
+    """Wall and CPU seconds of build_plan on an n-bucket chain (budget: a quarter of the buckets)."""
+    trace, buckets = chain(n)
+    compute = [1e-5 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0 for ev in trace.events]
+    load = os.getloadavg()[0]
+    w0, c0 = time.perf_counter(), time.process_time()
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=n * 1024 // 4, fixed_bytes=0, hw=PRESETS["pcie4"],
+                      compute_s=compute)
+    return {"buckets": n, "events": len(trace.events), "buffers": len(plan.buffers), "wall_s": time.perf_counter() - w0,
+            "cpu_s": time.process_time() - c0, "load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--models", default=",".join(c[0] for c in CASES))
     ap.add_argument("--hw", default="pcie4,pcie5")
     ap.add_argument("--bucket-bytes", default="32MiB")
+    ap.add_argument("--chain", default="", help="comma-separated bucket counts: time build_plan on a layer chain")
     args = ap.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 170)
     bucket_bytes = parse_bytes(args.bucket_bytes)
@@ -99,7 +133,20 @@ def main() -> int:
                          for r in row.values()]
                 table.add_row(name, hw_name, format_bytes(budget), f"{bound.seconds:.3f}", bound.limit, *cells,
                               f"{g / bound.seconds:.2f}" if g else "-")
-    console.print(table)
+    if out["cases"]:
+        console.print(table)
+    if args.chain:
+        out["chain"] = []
+        speed = Table(title="build_plan speed on a chain of one-bucket layers")
+        for col in ("buckets", "events", "buffers", "wall s", "cpu s", "load before/after"):
+            speed.add_column(col, justify="right")
+        for n in (int(x) for x in args.chain.split(",")):
+            with console.status(f"planning a {n}-bucket chain"):
+                r = time_chain(n)
+            out["chain"].append(r)
+            speed.add_row(str(n), str(r["events"]), str(r["buffers"]), f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
+                          f"{r['load_avg_1m_before']:.1f}/{r['load_avg_1m_after']:.1f}")
+        console.print(speed)
     console.print(f"machine: {out['machine']}")
     console.print({k: round(v, 2) for k, v in out["timings_s"].items()})
     if args.json:

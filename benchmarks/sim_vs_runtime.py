@@ -4,8 +4,10 @@ and compare the measured step time with what ``offload.simulate`` predicts for t
 executes.
 
 Inputs of the prediction, all measured in this run: compute seconds per event from a step of the same
-model with everything resident and unthrottled copies (the runtime records a trace every step), the CPU
-AdamW throughput (``offload probe``'s measurement), and the configured link bandwidth. The harness reads
+model with everything resident and unthrottled copies (the runtime records a trace every step, its own
+waits and fetches excluded: ``Trace.compute_seconds``), the CPU AdamW throughput (``offload probe``'s
+measurement of the engine's update), and the configured link bandwidth. The throttled runs plan with that
+hardware model (``OffloadConfig.hw``), as a user passing ``offload probe``'s JSON would. The harness reads
 the engine's trace and plan (``engine._runtime``): the public API exposes only their summary.
 
     python benchmarks/sim_vs_runtime.py --json benchmarks/results/sim_vs_runtime_cpu.json
@@ -38,10 +40,10 @@ def mlp(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*(m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())))
 
 
-def run(budget, width, depth, batch, steps, bandwidth=None):
+def run(budget, width, depth, batch, steps, bandwidth=None, hw=None):
     model = mlp(width, depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
-    engine = offload.wrap(model, opt, budget=budget, device="cpu", bucket_bytes=width * width * 4 + width * 4)
+    engine = offload.wrap(model, opt, budget=budget, device="cpu", bucket_bytes=width * width * 4 + width * 4, hw=hw)
     if bandwidth is not None:  # swap in a throttled backend before anything has run
         old = engine._runtime.backend
         engine._runtime.backend = CPUBackend(bandwidth, bandwidth)
@@ -74,7 +76,8 @@ def main() -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     torch.set_num_threads(1)  # compute on one core; the other runs the AdamW lane
     param_bytes = args.depth * (args.width * args.width + args.width) * 4
-    rows, out = [], {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+    rows, out = [], {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                                 "load_avg_1m_before": os.getloadavg()[0]},
                      "args": vars(args), "cases": []}
     with console.status("measuring compute (everything resident, unthrottled)"):
         _, clean, _, _ = run(param_bytes * 4, args.width, args.depth, args.batch, 4)
@@ -88,11 +91,11 @@ def main() -> int:
         budget = int(param_bytes * frac) + extra if frac < 1 else param_bytes * 4
         load = os.getloadavg()[0]
         with console.status(f"training at budget {frac:.0%} of the parameters, throttled"):
-            times, trace, plan, stats = run(budget, args.width, args.depth, args.batch, args.steps, args.bandwidth)
+            times, trace, plan, stats = run(budget, args.width, args.depth, args.batch, args.steps, args.bandwidth, hw)
         if [e for e in trace.events] != [e for e in clean.events]:
             console.print("[red]the traced events differ between runs; cannot compare[/red]")
             return 1
-        sim = simulate_plan(plan, hw, clean.seconds)
+        sim = simulate_plan(plan, hw, clean.compute_seconds)
         measured = statistics.median(times[3:])
         err = (sim.step_s - measured) / measured
         case = {"budget_bytes": budget, "resident": len(plan.resident), "buckets": len(plan.buckets),
@@ -109,6 +112,8 @@ def main() -> int:
                       f"{c['measured_step_s']:.3f}", f"{c['predicted_step_s']:.3f}", f"{c['relative_error']:+.0%}",
                       f"{c['load_avg_1m']:.1f}")
     console.print(table)
+    out["machine"]["load_avg_1m_after"] = os.getloadavg()[0]
+    out["cpu_adam_params_per_s"] = adam
     console.print(out["machine"], f"CPU AdamW {adam / 1e6:.0f} M params/s")
     if args.json:
         with open(args.json, "w") as f:

@@ -24,7 +24,8 @@ def _probe(args, console: Console) -> int:
     table = Table(title="offload probe")
     table.add_column("what")
     table.add_column("measured", justify="right")
-    table.add_row("CPU AdamW", f"{result['cpu_adam_params_per_s'] / 1e9:.2f} G params/s")
+    table.add_row(f"CPU AdamW, {result['cpu_adam_impl']}, {result['cpu_adam_threads']} threads",
+                  f"{result['cpu_adam_params_per_s'] / 1e9:.2f} G params/s")
     table.add_row("host memory bandwidth", f"{result['host_bytes_per_s'] / 1e9:.1f} GB/s")
     pcie = result["pcie"]
     if pcie is None:

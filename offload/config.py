@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Callable, Sequence, Union
@@ -10,6 +11,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from .chaos import ChaosConfig
+from .hw import HardwareModel, load_hw
 
 _UNITS = {
     "": 1, "b": 1,
@@ -110,6 +112,10 @@ class OffloadConfig:
     block saves and checkpoints the fewest blocks that make the step fit the budget. A list of module names
     (as in ``model.named_modules()``), or a callable ``(name, module) -> bool``, checkpoints those always.
     None (default): nothing is checkpointed."""
+    hw: HardwareModel | str | os.PathLike | None = None
+    """The machine the scheduler plans for: a :class:`offload.hw.HardwareModel`, a preset name (``"pcie3"``,
+    ``"pcie4"``, ``"pcie5"``: nominal figures) or the path of the JSON that ``offload probe --json`` wrote
+    (measured). Resolved once, here, with :func:`offload.hw.load_hw`. ``None``: the ``pcie4`` preset."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -136,6 +142,10 @@ class OffloadConfig:
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
         set_(self, "activation_checkpointing", _checkpointing(self.activation_checkpointing))
+        if self.hw is not None:
+            if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
+                raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
+            set_(self, "hw", load_hw(self.hw))  # ValueError naming the presets for an unknown name or file
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -11,7 +11,8 @@ import torch
 
 from .buckets import Bucket, ParamSpec, host_layout, locate
 from .config import format_bytes
-from .errors import HostMemoryError
+from .cpu_adam import KERNEL_AVAILABLE, adamw_step
+from .errors import HostMemoryError, OffloadError
 from .memory import HostArena
 from .optim import adamw_
 
@@ -20,23 +21,34 @@ HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when s
 
 class HostState:
     def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
-                 lowp_dtype: torch.dtype | None = None):
+                 lowp_dtype: torch.dtype | None = None, fused: bool = KERNEL_AVAILABLE):
         """``lowp_dtype``: the device's 16-bit compute dtype, whose copy of each bucket is kept here for the
-        host-to-device copy and rewritten by every update; None when the device computes in fp32."""
+        host-to-device copy and rewritten by every update; None when the device computes in fp32.
+        ``fused``: updates run on the C++ kernel (``offload.AdamW.fused``); False: torch ops."""
+        if fused and not KERNEL_AVAILABLE:
+            raise ValueError("fused=True needs the C++ AdamW kernel, which offload._C lacks")
+        self.fused = fused
+        # fp16 grads can overflow: the step-wide check (runtime, from the grad norms) skips such a step
+        # before any update; the kernel checks each bucket again, so an inf that slipped past it could
+        # never reach the weights.
+        self.check_finite = lowp_dtype == torch.float16
         lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
         layout = host_layout(buckets, lowp_itemsize)
         check_host_ram(layout.total_bytes, lowp_itemsize)
         self.arena = HostArena(layout.total_bytes)
         self.buckets, self.specs, self.shapes, self.layout = tuple(buckets), list(specs), list(shapes), layout
+        # A frozen parameter has no fp32 master beside its 16-bit copy (see buckets.HostLayout).
+        self.master_numel = [b.trainable_numel if lowp_dtype else b.numel for b in buckets]
         for b in buckets:  # claim each region, so the arena's own stats account for every byte
-            self.arena.reserve(layout.master[b.index], b.numel * 4)
+            if self.master_numel[b.index]:
+                self.arena.reserve(layout.master[b.index], self.master_numel[b.index] * 4)
             if lowp_itemsize and b.numel:
                 self.arena.reserve(layout.lowp[b.index], b.numel * lowp_itemsize)
             if b.trainable_numel:
                 for region in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
                     self.arena.reserve(region[b.index], b.trainable_numel * 4)
         view = self.arena.view
-        self.master = [view(layout.master[b.index], b.numel, torch.float32) for b in buckets]
+        self.master = [view(layout.master[b.index], self.master_numel[b.index], torch.float32) for b in buckets]
         self.lowp = [view(layout.lowp[b.index], b.numel, lowp_dtype) for b in buckets] if lowp_dtype else None
         self.grad = [view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
@@ -64,14 +76,31 @@ class HostState:
         offset = getattr(self.layout, region)[b] + start * 4
         return torch.frombuffer(self.arena._arena, dtype=torch.float32, count=numel, offset=offset)
 
+    def has_master(self, p: int) -> bool:
+        """False for a frozen parameter kept only as its 16-bit copy."""
+        return self.offset[p] < self.master_numel[self.bucket_of[p]]
+
     def param_master(self, p: int) -> torch.Tensor:
+        if not self.has_master(p):
+            raise KeyError(f"parameter {p} is frozen and kept only in 16 bits: it has no fp32 master")
         off = self.offset[p]
         return self.master[self.bucket_of[p]][off: off + self.specs[p].numel]
 
-    def write_master(self, p: int, value: torch.Tensor) -> None:
-        """Set parameter ``p``'s fp32 master (and its low-precision copy) to ``value``."""
-        self.param_master(p).copy_(value.reshape(-1))
+    def read_param(self, p: int) -> torch.Tensor:
+        """Parameter ``p``'s current value in fp32, flat (a copy): its master, or its 16-bit copy widened."""
+        if self.has_master(p):
+            return self.param_master(p).clone()
         off = self.offset[p]
+        return self.lowp[self.bucket_of[p]][off: off + self.specs[p].numel].float()
+
+    def write_master(self, p: int, value: torch.Tensor) -> None:
+        """Set parameter ``p``'s fp32 master (and its low-precision copy) to ``value``; a frozen parameter
+        without a master gets ``value`` rounded to 16 bits."""
+        off = self.offset[p]
+        if not self.has_master(p):
+            self.lowp[self.bucket_of[p]][off: off + self.specs[p].numel].copy_(value.reshape(-1))
+            return
+        self.param_master(p).copy_(value.reshape(-1))
         self.refresh_lowp(self.bucket_of[p], off, off + self.specs[p].numel)
 
     def param_state(self, p: int, which: str) -> torch.Tensor:
@@ -83,19 +112,35 @@ class HostState:
         """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
         same-group, same-step parameters (runs a parameter with another step count apart).
 
-        ``grad_factors`` multiply the grads first, one after the other (the loss-scale inverse, then the
-        clipping coefficient: the order in which torch's GradScaler.unscale_ and clip_grad_norm_ apply them).
+        ``grad_factors`` multiply the grads first (the loss-scale inverse, then the clipping coefficient:
+        the order in which torch's GradScaler.unscale_ and clip_grad_norm_ apply them). The fused kernel
+        takes their product as its ``grad_scale`` and writes the new 16-bit copy in the same pass; the torch
+        path multiplies the grads in place one factor after the other, then rounds the copy. (With the
+        default power-of-two loss scales and one clipping coefficient both round the same.)
         """
         bucket = self.buckets[b]
         master, grad, m, v = self.master[b], self.grad[b], self.exp_avg[b], self.exp_avg_sq[b]
+        lowp = self.lowp[b] if self.lowp is not None else None
+        scale = 1.0
+        for f in grad_factors:
+            scale *= f
 
-        def one(s: int, e: int, step: int, hp: dict) -> None:
+        def fused(s: int, e: int, step: int, hp: dict) -> None:
+            found_inf = adamw_step(master[s:e], grad[s:e], m[s:e], v[s:e], step=step, **hp, grad_scale=scale,
+                                   lowp_out=None if lowp is None else lowp[s:e], check_finite=self.check_finite)
+            if found_inf:
+                self._inf_error(b)
+
+        def plain(s: int, e: int, step: int, hp: dict) -> None:
+            if self.check_finite and not bool(torch.isfinite(grad[s:e]).all()):
+                self._inf_error(b)
             for f in grad_factors:
                 if f != 1.0:
                     grad[s:e].mul_(f)
             adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], step, **hp)
             self.refresh_lowp(b, s, e)
 
+        one = fused if self.fused else plain
         for run in bucket.runs:
             lr, b1, b2, eps, wd = hparams[run.group]
             hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
@@ -108,6 +153,11 @@ class HostState:
                 if p in params:
                     one(self.offset[p], self.offset[p] + self.specs[p].numel, self.steps[p] + 1, hp)
                     self._count((p,))
+
+    @staticmethod
+    def _inf_error(b: int) -> None:
+        raise OffloadError(f"bucket {b}'s float16 grads hold an inf or NaN although the step-wide overflow check "
+                           "passed; the bucket was not updated. This is a bug in offload: please report it")
 
     def grad_norms(self, b: int, params, ord: float = 2.0) -> dict[int, torch.Tensor]:
         """Per-parameter norm of the accumulated host grads of ``params`` (all in bucket ``b``)."""
@@ -142,6 +192,6 @@ def check_host_ram(nbytes: int, lowp_itemsize: int = 0) -> None:
     if nbytes * HOST_RAM_HEADROOM > available:
         raise HostMemoryError(
             f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grads: "
-            f"{16 + lowp_itemsize} bytes per trainable parameter, {4 + lowp_itemsize} per frozen one) but only "
+            f"{16 + lowp_itemsize} bytes per trainable parameter, {lowp_itemsize or 4} per frozen one) but only "
             f"{format_bytes(available)} is available. Free host memory, freeze more parameters, or use a "
             "machine with more RAM.")

@@ -15,6 +15,7 @@ throughput, a server-class host. They are assumptions, labelled as such (``measu
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -113,6 +114,7 @@ class HardwareModel:
         return replace(self, **changes)
 
 
+@functools.lru_cache(maxsize=1 << 14)  # pure; the scheduler asks for the same few bucket sizes many times
 def _seconds(curve: Curve, nbytes: int) -> float:
     """Copy time of ``nbytes``: bandwidth interpolated linearly in log(size), clamped at the curve's ends
     (below the smallest point the per-copy time of that point is a floor: a copy never gets cheaper)."""

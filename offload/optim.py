@@ -13,6 +13,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from .cpu_adam import KERNEL_AVAILABLE, adamw_step
+
 
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
            step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
@@ -20,7 +22,8 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
 
     The same operations, in the same order, as ``torch.optim.AdamW(foreach=False)``, so results agree to
     the bit on the same inputs (elementwise ops do not care that the tensors here are flat and span
-    several parameters). The fused C++ SIMD kernel will replace this six-pass version.
+    several parameters). Six passes over memory: the engine runs the fused C++ kernel
+    (``offload.cpu_adam.adamw_step``) instead unless ``offload.AdamW(fused=False)``.
     """
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
@@ -36,14 +39,37 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
 
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay; fp32 state on the host. Param groups may set lr, betas, eps,
-    weight_decay."""
+    weight_decay.
+
+    ``fused``: run the update with the fused C++ kernel (``offload.cpu_adam.adamw_step``: one pass over
+    memory, the 16-bit copy for the next host-to-device copy written in the same pass). ``None`` (default):
+    the kernel when it is built (``offload.cpu_adam.KERNEL_AVAILABLE``), else torch ops. ``False``: torch
+    ops (``adamw_``), the same operations as ``torch.optim.AdamW(foreach=False)``, so bit for bit the same
+    numbers. See [Note: fused and torch numerics].
+
+    [Note: fused and torch numerics] The kernel does torch's operations in torch's order, so Adam's m and
+    v agree with ``torch.optim.AdamW`` bit for bit, but its square root is IEEE (correctly rounded) while
+    torch's, on tensors of more than a few elements, is MKL's vector sqrt, 1 ulp low on about 0.6 % of
+    elements on x86. So one step's master can differ from torch's by 1 ulp (2 where the update is larger
+    than the weight); over many steps training amplifies that like any other rounding difference.
+    """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
+        if fused is None:
+            fused = KERNEL_AVAILABLE
+        elif not isinstance(fused, bool):
+            raise TypeError(f"fused must be None, True or False; got {fused!r}")
+        elif fused and not KERNEL_AVAILABLE:
+            raise RuntimeError("offload.AdamW(fused=True) needs the C++ kernel, which this build of offload._C "
+                               "lacks (offload.cpu_adam.KERNEL_AVAILABLE is False). Rebuild the package, or "
+                               "pass fused=None to use torch ops when it is missing")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        self.fused: bool = fused
+        """Whether updates run on the C++ kernel (resolved: never None). Not part of ``state_dict()``."""
         self._engine = None  # set by offload.wrap; the engine owns the optimizer's state from then on
 
     def _bind(self, engine) -> None:
@@ -84,8 +110,13 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                adamw_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()),
-                       lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+                step = int(state["step"].item())
+                hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+                if self.fused and _kernel_can_take(p, p.grad, state["exp_avg"], state["exp_avg_sq"]):
+                    adamw_step(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                               step=step, **hp)
+                else:
+                    adamw_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, **hp)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -116,6 +147,12 @@ class AdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         if self._engine is not None:
             self._engine._adopt_optimizer_state()
+
+
+def _kernel_can_take(*tensors: torch.Tensor) -> bool:
+    """The kernel takes contiguous fp32 CPU buffers; anything else (a CUDA parameter, a strided one, a
+    16-bit one) takes the torch path."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
 def _check_hparams(lr, betas, eps, weight_decay) -> None:

@@ -2,7 +2,8 @@
 
 On CUDA: the pinned host-to-device and device-to-host bandwidth curve (1 KiB ... 256 MiB), each direction
 alone and both at once (which gives the duplex factor). Everywhere: the CPU AdamW throughput (the engine's
-own update function on flat fp32 buffers) and the host memory bandwidth. Without CUDA the PCIe figures
+own update: the fused C++ kernel when it is built, else torch ops, on flat fp32 buffers writing a bf16 copy,
+as a bf16 engine's update does) and the host memory bandwidth. Without CUDA the PCIe figures
 are not measured: the hardware model written then carries the ``pcie4`` preset's link, and says so.
 """
 
@@ -15,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from .cpu_adam import KERNEL_AVAILABLE, adamw_step, kernel_info
 from .hw import PRESETS, PROBE_SIZES, HardwareModel
 from .optim import adamw_
 
@@ -29,13 +31,26 @@ def _best_of(fn: Callable[[], None], repeat: int) -> float:
     return min(times)
 
 
-def cpu_adam_params_per_s(numel: int = 1 << 22, repeat: int = 3) -> float:
+def cpu_adam_params_per_s(numel: int = 1 << 22, repeat: int = 3, fused: bool = KERNEL_AVAILABLE) -> float:
+    """Parameters per second of the engine's host update on flat buffers: fp32 master, grad, m, v and a bf16
+    copy written. ``fused``: the C++ kernel (``HostState.update``'s default), else the torch path (six
+    passes, then the bf16 rounding)."""
     p, g, m, v = (torch.randn(numel) for _ in range(4))
     v.abs_()
+    lowp = torch.empty(numel, dtype=torch.bfloat16)
     step = iter(range(1, 1 << 30))
-    seconds = _best_of(lambda: adamw_(p, g, m, v, next(step), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                                      weight_decay=0.01), repeat)
-    return numel / seconds
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+    def kernel() -> None:
+        adamw_step(p, g, m, v, step=next(step), **hp, lowp_out=lowp)
+
+    def plain() -> None:
+        adamw_(p, g, m, v, next(step), **hp)
+        lowp.copy_(p)
+
+    if fused and not KERNEL_AVAILABLE:
+        raise ValueError("fused=True needs the C++ AdamW kernel, which offload._C lacks")
+    return numel / _best_of(kernel if fused else plain, repeat)
 
 
 def host_bytes_per_s(nbytes: int = 1 << 28, repeat: int = 3) -> float:
@@ -87,7 +102,10 @@ def probe(progress: Callable[[str], None] = lambda msg: None) -> dict:
     adam = cpu_adam_params_per_s()
     progress("host memory bandwidth")
     host = host_bytes_per_s()
-    result.update(cpu_adam_params_per_s=adam, host_bytes_per_s=host)
+    info = kernel_info()
+    impl = f"fused C++ ({info['isa']}, {'OpenMP' if info['openmp'] else 'serial'})" if info["available"] else "torch ops"
+    result.update(cpu_adam_params_per_s=adam, cpu_adam_impl=impl, cpu_adam_threads=torch.get_num_threads(),
+                  host_bytes_per_s=host)
     base = PRESETS["pcie4"]
     if result["cuda"]:  # pragma: no cover - needs CUDA
         progress("PCIe bandwidth curve")

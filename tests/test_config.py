@@ -72,3 +72,25 @@ def test_default_device():
 def test_format_bytes():
     assert offload.format_bytes(1536) == "1.50 KiB"
     assert offload.format_bytes(12) == "12 B"
+
+
+def test_config_hw_takes_a_model_a_preset_or_a_probe_file(tmp_path):
+    import json
+    from dataclasses import replace
+
+    from offload.hw import PRESETS
+    assert OffloadConfig(budget="1GiB").hw is None  # the scheduler's default (pcie4)
+    assert OffloadConfig(budget="1GiB", hw="pcie5").hw == PRESETS["pcie5"]
+    measured = replace(PRESETS["pcie4"], name="probe (test)", adam_params_per_s=1.5e8, measured=True)
+    assert OffloadConfig(budget="1GiB", hw=measured).hw is measured
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"hardware_model": measured.to_dict()}))
+    assert OffloadConfig(budget="1GiB", hw=path).hw == measured
+    assert OffloadConfig(budget="1GiB", hw=str(path)).hw == measured
+    with pytest.raises(ValueError, match="pcie4"):
+        OffloadConfig(budget="1GiB", hw="pcie9")
+    with pytest.raises(ValueError, match="offload probe"):
+        (tmp_path / "bad.json").write_text("{}")
+        OffloadConfig(budget="1GiB", hw=tmp_path / "bad.json")
+    with pytest.raises(TypeError, match="HardwareModel"):
+        OffloadConfig(budget="1GiB", hw=3)

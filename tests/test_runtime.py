@@ -2,7 +2,14 @@
 
 Tests taking the `device` fixture run on the CPU backend and (marked `gpu`) on CUDA, where the reference
 trains on the GPU too: bit-for-bit on the CPU, within the numerics tests' tolerance on CUDA (the engine's
-AdamW runs on the host, the reference's on the GPU, so they round differently)."""
+AdamW runs on the host, the reference's on the GPU, so they round differently).
+
+On the CPU the reference is plain PyTorch training with an *unbound* `offload.AdamW` of the same `fused`
+setting as the engine's, so the comparison stays bit for bit whichever update runs: with `fused=False` that
+is `torch.optim.AdamW(foreach=False)`'s arithmetic (checked bitwise against torch below); with the default
+fused kernel, torch's arithmetic except for an IEEE sqrt (see [Note: fused and torch numerics] in
+offload/optim.py; the one-step bound against torch is checked below and in tests/test_cpu_adam.py). What
+these tests catch, a missing wait or a stale or misplaced bucket, shows up as a difference either way."""
 
 import copy
 
@@ -14,14 +21,17 @@ import offload
 from offload.schedule import validate_plan
 
 
-def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, device="cpu", **kw):
+def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, device="cpu", fused=None, **kw):
     torch.manual_seed(0)
     ref = copy.deepcopy(model).to(device)
     pbytes = sum(p.numel() * 4 for p in model.parameters())
-    opt = offload.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    opt = offload.AdamW(model.parameters(), lr=lr, weight_decay=wd, fused=fused)
     engine = offload.wrap(model, opt, budget=int(pbytes * budget_frac), device=device,
                           bucket_bytes=max(1024, int(pbytes * bucket_frac)), **kw)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, foreach=False)
+    if torch.device(device).type == "cpu":  # the same update arithmetic as the engine's: see the docstring
+        ref_opt = offload.AdamW(ref.parameters(), lr=lr, weight_decay=wd, fused=opt.fused)
+    else:
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, foreach=False)
     return engine, opt, ref, ref_opt
 
 
@@ -66,8 +76,9 @@ class Branchy(nn.Module):
         return self.out(h)
 
 
-def test_departure_from_plan_is_correct_and_replans(device):
-    engine, opt, ref, ref_opt = _ref_and_engine(Branchy(), budget_frac=0.6, device=device)
+@pytest.mark.parametrize("fused", [None, False], ids=["default", "torch_update"])
+def test_departure_from_plan_is_correct_and_replans(device, fused):
+    engine, opt, ref, ref_opt = _ref_and_engine(Branchy(), budget_frac=0.6, device=device, fused=fused)
     for step in range(12):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
         odd = step % 4 == 3
@@ -219,18 +230,51 @@ def test_memory_stats_keys(device):
     assert 16 * n <= stats["host_pinned_bytes"] < 16 * n + 2 * 2**20
 
 
-def test_adamw_unbound_matches_torch_bitwise():
+def _train_unbound_and_torch(fused: bool, steps: int = 10):
     torch.manual_seed(0)
-    a = nn.Linear(8, 8)
+    a = nn.Linear(96, 96)  # large enough (> ~1000 elements) for torch's sqrt to take MKL's vector path
     b = copy.deepcopy(a)
-    oa = offload.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
+    oa = offload.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
     ob = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    for step in range(10):
-        x = torch.randn(4, 8)
+    for step in range(steps):
+        x = torch.randn(4, 96)
         a(x).sin().sum().backward()
         b(x).sin().sum().backward()
         oa.step(); ob.step(); oa.zero_grad(); ob.zero_grad()
+    return a, b, oa, ob
+
+
+def test_adamw_torch_update_matches_torch_bitwise():
+    a, b, oa, ob = _train_unbound_and_torch(fused=False)
+    assert not oa.fused
     assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+
+
+@pytest.mark.skipif(not offload.cpu_adam.KERNEL_AVAILABLE, reason="the C++ kernel is not built")
+def test_adamw_fused_one_step_bound_against_torch():
+    """One step from the same state: m and v bitwise, the master within the kernel's proven bound (1 ulp of
+    the weight + 2 ulp of the update, tests/test_cpu_adam.py), and differing at all on few elements."""
+    a, b, oa, ob = _train_unbound_and_torch(fused=True, steps=1)
+    assert oa.fused
+    for p, q in ((a.weight, b.weight), (a.bias, b.bias)):
+        sa, sb = oa.state[p], ob.state[q]
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+    with torch.no_grad():
+        w0 = copy.deepcopy(b.weight)
+        torch.manual_seed(0)
+        w_init = nn.Linear(96, 96).weight  # the weight before the step (same seed as above)
+        update = (w0 - w_init).abs()
+        diff = (a.weight - b.weight).abs()
+        ulp = lambda t: torch.nextafter(t.abs(), torch.tensor(float("inf"))) - t.abs()  # noqa: E731
+        assert bool((diff <= ulp(w0) + 2 * ulp(update)).all())
+        assert (diff != 0).float().mean() < 0.02
+
+
+def test_adamw_fused_requires_the_kernel(monkeypatch):
+    monkeypatch.setattr(offload.optim, "KERNEL_AVAILABLE", False)
+    with pytest.raises(RuntimeError, match="KERNEL_AVAILABLE"):
+        offload.AdamW(nn.Linear(2, 2).parameters(), fused=True)
+    assert not offload.AdamW(nn.Linear(2, 2).parameters()).fused  # None falls back to torch ops
 
 
 class EvalDetour(Branchy):
@@ -257,6 +301,26 @@ def test_eval_on_a_different_path_keeps_the_training_plan(device):
             ref.train()
     _assert_same(engine, ref)
     stats = engine.memory_stats()
-    assert stats["counters"]["plan_departures"] >= 2  # each evaluation departs ...
-    assert stats["plan"]["replans"] == 0  # ... but training keeps its plan
+    # Evaluation runs on forward-only plans of its own, one per no-grad path: the first evaluation (the
+    # module still in training mode) takes the plain path, later ones the detour, which departs once from
+    # the plain path's plan and then has its own. Training keeps its plan throughout.
+    assert stats["counters"]["eval_plans_built"] == 2
+    assert stats["counters"]["plan_departures"] == 1
+    assert stats["plan"]["replans"] == 0
     assert stats["device_peak_bytes"] <= stats["budget_bytes"]
+
+
+def test_plan_uses_the_configured_hardware_and_the_trace_excludes_waits():
+    """OffloadConfig(hw=...) reaches build_plan; the engine's own fetches and waits are overhead, not compute
+    (Trace.compute_seconds), so the cost model does not count the warm-up's synchronous copies as compute."""
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    engine, opt, _, _ = _ref_and_engine(model, budget_frac=0.6, hw="pcie5")
+    for step in range(2):
+        engine(torch.randn(2, 64, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+    rt = engine._runtime
+    assert rt.plan.hw_name == "pcie5" and rt.plan.simulated is not None
+    trace = rt.trace
+    assert len(trace.overhead) == len(trace.seconds) and sum(trace.overhead) > 0
+    assert all(0 <= c <= s for c, s in zip(trace.compute_seconds, trace.seconds))
+    engine.close()

@@ -319,3 +319,37 @@ def test_fp16_plain_backward_warns_once():
         case.loss_fn(run(engine, b), b).backward()
     opt.step()
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_and_torch_updates_train_alike(dtype):
+    """The engine's two host updates (the fused kernel, the default, and torch ops) in a 16-bit engine: each
+    leaves the 16-bit host copy equal to its master rounded, and the two runs agree (they differ only by
+    the kernel's IEEE sqrt: [Note: fused and torch numerics] in offload/optim.py)."""
+    if not offload.cpu_adam.KERNEL_AVAILABLE:
+        pytest.skip("the C++ kernel is not built")
+    results = []
+    for fused in (True, False):
+        case = CASES["mlp"]()
+        nbytes = sum(p.numel() * 4 for p in case.model.parameters())
+        opt = offload.AdamW(case.model.parameters(), **(ADAMW | {"lr": MIXED_LR}), fused=fused)
+        engine = offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cpu",
+                              dtype=dtype)
+        losses = []
+        for step in range(6):
+            b = case.make_batch(step)
+            loss = case.loss_fn(run(engine, b), b)
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        host = engine._runtime.host
+        assert host.fused == fused
+        for b in range(len(host.buckets)):
+            assert torch.equal(host.lowp[b], host.master[b].to(dtype)), b
+        results.append((losses, _masters(engine)))
+        engine.close()
+    (losses_f, masters_f), (losses_t, masters_t) = results
+    torch.testing.assert_close(losses_f, losses_t, rtol=1e-3, atol=0)
+    for name, want in masters_t.items():
+        torch.testing.assert_close(masters_f[name], want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
