@@ -66,8 +66,10 @@ class HostState:
         return self.lowp[b] if self.lowp is not None else self.master[b]
 
     def refresh_lowp(self, b: int, start: int = 0, end: int | None = None) -> None:
-        """Round ``master[b][start:end]`` into the low-precision copy (nearest even)."""
+        """Round ``master[b][start:end]`` into the low-precision copy (nearest even). ``end=None``: the end
+        of the bucket's masters (a frozen tail kept only in 16 bits has none, and keeps its copy)."""
         if self.lowp is not None:
+            end = self.master_numel[b] if end is None else end
             self.lowp[b][start:end].copy_(self.master[b][start:end])
 
     def exact(self, region: str, b: int, start: int, numel: int) -> torch.Tensor:
