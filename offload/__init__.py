@@ -6,19 +6,22 @@
 """
 
 from .api import Engine, wrap
+from .chaos import ChaosConfig
 from .config import LossScaleConfig, OffloadConfig, format_bytes, parse_bytes
-from .errors import BudgetTooSmallError, CheckpointError, HostMemoryError, OffloadError
+from .errors import BudgetTooSmallError, CheckpointError, HostMemoryError, OffloadError, OffloadWarning
 from .optim import AdamW
 
 __all__ = [
     "AdamW",
     "BudgetTooSmallError",
+    "ChaosConfig",
     "CheckpointError",
     "Engine",
     "HostMemoryError",
     "LossScaleConfig",
     "OffloadConfig",
     "OffloadError",
+    "OffloadWarning",
     "format_bytes",
     "parse_bytes",
     "wrap",

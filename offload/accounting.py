@@ -51,7 +51,11 @@ class SavedActivation:
     __slots__ = ("tensor", "key", "memory", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, memory: DeviceMemory):
-        self.tensor = tensor
+        # Detached (same storage and version counter): an op that saves its own output (tanh, sigmoid, exp)
+        # would otherwise close a cycle output -> grad_fn -> this -> output through C++, which Python's gc
+        # cannot see, so a graph dropped without backward (a fault, a forward with grad and no backward)
+        # would keep its activations for good. Autograd rebuilds the grad_fn edge itself when unpacking.
+        self.tensor = tensor.detach()
         self.memory = memory
         storage = tensor.untyped_storage()
         self.key = storage.data_ptr()

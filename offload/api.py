@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint
+from . import checkpoint, faults, guards
 from .backend import make_backend
 from .config import OffloadConfig
 from .optim import AdamW
@@ -57,7 +57,9 @@ class Engine:
         self.module = model
         self.optimizer = optimizer
         self.config = config
-        backend = make_backend(config.device)
+        # (chaos passed only when on: tests stand in make_backend(device) for a simulated GPU)
+        backend = make_backend(config.device) if config.chaos is None else make_backend(config.device, chaos=config.chaos)
+        guards.check_budget(config.budget, backend)
         self._runtime = Runtime(model, optimizer, config, backend, params, groups)
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         self._runtime.memory.add("buffers", buffer_bytes)
@@ -70,11 +72,15 @@ class Engine:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open()
+        rt = self._runtime
+        outer, rt.engine_call = rt.engine_call, True
         try:
             return self.module(*args, **kwargs)
-        except BaseException:
-            self._runtime.abort_forward()
+        except BaseException as e:  # KeyboardInterrupt too: the engine must stay usable
+            faults.abort_forward(rt, e)
             raise
+        finally:
+            rt.engine_call = outer
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` (multiplied by the loss scale with float16); grads go to the host as they are
@@ -86,6 +92,9 @@ class Engine:
             loss = loss * rt.scaler.scale
         try:
             loss.backward(**kwargs)
+        except BaseException as e:  # KeyboardInterrupt too: see offload/faults.py
+            faults.abort_backward(rt, e)
+            raise
         finally:
             rt.next_backward_scale = None
 
@@ -169,11 +178,15 @@ class Engine:
         if missing or unexpected:
             raise KeyError(f"state dict does not match the model: missing {sorted(missing)}, "
                            f"unexpected {sorted(unexpected)}")
+        wrong = [f"{name}: {tuple(value.shape)} where the model has {tuple(own[name].shape)}"
+                 for name, value in state_dict["model"].items() if tuple(value.shape) != tuple(own[name].shape)]
+        if wrong:  # checked before anything is written: a refused state dict changes nothing
+            raise ValueError(f"state dict does not match the model's shapes: {'; '.join(wrong[:8])}"
+                             + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""))
+        self.optimizer.check_state_shapes(state_dict["optimizer"])
         with torch.no_grad():
             for name, value in state_dict["model"].items():
                 target = own[name]
-                if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(f"{name}: shape {tuple(value.shape)} does not match {tuple(target.shape)}")
                 p = rt.param_index.get(id(target))
                 if p is not None:
                     rt.write_weight(p, value.to(torch.float32))

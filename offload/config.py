@@ -10,6 +10,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
+from .chaos import ChaosConfig
 from .hw import HardwareModel, load_hw
 
 _UNITS = {
@@ -102,6 +103,9 @@ class OffloadConfig:
     every grad before any update."""
     loss_scale: LossScaleConfig | None = None
     """Dynamic loss scaling; used (with these defaults when None) for float16 only."""
+    chaos: ChaosConfig | None = None
+    """Testing only: random, seeded delays around every copy and CPU update (``offload.ChaosConfig``), to
+    show that no result depends on timing. None (default): off."""
     activation_checkpointing: Union[None, str, Sequence[str], Callable] = None
     """Recompute some modules' forward in backward instead of keeping their activations (non-reentrant
     ``torch.utils.checkpoint``; numbers unchanged). ``"auto"``: the engine measures what each transformer
@@ -133,6 +137,8 @@ class OffloadConfig:
                              "overlap_optimizer unset (or False), or compute in torch.bfloat16")
         if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be an offload.LossScaleConfig; got {self.loss_scale!r}")
+        if self.chaos is not None and not isinstance(self.chaos, ChaosConfig):
+            raise TypeError(f"chaos must be an offload.ChaosConfig (or None); got {self.chaos!r}")
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
         set_(self, "activation_checkpointing", _checkpointing(self.activation_checkpointing))

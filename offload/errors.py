@@ -27,3 +27,7 @@ class HostMemoryError(OffloadError, MemoryError):
 
 class CheckpointError(OffloadError, ValueError):
     """A checkpoint cannot be loaded: not an offload checkpoint, truncated or corrupt, or of another model."""
+
+
+class OffloadWarning(UserWarning):
+    """Something was discarded or cannot be done as asked, and training goes on (e.g. a fault mid-step)."""

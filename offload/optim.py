@@ -125,7 +125,23 @@ class AdamW(torch.optim.Optimizer):
         else:
             super().zero_grad(set_to_none=set_to_none)
 
+    def check_state_shapes(self, state_dict: dict) -> None:
+        """Raise a ValueError naming every parameter whose saved ``exp_avg``/``exp_avg_sq`` has another number
+        of elements than the parameter (torch's Optimizer.load_state_dict checks only the group sizes)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = [i for g in state_dict.get("param_groups", ()) for i in g.get("params", ())]
+        wrong = []
+        for i, p in zip(index, params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state_dict.get("state", {}).get(i, {}).get(key)
+                if isinstance(value, torch.Tensor) and value.numel() != p.numel():
+                    wrong.append(f"state[{i}][{key!r}] has {tuple(value.shape)}, the parameter {tuple(p.shape)}")
+        if wrong:
+            raise ValueError("optimizer state does not match the parameters: " + "; ".join(wrong[:8])
+                             + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""))
+
     def load_state_dict(self, state_dict: dict) -> None:
+        self.check_state_shapes(state_dict)
         if self._engine is not None:
             self._engine.wait_for_updates()
         super().load_state_dict(state_dict)

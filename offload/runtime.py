@@ -35,11 +35,13 @@ from torch import nn
 from torch.autograd import Variable
 from torch.overrides import TorchFunctionMode
 
+from . import faults, guards
 from .accounting import DeviceMemory, SavedActivation
 from .activations import (AUTO, ActivationProfile, CheckpointChoice, checkpoint_hint, choose_checkpoints,
                           profile_of, recompute_seconds)
 from .backend import DONE, Lane
 from .buckets import Bucket, ParamSpec, make_buckets
+from .chaos import chaos_delay
 from .config import OffloadConfig
 from .errors import BudgetTooSmallError, OffloadError
 from .host import HostState
@@ -136,6 +138,17 @@ class _Busy:
         self.rt.busy = self.prev
 
 
+def _weak_hook(method):
+    """``method`` (bound), holding its object weakly; does nothing once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        fn = ref()
+        if fn is not None:
+            fn(*args)
+    return hook
+
+
 class Runtime:
     """Hooks plus plan execution for one wrapped module. Owned by :class:`offload.Engine`."""
 
@@ -154,7 +167,8 @@ class Runtime:
         self.memory = DeviceMemory()
         self.placeholders = [backend.placeholder(p.shape, self.dtype) for p in self.params]
         self.grad_headroom = max((s.numel * self.itemsize for s in self.specs if s.group is not None), default=0)
-        self.cpu = Lane("offload-cpu-adam")  # AdamW of each bucket, in arrival order
+        # AdamW of each bucket, in arrival order
+        self.cpu = Lane("offload-cpu-adam", before=chaos_delay(config.chaos, "cpu-adam"))
 
         # Before the first forward has been traced, parameters keep their original (host) tensors.
         self.original: list[torch.Tensor] | None = [p.data for p in self.params]
@@ -200,6 +214,9 @@ class Runtime:
                       "eval_plans_built": 0, "h2d_bytes": 0, "d2h_bytes": 0}
         self.h2d_by_bucket: list[int] = []  # host-to-device bytes per bucket since wrap
         self.last_step_skipped = False
+        self.backward_seen = False  # a backward ran since the last step() (guards.check_step_has_grads)
+        self.guard = guards.ParamGuard(self)
+        self.engine_call = False  # a forward called through Engine.__call__, which handles its faults
         self._warned = False
         self._module_index = {}
         self._handles = []
@@ -217,6 +234,7 @@ class Runtime:
         self.profile: ActivationProfile | None = None  # activation bytes per block, of the last step
         self._reset_step()
         self._register_hooks()
+        faults.watch_root(self)
         if spec is not None:
             self.ckpt.set_active(blocks)  # "auto": the warm-up step checkpoints every block, then chooses
 
@@ -228,17 +246,22 @@ class Runtime:
             self._module_index[id(m)] = i
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(i)))
             self._handles.append(m.register_forward_hook(self._post_hook(i)))
+        # Tensor hooks are held by the tensor's C++ side, where Python's gc cannot see them: a hook holding the
+        # runtime strongly would make runtime -> params -> hook -> runtime an uncollectable cycle, so an engine
+        # dropped without close() would never be freed (host arena, threads and all).
+        on_grad = _weak_hook(self._on_grad)
         for p, spec in zip(self.params, self.specs):
             if spec.group is not None:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
 
     def _pre_hook(self, index: int):
         def hook(module, args):
+            guards.refuse_compile()
             if self.ckpt.recomputing is not None:
                 return  # backward recomputes a checkpointed call: its RECOMPUTE event stands for it
             with _Busy(self):
                 if index == 0 and self.recorder.stack:
-                    self.abort_forward()  # the previous call of the root module raised
+                    faults.abort_forward(self, None)  # the previous call of the root module raised
                 if not self.recorder.stack:
                     self._begin_forward(index)
                 self.recorder.pre(index)
@@ -290,6 +313,8 @@ class Runtime:
         self.recompute_holds: dict[int, list[int]] = {}  # region -> storages of its recomputed tensors
 
     def _begin_forward(self, root: int) -> None:
+        faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
+        self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
         grad_enabled = torch.is_grad_enabled()
         if self.in_backward or self.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
@@ -728,6 +753,7 @@ class Runtime:
             warnings.warn("offload: with float16, call engine.backward(loss) rather than loss.backward(), so "
                           "that the loss is scaled and small gradients do not underflow to zero", stacklevel=3)
         self.in_backward = True
+        self.backward_seen = True
         self.stats["backwards"] += 1
         self.hparams = self.optimizer.hparams()  # overlapped updates: hyperparameters read as backward begins
         if self.on_plan and self.pos != self.plan.trace.num_forward:
@@ -863,8 +889,8 @@ class Runtime:
         self.cpu.drain()
 
     def step(self) -> None:
-        if self.in_backward:
-            raise OffloadError("optimizer.step() was called during backward")
+        faults.check_backward_finished(self, "optimizer.step()")
+        guards.check_step_has_grads(self)
         skipped = False
         if self.deferred and self.pending:
             skipped = self._step_deferred()
@@ -909,8 +935,7 @@ class Runtime:
             raise OffloadError(
                 "clip_grad_norm_ needs every grad before any update, but this engine applies each bucket's "
                 "AdamW while backward runs (overlap_optimizer=True). Wrap with overlap_optimizer=False to clip.")
-        if self.in_backward:
-            raise OffloadError("clip_grad_norm_ was called during backward")
+        faults.check_backward_finished(self, "clip_grad_norm_")
         max_norm, norm_type = float(max_norm), float(norm_type)
         params = sorted(p for ps, _ in self.pending.values() for p in ps)
         if not params:
@@ -941,8 +966,7 @@ class Runtime:
     def zero_grad(self) -> None:
         """Grads are consumed by the update, so after step() there is nothing to clear; before it (deferred
         updates), the grads gathered so far are dropped, as ``optimizer.zero_grad()`` would."""
-        if self.in_backward:
-            raise OffloadError("zero_grad() was called during backward")
+        faults.check_backward_finished(self, "zero_grad()")
         if self.deferred and self.pending:
             self.cpu.drain()
             self._reclaim(block=True)

@@ -104,6 +104,8 @@ class FakeCuda:
         self.log: list[tuple] = []
         self.fake_cudart = FakeCudart()
         self.copies = 0
+        self.sleeps = 0
+        self.total_bytes = 80 * 2**30  # what the simulated device reports as its memory
 
     def run(self, stream: FakeStream, position: int) -> None:
         with self.lock:
@@ -143,6 +145,17 @@ class FakeCuda:
 
     def cudart(self) -> FakeCudart:
         return self.fake_cudart
+
+    def sleep(self, stream: FakeStream, seconds: float) -> None:
+        """``torch.cuda._sleep`` on ``stream``: an op in its order that takes no part in the data flow (this
+        simulation already runs side streams as late as CUDA allows, so a delay cannot make them later)."""
+        with self.lock:
+            self.log.append(("sleep", stream.name, seconds))
+            self.sleeps += 1
+            stream._enqueue(("sleep", lambda: None))
+
+    def total_memory(self) -> int:
+        return self.total_bytes
 
     def reset_peak(self) -> int:
         return 0

@@ -257,7 +257,7 @@ class Recording(CUDABackend):
 def _use_backend(monkeypatch, factory):
     made = []
 
-    def make(device):
+    def make(device, chaos=None):
         made.append(factory())
         return made[-1]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..chaos import ChaosConfig
 from .base import DONE, Event, HostEvent, Lane
 from .cpu import CPUBackend
 from .cuda import CUDABackend
@@ -11,14 +12,15 @@ from .cuda import CUDABackend
 __all__ = ["CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "make_backend"]
 
 
-def make_backend(device: str | torch.device):
-    """The backend for ``device``: ``cpu`` (the asynchronous CPU stand-in) or ``cuda[:index]``."""
+def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None):
+    """The backend for ``device``: ``cpu`` (the asynchronous CPU stand-in) or ``cuda[:index]``; ``chaos``
+    puts random delays around its copies (see offload.chaos)."""
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:<index>' or a torch.device; got {device!r}") from e
     if device.type == "cpu":
-        return CPUBackend()
+        return CPUBackend(chaos=chaos)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device} was asked for but torch.cuda.is_available() is False (no GPU, or a "
@@ -28,5 +30,5 @@ def make_backend(device: str | torch.device):
         if not 0 <= index < count:
             raise ValueError(f"device {device} does not exist: this machine has {count} CUDA device(s)")
         # An explicit index: tensors report cuda:N, and the runtime compares devices.
-        return CUDABackend(torch.device("cuda", index))
+        return CUDABackend(torch.device("cuda", index), chaos=chaos)
     raise ValueError(f"no backend for device type {device.type!r}; use 'cuda' or 'cpu'")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Callable, Iterable, Protocol
 
 import torch
@@ -54,22 +55,28 @@ class Lane:
 
     It is the CPU backend's stand-in for a CUDA stream, and the CPU lane that runs AdamW in any backend.
     A failed item fails its event (and the events of later items that wait on it); the lane goes on.
+
+    The thread holds no reference to the lane, so a lane that is dropped without :meth:`close` (an engine
+    garbage-collected) is finalized like any object: its finalizer tells the thread to stop and joins it.
     """
 
     def __init__(self, name: str, before: Callable[[], None] | None = None) -> None:
         self.name = name
-        self._before = before  # called before and after each item (chaos delays)
+        self._before = before  # called before and after each item (chaos delays, offload.chaos)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._last: HostEvent = DONE
+        self._finalizer: weakref.finalize | None = None
 
     def submit(self, fn: Callable[[], object], waits: Iterable[Event] = (), what: str = "") -> HostEvent:
         if self._closed:
             raise OffloadError(f"lane {self.name} is closed")
         if self._thread is None:  # created lazily: an engine that never streams starts no thread
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread = threading.Thread(target=_run_lane, args=(self._queue, self._before), name=self.name,
+                                            daemon=True)
             self._thread.start()
+            self._finalizer = weakref.finalize(self, _stop_lane, self._queue, self._thread)
         ev = HostEvent(what=what or self.name)
         self._queue.put((fn, tuple(waits), ev))
         self._last = ev
@@ -79,31 +86,42 @@ class Lane:
         """Block until everything submitted so far has run; raise the first failure among them."""
         self._last.synchronize()
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, waits, ev = item
-            try:
-                for w in waits:
-                    w.synchronize()
-                if self._before:
-                    self._before()
-                with torch.no_grad():
-                    fn()
-                if self._before:
-                    self._before()
-                ev.set()
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event
-                ev.set(e)
-
     def close(self) -> None:
-        if self._thread is not None and not self._closed:
-            self._queue.put(None)
-            self._thread.join()
+        """Run what was submitted, then stop and join the thread. Idempotent."""
         self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop_lane once; later calls (and garbage collection) do nothing
 
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+def _run_lane(work: queue.SimpleQueue, before: Callable[[], None] | None) -> None:
+    """The lane's thread: runs items until it gets None."""
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        fn, waits, ev = item
+        del item
+        try:
+            for w in waits:
+                w.synchronize()
+            if before:
+                before()
+            with torch.no_grad():
+                fn()
+            if before:
+                before()
+            ev.set()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event
+            ev.set(e)
+        # Drop the finished item's closure now, not when the next item arrives: it may hold a whole engine.
+        del fn, waits, ev
+
+
+def _stop_lane(work: queue.SimpleQueue, thread: threading.Thread) -> None:
+    work.put(None)
+    if thread is not threading.current_thread():  # a finalizer may run on the lane's own thread (gc there)
+        thread.join()

@@ -11,19 +11,22 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
+import psutil
 import torch
 
+from ..chaos import ChaosConfig, chaos_delay
 from .base import DONE, Event, HostEvent, Lane
 
 
 class CPUBackend:
     device = torch.device("cpu")
 
-    def __init__(self, h2d_bytes_per_s: float | None = None, d2h_bytes_per_s: float | None = None) -> None:
+    def __init__(self, h2d_bytes_per_s: float | None = None, d2h_bytes_per_s: float | None = None,
+                 chaos: ChaosConfig | None = None) -> None:
         # Host-to-device copies: parameter buckets into their device slots, ahead of use.
-        self._h2d = Lane("offload-h2d")
+        self._h2d = Lane("offload-h2d", before=chaos_delay(chaos, "h2d"))
         # Device-to-host copies: gradient slots back to host grad buffers, while backward goes on.
-        self._d2h = Lane("offload-d2h")
+        self._d2h = Lane("offload-d2h", before=chaos_delay(chaos, "d2h"))
         # Optional link throttling: a copy of n bytes takes at least n / bandwidth seconds (the lane sleeps
         # for the rest, off the CPU), so the CPU backend behaves like a PCIe link of that bandwidth. Used to
         # check the simulator against the runtime (benchmarks/sim_vs_runtime.py).
@@ -39,6 +42,10 @@ class CPUBackend:
 
     def pin_host(self, arena) -> None:
         """Nothing to pin: there is no device to copy to by DMA (the CUDA backend registers the arena)."""
+
+    def total_bytes(self) -> int:
+        """The "device" is host RAM."""
+        return psutil.virtual_memory().total
 
     def peak_bytes(self) -> int | None:
         """None: no allocator to ask; the runtime's own accounting is the device peak on this backend."""

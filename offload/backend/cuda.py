@@ -50,6 +50,7 @@ from typing import Callable, Iterable
 import torch
 from torch.autograd.profiler import record_function
 
+from ..chaos import ChaosConfig, chaos_delay
 from ..errors import OffloadError
 from .base import Event, HostEvent
 
@@ -83,6 +84,20 @@ class CudaAPI:
 
     def cudart(self):
         return torch.cuda.cudart()
+
+    def sleep(self, stream, seconds: float) -> None:
+        """Enqueue a kernel on ``stream`` that spins for about ``seconds`` (chaos mode only)."""
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(max(1, int(seconds * self.cycles_per_second())))
+
+    def cycles_per_second(self) -> float:
+        """The SM clock ``torch.cuda._sleep`` counts cycles of. The driver reports the peak clock in kHz
+        (``clock_rate``); where torch does not expose it, 1.5 GHz is assumed: the delays are random anyway."""
+        rate_khz = getattr(torch.cuda.get_device_properties(self.device), "clock_rate", 0)
+        return rate_khz * 1e3 if rate_khz else 1.5e9
+
+    def total_memory(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
 
     def reset_peak(self) -> int:
         """Reset the allocator's peak statistic; return the bytes allocated now."""
@@ -149,9 +164,11 @@ class HostRegistry:
 class CUDABackend:
     """Streams, events, device memory and host pinning for one CUDA device (see [Note: streams and events])."""
 
-    def __init__(self, device: torch.device, api: CudaAPI | None = None) -> None:
+    def __init__(self, device: torch.device, api: CudaAPI | None = None, chaos: ChaosConfig | None = None) -> None:
         self.device = device
         self._api = api if api is not None else CudaAPI(device)
+        # Chaos mode: a random torch.cuda._sleep on the copy stream before and after every copy (offload.chaos).
+        self._chaos = {"h2d": chaos_delay(chaos, "h2d"), "d2h": chaos_delay(chaos, "d2h")}
         self._h2d = None  # created on first use: see _h2d_stream
         self._d2h = None  # created on first use: see _d2h_stream
         self._nan: dict[torch.dtype, torch.Tensor] = {}
@@ -210,6 +227,10 @@ class CUDABackend:
     def pinned_bytes(self) -> int:
         return self._pinned.nbytes
 
+    def total_bytes(self) -> int:
+        """The device's memory, all of it (what a budget may not exceed)."""
+        return self._api.total_memory()
+
     def peak_bytes(self) -> int | None:
         """Peak device bytes allocated through PyTorch since this backend was made (or :meth:`reset_peak`),
         above what was allocated then: the arena, on-demand slots, activations, gradients, temporaries."""
@@ -233,7 +254,12 @@ class CUDABackend:
         self._check_open()
         for event in waits:
             self._stream_wait(stream, event)
+        chaos = self._chaos["h2d" if stream is self._h2d else "d2h"]
+        if chaos is not None:
+            self._api.sleep(stream, chaos.draw())
         self._api.copy(stream, dst, src)
+        if chaos is not None:  # after the copy, before the event that marks its end
+            self._api.sleep(stream, chaos.draw())
         # Blocking: a host thread that waits for a copy (the CPU lane before AdamW reads grads or rewrites a
         # master) sleeps instead of spinning on a core the CPU AdamW could use.
         done = self._api.new_event(blocking=True)

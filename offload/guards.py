@@ -1,0 +1,154 @@
+"""Checks that turn a hostile or mistaken use into a clear error instead of wrong numbers.
+
+The engine owns every wrapped parameter's storage: its fp32 master lives in the host arena and the
+parameter points at a device slot or a placeholder. A parameter replaced or added after wrapping, a
+``.data`` the user reassigned, or an in-place write to a parameter would otherwise be silently ignored
+(the next refresh overwrites it) or read as garbage. :class:`ParamGuard` checks all three at the start
+of every forward, in one pass over the parameters (pointer and version-counter compares, no tensor made).
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from .config import format_bytes
+from .errors import OffloadError
+
+_HOW_TO_SET = ("To change weights of a wrapped model, use engine.load_state_dict(...) or engine.load(path); to "
+               "change the model itself, engine.close() it, change it, and wrap it again")
+
+
+class ParamGuard:
+    """Start-of-forward checks of one runtime's parameters (see the module docstring)."""
+
+    def __init__(self, rt) -> None:
+        self.rt = rt
+        self.versions: list[int] | None = None  # version counters, once the engine owns the storage
+        self.names = [f"parameter {p}" for p in range(len(rt.params))]  # as named when wrapped
+        for name, param in rt.module.named_parameters():
+            self.names[rt.param_index[id(param)]] = name
+
+    def check(self) -> None:
+        rt = self.rt
+        current = list(rt.module.parameters())
+        if len(current) != len(rt.params) or any(id(p) not in rt.param_index for p in current):
+            self._changed_set(current)
+        moved = [p for p, param in enumerate(rt.params) if param.numel() and param.data_ptr() not in _expected(rt, p)]
+        written = []
+        if self.versions is not None:
+            written = [p for p, param in enumerate(rt.params) if param._version != self.versions[p] and p not in moved]
+        if moved or written:
+            self._restore(moved, written)
+            names = self._names()
+            parts = []
+            if moved:
+                parts.append(f"had .data reassigned: {', '.join(names[p] for p in moved[:8])}"
+                             + (f" (and {len(moved) - 8} more)" if len(moved) > 8 else ""))
+            if written:
+                parts.append(f"were written in place (e.g. under torch.no_grad()): "
+                             f"{', '.join(names[p] for p in written[:8])}"
+                             + (f" (and {len(written) - 8} more)" if len(written) > 8 else ""))
+            raise OffloadError(f"parameters of the wrapped model changed outside the engine after wrapping: "
+                               f"{'; '.join(parts)}. The engine keeps the weights in its own memory (fp32 masters "
+                               f"on the host), so the change was not used and has been undone. {_HOW_TO_SET}.")
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """Remember the parameters' version counters (from the first step on; before it the user's writes go
+        to the original tensors, which the traced first forward reads)."""
+        if self.rt.host is not None:
+            self.versions = [param._version for param in self.rt.params]
+
+    def _changed_set(self, current) -> None:
+        rt = self.rt
+        ours = set(map(id, current))
+        added = [n for n, p in rt.module.named_parameters() if id(p) not in rt.param_index]
+        names = self._names()
+        gone = [names[p] for p, param in enumerate(rt.params) if id(param) not in ours]
+        raise OffloadError(f"the wrapped model's parameters changed after wrapping (new: {added or 'none'}; no longer "
+                           f"in the model: {gone or 'none'}). A parameter replaced or added after offload.wrap is not "
+                           f"offloaded or trained by the engine. {_HOW_TO_SET}.")
+
+    def _names(self) -> list[str]:
+        return self.names
+
+    def _restore(self, moved: list[int], written: list[int]) -> None:
+        """Point reassigned parameters back at what the engine gave them; copy the buckets written in place
+        on the device afresh from their host masters."""
+        rt = self.rt
+        with torch.no_grad():
+            rt._refresh_resident({rt.bucket_of[p] for p in written})
+        for p in moved:
+            param = rt.params[p]
+            if rt.original is not None:
+                param.data = rt.original[p]
+                continue
+            b = rt.bucket_of[p]
+            slot = rt.slot.get(b)
+            if slot is None:
+                param.data = rt.placeholders[p]
+            else:
+                rt._bind_params(b, slot)
+        self.versions = [param._version for param in rt.params] if rt.host is not None else None
+
+
+def _expected(rt, p: int) -> tuple[int, ...]:
+    """Where parameter ``p``'s data may point right now: its slot, its placeholder, or (before the first
+    forward is traced) its original tensor."""
+    if rt.original is not None:
+        return rt.original[p].data_ptr(), rt.placeholders[p].data_ptr()
+    slot = rt.slot.get(rt.bucket_of[p])
+    if slot is None:
+        return (rt.placeholders[p].data_ptr(),)
+    return (slot.storage.data_ptr() + slot.offset + rt.host.offset[p] * rt.itemsize,)
+
+
+def check_step_has_grads(rt) -> None:
+    """``step()`` needs a backward since the last ``step()``: without one it has no gradients to apply."""
+    if not rt.backward_seen:
+        raise OffloadError("step() was called but no backward ran since the last step() (or since wrapping), so "
+                           "there are no gradients to apply. Call loss.backward() (or engine.backward(loss)) "
+                           "before optimizer.step()")
+    rt.backward_seen = False
+    rt.guard.snapshot()
+
+
+def check_budget(budget: int, backend) -> None:
+    """The budget cannot exceed the device's memory."""
+    total = backend.total_bytes()
+    if budget > total:
+        raise OffloadError(f"budget {format_bytes(budget)} is larger than the device's memory "
+                           f"({format_bytes(total)} on {backend.device}). Give a budget below that, leaving room "
+                           "for other processes, e.g. budget=\"{}\"".format(_suggest(total)))
+
+
+def _suggest(total: int) -> str:
+    gib = int(total * 0.9 / 2**30)
+    return f"{gib}GiB" if gib >= 1 else f"{int(total * 0.9 / 2**20)}MiB"
+
+
+def host_total_bytes() -> int:
+    """The CPU backend's device is host RAM."""
+    return psutil.virtual_memory().total
+
+
+
+def refuse_compile() -> None:
+    """``torch.compile`` of a wrapped module is refused: the engine swaps parameter storage between calls and
+    follows the forward through hooks, a tensor-function mode and saved-tensor hooks, none of which a
+    compiled graph would replay. Compile the model's submodules before wrapping instead."""
+    if torch.compiler.is_compiling() or _in_compile_region():
+        raise OffloadError("torch.compile of a module wrapped by offload is not supported: the engine moves "
+                           "parameters between host and device around every module call, which a compiled graph "
+                           "would not replay. Call the wrapped module (or the engine) without torch.compile.")
+
+
+def _in_compile_region() -> bool:
+    """True inside a call of a ``torch.compile``d function, also where dynamo fell back to running Python (as
+    torch's own ``set_stance`` checks it): the frame-evaluation callback is installed then."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # a torch without dynamo cannot compile
+        return False
+    return get_eval_frame_callback() not in (None, False)
