@@ -419,6 +419,14 @@ class _Greedy:
                 keepable.append(b)
                 self.fwd_at[b], self.bwd_at[b] = need[j - 1][0], need[j][0]
         self.keepable = np.asarray(sorted(keepable), dtype=np.int64)
+        # every (event, bucket) need, flattened in event order: for the program's waits
+        self.need_spans, need_b, need_e = [], [], []
+        for i, bs in enumerate(self.needs):
+            self.need_spans.append((len(need_b), len(need_b) + len(bs)))
+            need_b.extend(bs)
+            need_e.extend([i] * len(bs))
+        self.need_b = np.asarray(need_b, dtype=np.int64)
+        self.need_key = self.need_b * (self.n + 1) + np.asarray(need_e, dtype=np.int64)
 
     # -- one point --------------------------------------------------------------------------------------
 
@@ -475,28 +483,25 @@ class _Greedy:
         refresh = [b for b in sorted(resident) if b in self.grads]  # updated last step: refreshed before
         # this step's forward (runtime.step)
         m = len(refresh)
-        copy_of: dict[int, list[tuple[int, int, int]]] = {b: [(0, n, k)] for k, b in enumerate(refresh)}
-        starts, owners, ends = flat.T.tolist() if len(flat) else ([], [], [])
-        for k, (p, b, e) in enumerate(zip(starts, owners, ends), m):
-            lst = copy_of.get(b)
-            if lst is None:
-                copy_of[b] = [(p, e, k)]
-            else:
-                lst.append((p, e, k))
-        cursor = dict.fromkeys(copy_of, 0)
-        waits = []
-        for i in range(n):
-            w = []
-            for b in self.needs[i]:
-                lst = copy_of.get(b)
-                if lst is None:
-                    continue  # resident and not updated: already there
-                c = cursor[b]
-                while lst[c][1] <= i:
-                    c += 1
-                cursor[b] = c
-                w.append(lst[c][2])
-            waits.append(tuple(w))
+        starts, owners = (flat[:, 0].tolist(), flat[:, 1].tolist())
+        # A need of bucket b at event i waits for b's first copy ending after i (copies of a bucket are
+        # disjoint and in event order): one search over the copies sorted by (bucket, end).
+        cb = np.concatenate([np.asarray(refresh, dtype=np.int64), flat[:, 1]])
+        ce = np.concatenate([np.full(m, n, dtype=np.int64), flat[:, 2]])
+        order = np.lexsort((ce, cb))
+        found = np.full(len(self.need_b), -1, dtype=np.int64)
+        if len(order):
+            q = np.minimum(np.searchsorted(cb[order] * (n + 1) + ce[order], self.need_key, side="right"),
+                           len(order) - 1)
+            hit = cb[order][q] == self.need_b
+            found[hit] = order[q[hit]]
+            has_copy = np.bincount(cb, minlength=len(self.buckets))[self.need_b] > 0
+            assert not (has_copy & ~hit).any(), "a bucket is needed where none of its buffers is live"
+        wc = found.tolist()  # -1: resident and not updated, already there
+        if min(wc, default=0) >= 0:
+            waits = [tuple(wc[lo:hi]) for lo, hi in self.need_spans]
+        else:
+            waits = [tuple(k for k in wc[lo:hi] if k >= 0) for lo, hi in self.need_spans]
         d2h = sorted((self.grad_issue[b], b) for b in self.grads)
         nbytes = self.nbytes
         return Program(
