@@ -368,7 +368,7 @@ class _Point:
 
     mode: str
     resident: frozenset
-    streamed: dict  # bucket -> [[issue, end], ...]
+    flat: np.ndarray  # streamed buffers: rows (issue, bucket, end), in copy order
     sim: SimResult
     peak: int  # max live arena bytes (the arena's lower bound)
     rank: tuple  # tie-break among equally fast points: fewest bytes copied, most resident, then mode order
@@ -376,6 +376,14 @@ class _Point:
     @property
     def step_s(self) -> float:
         return self.sim.step_s
+
+    @property
+    def streamed(self) -> dict[int, list[list[int]]]:
+        """Per streamed bucket: its buffers [issue, end), in event order."""
+        out: dict[int, list[list[int]]] = {}
+        for p, b, e in self.flat.tolist():
+            out.setdefault(b, []).append([p, e])
+        return out
 
 
 class _Greedy:
@@ -419,6 +427,18 @@ class _Greedy:
                 keepable.append(b)
                 self.fwd_at[b], self.bwd_at[b] = need[j - 1][0], need[j][0]
         self.keepable = np.asarray(sorted(keepable), dtype=np.int64)
+        # the need intervals as arrays grouped by bucket (what ``placed`` starts from), and per keepable
+        # bucket the rows of its last forward and first backward intervals
+        rows = [(b, s, e) for b in sorted(self.uses) for s, e in self.uses[b]]
+        self.use_b, self.use_s, self.use_e = (np.asarray(c, dtype=np.int64) for c in
+                                              (zip(*rows) if rows else ((), (), ())))
+        first_row = np.searchsorted(self.use_b, self.keepable)
+        self.fwd_row = np.zeros(nb, dtype=np.int64)
+        self.bwd_row = np.zeros(nb, dtype=np.int64)
+        for b, r in zip(self.keepable.tolist(), first_row.tolist()):
+            j = next(j for j, (s, _) in enumerate(self.uses[b]) if s >= f)
+            self.fwd_row[b], self.bwd_row[b] = r + j - 1, r + j
+        self.tau_np = np.asarray(self.tau, dtype=np.float64)
         # every (event, bucket) need, flattened in event order: for the program's waits
         self.need_spans, need_b, need_e = [], [], []
         for i, bs in enumerate(self.needs):
@@ -430,44 +450,48 @@ class _Greedy:
 
     # -- one point --------------------------------------------------------------------------------------
 
-    def intervals(self, mode: str, resident: frozenset, keep: frozenset) -> dict[int, list[list[int]]]:
-        """Per streamed bucket: its buffers [issue, end), copies placed by ``mode``."""
-        f = self.trace.num_forward
-        needs = {}
-        for b, ivs in self.uses.items():
-            if b in resident:
-                continue
-            if b in keep:  # one buffer from the last forward use to the end of the first backward use
-                ivs = list(ivs)
-                j = next(j for j in range(len(ivs) - 1) if ivs[j][0] < f <= ivs[j + 1][0])
-                ivs[j:j + 2] = [(ivs[j][0], ivs[j + 1][1])]
-            needs[b] = ivs
-        if mode == "just in time":  # issued at first use: need intervals are disjoint, nothing merges
-            return {b: [[s, e] for s, e in ivs] for b, ivs in needs.items()}
-        copies = sorted((iv[0], b, k) for b, ivs in needs.items() for k, iv in enumerate(ivs))
-        issue = {b: [0] * len(ivs) for b, ivs in needs.items()}
-        if mode == "latest":
+    def placed(self, mode: str, resident: frozenset, keep: frozenset) -> np.ndarray:
+        """The streamed buffers [issue, end) with copies placed by ``mode``, as rows (issue, bucket, end)
+        in copy-queue order (sorted). Vectorised over the need intervals, grouped by bucket:
+
+        * a kept bucket's last forward and first backward intervals become one;
+        * ``latest``: a backward pass over the copies in (need, bucket) order, each as late as the copy
+          queue allows (sequential: each depends on the next); ``lookahead``: at the previous distinct
+          need start; ``just in time``: at the need;
+        * a copy issued before the bucket's previous interval ends merges into it (the bucket stays).
+        """
+        s, e, b = self.use_s, self.use_e.copy(), self.use_b
+        live = np.ones(len(b), dtype=bool)
+        if resident:
+            live &= ~np.isin(b, np.fromiter(resident, dtype=np.int64, count=len(resident)))
+        if keep:
+            kb = np.fromiter(keep, dtype=np.int64, count=len(keep))
+            e[self.fwd_row[kb]] = e[self.bwd_row[kb]]
+            live[self.bwd_row[kb]] = False
+        s, e, b = s[live], e[live], b[live]  # grouped by bucket, each bucket's intervals in event order
+        if mode == "just in time":
+            p = s
+        elif mode == "lookahead":
+            starts = np.unique(s)
+            j = np.searchsorted(starts, s)
+            p = np.where(j > 0, starts[np.maximum(j - 1, 0)], s)
+        else:
+            order = np.lexsort((b, s))
+            tau, dur = self.tau, self.dur
+            latest = [0.0] * len(order)
             nxt = float("inf")
-            tau, dur, right = self.tau, self.dur, bisect.bisect_right
-            for s, b, k in reversed(copies):
-                latest = min(tau[s], nxt) - dur[b]
-                nxt = latest
-                issue[b][k] = min(s, max(0, right(tau, latest) - 1))
-        else:  # lookahead
-            starts = sorted({s for s, _, _ in copies})
-            prev = {s: starts[j - 1] if j else s for j, s in enumerate(starts)}
-            for s, b, k in copies:
-                issue[b][k] = prev[s]
-        out = {}
-        for b, ivs in needs.items():
-            moved: list[list[int]] = []
-            for p, (s, e) in zip(issue[b], ivs):
-                if moved and p <= moved[-1][1]:
-                    moved[-1][1] = e  # the copy would start before the last use ended: keep the bucket
-                else:
-                    moved.append([p, e])
-            out[b] = moved
-        return out
+            for q, (si, bi) in zip(reversed(range(len(order))), zip(s[order[::-1]].tolist(), b[order[::-1]].tolist())):
+                nxt = min(tau[si], nxt) - dur[bi]
+                latest[q] = nxt
+            p = np.empty(len(order), dtype=np.int64)
+            p[order] = np.minimum(s[order], np.maximum(0, np.searchsorted(self.tau_np, latest, side="right") - 1))
+        # merge: a new buffer starts where the bucket changes or the copy comes after the previous end
+        new = np.ones(len(b), dtype=bool)
+        new[1:] = (b[1:] != b[:-1]) | (p[1:] > e[:-1])
+        last = np.ones(len(b), dtype=bool)
+        last[:-1] = new[1:]
+        rows = np.stack([p[new], b[new], e[last]], axis=1)
+        return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
 
     def flat(self, streamed: dict) -> np.ndarray:
         """The streamed buffers as rows (issue, bucket, end), sorted: the order of their copies in the
@@ -532,16 +556,15 @@ class _Greedy:
         for m, mode in enumerate(MODES):
             resident, keep = frozenset(), frozenset()
             while True:
-                streamed = self.intervals(mode, resident, keep)
-                flat = self.flat(streamed)
-                prof = self.profile(resident, streamed, flat)
+                flat = self.placed(mode, resident, keep)
+                prof = self.profile(resident, None, flat)
                 peak = int(prof.max()) if len(prof) else 0
                 if peak > capacity:
                     break  # resident bytes only grow along the sequence: every later point is larger too
-                program = self.program(resident, streamed, flat)
+                program = self.program(resident, None, flat)
                 sim = simulate(program, self.hw)
                 rank = (-sim.h2d_bytes, sum(self.size[b] for b in resident), -m)
-                points.append(_Point(mode, resident, streamed, sim, peak, rank))
+                points.append(_Point(mode, resident, flat, sim, peak, rank))
                 moves = self.moves(keep, flat, program, sim, prof, peak)
                 if not moves:
                     break
