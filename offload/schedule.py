@@ -275,9 +275,11 @@ def _after(specs, offsets) -> list[tuple[int, ...]]:
 
 
 def _assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fixed, *, simulated=None,
-              hw_name="") -> Plan:
+              hw_name="", needs=None) -> Plan:
     n = len(trace.events)
-    bucket_of = locate(buckets)[0]
+    if needs is None:  # per event: the buckets it needs (the greedy scheduler has them already)
+        bucket_of = locate(buckets)[0]
+        needs = [_needed(trace, i, bucket_of) for i in range(n)]
     after = _after(specs, layout.offsets)
     buffers = tuple(Buffer(b, kind, s, e, size, layout.offsets[k], after[k])
                     for k, (b, kind, s, e, size) in enumerate(specs))
@@ -296,8 +298,7 @@ def _assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, f
                 release[x.end].append(k)
     return Plan(
         buckets=tuple(buckets), trace=trace, resident=tuple(sorted(resident)), buffers=buffers,
-        actions=tuple(EventActions(tuple(release[i]), tuple(prefetch[i]), _needed(trace, i, bucket_of))
-                      for i in range(n)),
+        actions=tuple(EventActions(tuple(release[i]), tuple(prefetch[i]), needs[i]) for i in range(n)),
         grad_buffer=tuple(grad_buffer), resident_buffer=tuple(resident_buffer),
         arena_bytes=layout.total_bytes, lower_bound_bytes=layout.lower_bound_bytes,
         budget_bytes=budget, fixed_bytes=fixed, itemsize=itemsize, strategy=name, simulated=simulated,
@@ -332,7 +333,7 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
         specs, layout = _layout(trace, buckets, itemsize, point.resident, (point.streamed, g.grads))
         if layout.total_bytes + extra <= budget_bytes:
             return _assemble(trace, buckets, itemsize, point.resident, f"greedy ({point.mode})", specs, layout,
-                             budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name)
+                             budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name, needs=g.needs)
         points = [p for p in points if p is not point]  # its arena fragments past the budget: next best
     jit = {b: [list(iv) for iv in ivs] for b, ivs in g.uses.items()}
     _, layout = _layout(trace, buckets, itemsize, frozenset(), (jit, g.grads))
