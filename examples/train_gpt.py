@@ -1,13 +1,21 @@
 """Train a small GPT whose weights do not fit the device budget, with offload.
 
     python examples/train_gpt.py                         # 4.8M parameters, budget 3/4 of their 18 MiB
-    python examples/train_gpt.py --steps 500 --budget 12MiB
+    python examples/train_gpt.py --steps 500 --budget 12MiB --dtype bfloat16
+    python examples/train_gpt.py --model hf-gpt2         # transformers' GPT2LMHeadModel, same sizes
+    python examples/train_gpt.py --steps 50 --save ckpt.pt && python examples/train_gpt.py --steps 100 --resume ckpt.pt
 
-A byte-level (vocab 256) language model trained on the .py files of this Python's own standard library:
-real text, available offline. The device budget defaults to 3/4 of the model's fp32 weights, so the weights
-alone do not fit, let alone weights + grads + AdamW state (16 bytes a parameter): offload keeps the fp32
-masters and the optimizer state in host memory and streams parameter buckets to the device every step.
-Without a GPU the "device" is offload's CPU backend, which runs the same plan.
+A byte-level language model (vocab 256: one token per byte, no tokenizer files; GPT-2's BPE tokenizer
+would need its vocabulary downloaded) trained on the .py files of this Python's own standard library:
+real text, available offline. The model is the built-in GPT (examples/gpt.py) or, with --model hf-gpt2,
+Hugging Face's GPT2LMHeadModel built from a GPT2Config (random init, nothing downloaded). The device budget
+defaults to 3/4 of the model's fp32 weights, so the weights alone do not fit, let alone weights + grads +
+AdamW state (16 bytes a parameter): offload keeps the fp32 masters and the optimizer state in host memory
+and streams parameter buckets to the device every step. It runs on the GPU when there is one, else on
+offload's CPU backend, which runs the same plan.
+
+--save writes a checkpoint (weights, AdamW state, LR schedule, data position, RNG) at every evaluation
+and at the end; --resume continues from one up to --steps, as if training had not stopped.
 
 Exits with 1 if the loss did not go down or the device peak went over the budget.
 """
@@ -21,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -49,6 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--seed", type=int, default=0, help="seed of the weight init and the batch sampling")
+    p.add_argument("--model", default="gpt", choices=["gpt", "hf-gpt2"],
+                   help="examples/gpt.py, or transformers' GPT2LMHeadModel (needs the hf extra)")
+    p.add_argument("--save", help="checkpoint file written at every evaluation and at the end")
+    p.add_argument("--resume", help="checkpoint file (from --save) to continue from")
+    p.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted (--save writes there)")
     p.add_argument("--eval-every", type=int, default=25, help="steps between validation-loss estimates")
     args = p.parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
@@ -114,10 +128,34 @@ def lr_lambda(total_steps: int):
     return factor
 
 
+def build_model(args):
+    """The built-in GPT, or transformers' GPT-2 with the same sizes (tied embedding and LM head in both)."""
+    if args.model == "gpt":
+        return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
+                             n_embd=args.n_embd, init_seed=args.seed))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from a config: never reach for the network
+    try:
+        import transformers
+    except ImportError:
+        sys.exit('--model hf-gpt2 needs transformers: pip install -e ".[hf]"')
+    config = transformers.GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.n_embd,
+                                     n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(args.seed)
+    return transformers.GPT2LMHeadModel(config).float().train()
+
+
+def lm_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy of either model (the built-in GPT returns (logits, loss); HF an output)."""
+    out = forward(x)
+    logits = out[0] if isinstance(out, tuple) else out.logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
 @torch.no_grad()
 def evaluate(engine, batches, device: str) -> float:
-    engine.module.eval()  # a forward-only plan: no gradients, no optimizer
-    losses = [engine(x.to(device), y.to(device))[1].item() for x, y in batches]
+    engine.module.eval()  # under no_grad the engine runs a forward-only plan: no gradients, no backward
+    losses = [lm_loss(engine, x.to(device), y.to(device)).item() for x, y in batches]
     engine.module.train()
     return sum(losses) / len(losses)
 
@@ -141,9 +179,10 @@ def memory_table(stats: dict) -> Table:
     return table
 
 
-def train(engine, opt, sched, train_data, val_data, args, device: str) -> list[float]:
-    """The training loop, as with any torch optimizer. Returns the loss of every step."""
-    g = torch.Generator().manual_seed(args.seed)
+def train(engine, opt, sched, train_data, val_data, args, device: str, start: int = 0,
+          g: torch.Generator | None = None) -> list[float]:
+    """The training loop, as with any torch optimizer, from step ``start``. Returns the loss of every step."""
+    g = g or torch.Generator().manual_seed(args.seed)
     g_val = torch.Generator().manual_seed(args.seed + 1)
     val_batches = [get_batch(val_data, args.batch, args.seq, g_val) for _ in range(VAL_BATCHES)]
     columns = (
@@ -153,25 +192,32 @@ def train(engine, opt, sched, train_data, val_data, args, device: str) -> list[f
         TextColumn("loss {task.fields[loss]:.3f}"),
         TextColumn("{task.fields[ms]:.0f} ms/step"),
         TextColumn("{task.fields[tps]:,.0f} tok/s"),
+        TextColumn("device peak {task.fields[peak]}"),
         TimeElapsedColumn(),
     )
     losses = []
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=args.steps, loss=float("nan"), ms=0.0, tps=0.0)
-        for step in range(args.steps):
+        task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), ms=0.0, tps=0.0,
+                                 peak="-")
+        end = min(args.steps, args.stop_after or args.steps)
+        for step in range(start, end):
             t0 = time.perf_counter()
             x, y = get_batch(train_data, args.batch, args.seq, g)
-            _, loss = engine(x.to(device), y.to(device))  # step 1 is traced; the plan is built after it
-            loss.backward()  # gradients go to the host bucket by bucket, during backward
+            loss = lm_loss(engine, x.to(device), y.to(device))  # step 1 is traced; the plan is built after it
+            engine.backward(loss)  # grads go to the host bucket by bucket during backward (loss-scaled in fp16)
             opt.step()
             opt.zero_grad()
             sched.step()
             losses.append(loss.item())
             dt = time.perf_counter() - t0
-            progress.update(task, advance=1, loss=losses[-1], ms=1000 * dt, tps=x.numel() / dt)
-            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            peak = format_bytes(engine.memory_stats()["device_peak_bytes"])
+            progress.update(task, advance=1, loss=losses[-1], ms=1000 * dt, tps=x.numel() / dt, peak=peak)
+            if (step + 1) % args.eval_every == 0 or step + 1 == end:
                 val = evaluate(engine, val_batches, device)
                 progress.console.print(f"step {step + 1}: train loss {losses[-1]:.3f}, val loss {val:.3f}")
+                if args.save:
+                    engine.save(args.save, extra={"step": step + 1, "scheduler": sched.state_dict(),
+                                                  "data_rng": g.get_state(), "args": vars(args)})
     return losses
 
 
@@ -184,7 +230,7 @@ def report(stats: dict, losses: list[float]) -> bool:
         console.print(f"[green]device peak {peak} <= budget {budget}: within budget[/green]")
     else:
         console.print(f"[red]device peak {peak} > budget {budget}: OVER BUDGET[/red]")
-    k = min(5, len(losses))
+    k = max(1, min(5, len(losses) // 2))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     colour = "green" if last < first else "red"
     console.print(f"[{colour}]loss {first:.3f} -> {last:.3f} (mean of the first {k} steps -> of the last {k})")
@@ -200,17 +246,11 @@ def main(argv=None) -> int:
         f"data: {format_bytes(len(train_data) + len(val_data))} of stdlib source from {files} files; "
         f"{format_bytes(len(val_data))} held out"
     )
-    config = GPTConfig(
-        vocab_size=256,
-        block_size=args.seq,
-        n_layer=args.n_layer,
-        n_head=args.n_head,
-        n_embd=args.n_embd,
-        init_seed=args.seed,
-    )
-    model = GPT(config)
-    weights = 4 * model.num_params()
-    console.print(f"model: {model.num_params() / 1e6:.2f}M parameters, {format_bytes(weights)} of fp32 weights")
+    model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())  # the tied embedding / LM head weight once
+    weights = 4 * n_params
+    console.print(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, "
+                  f"{format_bytes(weights)} of fp32 weights; byte-level tokens (vocab 256)")
     console.print(f"plain PyTorch keeps weights + grads + AdamW state on the device: {format_bytes(4 * weights)}")
 
     opt = offload.AdamW(param_groups(model), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -228,7 +268,17 @@ def main(argv=None) -> int:
         budget = engine.memory_stats()["budget_bytes"]
         verdict = "the weights alone do not fit" if budget < weights else "the weights fit"
         console.print(f"device: {device}, budget {format_bytes(budget)}: {verdict}")
-        losses = train(engine, opt, sched, train_data, val_data, args, device)
+        start, g = 0, torch.Generator().manual_seed(args.seed)
+        if args.resume:
+            extra = engine.load(args.resume)
+            start = extra["step"]
+            sched.load_state_dict(extra["scheduler"])
+            g.set_state(extra["data_rng"])
+            console.print(f"resumed from {args.resume} at step {start}")
+            if start >= args.steps:
+                console.print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}")
+                return 0
+        losses = train(engine, opt, sched, train_data, val_data, args, device, start, g)
         stats = engine.memory_stats()
     except offload.BudgetTooSmallError as e:  # raised by wrap, or after the traced first step
         console.print(str(e), style="red", markup=False)

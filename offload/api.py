@@ -112,9 +112,11 @@ class Engine:
     # -- introspection --------------------------------------------------------------------------------
 
     def memory_stats(self) -> dict[str, Any]:
-        """Device and host bytes, and what the plan decided (``plan`` is None until the first step)."""
+        """Device and host bytes, and what the plan decided (``plan``: the training plan, None until the
+        first step; ``eval_plan``: the forward-only plan no-grad forwards follow). ``transfers`` counts the
+        bytes copied since wrap: host to device (in all and per bucket) and gradients device to host."""
         rt = self._runtime
-        plan = rt.plan
+        plan = rt.train_plan
         # On CUDA the allocator's measured peak since wrap (arena, activations, grads, temporaries); on the
         # CPU backend, which has no allocator to ask, the runtime's own accounting.
         measured = rt.backend.peak_bytes()
@@ -130,6 +132,9 @@ class Engine:
             "arena_bytes": plan.arena_bytes if plan is not None else 0,
             "host_pinned_bytes": rt.host.nbytes if rt.host is not None else 0,
             "plan": summary,
+            "eval_plan": rt.eval_plan.summary() if rt.eval_plan is not None else None,
+            "transfers": {"h2d_bytes": rt.stats["h2d_bytes"], "d2h_bytes": rt.stats["d2h_bytes"],
+                          "h2d_bytes_by_bucket": list(rt.h2d_by_bucket)},
             "optimizer": {
                 "overlap": not rt.deferred,
                 "loss_scale": rt.scaler.scale if rt.scaler is not None else None,

@@ -103,7 +103,11 @@ def locate(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], tuple[int, ...]]
 class HostLayout:
     """Byte offsets in the host arena: per bucket an fp32 master and, when the device computes in a
     16-bit dtype, the low-precision copy the host-to-device copy sends (``lowp``, empty otherwise); for
-    its trainable prefix an fp32 grad (the accumulator), Adam m and Adam v."""
+    its trainable prefix an fp32 grad (the accumulator), Adam m and Adam v.
+
+    With a 16-bit copy, the fp32 master covers the trainable prefix only: a frozen parameter is never
+    updated, so its 16-bit copy (what the device computes with) is all the host keeps of it, 2 bytes a
+    parameter. In fp32 the master is the copy the device gets, 4 bytes a frozen parameter."""
 
     master: tuple[int, ...]
     lowp: tuple[int, ...]
@@ -125,7 +129,7 @@ def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0) -> HostLayout
         return start
 
     for b in buckets:
-        fields["master"].append(take(b.numel * 4))
+        fields["master"].append(take((b.trainable_numel if lowp_itemsize else b.numel) * 4))
         fields["lowp"].append(take(b.numel * lowp_itemsize))
         for name in ("grad", "exp_avg", "exp_avg_sq"):
             fields[name].append(take(b.trainable_numel * 4))

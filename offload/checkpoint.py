@@ -108,6 +108,8 @@ def _param_tensor(rt, p: int) -> torch.Tensor:
     if rt.host is None:  # not traced yet: the module still holds its own fp32 tensors
         return rt.original[p].detach()
     host = rt.host
+    if not host.has_master(p):  # frozen, kept in 16 bits only: saved widened to fp32 (a copy)
+        return host.read_param(p).view(shape)
     return host.exact("master", host.bucket_of[p], host.offset[p], rt.specs[p].numel).view(shape)
 
 

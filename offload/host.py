@@ -37,15 +37,18 @@ class HostState:
         check_host_ram(layout.total_bytes, lowp_itemsize)
         self.arena = HostArena(layout.total_bytes)
         self.buckets, self.specs, self.shapes, self.layout = tuple(buckets), list(specs), list(shapes), layout
+        # A frozen parameter has no fp32 master beside its 16-bit copy (see buckets.HostLayout).
+        self.master_numel = [b.trainable_numel if lowp_dtype else b.numel for b in buckets]
         for b in buckets:  # claim each region, so the arena's own stats account for every byte
-            self.arena.reserve(layout.master[b.index], b.numel * 4)
+            if self.master_numel[b.index]:
+                self.arena.reserve(layout.master[b.index], self.master_numel[b.index] * 4)
             if lowp_itemsize and b.numel:
                 self.arena.reserve(layout.lowp[b.index], b.numel * lowp_itemsize)
             if b.trainable_numel:
                 for region in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
                     self.arena.reserve(region[b.index], b.trainable_numel * 4)
         view = self.arena.view
-        self.master = [view(layout.master[b.index], b.numel, torch.float32) for b in buckets]
+        self.master = [view(layout.master[b.index], self.master_numel[b.index], torch.float32) for b in buckets]
         self.lowp = [view(layout.lowp[b.index], b.numel, lowp_dtype) for b in buckets] if lowp_dtype else None
         self.grad = [view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
@@ -63,8 +66,10 @@ class HostState:
         return self.lowp[b] if self.lowp is not None else self.master[b]
 
     def refresh_lowp(self, b: int, start: int = 0, end: int | None = None) -> None:
-        """Round ``master[b][start:end]`` into the low-precision copy (nearest even)."""
+        """Round ``master[b][start:end]`` into the low-precision copy (nearest even). ``end=None``: the end
+        of the bucket's masters (a frozen tail kept only in 16 bits has none, and keeps its copy)."""
         if self.lowp is not None:
+            end = self.master_numel[b] if end is None else end
             self.lowp[b][start:end].copy_(self.master[b][start:end])
 
     def exact(self, region: str, b: int, start: int, numel: int) -> torch.Tensor:
@@ -73,14 +78,31 @@ class HostState:
         offset = getattr(self.layout, region)[b] + start * 4
         return torch.frombuffer(self.arena._arena, dtype=torch.float32, count=numel, offset=offset)
 
+    def has_master(self, p: int) -> bool:
+        """False for a frozen parameter kept only as its 16-bit copy."""
+        return self.offset[p] < self.master_numel[self.bucket_of[p]]
+
     def param_master(self, p: int) -> torch.Tensor:
+        if not self.has_master(p):
+            raise KeyError(f"parameter {p} is frozen and kept only in 16 bits: it has no fp32 master")
         off = self.offset[p]
         return self.master[self.bucket_of[p]][off: off + self.specs[p].numel]
 
-    def write_master(self, p: int, value: torch.Tensor) -> None:
-        """Set parameter ``p``'s fp32 master (and its low-precision copy) to ``value``."""
-        self.param_master(p).copy_(value.reshape(-1))
+    def read_param(self, p: int) -> torch.Tensor:
+        """Parameter ``p``'s current value in fp32, flat (a copy): its master, or its 16-bit copy widened."""
+        if self.has_master(p):
+            return self.param_master(p).clone()
         off = self.offset[p]
+        return self.lowp[self.bucket_of[p]][off: off + self.specs[p].numel].float()
+
+    def write_master(self, p: int, value: torch.Tensor) -> None:
+        """Set parameter ``p``'s fp32 master (and its low-precision copy) to ``value``; a frozen parameter
+        without a master gets ``value`` rounded to 16 bits."""
+        off = self.offset[p]
+        if not self.has_master(p):
+            self.lowp[self.bucket_of[p]][off: off + self.specs[p].numel].copy_(value.reshape(-1))
+            return
+        self.param_master(p).copy_(value.reshape(-1))
         self.refresh_lowp(self.bucket_of[p], off, off + self.specs[p].numel)
 
     def param_state(self, p: int, which: str) -> torch.Tensor:
@@ -172,6 +194,6 @@ def check_host_ram(nbytes: int, lowp_itemsize: int = 0) -> None:
     if nbytes * HOST_RAM_HEADROOM > available:
         raise HostMemoryError(
             f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grads: "
-            f"{16 + lowp_itemsize} bytes per trainable parameter, {4 + lowp_itemsize} per frozen one) but only "
+            f"{16 + lowp_itemsize} bytes per trainable parameter, {lowp_itemsize or 4} per frozen one) but only "
             f"{format_bytes(available)} is available. Free host memory, freeze more parameters, or use a "
             "machine with more RAM.")

@@ -47,7 +47,10 @@ from .optim import AdamW
 from .recompute import Checkpointer, candidates
 from .scaler import LossScaler
 from .schedule import Plan, budget_error, build_plan, forward_min_budget, min_arena_bytes, validate_plan
-from .trace import EventKind, Recorder, Trace
+from .trace import Event, EventKind, Recorder, Trace
+
+
+EVAL_PLANS_KEPT = 4  # forward-only plans kept, one per recent no-grad path (see [Note: forward-only plans])
 
 
 class Residency(enum.Enum):
@@ -112,15 +115,24 @@ class _UseDetector(TorchFunctionMode):
 
 
 class _Busy:
-    """While the runtime's own code runs inside a forward, the use detector ignores its tensor ops."""
+    """While the runtime's own code runs inside a forward, the use detector ignores its tensor ops. Under
+    ``torch.inference_mode()`` that code runs outside it: the arena, slots and views it makes are used by the
+    copy threads and by later training steps, which inference tensors would refuse."""
 
     def __init__(self, rt: "Runtime"):
         self.rt = rt
+        self.guard = None
 
     def __enter__(self):
         self.prev, self.rt.busy = self.rt.busy, True
+        if torch.is_inference_mode_enabled():
+            self.guard = torch.inference_mode(False)
+            self.guard.__enter__()
 
     def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+            self.guard = None
         self.rt.busy = self.prev
 
 
@@ -151,7 +163,12 @@ class Runtime:
 
         self.buckets: tuple[Bucket, ...] = ()
         self.bucket_of: list[int] = []
-        self.plan: Plan | None = None
+        self.plan: Plan | None = None  # the plan being executed: train_plan or eval_plan
+        self.train_plan: Plan | None = None  # forward + backward, from a recorded training step
+        self.eval_plan: Plan | None = None  # forward only, for forwards under torch.no_grad()
+        self.eval_plans: OrderedDict[tuple, Plan] = OrderedDict()  # recent forward-only plans by path
+        self.eval_next: dict[tuple, tuple] = {}  # path -> the path the no-grad forward after it took
+        self.eval_last: tuple | None = None  # path of the latest no-grad forward
         self.arena: torch.Tensor | None = None
 
         self.state: list[Residency] = []  # per bucket
@@ -179,7 +196,9 @@ class Runtime:
         self.grad_enabled = True
         self.host: HostState | None = None
         self.stats = {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
-                      "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0}
+                      "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0,
+                      "eval_plans_built": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+        self.h2d_by_bucket: list[int] = []  # host-to-device bytes per bucket since wrap
         self.last_step_skipped = False
         self._warned = False
         self._module_index = {}
@@ -221,7 +240,7 @@ class Runtime:
                 if index == 0 and self.recorder.stack:
                     self.abort_forward()  # the previous call of the root module raised
                 if not self.recorder.stack:
-                    self._begin_forward()
+                    self._begin_forward(index)
                 self.recorder.pre(index)
                 self.users.append({})
                 self._advance(EventKind.PRE, index)
@@ -270,12 +289,24 @@ class Runtime:
         self.held: dict[int, set[int]] = {}  # region -> buckets its recomputed weight views point into
         self.recompute_holds: dict[int, list[int]] = {}  # region -> storages of its recomputed tensors
 
-    def _begin_forward(self) -> None:
+    def _begin_forward(self, root: int) -> None:
+        grad_enabled = torch.is_grad_enabled()
         if self.in_backward or self.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
             self._release_all()
+        # [Note: forward-only plans] A forward under torch.no_grad() (evaluation, generate()) has no
+        # backward to keep buckets for or prefetch for: it runs its own plan, built from a recorded
+        # no-grad forward. Recent no-grad paths keep their plans. A forward takes the path that followed
+        # the previous one last time, if it starts at the module called, else the latest that does
+        # (generate() on T5 calls the encoder, then the model computing cross-attention keys, then the
+        # model reading them from its cache: three paths, always in that order). Switching plans frees
+        # one arena before the other is allocated.
+        want = self.train_plan if grad_enabled else self._eval_plan_for(root)
+        if want is not self.plan and self.host is not None:
+            self._deactivate()
+            self.plan = want
         if self.plan is not None and self.arena is None:
-            self._activate(self.plan)  # after a departure from it
+            self._activate(self.plan)  # after a departure from it, or a switch of plans
         self._reset_step()
         # Grad copies of an earlier backward of this step (accumulation) may still be reading their slots,
         # and the plan reuses those bytes: everything this pass issues comes after them.
@@ -283,7 +314,7 @@ class Runtime:
             self.backend.wait(event)
         self.grad_copies = []
         self.boundary = self.backend.record()
-        self.grad_enabled = torch.is_grad_enabled()
+        self.grad_enabled = grad_enabled
         contexts = []
         if self.dtype != torch.float32:
             # Ops autocast keeps in fp32 (softmax, norms, losses) upcast the 16-bit weights and activations;
@@ -317,8 +348,45 @@ class Runtime:
             self._finish_trace_forward()
         if not self.grad_enabled:
             # No backward follows a no-grad forward (evaluation): let go of everything streamed.
+            followed = self.on_plan and self.pos == len(self.plan.trace.events)  # self.plan: an eval plan
             self._release_all()
             self.pos = 0
+            if self.host is not None:
+                self._plan_forward_only(self.plan.trace if followed else self.recorder.finish())
+
+    def _eval_plan_for(self, root: int) -> Plan | None:
+        start = Event(EventKind.PRE, root)
+        plan = self.eval_plans.get(self.eval_next.get(self.eval_last))
+        if plan is not None and plan.trace.events[0] == start:
+            return plan
+        for plan in reversed(self.eval_plans.values()):
+            if plan.trace.events[0] == start:
+                return plan
+        return None  # no path seen starts here: fetch on demand and record one
+
+    def _plan_forward_only(self, trace: Trace) -> None:
+        """Make the plan of this no-grad forward's path the one the next no-grad forward follows (see
+        [Note: forward-only plans]). Paths seen recently (generate(): the first call and the later ones)
+        keep their plans, so alternating between them does not plan again."""
+        key = (trace.events, trace.uses)
+        if self.eval_last is not None:
+            self.eval_next[self.eval_last] = key
+        self.eval_last = key
+        plan = self.eval_plans.get(key)
+        if plan is None:
+            try:
+                plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
+                                  fixed_bytes=self.memory.parts["buffers"])
+            except BudgetTooSmallError:
+                return  # no plan fits: the next no-grad forward fetches on demand, as this one did
+            validate_plan(plan)
+            self.stats["eval_plans_built"] += 1
+            self.eval_plans[key] = plan
+            while len(self.eval_plans) > EVAL_PLANS_KEPT:
+                gone, _ = self.eval_plans.popitem(last=False)
+                self.eval_next = {a: b for a, b in self.eval_next.items() if gone not in (a, b)}
+        self.eval_plans.move_to_end(key)
+        self.eval_plan = plan
 
     # ---------------------------------------------------------------------------------------------------
     # plan following
@@ -403,6 +471,8 @@ class Runtime:
         dst = slot.storage[slot.offset: slot.offset + n * self.itemsize].view(self.dtype)
         waits = [w for w in (*waits, self.adam_event.get(b)) if w is not None]
         fresh = b not in self.slot
+        self.stats["h2d_bytes"] += n * self.itemsize
+        self.h2d_by_bucket[b] += n * self.itemsize
         self._set_state(b, Residency.IN_FLIGHT)
         self.slot[b] = slot
         self.h2d_event[b] = self.backend.h2d(dst, self.host.source(b), waits)
@@ -562,6 +632,7 @@ class Runtime:
         storage = self.backend.empty(nbytes)
         self.memory.add("slots", nbytes)
         view = storage.view(self.dtype).view(param.shape)
+        self.stats["h2d_bytes"] += nbytes
         self.backend.wait(self.backend.h2d(view, self.original[p], [self.boundary]))
         self.recorder.exclude_end()
         param.data = view
@@ -728,6 +799,7 @@ class Runtime:
             if self.deferred and earlier is None:  # the norms clipping needs, where the grads are
                 self.norms.update(self._slot_norms(view, got))
         waits = [self.backend.record()] + [e for e in (self.adam_event.get(b),) if e is not None]
+        self.stats["d2h_bytes"] += view.numel() * self.itemsize
         if earlier is None:
             d2h = self.backend.d2h(host.grad[b], view, waits)
             ready = d2h
@@ -804,7 +876,7 @@ class Runtime:
         if updated:
             self.stats["steps"] += 1
         with torch.no_grad():
-            if (self.plan is None or self.stale) and self.trace is not None and self.trace.complete:
+            if (self.train_plan is None or self.stale) and self.trace is not None and self.trace.complete:
                 self._replan(self.trace)  # brings every resident bucket in afresh
             else:
                 self._refresh_resident(updated)
@@ -904,8 +976,9 @@ class Runtime:
         validate_plan(plan)
         self.on_plan = False
         self._deactivate()
-        if self.plan is not None:
+        if self.train_plan is not None:
             self.stats["replans"] += 1
+        self.train_plan = plan
         self._activate(plan)
 
     # ---------------------------------------------------------------------------------------------------
@@ -933,6 +1006,7 @@ class Runtime:
                 host.write_master(p, self.original[p])
         self.host, self.buckets, self.bucket_of = host, host.buckets, host.bucket_of
         self.state = [Residency.HOST] * len(buckets)
+        self.h2d_by_bucket = [0] * len(buckets)
         self.original = None
         for p, param in enumerate(self.params):
             param.data = self.placeholders[p]
@@ -1008,7 +1082,7 @@ class Runtime:
         """Run the next step on demand (its calls will differ from the plan's) and plan it at its step()."""
         self.on_plan = False
         self._deactivate()  # every bucket back to the host: nothing resident keeps pre-update weights
-        self.plan = None
+        self.plan = self.train_plan = None
 
     def _choose_checkpoints(self, trace: Trace) -> bool:
         """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
@@ -1067,7 +1141,7 @@ class Runtime:
         """Current fp32 value of parameter ``p`` (a copy)."""
         if self.original is not None:
             return self.original[p].detach().to(torch.float32, copy=True)
-        return self.host.param_master(p).view(self.params[p].shape).clone()
+        return self.host.read_param(p).view(self.params[p].shape)
 
     def write_weight(self, p: int, value: torch.Tensor) -> None:
         with torch.no_grad():

@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The `hf` tests build transformers models from configs: nothing may be downloaded, ever.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 

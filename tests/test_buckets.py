@@ -75,3 +75,15 @@ def test_host_layout_disjoint_and_aligned(raw, bucket_bytes):
     # exactly 16 bytes per trainable and 4 per frozen element, plus alignment padding only
     exact = sum(b.numel * 4 + 3 * b.trainable_numel * 4 for b in buckets)
     assert exact <= lay.total_bytes <= exact + len(regions) * HOST_ALIGN
+
+
+def test_host_layout_16bit_keeps_no_master_for_frozen():
+    """With a 16-bit copy, a frozen parameter is that copy only: 2 bytes, against 4 + 2 + 3 x 4 trainable."""
+    specs = [ParamSpec(100, 0), ParamSpec(300, None), ParamSpec(50, 0), ParamSpec(70, None)]
+    buckets = make_buckets(specs, [0, 1, 2, 3], 10_000, 2)
+    assert len(buckets) == 1 and buckets[0].trainable_numel == 150
+    fp32, bf16 = host_layout(buckets), host_layout(buckets, lowp_itemsize=2)
+    exact32 = 150 * 16 + 370 * 4
+    exact16 = 150 * 18 + 370 * 2
+    assert exact32 <= fp32.total_bytes <= exact32 + 5 * HOST_ALIGN
+    assert exact16 <= bf16.total_bytes <= exact16 + 5 * HOST_ALIGN

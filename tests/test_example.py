@@ -1,12 +1,14 @@
 """The README's first command, scaled down: examples/train_gpt.py trains, the loss goes down, the device peak
 stays within the budget (the script exits 1 otherwise) and the memory summary is printed."""
 
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import offload
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +39,40 @@ def test_train_gpt_example():
     for row in ("budget", "device peak", "arena", "pinned host", "buckets", "re-plans"):
         assert row in out, f"memory summary lacks {row!r}:\n{out}"
     assert "within budget" in out, out
+
+
+def _main(module: str, *args: str, capsys) -> str:
+    """Run an example's main() in this process (no interpreter and torch start-up per run); its output."""
+    main = importlib.import_module(module).main
+    code = main(list(args))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return out
+
+
+def test_train_gpt_save_and_resume(tmp_path, capsys):
+    """--save at every evaluation, --resume continues from the step saved, to the same last loss as an
+    uninterrupted run (weights, AdamW state, LR schedule and data position all come back)."""
+    ckpt = str(tmp_path / "ckpt.pt")
+    small = "--n-layer 2 --n-embd 64 --n-head 4 --batch 1 --seq 16 --eval-every 4".split()
+    whole = _main("train_gpt", "--steps", "8", *small, capsys=capsys)
+    _main("train_gpt", "--steps", "8", *small, "--save", ckpt, "--stop-after", "4", capsys=capsys)
+    resumed = _main("train_gpt", "--steps", "8", *small, "--resume", ckpt, capsys=capsys)
+    assert "resumed from" in resumed and "at step 4" in resumed, resumed
+    last = [line for line in whole.splitlines() if line.startswith("step 8:")]
+    assert last and last == [line for line in resumed.splitlines() if line.startswith("step 8:")], (whole, resumed)
+
+
+def test_finetune_frozen_example(capsys):
+    """The script checks itself (exit 1 otherwise): no optimizer state for frozen weights on the host, no
+    backward copies of buckets below the lowest trainable parameter, bytes copied = the plan's, peak <= budget."""
+    out = _main("finetune_frozen", *"--steps 8 --n-layer 4 --n-embd 64 --n-head 4 --seq 16 --lora 4".split(),
+                capsys=capsys)
+    assert "not copied for backward" in out and "FAIL" not in out, out
+
+
+@pytest.mark.hf
+def test_bert_mlm_example(capsys):
+    pytest.importorskip("transformers")
+    out = _main("bert_mlm", *"--steps 8 --layers 2 --hidden 128 --heads 4 --seq 16 --batch 1".split(), capsys=capsys)
+    assert "BertForMaskedLM" in out and "budget" in out, out

@@ -1,0 +1,140 @@
+"""Hugging Face ``transformers`` models, unchanged, trained and evaluated through offload.
+
+Each model (tests/hf_models.py: GPT-2, BERT MLM, Llama, T5, OPT, ViT, tiny configs, random weights, no
+download) trains a few steps twice from identical weights on identical batches: plain PyTorch with
+``torch.optim.AdamW(foreach=False)``, and ``offload.wrap`` in fp32 with a budget of 0.6x the parameter bytes,
+so buckets must stream. Losses and final weights must agree to the numerics tests' tolerance. Then, under
+``torch.no_grad()``, the eval forward (logits) and ``model.generate()`` must give the reference's answers
+through the engine, on a forward-only plan: no gradient, no backward refetch.
+
+[Note: eps 1e-6] HF attention has a key bias (GPT-2's fused c_attn, BERT, OPT, ViT). Softmax ignores a
+shift shared by all keys, so that bias's gradient is zero in exact arithmetic and rounding noise (~1e-10)
+in floats; AdamW with eps 1e-8 divides noise by its own scale and moves it by ~lr a step in a random
+direction, which no tolerance can compare. eps 1e-6 turns those updates into ~1e-4 lr while leaving real
+gradients (>= 1e-4 here) essentially unaffected; everything else about the update is AdamW's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import offload  # noqa: E402
+from hf_models import CASES, HFCase  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+STEPS = 4
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1)  # see [Note: eps 1e-6]
+TOL = dict(rtol=1e-5, atol=1e-6)
+EVAL_TOL = dict(rtol=1e-4, atol=3e-5)
+BUDGET = 0.8  # x the fp32 parameter bytes: with activations and grads in flight, the weights do not fit
+GENERATE = dict(max_new_tokens=5, do_sample=False)
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def wrap(model: torch.nn.Module, budget: float = BUDGET, **fields):
+    nbytes = param_bytes(model)
+    opt = offload.AdamW(model.parameters(), **ADAMW)
+    engine = offload.wrap(model, opt, budget=int(budget * nbytes), bucket_bytes=nbytes // 10,
+                          dtype=torch.float32, device="cpu", **fields)
+    return engine, opt
+
+
+def train(forward, opt, case: HFCase, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        loss = forward(**case.make_batch(step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def eval_batch(case: HFCase) -> dict:
+    """A batch no training step sees (labels kept: T5 makes its decoder inputs from them)."""
+    return case.make_batch(10_000)
+
+
+def logits(forward, module: torch.nn.Module, batch: dict) -> torch.Tensor:
+    module.eval()
+    with torch.no_grad():
+        out = forward(**batch).logits
+    module.train()
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """Plain PyTorch on every case, once: losses, eval logits and generated ids after STEPS steps."""
+    return {}
+
+
+def reference(name: str, cache: dict):
+    if name not in cache:
+        case = CASES[name]()
+        model = copy.deepcopy(case.model)
+        opt = torch.optim.AdamW(model.parameters(), foreach=False, **ADAMW)
+        losses = train(model, opt, case, STEPS)
+        out = logits(model, model, eval_batch(case))
+        generated = None
+        if case.prompt is not None:
+            model.eval()
+            generated = model.generate(**case.prompt, **GENERATE)
+            model.train()
+        cache[name] = (losses, model.state_dict(), out, generated)
+    return cache[name]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hf_model_trains_and_evaluates_like_pytorch(name: str, references):
+    losses_ref, final_ref, logits_ref, generated_ref = reference(name, references)
+    case = CASES[name]()
+    engine, opt = wrap(case.model)
+    try:
+        losses = train(engine, opt, case, STEPS)
+        torch.testing.assert_close(losses, losses_ref, **TOL)
+        actual = engine.state_dict()["model"]
+        assert actual.keys() == final_ref.keys()
+        for key, want in final_ref.items():
+            torch.testing.assert_close(actual[key], want, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+        stats = engine.memory_stats()
+        assert stats["plan"]["streamed_buckets"] > 0, stats["plan"]  # the budget forces streaming
+        assert stats["device_peak_bytes"] <= stats["budget_bytes"]
+
+        before = dict(stats["counters"])
+        torch.testing.assert_close(logits(engine, case.model, eval_batch(case)), logits_ref, **EVAL_TOL)
+        case.model.eval()
+        with torch.inference_mode():  # the engine's own buffers must not become inference tensors
+            torch.testing.assert_close(engine(**eval_batch(case)).logits, logits_ref, **EVAL_TOL)
+        case.model.train()
+        if case.prompt is not None:
+            case.model.eval()
+            generated = case.model.generate(**case.prompt, **GENERATE)  # the module itself: hooks do the rest
+            assert torch.equal(generated, generated_ref), (generated, generated_ref)
+            # Each no-grad path seen (prefill, decode; an encoder-decoder's encoder call) has its
+            # forward-only plan now: a second generate() follows them, fetching nothing on demand.
+            again = engine.memory_stats()["counters"]
+            assert torch.equal(case.model.generate(**case.prompt, **GENERATE), generated_ref)
+            case.model.train()
+            now = engine.memory_stats()["counters"]
+            assert now["plan_departures"] == again["plan_departures"]
+            assert now["on_demand_fetches"] == again["on_demand_fetches"]
+        after = engine.memory_stats()["counters"]
+        assert after["backwards"] == before["backwards"]  # forward-only: no backward ran
+        assert after["d2h_bytes"] == before["d2h_bytes"]  # no gradient left the device
+        assert all(p.grad is None for p in case.model.parameters())
+
+        # Training goes on after evaluation, on the same training plan.
+        train(engine, opt, case, 1)
+        assert engine.memory_stats()["plan"]["replans"] == stats["plan"]["replans"]
+    finally:
+        engine.close()
