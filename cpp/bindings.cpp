@@ -12,6 +12,7 @@
 
 #include "arena_planner.h"
 #include "cpu_adam.h"
+#include "lane_sim.h"
 #include "pinned_arena.h"
 
 namespace py = pybind11;
@@ -59,6 +60,23 @@ py::tuple plan_arena(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
 std::int64_t arena_lower_bound(const Sizes& sizes, const Sizes& starts, const Sizes& ends,
                                std::int64_t alignment) {
   return offload::arena_lower_bound({sizes, starts, ends}, alignment);
+}
+
+using Seconds = std::vector<double>;
+
+// Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit,
+// divided by zero); offload/simulate.py builds the SimResult.
+py::tuple simulate_lanes(const Seconds& compute, const Sizes& h2d_event, const Seconds& h2d_solo,
+                         const Sizes& wait_ptr, const Sizes& wait_copy, const Sizes& d2h_event,
+                         const Seconds& d2h_solo, const Seconds& adam_s, bool adam_after_backward, double duplex) {
+  offload::LaneResult r;
+  {
+    py::gil_scoped_release release;
+    r = offload::simulate_lanes({compute, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
+                                 adam_after_backward, duplex});
+  }
+  return py::make_tuple(r.step_s, r.compute_s, r.stall_s, r.h2d_busy_s, r.d2h_busy_s, r.adam_s, r.compute_end,
+                        r.stall_per_event, r.copy_credit, r.divided_by_zero);
 }
 
 offload::ScalarType scalar_type(const std::string& name, const char* what) {
@@ -197,4 +215,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("arena_lower_bound", &arena_lower_bound, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
         py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
         "Max over time of the sum of live aligned sizes.");
+  m.def("simulate_lanes", &simulate_lanes, py::arg("compute"), py::arg("h2d_event"), py::arg("h2d_solo"),
+        py::arg("wait_ptr"), py::arg("wait_copy"), py::arg("d2h_event"), py::arg("d2h_solo"), py::arg("adam_s"),
+        py::arg("adam_after_backward"), py::arg("duplex"),
+        "The step simulator's lane loop over flat arrays (see cpp/lane_sim.h and offload/simulate.py).");
 }

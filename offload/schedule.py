@@ -275,9 +275,11 @@ def _after(specs, offsets) -> list[tuple[int, ...]]:
 
 
 def _assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fixed, *, simulated=None,
-              hw_name="") -> Plan:
+              hw_name="", needs=None) -> Plan:
     n = len(trace.events)
-    bucket_of = locate(buckets)[0]
+    if needs is None:  # per event: the buckets it needs (the greedy scheduler has them already)
+        bucket_of = locate(buckets)[0]
+        needs = [_needed(trace, i, bucket_of) for i in range(n)]
     after = _after(specs, layout.offsets)
     buffers = tuple(Buffer(b, kind, s, e, size, layout.offsets[k], after[k])
                     for k, (b, kind, s, e, size) in enumerate(specs))
@@ -296,8 +298,7 @@ def _assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, f
                 release[x.end].append(k)
     return Plan(
         buckets=tuple(buckets), trace=trace, resident=tuple(sorted(resident)), buffers=buffers,
-        actions=tuple(EventActions(tuple(release[i]), tuple(prefetch[i]), _needed(trace, i, bucket_of))
-                      for i in range(n)),
+        actions=tuple(EventActions(tuple(release[i]), tuple(prefetch[i]), needs[i]) for i in range(n)),
         grad_buffer=tuple(grad_buffer), resident_buffer=tuple(resident_buffer),
         arena_bytes=layout.total_bytes, lower_bound_bytes=layout.lower_bound_bytes,
         budget_bytes=budget, fixed_bytes=fixed, itemsize=itemsize, strategy=name, simulated=simulated,
@@ -332,7 +333,7 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
         specs, layout = _layout(trace, buckets, itemsize, point.resident, (point.streamed, g.grads))
         if layout.total_bytes + extra <= budget_bytes:
             return _assemble(trace, buckets, itemsize, point.resident, f"greedy ({point.mode})", specs, layout,
-                             budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name)
+                             budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name, needs=g.needs)
         points = [p for p in points if p is not point]  # its arena fragments past the budget: next best
     jit = {b: [list(iv) for iv in ivs] for b, ivs in g.uses.items()}
     _, layout = _layout(trace, buckets, itemsize, frozenset(), (jit, g.grads))
@@ -368,7 +369,7 @@ class _Point:
 
     mode: str
     resident: frozenset
-    streamed: dict  # bucket -> [[issue, end], ...]
+    flat: np.ndarray  # streamed buffers: rows (issue, bucket, end), in copy order
     sim: SimResult
     peak: int  # max live arena bytes (the arena's lower bound)
     rank: tuple  # tie-break among equally fast points: fewest bytes copied, most resident, then mode order
@@ -376,6 +377,14 @@ class _Point:
     @property
     def step_s(self) -> float:
         return self.sim.step_s
+
+    @property
+    def streamed(self) -> dict[int, list[list[int]]]:
+        """Per streamed bucket: its buffers [issue, end), in event order."""
+        out: dict[int, list[list[int]]] = {}
+        for p, b, e in self.flat.tolist():
+            out.setdefault(b, []).append([p, e])
+        return out
 
 
 class _Greedy:
@@ -402,90 +411,143 @@ class _Greedy:
         for b, (s, e) in self.grads.items():
             self.grad_profile[s] += _align(self.grad_bytes[b])
             self.grad_profile[e] -= _align(self.grad_bytes[b])
+        # the same, as arrays for the vectorised profile and moves
+        nb = len(buckets)
+        self.grad_profile_np = np.asarray(self.grad_profile, dtype=np.int64)
+        self.size_np = np.asarray(self.size, dtype=np.int64).reshape(nb)
+        self.dur_np = np.asarray(self.dur, dtype=np.float64).reshape(nb)
+        self.updated_dur = np.array([self.dur[b] if b in self.grads else 0.0 for b in range(nb)], dtype=np.float64)
+        # buckets used in forward and again in backward: (last forward use, first backward use) starts
+        f = trace.num_forward
+        self.fwd_at = np.zeros(nb, dtype=np.int64)
+        self.bwd_at = np.zeros(nb, dtype=np.int64)
+        keepable = []
+        for b, need in self.uses.items():
+            j = next((j for j, (s, _) in enumerate(need) if s >= f), None)
+            if j:
+                keepable.append(b)
+                self.fwd_at[b], self.bwd_at[b] = need[j - 1][0], need[j][0]
+        self.keepable = np.asarray(sorted(keepable), dtype=np.int64)
+        # the need intervals as arrays grouped by bucket (what ``placed`` starts from), and per keepable
+        # bucket the rows of its last forward and first backward intervals
+        rows = [(b, s, e) for b in sorted(self.uses) for s, e in self.uses[b]]
+        self.use_b, self.use_s, self.use_e = (np.asarray(c, dtype=np.int64) for c in
+                                              (zip(*rows) if rows else ((), (), ())))
+        first_row = np.searchsorted(self.use_b, self.keepable)
+        self.fwd_row = np.zeros(nb, dtype=np.int64)
+        self.bwd_row = np.zeros(nb, dtype=np.int64)
+        for b, r in zip(self.keepable.tolist(), first_row.tolist()):
+            j = next(j for j, (s, _) in enumerate(self.uses[b]) if s >= f)
+            self.fwd_row[b], self.bwd_row[b] = r + j - 1, r + j
+        self.tau_np = np.asarray(self.tau, dtype=np.float64)
+        # every (event, bucket) need, flattened in event order: for the program's waits
+        self.need_spans, need_b, need_e = [], [], []
+        for i, bs in enumerate(self.needs):
+            self.need_spans.append((len(need_b), len(need_b) + len(bs)))
+            need_b.extend(bs)
+            need_e.extend([i] * len(bs))
+        self.need_b = np.asarray(need_b, dtype=np.int64)
+        self.need_key = self.need_b * (self.n + 1) + np.asarray(need_e, dtype=np.int64)
 
     # -- one point --------------------------------------------------------------------------------------
 
-    def intervals(self, mode: str, resident: frozenset, keep: frozenset) -> dict[int, list[list[int]]]:
-        """Per streamed bucket: its buffers [issue, end), copies placed by ``mode``."""
-        f = self.trace.num_forward
-        needs = {}
-        for b, ivs in self.uses.items():
-            if b in resident:
-                continue
-            ivs = [list(iv) for iv in ivs]
-            if b in keep:  # one buffer from the last forward use to the end of the first backward use
-                j = next(j for j in range(len(ivs) - 1) if ivs[j][0] < f <= ivs[j + 1][0])
-                ivs[j:j + 2] = [[ivs[j][0], ivs[j + 1][1]]]
-            needs[b] = ivs
-        copies = sorted((iv[0], b, k) for b, ivs in needs.items() for k, iv in enumerate(ivs))
-        issue = {}
-        if mode == "latest":
-            nxt = float("inf")
-            for s, b, k in reversed(copies):
-                latest = min(self.tau[s], nxt) - self.dur[b]
-                nxt = latest
-                issue[b, k] = min(s, max(0, bisect.bisect_right(self.tau, latest) - 1))
-        elif mode == "lookahead":
-            starts = sorted({s for s, _, _ in copies})
-            prev = {s: starts[j - 1] if j else s for j, s in enumerate(starts)}
-            issue = {(b, k): prev[s] for s, b, k in copies}
-        else:
-            issue = {(b, k): s for s, b, k in copies}
-        out = {}
-        for b, ivs in needs.items():
-            moved: list[list[int]] = []
-            for k, (s, e) in enumerate(ivs):
-                p = issue[b, k]
-                if moved and p <= moved[-1][1]:
-                    moved[-1][1] = e  # the copy would start before the last use ended: keep the bucket
-                else:
-                    moved.append([p, e])
-            out[b] = moved
-        return out
+    def placed(self, mode: str, resident: frozenset, keep: frozenset) -> np.ndarray:
+        """The streamed buffers [issue, end) with copies placed by ``mode``, as rows (issue, bucket, end)
+        in copy-queue order (sorted). Vectorised over the need intervals, grouped by bucket:
 
-    def program(self, resident: frozenset, streamed: dict) -> Program:
+        * a kept bucket's last forward and first backward intervals become one;
+        * ``latest``: a backward pass over the copies in (need, bucket) order, each as late as the copy
+          queue allows (sequential: each depends on the next); ``lookahead``: at the previous distinct
+          need start; ``just in time``: at the need;
+        * a copy issued before the bucket's previous interval ends merges into it (the bucket stays).
+        """
+        s, e, b = self.use_s, self.use_e.copy(), self.use_b
+        live = np.ones(len(b), dtype=bool)
+        if resident:
+            live &= ~np.isin(b, np.fromiter(resident, dtype=np.int64, count=len(resident)))
+        if keep:
+            kb = np.fromiter(keep, dtype=np.int64, count=len(keep))
+            e[self.fwd_row[kb]] = e[self.bwd_row[kb]]
+            live[self.bwd_row[kb]] = False
+        s, e, b = s[live], e[live], b[live]  # grouped by bucket, each bucket's intervals in event order
+        if mode == "just in time":
+            p = s
+        elif mode == "lookahead":
+            starts = np.unique(s)
+            j = np.searchsorted(starts, s)
+            p = np.where(j > 0, starts[np.maximum(j - 1, 0)], s)
+        else:
+            order = np.lexsort((b, s))
+            tau, dur = self.tau, self.dur
+            latest = [0.0] * len(order)
+            nxt = float("inf")
+            for q, (si, bi) in zip(reversed(range(len(order))), zip(s[order[::-1]].tolist(), b[order[::-1]].tolist())):
+                nxt = min(tau[si], nxt) - dur[bi]
+                latest[q] = nxt
+            p = np.empty(len(order), dtype=np.int64)
+            p[order] = np.minimum(s[order], np.maximum(0, np.searchsorted(self.tau_np, latest, side="right") - 1))
+        # merge: a new buffer starts where the bucket changes or the copy comes after the previous end
+        new = np.ones(len(b), dtype=bool)
+        new[1:] = (b[1:] != b[:-1]) | (p[1:] > e[:-1])
+        last = np.ones(len(b), dtype=bool)
+        last[:-1] = new[1:]
+        rows = np.stack([p[new], b[new], e[last]], axis=1)
+        return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+
+    def flat(self, streamed: dict) -> np.ndarray:
+        """The streamed buffers as rows (issue, bucket, end), sorted: the order of their copies in the
+        host-to-device queue (``program``)."""
+        rows = [(p, b, e) for b, ivs in streamed.items() for p, e in ivs]
+        rows.sort()
+        return np.array(rows, dtype=np.int64).reshape(len(rows), 3)
+
+    def program(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> Program:
         n = self.n
-        events, owners, nbytes = [], [], []
-        copy_of: dict[int, list[tuple[int, int, int]]] = {}  # bucket -> [(start, end, copy id)]
-        for b in sorted(resident):
-            if b in self.grads:  # updated last step: refreshed before this step's forward (runtime.step)
-                copy_of[b] = [(0, n, len(events))]
-                events.append(STEP_START), owners.append(b), nbytes.append(self.nbytes[b])
-        for p, b, e in sorted((p, b, e) for b, ivs in streamed.items() for p, e in ivs):
-            copy_of.setdefault(b, []).append((p, e, len(events)))
-            events.append(p), owners.append(b), nbytes.append(self.nbytes[b])
-        cursor = {b: 0 for b in copy_of}
-        waits = []
-        for i in range(n):
-            w = []
-            for b in self.needs[i]:
-                lst = copy_of.get(b)
-                if lst is None:
-                    continue  # resident and not updated: already there
-                c = cursor[b]
-                while lst[c][1] <= i:
-                    c += 1
-                cursor[b] = c
-                w.append(lst[c][2])
-            waits.append(tuple(w))
+        if flat is None:
+            flat = self.flat(streamed)
+        refresh = [b for b in sorted(resident) if b in self.grads]  # updated last step: refreshed before
+        # this step's forward (runtime.step)
+        m = len(refresh)
+        starts, owners = (flat[:, 0].tolist(), flat[:, 1].tolist())
+        # A need of bucket b at event i waits for b's first copy ending after i (copies of a bucket are
+        # disjoint and in event order): one search over the copies sorted by (bucket, end).
+        cb = np.concatenate([np.asarray(refresh, dtype=np.int64), flat[:, 1]])
+        ce = np.concatenate([np.full(m, n, dtype=np.int64), flat[:, 2]])
+        order = np.lexsort((ce, cb))
+        found = np.full(len(self.need_b), -1, dtype=np.int64)
+        if len(order):
+            q = np.minimum(np.searchsorted(cb[order] * (n + 1) + ce[order], self.need_key, side="right"),
+                           len(order) - 1)
+            hit = cb[order][q] == self.need_b
+            found[hit] = order[q[hit]]
+            has_copy = np.bincount(cb, minlength=len(self.buckets))[self.need_b] > 0
+            assert not (has_copy & ~hit).any(), "a bucket is needed where none of its buffers is live"
+        wc = found.tolist()  # -1: resident and not updated, already there
+        if min(wc, default=0) >= 0:
+            waits = [tuple(wc[lo:hi]) for lo, hi in self.need_spans]
+        else:
+            waits = [tuple(k for k in wc[lo:hi] if k >= 0) for lo, hi in self.need_spans]
         d2h = sorted((self.grad_issue[b], b) for b in self.grads)
+        nbytes = self.nbytes
         return Program(
-            compute_s=self.compute, h2d_event=tuple(events), h2d_bucket=tuple(owners), h2d_bytes=tuple(nbytes),
+            compute_s=self.compute, h2d_event=(STEP_START,) * m + tuple(starts), h2d_bucket=tuple(refresh + owners),
+            h2d_bytes=tuple(nbytes[b] for b in itertools.chain(refresh, owners)),
             waits=tuple(waits), d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
             d2h_bytes=tuple(self.grad_bytes[b] for _, b in d2h),
             adam_numel=tuple(self.buckets[b].trainable_numel for _, b in d2h))
 
-    def profile(self, resident: frozenset, streamed: dict) -> list[int]:
+    def profile(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> np.ndarray:
         """Live arena bytes at each event (aligned sizes, as the arena planner counts them)."""
-        diff = list(self.grad_profile)
-        for b in resident:
-            diff[0] += self.size[b]
-            diff[self.n] -= self.size[b]
-        for b, ivs in streamed.items():
-            for p, e in ivs:
-                diff[p] += self.size[b]
-                diff[e] -= self.size[b]
-        return list(itertools.accumulate(diff[:-1]))
+        if flat is None:
+            flat = self.flat(streamed)
+        diff = self.grad_profile_np.copy()
+        res = np.fromiter(resident, dtype=np.int64, count=len(resident))
+        diff[0] += int(self.size_np[res].sum())
+        diff[self.n] -= int(self.size_np[res].sum())
+        size = self.size_np[flat[:, 1]]
+        np.add.at(diff, flat[:, 0], size)
+        np.add.at(diff, flat[:, 2], -size)
+        return np.cumsum(diff[:-1])
 
     # -- the move sequence ----------------------------------------------------------------------------
 
@@ -495,16 +557,16 @@ class _Greedy:
         for m, mode in enumerate(MODES):
             resident, keep = frozenset(), frozenset()
             while True:
-                streamed = self.intervals(mode, resident, keep)
-                prof = self.profile(resident, streamed)
-                peak = max(prof, default=0)
+                flat = self.placed(mode, resident, keep)
+                prof = self.profile(resident, None, flat)
+                peak = int(prof.max()) if len(prof) else 0
                 if peak > capacity:
                     break  # resident bytes only grow along the sequence: every later point is larger too
-                program = self.program(resident, streamed)
+                program = self.program(resident, None, flat)
                 sim = simulate(program, self.hw)
                 rank = (-sim.h2d_bytes, sum(self.size[b] for b in resident), -m)
-                points.append(_Point(mode, resident, streamed, sim, peak, rank))
-                moves = self.moves(resident, keep, streamed, program, sim, prof)
+                points.append(_Point(mode, resident, flat, sim, peak, rank))
+                moves = self.moves(keep, flat, program, sim, prof, peak)
                 if not moves:
                     break
                 for kind, b in moves:
@@ -515,91 +577,106 @@ class _Greedy:
                         keep = keep | {b}
         return points
 
-    def moves(self, resident, keep, streamed, program, sim, prof) -> list[tuple[str, int]]:
+    def moves(self, keep, flat, program, sim, prof, peak) -> list[tuple[str, int]]:
         """The next batch of moves, best first: most stall removed per byte while there is stall, then most
-        copy time saved per byte. A batch covers the stall seen (at most ~1/MAX_POINTS of the buckets)."""
-        credit = sim.stall_by_bucket(program) if sim.stall_s > 0 else None
-        copies: dict[int, list[int]] = {}
-        for k, b in enumerate(program.h2d_bucket):
-            copies.setdefault(b, []).append(k)
+        copy time saved per byte. A batch covers the stall seen (at most ~1/MAX_POINTS of the buckets).
+
+        Per streamed bucket ``b`` (vectorised over the buckets; integer byte counts are exact and every
+        float is the same operation, in the same order, as a per-bucket loop would do):
+        ``resident``: gain = its copies' stall credit (or, once no stall is left, their copy time, less
+        one copy if it is updated: that one comes back anyway); cost = the peak increase of holding it
+        everywhere. ``keep``: gain = the credit (or time) of the copy of its first backward buffer; cost =
+        the peak increase of holding it between its last forward and first backward buffers.
+        """
+        stalled = sim.stall_s > 0
+        nb, m = len(self.buckets), len(flat)
+        refresh = len(program.h2d_bucket) - m
+        owner, p, e = flat[:, 1], flat[:, 0], flat[:, 2]
+        count = np.bincount(owner, minlength=nb)
+        credit = np.asarray(sim.copy_credit[refresh:], dtype=np.float64)
+        if stalled:  # sequential sums in copy order (np.bincount adds in index order)
+            gain = np.bincount(owner, weights=credit, minlength=nb)
+        else:
+            gain = np.bincount(owner, weights=self.dur_np[owner], minlength=nb) - self.updated_dur
         rmq = _MaxTable(prof)
-        peak = max(prof, default=0)
-        scored = []
-        for b, ivs in streamed.items():
-            ks = copies.get(b, [])
-            if not ks:
-                continue
-            gain = (sum(sim.copy_credit[k] for k in ks) if credit is not None
-                    else sum(self.dur[b] for _ in ks) - (self.dur[b] if b in self.grads else 0.0))
-            outside = max((rmq.max(a, z) for a, z in _gaps(ivs, self.n)), default=0)
-            inside = max((rmq.max(p, e) for p, e in ivs), default=0)
-            cost = max(0, max(outside + self.size[b], inside) - peak)
-            if gain > 0 or (credit is None and gain >= 0):  # no stall left: equal traffic still moves in
-                scored.append((gain / (cost + self.size[b] / 1024), "resident", b, gain))
-            if b not in keep:
-                gain, cost = self._keep(b, ivs, ks, program, sim, credit is not None, rmq, peak)
-                if gain > 0:
-                    scored.append((gain / (cost + self.size[b] / 1024), "keep", b, gain))
-        scored.sort(key=lambda x: (-x[0], x[2], x[1]))
+        # per bucket: max live bytes inside its buffers and outside them (its gaps)
+        inside = np.zeros(nb, dtype=np.int64)
+        np.maximum.at(inside, owner, rmq.query(p, e))
+        order = np.lexsort((p, owner))  # each bucket's buffers in event order
+        ob, op, oe = owner[order], p[order], e[order]
+        first = np.ones(m, dtype=bool)
+        first[1:] = ob[1:] != ob[:-1]
+        last = np.ones(m, dtype=bool)
+        last[:-1] = first[1:]
+        gap_lo = np.concatenate([np.where(first, 0, np.roll(oe, 1)), oe[last]])
+        gap_hi = np.concatenate([op, np.full(int(last.sum()), self.n, dtype=np.int64)])
+        gap_b = np.concatenate([ob, ob[last]])
+        outside = np.zeros(nb, dtype=np.int64)
+        np.maximum.at(outside, gap_b, rmq.query(gap_lo, gap_hi))
+        size = self.size_np
+        cost = np.maximum(0, np.maximum(outside + size, inside) - peak)
+        # no stall left: a move of equal traffic still goes in
+        res_b = np.flatnonzero((count > 0) & ((gain > 0) | ((gain >= 0) & (not stalled))))
+        with np.errstate(divide="raise", invalid="raise"):
+            score = gain[res_b] / (cost[res_b] + size[res_b] / 1024)
+        cand = [score, res_b, np.ones(len(res_b), dtype=np.int64), gain[res_b]]
+        # keep: the buffer holding its last forward use and the one holding its first backward use
+        kb = self.keepable[count[self.keepable] > 0]
+        if keep:
+            kb = kb[~np.isin(kb, np.fromiter(keep, dtype=np.int64, count=len(keep)))]
+        if len(kb):
+            key = ob * (self.n + 1) + op  # sorted: bucket, then start
+            fwd = np.searchsorted(key, kb * (self.n + 1) + self.fwd_at[kb], side="right") - 1
+            bwd = np.searchsorted(key, kb * (self.n + 1) + self.bwd_at[kb], side="right") - 1
+            split = fwd != bwd
+            kb, fwd, bwd = kb[split], fwd[split], bwd[split]
+            kgain = credit[order[bwd]] if stalled else self.dur_np[kb]
+            kcost = np.maximum(0, rmq.query(oe[fwd], op[bwd]) + size[kb] - peak)
+            pos = kgain > 0
+            kb, kgain, kcost = kb[pos], kgain[pos], kcost[pos]
+            with np.errstate(divide="raise", invalid="raise"):
+                kscore = kgain / (kcost + size[kb] / 1024)
+            cand = [np.concatenate([a, x]) for a, x in
+                    zip(cand, (kscore, kb, np.zeros(len(kb), dtype=np.int64), kgain))]
+        score, bs, kinds, gains = cand
+        ranked = np.lexsort((kinds, bs, -score))  # best score, then bucket, then "keep" before "resident"
         cap = max(1, -(-len(self.uses) // MAX_POINTS))
         out, seen, got = [], set(), 0.0
-        for _, kind, b, gain in scored:
+        for q in ranked.tolist():
+            b = int(bs[q])
             if b in seen:
                 continue
             seen.add(b)
-            out.append((kind, b))
-            got += gain
-            if len(out) >= cap or (credit is not None and got >= sim.stall_s):
+            out.append(("resident" if kinds[q] else "keep", b))
+            got += float(gains[q])
+            if len(out) >= cap or (stalled and got >= sim.stall_s):
                 break
         return out
 
 
-    def _keep(self, b, ivs, ks, program, sim, stalled, rmq, peak) -> tuple[float, int]:
-        """(gain, peak bytes added) of keeping bucket ``b`` from its last forward use to its first backward
-        use; (0, 0) when it has no such pair or is already kept by its copy placement."""
-        f = self.trace.num_forward
-        need = self.uses[b]
-        j = next((j for j, (s, _) in enumerate(need) if s >= f), None)
-        if not j:
-            return 0.0, 0
-        fwd = next(iv for iv in ivs if iv[0] <= need[j - 1][0] < iv[1])
-        bwd = next(iv for iv in ivs if iv[0] <= need[j][0] < iv[1])
-        if fwd is bwd:
-            return 0.0, 0
-        k = next(k for k in ks if program.h2d_event[k] == bwd[0])
-        gain = sim.copy_credit[k] if stalled else self.dur[b]
-        return gain, max(0, rmq.max(fwd[1], bwd[0]) + self.size[b] - peak)
-
 class _MaxTable:
-    """Range maximum over a fixed list in O(1) per query (a sparse table)."""
+    """Range maximum over a fixed array, queried for many ranges at once (a sparse table)."""
 
-    def __init__(self, values: Sequence[int]):
+    def __init__(self, values: np.ndarray):
         level = np.asarray(values, dtype=np.int64)
-        self.levels = [level.tolist()]
+        self.levels = [level]
         k = 1
         while 2 * k <= len(values):
             level = np.maximum(level[:-k], level[k:])
-            self.levels.append(level.tolist())
+            self.levels.append(level)
             k *= 2
 
-    def max(self, lo: int, hi: int) -> int:
-        """max(values[lo:hi]); 0 for an empty range."""
-        if hi <= lo:
-            return 0
-        j = (hi - lo).bit_length() - 1
-        row = self.levels[j]
-        return max(row[lo], row[hi - (1 << j)])
-
-
-def _gaps(ivs, n):
-    """The event ranges not covered by sorted, disjoint intervals ``ivs`` within [0, n)."""
-    prev = 0
-    for p, e in ivs:
-        if p > prev:
-            yield prev, p
-        prev = e
-    if prev < n:
-        yield prev, n
+    def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """max(values[lo:hi]) for each pair; 0 for an empty range."""
+        out = np.zeros(len(lo), dtype=np.int64)
+        live = hi > lo
+        j = np.zeros(len(lo), dtype=np.int64)
+        j[live] = np.frexp((hi[live] - lo[live]).astype(np.float64))[1] - 1  # floor(log2(length)), exact
+        for level in np.unique(j[live]).tolist():
+            sel = live & (j == level)
+            row = self.levels[level]
+            out[sel] = np.maximum(row[lo[sel]], row[hi[sel] - (1 << level)])
+        return out
 
 
 def _grad_issue(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]) -> dict[int, int]:

@@ -21,10 +21,16 @@ the device, so on a GPU a copy may start earlier: the simulator is conservative 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .hw import HardwareModel
+
+try:
+    from . import _C
+except ImportError:  # a source tree without the built extension: the Python reference runs
+    _C = None
 
 STEP_START = -1  # Copy.event of a copy issued before event 0 (a resident bucket's refresh)
 
@@ -67,7 +73,36 @@ class SimResult:
 
 
 def simulate(program: Program, hw: HardwareModel) -> SimResult:
-    """Run the four lanes over one step.
+    """Run the four lanes over one step (see :func:`simulate_reference` for the rules).
+
+    The lane loop runs in C++ (``cpp/lane_sim.cpp``: the reference's arithmetic in the same order, so the
+    result is bitwise the same; tested against it); the per-copy seconds come from ``hw`` here.
+    """
+    if _C is None:
+        return simulate_reference(program, hw)
+    out = _C.simulate_lanes(
+        program.compute_s, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes),
+        list(itertools.accumulate(map(len, program.waits), initial=0)),
+        list(itertools.chain.from_iterable(program.waits)), program.d2h_event,
+        _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
+        program.adam_after_backward, hw.duplex_factor)
+    step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, stall_per_event, credit, by_zero = out
+    if by_zero:  # a stall on a zero-length copy: let the reference raise its ZeroDivisionError
+        return simulate_reference(program, hw)
+    return SimResult(
+        step_s=step, compute_s=compute, stall_s=stall, stall_per_event=tuple(stall_per_event),
+        h2d_bytes=sum(program.h2d_bytes), d2h_bytes=sum(program.d2h_bytes), h2d_busy_s=h2d_busy,
+        d2h_busy_s=d2h_busy, adam_s=adam, tail_s=step - compute_end, copy_credit=tuple(credit))
+
+
+def _each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
+    """``[f(x) for x in xs]``, calling the pure ``f`` once per distinct value."""
+    memo = {x: f(x) for x in set(xs)}
+    return [memo[x] for x in xs]
+
+
+def simulate_reference(program: Program, hw: HardwareModel) -> SimResult:
+    """Run the four lanes over one step, in Python (the reference :func:`simulate` is tested against).
 
     Stall attribution (``copy_credit``): when compute waits ``s`` seconds for copy ``k``, every copy of the
     host-to-device lane's current busy period up to ``k`` shares ``s`` in proportion to its duration: had

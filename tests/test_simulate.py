@@ -3,7 +3,10 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from offload import simulate as simulate_module
 from offload.hw import PRESETS, HardwareModel, latency_curve, load_hw
 from offload.simulate import STEP_START, Program, physical_bound, simulate
 
@@ -95,3 +98,30 @@ def test_load_hw(tmp_path):
         load_hw(bad)
     with pytest.raises(ValueError, match="duplex"):
         _hw(duplex=0)
+
+
+@st.composite
+def _programs(draw):
+    """Random lane programs: copies issued anywhere (unsorted, before the step, never), waits on any copy,
+    grads flushed at the end of backward, both AdamW rules."""
+    n = draw(st.integers(1, 12))
+    compute = draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, 1e-5, 3.0]), min_size=n, max_size=n))
+    nh = draw(st.integers(0, 10))
+    h2d_event = draw(st.lists(st.integers(STEP_START, n), min_size=nh, max_size=nh))
+    h2d_bytes = draw(st.lists(st.integers(1, 5000), min_size=nh, max_size=nh))
+    waits = tuple(tuple(draw(st.lists(st.integers(0, nh - 1), max_size=3))) if nh else () for _ in range(n))
+    nd = draw(st.integers(0, 6))
+    d2h_event = draw(st.lists(st.integers(0, n), min_size=nd, max_size=nd))
+    return Program(compute_s=tuple(compute), h2d_event=tuple(h2d_event), h2d_bucket=tuple(range(nh)),
+                   h2d_bytes=tuple(h2d_bytes), waits=waits, d2h_event=tuple(d2h_event), d2h_bucket=tuple(range(nd)),
+                   d2h_bytes=tuple(draw(st.lists(st.integers(1, 5000), min_size=nd, max_size=nd))),
+                   adam_numel=tuple(draw(st.lists(st.integers(0, 500), min_size=nd, max_size=nd))),
+                   adam_after_backward=draw(st.booleans()))
+
+
+@pytest.mark.skipif(simulate_module._C is None, reason="the C++ extension is not built")
+@settings(max_examples=300, deadline=None)
+@given(program=_programs(), duplex=st.sampled_from([1.0, 0.7]), hw_name=st.sampled_from(["flat", "pcie4"]))
+def test_cpp_lanes_equal_the_python_reference_bitwise(program, duplex, hw_name):
+    hw = _hw(duplex=duplex) if hw_name == "flat" else PRESETS["pcie4"]
+    assert simulate(program, hw) == simulate_module.simulate_reference(program, hw)
