@@ -218,7 +218,7 @@ def _render(report, console: Console) -> None:
     t.add_row("[bold]total[/bold]", format_bytes(report.gpu_bytes["total"]), format_bytes(report.host_bytes["total"]))
     console.print(t)
     console.print("GPU workspace = module buffers + arena fragmentation (allocator temporaries and the CUDA "
-                  "context are not modelled); activations: meta trace of one forward + backward")
+                  f"context are not modelled); activations: {report.activations_source}")
 
     s = report.plan.summary()
     console.print(f"[bold]plan[/bold] ({s['strategy']}): {s['num_buckets']} buckets of up to "

@@ -29,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .baselines import Case, gemini_cpu, zero3_offload, zero_offload
-from .buckets import host_layout, make_buckets
+from .buckets import ParamSpec, host_layout, make_buckets
 from .errors import BudgetTooSmallError
 from .host import HOST_RAM_HEADROOM
 from .hw import HardwareModel
@@ -38,6 +38,7 @@ from .metatrace import MetaTrace, _Counter, _Saved, trace_meta
 from .presets import MODELS, preset_inputs
 from .recompute import find_blocks
 from .schedule import ARENA_ALIGN, BufferKind, Plan, build_plan, forward_min_budget, plan_bound
+from .trace import Event, EventKind, Trace
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -309,6 +310,123 @@ def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the analytic estimate, where the meta device cannot run the model
+
+
+@dataclass(frozen=True)
+class AnalyticShape:
+    """What the analytic estimate reads off a model whose forward cannot run on meta tensors (it calls
+    ``.item()``, builds data-dependent shapes, ...): its repeated blocks, their width, the largest embedding.
+
+    Saved activations per block follow the transformer rule of Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models" (2022): ``seq * batch * hidden * 34`` bytes with 16-bit
+    activations and 1-byte dropout masks, with a fused attention kernel (no ``seq x seq`` term). Here that
+    is ``16 * itemsize + 2`` bytes per ``seq * batch * hidden``; the logits add ``seq * batch * vocab``
+    elements in the compute dtype plus their fp32 copy for the loss. Compute is ``2 * tokens * params`` FLOPs
+    per module in forward and twice that in backward. Labelled as an estimate wherever it is shown."""
+
+    blocks: tuple[int, ...]  # module indices of the repeated blocks
+    hidden: int
+    vocab: int  # rows of the largest embedding (0: none)
+
+    @staticmethod
+    def of(model: nn.Module) -> "AnalyticShape | None":
+        blocks = find_blocks(model)
+        if not blocks:
+            return None
+        modules = list(model.modules())
+        widths: dict[int, int] = {}
+        for m in modules[min(blocks)].modules():
+            if isinstance(m, nn.Linear):
+                widths[m.in_features] = widths.get(m.in_features, 0) + 1
+        embeddings = [m for m in modules if isinstance(m, nn.Embedding)]
+        vocab = max((e.num_embeddings for e in embeddings), default=0)
+        if widths:  # the most common input width of the block's linear layers (ties: the smaller)
+            hidden = min(widths, key=lambda w: (-widths[w], w))
+        elif embeddings:
+            hidden = max(embeddings, key=lambda e: e.num_embeddings).embedding_dim
+        else:
+            return None
+        return AnalyticShape(tuple(sorted(blocks)), hidden, vocab)
+
+    def describe(self) -> str:
+        return (f"{len(self.blocks)} blocks of width {self.hidden}, vocabulary {self.vocab}: 34 bytes per token "
+                "and width per block at 16 bits (Korthikanti et al. 2022) plus the logits")
+
+    def block_bytes(self, batch: int, seq: int, itemsize: int) -> int:
+        return batch * seq * self.hidden * (16 * itemsize + 2)
+
+    def activation_bytes(self, batch: int, seq: int, itemsize: int) -> int:
+        logits = batch * seq * self.vocab * (itemsize + 4)
+        return len(self.blocks) * self.block_bytes(batch, seq, itemsize) + logits
+
+    def profile(self, batch: int, seq: int, itemsize: int) -> ActivationProfile:
+        """The per-block profile the engine's checkpoint rule takes, from the same rule (forward seconds 0)."""
+        inputs = batch * seq * self.hidden * itemsize
+        names = {m: str(m) for m in self.blocks}
+        saved = {m: self.block_bytes(batch, seq, itemsize) for m in self.blocks}
+        calls = {m: (i, 0.0) for i, m in enumerate(self.blocks)}
+        total = self.activation_bytes(batch, seq, itemsize)
+        return profile_of(names, saved, {m: inputs for m in self.blocks}, calls, (), forward_end=total, peak=total)
+
+
+def analytic_trace(model: nn.Module, shape: AnalyticShape, request: Request) -> MetaTrace:
+    """A trace in the engine's terms, built from the module tree instead of running it: each module that owns
+    parameters is called once, in registration order (PRE with its parameters, POST), and backward meets
+    them in reverse (UNPACK with its parameters, then GRAD for each parameter whose last reader that was).
+    Activation bytes and compute are :class:`AnalyticShape`'s rules."""
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    owners = [(mi, [index[id(p)] for p in m.parameters(recurse=False)]) for mi, m in enumerate(model.modules())]
+    owners = [(mi, ps) for mi, ps in owners if ps]
+    itemsize = request.dtype.itemsize
+    tokens = request.batch * request.seq
+    events: list[Event] = []
+    uses: list[tuple[int, ...]] = []
+    ends: list[int] = []
+    ops: list[tuple[tuple[float, int], ...]] = []
+
+    def add(kind, key, used=(), flops=0.0, nbytes=0, end=None):
+        events.append(Event(kind, key))
+        uses.append(tuple(used))
+        ends.append(len(events) if end is None else end)
+        ops.append(((flops, nbytes),) if flops or nbytes else ())
+
+    def size(ps):
+        n = sum(params[p].numel() for p in ps)
+        return n, n * itemsize
+
+    for mi, ps in owners:
+        n, nb = size(ps)
+        add(EventKind.PRE, mi, ps, 2.0 * tokens * n, nb + 2 * tokens * shape.hidden * itemsize)
+        ends[-1] = len(events)  # the POST that follows
+        add(EventKind.POST, mi)
+    num_forward = len(events)
+    last_reader = {}
+    for k, (mi, ps) in enumerate(reversed(owners)):
+        for p in ps:
+            last_reader[p] = k
+    for k, (mi, ps) in enumerate(reversed(owners)):
+        n, nb = size(ps)
+        add(EventKind.UNPACK, ps[0], ps, 4.0 * tokens * n, 2 * nb + 4 * tokens * shape.hidden * itemsize)
+        for p in ps:
+            if last_reader[p] == k and params[p].requires_grad:
+                add(EventKind.GRAD, p)
+    touched = tuple(dict.fromkeys(p for _, ps in owners for p in ps))
+    max_grad = max((p.numel() * itemsize for p in params if p.requires_grad), default=0)
+    base = Trace(tuple(events), num_forward, tuple(uses), tuple(ends), touched,
+                 shape.activation_bytes(request.batch, request.seq, itemsize), max_grad, (0.0,) * len(events))
+    flops = sum(f for op in ops for f, _ in op)
+    mt = MetaTrace(base, (), (), 0, flops, tuple(ops))
+    trace = Trace(base.events, base.num_forward, base.uses, base.ends, base.touched, base.activation_peak_bytes,
+                  base.max_grad_bytes, seconds=mt.compute_s(request.hw))
+    specs = tuple(ParamSpec(p.numel(), 0 if p.requires_grad else None) for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return MetaTrace(trace, specs, touched + tuple(p for p in range(len(params)) if p not in set(touched)),
+                     buffer_bytes, flops, tuple(ops))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the report
 
 
@@ -346,6 +464,7 @@ class Report:
     lanes_s: dict[str, float] = field(default_factory=dict)
     bound: str | None = None
     bound_s: float | None = None  # the physical lower bound of a step with this trace, buckets, budget
+    activations_source: str = "meta trace"  # or "analytic estimate (...)" where the model cannot run on meta
 
     @property
     def checkpointed_activation_bytes(self) -> int | None:
@@ -391,6 +510,7 @@ class Report:
             "checkpointed_activation_bytes": self.checkpointed_activation_bytes,
             "fixes": [f.to_json() for f in self.fixes],
             "baselines": self.baselines,
+            "activations_source": self.activations_source,
             "estimates": {"compute_s": "per-operator roofline on the hardware model's device figures",
                           "checkpointed_activation_bytes": "per-block rule on the meta trace's block bytes",
                           "baselines.host_bytes": "per-parameter rule of each system"},
@@ -408,7 +528,16 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
     if params == 0:
         raise ReportError(f"{request.model} has no parameters: there is nothing to offload")
     progress(f"tracing one training step of {request.model} (batch {request.batch}, seq {request.seq})")
-    mt = _trace(model, run, request)
+    analytic = None
+    try:
+        mt = _trace(model, run, request)
+    except ReportError as e:
+        analytic = AnalyticShape.of(model)
+        if analytic is None:
+            raise ReportError(f"{e}; no analytic estimate applies either (it needs repeated transformer-like "
+                              "blocks in an nn.ModuleList/nn.Sequential)") from None
+        progress(f"the meta device cannot run {request.model}: using the analytic estimate")
+        mt = analytic_trace(model, analytic, request)
     itemsize = request.dtype.itemsize
     buckets = make_buckets(list(mt.specs), list(mt.order), request.bucket_bytes, itemsize)
     compute = mt.compute_s(request.hw)
@@ -422,8 +551,10 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
     acts = None
     if overflow == "activations":  # what per-block checkpointing would save: one more forward, per block
         progress("counting activations per block")
-        acts = measure_activations(model, run)
-    fixes = () if fits else _fixes(request, build, acts, mt.trace.activation_peak_bytes, weights_side, progress)
+        acts = (measure_activations(model, run) if analytic is None
+                else analytic.profile(request.batch, request.seq, request.dtype.itemsize))
+    fixes = () if fits else _fixes(request, build, acts, mt.trace.activation_peak_bytes, weights_side, progress,
+                                   analytic)
     progress("simulating the baselines")
     case = Case(mt.trace, buckets, itemsize, request.hw, compute, request.budget_bytes, fixed)
     lowp = itemsize if request.dtype != torch.float32 else 0
@@ -438,7 +569,8 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         gpu_bytes=gpu_breakdown(plan), host_bytes=host, fits=fits, min_budget_bytes=min_budget,
         overflow=overflow, plan=plan, activations=acts, fixes=fixes,
         baselines=_baselines(case, params), lanes_s=lanes, bound=bound,
-        bound_s=plan_bound(plan, request.hw, compute).seconds)
+        bound_s=plan_bound(plan, request.hw, compute).seconds,
+        activations_source="meta trace" if analytic is None else f"analytic estimate ({analytic.describe()})")
 
 
 def _trace(model: nn.Module, run, request: Request) -> MetaTrace:
@@ -516,7 +648,7 @@ def _baselines(case: Case, params: int) -> dict[str, dict[str, Any]]:
 
 
 def _fixes(request: Request, build: Build, acts: ActivationProfile | None, act_bytes: int, weights_side: int,
-           progress) -> tuple[Fix, ...]:
+           progress, analytic: AnalyticShape | None = None) -> tuple[Fix, ...]:
     """Single changes that make the plan fit, most preferred first: when activations overflow, the engine's
     ``activation_checkpointing="auto"`` (its own choice rule, :func:`choose_checkpoints`, on the meta
     counts; keeps batch and sequence), then the largest batch, then the longest sequence that fit; always
@@ -531,20 +663,23 @@ def _fixes(request: Request, build: Build, acts: ActivationProfile | None, act_b
                            estimated=True, of=len(acts.blocks)))
 
         def fits_at(batch: int, seq: int) -> int | None:
-            model, run = build(batch, seq)
-            need = weights_side + measure_activations(model.to(request.dtype), run).peak
+            if analytic is not None:
+                need = weights_side + analytic.activation_bytes(batch, seq, request.dtype.itemsize)
+            else:
+                model, run = build(batch, seq)
+                need = weights_side + measure_activations(model.to(request.dtype), run).peak
             return need if need <= budget else None
 
         progress("looking for a batch size that fits")
         b = _largest(list(range(1, request.batch)), lambda b: fits_at(b, request.seq))
         if b is not None:
-            out.append(Fix("batch", b[0], b[1]))
+            out.append(Fix("batch", b[0], b[1], estimated=analytic is not None))
         progress("looking for a sequence length that fits")
         step = 64 if request.seq > 64 else 1
         s = _largest(list(range(step, request.seq, step)), lambda s: fits_at(request.batch, s))
         if s is not None:
-            out.append(Fix("seq", s[0], s[1]))
-    out.append(Fix("budget", weights_side + act_bytes, weights_side + act_bytes))
+            out.append(Fix("seq", s[0], s[1], estimated=analytic is not None))
+    out.append(Fix("budget", weights_side + act_bytes, weights_side + act_bytes, estimated=analytic is not None))
     return tuple(out)
 
 
@@ -561,5 +696,5 @@ def _largest(candidates: list[int], need: Callable[[int], int | None]) -> tuple[
     return best
 
 
-__all__ = ["Request", "Report", "ReportError", "Fix", "make_report", "model_source",
+__all__ = ["Request", "Report", "ReportError", "Fix", "make_report", "model_source", "AnalyticShape", "analytic_trace",
            "measure_activations", "min_budget_bytes", "gpu_breakdown", "host_breakdown", "DTYPES", "BREAKDOWN"]

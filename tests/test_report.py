@@ -323,3 +323,68 @@ def test_report_error_for_a_model_that_cannot_run_on_meta(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(tmp_path)
     with pytest.raises(ReportError, match="meta device"):
         make_report(_request("64MiB", 1, 4, model="item_model:build"))
+
+
+ITEM_GPT = textwrap.dedent("""
+    import torch
+    from offload.presets import Shape
+
+    SMALL = Shape("gpt2", vocab=512, n_ctx=64, d=128, n_layer=4, n_head=4, ffn=512)
+
+    class ItemGPT(torch.nn.Module):
+        '''The small GPT behind a forward that reads a value (``.item()``): the meta device cannot run it.'''
+
+        def __init__(self):
+            super().__init__()
+            self.gpt = SMALL.build(torch.get_default_device())
+
+        def forward(self, idx):
+            if idx.sum().item() < 0:
+                raise ValueError("negative token ids")
+            return self.gpt(idx)
+
+    def item_gpt(batch, seq):
+        return ItemGPT(), torch.zeros(batch, seq, dtype=torch.long)
+
+    def small(batch, seq):
+        return SMALL.build(torch.get_default_device()), torch.zeros(batch, seq, dtype=torch.long)
+""")
+
+
+@pytest.fixture
+def item_gpt(tmp_path, monkeypatch):
+    (tmp_path / "item_gpt.py").write_text(ITEM_GPT)
+    monkeypatch.syspath_prepend(tmp_path)
+    return tmp_path
+
+
+def test_analytic_estimate_where_the_model_cannot_run_on_meta(item_gpt):
+    """A transformer whose forward calls .item() is reported from the analytic rule, labelled so, with the
+    same parameters and host bytes as the traced model and activations within 35 % of what the meta trace
+    counts for the same GPT without the .item() (measured: 1.24x here; 1.09x for gpt2-xl, 0.83x for llama-7b,
+    1.09x for bert-large at the presets' shapes)."""
+    analytic = make_report(_request("64MiB", 2, 64, model="item_gpt:item_gpt"))
+    traced = make_report(_request("64MiB", 2, 64, model="item_gpt:small"))
+    assert analytic.activations_source.startswith("analytic estimate") and traced.activations_source == "meta trace"
+    assert analytic.params == traced.params and analytic.host_bytes == traced.host_bytes
+    ratio = analytic.gpu_bytes["activations"] / traced.gpu_bytes["activations"]
+    assert 0.75 < ratio < 1.35, ratio
+    assert analytic.fits and analytic.predicted_step_s > 0
+    assert analytic.to_json()["activations_source"].startswith("analytic estimate")
+
+
+def test_analytic_estimate_fixes_are_labelled_estimated(item_gpt):
+    r = make_report(_request("8MiB", 8, 64, model="item_gpt:item_gpt"))
+    assert not r.fits and r.overflow == "activations"
+    changes = {f.change: f for f in r.fixes}
+    assert {"activation_checkpointing", "batch", "budget"} <= set(changes)
+    assert all(f.estimated for f in r.fixes)
+    assert changes["batch"].value < 8 and changes["batch"].min_budget_bytes <= 8 * MiB
+    assert changes["activation_checkpointing"].min_budget_bytes <= 8 * MiB < changes["budget"].value
+
+
+def test_analytic_estimate_in_the_cli_text(item_gpt):
+    r = _run("--model", "item_gpt:item_gpt", "--budget", "64MiB", "--batch", "2", "--seq", "64", "--bucket-bytes", "256KiB",
+             cwd=item_gpt)
+    assert r.returncode == 0, r.stderr
+    assert "activations: analytic estimate" in " ".join(r.stdout.split())
