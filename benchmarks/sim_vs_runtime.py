@@ -80,7 +80,7 @@ def main() -> int:
                                  "load_avg_1m_before": os.getloadavg()[0]},
                      "args": vars(args), "cases": []}
     with console.status("measuring compute (everything resident, unthrottled)"):
-        _, clean, _, _ = run(param_bytes * 4, args.width, args.depth, args.batch, 4)
+        _, clean, _, _ = run(param_bytes * 4, args.width, args.depth, args.batch, args.steps)  # warm like the runs
     with console.status("measuring CPU AdamW"):
         adam = cpu_adam_params_per_s()
     curve = latency_curve(args.bandwidth, 0.0)
