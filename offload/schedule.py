@@ -30,7 +30,9 @@ fetching on demand, at the first departure).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
+import gc
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
@@ -42,7 +44,7 @@ from .config import format_bytes
 from .errors import BudgetTooSmallError
 from .hw import PRESETS, HardwareModel
 from .memory import Interval, plan_arena
-from .simulate import STEP_START, Bound, Program, SimResult, physical_bound, simulate
+from .simulate import STEP_START, Bound, FlatWaits, Program, SimResult, physical_bound, simulate
 from .trace import EventKind, Trace
 
 ARENA_ALIGN = 256  # bytes; every bucket view starts on a 256-byte boundary (what cudaMalloc gives)
@@ -322,6 +324,28 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
     the trace's own :attr:`Trace.compute_seconds`. Raises :class:`BudgetTooSmallError` when even streaming
     everything just in time does not fit.
     """
+    with _gc_paused():
+        return _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause Python's cyclic garbage collector (not reference counting) while planning.
+
+    A plan for 10,000 buckets allocates some 10^5 long-lived objects (buffers, actions, tuples); each
+    batch of survivors triggers a full collection that walks every object in the process (torch's
+    included): about half of the planning time at 10,000 buckets. The planner makes no reference cycles
+    to collect; the collector is restored (if it was on) when planning ends."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s) -> Plan:
     hw = hw or DEFAULT_HW
     compute = _compute_times(trace, compute_s)
     g = _Greedy(trace, buckets, itemsize, hw, compute)
@@ -403,10 +427,9 @@ class _Greedy:
         self.nbytes = [b.nbytes(itemsize) for b in buckets]
         self.size = [_align(x) for x in self.nbytes]
         self.grad_bytes = {b: buckets[b].grad_nbytes(itemsize) for b in self.grads}
-        self.dur = [hw.h2d_seconds(x) for x in self.nbytes]
-        self.tau = [0.0]
-        for c in compute:
-            self.tau.append(self.tau[-1] + c)
+        dur = {x: hw.h2d_seconds(x) for x in set(self.nbytes)}  # one call per distinct size
+        self.dur = [dur[x] for x in self.nbytes]
+        self.tau = list(itertools.accumulate(compute, initial=0.0))  # sequential sums, as a loop adds
         self.grad_profile = [0] * (self.n + 1)
         for b, (s, e) in self.grads.items():
             self.grad_profile[s] += _align(self.grad_bytes[b])
@@ -415,6 +438,12 @@ class _Greedy:
         nb = len(buckets)
         self.grad_profile_np = np.asarray(self.grad_profile, dtype=np.int64)
         self.size_np = np.asarray(self.size, dtype=np.int64).reshape(nb)
+        self.nbytes_np = np.asarray(self.nbytes, dtype=np.int64).reshape(nb)
+        # the device-to-host side of every program (it does not depend on the point)
+        d2h = sorted((self.grad_issue[b], b) for b in self.grads)
+        self.d2h = dict(d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
+                        d2h_bytes=tuple(self.grad_bytes[b] for _, b in d2h),
+                        adam_numel=tuple(self.buckets[b].trainable_numel for _, b in d2h))
         self.dur_np = np.asarray(self.dur, dtype=np.float64).reshape(nb)
         self.updated_dur = np.array([self.dur[b] if b in self.grads else 0.0 for b in range(nb)], dtype=np.float64)
         # buckets used in forward and again in backward: (last forward use, first backward use) starts
@@ -441,13 +470,11 @@ class _Greedy:
             self.fwd_row[b], self.bwd_row[b] = r + j - 1, r + j
         self.tau_np = np.asarray(self.tau, dtype=np.float64)
         # every (event, bucket) need, flattened in event order: for the program's waits
-        self.need_spans, need_b, need_e = [], [], []
-        for i, bs in enumerate(self.needs):
-            self.need_spans.append((len(need_b), len(need_b) + len(bs)))
-            need_b.extend(bs)
-            need_e.extend([i] * len(bs))
-        self.need_b = np.asarray(need_b, dtype=np.int64)
-        self.need_key = self.need_b * (self.n + 1) + np.asarray(need_e, dtype=np.int64)
+        lens = [len(bs) for bs in self.needs]
+        self.need_ptr = list(itertools.accumulate(lens, initial=0))  # event i's needs: [ptr[i], ptr[i + 1])
+        self.need_b = np.fromiter(itertools.chain.from_iterable(self.needs), dtype=np.int64, count=self.need_ptr[-1])
+        self.need_e = np.repeat(np.arange(self.n, dtype=np.int64), np.asarray(lens, dtype=np.int64))
+        self.need_key = self.need_b * (self.n + 1) + self.need_e
 
     # -- one point --------------------------------------------------------------------------------------
 
@@ -522,19 +549,17 @@ class _Greedy:
             found[hit] = order[q[hit]]
             has_copy = np.bincount(cb, minlength=len(self.buckets))[self.need_b] > 0
             assert not (has_copy & ~hit).any(), "a bucket is needed where none of its buffers is live"
-        wc = found.tolist()  # -1: resident and not updated, already there
-        if min(wc, default=0) >= 0:
-            waits = [tuple(wc[lo:hi]) for lo, hi in self.need_spans]
+        # -1: resident and not updated, already there (no wait)
+        waited = found >= 0
+        if waited.all():
+            ptr = self.need_ptr
         else:
-            waits = [tuple(k for k in wc[lo:hi] if k >= 0) for lo, hi in self.need_spans]
-        d2h = sorted((self.grad_issue[b], b) for b in self.grads)
-        nbytes = self.nbytes
+            ptr = [0] + np.cumsum(np.bincount(self.need_e[waited], minlength=n)).tolist()
+            found = found[waited]
+        waits = FlatWaits(ptr, found.tolist())
         return Program(
             compute_s=self.compute, h2d_event=(STEP_START,) * m + tuple(starts), h2d_bucket=tuple(refresh + owners),
-            h2d_bytes=tuple(nbytes[b] for b in itertools.chain(refresh, owners)),
-            waits=tuple(waits), d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
-            d2h_bytes=tuple(self.grad_bytes[b] for _, b in d2h),
-            adam_numel=tuple(self.buckets[b].trainable_numel for _, b in d2h))
+            h2d_bytes=tuple(self.nbytes_np[cb].tolist()), waits=waits, **self.d2h)
 
     def profile(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> np.ndarray:
         """Live arena bytes at each event (aligned sizes, as the arena planner counts them)."""

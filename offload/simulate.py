@@ -21,6 +21,7 @@ the device, so on a GPU a copy may start earlier: the simulator is conservative 
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -35,6 +36,46 @@ except ImportError:  # a source tree without the built extension: the Python ref
 STEP_START = -1  # Copy.event of a copy issued before event 0 (a resident bucket's refresh)
 
 
+class FlatWaits(collections.abc.Sequence):
+    """Per-event waits kept as two flat lists (what the scheduler builds and the C++ lanes read): event
+    ``i`` waits for ``copies[ptr[i]:ptr[i + 1]]``. A read-only sequence of tuples, equal (and hashing
+    equal) to the tuple of tuples it stands for, without building 40,000 tuples per simulated point."""
+
+    __slots__ = ("ptr", "copies")
+
+    def __init__(self, ptr: list[int], copies: list[int]):
+        self.ptr, self.copies = ptr, copies
+
+    def __len__(self) -> int:
+        return len(self.ptr) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self)[i]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return tuple(self.copies[self.ptr[i]:self.ptr[i + 1]])
+
+    def __iter__(self):
+        c, p = self.copies, self.ptr
+        return (tuple(c[p[i]:p[i + 1]]) for i in range(len(p) - 1))
+
+    def __eq__(self, other):
+        if isinstance(other, FlatWaits):
+            return self.ptr == other.ptr and self.copies == other.copies
+        if isinstance(other, collections.abc.Sequence):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
 @dataclass(frozen=True)
 class Program:
     """What one step does, in lane terms. Copies are listed in issue order (the queue order)."""
@@ -43,7 +84,8 @@ class Program:
     h2d_event: tuple[int, ...]  # per host-to-device copy: the event that issues it (STEP_START: before 0)
     h2d_bucket: tuple[int, ...]
     h2d_bytes: tuple[int, ...]
-    waits: tuple[tuple[int, ...], ...]  # per event: the host-to-device copies compute waits for
+    waits: Sequence[tuple[int, ...]]  # per event: the host-to-device copies compute waits for (a tuple of
+    # tuples, or the same as a FlatWaits)
     d2h_event: tuple[int, ...]  # per device-to-host copy: issuing event (len(compute_s): end of backward)
     d2h_bucket: tuple[int, ...]
     d2h_bytes: tuple[int, ...]
@@ -80,10 +122,14 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
     """
     if _C is None:
         return simulate_reference(program, hw)
+    if isinstance(program.waits, FlatWaits):
+        wait_ptr, wait_copy = program.waits.ptr, program.waits.copies
+    else:
+        wait_ptr = list(itertools.accumulate(map(len, program.waits), initial=0))
+        wait_copy = list(itertools.chain.from_iterable(program.waits))
     out = _C.simulate_lanes(
         program.compute_s, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes),
-        list(itertools.accumulate(map(len, program.waits), initial=0)),
-        list(itertools.chain.from_iterable(program.waits)), program.d2h_event,
+        wait_ptr, wait_copy, program.d2h_event,
         _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
         program.adam_after_backward, hw.duplex_factor)
     step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, stall_per_event, credit, by_zero = out
@@ -98,7 +144,7 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
 def _each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
     """``[f(x) for x in xs]``, calling the pure ``f`` once per distinct value."""
     memo = {x: f(x) for x in set(xs)}
-    return [memo[x] for x in xs]
+    return list(map(memo.__getitem__, xs))
 
 
 def simulate_reference(program: Program, hw: HardwareModel) -> SimResult:

@@ -2,6 +2,8 @@
 and fits, its budget errors are true, its simulated step respects the physical bound, a larger budget never
 makes it slower, and it is never slower than streaming everything."""
 
+import gc
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -184,6 +186,35 @@ def test_big_budget_keeps_everything_resident():
     validate_plan(plan)
     assert plan.summary()["streamed_buckets"] == 0
     assert plan.summary()["fetches_per_step"] == 0
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it():
+    """build_plan pauses the cyclic collector while it runs (a speed measure) and leaves it as it found
+    it, also when it raises."""
+    trace, buckets = _chain_trace(8, 1000)
+    seen = []
+    import offload.schedule as schedule
+    real = schedule._Greedy.candidates
+
+    def spy(self, capacity):
+        seen.append(gc.isenabled())
+        return real(self, capacity)
+
+    assert gc.isenabled()
+    try:
+        schedule._Greedy.candidates = spy
+        build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0)
+        assert gc.isenabled()
+        with pytest.raises(BudgetTooSmallError):
+            build_plan(trace, buckets, itemsize=4, budget_bytes=10, fixed_bytes=0)
+        assert gc.isenabled()
+        gc.disable()
+        build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        schedule._Greedy.candidates = real
+    assert seen == [False, False, False]
 
 
 def test_tight_budget_streams_and_prefetches():

@@ -1,5 +1,6 @@
 """The simulator on programs small enough to work out by hand, and the hardware model."""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,7 +9,7 @@ from hypothesis import strategies as st
 
 from offload import simulate as simulate_module
 from offload.hw import PRESETS, HardwareModel, latency_curve, load_hw
-from offload.simulate import STEP_START, Program, physical_bound, simulate
+from offload.simulate import STEP_START, FlatWaits, Program, physical_bound, simulate
 
 
 def _hw(bw=1000.0, duplex=1.0, adam=100.0):
@@ -125,3 +126,24 @@ def _programs(draw):
 def test_cpp_lanes_equal_the_python_reference_bitwise(program, duplex, hw_name):
     hw = _hw(duplex=duplex) if hw_name == "flat" else PRESETS["pcie4"]
     assert simulate(program, hw) == simulate_module.simulate_reference(program, hw)
+
+
+@settings(max_examples=100, deadline=None)
+@given(program=_programs())
+def test_flat_waits_stand_for_the_tuple_of_tuples(program):
+    """A Program whose waits are a FlatWaits (what the scheduler builds) reads, compares, hashes and
+    simulates the same as the tuple of tuples it stands for."""
+    waits = program.waits
+    ptr = [0]
+    for w in waits:
+        ptr.append(ptr[-1] + len(w))
+    flat = FlatWaits(ptr, [k for w in waits for k in w])
+    assert len(flat) == len(waits) and list(flat) == list(waits)
+    assert [flat[i] for i in range(-len(waits), len(waits))] == list(waits) * 2
+    assert flat == waits and waits == flat and hash(flat) == hash(waits) and flat[1:] == waits[1:]
+    with pytest.raises(IndexError):
+        flat[len(waits)]
+    other = dataclasses.replace(program, waits=flat)
+    assert other == program and hash(other) == hash(program)
+    hw = PRESETS["pcie4"]
+    assert simulate(other, hw) == simulate(program, hw) == simulate_module.simulate_reference(other, hw)
