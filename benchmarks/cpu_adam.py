@@ -9,7 +9,7 @@ master, m, v and a bf16 copy of the new master. Bytes touched per parameter: 4+2
     (b) torch      grad bf16 -> fp32 copy, torch.optim.AdamW(fused=True).step(), master -> bf16 copy
     (c) deepspeed  grad bf16 -> fp32 copy, deepspeed.ops.adam.DeepSpeedCPUAdam.step() (JIT-built), master ->
                    bf16 copy, when deepspeed is installed
-    (d) bound      the same loads and stores as (a), same blocks and threads, with no arithmetic
+    (d) bound      the same loads and stores as (a), same loop and threads, with no arithmetic
                    (offload._C.adamw_memory_traffic): the best this access pattern does on this machine.
                    torch's add_/copy_/sum bandwidths are recorded alongside for context
 

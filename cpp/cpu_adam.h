@@ -63,7 +63,7 @@ bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check
 bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check_finite, int num_threads,
                 const std::string& isa);
 
-// The memory traffic of adamw_step (the same loads and stores, blocks and threads) without its arithmetic:
+// The memory traffic of adamw_step (the same loads and stores, loop and threads) without its arithmetic:
 // it overwrites the buffers with meaningless values. Its speed is the bandwidth bound of the kernel on
 // this machine (benchmarks/cpu_adam.py). Same argument checks as adamw_step.
 void adamw_memory_traffic(const AdamWBuffers& buffers, int num_threads);
