@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import offload
+from loops import lockstep
 from models import CASES, Batch, run
 
 # lr 3e-4 for the fp32 comparisons, as in test_numerics (see its [Note: why lr 3e-4 and weight_decay 0.1]);
@@ -37,6 +38,11 @@ def _assert_close_state(engine, ref, **tol):
     actual = _masters(engine)
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(actual[name], want, **(tol or TOL), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _loss(case, batch: Batch, k: int = 1):
+    """The loss function of one micro-batch of ``k`` (for loops.lockstep): ``case``'s loss on ``batch`` / ``k``."""
+    return lambda model: case.loss_fn(run(model, batch), batch) / k
 
 
 def _cat(batches: list[Batch]) -> Batch:
@@ -69,13 +75,13 @@ def test_accumulation_equals_plain_accumulation_and_one_large_batch(name):
     big, _ = _reference(case.model)
     engine, opt = _wrap(case.model, overlap_optimizer=False)
     k = 3
-    for step in range(8):
-        micro = [case.make_batch(step * k + i) for i in range(k)]
-        for b in micro:
-            engine.backward(case.loss_fn(run(engine, b), b) / k)
-            (case.loss_fn(run(ref, b), b) / k).backward()
+
+    def micro(step):
+        return [case.make_batch(step * k + i) for i in range(k)]
+
+    def compare_with_one_large_batch(step):
         big.load_state_dict(ref.state_dict())
-        whole = _cat(micro)
+        whole = _cat(micro(step))
         case.loss_fn(run(big, whole), whole).backward()
         gathered = _gathered_grads(engine)
         for n, p in big.named_parameters():
@@ -83,10 +89,9 @@ def test_accumulation_equals_plain_accumulation_and_one_large_batch(name):
             atol = 1e-5 * float(p.grad.abs().max())
             torch.testing.assert_close(gathered[n], p.grad, rtol=1e-5, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
             p.grad = None
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+
+    lockstep(engine, opt, ref, ref_opt, 8, lambda step: [_loss(case, b, k) for b in micro(step)],
+             before_step=compare_with_one_large_batch)
     _assert_close_state(engine, ref)
     assert engine.memory_stats()["counters"]["backwards"] == 8 * k
     engine.close()
@@ -109,15 +114,11 @@ def test_accumulation_when_micro_batches_use_different_parameters():
     model = TwoHeads()
     ref, ref_opt = _reference(model)
     engine, opt = _wrap(model, budget_frac=1.0, overlap_optimizer=False)
-    for step in range(6):
-        for head in ("a", "b", "a"):
-            x = torch.randn(4, 64)
-            engine.backward(engine(x, head).square().mean())
-            ref(x, head).square().mean().backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+
+    def micro_losses(step):
+        return [lambda m, x=torch.randn(4, 64), head=head: m(x, head).square().mean() for head in ("a", "b", "a")]
+
+    lockstep(engine, opt, ref, ref_opt, 6, micro_losses)
     _assert_close_state(engine, ref)
     engine.close()
 
@@ -149,22 +150,19 @@ def test_clip_grad_norm_matches_torch(accumulate):
     case = CASES["gpt"]()
     ref, ref_opt = _reference(case.model)
     engine, opt = _wrap(case.model, overlap_optimizer=False)
-    clipped = 0
-    for step in range(12):
-        for i in range(accumulate):
-            b = case.make_batch(step * accumulate + i)
-            engine.backward(case.loss_fn(run(engine, b), b) / accumulate)
-            (case.loss_fn(run(ref, b), b) / accumulate).backward()
+    clipped = []
+
+    def clip_both(step):
         max_norm = 0.5  # below the typical norm here, so most steps really clip
         norm = engine.clip_grad_norm_(max_norm)
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
-        clipped += int(want > max_norm)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    assert clipped >= 6, "the test must exercise clipping"
+        clipped.append(bool(want > max_norm))
+
+    lockstep(engine, opt, ref, ref_opt, 12,
+             lambda step: [_loss(case, case.make_batch(step * accumulate + i), accumulate) for i in range(accumulate)],
+             before_step=clip_both)
+    assert sum(clipped) >= 6, "the test must exercise clipping"
     _assert_close_state(engine, ref)
     engine.close()
 
