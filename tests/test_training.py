@@ -30,6 +30,28 @@ def _reference(model, lr=ADAMW["lr"]):
     return ref, torch.optim.AdamW(ref.parameters(), foreach=False, **(ADAMW | {"lr": lr}))
 
 
+def _pair(model, **wrap_kw):
+    """(engine, its optimizer, reference, its optimizer): the reference is copied from ``model`` before it is
+    wrapped by ``_wrap(model, **wrap_kw)``."""
+    ref, ref_opt = _reference(model)
+    engine, opt = _wrap(model, **wrap_kw)
+    return engine, opt, ref, ref_opt
+
+
+def _train(engine, opt, case, steps: int) -> list[float]:
+    """``steps`` plain steps of the engine alone (backward, step, zero_grad) on ``case``'s first batches; the
+    losses."""
+    losses = []
+    for step in range(steps):
+        b = case.make_batch(step)
+        loss = case.loss_fn(run(engine, b), b)
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _masters(engine):
     return engine.state_dict()["model"]
 
@@ -71,9 +93,8 @@ def test_accumulation_equals_plain_accumulation_and_one_large_batch(name):
     """Three backward passes of loss/3 before each step: the same weights as plain PyTorch doing the same,
     and the same gathered gradient as one batch three times as large (rounding only)."""
     case = CASES[name]()
-    ref, ref_opt = _reference(case.model)
     big, _ = _reference(case.model)
-    engine, opt = _wrap(case.model, overlap_optimizer=False)
+    engine, opt, ref, ref_opt = _pair(case.model, overlap_optimizer=False)
     k = 3
 
     def micro(step):
@@ -112,8 +133,7 @@ class TwoHeads(nn.Module):
 def test_accumulation_when_micro_batches_use_different_parameters():
     torch.manual_seed(0)
     model = TwoHeads()
-    ref, ref_opt = _reference(model)
-    engine, opt = _wrap(model, budget_frac=1.0, overlap_optimizer=False)
+    engine, opt, ref, ref_opt = _pair(model, budget_frac=1.0, overlap_optimizer=False)
 
     def micro_losses(step):
         return [lambda m, x=torch.randn(4, 64), head=head: m(x, head).square().mean() for head in ("a", "b", "a")]
@@ -125,8 +145,7 @@ def test_accumulation_when_micro_batches_use_different_parameters():
 
 def test_zero_grad_before_step_drops_gathered_grads():
     case = CASES["mlp"]()
-    ref, ref_opt = _reference(case.model)
-    engine, opt = _wrap(case.model, overlap_optimizer=False)
+    engine, opt, ref, ref_opt = _pair(case.model, overlap_optimizer=False)
     for step in range(4):
         b, c = case.make_batch(2 * step), case.make_batch(2 * step + 1)
         engine.backward(case.loss_fn(run(engine, b), b))
@@ -148,8 +167,7 @@ def test_zero_grad_before_step_drops_gathered_grads():
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_clip_grad_norm_matches_torch(accumulate):
     case = CASES["gpt"]()
-    ref, ref_opt = _reference(case.model)
-    engine, opt = _wrap(case.model, overlap_optimizer=False)
+    engine, opt, ref, ref_opt = _pair(case.model, overlap_optimizer=False)
     clipped = []
 
     def clip_both(step):
@@ -169,8 +187,7 @@ def test_clip_grad_norm_matches_torch(accumulate):
 
 def test_clip_grad_norm_other_orders_and_no_grads():
     case = CASES["mlp"]()
-    ref, _ = _reference(case.model)
-    engine, _ = _wrap(case.model, overlap_optimizer=False)
+    engine, _, ref, _ = _pair(case.model, overlap_optimizer=False)
     assert engine.clip_grad_norm_(1.0).item() == 0.0  # nothing gathered yet, as torch with no grads
     b = case.make_batch(0)
     engine.backward(case.loss_fn(run(engine, b), b))
@@ -267,11 +284,7 @@ def test_fp16_overflow_skips_exactly_one_step_and_lowers_the_scale():
     case = CASES["mlp"]()
     engine, opt = _wrap(case.model, dtype=torch.float16,
                         loss_scale=offload.LossScaleConfig(init_scale=1024.0, growth_interval=1000))
-    for step in range(3):
-        b = case.make_batch(step)
-        engine.backward(case.loss_fn(run(engine, b), b))
-        opt.step()
-        opt.zero_grad()
+    _train(engine, opt, case, 3)
     stats = engine.memory_stats()["optimizer"]
     assert stats == {"overlap": False, "loss_scale": 1024.0, "skipped_steps": 0, "last_step_skipped": False}
     before = _masters(engine)
@@ -301,10 +314,7 @@ def test_fp16_scale_grows_after_growth_interval_clean_steps():
     case = CASES["mlp"]()
     engine, opt = _wrap(case.model, dtype=torch.float16,
                         loss_scale=offload.LossScaleConfig(init_scale=256.0, growth_interval=3))
-    for step in range(7):
-        b = case.make_batch(step)
-        engine.backward(case.loss_fn(run(engine, b), b))
-        opt.step()
+    _train(engine, opt, case, 7)
     assert engine.memory_stats()["optimizer"]["loss_scale"] == 1024.0  # grew after steps 3 and 6
     engine.close()
 
@@ -333,14 +343,7 @@ def test_fused_and_torch_updates_train_alike(dtype):
         opt = offload.AdamW(case.model.parameters(), **(ADAMW | {"lr": MIXED_LR}), fused=fused)
         engine = offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cpu",
                               dtype=dtype)
-        losses = []
-        for step in range(6):
-            b = case.make_batch(step)
-            loss = case.loss_fn(run(engine, b), b)
-            engine.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train(engine, opt, case, 6)
         host = engine._runtime.host
         assert host.fused == fused
         for b in range(len(host.buckets)):
