@@ -38,9 +38,9 @@ def _pair(model, **wrap_kw):
     return engine, opt, ref, ref_opt
 
 
-def _train(engine, opt, case, steps: int) -> list[float]:
-    """``steps`` plain steps of the engine alone (backward, step, zero_grad) on ``case``'s first batches; the
-    losses."""
+def _train(engine, opt, case, steps: int, after_step=None) -> list[float]:
+    """``steps`` plain steps of the engine alone (backward, step, zero_grad) on ``case``'s first batches, then
+    ``after_step()`` after each if given; the losses."""
     losses = []
     for step in range(steps):
         b = case.make_batch(step)
@@ -49,6 +49,8 @@ def _train(engine, opt, case, steps: int) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step()
     return losses
 
 
@@ -251,16 +253,14 @@ def test_mixed_precision_loss_curve_follows_autocast(dtype):
     want, want_first = _autocast_reference(case, dtype, steps)
     initial = {n: p.detach().clone() for n, p in case.model.named_parameters()}
     engine, opt = _wrap(case.model, dtype=dtype, lr=MIXED_LR)
-    losses, first = [], None
-    for step in range(steps):
-        b = case.make_batch(step)
-        loss = case.loss_fn(run(engine, b), b)
-        engine.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if first is None and not engine.memory_stats()["optimizer"]["last_step_skipped"]:
-            first = {n: w - initial[n] for n, w in _masters(engine).items() if n in initial}
+    updates = []
+
+    def first_update():
+        if not updates and not engine.memory_stats()["optimizer"]["last_step_skipped"]:
+            updates.append({n: w - initial[n] for n, w in _masters(engine).items() if n in initial})
+
+    losses = _train(engine, opt, case, steps, after_step=first_update)
+    first = updates[0] if updates else None
     stats = engine.memory_stats()
     assert stats["device_peak_bytes"] <= stats["budget_bytes"]
     assert stats["counters"]["plan_departures"] == 0  # the 16-bit warm-up traces the same order as later steps
