@@ -1,5 +1,6 @@
 // The only translation unit that includes pybind11: exposes the C++ core as `offload._C`.
 // Error mapping: std::invalid_argument -> ValueError, ArenaOutOfMemory -> MemoryError.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -62,18 +63,33 @@ std::int64_t arena_lower_bound(const Sizes& sizes, const Sizes& starts, const Si
   return offload::arena_lower_bound({sizes, starts, ends}, alignment);
 }
 
-using Seconds = std::vector<double>;
+// The lane loop's inputs arrive as numpy arrays (or sequences, converted once): the scheduler keeps them
+// as arrays, so a simulated point converts no per-event Python objects.
+using SecondsArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using IndexArray = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
+
+template <typename T, typename A>
+offload::View<T> view_of(const A& a, const char* name) {
+  if (a.ndim() != 1) throw std::invalid_argument(std::string(name) + " must be one-dimensional");
+  return {a.data(), static_cast<std::size_t>(a.shape(0))};
+}
 
 // Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit,
 // divided by zero); offload/simulate.py builds the SimResult.
-py::tuple simulate_lanes(const Seconds& compute, const Sizes& h2d_event, const Seconds& h2d_solo,
-                         const Sizes& wait_ptr, const Sizes& wait_copy, const Sizes& d2h_event,
-                         const Seconds& d2h_solo, const Seconds& adam_s, bool adam_after_backward, double duplex) {
+py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_event, const SecondsArray& h2d_solo,
+                         const IndexArray& wait_ptr, const IndexArray& wait_copy, const IndexArray& d2h_event,
+                         const SecondsArray& d2h_solo, const SecondsArray& adam_s, bool adam_after_backward,
+                         double duplex) {
+  const offload::LaneProgram program{
+      view_of<double>(compute, "compute"),     view_of<std::int64_t>(h2d_event, "h2d_event"),
+      view_of<double>(h2d_solo, "h2d_solo"),   view_of<std::int64_t>(wait_ptr, "wait_ptr"),
+      view_of<std::int64_t>(wait_copy, "wait_copy"), view_of<std::int64_t>(d2h_event, "d2h_event"),
+      view_of<double>(d2h_solo, "d2h_solo"),   view_of<double>(adam_s, "adam_s"),
+      adam_after_backward,                     duplex};
   offload::LaneResult r;
   {
     py::gil_scoped_release release;
-    r = offload::simulate_lanes({compute, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
-                                 adam_after_backward, duplex});
+    r = offload::simulate_lanes(program);
   }
   return py::make_tuple(r.step_s, r.compute_s, r.stall_s, r.h2d_busy_s, r.d2h_busy_s, r.adam_s, r.compute_end,
                         r.stall_per_event, r.copy_credit, r.divided_by_zero);

@@ -44,7 +44,8 @@ from .config import format_bytes
 from .errors import BudgetTooSmallError
 from .hw import PRESETS, HardwareModel
 from .memory import Interval, plan_arena
-from .simulate import STEP_START, Bound, FlatWaits, Program, SimResult, physical_bound, simulate
+from .simulate import (STEP_START, Bound, FlatWaits, Program, SimResult, _C as _C_lanes, _each, physical_bound,
+                       simulate, simulate_arrays)
 from .trace import EventKind, Trace
 
 ARENA_ALIGN = 256  # bytes; every bucket view starts on a 256-byte boundary (what cudaMalloc gives)
@@ -475,6 +476,14 @@ class _Greedy:
         self.need_b = np.fromiter(itertools.chain.from_iterable(self.needs), dtype=np.int64, count=self.need_ptr[-1])
         self.need_e = np.repeat(np.arange(self.n, dtype=np.int64), np.asarray(lens, dtype=np.int64))
         self.need_key = self.need_b * (self.n + 1) + self.need_e
+        self.need_ptr_np = np.asarray(self.need_ptr, dtype=np.int64)
+        # what every simulated point passes to the lanes unchanged
+        self.compute_np = np.asarray(compute, dtype=np.float64)
+        d = self.d2h
+        self.d2h_arrays = (np.asarray(d["d2h_event"], dtype=np.int64),
+                           np.asarray(_each(hw.d2h_seconds, d["d2h_bytes"]), dtype=np.float64),
+                           np.asarray(_each(hw.adam_seconds, d["adam_numel"]), dtype=np.float64))
+        self.d2h_total = sum(d["d2h_bytes"])
 
     # -- one point --------------------------------------------------------------------------------------
 
@@ -528,14 +537,14 @@ class _Greedy:
         rows.sort()
         return np.array(rows, dtype=np.int64).reshape(len(rows), 3)
 
-    def program(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> Program:
+    def copies(self, resident: frozenset, flat: np.ndarray):
+        """The host-to-device copies of a point and what each event waits for, as arrays: (number of
+        refreshes ``m``, each copy's bucket, the waits' ``ptr`` and ``copies`` as in :class:`FlatWaits`).
+        The copies are the ``m`` refreshes (resident buckets updated last step: refreshed before this
+        step's forward, runtime.step), then the streamed buffers in ``flat`` order."""
         n = self.n
-        if flat is None:
-            flat = self.flat(streamed)
-        refresh = [b for b in sorted(resident) if b in self.grads]  # updated last step: refreshed before
-        # this step's forward (runtime.step)
+        refresh = [b for b in sorted(resident) if b in self.grads]
         m = len(refresh)
-        starts, owners = (flat[:, 0].tolist(), flat[:, 1].tolist())
         # A need of bucket b at event i waits for b's first copy ending after i (copies of a bucket are
         # disjoint and in event order): one search over the copies sorted by (bucket, end).
         cb = np.concatenate([np.asarray(refresh, dtype=np.int64), flat[:, 1]])
@@ -552,14 +561,33 @@ class _Greedy:
         # -1: resident and not updated, already there (no wait)
         waited = found >= 0
         if waited.all():
-            ptr = self.need_ptr
+            ptr = self.need_ptr_np
         else:
-            ptr = [0] + np.cumsum(np.bincount(self.need_e[waited], minlength=n)).tolist()
+            ptr = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.bincount(self.need_e[waited], minlength=n), out=ptr[1:])
             found = found[waited]
-        waits = FlatWaits(ptr, found.tolist())
+        return m, cb, ptr, found
+
+    def program(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> Program:
+        if flat is None:
+            flat = self.flat(streamed)
+        m, cb, ptr, found = self.copies(resident, flat)
         return Program(
-            compute_s=self.compute, h2d_event=(STEP_START,) * m + tuple(starts), h2d_bucket=tuple(refresh + owners),
-            h2d_bytes=tuple(self.nbytes_np[cb].tolist()), waits=waits, **self.d2h)
+            compute_s=self.compute, h2d_event=(STEP_START,) * m + tuple(flat[:, 0].tolist()),
+            h2d_bucket=tuple(cb.tolist()), h2d_bytes=tuple(self.nbytes_np[cb].tolist()),
+            waits=FlatWaits(ptr.tolist(), found.tolist()), **self.d2h)
+
+    def simulate(self, resident: frozenset, flat: np.ndarray) -> tuple[SimResult, int]:
+        """``simulate(self.program(resident, None, flat), hw)`` without building the Program (the same
+        numbers: per-copy seconds are ``hw``'s for the same byte counts), and the number of refreshes."""
+        m, cb, ptr, found = self.copies(resident, flat)
+        if _C_lanes:
+            h2d_event = np.concatenate([np.full(m, STEP_START, dtype=np.int64), flat[:, 0]])
+            sim = simulate_arrays(self.compute_np, h2d_event, self.dur_np[cb], ptr, found, *self.d2h_arrays,
+                                  False, self.hw.duplex_factor, int(self.nbytes_np[cb].sum()), self.d2h_total)
+            if sim is not None:
+                return sim, m
+        return simulate(self.program(resident, None, flat), self.hw), m
 
     def profile(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> np.ndarray:
         """Live arena bytes at each event (aligned sizes, as the arena planner counts them)."""
@@ -587,22 +615,23 @@ class _Greedy:
                 peak = int(prof.max()) if len(prof) else 0
                 if peak > capacity:
                     break  # resident bytes only grow along the sequence: every later point is larger too
-                program = self.program(resident, None, flat)
-                sim = simulate(program, self.hw)
+                sim, refresh = self.simulate(resident, flat)
                 rank = (-sim.h2d_bytes, sum(self.size[b] for b in resident), -m)
                 points.append(_Point(mode, resident, flat, sim, peak, rank))
-                moves = self.moves(keep, flat, program, sim, prof, peak)
+                moves = self.moves(keep, flat, refresh, sim, prof, peak)
                 if not moves:
                     break
+                res, kept = set(resident), set(keep)
                 for kind, b in moves:
                     if kind == "resident":
-                        resident = resident | {b}
-                        keep = keep - {b}
+                        res.add(b)
+                        kept.discard(b)
                     else:
-                        keep = keep | {b}
+                        kept.add(b)
+                resident, keep = frozenset(res), frozenset(kept)
         return points
 
-    def moves(self, keep, flat, program, sim, prof, peak) -> list[tuple[str, int]]:
+    def moves(self, keep, flat, refresh, sim, prof, peak) -> list[tuple[str, int]]:
         """The next batch of moves, best first: most stall removed per byte while there is stall, then most
         copy time saved per byte. A batch covers the stall seen (at most ~1/MAX_POINTS of the buckets).
 
@@ -615,7 +644,6 @@ class _Greedy:
         """
         stalled = sim.stall_s > 0
         nb, m = len(self.buckets), len(flat)
-        refresh = len(program.h2d_bucket) - m
         owner, p, e = flat[:, 1], flat[:, 0], flat[:, 2]
         count = np.bincount(owner, minlength=nb)
         credit = np.asarray(sim.copy_credit[refresh:], dtype=np.float64)

@@ -127,17 +127,27 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
     else:
         wait_ptr = list(itertools.accumulate(map(len, program.waits), initial=0))
         wait_copy = list(itertools.chain.from_iterable(program.waits))
-    out = _C.simulate_lanes(
-        program.compute_s, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes),
-        wait_ptr, wait_copy, program.d2h_event,
-        _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
-        program.adam_after_backward, hw.duplex_factor)
+    out = simulate_arrays(
+        program.compute_s, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
+        program.d2h_event, _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
+        program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes))
+    return simulate_reference(program, hw) if out is None else out
+
+
+def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
+                    adam_after_backward: bool, duplex: float, h2d_bytes: int, d2h_bytes: int) -> SimResult | None:
+    """:func:`simulate` on a program already in lane terms (numpy arrays or sequences; the scheduler keeps
+    its points as arrays): per-copy seconds instead of bytes, waits as ``wait_copy[wait_ptr[i]:wait_ptr[i +
+    1]]``, and the byte totals the result reports. Needs the C++ lanes (``_C``). None where a stall lands
+    on a zero-length copy: the caller runs :func:`simulate_reference`, which raises its ZeroDivisionError."""
+    out = _C.simulate_lanes(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
+                            adam_after_backward, duplex)
     step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, stall_per_event, credit, by_zero = out
-    if by_zero:  # a stall on a zero-length copy: let the reference raise its ZeroDivisionError
-        return simulate_reference(program, hw)
+    if by_zero:
+        return None
     return SimResult(
         step_s=step, compute_s=compute, stall_s=stall, stall_per_event=tuple(stall_per_event),
-        h2d_bytes=sum(program.h2d_bytes), d2h_bytes=sum(program.d2h_bytes), h2d_busy_s=h2d_busy,
+        h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, h2d_busy_s=h2d_busy,
         d2h_busy_s=d2h_busy, adam_s=adam, tail_s=step - compute_end, copy_credit=tuple(credit))
 
 
