@@ -15,6 +15,7 @@
 #include "cpu_adam.h"
 #include "lane_sim.h"
 #include "pinned_arena.h"
+#include "schedule_kernels.h"
 
 namespace py = pybind11;
 
@@ -93,6 +94,28 @@ py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_even
   }
   return py::make_tuple(r.step_s, r.compute_s, r.stall_s, r.h2d_busy_s, r.d2h_busy_s, r.adam_s, r.compute_end,
                         r.stall_per_event, r.copy_credit, r.divided_by_zero);
+}
+
+// The scheduler's two sequential loops (cpp/schedule_kernels.h): lists back, for the Python side.
+std::vector<double> latest_issue(const SecondsArray& deadline, const SecondsArray& duration) {
+  const auto d = view_of<double>(deadline, "deadline");
+  const auto t = view_of<double>(duration, "duration");
+  py::gil_scoped_release release;
+  return offload::latest_issue(d, t);
+}
+
+py::tuple last_occupants(const IndexArray& issue, const IndexArray& release_at, const IndexArray& lo,
+                         const IndexArray& hi) {
+  const auto a = view_of<std::int64_t>(issue, "issue");
+  const auto b = view_of<std::int64_t>(release_at, "release");
+  const auto c = view_of<std::int64_t>(lo, "lo");
+  const auto d = view_of<std::int64_t>(hi, "hi");
+  offload::Occupants r;
+  {
+    py::gil_scoped_release release;
+    r = offload::last_occupants(a, b, c, d);
+  }
+  return py::make_tuple(r.ptr, r.buffers);
 }
 
 offload::ScalarType scalar_type(const std::string& name, const char* what) {
@@ -235,4 +258,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("wait_ptr"), py::arg("wait_copy"), py::arg("d2h_event"), py::arg("d2h_solo"), py::arg("adam_s"),
         py::arg("adam_after_backward"), py::arg("duplex"),
         "The step simulator's lane loop over flat arrays (see cpp/lane_sim.h and offload/simulate.py).");
+  m.def("latest_issue", &latest_issue, py::arg("deadline"), py::arg("duration"),
+        "The latest copy placement's backward pass (see cpp/schedule_kernels.h).");
+  m.def("last_occupants", &last_occupants, py::arg("issue"), py::arg("release"), py::arg("lo"), py::arg("hi"),
+        "Per buffer, the last earlier occupants of its bytes, flattened: (ptr, buffers).");
 }

@@ -43,10 +43,15 @@ from .buckets import Bucket, locate
 from .config import format_bytes
 from .errors import BudgetTooSmallError
 from .hw import PRESETS, HardwareModel
-from .memory import Interval, plan_arena
-from .simulate import (STEP_START, Bound, FlatWaits, Program, SimResult, _C as _C_lanes, _each, physical_bound,
-                       simulate, simulate_arrays)
+from .memory import plan_arena_columns
+from .simulate import (STEP_START, Bound, FlatWaits, Program, SimResult, _each, physical_bound, simulate,
+                       simulate_arrays)
 from .trace import EventKind, Trace
+
+try:
+    from . import _C
+except ImportError:  # a source tree without the built extension: the Python references run
+    _C = None
 
 ARENA_ALIGN = 256  # bytes; every bucket view starts on a 256-byte boundary (what cudaMalloc gives)
 DEFAULT_HW = PRESETS["pcie4"]  # the cost model's hardware when the caller gives none (``offload probe`` measures)
@@ -230,11 +235,22 @@ def _layout(trace, buckets, itemsize, resident, intervals):
     for b, (s, e) in sorted(grads.items()):
         specs.append((b, BufferKind.GRAD, s, e, buckets[b].grad_nbytes(itemsize)))
     specs = [x for x in specs if x[4] > 0]
-    layout = plan_arena([Interval(size=x[4], start=x[2], end=x[3]) for x in specs], alignment=ARENA_ALIGN)
+    layout = plan_arena_columns([x[4] for x in specs], [x[2] for x in specs], [x[3] for x in specs],
+                                alignment=ARENA_ALIGN)
     return specs, layout
 
 
 def _after(specs, offsets) -> list[tuple[int, ...]]:
+    """For each buffer, the last earlier occupants of its memory: see [Note: waits on earlier buffers].
+    The sweep of :func:`_after_reference`, in C++ (``cpp/schedule_kernels.cpp``; tested against it)."""
+    if _C is None or not specs:
+        return _after_reference(specs, offsets)
+    ptr, got = _C.last_occupants([x[2] for x in specs], [x[3] for x in specs], offsets,
+                                 [o + x[4] for o, x in zip(offsets, specs)])
+    return [tuple(got[a:b]) for a, b in zip(ptr, ptr[1:])]
+
+
+def _after_reference(specs, offsets) -> list[tuple[int, ...]]:
     """For each buffer, the last earlier occupants of its memory: see [Note: waits on earlier buffers].
 
     One sweep over the events, keeping a map from arena byte ranges to the buffer that last released
@@ -477,6 +493,7 @@ class _Greedy:
         self.need_e = np.repeat(np.arange(self.n, dtype=np.int64), np.asarray(lens, dtype=np.int64))
         self.need_key = self.need_b * (self.n + 1) + self.need_e
         self.need_ptr_np = np.asarray(self.need_ptr, dtype=np.int64)
+        self._table = np.zeros((max(1, self.n.bit_length()), max(1, self.n)), dtype=np.int64)  # moves' _MaxTable
         # what every simulated point passes to the lanes unchanged
         self.compute_np = np.asarray(compute, dtype=np.float64)
         d = self.d2h
@@ -509,17 +526,13 @@ class _Greedy:
         if mode == "just in time":
             p = s
         elif mode == "lookahead":
-            starts = np.unique(s)
+            starts = np.sort(s)
+            starts = starts[np.concatenate([[True], starts[1:] != starts[:-1]])]  # np.unique, by sorting
             j = np.searchsorted(starts, s)
             p = np.where(j > 0, starts[np.maximum(j - 1, 0)], s)
         else:
             order = np.lexsort((b, s))
-            tau, dur = self.tau, self.dur
-            latest = [0.0] * len(order)
-            nxt = float("inf")
-            for q, (si, bi) in zip(reversed(range(len(order))), zip(s[order[::-1]].tolist(), b[order[::-1]].tolist())):
-                nxt = min(tau[si], nxt) - dur[bi]
-                latest[q] = nxt
+            latest = _latest_issue(self.tau_np[s[order]], self.dur_np[b[order]])
             p = np.empty(len(order), dtype=np.int64)
             p[order] = np.minimum(s[order], np.maximum(0, np.searchsorted(self.tau_np, latest, side="right") - 1))
         # merge: a new buffer starts where the bucket changes or the copy comes after the previous end
@@ -581,7 +594,7 @@ class _Greedy:
         """``simulate(self.program(resident, None, flat), hw)`` without building the Program (the same
         numbers: per-copy seconds are ``hw``'s for the same byte counts), and the number of refreshes."""
         m, cb, ptr, found = self.copies(resident, flat)
-        if _C_lanes:
+        if _C is not None:
             h2d_event = np.concatenate([np.full(m, STEP_START, dtype=np.int64), flat[:, 0]])
             sim = simulate_arrays(self.compute_np, h2d_event, self.dur_np[cb], ptr, found, *self.d2h_arrays,
                                   False, self.hw.duplex_factor, int(self.nbytes_np[cb].sum()), self.d2h_total)
@@ -651,21 +664,23 @@ class _Greedy:
             gain = np.bincount(owner, weights=credit, minlength=nb)
         else:
             gain = np.bincount(owner, weights=self.dur_np[owner], minlength=nb) - self.updated_dur
-        rmq = _MaxTable(prof)
-        # per bucket: max live bytes inside its buffers and outside them (its gaps)
-        inside = np.zeros(nb, dtype=np.int64)
-        np.maximum.at(inside, owner, rmq.query(p, e))
-        order = np.lexsort((p, owner))  # each bucket's buffers in event order
+        rmq = _MaxTable(prof, self._table)
+        # per bucket: max live bytes inside its buffers and outside them (its gaps): each bucket's buffers
+        # in event order, then a max over each bucket's run (exact: integer maxima in any order)
+        order = np.lexsort((p, owner))
         ob, op, oe = owner[order], p[order], e[order]
         first = np.ones(m, dtype=bool)
         first[1:] = ob[1:] != ob[:-1]
         last = np.ones(m, dtype=bool)
         last[:-1] = first[1:]
-        gap_lo = np.concatenate([np.where(first, 0, np.roll(oe, 1)), oe[last]])
-        gap_hi = np.concatenate([op, np.full(int(last.sum()), self.n, dtype=np.int64)])
-        gap_b = np.concatenate([ob, ob[last]])
+        runs, run_b = np.flatnonzero(first), ob[first]
+        inside = np.zeros(nb, dtype=np.int64)
         outside = np.zeros(nb, dtype=np.int64)
-        np.maximum.at(outside, gap_b, rmq.query(gap_lo, gap_hi))
+        if m:
+            inside[run_b] = np.maximum.reduceat(rmq.query(op, oe), runs)
+            before = rmq.query(np.where(first, 0, np.roll(oe, 1)), op)  # the gap before each buffer
+            outside[run_b] = np.maximum(np.maximum.reduceat(before, runs),
+                                        rmq.query(oe[last], np.full(len(runs), self.n, dtype=np.int64)))
         size = self.size_np
         cost = np.maximum(0, np.maximum(outside + size, inside) - peak)
         # no stall left: a move of equal traffic still goes in
@@ -694,41 +709,64 @@ class _Greedy:
         score, bs, kinds, gains = cand
         ranked = np.lexsort((kinds, bs, -score))  # best score, then bucket, then "keep" before "resident"
         cap = max(1, -(-len(self.uses) // MAX_POINTS))
-        out, seen, got = [], set(), 0.0
-        for q in ranked.tolist():
-            b = int(bs[q])
-            if b in seen:
-                continue
-            seen.add(b)
-            out.append(("resident" if kinds[q] else "keep", b))
-            got += float(gains[q])
-            if len(out) >= cap or (stalled and got >= sim.stall_s):
-                break
-        return out
+        # each bucket's best move, in rank order; taken until ``cap`` moves or (while there is stall) until
+        # their gains, summed in that order (cumsum adds sequentially), cover it
+        _, at = np.unique(bs[ranked], return_index=True)
+        best = ranked[np.sort(at)]
+        take = min(cap, len(best))
+        if stalled and take:
+            covered = np.flatnonzero(np.cumsum(gains[best[:take]]) >= sim.stall_s)
+            if len(covered):
+                take = int(covered[0]) + 1
+        best = best[:take]
+        return [("resident" if k else "keep", b) for k, b in zip(kinds[best].tolist(), bs[best].tolist())]
+
+
+def _latest_issue(deadline: np.ndarray, duration: np.ndarray):
+    """``latest``'s backward pass over the copies in (need, bucket) order: each copy issues as late as
+    the next one allows, ``out[q] = min(deadline[q], out[q + 1]) - duration[q]`` (sequential). In C++
+    where built (``cpp/schedule_kernels.cpp``: the same float operations, so bitwise the same)."""
+    if _C is None:
+        return _latest_issue_reference(deadline.tolist(), duration.tolist())
+    return _C.latest_issue(deadline, duration)
+
+
+def _latest_issue_reference(deadline: Sequence[float], duration: Sequence[float]) -> list[float]:
+    out = [0.0] * len(deadline)
+    nxt = float("inf")
+    for q in reversed(range(len(deadline))):
+        nxt = min(deadline[q], nxt) - duration[q]
+        out[q] = nxt
+    return out
 
 
 class _MaxTable:
-    """Range maximum over a fixed array, queried for many ranges at once (a sparse table)."""
+    """Range maximum over a fixed array, queried for many ranges at once (a sparse table, one row per
+    power-of-two span, so that a batch of queries is two gathers). ``buffer``: a (levels, len) int64
+    array to build it in (reused across points), or None."""
 
-    def __init__(self, values: np.ndarray):
-        level = np.asarray(values, dtype=np.int64)
-        self.levels = [level]
-        k = 1
-        while 2 * k <= len(values):
-            level = np.maximum(level[:-k], level[k:])
-            self.levels.append(level)
-            k *= 2
+    def __init__(self, values: np.ndarray, buffer: np.ndarray | None = None):
+        values = np.asarray(values, dtype=np.int64)
+        n = len(values)
+        shape = (max(1, n.bit_length()), max(1, n))  # row j: max of 2^j values from each start
+        self.table = buffer if buffer is not None and buffer.shape == shape else np.zeros(shape, dtype=np.int64)
+        self.table[0, :n] = values
+        for j in range(1, len(self.table)):
+            h = 1 << (j - 1)
+            m = n - 2 * h + 1
+            np.maximum(self.table[j - 1, :m], self.table[j - 1, h:h + m], out=self.table[j, :m])
 
     def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """max(values[lo:hi]) for each pair; 0 for an empty range."""
+        length = hi - lo
+        live = length > 0
+        if live.all():
+            j = np.frexp(length.astype(np.float64))[1] - 1  # floor(log2(length)), exact
+            return np.maximum(self.table[j, lo], self.table[j, hi - (1 << j)])
         out = np.zeros(len(lo), dtype=np.int64)
-        live = hi > lo
-        j = np.zeros(len(lo), dtype=np.int64)
-        j[live] = np.frexp((hi[live] - lo[live]).astype(np.float64))[1] - 1  # floor(log2(length)), exact
-        for level in np.unique(j[live]).tolist():
-            sel = live & (j == level)
-            row = self.levels[level]
-            out[sel] = np.maximum(row[lo[sel]], row[hi[sel] - (1 << level)])
+        lo, hi, length = lo[live], hi[live], length[live]
+        j = np.frexp(length.astype(np.float64))[1] - 1
+        out[live] = np.maximum(self.table[j, lo], self.table[j, hi - (1 << j)])
         return out
 
 
