@@ -76,7 +76,7 @@ offload::View<T> view_of(const A& a, const char* name) {
 }
 
 // Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit,
-// divided by zero); offload/simulate.py builds the SimResult.
+// divided by zero), the two per-item results as numpy arrays; offload/simulate.py builds the SimResult.
 py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_event, const SecondsArray& h2d_solo,
                          const IndexArray& wait_ptr, const IndexArray& wait_copy, const IndexArray& d2h_event,
                          const SecondsArray& d2h_solo, const SecondsArray& adam_s, bool adam_after_backward,
@@ -93,7 +93,9 @@ py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_even
     r = offload::simulate_lanes(program);
   }
   return py::make_tuple(r.step_s, r.compute_s, r.stall_s, r.h2d_busy_s, r.d2h_busy_s, r.adam_s, r.compute_end,
-                        r.stall_per_event, r.copy_credit, r.divided_by_zero);
+                        py::array_t<double>(static_cast<py::ssize_t>(r.stall_per_event.size()), r.stall_per_event.data()),
+                        py::array_t<double>(static_cast<py::ssize_t>(r.copy_credit.size()), r.copy_credit.data()),
+                        r.divided_by_zero);
 }
 
 // The scheduler's two sequential loops (cpp/schedule_kernels.h): lists back, for the Python side.

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import enum
 import gc
 import itertools
@@ -44,7 +45,7 @@ from .config import format_bytes
 from .errors import BudgetTooSmallError
 from .hw import PRESETS, HardwareModel
 from .memory import plan_arena_columns
-from .simulate import (STEP_START, Bound, FlatWaits, Program, SimResult, _each, physical_bound, simulate,
+from .simulate import (STEP_START, Bound, FlatWaits, LaneResult, Program, SimResult, _each, physical_bound, simulate,
                        simulate_arrays)
 from .trace import EventKind, Trace
 
@@ -178,23 +179,39 @@ def _with_prefetch(needs: dict[int, list[list[int]]], lookahead: bool) -> dict[i
 
 
 def _grad_intervals(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]) -> dict[int, list[int]]:
+    """Per bucket with grads: its grad slot's [first grad, last grad + 1), or to the end of backward,
+    ``len(events)``, for a bucket flushed then."""
+    return _grad_info(trace, buckets, bucket_of)[0]
+
+
+def _grad_issue(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]) -> dict[int, int]:
+    """Per bucket with grads: the event at which its grads go to the host (its last grad, or the end of
+    backward, ``len(events)``, for a bucket flushed then)."""
+    return _grad_info(trace, buckets, bucket_of)[1]
+
+
+def _grad_info(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]):
+    """(:func:`_grad_intervals`, :func:`_grad_issue`) from one pass over the events."""
     n = len(trace.events)
     touched = set(trace.touched)
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     got: dict[int, set[int]] = {}
+    grad = EventKind.GRAD
     for i, ev in enumerate(trace.events):
-        if ev.kind == EventKind.GRAD:
+        if ev.kind == grad:
             b = bucket_of[ev.key]
             first.setdefault(b, i)
             last[b] = i
             got.setdefault(b, set()).add(ev.key)
-    out = {}
+    intervals, issue = {}, {}
     for b, s in first.items():
         expected = {p for run in buckets[b].runs for p in run.params if p in touched}
         # A bucket whose grads are not all seen is flushed at the end of backward: keep its slot till then.
-        out[b] = [s, last[b] + 1 if got[b] >= expected else n]
-    return out
+        complete = got[b] >= expected
+        intervals[b] = [s, last[b] + 1 if complete else n]
+        issue[b] = last[b] if complete else n
+    return intervals, issue
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -298,10 +315,11 @@ def _assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, f
     n = len(trace.events)
     if needs is None:  # per event: the buckets it needs (the greedy scheduler has them already)
         bucket_of = locate(buckets)[0]
-        needs = [_needed(trace, i, bucket_of) for i in range(n)]
+        needs = _needed_all(trace, bucket_of)
     after = _after(specs, layout.offsets)
-    buffers = tuple(Buffer(b, kind, s, e, size, layout.offsets[k], after[k])
-                    for k, (b, kind, s, e, size) in enumerate(specs))
+    make = _maker(Buffer)
+    buffers = tuple(make(b, kind, s, e, size, off, aft)
+                    for (b, kind, s, e, size), off, aft in zip(specs, layout.offsets, after))
     release: list[list[int]] = [[] for _ in range(n)]
     prefetch: list[list[int]] = [[] for _ in range(n)]
     grad_buffer: list[int | None] = [None] * len(buckets)
@@ -317,15 +335,60 @@ def _assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, f
                 release[x.end].append(k)
     return Plan(
         buckets=tuple(buckets), trace=trace, resident=tuple(sorted(resident)), buffers=buffers,
-        actions=tuple(EventActions(tuple(release[i]), tuple(prefetch[i]), needs[i]) for i in range(n)),
+        actions=_actions(release, prefetch, needs),
         grad_buffer=tuple(grad_buffer), resident_buffer=tuple(resident_buffer),
         arena_bytes=layout.total_bytes, lower_bound_bytes=layout.lower_bound_bytes,
         budget_bytes=budget, fixed_bytes=fixed, itemsize=itemsize, strategy=name, simulated=simulated,
         hw_name=hw_name)
 
 
+def _maker(cls):
+    """A constructor for the frozen dataclass ``cls`` taking every field positionally, for the tens of
+    thousands of buffers and actions of a large plan: it fills the instance dict at once (what the
+    generated ``__init__`` does one ``object.__setattr__`` at a time), for about half the cost. The
+    objects are the same: equal, equally hashed and printed (``tests/test_schedule.py``)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    new = object.__new__
+
+    def make(*values):
+        obj = new(cls)
+        obj.__dict__.update(zip(names, values))
+        return obj
+    return make
+
+
+def _actions(release: list[list[int]], prefetch: list[list[int]], needs) -> tuple[EventActions, ...]:
+    """One EventActions per event; events with neither releases nor prefetches share one object per
+    distinct need (they are frozen)."""
+    make = _maker(EventActions)
+    idle: dict[tuple[int, ...], EventActions] = {}
+    out = []
+    for r, p, need in zip(release, prefetch, needs):
+        if r or p:
+            out.append(make(tuple(r), tuple(p), need))
+        else:
+            x = idle.get(need)
+            if x is None:
+                x = idle[need] = make((), (), need)
+            out.append(x)
+    return tuple(out)
+
+
 def _needed(trace: Trace, i: int, bucket_of: Sequence[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(bucket_of[p] for p in trace.uses[i]))
+
+
+def _needed_all(trace: Trace, bucket_of: Sequence[int]) -> list[tuple[int, ...]]:
+    """``[_needed(trace, i, bucket_of) for each event i]``, the common cases (no use, one use) short."""
+    out = []
+    for uses in trace.uses:
+        if not uses:
+            out.append(())
+        elif len(uses) == 1:
+            out.append((bucket_of[uses[0]],))
+        else:
+            out.append(tuple(dict.fromkeys(bucket_of[p] for p in uses)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -411,13 +474,17 @@ class _Point:
     mode: str
     resident: frozenset
     flat: np.ndarray  # streamed buffers: rows (issue, bucket, end), in copy order
-    sim: SimResult
+    lanes: SimResult | LaneResult  # what simulating it gave (``sim``: as a SimResult)
     peak: int  # max live arena bytes (the arena's lower bound)
     rank: tuple  # tie-break among equally fast points: fewest bytes copied, most resident, then mode order
 
     @property
     def step_s(self) -> float:
-        return self.sim.step_s
+        return self.lanes.step_s
+
+    @property
+    def sim(self) -> SimResult:
+        return self.lanes.result() if isinstance(self.lanes, LaneResult) else self.lanes
 
     @property
     def streamed(self) -> dict[int, list[list[int]]]:
@@ -438,9 +505,8 @@ class _Greedy:
         bucket_of = locate(buckets)[0]
         self.uses = {b: [tuple(iv) for iv in ivs]
                      for b, ivs in _need_intervals(trace, bucket_of, merge_phase=False).items()}
-        self.grads = _grad_intervals(trace, buckets, bucket_of)
-        self.grad_issue = _grad_issue(trace, buckets, bucket_of)
-        self.needs = [_needed(trace, i, bucket_of) for i in range(self.n)]
+        self.grads, self.grad_issue = _grad_info(trace, buckets, bucket_of)
+        self.needs = _needed_all(trace, bucket_of)
         self.nbytes = [b.nbytes(itemsize) for b in buckets]
         self.size = [_align(x) for x in self.nbytes]
         self.grad_bytes = {b: buckets[b].grad_nbytes(itemsize) for b in self.grads}
@@ -526,8 +592,8 @@ class _Greedy:
         if mode == "just in time":
             p = s
         elif mode == "lookahead":
-            starts = np.sort(s)
-            starts = starts[np.concatenate([[True], starts[1:] != starts[:-1]])]  # np.unique, by sorting
+            starts = np.sort(s)  # np.unique(s), by sorting (faster than its hash table)
+            starts = starts[np.concatenate([np.ones(min(1, len(starts)), dtype=bool), starts[1:] != starts[:-1]])]
             j = np.searchsorted(starts, s)
             p = np.where(j > 0, starts[np.maximum(j - 1, 0)], s)
         else:
@@ -590,14 +656,16 @@ class _Greedy:
             h2d_bucket=tuple(cb.tolist()), h2d_bytes=tuple(self.nbytes_np[cb].tolist()),
             waits=FlatWaits(ptr.tolist(), found.tolist()), **self.d2h)
 
-    def simulate(self, resident: frozenset, flat: np.ndarray) -> tuple[SimResult, int]:
+    def simulate(self, resident: frozenset, flat: np.ndarray) -> tuple[SimResult | LaneResult, int]:
         """``simulate(self.program(resident, None, flat), hw)`` without building the Program (the same
-        numbers: per-copy seconds are ``hw``'s for the same byte counts), and the number of refreshes."""
+        numbers: per-copy seconds are ``hw``'s for the same byte counts), and the number of refreshes.
+        A :class:`LaneResult` where the C++ lanes ran (``.result()`` is the SimResult)."""
         m, cb, ptr, found = self.copies(resident, flat)
         if _C is not None:
             h2d_event = np.concatenate([np.full(m, STEP_START, dtype=np.int64), flat[:, 0]])
             sim = simulate_arrays(self.compute_np, h2d_event, self.dur_np[cb], ptr, found, *self.d2h_arrays,
-                                  False, self.hw.duplex_factor, int(self.nbytes_np[cb].sum()), self.d2h_total)
+                                  False, self.hw.duplex_factor, int(self.nbytes_np[cb].sum()), self.d2h_total,
+                                  lazy=True)
             if sim is not None:
                 return sim, m
         return simulate(self.program(resident, None, flat), self.hw), m
@@ -768,25 +836,6 @@ class _MaxTable:
         j = np.frexp(length.astype(np.float64))[1] - 1
         out[live] = np.maximum(self.table[j, lo], self.table[j, hi - (1 << j)])
         return out
-
-
-def _grad_issue(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]) -> dict[int, int]:
-    """Per bucket with grads: the event at which its grads go to the host (its last grad, or the end of
-    backward, ``len(events)``, for a bucket flushed then)."""
-    n = len(trace.events)
-    touched = set(trace.touched)
-    last: dict[int, int] = {}
-    got: dict[int, set[int]] = {}
-    for i, ev in enumerate(trace.events):
-        if ev.kind == EventKind.GRAD:
-            b = bucket_of[ev.key]
-            last[b] = i
-            got.setdefault(b, set()).add(ev.key)
-    out = {}
-    for b, i in last.items():
-        expected = {p for run in buckets[b].runs for p in run.params if p in touched}
-        out[b] = i if got[b] >= expected else n
-    return out
 
 
 def _align(n: int) -> int:
