@@ -294,3 +294,27 @@ def test_ten_thousand_buffers():
         assert all(o % 256 == 0 for o in offsets)
         assert count_conflicts(offsets, sizes, starts, ends, 256) == 0
         assert total >= lower
+
+
+@PROPERTY_SETTINGS
+@given(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 40), st.integers(1, 30)), max_size=60),
+       st.sampled_from([1, 64, 256]))
+def test_columns_give_the_interval_layout(rows, alignment):
+    """plan_arena_columns (what the scheduler calls, without Interval objects) is plan_arena."""
+    from offload.memory import plan_arena_columns
+    intervals = [Interval(size, start, start + length) for size, start, length in rows]
+    assert plan_arena_columns([iv.size for iv in intervals], [iv.start for iv in intervals],
+                              [iv.end for iv in intervals], alignment) == plan_arena(intervals, alignment)
+
+
+def test_columns_raise_the_interval_errors():
+    from offload.memory import plan_arena_columns
+    for cols, err, match in [(([8, 0], [0, 0], [1, 1]), ValueError, "size must be positive"),
+                             (([8, 8], [0, 3], [1, 3]), ValueError, "must be greater than start"),
+                             (([8.0], [0], [1]), TypeError, "must be an int"),
+                             (([True], [0], [1]), TypeError, "must be an int"),
+                             (([8, 8], [0], [1]), ValueError, "same length"),
+                             (([8], [0], [1]), ValueError, "power of two")]:
+        with pytest.raises(err, match=match):
+            plan_arena_columns(*cols, alignment=48 if match == "power of two" else 256)
+    assert plan_arena_columns([], [], []) == plan_arena([])
