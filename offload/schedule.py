@@ -198,12 +198,11 @@ def _grad_info(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]
     last: dict[int, int] = {}
     got: dict[int, set[int]] = {}
     grad = EventKind.GRAD
-    for i, ev in enumerate(trace.events):
-        if ev.kind == grad:
-            b = bucket_of[ev.key]
-            first.setdefault(b, i)
-            last[b] = i
-            got.setdefault(b, set()).add(ev.key)
+    for i, key in [(i, ev.key) for i, ev in enumerate(trace.events) if ev.kind == grad]:
+        b = bucket_of[key]
+        first.setdefault(b, i)
+        last[b] = i
+        got.setdefault(b, set()).add(key)
     intervals, issue = {}, {}
     for b, s in first.items():
         expected = {p for run in buckets[b].runs for p in run.params if p in touched}
@@ -434,7 +433,7 @@ def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute
     while points:
         best = min(p.step_s for p in points)
         point = max((p for p in points if p.step_s <= best * (1 + 1e-9)), key=lambda p: p.rank)
-        specs, layout = _layout(trace, buckets, itemsize, point.resident, (point.streamed, g.grads))
+        specs, layout = g.layout(point.resident, point.flat)
         if layout.total_bytes + extra <= budget_bytes:
             return _assemble(trace, buckets, itemsize, point.resident, f"greedy ({point.mode})", specs, layout,
                              budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name, needs=g.needs)
@@ -529,28 +528,26 @@ class _Greedy:
                         adam_numel=tuple(self.buckets[b].trainable_numel for _, b in d2h))
         self.dur_np = np.asarray(self.dur, dtype=np.float64).reshape(nb)
         self.updated_dur = np.array([self.dur[b] if b in self.grads else 0.0 for b in range(nb)], dtype=np.float64)
-        # buckets used in forward and again in backward: (last forward use, first backward use) starts
-        f = trace.num_forward
-        self.fwd_at = np.zeros(nb, dtype=np.int64)
-        self.bwd_at = np.zeros(nb, dtype=np.int64)
-        keepable = []
-        for b, need in self.uses.items():
-            j = next((j for j, (s, _) in enumerate(need) if s >= f), None)
-            if j:
-                keepable.append(b)
-                self.fwd_at[b], self.bwd_at[b] = need[j - 1][0], need[j][0]
-        self.keepable = np.asarray(sorted(keepable), dtype=np.int64)
-        # the need intervals as arrays grouped by bucket (what ``placed`` starts from), and per keepable
-        # bucket the rows of its last forward and first backward intervals
+        # the need intervals as arrays grouped by bucket, each bucket's in event order (what ``placed``
+        # starts from)
         rows = [(b, s, e) for b in sorted(self.uses) for s, e in self.uses[b]]
         self.use_b, self.use_s, self.use_e = (np.asarray(c, dtype=np.int64) for c in
                                               (zip(*rows) if rows else ((), (), ())))
-        first_row = np.searchsorted(self.use_b, self.keepable)
+        # keepable: buckets used in forward and again in backward. Per keepable bucket: the start and the row
+        # of its last forward interval (``fwd_*``) and of its first backward one (``bwd_*``), which is its
+        # first interval starting at or after ``num_forward`` and not its first interval.
+        backward = self.use_s >= trace.num_forward
+        first_bwd = backward.copy()
+        first_bwd[1:] &= (self.use_b[1:] == self.use_b[:-1]) & ~backward[:-1]
+        first_bwd[:1] = False
+        r = np.flatnonzero(first_bwd)
+        self.keepable = self.use_b[r]
+        self.fwd_at = np.zeros(nb, dtype=np.int64)
+        self.bwd_at = np.zeros(nb, dtype=np.int64)
         self.fwd_row = np.zeros(nb, dtype=np.int64)
         self.bwd_row = np.zeros(nb, dtype=np.int64)
-        for b, r in zip(self.keepable.tolist(), first_row.tolist()):
-            j = next(j for j, (s, _) in enumerate(self.uses[b]) if s >= f)
-            self.fwd_row[b], self.bwd_row[b] = r + j - 1, r + j
+        self.fwd_at[self.keepable], self.bwd_at[self.keepable] = self.use_s[r - 1], self.use_s[r]
+        self.fwd_row[self.keepable], self.bwd_row[self.keepable] = r - 1, r
         self.tau_np = np.asarray(self.tau, dtype=np.float64)
         # every (event, bucket) need, flattened in event order: for the program's waits
         lens = [len(bs) for bs in self.needs]
@@ -682,6 +679,29 @@ class _Greedy:
         np.add.at(diff, flat[:, 0], size)
         np.add.at(diff, flat[:, 2], -size)
         return np.cumsum(diff[:-1])
+
+    def layout(self, resident: frozenset, flat: np.ndarray):
+        """``_layout(trace, buckets, itemsize, resident, (streamed, self.grads))`` for the point whose
+        streamed buffers are ``flat``, from arrays: the same specs in the same order (per bucket, its
+        resident buffer or its streamed ones in event order; then the grad slots by bucket; empty ones
+        dropped) and so the same layout."""
+        res = np.asarray(sorted(resident), dtype=np.int64)
+        b = np.concatenate([res, flat[:, 1]])
+        start = np.concatenate([np.zeros(len(res), dtype=np.int64), flat[:, 0]])
+        end = np.concatenate([np.full(len(res), self.n, dtype=np.int64), flat[:, 2]])
+        order = np.lexsort((end, start, b))
+        b, start, end = b[order], start[order], end[order]
+        size = self.nbytes_np[b]
+        keep = size > 0
+        param = BufferKind.PARAM
+        specs = list(zip(b[keep].tolist(), itertools.repeat(param), start[keep].tolist(), end[keep].tolist(),
+                         size[keep].tolist()))
+        grad = BufferKind.GRAD
+        specs.extend((g, grad, s, e, self.grad_bytes[g]) for g, (s, e) in sorted(self.grads.items())
+                     if self.grad_bytes[g] > 0)
+        layout = plan_arena_columns([x[4] for x in specs], [x[2] for x in specs], [x[3] for x in specs],
+                                    alignment=ARENA_ALIGN)
+        return specs, layout
 
     # -- the move sequence ----------------------------------------------------------------------------
 

@@ -366,3 +366,16 @@ def test_fast_constructors_make_the_same_frozen_objects():
         a.start = 0  # still frozen
     e = _maker(EventActions)((1,), (), (4,))
     assert e == EventActions((1,), (), (4,)) and hash(e) == hash(EventActions((1,), (), (4,)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_layout_from_arrays_is_the_layout_from_intervals(case, hw, data):
+    """The scheduler lays its chosen point out from arrays (_Greedy.layout): the same buffers, in the same
+    order, and the same arena as _layout from the per-bucket intervals, at every simulated point."""
+    from offload.schedule import _Greedy, _layout
+    trace, buckets = case
+    g = _Greedy(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
+    for point in g.candidates(10**9):
+        assert g.layout(point.resident, point.flat) == _layout(trace, buckets, 4, point.resident,
+                                                               (point.streamed, g.grads))
