@@ -319,19 +319,20 @@ def _assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, f
     make = _maker(Buffer)
     buffers = tuple(make(b, kind, s, e, size, off, aft)
                     for (b, kind, s, e, size), off, aft in zip(specs, layout.offsets, after))
-    release: list[list[int]] = [[] for _ in range(n)]
-    prefetch: list[list[int]] = [[] for _ in range(n)]
+    release: dict[int, list[int]] = {}  # per event with any: buffer ids, ascending
+    prefetch: dict[int, list[int]] = {}
     grad_buffer: list[int | None] = [None] * len(buckets)
     resident_buffer: list[int | None] = [None] * len(buckets)
-    for k, x in enumerate(buffers):
-        if x.kind is BufferKind.GRAD:
-            grad_buffer[x.bucket] = k
-        elif x.bucket in resident:
-            resident_buffer[x.bucket] = k
+    grad = BufferKind.GRAD
+    for k, (b, kind, s, e, _) in enumerate(specs):
+        if kind is grad:
+            grad_buffer[b] = k
+        elif b in resident:
+            resident_buffer[b] = k
         else:
-            prefetch[x.start].append(k)
-            if x.end < n:
-                release[x.end].append(k)
+            prefetch.setdefault(s, []).append(k)
+            if e < n:
+                release.setdefault(e, []).append(k)
     return Plan(
         buckets=tuple(buckets), trace=trace, resident=tuple(sorted(resident)), buffers=buffers,
         actions=_actions(release, prefetch, needs),
@@ -356,15 +357,17 @@ def _maker(cls):
     return make
 
 
-def _actions(release: list[list[int]], prefetch: list[list[int]], needs) -> tuple[EventActions, ...]:
-    """One EventActions per event; events with neither releases nor prefetches share one object per
-    distinct need (they are frozen)."""
+def _actions(release: dict[int, list[int]], prefetch: dict[int, list[int]], needs) -> tuple[EventActions, ...]:
+    """One EventActions per event (``needs``: one per event; ``release``, ``prefetch``: buffer ids of the
+    events with any); events with neither releases nor prefetches share one object per distinct need
+    (they are frozen)."""
     make = _maker(EventActions)
     idle: dict[tuple[int, ...], EventActions] = {}
     out = []
-    for r, p, need in zip(release, prefetch, needs):
+    for i, need in enumerate(needs):
+        r, p = release.get(i), prefetch.get(i)
         if r or p:
-            out.append(make(tuple(r), tuple(p), need))
+            out.append(make(tuple(r or ()), tuple(p or ()), need))
         else:
             x = idle.get(need)
             if x is None:
