@@ -581,6 +581,7 @@ class _Greedy:
         * a copy issued before the bucket's previous interval ends merges into it (the bucket stays).
         """
         s, e, b = self.use_s, self.use_e.copy(), self.use_b
+        nb = len(self.buckets)
         live = np.ones(len(b), dtype=bool)
         if resident:
             live &= ~np.isin(b, np.fromiter(resident, dtype=np.int64, count=len(resident)))
@@ -597,7 +598,7 @@ class _Greedy:
             j = np.searchsorted(starts, s)
             p = np.where(j > 0, starts[np.maximum(j - 1, 0)], s)
         else:
-            order = np.lexsort((b, s))
+            order = _lexsort((b, s), (nb, self.n + 1))
             latest = _latest_issue(self.tau_np[s[order]], self.dur_np[b[order]])
             p = np.empty(len(order), dtype=np.int64)
             p[order] = np.minimum(s[order], np.maximum(0, np.searchsorted(self.tau_np, latest, side="right") - 1))
@@ -607,7 +608,7 @@ class _Greedy:
         last = np.ones(len(b), dtype=bool)
         last[:-1] = new[1:]
         rows = np.stack([p[new], b[new], e[last]], axis=1)
-        return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+        return rows[_lexsort((rows[:, 2], rows[:, 1], rows[:, 0]), (self.n + 1, nb, self.n + 1))]
 
     def flat(self, streamed: dict) -> np.ndarray:
         """The streamed buffers as rows (issue, bucket, end), sorted: the order of their copies in the
@@ -628,7 +629,7 @@ class _Greedy:
         # disjoint and in event order): one search over the copies sorted by (bucket, end).
         cb = np.concatenate([np.asarray(refresh, dtype=np.int64), flat[:, 1]])
         ce = np.concatenate([np.full(m, n, dtype=np.int64), flat[:, 2]])
-        order = np.lexsort((ce, cb))
+        order = _lexsort((ce, cb), (n + 1, len(self.buckets)))
         found = np.full(len(self.need_b), -1, dtype=np.int64)
         if len(order):
             q = np.minimum(np.searchsorted(cb[order] * (n + 1) + ce[order], self.need_key, side="right"),
@@ -758,7 +759,7 @@ class _Greedy:
         rmq = _MaxTable(prof, self._table)
         # per bucket: max live bytes inside its buffers and outside them (its gaps): each bucket's buffers
         # in event order, then a max over each bucket's run (exact: integer maxima in any order)
-        order = np.lexsort((p, owner))
+        order = _lexsort((p, owner), (self.n + 1, nb))
         ob, op, oe = owner[order], p[order], e[order]
         first = np.ones(m, dtype=bool)
         first[1:] = ob[1:] != ob[:-1]
@@ -802,8 +803,14 @@ class _Greedy:
         cap = max(1, -(-len(self.uses) // MAX_POINTS))
         # each bucket's best move, in rank order; taken until ``cap`` moves or (while there is stall) until
         # their gains, summed in that order (cumsum adds sequentially), cover it
-        _, at = np.unique(bs[ranked], return_index=True)
-        best = ranked[np.sort(at)]
+        # (a bucket is at most one resident and one keep candidate: keep the one ranked first)
+        pos = np.empty(len(ranked), dtype=np.int64)
+        pos[ranked] = np.arange(len(ranked), dtype=np.int64)
+        first_pos = np.full(nb, len(ranked), dtype=np.int64)
+        nr = len(res_b)  # each bucket at most once among the resident candidates, and among the keeps
+        first_pos[bs[:nr]] = pos[:nr]
+        first_pos[bs[nr:]] = np.minimum(first_pos[bs[nr:]], pos[nr:])
+        best = ranked[np.sort(first_pos[first_pos < len(ranked)])]
         take = min(cap, len(best))
         if stalled and take:
             covered = np.flatnonzero(np.cumsum(gains[best[:take]]) >= sim.stall_s)
@@ -811,6 +818,19 @@ class _Greedy:
                 take = int(covered[0]) + 1
         best = best[:take]
         return [("resident" if k else "keep", b) for k, b in zip(kinds[best].tolist(), bs[best].tolist())]
+
+
+def _lexsort(keys, bounds) -> np.ndarray:
+    """``np.lexsort(keys)`` (the last key primary) for integer keys with ``0 <= keys[i] < bounds[i]``: one
+    stable argsort of a combined int64 key where it fits (the same permutation, ties included), else
+    ``np.lexsort``."""
+    if not len(keys[0]) or int(np.prod([float(x) for x in bounds])) >= 2 ** 62:
+        return np.lexsort(keys)
+    combined = np.zeros(len(keys[0]), dtype=np.int64)
+    for key, bound in zip(reversed(keys), reversed(bounds)):  # primary first
+        combined *= bound
+        combined += key
+    return np.argsort(combined, kind="stable")
 
 
 def _latest_issue(deadline: np.ndarray, duration: np.ndarray):

@@ -379,3 +379,16 @@ def test_layout_from_arrays_is_the_layout_from_intervals(case, hw, data):
     for point in g.candidates(10**9):
         assert g.layout(point.resident, point.flat) == _layout(trace, buckets, 4, point.resident,
                                                                (point.streamed, g.grads))
+
+
+def test_combined_key_sort_is_lexsort():
+    """_lexsort (one stable argsort of a combined key) gives np.lexsort's permutation, ties included."""
+    import numpy as np
+    from offload.schedule import _lexsort
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 7, 500):
+        keys = (rng.integers(0, 3, n), rng.integers(0, 5, n), rng.integers(0, 4, n))  # many ties
+        assert _lexsort(keys, (3, 5, 4)).tolist() == np.lexsort(keys).tolist()
+        assert _lexsort(keys[:2], (3, 5)).tolist() == np.lexsort(keys[:2]).tolist()
+    big = (rng.integers(0, 2**40, 50), rng.integers(0, 2**40, 50))  # too large to combine: np.lexsort itself
+    assert _lexsort(big, (2**40, 2**40)).tolist() == np.lexsort(big).tolist()
