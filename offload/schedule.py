@@ -347,6 +347,7 @@ def _maker(cls):
     thousands of buffers and actions of a large plan: it fills the instance dict at once (what the
     generated ``__init__`` does one ``object.__setattr__`` at a time), for about half the cost. The
     objects are the same: equal, equally hashed and printed (``tests/test_schedule.py``)."""
+    assert not hasattr(cls, "__post_init__") and "__slots__" not in vars(cls), f"{cls.__name__}: use its __init__"
     names = tuple(f.name for f in dataclasses.fields(cls))
     new = object.__new__
 
