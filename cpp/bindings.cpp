@@ -98,12 +98,16 @@ py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_even
                         r.divided_by_zero);
 }
 
-// The scheduler's two sequential loops (cpp/schedule_kernels.h): lists back, for the Python side.
-std::vector<double> latest_issue(const SecondsArray& deadline, const SecondsArray& duration) {
+// The scheduler's two sequential loops (cpp/schedule_kernels.h).
+py::array_t<double> latest_issue(const SecondsArray& deadline, const SecondsArray& duration) {
   const auto d = view_of<double>(deadline, "deadline");
   const auto t = view_of<double>(duration, "duration");
-  py::gil_scoped_release release;
-  return offload::latest_issue(d, t);
+  std::vector<double> out;
+  {
+    py::gil_scoped_release release;
+    out = offload::latest_issue(d, t);
+  }
+  return py::array_t<double>(static_cast<py::ssize_t>(out.size()), out.data());
 }
 
 py::tuple last_occupants(const IndexArray& issue, const IndexArray& release_at, const IndexArray& lo,

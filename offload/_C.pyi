@@ -130,8 +130,9 @@ def simulate_lanes(
     converted). Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event,
     copy credit, divided by zero); the two per-item results are float64 numpy arrays."""
 
-def latest_issue(deadline: Sequence[float], duration: Sequence[float]) -> list[float]:
-    """``out[q] = min(deadline[q], out[q + 1]) - duration[q]`` backwards from +inf (``cpp/schedule_kernels.h``)."""
+def latest_issue(deadline: Sequence[float], duration: Sequence[float]) -> object:
+    """``out[q] = min(deadline[q], out[q + 1]) - duration[q]`` backwards from +inf (``cpp/schedule_kernels.h``),
+    as a float64 numpy array."""
 
 def last_occupants(
     issue: Sequence[int], release: Sequence[int], lo: Sequence[int], hi: Sequence[int]

@@ -800,7 +800,7 @@ class _Greedy:
             cand = [np.concatenate([a, x]) for a, x in
                     zip(cand, (kscore, kb, np.zeros(len(kb), dtype=np.int64), kgain))]
         score, bs, kinds, gains = cand
-        ranked = np.lexsort((kinds, bs, -score))  # best score, then bucket, then "keep" before "resident"
+        ranked = np.lexsort((bs * 2 + kinds, -score))  # best score, then bucket, then "keep" before "resident"
         cap = max(1, -(-len(self.uses) // MAX_POINTS))
         # each bucket's best move, in rank order; taken until ``cap`` moves or (while there is stall) until
         # their gains, summed in that order (cumsum adds sequentially), cover it

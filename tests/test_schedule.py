@@ -318,7 +318,7 @@ def test_cpp_latest_issue_equals_the_python_reference_bitwise(rows):
         pytest.skip("offload._C was built without latest_issue")
     deadline, duration = [d for d, _ in rows], [t for _, t in rows]
     got = _C.latest_issue(np.array(deadline, dtype=np.float64), np.array(duration, dtype=np.float64))
-    assert list(map(repr, got)) == list(map(repr, _latest_issue_reference(deadline, duration)))
+    assert list(map(repr, got.tolist())) == list(map(repr, _latest_issue_reference(deadline, duration)))
 
 
 @st.composite
