@@ -453,9 +453,10 @@ def _compute_times(trace: Trace, compute_s: Sequence[float] | None) -> tuple[flo
         compute_s = trace.compute_seconds
     if len(compute_s) != len(trace.events):
         raise ValueError(f"compute_s has {len(compute_s)} entries for {len(trace.events)} trace events")
-    if any(not (c >= 0) for c in compute_s):
+    seconds = np.asarray(compute_s, dtype=np.float64)
+    if not (seconds >= 0).all():  # negatives and NaN
         raise ValueError("compute_s must be non-negative seconds")
-    return tuple(float(c) for c in compute_s)
+    return tuple(seconds.tolist())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -506,23 +507,42 @@ class _Greedy:
         self.trace, self.buckets, self.hw, self.compute = trace, buckets, hw, compute
         self.n = len(trace.events)
         bucket_of = locate(buckets)[0]
-        self.uses = {b: [tuple(iv) for iv in ivs]
-                     for b, ivs in _need_intervals(trace, bucket_of, merge_phase=False).items()}
         self.grads, self.grad_issue = _grad_info(trace, buckets, bucket_of)
         self.needs = _needed_all(trace, bucket_of)
+        # every (event, bucket) need, flattened in event order: for the program's waits
+        lens = [len(bs) for bs in self.needs]
+        self.need_ptr = list(itertools.accumulate(lens, initial=0))  # event i's needs: [ptr[i], ptr[i + 1])
+        self.need_b = np.fromiter(itertools.chain.from_iterable(self.needs), dtype=np.int64, count=self.need_ptr[-1])
+        self.need_e = np.repeat(np.arange(self.n, dtype=np.int64), np.asarray(lens, dtype=np.int64))
+        # The need intervals, merged (``_need_intervals(merge_phase=False)``), as arrays grouped by bucket,
+        # each bucket's in event order (what ``placed`` starts from): the needs sorted by (bucket, event),
+        # each [event, its end); a new interval starts where one starts after every earlier one of its
+        # bucket ended (a running max of the ends, offset per bucket so that it never crosses buckets).
+        order = _lexsort((self.need_e, self.need_b), (self.n + 1, len(buckets)))
+        b, start = self.need_b[order], self.need_e[order]
+        big = self.n + 1
+        reach = np.maximum.accumulate(b * big + np.asarray(trace.ends, dtype=np.int64)[start])
+        new = np.ones(len(b), dtype=bool)
+        new[1:] = (b[1:] != b[:-1]) | (start[1:] > reach[:-1] - b[1:] * big)
+        last = np.ones(len(b), dtype=bool)
+        last[:-1] = new[1:]
+        self.use_b, self.use_s, self.use_e = b[new], start[new], reach[last] - b[last] * big
+        self.n_used = len(np.unique(self.use_b))  # buckets any event needs
         self.nbytes = [b.nbytes(itemsize) for b in buckets]
         self.size = [_align(x) for x in self.nbytes]
         self.grad_bytes = {b: buckets[b].grad_nbytes(itemsize) for b in self.grads}
         dur = {x: hw.h2d_seconds(x) for x in set(self.nbytes)}  # one call per distinct size
         self.dur = [dur[x] for x in self.nbytes]
         self.tau = list(itertools.accumulate(compute, initial=0.0))  # sequential sums, as a loop adds
-        self.grad_profile = [0] * (self.n + 1)
-        for b, (s, e) in self.grads.items():
-            self.grad_profile[s] += _align(self.grad_bytes[b])
-            self.grad_profile[e] -= _align(self.grad_bytes[b])
+        # live grad-slot bytes change: + at each slot's start, - at its end (integer sums: exact in any order)
+        slots = np.array([(s, e, self.grad_bytes[b]) for b, (s, e) in self.grads.items()],
+                         dtype=np.int64).reshape(-1, 3)
+        slot_bytes = (slots[:, 2] + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN  # _align
+        self.grad_profile_np = np.zeros(self.n + 1, dtype=np.int64)
+        np.add.at(self.grad_profile_np, slots[:, 0], slot_bytes)
+        np.add.at(self.grad_profile_np, slots[:, 1], -slot_bytes)
         # the same, as arrays for the vectorised profile and moves
         nb = len(buckets)
-        self.grad_profile_np = np.asarray(self.grad_profile, dtype=np.int64)
         self.size_np = np.asarray(self.size, dtype=np.int64).reshape(nb)
         self.nbytes_np = np.asarray(self.nbytes, dtype=np.int64).reshape(nb)
         # the device-to-host side of every program (it does not depend on the point)
@@ -532,11 +552,6 @@ class _Greedy:
                         adam_numel=tuple(self.buckets[b].trainable_numel for _, b in d2h))
         self.dur_np = np.asarray(self.dur, dtype=np.float64).reshape(nb)
         self.updated_dur = np.array([self.dur[b] if b in self.grads else 0.0 for b in range(nb)], dtype=np.float64)
-        # the need intervals as arrays grouped by bucket, each bucket's in event order (what ``placed``
-        # starts from)
-        rows = [(b, s, e) for b in sorted(self.uses) for s, e in self.uses[b]]
-        self.use_b, self.use_s, self.use_e = (np.asarray(c, dtype=np.int64) for c in
-                                              (zip(*rows) if rows else ((), (), ())))
         # keepable: buckets used in forward and again in backward. Per keepable bucket: the start and the row
         # of its last forward interval (``fwd_*``) and of its first backward one (``bwd_*``), which is its
         # first interval starting at or after ``num_forward`` and not its first interval.
@@ -553,11 +568,6 @@ class _Greedy:
         self.fwd_at[self.keepable], self.bwd_at[self.keepable] = self.use_s[r - 1], self.use_s[r]
         self.fwd_row[self.keepable], self.bwd_row[self.keepable] = r - 1, r
         self.tau_np = np.asarray(self.tau, dtype=np.float64)
-        # every (event, bucket) need, flattened in event order: for the program's waits
-        lens = [len(bs) for bs in self.needs]
-        self.need_ptr = list(itertools.accumulate(lens, initial=0))  # event i's needs: [ptr[i], ptr[i + 1])
-        self.need_b = np.fromiter(itertools.chain.from_iterable(self.needs), dtype=np.int64, count=self.need_ptr[-1])
-        self.need_e = np.repeat(np.arange(self.n, dtype=np.int64), np.asarray(lens, dtype=np.int64))
         self.need_key = self.need_b * (self.n + 1) + self.need_e
         self.need_ptr_np = np.asarray(self.need_ptr, dtype=np.int64)
         self._table = np.zeros((max(1, self.n.bit_length()), max(1, self.n)), dtype=np.int64)  # moves' _MaxTable
@@ -568,6 +578,14 @@ class _Greedy:
                            np.asarray(_each(hw.d2h_seconds, d["d2h_bytes"]), dtype=np.float64),
                            np.asarray(_each(hw.adam_seconds, d["adam_numel"]), dtype=np.float64))
         self.d2h_total = sum(d["d2h_bytes"])
+
+    @property
+    def uses(self) -> dict[int, list[tuple[int, int]]]:
+        """Per needed bucket: its need intervals [start, end), in event order."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for b, s, e in zip(self.use_b.tolist(), self.use_s.tolist(), self.use_e.tolist()):
+            out.setdefault(b, []).append((s, e))
+        return out
 
     # -- one point --------------------------------------------------------------------------------------
 
@@ -801,7 +819,7 @@ class _Greedy:
                     zip(cand, (kscore, kb, np.zeros(len(kb), dtype=np.int64), kgain))]
         score, bs, kinds, gains = cand
         ranked = np.lexsort((bs * 2 + kinds, -score))  # best score, then bucket, then "keep" before "resident"
-        cap = max(1, -(-len(self.uses) // MAX_POINTS))
+        cap = max(1, -(-self.n_used // MAX_POINTS))
         # each bucket's best move, in rank order; taken until ``cap`` moves or (while there is stall) until
         # their gains, summed in that order (cumsum adds sequentially), cover it
         # (a bucket is at most one resident and one keep candidate: keep the one ranked first)

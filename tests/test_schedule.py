@@ -392,3 +392,25 @@ def test_combined_key_sort_is_lexsort():
         assert _lexsort(keys[:2], (3, 5)).tolist() == np.lexsort(keys[:2]).tolist()
     big = (rng.integers(0, 2**40, 50), rng.integers(0, 2**40, 50))  # too large to combine: np.lexsort itself
     assert _lexsort(big, (2**40, 2**40)).tolist() == np.lexsort(big).tolist()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces())
+def test_need_interval_arrays_are_the_merged_need_intervals(case):
+    """_Greedy's need intervals, merged with numpy, are _need_intervals(merge_phase=False)."""
+    from offload.buckets import locate
+    from offload.schedule import _Greedy, _need_intervals
+    trace, buckets = case
+    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], tuple(trace.compute_seconds))
+    expected = _need_intervals(trace, locate(buckets)[0], merge_phase=False)
+    assert g.uses == {b: [tuple(iv) for iv in ivs] for b, ivs in expected.items()}
+    assert g.use_b.tolist() == sorted(g.use_b.tolist()) and g.n_used == len(expected)
+
+
+@pytest.mark.parametrize("bad", [-1e-6, float("nan")])
+def test_negative_or_nan_compute_seconds_are_refused(bad):
+    trace, buckets = _chain_trace(3, 100)
+    compute = [0.0] * len(trace.events)
+    compute[1] = bad
+    with pytest.raises(ValueError, match="non-negative seconds"):
+        build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0, compute_s=compute)
