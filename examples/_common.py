@@ -29,19 +29,28 @@ _RUN_ARGS = {
     "dtype": (str, "compute dtype"),
     "device": (str, "cuda or cpu (default: cuda if available, else cpu)"),
     "seed": (int, "seed of the init and the batches"),
+    "checkpointing": (str, 'activation checkpointing: "auto" recomputes the fewest blocks that make the activations '
+                           'fit the budget, "none" never recomputes'),
 }
+_CHOICES = {"dtype": ["float32", "bfloat16", "float16"], "checkpointing": ["auto", "none"]}
 
 
 def add_run_args(p: argparse.ArgumentParser, *, steps: int, batch: int, seq: int, lr: float,
-                 helps: dict[str, str] | None = None) -> None:
-    """Add --steps --budget --batch --seq --lr --dtype --device --seed with this example's defaults;
+                 checkpointing: str = "none", helps: dict[str, str] | None = None) -> None:
+    """Add --steps --budget --batch --seq --lr --dtype --device --seed --checkpointing with this example's defaults;
     ``helps`` (flag name without dashes -> text) replaces a generic help text."""
     defaults = {"steps": steps, "budget": None, "batch": batch, "seq": seq, "lr": lr, "dtype": "float32",
-                "device": None, "seed": 0}
+                "device": None, "seed": 0,
+                "checkpointing": checkpointing}
     helps = helps or {}
     for name, (kind, text) in _RUN_ARGS.items():
-        extra = {"choices": ["float32", "bfloat16", "float16"]} if name == "dtype" else {}
+        extra = {"choices": _CHOICES[name]} if name in _CHOICES else {}
         p.add_argument(f"--{name}", type=kind, default=defaults[name], help=helps.get(name, text), **extra)
+
+
+def checkpointing(args: argparse.Namespace):
+    """The wrap() value of --checkpointing: "auto" or None."""
+    return None if args.checkpointing == "none" else args.checkpointing
 
 
 def setup(args: argparse.Namespace) -> str:
@@ -114,6 +123,10 @@ def memory_table(stats: dict) -> Table:
         buckets = f"{plan['num_buckets']} x ~{format_bytes(plan['bucket_bytes'])}"
         table.add_row("buckets", buckets, f"{plan['resident_buckets']} resident, {plan['streamed_buckets']} streamed")
         table.add_row("re-plans", str(plan["replans"]), "plans rebuilt because execution left the traced order")
+    ckpt = stats.get("activation_checkpointing") or {}
+    if ckpt.get("mode"):
+        table.add_row("checkpointed", f"{len(ckpt['checkpointed'])} of {ckpt['blocks']} blocks",
+                      f"--checkpointing {ckpt['mode']}: recomputed in backward instead of saved")
     return table
 
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 
 import offload
-from _common import (add_run_args, format_bytes, import_transformers, load_stdlib_source, loss_trend,
+from _common import (add_run_args, checkpointing, format_bytes, import_transformers, load_stdlib_source, loss_trend,
                      memory_table, progress_columns, setup)  # examples/_common.py, next to this file
 
 PAD, MASK, CLS, SEP = 256, 257, 258, 259
@@ -31,7 +31,7 @@ console = Console()
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_run_args(p, steps=30, batch=4, seq=64, lr=5e-4, helps={
+    add_run_args(p, steps=30, batch=2, seq=64, lr=5e-4, checkpointing="auto", helps={
         "seq": "bytes per sequence, [CLS] and [SEP] included", "seed": "seed of the init, the batches and the masks"})
     p.add_argument("--layers", type=int, default=4, help="encoder layers")
     p.add_argument("--hidden", type=int, default=256, help="hidden size")
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
                   f"{args.layers} layers x {args.hidden}; text: {files} stdlib files, byte-level")
     opt = offload.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     engine = offload.wrap(model, opt, budget=args.budget or int(0.75 * weights),
-                          bucket_bytes=max(weights // 12, 4096), dtype=getattr(torch, args.dtype), device=device)
+                          bucket_bytes=max(weights // 12, 4096), dtype=getattr(torch, args.dtype), device=device,
+                          activation_checkpointing=checkpointing(args))
     console.print(f"device: {device}, budget {format_bytes(engine.memory_stats()['budget_bytes'])}")
     g = torch.Generator().manual_seed(args.seed)
     losses = []

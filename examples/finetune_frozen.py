@@ -30,7 +30,7 @@ from rich.table import Table
 from torch import nn
 
 import offload
-from _common import (add_run_args, format_bytes, get_batch, load_stdlib_source, loss_trend,  # next to this file
+from _common import (add_run_args, checkpointing, format_bytes, get_batch, load_stdlib_source, loss_trend,  # next to this file
                      progress_columns, setup)
 from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     weights = 4 * total
     dtype = getattr(torch, args.dtype)
     engine = offload.wrap(model, opt, budget=args.budget or weights // 2, bucket_bytes=max(weights // 24, 4096),
-                          dtype=dtype, device=device)
+                          dtype=dtype, device=device, activation_checkpointing=checkpointing(args))
     rt = engine._runtime
     g = torch.Generator().manual_seed(args.seed)
     losses, marks = [], {}

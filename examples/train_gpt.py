@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 
 import offload
-from _common import (add_run_args, format_bytes, get_batch, import_transformers, load_stdlib_source,
+from _common import (add_run_args, checkpointing, format_bytes, get_batch, import_transformers, load_stdlib_source,
                      loss_trend, memory_table, progress_columns, setup)  # examples/_common.py, next to this file
 from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
@@ -187,6 +187,7 @@ def main(argv=None) -> int:
             bucket_bytes=args.bucket_bytes or weights // 12,
             dtype=getattr(torch, args.dtype),
             device=device,
+            activation_checkpointing=checkpointing(args),
         )
         budget = engine.memory_stats()["budget_bytes"]
         verdict = "the weights alone do not fit" if budget < weights else "the weights fit"

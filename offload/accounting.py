@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -18,6 +20,8 @@ class DeviceMemory:
         self.peak = 0
         self.activation_peak = 0  # of the current step
         self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
+        # Called after saved activations grew: off plan, the runtime evicts cached buckets to stay in budget.
+        self.on_activations: Callable[[], None] | None = None
 
     def add(self, part: str, n: int) -> None:
         self.parts[part] += n
@@ -31,6 +35,8 @@ class DeviceMemory:
             self._held[key] = [1, nbytes]
             self.add("activations", nbytes)
             self.activation_peak = max(self.activation_peak, self.parts["activations"])
+            if self.on_activations is not None:
+                self.on_activations()
             return True
         entry[0] += 1
         return False

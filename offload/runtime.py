@@ -72,6 +72,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.busy = False
         self.memory = DeviceMemory()
+        self.memory.on_activations = self._activations_grew
         self.placeholders = [backend.placeholder(p.shape, self.dtype) for p in self.params]
         self.grad_headroom = max((s.numel * self.itemsize for s in self.specs if s.group is not None), default=0)
         # AdamW of each bucket, in arrival order
@@ -420,6 +421,12 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
 
     def _make_room(self, nbytes: int) -> None:
         """Evict on-demand buckets, least recently used first, until ``nbytes`` more fit the budget."""
+        if not self._evict_to_fit(nbytes):
+            self.stats["over_budget_fetches"] += 1
+
+    def _evict_to_fit(self, nbytes: int) -> bool:
+        """Free finished grad slots, then evict unused on-demand buckets, least recently used first, until
+        ``nbytes`` more fit the budget; False if they still do not."""
         # Leave room for the largest gradient autograd may materialise while this bucket is here.
         limit = self.config.budget - self.grad_headroom - self.reserve
         self._reclaim(block=self.memory.current + nbytes > limit)
@@ -428,11 +435,17 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
             protected |= buckets
         for b in list(self.lru):
             if self.memory.current + nbytes <= limit:
-                return
+                return True
             if b not in protected and self.state[b] is not Residency.HOST:
                 self._release(b)
-        if self.memory.current + nbytes > limit:
-            self.stats["over_budget_fetches"] += 1
+        return self.memory.current + nbytes <= limit
+
+    def _activations_grew(self) -> None:
+        """Off plan, buckets fetched on demand stay cached until room is needed; room is needed when saved
+        activations grow as much as when another bucket is fetched, so evict the same way (no-op on plan,
+        where activations are planned, and while tracing, where nothing is cached)."""
+        if self.lru and self.memory.current > self.config.budget - self.grad_headroom - self.reserve:
+            self._evict_to_fit(0)
 
     def _touch_lru(self, b: int) -> None:
         if b in self.lru:
