@@ -46,26 +46,32 @@ std::vector<std::int64_t> aligned_sizes(const BufferLifetimes& b, std::int64_t a
 }
 
 // Places buffers one at a time at their best-fit offset. Only placed buffers live at the same time as
-// the new one matter; they are found through a start-sorted index: a buffer live at the same time as
-// [start, end) starts before `end` and after `start - longest lifetime placed so far`. So a placement
-// costs about the number of buffers near it in time (plus sorting those by offset), not the number
-// placed: 10,000 buffers with short lifetimes take milliseconds, and O(n^2) remains the worst case
-// (every buffer live at once).
+// the new one matter; they are found through start-sorted indexes, one per lifetime class (lifetimes in
+// [2^c, 2^(c+1))): a buffer of class c live at the same time as [start, end) starts before `end` and
+// after `start - the longest lifetime of class c placed so far`. So a placement costs about the number
+// of buffers near it in time (plus sorting those by offset), and a few long-lived buffers do not widen
+// the scan for the short ones (one index for all made every placement scan a window as wide as the
+// longest lifetime). O(n^2) remains the worst case (every buffer live at once). Which buffers are found
+// does not depend on the indexing, so neither do the offsets.
 class Placer {
  public:
   Placer(const std::vector<std::int64_t>& size, const BufferLifetimes& b) : size_(size), b_(b) {
-    std::vector<std::size_t> by_start(size.size());
+    const std::size_t n = size.size();
+    std::vector<std::size_t> by_start(n);
     std::iota(by_start.begin(), by_start.end(), 0);
     std::sort(by_start.begin(), by_start.end(), [&](std::size_t x, std::size_t y) {
       return b.starts[x] != b.starts[y] ? b.starts[x] < b.starts[y] : x < y;
     });
-    sorted_starts_.resize(size.size());
-    position_.resize(size.size());
-    entries_.resize(size.size());
-    for (std::size_t k = 0; k < by_start.size(); ++k) {
-      sorted_starts_[k] = b.starts[by_start[k]];
-      position_[by_start[k]] = k;
-      entries_[k].end = b.ends[by_start[k]];
+    class_of_.resize(n);
+    position_.resize(n);
+    for (const std::size_t i : by_start) {
+      int c = 0;
+      for (std::int64_t len = b.ends[i] - b.starts[i]; len > 1; len >>= 1) ++c;  // floor(log2(len)); len >= 1
+      Class& k = classes_[c];
+      class_of_[i] = c;
+      position_[i] = k.starts.size();
+      k.starts.push_back(b.starts[i]);
+      k.entries.push_back(Entry{b.ends[i], 0, 0, false});
     }
   }
 
@@ -75,15 +81,18 @@ class Placer {
     const std::int64_t start = b_.starts[i];
     const std::int64_t end = b_.ends[i];
     constexpr std::int64_t kMin = std::numeric_limits<std::int64_t>::min();
-    const std::int64_t earliest = start < kMin + longest_ ? kMin : start - longest_;  // exclusive
-    const auto first = std::upper_bound(sorted_starts_.begin(), sorted_starts_.end(), earliest);
-    const auto last = std::lower_bound(first, sorted_starts_.end(), end);
     live_.clear();
-    const Entry* e = entries_.data();
-    for (auto k = static_cast<std::size_t>(first - sorted_starts_.begin()),
-              stop = static_cast<std::size_t>(last - sorted_starts_.begin());
-         k < stop; ++k) {
-      if (e[k].placed && e[k].end > start) live_.emplace_back(e[k].lo, e[k].hi);
+    for (const int c : used_) {
+      const Class& k = classes_[c];
+      const std::int64_t earliest = start < kMin + k.longest ? kMin : start - k.longest;  // exclusive
+      const auto first = std::upper_bound(k.starts.begin(), k.starts.end(), earliest);
+      const auto last = std::lower_bound(first, k.starts.end(), end);
+      const Entry* e = k.entries.data();
+      for (auto q = static_cast<std::size_t>(first - k.starts.begin()),
+                stop = static_cast<std::size_t>(last - k.starts.begin());
+           q < stop; ++q) {
+        if (e[q].placed && e[q].end > start) live_.emplace_back(e[q].lo, e[q].hi);
+      }
     }
     std::sort(live_.begin(), live_.end());
     std::int64_t best_offset = -1;
@@ -98,27 +107,34 @@ class Placer {
       prev_end = std::max(prev_end, hi);
     }
     const std::int64_t offset = best_offset >= 0 ? best_offset : prev_end;
-    Entry& mine = entries_[position_[i]];
+    Class& k = classes_[class_of_[i]];
+    Entry& mine = k.entries[position_[i]];
     mine.placed = true;
     mine.lo = offset;
     mine.hi = offset + size_[i];
-    longest_ = std::max(longest_, end - start);
+    if (k.longest == 0) used_.push_back(class_of_[i]);
+    k.longest = std::max(k.longest, end - start);
     return offset;
   }
 
  private:
-  struct Entry {  // one per buffer, in start order: what the scan reads, side by side
+  struct Entry {  // one per buffer, in start order within its class: what the scan reads, side by side
     std::int64_t end = 0;
     std::int64_t lo = 0;  // [lo, hi): its bytes, once placed
     std::int64_t hi = 0;
     bool placed = false;
   };
+  struct Class {  // the buffers whose lifetime is in [2^c, 2^(c+1))
+    std::vector<std::int64_t> starts;  // in start order
+    std::vector<Entry> entries;        // the same order
+    std::int64_t longest = 0;          // longest lifetime placed so far (0: none placed)
+  };
   const std::vector<std::int64_t>& size_;
   const BufferLifetimes& b_;
-  std::vector<std::int64_t> sorted_starts_;  // starts in start order
-  std::vector<std::size_t> position_;        // buffer id -> index in start order
-  std::vector<Entry> entries_;               // by index in start order
-  std::int64_t longest_ = 0;                 // longest lifetime placed so far
+  Class classes_[64];
+  std::vector<int> used_;                 // classes with a placed buffer
+  std::vector<int> class_of_;             // buffer id -> its class
+  std::vector<std::size_t> position_;     // buffer id -> index in its class
   std::vector<std::pair<std::int64_t, std::int64_t>> live_;  // scratch: [offset, offset + size)
 };
 
@@ -270,22 +286,27 @@ ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment) {
   const std::vector<std::int64_t> classes = size_classes(size);
   // The heuristics are independent: large inputs run them on parallel threads (each is pure and
   // deterministic, so the result does not depend on the thread count).
+  // Where every size is its own size class (e.g. equal power-of-two buckets), the size-class heuristics
+  // are the exact ones run again: they are not run, and take the exact ones' totals (a tie, so an exact
+  // one wins as it would).
+  const int to_run = classes == size ? kNumHeuristics / 2 : kNumHeuristics;
   std::vector<ArenaPlan> plans(kNumHeuristics);
   auto run = [&](int h) { plans[h] = run_heuristic(h, size, classes, buffers); };
   constexpr std::size_t kParallelFrom = 2000;  // buffers; below this a thread costs more than a heuristic
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   if (size.size() < kParallelFrom || cores == 1) {
-    for (int h = 0; h < kNumHeuristics; ++h) run(h);
+    for (int h = 0; h < to_run; ++h) run(h);
   } else {
     std::atomic<int> next{0};
     auto worker = [&] {
-      for (int h = next++; h < kNumHeuristics; h = next++) run(h);
+      for (int h = next++; h < to_run; h = next++) run(h);
     };
     std::vector<std::thread> pool;
-    for (unsigned t = 1; t < std::min<unsigned>(cores, kNumHeuristics); ++t) pool.emplace_back(worker);
+    for (unsigned t = 1; t < std::min<unsigned>(cores, static_cast<unsigned>(to_run)); ++t) pool.emplace_back(worker);
     worker();
     for (auto& t : pool) t.join();
   }
+  for (int h = to_run; h < kNumHeuristics; ++h) plans[h].total_bytes = plans[h - to_run].total_bytes;
   int best = 0;
   for (int h = 1; h < kNumHeuristics; ++h) {
     if (plans[h].total_bytes < plans[best].total_bytes) best = h;  // ties keep the earlier

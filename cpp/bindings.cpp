@@ -1,5 +1,6 @@
 // The only translation unit that includes pybind11: exposes the C++ core as `offload._C`.
 // Error mapping: std::invalid_argument -> ValueError, ArenaOutOfMemory -> MemoryError.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -14,6 +15,7 @@
 #include "cpu_adam.h"
 #include "lane_sim.h"
 #include "pinned_arena.h"
+#include "schedule_kernels.h"
 
 namespace py = pybind11;
 
@@ -62,21 +64,64 @@ std::int64_t arena_lower_bound(const Sizes& sizes, const Sizes& starts, const Si
   return offload::arena_lower_bound({sizes, starts, ends}, alignment);
 }
 
-using Seconds = std::vector<double>;
+// The lane loop's inputs arrive as numpy arrays (or sequences, converted once): the scheduler keeps them
+// as arrays, so a simulated point converts no per-event Python objects.
+using SecondsArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using IndexArray = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
+
+template <typename T, typename A>
+offload::View<T> view_of(const A& a, const char* name) {
+  if (a.ndim() != 1) throw std::invalid_argument(std::string(name) + " must be one-dimensional");
+  return {a.data(), static_cast<std::size_t>(a.shape(0))};
+}
 
 // Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit,
-// divided by zero); offload/simulate.py builds the SimResult.
-py::tuple simulate_lanes(const Seconds& compute, const Sizes& h2d_event, const Seconds& h2d_solo,
-                         const Sizes& wait_ptr, const Sizes& wait_copy, const Sizes& d2h_event,
-                         const Seconds& d2h_solo, const Seconds& adam_s, bool adam_after_backward, double duplex) {
+// divided by zero), the two per-item results as numpy arrays; offload/simulate.py builds the SimResult.
+py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_event, const SecondsArray& h2d_solo,
+                         const IndexArray& wait_ptr, const IndexArray& wait_copy, const IndexArray& d2h_event,
+                         const SecondsArray& d2h_solo, const SecondsArray& adam_s, bool adam_after_backward,
+                         double duplex) {
+  const offload::LaneProgram program{
+      view_of<double>(compute, "compute"),     view_of<std::int64_t>(h2d_event, "h2d_event"),
+      view_of<double>(h2d_solo, "h2d_solo"),   view_of<std::int64_t>(wait_ptr, "wait_ptr"),
+      view_of<std::int64_t>(wait_copy, "wait_copy"), view_of<std::int64_t>(d2h_event, "d2h_event"),
+      view_of<double>(d2h_solo, "d2h_solo"),   view_of<double>(adam_s, "adam_s"),
+      adam_after_backward,                     duplex};
   offload::LaneResult r;
   {
     py::gil_scoped_release release;
-    r = offload::simulate_lanes({compute, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
-                                 adam_after_backward, duplex});
+    r = offload::simulate_lanes(program);
   }
   return py::make_tuple(r.step_s, r.compute_s, r.stall_s, r.h2d_busy_s, r.d2h_busy_s, r.adam_s, r.compute_end,
-                        r.stall_per_event, r.copy_credit, r.divided_by_zero);
+                        py::array_t<double>(static_cast<py::ssize_t>(r.stall_per_event.size()), r.stall_per_event.data()),
+                        py::array_t<double>(static_cast<py::ssize_t>(r.copy_credit.size()), r.copy_credit.data()),
+                        r.divided_by_zero);
+}
+
+// The scheduler's two sequential loops (cpp/schedule_kernels.h).
+py::array_t<double> latest_issue(const SecondsArray& deadline, const SecondsArray& duration) {
+  const auto d = view_of<double>(deadline, "deadline");
+  const auto t = view_of<double>(duration, "duration");
+  std::vector<double> out;
+  {
+    py::gil_scoped_release release;
+    out = offload::latest_issue(d, t);
+  }
+  return py::array_t<double>(static_cast<py::ssize_t>(out.size()), out.data());
+}
+
+py::tuple last_occupants(const IndexArray& issue, const IndexArray& release_at, const IndexArray& lo,
+                         const IndexArray& hi) {
+  const auto a = view_of<std::int64_t>(issue, "issue");
+  const auto b = view_of<std::int64_t>(release_at, "release");
+  const auto c = view_of<std::int64_t>(lo, "lo");
+  const auto d = view_of<std::int64_t>(hi, "hi");
+  offload::Occupants r;
+  {
+    py::gil_scoped_release release;
+    r = offload::last_occupants(a, b, c, d);
+  }
+  return py::make_tuple(r.ptr, r.buffers);
 }
 
 offload::ScalarType scalar_type(const std::string& name, const char* what) {
@@ -222,4 +267,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("wait_ptr"), py::arg("wait_copy"), py::arg("d2h_event"), py::arg("d2h_solo"), py::arg("adam_s"),
         py::arg("adam_after_backward"), py::arg("duplex"),
         "The step simulator's lane loop over flat arrays (see cpp/lane_sim.h and offload/simulate.py).");
+  m.def("latest_issue", &latest_issue, py::arg("deadline"), py::arg("duration"),
+        "The latest copy placement's backward pass (see cpp/schedule_kernels.h).");
+  m.def("last_occupants", &last_occupants, py::arg("issue"), py::arg("release"), py::arg("lo"), py::arg("hi"),
+        "Per buffer, the last earlier occupants of its bytes, flattened: (ptr, buffers).");
 }

@@ -10,7 +10,7 @@ namespace {
 // Copies grouped by issuing event, in copy order within an event (what the reference's dict of lists is).
 struct ByEvent {
   std::vector<std::int64_t> ptr, copy;
-  ByEvent(const std::vector<std::int64_t>& event, std::int64_t lo, std::int64_t hi) {
+  ByEvent(const View<std::int64_t>& event, std::int64_t lo, std::int64_t hi) {
     ptr.assign(static_cast<std::size_t>(hi - lo + 2), 0);
     for (std::int64_t e : event)
       if (e >= lo && e <= hi) ++ptr[static_cast<std::size_t>(e - lo + 1)];

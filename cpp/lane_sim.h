@@ -4,20 +4,35 @@
 // the HardwareModel; this only runs the four lanes. Tested against the reference in tests/test_simulate.py.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
 namespace offload {
 
+// A read-only view of n contiguous values (the caller's vector or array; it must outlive the call).
+template <typename T>
+struct View {
+  const T* data = nullptr;
+  std::size_t n = 0;
+  View() = default;
+  View(const T* d, std::size_t size) : data(d), n(size) {}
+  View(const std::vector<T>& v) : data(v.data()), n(v.size()) {}  // NOLINT: implicit on purpose
+  std::size_t size() const { return n; }
+  const T& operator[](std::size_t i) const { return data[i]; }
+  const T* begin() const { return data; }
+  const T* end() const { return data + n; }
+};
+
 struct LaneProgram {
-  const std::vector<double>& compute;        // per event: seconds of compute
-  const std::vector<std::int64_t>& h2d_event;  // per host-to-device copy: issuing event (-1: step start)
-  const std::vector<double>& h2d_solo;       // per copy: seconds alone on the link
-  const std::vector<std::int64_t>& wait_ptr;   // per event i: waits are wait_copy[wait_ptr[i]:wait_ptr[i+1]]
-  const std::vector<std::int64_t>& wait_copy;
-  const std::vector<std::int64_t>& d2h_event;  // per device-to-host copy: issuing event (n: end of backward)
-  const std::vector<double>& d2h_solo;
-  const std::vector<double>& adam_s;         // per device-to-host copy: seconds of its AdamW
+  View<double> compute;          // per event: seconds of compute
+  View<std::int64_t> h2d_event;  // per host-to-device copy: issuing event (-1: step start)
+  View<double> h2d_solo;         // per copy: seconds alone on the link
+  View<std::int64_t> wait_ptr;   // per event i: waits are wait_copy[wait_ptr[i]:wait_ptr[i+1]]
+  View<std::int64_t> wait_copy;
+  View<std::int64_t> d2h_event;  // per device-to-host copy: issuing event (n: end of backward)
+  View<double> d2h_solo;
+  View<double> adam_s;           // per device-to-host copy: seconds of its AdamW
   bool adam_after_backward;
   double duplex;
 };

@@ -13,18 +13,16 @@ Exits with 1 if the loss did not go down or the device peak went over the budget
 """
 
 import argparse
-import os
 import sys
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from a config: never reach for the network
-
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TextColumn
 
 import offload
-from train_gpt import format_bytes, load_stdlib_source, memory_table
+from _common import (add_run_args, format_bytes, import_transformers, load_stdlib_source, loss_trend,
+                     memory_table, progress_columns, setup)  # examples/_common.py, next to this file
 
 PAD, MASK, CLS, SEP = 256, 257, 258, 259
 VOCAB = 260
@@ -33,17 +31,11 @@ console = Console()
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps")
+    add_run_args(p, steps=30, batch=4, seq=64, lr=5e-4, helps={
+        "seq": "bytes per sequence, [CLS] and [SEP] included", "seed": "seed of the init, the batches and the masks"})
     p.add_argument("--layers", type=int, default=4, help="encoder layers")
     p.add_argument("--hidden", type=int, default=256, help="hidden size")
     p.add_argument("--heads", type=int, default=4, help="attention heads; must divide --hidden")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step")
-    p.add_argument("--seq", type=int, default=64, help="bytes per sequence, [CLS] and [SEP] included")
-    p.add_argument("--lr", type=float, default=5e-4, help="learning rate")
-    p.add_argument("--budget", help="device memory budget (default: 3/4 of the fp32 weights)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the init, the batches and the masks")
     args = p.parse_args(argv)
     if args.steps < 2 or args.seq < 8:
         p.error("--steps must be at least 2 and --seq at least 8")
@@ -68,12 +60,8 @@ def mlm_batch(data: torch.Tensor, batch: int, seq: int, g: torch.Generator) -> d
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        import transformers
-    except ImportError:
-        sys.exit('this example needs transformers: pip install -e ".[hf]"')
-    torch.manual_seed(args.seed)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    transformers = import_transformers("this example")
+    device = setup(args)
     train_data, _, files = load_stdlib_source()
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=args.layers,
                                      num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
@@ -89,9 +77,8 @@ def main(argv=None) -> int:
     console.print(f"device: {device}, budget {format_bytes(engine.memory_stats()['budget_bytes'])}")
     g = torch.Generator().manual_seed(args.seed)
     losses = []
-    columns = (TextColumn("[bold]bert mlm"), MofNCompleteColumn(), BarColumn(),
-               TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-               TextColumn("peak {task.fields[peak]}"), TimeElapsedColumn())
+    columns = progress_columns("bert mlm", TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                               TextColumn("peak {task.fields[peak]}"))
     try:
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("bert", total=args.steps, loss=float("nan"), tps=0.0, peak="-")
@@ -111,8 +98,7 @@ def main(argv=None) -> int:
         engine.close()
     console.print(memory_table(stats))
     within = stats["device_peak_bytes"] <= stats["budget_bytes"]
-    k = min(5, len(losses) // 2)
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    k, first, last = loss_trend(losses)
     console.print(f"[{'green' if within else 'red'}]device peak {format_bytes(stats['device_peak_bytes'])} "
                   f"{'<=' if within else '>'} budget {format_bytes(stats['budget_bytes'])}")
     console.print(f"[{'green' if last < first else 'red'}]loss {first:.3f} -> {last:.3f} "

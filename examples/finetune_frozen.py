@@ -25,13 +25,14 @@ import time
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TextColumn
 from rich.table import Table
 from torch import nn
 
 import offload
+from _common import (add_run_args, format_bytes, get_batch, load_stdlib_source, loss_trend,  # next to this file
+                     progress_columns, setup)
 from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
-from train_gpt import format_bytes, get_batch, load_stdlib_source
 
 console = Console()
 
@@ -55,20 +56,14 @@ class LoRALinear(nn.Module):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="training steps")
+    add_run_args(p, steps=30, batch=2, seq=32, lr=1e-3,
+                 helps={"budget": "device memory budget (default: half the fp32 weights)"})
     p.add_argument("--n-layer", type=int, default=8, help="transformer blocks")
     p.add_argument("--n-embd", type=int, default=256, help="model width")
     p.add_argument("--n-head", type=int, default=8, help="attention heads; must divide --n-embd")
     p.add_argument("--train-from", type=int, help="blocks from this one up train (default: the top two)")
     p.add_argument("--lora", type=int, default=0, help="rank of LoRA adapters on those blocks (0: train them whole)")
     p.add_argument("--init", help="start from this checkpoint (examples/train_gpt.py --save, same sizes)")
-    p.add_argument("--budget", help='device memory budget (default: half the fp32 weights)')
-    p.add_argument("--batch", type=int, default=2, help="sequences per step")
-    p.add_argument("--seq", type=int, default=32, help="tokens (bytes) per sequence")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the init and the batches")
     args = p.parse_args(argv)
     if args.train_from is None:
         args.train_from = max(0, args.n_layer - 2)
@@ -140,8 +135,7 @@ def transfers_table(rt, below: set[int], per_step: list[float], steps: int) -> T
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = setup(args)
     train_data, _, files = load_stdlib_source()
     model = build(args)
     total = sum(p.numel() for p in model.parameters())
@@ -159,9 +153,7 @@ def main(argv=None) -> int:
     rt = engine._runtime
     g = torch.Generator().manual_seed(args.seed)
     losses, marks = [], {}
-    columns = (TextColumn("[bold]fine-tune"), MofNCompleteColumn(), BarColumn(),
-               TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
-               TimeElapsedColumn())
+    columns = progress_columns("fine-tune", TextColumn("{task.fields[tps]:,.0f} tok/s"))
     try:
         with Progress(*columns, console=console) as progress:
             task = progress.add_task("fine-tune", total=args.steps, loss=float("nan"), tps=0.0)
@@ -220,8 +212,7 @@ def report(rt, stats, below, per_step, losses, trainable, total, dtype) -> bool:
     peak, budget = stats["device_peak_bytes"], stats["budget_bytes"]
     checks.append((f"device peak {format_bytes(peak)} <= budget {format_bytes(budget)} "
                    f"({summary['streamed_buckets']} of {summary['num_buckets']} buckets streamed)", peak <= budget))
-    k = min(5, len(losses) // 2)
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    k, first, last = loss_trend(losses)
     checks.append((f"loss {first:.3f} -> {last:.3f} (mean of the first {k} -> last {k} steps)", last < first))
     for text, ok in checks:
         console.print(f"[{'green' if ok else 'red'}]{'ok ' if ok else 'FAIL'} {text}[/]")

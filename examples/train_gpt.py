@@ -22,23 +22,19 @@ Exits with 1 if the loss did not go down or the device peak went over the budget
 
 import argparse
 import math
-import os
 import sys
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.progress import Progress, TextColumn
 
 import offload
+from _common import (add_run_args, format_bytes, get_batch, import_transformers, load_stdlib_source,
+                     loss_trend, memory_table, progress_columns, setup)  # examples/_common.py, next to this file
 from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
-DATA_BYTES = 4 * 2**20  # how much standard-library source to read
-VAL_FRACTION = 0.05  # held out for validation: the last 5 % of the bytes
 VAL_BATCHES = 8  # batches in one validation-loss estimate (always the same ones)
 
 console = Console()
@@ -46,18 +42,14 @@ console = Console()
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=100, help="training steps")
-    p.add_argument("--budget", help='device memory budget, e.g. "12MiB" (default: 3/4 of the fp32 weights)')
+    add_run_args(p, steps=100, batch=2, seq=32, lr=2e-3, helps={
+        "budget": 'device memory budget, e.g. "12MiB" (default: 3/4 of the fp32 weights)',
+        "lr": "peak learning rate (linear warmup, then cosine decay)",
+        "seed": "seed of the weight init and the batch sampling"})
     p.add_argument("--bucket-bytes", help='bytes per parameter bucket, e.g. "1MiB" (default: 1/12 of the weights)')
-    p.add_argument("--batch", type=int, default=2, help="sequences per step")
-    p.add_argument("--seq", type=int, default=32, help="tokens (bytes) per sequence")
     p.add_argument("--n-layer", type=int, default=6, help="transformer blocks")
     p.add_argument("--n-head", type=int, default=8, help="attention heads; must divide --n-embd")
     p.add_argument("--n-embd", type=int, default=256, help="model width")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (linear warmup, then cosine decay)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weight init and the batch sampling")
     p.add_argument("--model", default="gpt", choices=["gpt", "hf-gpt2"],
                    help="examples/gpt.py, or transformers' GPT2LMHeadModel (needs the hf extra)")
     p.add_argument("--save", help="checkpoint file written at every evaluation and at the end")
@@ -68,42 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 1 or args.eval_every < 1:
         p.error("--steps and --eval-every must be at least 1")
     return args
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def load_stdlib_source(limit: int = DATA_BYTES) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The first `limit` bytes of the standard library's .py files, walked in sorted order (the same bytes
-    on every run with this Python). Returns (train bytes, validation bytes, number of files read)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total, files = [], 0, 0
-    for root, dirs, names in os.walk(stdlib):
-        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
-        for name in sorted(n for n in names if n.endswith(".py")):
-            chunks.append(Path(root, name).read_bytes())
-            total, files = total + len(chunks[-1]), files + 1
-            if total >= limit:
-                break
-        if total >= limit:
-            break
-    if total < 100_000:
-        sys.exit(f"found only {total} bytes of .py source under {stdlib}; this example needs the stdlib sources")
-    data = torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8)
-    n_val = int(len(data) * VAL_FRACTION)
-    return data[:-n_val], data[-n_val:], files
-
-
-def get_batch(data: torch.Tensor, batch: int, seq: int, g: torch.Generator):
-    """`batch` random windows of `seq` bytes; the targets are the same windows shifted by one byte."""
-    ix = torch.randint(len(data) - seq - 1, (batch,), generator=g).tolist()
-    x = torch.stack([data[i : i + seq] for i in ix]).long()
-    y = torch.stack([data[i + 1 : i + 1 + seq] for i in ix]).long()
-    return x, y
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict]:
@@ -133,11 +89,7 @@ def build_model(args):
     if args.model == "gpt":
         return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head,
                              n_embd=args.n_embd, init_seed=args.seed))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from a config: never reach for the network
-    try:
-        import transformers
-    except ImportError:
-        sys.exit('--model hf-gpt2 needs transformers: pip install -e ".[hf]"')
+    transformers = import_transformers("--model hf-gpt2")
     config = transformers.GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.n_embd,
                                      n_layer=args.n_layer, n_head=args.n_head, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0)
@@ -160,41 +112,14 @@ def evaluate(engine, batches, device: str) -> float:
     return sum(losses) / len(losses)
 
 
-def memory_table(stats: dict) -> Table:
-    table = Table(title="device memory (engine.memory_stats())")
-    table.add_column("")
-    table.add_column("bytes", justify="right")
-    table.add_column("what it is")
-    table.add_row("budget", format_bytes(stats["budget_bytes"]), "--budget")
-    table.add_row("device peak", format_bytes(stats["device_peak_bytes"]), "most device memory in use at once")
-    plan = stats["plan"]
-    lower = f"; lower bound {format_bytes(plan['arena_lower_bound_bytes'])} (most bytes live at once)" if plan else ""
-    table.add_row("arena", format_bytes(stats["arena_bytes"]), "the one device buffer the plan lays out" + lower)
-    table.add_row("pinned host", format_bytes(stats["host_pinned_bytes"]), "host arena: fp32 weights, AdamW m/v, grads (pinned on CUDA)")
-    if plan:
-        table.add_row("activations", format_bytes(plan["activation_bytes"]), "saved for backward, traced in step 1")
-        buckets = f"{plan['num_buckets']} x ~{format_bytes(plan['bucket_bytes'])}"
-        table.add_row("buckets", buckets, f"{plan['resident_buckets']} resident, {plan['streamed_buckets']} streamed")
-        table.add_row("re-plans", str(plan["replans"]), "plans rebuilt because execution left the traced order")
-    return table
-
-
 def train(engine, opt, sched, train_data, val_data, args, device: str, start: int = 0,
           g: torch.Generator | None = None) -> list[float]:
     """The training loop, as with any torch optimizer, from step ``start``. Returns the loss of every step."""
     g = g or torch.Generator().manual_seed(args.seed)
     g_val = torch.Generator().manual_seed(args.seed + 1)
     val_batches = [get_batch(val_data, args.batch, args.seq, g_val) for _ in range(VAL_BATCHES)]
-    columns = (
-        TextColumn("[bold]train"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        TextColumn("{task.fields[ms]:.0f} ms/step"),
-        TextColumn("{task.fields[tps]:,.0f} tok/s"),
-        TextColumn("device peak {task.fields[peak]}"),
-        TimeElapsedColumn(),
-    )
+    columns = progress_columns("train", TextColumn("{task.fields[ms]:.0f} ms/step"),
+                               TextColumn("{task.fields[tps]:,.0f} tok/s"), TextColumn("device peak {task.fields[peak]}"))
     losses = []
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), ms=0.0, tps=0.0,
@@ -230,8 +155,7 @@ def report(stats: dict, losses: list[float]) -> bool:
         console.print(f"[green]device peak {peak} <= budget {budget}: within budget[/green]")
     else:
         console.print(f"[red]device peak {peak} > budget {budget}: OVER BUDGET[/red]")
-    k = max(1, min(5, len(losses) // 2))
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    k, first, last = loss_trend(losses)
     colour = "green" if last < first else "red"
     console.print(f"[{colour}]loss {first:.3f} -> {last:.3f} (mean of the first {k} steps -> of the last {k})")
     return within and last < first
@@ -239,8 +163,7 @@ def report(stats: dict, losses: list[float]) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = setup(args)
     train_data, val_data, files = load_stdlib_source()
     console.print(
         f"data: {format_bytes(len(train_data) + len(val_data))} of stdlib source from {files} files; "

@@ -120,3 +120,22 @@ def adamw_isa() -> str:
 
 def adamw_has_openmp() -> bool:
     """Whether ``adamw_step`` runs on OpenMP threads (else on the calling thread only)."""
+
+def simulate_lanes(
+    compute: Sequence[float], h2d_event: Sequence[int], h2d_solo: Sequence[float], wait_ptr: Sequence[int],
+    wait_copy: Sequence[int], d2h_event: Sequence[int], d2h_solo: Sequence[float], adam_s: Sequence[float],
+    adam_after_backward: bool, duplex: float,
+) -> tuple[float, float, float, float, float, float, float, object, object, bool]:
+    """The step simulator's lane loop (``cpp/lane_sim.h``) over one-dimensional numpy arrays (or sequences,
+    converted). Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event,
+    copy credit, divided by zero); the two per-item results are float64 numpy arrays."""
+
+def latest_issue(deadline: Sequence[float], duration: Sequence[float]) -> object:
+    """``out[q] = min(deadline[q], out[q + 1]) - duration[q]`` backwards from +inf (``cpp/schedule_kernels.h``),
+    as a float64 numpy array."""
+
+def last_occupants(
+    issue: Sequence[int], release: Sequence[int], lo: Sequence[int], hi: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """Per buffer, the buffers that last released its bytes ``[lo, hi)`` before it was issued, flattened as
+    (ptr, buffers) (``cpp/schedule_kernels.h``)."""

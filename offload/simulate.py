@@ -127,18 +127,53 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
     else:
         wait_ptr = list(itertools.accumulate(map(len, program.waits), initial=0))
         wait_copy = list(itertools.chain.from_iterable(program.waits))
-    out = _C.simulate_lanes(
-        program.compute_s, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes),
-        wait_ptr, wait_copy, program.d2h_event,
-        _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
-        program.adam_after_backward, hw.duplex_factor)
-    step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, stall_per_event, credit, by_zero = out
-    if by_zero:  # a stall on a zero-length copy: let the reference raise its ZeroDivisionError
-        return simulate_reference(program, hw)
-    return SimResult(
-        step_s=step, compute_s=compute, stall_s=stall, stall_per_event=tuple(stall_per_event),
-        h2d_bytes=sum(program.h2d_bytes), d2h_bytes=sum(program.d2h_bytes), h2d_busy_s=h2d_busy,
-        d2h_busy_s=d2h_busy, adam_s=adam, tail_s=step - compute_end, copy_credit=tuple(credit))
+    out = simulate_arrays(
+        program.compute_s, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
+        program.d2h_event, _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
+        program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes))
+    return simulate_reference(program, hw) if out is None else out
+
+
+def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
+                    adam_after_backward: bool, duplex: float, h2d_bytes: int, d2h_bytes: int,
+                    lazy: bool = False) -> SimResult | LaneResult | None:
+    """:func:`simulate` on a program already in lane terms (numpy arrays or sequences; the scheduler keeps
+    its points as arrays): per-copy seconds instead of bytes, waits as ``wait_copy[wait_ptr[i]:wait_ptr[i +
+    1]]``, and the byte totals the result reports. Needs the C++ lanes (``_C``). None where a stall lands
+    on a zero-length copy: the caller runs :func:`simulate_reference`, which raises its ZeroDivisionError.
+    ``lazy``: a :class:`LaneResult` (the per-event and per-copy results stay arrays until ``result()``)."""
+    out = _C.simulate_lanes(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
+                            adam_after_backward, duplex)
+    if out[-1]:  # divided by zero
+        return None
+    lanes = LaneResult(*out[:-1], h2d_bytes, d2h_bytes)
+    return lanes if lazy else lanes.result()
+
+
+@dataclass(frozen=True)
+class LaneResult:
+    """What the C++ lanes return, before it becomes a :class:`SimResult` (``result()``): the scheduler
+    simulates ~25 points per mode and keeps one, so the other points' 10^4-long per-event stalls and
+    per-copy credits never become tuples of Python floats."""
+
+    step_s: float
+    compute_s: float
+    stall_s: float
+    h2d_busy_s: float
+    d2h_busy_s: float
+    adam_s: float
+    compute_end: float
+    stall_per_event: object  # numpy arrays
+    copy_credit: object
+    h2d_bytes: int
+    d2h_bytes: int
+
+    def result(self) -> SimResult:
+        return SimResult(
+            step_s=self.step_s, compute_s=self.compute_s, stall_s=self.stall_s,
+            stall_per_event=tuple(self.stall_per_event.tolist()), h2d_bytes=self.h2d_bytes,
+            d2h_bytes=self.d2h_bytes, h2d_busy_s=self.h2d_busy_s, d2h_busy_s=self.d2h_busy_s, adam_s=self.adam_s,
+            tail_s=self.step_s - self.compute_end, copy_credit=tuple(self.copy_credit.tolist()))
 
 
 def _each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:

@@ -294,3 +294,48 @@ def test_ten_thousand_buffers():
         assert all(o % 256 == 0 for o in offsets)
         assert count_conflicts(offsets, sizes, starts, ends, 256) == 0
         assert total >= lower
+
+
+@PROPERTY_SETTINGS
+@given(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 40), st.integers(1, 30)), max_size=60),
+       st.sampled_from([1, 64, 256]))
+def test_columns_give_the_interval_layout(rows, alignment):
+    """plan_arena_columns (what the scheduler calls, without Interval objects) is plan_arena."""
+    from offload.memory import plan_arena_columns
+    intervals = [Interval(size, start, start + length) for size, start, length in rows]
+    assert plan_arena_columns([iv.size for iv in intervals], [iv.start for iv in intervals],
+                              [iv.end for iv in intervals], alignment) == plan_arena(intervals, alignment)
+
+
+def test_columns_raise_the_interval_errors():
+    from offload.memory import plan_arena_columns
+    for cols, err, match in [(([8, 0], [0, 0], [1, 1]), ValueError, "size must be positive"),
+                             (([8, 8], [0, 3], [1, 3]), ValueError, "must be greater than start"),
+                             (([8.0], [0], [1]), TypeError, "must be an int"),
+                             (([True], [0], [1]), TypeError, "must be an int"),
+                             (([8, 8], [0], [1]), ValueError, "same length"),
+                             (([8], [0], [1]), ValueError, "power of two")]:
+        with pytest.raises(err, match=match):
+            plan_arena_columns(*cols, alignment=48 if match == "power of two" else 256)
+    assert plan_arena_columns([], [], []) == plan_arena([])
+
+
+@settings(PROPERTY_SETTINGS, max_examples=60)
+@given(st.lists(st.tuples(st.integers(0, 300), st.sampled_from([1, 2, 3, 5, 40, 150, 400]),
+                          st.sampled_from([256, 512, 1024, 300])), max_size=80),
+       st.booleans())
+def test_mixed_lifetimes_match_reference(rows, equal_sizes):
+    """Short and long lifetimes together (the placer indexes placed buffers per lifetime class); with equal
+    power-of-two sizes every size is its own size class (those heuristics are not rerun)."""
+    check_layout([Interval(256 if equal_sizes else size, start, start + length) for start, length, size in rows], 256)
+
+
+def test_many_buffers_on_threads_match_reference():
+    """Over 2,000 buffers: the heuristics run on threads; equal sizes, short buffers and a few long ones."""
+    rng = random.Random(7)
+    intervals = []
+    for _ in range(2500):
+        start = rng.randrange(0, 5000)
+        intervals.append(Interval(1024, start, start + (rng.choice([1, 2, 4, 8]) if rng.random() < 0.97
+                                                        else rng.randrange(500, 3000))))
+    check_layout(intervals, 256)

@@ -16,38 +16,18 @@ import torch
 import offload
 import offload.api
 from fake_cuda import FakeCuda
+from loops import ADAMW, Trained, train_streamed
 from models import CASES, run
 from offload.backend import CUDABackend
 
 CHAOS = offload.ChaosConfig(seed=0, max_delay_ms=2)
-ADAMW = dict(lr=3e-4, weight_decay=0.1)
 STEPS = 8  # per model in the default run; the slow soak runs 1,000
 
 
-def train(case, steps, chaos=None, budget_frac=0.6, dtype=torch.float32, accumulate=1, clip=None, start=0):
-    """Streamed training of a test model (tests/models.py); returns (losses, final state, engine stats, draws):
-    ``draws``, the chaos delays drawn per lane (empty without chaos)."""
-    nbytes = sum(p.numel() * 4 for p in case.model.parameters())
-    opt = offload.AdamW(case.model.parameters(), **ADAMW)
-    deferred = {"overlap_optimizer": False} if accumulate > 1 or clip is not None else {}
-    engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
-                          dtype=dtype, device="cpu", chaos=chaos, **deferred)
-    losses = []
-    try:
-        for step in range(start, start + steps):
-            for i in range(accumulate):
-                batch = case.make_batch(step * accumulate + i)
-                loss = case.loss_fn(run(engine, batch), batch)
-                engine.backward(loss)
-            if clip is not None:
-                engine.clip_grad_norm_(clip)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        draws = _draws(engine)
-        return losses, engine.state_dict()["model"], engine.memory_stats(), draws
-    finally:
-        engine.close()
+def train(case, steps, chaos=None, **features) -> Trained:
+    """Streamed training of a test model (tests/loops.py); ``extra`` holds the chaos delays drawn per lane
+    (empty without chaos)."""
+    return train_streamed(case, steps, chaos=chaos, inspect=_draws, **features)
 
 
 def _draws(engine) -> dict[str, int]:

@@ -16,7 +16,8 @@ from torch import nn
 import offload
 import offload.api
 from fake_cuda import FakeCuda
-from models import CASES, run
+from loops import train_streamed
+from models import CASES
 from offload.backend import CPUBackend, CUDABackend, DONE, HostEvent, make_backend
 from offload.backend.cuda import HostRegistry
 from offload.memory import HostArena
@@ -265,48 +266,21 @@ def _use_backend(monkeypatch, factory):
     return made
 
 
-def _train(case, steps, budget_frac=0.6, on_step=None, dtype=torch.float32, accumulate=1, clip=None):
-    """Streamed training of a test model (see tests/models.py); returns the final fp32 state and losses.
-    ``accumulate`` > 1 or ``clip`` train with overlap_optimizer=False."""
-    nbytes = sum(p.numel() * 4 for p in case.model.parameters())
-    opt = offload.AdamW(case.model.parameters(), lr=3e-4, weight_decay=0.1)
-    deferred = {"overlap_optimizer": False} if accumulate > 1 or clip is not None else {}
-    engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
-                          dtype=dtype, device="cpu", **deferred)
-    losses = []
-    try:
-        for step in range(steps):
-            for i in range(accumulate):
-                batch = case.make_batch(step * accumulate + i)
-                loss = case.loss_fn(run(engine, batch), batch)
-                engine.backward(loss)
-            if clip is not None:
-                engine.clip_grad_norm_(clip)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if on_step is not None:
-                on_step(engine, step)
-        return engine.state_dict()["model"], losses, engine.memory_stats()
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("name", ["mlp", "gpt", "frozen_layers", "reused_module", "low_density"])
 def test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend(monkeypatch, name):
     """Same plan, same arithmetic; only when copies happen differs (as late as CUDA allows, here). Any
     missing wait would read a slot before its copy, or a gradient before its D2H."""
-    want, want_losses, _ = _train(CASES[name](), 8)
+    want = train_streamed(CASES[name](), 8)
     made = _use_backend(monkeypatch, lambda: CUDABackend(torch.device("cpu"), api=FakeCuda(lazy=True)))
     deferred = []
-    got, losses, stats = _train(CASES[name](), 8, on_step=lambda e, s: deferred.append(made[0]._api.pending()))
+    got = train_streamed(CASES[name](), 8, on_step=lambda e, s: deferred.append(made[0]._api.pending()))
     assert max(deferred) > 0  # copies really were left pending across steps (resident refreshes, prefetches)
-    assert losses == want_losses
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
+    assert got.losses == want.losses
+    for key, value in want.state.items():
+        assert torch.equal(got.state[key], value), key
     sim = made[0]._api
     assert sim.copies > 0 and sim.pending() == 0
-    assert stats["plan"]["streamed_buckets"] > 0
+    assert got.stats["plan"]["streamed_buckets"] > 0
 
 
 @pytest.mark.parametrize("features", [dict(dtype=torch.bfloat16), dict(dtype=torch.float16),
@@ -314,14 +288,14 @@ def test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend(monkeypatch, name
 def test_simulated_gpu_training_features_bit_for_bit_like_the_cpu_backend(monkeypatch, features):
     """16-bit copies, loss scaling, accumulation staging and clipping norms through the CUDA backend's
     ordering rules give the CPU backend's numbers exactly."""
-    want, want_losses, _ = _train(CASES["gpt"](), 6, budget_frac=0.6, **features)
+    want = train_streamed(CASES["gpt"](), 6, budget_frac=0.6, **features)
     made = _use_backend(monkeypatch, lambda: CUDABackend(torch.device("cpu"), api=FakeCuda(lazy=True)))
-    got, losses, stats = _train(CASES["gpt"](), 6, budget_frac=0.6, **features)
-    assert losses == want_losses
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
+    got = train_streamed(CASES["gpt"](), 6, budget_frac=0.6, **features)
+    assert got.losses == want.losses
+    for key, value in want.state.items():
+        assert torch.equal(got.state[key], value), key
     assert made[0]._api.copies > 0 and made[0]._api.pending() == 0
-    assert stats["plan"]["streamed_buckets"] > 0
+    assert got.stats["plan"]["streamed_buckets"] > 0
 
 
 def test_simulated_gpu_call_sequence(monkeypatch):
@@ -329,7 +303,7 @@ def test_simulated_gpu_call_sequence(monkeypatch):
     planned, a step allocates nothing on the device (the arena is made once) and repeats the same copies."""
     made = _use_backend(monkeypatch, lambda: Recording(torch.device("cpu"), api=FakeCuda()))
     marks = []
-    _train(CASES["mlp"](), 6, on_step=lambda engine, step: marks.append(len(made[0].calls)))
+    train_streamed(CASES["mlp"](), 6, on_step=lambda engine, step: marks.append(len(made[0].calls)))
     backend = made[0]
     calls, sim = backend.calls, backend._api
     assert calls.count("pin_host") == 1
@@ -370,10 +344,10 @@ class EventBeforeCopy(CUDABackend):
 @pytest.mark.parametrize("broken", [NoComputeWait, EventBeforeCopy])
 def test_simulated_gpu_catches_a_missing_wait(monkeypatch, broken):
     """The simulation is worth something only if a backend that gets the ordering wrong fails it."""
-    want, want_losses, _ = _train(CASES["mlp"](), 4)
+    want = train_streamed(CASES["mlp"](), 4)
     _use_backend(monkeypatch, lambda: broken(torch.device("cpu"), api=FakeCuda(lazy=True)))
-    got, losses, _ = _train(CASES["mlp"](), 4)
-    same = losses == want_losses and all(torch.equal(got[k], v) for k, v in want.items())
+    got = train_streamed(CASES["mlp"](), 4)
+    same = got.losses == want.losses and all(torch.equal(got.state[k], v) for k, v in want.state.items())
     assert not same
 
 

@@ -279,3 +279,138 @@ def test_many_buckets_plan_is_valid_and_deterministic():
     validate_plan(plans[0])
     assert plans[0].peak_bytes <= plans[0].budget_bytes
     assert plans[0] == plans[1]
+
+
+# --- the planner's speed work must not change plans ------------------------------------------------------
+
+
+def _plan_digest(plan) -> str:
+    """sha256 of everything a plan decides (not the trace: it records measured wall times)."""
+    import hashlib
+    key = (plan.resident, plan.buffers, plan.actions, plan.grad_buffer, plan.resident_buffer, plan.arena_bytes,
+           plan.lower_bound_bytes, plan.strategy, plan.simulated.step_s, plan.simulated.h2d_bytes)
+    return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("n, digest", [
+    (300, "0d930a7654c10e1177a7f3403f499ad324fc48ab9585c40e2a942c93e566032b"),
+    (1000, "200362dcf186609b8b895915ec42999283d78aa97a442cec94272d844d2ea075"),
+])
+def test_chain_plans_are_the_ones_recorded_before_the_speed_work(n, digest):
+    """Chain plans (the benchmark's planner-speed case, smaller) are exactly the plans the planner made
+    before session 4 made it faster (C++ sweeps, arrays, the arena placer's index): digests recorded from
+    that code. A change here means the plans changed, not just their speed."""
+    trace, buckets = _chain_trace(n, 256)
+    compute = [1e-5 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0 for ev in trace.events]
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=n * 1024 // 4, fixed_bytes=0, hw=PRESETS["pcie4"],
+                      compute_s=compute)
+    assert _plan_digest(plan) == digest
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.tuples(st.floats(-1e3, 1e3) | st.sampled_from([0.0, -0.0, float("inf")]),
+                          st.floats(0, 10) | st.sampled_from([0.0, -0.0])), max_size=60))
+def test_cpp_latest_issue_equals_the_python_reference_bitwise(rows):
+    import numpy as np
+    from offload import _C
+    from offload.schedule import _latest_issue_reference
+    if not hasattr(_C, "latest_issue"):
+        pytest.skip("offload._C was built without latest_issue")
+    deadline, duration = [d for d, _ in rows], [t for _, t in rows]
+    got = _C.latest_issue(np.array(deadline, dtype=np.float64), np.array(duration, dtype=np.float64))
+    assert list(map(repr, got.tolist())) == list(map(repr, _latest_issue_reference(deadline, duration)))
+
+
+@st.composite
+def _buffers(draw):
+    """Random buffer specs (bucket, kind, start, end, size) and offsets, overlapping freely in time and bytes."""
+    specs, offsets = [], []
+    for k in range(draw(st.integers(0, 40))):
+        s = draw(st.integers(0, 30))
+        specs.append((k, BufferKind.PARAM, s, s + draw(st.integers(1, 12)), draw(st.integers(1, 3000))))
+        offsets.append(draw(st.integers(0, 8)) * 256)
+    return specs, offsets
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(_buffers())
+def test_cpp_buffer_waits_equal_the_python_reference(case):
+    from offload import _C
+    from offload.schedule import _after, _after_reference
+    if not hasattr(_C, "last_occupants"):
+        pytest.skip("offload._C was built without last_occupants")
+    specs, offsets = case
+    assert _after(specs, offsets) == _after_reference(specs, offsets)
+
+
+def test_sparse_table_max_equals_brute_force():
+    import numpy as np
+    from offload.schedule import _MaxTable
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 5, 8, 17, 100, 257):
+        values = rng.integers(0, 1000, n)
+        lo, hi = rng.integers(0, n + 1, 300), rng.integers(0, n + 1, 300)
+        expected = [values[a:b].max() if b > a else 0 for a, b in zip(lo, hi)]
+        assert _MaxTable(values).query(lo, hi).tolist() == expected
+        ok = hi > lo  # every range non-empty (the other branch), in a reused buffer
+        table = np.zeros((n.bit_length(), n), dtype=np.int64)
+        assert _MaxTable(values, table).query(lo[ok], hi[ok]).tolist() == [e for e, k in zip(expected, ok) if k]
+
+
+def test_fast_constructors_make_the_same_frozen_objects():
+    from offload.schedule import Buffer, EventActions, _maker
+    a = _maker(Buffer)(3, BufferKind.GRAD, 1, 5, 100, 256, (0, 2))
+    b = Buffer(3, BufferKind.GRAD, 1, 5, 100, 256, (0, 2))
+    assert a == b and hash(a) == hash(b) and repr(a) == repr(b) and type(a) is Buffer
+    with pytest.raises(AttributeError):
+        a.start = 0  # still frozen
+    e = _maker(EventActions)((1,), (), (4,))
+    assert e == EventActions((1,), (), (4,)) and hash(e) == hash(EventActions((1,), (), (4,)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_layout_from_arrays_is_the_layout_from_intervals(case, hw, data):
+    """The scheduler lays its chosen point out from arrays (_Greedy.layout): the same buffers, in the same
+    order, and the same arena as _layout from the per-bucket intervals, at every simulated point."""
+    from offload.schedule import _Greedy, _layout
+    trace, buckets = case
+    g = _Greedy(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
+    for point in g.candidates(10**9):
+        assert g.layout(point.resident, point.flat) == _layout(trace, buckets, 4, point.resident,
+                                                               (point.streamed, g.grads))
+
+
+def test_combined_key_sort_is_lexsort():
+    """_lexsort (one stable argsort of a combined key) gives np.lexsort's permutation, ties included."""
+    import numpy as np
+    from offload.schedule import _lexsort
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 7, 500):
+        keys = (rng.integers(0, 3, n), rng.integers(0, 5, n), rng.integers(0, 4, n))  # many ties
+        assert _lexsort(keys, (3, 5, 4)).tolist() == np.lexsort(keys).tolist()
+        assert _lexsort(keys[:2], (3, 5)).tolist() == np.lexsort(keys[:2]).tolist()
+    big = (rng.integers(0, 2**40, 50), rng.integers(0, 2**40, 50))  # too large to combine: np.lexsort itself
+    assert _lexsort(big, (2**40, 2**40)).tolist() == np.lexsort(big).tolist()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces())
+def test_need_interval_arrays_are_the_merged_need_intervals(case):
+    """_Greedy's need intervals, merged with numpy, are _need_intervals(merge_phase=False)."""
+    from offload.buckets import locate
+    from offload.schedule import _Greedy, _need_intervals
+    trace, buckets = case
+    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], tuple(trace.compute_seconds))
+    expected = _need_intervals(trace, locate(buckets)[0], merge_phase=False)
+    assert g.uses == {b: [tuple(iv) for iv in ivs] for b, ivs in expected.items()}
+    assert g.use_b.tolist() == sorted(g.use_b.tolist()) and g.n_used == len(expected)
+
+
+@pytest.mark.parametrize("bad", [-1e-6, float("nan")])
+def test_negative_or_nan_compute_seconds_are_refused(bad):
+    trace, buckets = _chain_trace(3, 100)
+    compute = [0.0] * len(trace.events)
+    compute[1] = bad
+    with pytest.raises(ValueError, match="non-negative seconds"):
+        build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0, compute_s=compute)

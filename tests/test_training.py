@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import offload
+from loops import lockstep
 from models import CASES, Batch, run
 
 # lr 3e-4 for the fp32 comparisons, as in test_numerics (see its [Note: why lr 3e-4 and weight_decay 0.1]);
@@ -29,6 +30,30 @@ def _reference(model, lr=ADAMW["lr"]):
     return ref, torch.optim.AdamW(ref.parameters(), foreach=False, **(ADAMW | {"lr": lr}))
 
 
+def _pair(model, **wrap_kw):
+    """(engine, its optimizer, reference, its optimizer): the reference is copied from ``model`` before it is
+    wrapped by ``_wrap(model, **wrap_kw)``."""
+    ref, ref_opt = _reference(model)
+    engine, opt = _wrap(model, **wrap_kw)
+    return engine, opt, ref, ref_opt
+
+
+def _train(engine, opt, case, steps: int, after_step=None) -> list[float]:
+    """``steps`` plain steps of the engine alone (backward, step, zero_grad) on ``case``'s first batches, then
+    ``after_step()`` after each if given; the losses."""
+    losses = []
+    for step in range(steps):
+        b = case.make_batch(step)
+        loss = case.loss_fn(run(engine, b), b)
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step()
+    return losses
+
+
 def _masters(engine):
     return engine.state_dict()["model"]
 
@@ -37,6 +62,11 @@ def _assert_close_state(engine, ref, **tol):
     actual = _masters(engine)
     for name, want in ref.state_dict().items():
         torch.testing.assert_close(actual[name], want, **(tol or TOL), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _loss(case, batch: Batch, k: int = 1):
+    """The loss function of one micro-batch of ``k`` (for loops.lockstep): ``case``'s loss on ``batch`` / ``k``."""
+    return lambda model: case.loss_fn(run(model, batch), batch) / k
 
 
 def _cat(batches: list[Batch]) -> Batch:
@@ -65,17 +95,16 @@ def test_accumulation_equals_plain_accumulation_and_one_large_batch(name):
     """Three backward passes of loss/3 before each step: the same weights as plain PyTorch doing the same,
     and the same gathered gradient as one batch three times as large (rounding only)."""
     case = CASES[name]()
-    ref, ref_opt = _reference(case.model)
     big, _ = _reference(case.model)
-    engine, opt = _wrap(case.model, overlap_optimizer=False)
+    engine, opt, ref, ref_opt = _pair(case.model, overlap_optimizer=False)
     k = 3
-    for step in range(8):
-        micro = [case.make_batch(step * k + i) for i in range(k)]
-        for b in micro:
-            engine.backward(case.loss_fn(run(engine, b), b) / k)
-            (case.loss_fn(run(ref, b), b) / k).backward()
+
+    def micro(step):
+        return [case.make_batch(step * k + i) for i in range(k)]
+
+    def compare_with_one_large_batch(step):
         big.load_state_dict(ref.state_dict())
-        whole = _cat(micro)
+        whole = _cat(micro(step))
         case.loss_fn(run(big, whole), whole).backward()
         gathered = _gathered_grads(engine)
         for n, p in big.named_parameters():
@@ -83,10 +112,9 @@ def test_accumulation_equals_plain_accumulation_and_one_large_batch(name):
             atol = 1e-5 * float(p.grad.abs().max())
             torch.testing.assert_close(gathered[n], p.grad, rtol=1e-5, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
             p.grad = None
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+
+    lockstep(engine, opt, ref, ref_opt, 8, lambda step: [_loss(case, b, k) for b in micro(step)],
+             before_step=compare_with_one_large_batch)
     _assert_close_state(engine, ref)
     assert engine.memory_stats()["counters"]["backwards"] == 8 * k
     engine.close()
@@ -107,25 +135,19 @@ class TwoHeads(nn.Module):
 def test_accumulation_when_micro_batches_use_different_parameters():
     torch.manual_seed(0)
     model = TwoHeads()
-    ref, ref_opt = _reference(model)
-    engine, opt = _wrap(model, budget_frac=1.0, overlap_optimizer=False)
-    for step in range(6):
-        for head in ("a", "b", "a"):
-            x = torch.randn(4, 64)
-            engine.backward(engine(x, head).square().mean())
-            ref(x, head).square().mean().backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    engine, opt, ref, ref_opt = _pair(model, budget_frac=1.0, overlap_optimizer=False)
+
+    def micro_losses(step):
+        return [lambda m, x=torch.randn(4, 64), head=head: m(x, head).square().mean() for head in ("a", "b", "a")]
+
+    lockstep(engine, opt, ref, ref_opt, 6, micro_losses)
     _assert_close_state(engine, ref)
     engine.close()
 
 
 def test_zero_grad_before_step_drops_gathered_grads():
     case = CASES["mlp"]()
-    ref, ref_opt = _reference(case.model)
-    engine, opt = _wrap(case.model, overlap_optimizer=False)
+    engine, opt, ref, ref_opt = _pair(case.model, overlap_optimizer=False)
     for step in range(4):
         b, c = case.make_batch(2 * step), case.make_batch(2 * step + 1)
         engine.backward(case.loss_fn(run(engine, b), b))
@@ -147,32 +169,27 @@ def test_zero_grad_before_step_drops_gathered_grads():
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_clip_grad_norm_matches_torch(accumulate):
     case = CASES["gpt"]()
-    ref, ref_opt = _reference(case.model)
-    engine, opt = _wrap(case.model, overlap_optimizer=False)
-    clipped = 0
-    for step in range(12):
-        for i in range(accumulate):
-            b = case.make_batch(step * accumulate + i)
-            engine.backward(case.loss_fn(run(engine, b), b) / accumulate)
-            (case.loss_fn(run(ref, b), b) / accumulate).backward()
+    engine, opt, ref, ref_opt = _pair(case.model, overlap_optimizer=False)
+    clipped = []
+
+    def clip_both(step):
         max_norm = 0.5  # below the typical norm here, so most steps really clip
         norm = engine.clip_grad_norm_(max_norm)
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
-        clipped += int(want > max_norm)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    assert clipped >= 6, "the test must exercise clipping"
+        clipped.append(bool(want > max_norm))
+
+    lockstep(engine, opt, ref, ref_opt, 12,
+             lambda step: [_loss(case, case.make_batch(step * accumulate + i), accumulate) for i in range(accumulate)],
+             before_step=clip_both)
+    assert sum(clipped) >= 6, "the test must exercise clipping"
     _assert_close_state(engine, ref)
     engine.close()
 
 
 def test_clip_grad_norm_other_orders_and_no_grads():
     case = CASES["mlp"]()
-    ref, _ = _reference(case.model)
-    engine, _ = _wrap(case.model, overlap_optimizer=False)
+    engine, _, ref, _ = _pair(case.model, overlap_optimizer=False)
     assert engine.clip_grad_norm_(1.0).item() == 0.0  # nothing gathered yet, as torch with no grads
     b = case.make_batch(0)
     engine.backward(case.loss_fn(run(engine, b), b))
@@ -236,16 +253,14 @@ def test_mixed_precision_loss_curve_follows_autocast(dtype):
     want, want_first = _autocast_reference(case, dtype, steps)
     initial = {n: p.detach().clone() for n, p in case.model.named_parameters()}
     engine, opt = _wrap(case.model, dtype=dtype, lr=MIXED_LR)
-    losses, first = [], None
-    for step in range(steps):
-        b = case.make_batch(step)
-        loss = case.loss_fn(run(engine, b), b)
-        engine.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if first is None and not engine.memory_stats()["optimizer"]["last_step_skipped"]:
-            first = {n: w - initial[n] for n, w in _masters(engine).items() if n in initial}
+    updates = []
+
+    def first_update():
+        if not updates and not engine.memory_stats()["optimizer"]["last_step_skipped"]:
+            updates.append({n: w - initial[n] for n, w in _masters(engine).items() if n in initial})
+
+    losses = _train(engine, opt, case, steps, after_step=first_update)
+    first = updates[0] if updates else None
     stats = engine.memory_stats()
     assert stats["device_peak_bytes"] <= stats["budget_bytes"]
     assert stats["counters"]["plan_departures"] == 0  # the 16-bit warm-up traces the same order as later steps
@@ -269,11 +284,7 @@ def test_fp16_overflow_skips_exactly_one_step_and_lowers_the_scale():
     case = CASES["mlp"]()
     engine, opt = _wrap(case.model, dtype=torch.float16,
                         loss_scale=offload.LossScaleConfig(init_scale=1024.0, growth_interval=1000))
-    for step in range(3):
-        b = case.make_batch(step)
-        engine.backward(case.loss_fn(run(engine, b), b))
-        opt.step()
-        opt.zero_grad()
+    _train(engine, opt, case, 3)
     stats = engine.memory_stats()["optimizer"]
     assert stats == {"overlap": False, "loss_scale": 1024.0, "skipped_steps": 0, "last_step_skipped": False}
     before = _masters(engine)
@@ -303,10 +314,7 @@ def test_fp16_scale_grows_after_growth_interval_clean_steps():
     case = CASES["mlp"]()
     engine, opt = _wrap(case.model, dtype=torch.float16,
                         loss_scale=offload.LossScaleConfig(init_scale=256.0, growth_interval=3))
-    for step in range(7):
-        b = case.make_batch(step)
-        engine.backward(case.loss_fn(run(engine, b), b))
-        opt.step()
+    _train(engine, opt, case, 7)
     assert engine.memory_stats()["optimizer"]["loss_scale"] == 1024.0  # grew after steps 3 and 6
     engine.close()
 
@@ -335,14 +343,7 @@ def test_fused_and_torch_updates_train_alike(dtype):
         opt = offload.AdamW(case.model.parameters(), **(ADAMW | {"lr": MIXED_LR}), fused=fused)
         engine = offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cpu",
                               dtype=dtype)
-        losses = []
-        for step in range(6):
-            b = case.make_batch(step)
-            loss = case.loss_fn(run(engine, b), b)
-            engine.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _train(engine, opt, case, 6)
         host = engine._runtime.host
         assert host.fused == fused
         for b in range(len(host.buckets)):

@@ -1,0 +1,133 @@
+"""The runtime's side of activation checkpointing: what offload/recompute.py's ``Checkpointer`` calls back
+into while backward recomputes a checkpointed call (see its [Note: recompute and the parameter buckets]),
+and how "auto" chooses the blocks to checkpoint from the activations measured in the warm-up step.
+
+A part of :class:`offload.runtime.Runtime`, split out by concern; its state (``ckpt``, ``profile``,
+``checkpoint_choice``, ``recompute_*``, ``held``, ``reserve``) is set up in ``Runtime.__init__`` and
+``Runtime._reset_step``."""
+
+from __future__ import annotations
+
+import torch
+
+from .activations import AUTO, ActivationProfile, checkpoint_hint, choose_checkpoints, profile_of, recompute_seconds
+from .errors import BudgetTooSmallError
+from .param_access import _Busy, _UseDetector
+from .schedule import budget_error, min_arena_bytes
+from .trace import EventKind, Trace
+
+
+class RecomputeMixin:
+    """Recompute callbacks, the activation profile and the "auto" checkpoint choice of the runtime."""
+
+    def recompute_begin(self, region: int, module: int) -> list:
+        """Backward is about to recompute checkpointed call ``region`` of ``module``: record it as one
+        RECOMPUTE event, follow the plan, and return the contexts to run the recompute under."""
+        with _Busy(self):
+            self._begin_backward()
+            self.node_buckets = set()
+            self.recompute_event[region] = self.recorder.recompute_begin(module)
+            self._advance(EventKind.RECOMPUTE, module)
+            # On demand, fetches keep room for what the recompute will save (as measured in forward).
+            self.reserve = self.ckpt.region_bytes.get(region, 0)
+            if not self.on_plan:
+                self._make_room(0)
+            self.recompute_region = region
+        return [_UseDetector(self)]  # the weights it reads are fetched (and held) like forward's
+
+    def recompute_saved(self, region: int, t: torch.Tensor) -> None:
+        """A tensor the recompute saves for the call's backward: device memory until the call is done."""
+        with _Busy(self):
+            if t.device != self.backend.device or t.layout != torch.strided:
+                return
+            ref = self._locate(t)
+            if ref is not None:  # a weight view into a slot: that bucket stays put
+                self.held.setdefault(region, set()).add(self.bucket_of[ref.param])
+                return
+            storage = t.untyped_storage()
+            if self.memory.hold(storage.data_ptr(), storage.nbytes()):
+                self.reserve = max(0, self.reserve - storage.nbytes())
+            self.recompute_holds.setdefault(region, []).append(storage.data_ptr())
+
+    def recompute_end(self, region: int) -> None:
+        self.recorder.recompute_end()
+        self.recompute_region = None
+        self.reserve = 0
+
+    def region_saved(self, block: int, region: int, t: torch.Tensor) -> None:
+        """Forward of a checkpointed call: ``t`` is what it would have saved (measured, not kept)."""
+        with _Busy(self):
+            if t.device == self.backend.device and t.layout == torch.strided and self._locate(t) is None:
+                self.ckpt.count(block, region, t)
+
+    def region_done(self, region: int) -> None:
+        """The backward of checkpointed call ``region`` is over: its buckets and recomputed tensors go."""
+        with _Busy(self):
+            i = self.recompute_event.pop(region, None)
+            if i is not None:
+                self.recorder.region_done(i)
+            self.held.pop(region, None)
+            for key in self.recompute_holds.pop(region, ()):
+                self.memory.drop(key)
+
+    def _profile(self, peak: int) -> ActivationProfile:
+        rec = self.recorder
+        return profile_of(self.ckpt.blocks, self.ckpt.saved, self.ckpt.inputs,
+                          rec.calls(self.ckpt.blocks), self.ckpt.active,
+                          self.forward_end_activations or self.memory.parts["activations"], peak)
+
+    def _drop_plan(self) -> None:
+        """Run the next step on demand (its calls will differ from the plan's) and plan it at its step()."""
+        self.on_plan = False
+        self._deactivate()  # every bucket back to the host: nothing resident keeps pre-update weights
+        self.plan = self.train_plan = None
+
+    def _choose_checkpoints(self, trace: Trace) -> bool:
+        """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
+        budget from now on. True when that changes what is checkpointed."""
+        capacity = (self.config.budget - self.memory.parts["buffers"] - trace.max_grad_bytes
+                    - min_arena_bytes(trace, self.buckets, self.itemsize))
+        base = self.ckpt.active if self.checkpoint_choice is not None else ()  # later: only ever more
+        choice = choose_checkpoints(self.profile, capacity, base)
+        if not choice.fits:
+            need = dict(arena=min_arena_bytes(trace, self.buckets, self.itemsize), activations=choice.activation_bytes,
+                        fixed=self.memory.parts["buffers"], grad=trace.max_grad_bytes)
+            raise self._activation_hint(budget_error(self.config.budget, **need), capacity)
+        self.checkpoint_choice = choice
+        if frozenset(choice.modules) == self.ckpt.active:
+            return False
+        self.ckpt.set_active(choice.modules)
+        return True
+
+    def _activation_hint(self, err: BudgetTooSmallError, capacity: int) -> BudgetTooSmallError:
+        """``err`` with what activation checkpointing would (or could not) do about it, when activations
+        are part of the problem."""
+        if not err.breakdown.get("activations"):
+            return err
+        hint = checkpoint_hint(self.profile, capacity, self.checkpoint_mode)
+        if not hint:
+            return err
+        return BudgetTooSmallError(f"{err} Activations: {hint}.", min_budget_bytes=err.min_budget_bytes,
+                                   budget_bytes=err.budget_bytes, breakdown=err.breakdown)
+
+    @property
+    def checkpoint_mode(self) -> str:
+        spec = self.config.activation_checkpointing
+        return "off" if spec is None else ("auto" if spec == AUTO else "modules")
+
+    def checkpoint_stats(self) -> dict:
+        """What is checkpointed and what the activations measured, for ``memory_stats()``."""
+        names = self.ckpt.blocks
+        choice = self.checkpoint_choice
+        return {
+            "mode": self.checkpoint_mode,
+            "checkpointed": [names[m] for m in sorted(self.ckpt.active)],
+            "blocks": len(names),
+            "estimated_activation_bytes": choice.activation_bytes if choice is not None else None,
+            # forward seconds of the checkpointed blocks, as measured: what recomputing adds to backward
+            # (the trace's RECOMPUTE events carry the measured time into the scheduler's cost model)
+            "recompute_s": (recompute_seconds(self.profile, self.ckpt.active & {b.module for b in self.profile.blocks})
+                            if self.profile is not None else None),
+            "saved_bytes_per_block": ({b.name: b.saved for b in self.profile.blocks}
+                                      if self.profile is not None else {}),
+        }
