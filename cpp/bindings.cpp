@@ -132,12 +132,10 @@ offload::ScalarType scalar_type(const std::string& name, const char* what) {
 }
 
 // Pointers arrive as integers (tensor.data_ptr()); the Python wrapper (offload/cpu_adam.py) checks
-// dtypes, lengths, contiguity and overlap before calling.
-bool adamw_step(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
-                const std::string& grad_dtype, std::uintptr_t lowp_out, const std::string& lowp_dtype,
-                std::int64_t numel, std::int64_t step, double lr, double beta1, double beta2, double eps,
-                double weight_decay, double grad_scale, bool check_finite, int num_threads,
-                const std::string& isa) {
+// dtypes, lengths, contiguity and overlap before calling. lowp_dtype is read only when lowp_out is set.
+offload::AdamWBuffers make_buffers(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+                                   std::uintptr_t grad, const std::string& grad_dtype, std::uintptr_t lowp_out,
+                                   const std::string& lowp_dtype, std::int64_t numel) {
   offload::AdamWBuffers b;
   b.param = reinterpret_cast<float*>(param);
   b.exp_avg = reinterpret_cast<float*>(exp_avg);
@@ -147,6 +145,16 @@ bool adamw_step(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp
   b.lowp_out = reinterpret_cast<void*>(lowp_out);
   if (lowp_out != 0) b.lowp_type = scalar_type(lowp_dtype, "lowp_dtype");
   b.numel = non_negative(numel, "numel");
+  return b;
+}
+
+bool adamw_step(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq, std::uintptr_t grad,
+                const std::string& grad_dtype, std::uintptr_t lowp_out, const std::string& lowp_dtype,
+                std::int64_t numel, std::int64_t step, double lr, double beta1, double beta2, double eps,
+                double weight_decay, double grad_scale, bool check_finite, int num_threads,
+                const std::string& isa) {
+  const offload::AdamWBuffers b =
+      make_buffers(param, exp_avg, exp_avg_sq, grad, grad_dtype, lowp_out, lowp_dtype, numel);
   offload::AdamWHyper h;
   h.step = step;
   h.lr = lr;
@@ -162,14 +170,9 @@ bool adamw_step(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp
 void adamw_memory_traffic(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
                           std::uintptr_t grad, const std::string& grad_dtype, std::uintptr_t lowp_out,
                           std::int64_t numel, int num_threads) {
-  offload::AdamWBuffers b;
-  b.param = reinterpret_cast<float*>(param);
-  b.exp_avg = reinterpret_cast<float*>(exp_avg);
-  b.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
-  b.grad = reinterpret_cast<const void*>(grad);
-  b.grad_type = scalar_type(grad_dtype, "grad_dtype");
-  b.lowp_out = reinterpret_cast<void*>(lowp_out);
-  b.numel = non_negative(numel, "numel");
+  // The traffic probe takes no copy dtype: the bf16 and fp16 copies move the same bytes.
+  const offload::AdamWBuffers b =
+      make_buffers(param, exp_avg, exp_avg_sq, grad, grad_dtype, lowp_out, "bfloat16", numel);
   py::gil_scoped_release release;
   offload::adamw_memory_traffic(b, num_threads);
 }

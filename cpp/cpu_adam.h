@@ -5,20 +5,27 @@
 // host-to-device copy sends. Replaces six torch passes (offload/optim.py: adamw_) with one.
 //
 // [Note: AdamW op order] The arithmetic is torch.optim.AdamW(foreach=False, fused=False) operation for
-// operation, in fp32, with every scalar computed in double and rounded to float once, as torch does:
+// operation, in fp32, with every scalar computed in double and rounded to float once, as torch does,
+// except one division (marked *):
 //   p  = p * float(1 - lr*wd)                            (skipped when wd == 0, as torch skips it)
 //   g  = float(grad) * float(grad_scale)
 //   m  = lerp(m, g, w),  w = float(1 - beta1)            torch's CPU lerp: w < 0.5 ? fma(w, g-m, m)
 //                                                                                : fma(w-1, g-m, g)
 //   v  = fma(float(1-beta2) * g, g, v * float(beta2))    what torch's vectorised addcmul compiles to
-//   d  = sqrt(v) / float(pow(1 - beta2^step, 0.5)) + float(eps)
+//   d  = sqrt(v) * r + float(eps),  r = 1.0f / float(pow(1 - beta2^step, 0.5))   (float division, once)
 //   p  = p + (float(-lr / (1 - beta1^step)) * m) / d
+// (*) torch computes sqrt(v) / float(pow(...)). The product with the correctly rounded reciprocal equals
+// that quotient or is 1 ulp from it; it saves one of the two vector divisions per element, which made the
+// AVX-512 loop ~7-10 % faster on a 2-core Xeon (benchmarks/cpu_adam.py). The master then
+// differs from torch's formula by at most ulp(master) + 2 ulp(update), which is 1 ulp of the master
+// wherever |update| <= |master| / 4 (tests/test_cpu_adam.py: test_reciprocal_against_torch_formula);
+// m and v are unaffected. offload.cpu_adam.adamw_step_reference does the same operations.
 // The fused multiply-adds are fused exactly where torch's AVX2/AVX-512 kernels fuse them (checked
 // against torch bit for bit, see tests/test_cpu_adam.py); on an x86-64 CPU without FMA they are
 // unfused, as in torch's default-capability kernels. The file is built with -ffp-contract=off so the
 // compiler adds no other contraction. sqrt is IEEE (correctly rounded); torch's own sqrt on large
-// tensors goes through MKL VML and is 1 ulp low on about 0.6 % of elements, so against torch ops the
-// master can differ by 1 ulp there, m and v never.
+// tensors goes through MKL VML and is 1 ulp low on about 0.6 % of elements, which adds to the difference
+// above against plain torch ops (then <= ulp(master) + 3 ulp(update)); m and v never differ.
 #pragma once
 
 #include <cstddef>

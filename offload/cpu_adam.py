@@ -5,12 +5,15 @@ reads the grad in fp32, bf16 or fp16, scales it (loss scale, clipping), optional
 first, and writes the bf16/fp16 copy of the new master that the next host-to-device copy sends.
 
 Numerics (see [Note: AdamW op order] in ``cpp/cpu_adam.h``): the same operations, in the same order,
-with the same fused multiply-adds, as ``torch.optim.AdamW(foreach=False, fused=False)`` on this CPU. m and
-v agree with torch bit for bit. The master agrees bit for bit with ``adamw_step_reference(...,
-exact_sqrt=True)``; against plain torch ops it can differ by 1 ulp, because torch's ``sqrt`` on tensors of
-more than a handful of elements goes through MKL's vector math, which is not correctly rounded (1 ulp
-low on about 0.6 % of elements here), while the kernel's sqrt is IEEE. The low-precision copy is the new
-master rounded to nearest even, as ``tensor.to(torch.bfloat16)`` rounds.
+with the same fused multiply-adds, as ``torch.optim.AdamW(foreach=False, fused=False)`` on this CPU, but
+one: ``sqrt(v) / bias_correction2_sqrt`` is ``sqrt(v) * (1 / bias_correction2_sqrt)`` with the reciprocal
+rounded once (one division per element fewer; that term is then equal or 1 ulp off). m and v agree with
+torch bit for bit. The master agrees bit for bit with ``adamw_step_reference(..., exact_sqrt=True)``,
+which does the same operations; against torch's formula it can differ by 1 ulp of the master (or, where the
+update is not small against the master, by a few ulps of the update), from that reciprocal and because
+torch's ``sqrt`` on tensors of more than a handful of elements goes through MKL's vector math, which is not
+correctly rounded (1 ulp low on about 0.6 % of elements here), while the kernel's sqrt is IEEE. The
+low-precision copy is the new master rounded to nearest even, as ``tensor.to(torch.bfloat16)`` rounds.
 """
 
 from __future__ import annotations
@@ -68,10 +71,15 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
 def adamw_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                          exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
                          weight_decay: float, grad_scale: float = 1.0, lowp_out: torch.Tensor | None = None,
-                         check_finite: bool = False, exact_sqrt: bool = False, fused: bool = True) -> bool:
+                         check_finite: bool = False, exact_sqrt: bool = False, fused: bool = True,
+                         reciprocal: bool = True) -> bool:
     """``adamw_step`` in torch ops: the spec the kernel is tested against.
 
-    The update is ``offload.optim.adamw_`` (torch's single-tensor AdamW) on ``grad.float() * grad_scale``.
+    The update is ``offload.optim.adamw_`` (torch's single-tensor AdamW) on ``grad.float() * grad_scale``,
+    with one change of op: ``sqrt(v) / bias_correction2_sqrt`` becomes ``sqrt(v) * r``, where ``r`` is
+    ``1 / float32(bias_correction2_sqrt)`` correctly rounded to float32 (the kernel saves a division per
+    element; see [Note: AdamW op order] in ``cpp/cpu_adam.h``). That product is the quotient or 1 ulp from
+    it. ``reciprocal=False`` divides, as torch does.
     ``exact_sqrt=True`` takes the square root in float64 and rounds it once (a correctly rounded fp32 sqrt,
     which torch's MKL-backed ``sqrt`` is not). ``fused=False`` spells out torch's lerp and addcmul with
     separately rounded multiplies and adds: what torch computes on an x86 CPU without FMA, and what the
@@ -100,7 +108,12 @@ def adamw_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     bias_correction2 = 1 - beta2 ** float(step)
     step_size = lr / bias_correction1
     root = exp_avg_sq.double().sqrt().float() if exact_sqrt else exp_avg_sq.sqrt()
-    denom = (root / bias_correction2**0.5).add_(eps)
+    if reciprocal:
+        bc2_sqrt = torch.tensor(bias_correction2**0.5, dtype=torch.float32)
+        inv = (torch.tensor(1.0, dtype=torch.float32) / bc2_sqrt).item()  # a float32 value, rounded once
+        denom = (root * inv).add_(eps)
+    else:
+        denom = (root / bias_correction2**0.5).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
     if lowp_out is not None:
         lowp_out.copy_(param)

@@ -83,14 +83,20 @@ def ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(x, torch.full_like(x, float("inf"))) - x
 
 
-def assert_close_to_torch(param: torch.Tensor, expected: torch.Tensor, update: torch.Tensor) -> None:
-    """The master against plain torch, whose sqrt (MKL) is 1 ulp low on some elements: the update term
-    then differs by up to 2 of its ulps and the rounded sum by 1 of its own, so |diff| <= ulp(param) +
-    2 ulp(update); that is at most 1 ulp of the master unless the update is larger than the master
-    (cancellation). Nearly all elements must still agree exactly."""
+def assert_close_to_torch(param: torch.Tensor, expected: torch.Tensor, update: torch.Tensor, update_ulps: int) -> None:
+    """The master against torch's formula. The denominator differs from torch's by a few ulps at most: the
+    kernel multiplies sqrt(v) by the rounded reciprocal of the bias correction where torch divides (equal or
+    1 ulp off), and plain torch's sqrt (MKL) is 1 ulp low on some elements. So the update term differs by up
+    to ``update_ulps`` of its ulps (2 against torch's formula with an exact sqrt, 3 against plain torch ops,
+    where both effects add) and the rounded sum by 1 ulp of its own: |diff| <= ulp(param) + update_ulps *
+    ulp(update). That is at most 1 ulp of the master wherever |update| <= |master| / 4 (checked too); only
+    where the update is as large as the master (cancellation) can it be more. Nearly all elements must
+    still agree exactly (the masters here are ~1000x their update)."""
     diff = (param.double() - expected.double()).abs()
-    bound = ulp(expected).double() + 2 * ulp(update).double()
+    bound = ulp(expected).double() + update_ulps * ulp(update).double()
     assert bool((diff <= bound).all()), f"max excess {float((diff - bound).max())}"
+    small = update.abs() <= expected.abs() / 4
+    assert bool((diff <= ulp(expected).double())[small].all()), "more than 1 ulp where the update is small"
     assert float((param != expected).float().mean()) < 0.02
 
 
@@ -135,7 +141,8 @@ def test_bitwise_over_steps_and_hyperparameters(beta1, beta2, weight_decay, grad
 
 def test_against_plain_torch_ops_m_v_bitwise_param_within_one_ulp():
     # Plain torch (offload.optim.adamw_): its sqrt on large tensors is MKL's, which is not correctly
-    # rounded, so the master may differ by 1 ulp; m and v involve no sqrt and agree exactly.
+    # rounded, and it divides by the bias correction where the kernel multiplies by its reciprocal, so the
+    # master may differ by 1 ulp; m and v involve neither and agree exactly.
     p, g, m, v = state(50_000, seed=3)
     rp, rm, rv = clones(p, m, v)
     for step in (1, 2, 3):
@@ -144,7 +151,7 @@ def test_against_plain_torch_ops_m_v_bitwise_param_within_one_ulp():
         adamw_(rp, g, rm, rv, step, **HP)
         assert_bitwise(m, rm, "exp_avg")
         assert_bitwise(v, rv, "exp_avg_sq")
-        assert_close_to_torch(p, rp, rp - before)
+        assert_close_to_torch(p, rp, rp - before, update_ulps=3)
         rp.copy_(p)  # keep the 1-ulp differences from compounding through the next steps
 
 
@@ -165,8 +172,42 @@ def test_against_torch_optim_adamw():
         st = opt.state[param]
         assert_bitwise(m, st["exp_avg"], "exp_avg")
         assert_bitwise(v, st["exp_avg_sq"], "exp_avg_sq")
-        assert_close_to_torch(p, param.detach(), param.detach() - before)
+        assert_close_to_torch(p, param.detach(), param.detach() - before, update_ulps=3)
         p.copy_(param.detach())
+
+
+@pytest.mark.parametrize(("beta2", "step"), [(0.999, 1), (0.999, 3), (0.95, 7), (0.5, 2), (0.999, 1000)])
+@pytest.mark.parametrize("scale", [1.0, 1e-3])
+def test_reciprocal_against_torch_formula(beta2, step, scale):
+    # The one op the kernel changes: sqrt(v) * r, r = 1 / float(bias_correction2_sqrt) rounded once, where
+    # torch computes sqrt(v) / bias_correction2_sqrt. Against torch's formula with a correctly rounded sqrt
+    # (the reference with reciprocal=False): m and v bitwise, that term within 1 ulp, the master within
+    # ulp(master) + 2 ulp(update) and within 1 ulp where the update is small (see assert_close_to_torch).
+    # scale 1e-3 makes masters as small as their updates: there many differ, so the check has teeth.
+    n = 200_003
+    gen = torch.Generator().manual_seed(step)
+    p, m = torch.randn(n, generator=gen) * scale, torch.randn(n, generator=gen) * 0.1
+    v, g = torch.rand(n, generator=gen) * 0.01, torch.randn(n, generator=gen).bfloat16()
+    rp, rm, rv = clones(p, m, v)
+    before = p * (1 - HP["lr"] * HP["weight_decay"])
+    hp = dict(HP, beta2=beta2)
+    adamw_step(p, g, m, v, step=step, num_threads=2, **hp)
+    adamw_step_reference(rp, g, rm, rv, step=step, exact_sqrt=True, reciprocal=False, **hp)
+    assert_bitwise(m, rm, "exp_avg")
+    assert_bitwise(v, rv, "exp_avg_sq")
+    update = rp - before
+    if scale == 1.0:
+        assert_close_to_torch(p, rp, update, update_ulps=2)
+    else:
+        diff = (p.double() - rp.double()).abs()
+        assert bool((diff <= ulp(rp).double() + 2 * ulp(update).double()).all())
+        assert bool((diff <= ulp(rp).double())[update.abs() <= rp.abs() / 4].all())
+        assert not torch.equal(p, rp)
+    root = v.double().sqrt().float()
+    bc2_sqrt = (1 - beta2**step) ** 0.5
+    inv = (torch.tensor(1.0) / torch.tensor(bc2_sqrt, dtype=torch.float32)).item()
+    quotient, product = root / bc2_sqrt, root * inv
+    assert bool(((product.double() - quotient.double()).abs() <= ulp(quotient).double()).all())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
