@@ -282,27 +282,44 @@ ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment, int
 }
 
 ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment) {
+  return plan_arena_best(buffers, alignment, -1);
+}
+
+ArenaPlan plan_arena_best(const BufferLifetimes& buffers, std::int64_t alignment, std::int64_t stop_at) {
   const std::vector<std::int64_t> size = aligned_sizes(buffers, alignment);
   const std::vector<std::int64_t> classes = size_classes(size);
+  std::vector<ArenaPlan> plans(kNumHeuristics);
+  int first = 0;  // heuristics [0, first) already run
+  if (stop_at >= 0) {
+    // The first heuristic alone: where it reaches ``stop_at`` (the caller's lower bound), no other can be
+    // smaller and ties keep the earlier, so it is the one the full run would keep.
+    plans[0] = run_heuristic(0, size, classes, buffers);
+    first = 1;
+    if (plans[0].total_bytes <= stop_at) {
+      ArenaPlan out = std::move(plans[0]);
+      out.totals.assign(kNumHeuristics, -1);
+      out.totals[0] = out.total_bytes;
+      return out;
+    }
+  }
   // The heuristics are independent: large inputs run them on parallel threads (each is pure and
   // deterministic, so the result does not depend on the thread count).
   // Where every size is its own size class (e.g. equal power-of-two buckets), the size-class heuristics
   // are the exact ones run again: they are not run, and take the exact ones' totals (a tie, so an exact
   // one wins as it would).
   const int to_run = classes == size ? kNumHeuristics / 2 : kNumHeuristics;
-  std::vector<ArenaPlan> plans(kNumHeuristics);
   auto run = [&](int h) { plans[h] = run_heuristic(h, size, classes, buffers); };
   constexpr std::size_t kParallelFrom = 2000;  // buffers; below this a thread costs more than a heuristic
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   if (size.size() < kParallelFrom || cores == 1) {
-    for (int h = 0; h < to_run; ++h) run(h);
+    for (int h = first; h < to_run; ++h) run(h);
   } else {
-    std::atomic<int> next{0};
+    std::atomic<int> next{first};
     auto worker = [&] {
       for (int h = next++; h < to_run; h = next++) run(h);
     };
     std::vector<std::thread> pool;
-    for (unsigned t = 1; t < std::min<unsigned>(cores, static_cast<unsigned>(to_run)); ++t) pool.emplace_back(worker);
+    for (unsigned t = 1; t < std::min<unsigned>(cores, static_cast<unsigned>(to_run - first)); ++t) pool.emplace_back(worker);
     worker();
     for (auto& t : pool) t.join();
   }

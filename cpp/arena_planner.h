@@ -52,6 +52,12 @@ struct ArenaPlan {
 // sum overflows int64.
 ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment);
 
+// The same, except that with ``stop_at >= 0`` (a lower bound on the total, e.g. arena_lower_bound) the
+// first heuristic runs alone first, and where its total is <= ``stop_at`` it is returned without running
+// the others (their totals are -1). Given a true lower bound the offsets, total and heuristic are those of
+// plan_arena: no heuristic can be below it and ties keep the earlier. ``stop_at < 0``: plan_arena.
+ArenaPlan plan_arena_best(const BufferLifetimes& buffers, std::int64_t alignment, std::int64_t stop_at);
+
 // One heuristic only.
 ArenaPlan plan_arena(const BufferLifetimes& buffers, std::int64_t alignment, int heuristic);
 

@@ -44,12 +44,12 @@ using Sizes = std::vector<std::int64_t>;
 
 // Returns (offsets, total bytes, winning heuristic, {heuristic: total bytes} for every heuristic run).
 py::tuple plan_arena(const Sizes& sizes, const Sizes& starts, const Sizes& ends, std::int64_t alignment,
-                     const std::string& heuristic) {
+                     const std::string& heuristic, std::int64_t stop_at) {
   offload::ArenaPlan plan;
   {
     py::gil_scoped_release release;
     plan = heuristic == "best"
-               ? offload::plan_arena({sizes, starts, ends}, alignment)
+               ? offload::plan_arena_best({sizes, starts, ends}, alignment, stop_at)
                : offload::plan_arena({sizes, starts, ends}, alignment, offload::heuristic_from_name(heuristic));
   }
   py::dict totals;
@@ -257,9 +257,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("adamw_has_openmp", &offload::adamw_has_openmp, "Whether the CPU AdamW runs on OpenMP threads.");
 
   m.def("plan_arena", &plan_arena, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
-        py::arg("alignment") = 256, py::arg("heuristic") = "best",
+        py::arg("alignment") = 256, py::arg("heuristic") = "best", py::arg("stop_at") = -1,
         "Best-fit offsets under each heuristic (or the one named); keeps the smallest. Returns (offsets in "
-        "input order, total bytes, heuristic, {heuristic: total bytes}).");
+        "input order, total bytes, heuristic, {heuristic: total bytes}). With \"best\" and stop_at >= 0 (a "
+        "lower bound): the first heuristic alone where its total is <= stop_at.");
   m.def("arena_lower_bound", &arena_lower_bound, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
         py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
         "Max over time of the sum of live aligned sizes.");

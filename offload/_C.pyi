@@ -76,7 +76,7 @@ class PinnedArena:
 
 def plan_arena(
     sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256,
-    heuristic: str = "best",
+    heuristic: str = "best", stop_at: int = -1,
 ) -> tuple[list[int], int, str, dict[str, int]]:
     """Offsets for buffers with known lifetimes: best fit under three orderings, smallest arena kept.
 
@@ -89,6 +89,8 @@ def plan_arena(
     arena (ties: that order); a name runs only that one. Returns the offsets in input order, the
     total bytes (max of offset + aligned size), the heuristic that produced them and the total of
     every heuristic run. Deterministic; releases the GIL. Raises ``ValueError`` on bad input.
+    With ``"best"`` and ``stop_at >= 0`` (a lower bound on the total), the first heuristic runs alone
+    first and is returned where its total is ``<= stop_at`` (the others are then not run).
     """
 
 def arena_lower_bound(

@@ -71,10 +71,14 @@ def run(heuristic: str, aligned: list[int], starts: list[int], ends: list[int]) 
 
 
 def plan(sizes: list[int], starts: list[int], ends: list[int], alignment: int,
-         heuristic: str = "best") -> tuple[list[int], int, str, dict[str, int]]:
+         heuristic: str = "best", stop_at: int = -1) -> tuple[list[int], int, str, dict[str, int]]:
     """Same contract as ``offload._C.plan_arena``: (offsets, total, winning heuristic, totals)."""
     aligned = [round_up(s, alignment) for s in sizes]
     names = HEURISTICS if heuristic == "best" else (heuristic,)
+    if heuristic == "best" and stop_at >= 0:  # the first heuristic alone where it reaches stop_at
+        offsets, total = run(names[0], aligned, starts, ends)
+        if total <= stop_at:
+            return offsets, total, names[0], {names[0]: total}
     results = {h: run(h, aligned, starts, ends) for h in names}
     winner = min(names, key=lambda h: (results[h][1], names.index(h)))
     return results[winner][0], results[winner][1], winner, {h: r[1] for h, r in results.items()}

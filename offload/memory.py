@@ -95,10 +95,14 @@ def plan_arena(intervals: Sequence[Interval], alignment: int = 256, heuristic: s
 
 
 def plan_arena_columns(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256,
-                       heuristic: str = "best") -> ArenaLayout:
+                       heuristic: str = "best", *, stop_at_bound: bool = False) -> ArenaLayout:
     """:func:`plan_arena` for intervals given as three columns (``Interval(sizes[i], starts[i], ends[i])``),
     checked at once with numpy instead of one ``Interval`` per buffer: the same layout, the same errors
-    (for the first bad interval). For planners that lay out tens of thousands of buffers."""
+    (for the first bad interval). For planners that lay out tens of thousands of buffers.
+
+    ``stop_at_bound`` (with ``"best"``): where the first heuristic's arena already equals the lower bound,
+    the others are not run (no layout is smaller, and ties keep the earlier): the same offsets, total and
+    heuristic, but ``candidates`` lists only the heuristics run."""
     _require_power_of_two("alignment", alignment)
     if heuristic != "best" and heuristic not in ARENA_HEURISTICS:
         raise ValueError(f"heuristic must be 'best' or one of {ARENA_HEURISTICS}, got {heuristic!r}")
@@ -118,12 +122,15 @@ def plan_arena_columns(sizes: Sequence[int], starts: Sequence[int], ends: Sequen
     if len(bad):
         i = int(bad[0])
         Interval(int(cols["size"][i]), int(cols["start"][i]), int(cols["end"][i]))  # raises its error
-    return _plan(cols["size"].tolist(), cols["start"].tolist(), cols["end"].tolist(), alignment, heuristic)
+    return _plan(cols["size"].tolist(), cols["start"].tolist(), cols["end"].tolist(), alignment, heuristic,
+                 stop_at_bound)
 
 
-def _plan(sizes: list[int], starts: list[int], ends: list[int], alignment: int, heuristic: str) -> ArenaLayout:
-    offsets, total, winner, totals = _C.plan_arena(sizes, starts, ends, alignment, heuristic)
+def _plan(sizes: list[int], starts: list[int], ends: list[int], alignment: int, heuristic: str,
+          stop_at_bound: bool = False) -> ArenaLayout:
     lower_bound = _C.arena_lower_bound(sizes, starts, ends, alignment)
+    offsets, total, winner, totals = _C.plan_arena(sizes, starts, ends, alignment, heuristic,
+                                                   lower_bound if stop_at_bound and heuristic == "best" else -1)
     return ArenaLayout(offsets=tuple(offsets), total_bytes=total, lower_bound_bytes=lower_bound, heuristic=winner,
                        candidates=tuple((h, totals[h]) for h in ARENA_HEURISTICS if h in totals))
 

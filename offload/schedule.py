@@ -252,7 +252,7 @@ def _layout(trace, buckets, itemsize, resident, intervals):
         specs.append((b, BufferKind.GRAD, s, e, buckets[b].grad_nbytes(itemsize)))
     specs = [x for x in specs if x[4] > 0]
     layout = plan_arena_columns([x[4] for x in specs], [x[2] for x in specs], [x[3] for x in specs],
-                                alignment=ARENA_ALIGN)
+                                alignment=ARENA_ALIGN, stop_at_bound=True)
     return specs, layout
 
 
@@ -723,7 +723,7 @@ class _Greedy:
         specs.extend((g, grad, s, e, self.grad_bytes[g]) for g, (s, e) in sorted(self.grads.items())
                      if self.grad_bytes[g] > 0)
         layout = plan_arena_columns([x[4] for x in specs], [x[2] for x in specs], [x[3] for x in specs],
-                                    alignment=ARENA_ALIGN)
+                                    alignment=ARENA_ALIGN, stop_at_bound=True)
         return specs, layout
 
     # -- the move sequence ----------------------------------------------------------------------------

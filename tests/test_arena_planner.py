@@ -339,3 +339,40 @@ def test_many_buffers_on_threads_match_reference():
         intervals.append(Interval(1024, start, start + (rng.choice([1, 2, 4, 8]) if rng.random() < 0.97
                                                         else rng.randrange(500, 3000))))
     check_layout(intervals, 256)
+
+
+def check_stop_at_bound(intervals: list[Interval], alignment: int = 256) -> tuple[ArenaLayout, ArenaLayout]:
+    """plan_arena_columns(stop_at_bound=True) against the reference with the same stop and against the
+    full run: the same offsets, total and heuristic; only the heuristics run are listed."""
+    from offload.memory import plan_arena_columns
+    cols = [[iv.size for iv in intervals], [iv.start for iv in intervals], [iv.end for iv in intervals]]
+    full = plan_arena_columns(*cols, alignment)
+    fast = plan_arena_columns(*cols, alignment, stop_at_bound=True)
+    offsets, total, winner, totals = arena_reference.plan(*cols, alignment, "best", full.lower_bound_bytes)
+    assert (fast.offsets, fast.total_bytes, fast.heuristic, dict(fast.candidates)) == (tuple(offsets), total,
+                                                                                      winner, totals)
+    assert (fast.offsets, fast.total_bytes, fast.heuristic, fast.lower_bound_bytes) == (
+        full.offsets, full.total_bytes, full.heuristic, full.lower_bound_bytes)
+    stopped = totals == {ARENA_HEURISTICS[0]: full.lower_bound_bytes}
+    assert stopped == (dict(full.candidates)[ARENA_HEURISTICS[0]] == full.lower_bound_bytes)
+    assert fast.candidates == (full.candidates[:1] if stopped else full.candidates)
+    return full, fast
+
+
+@PROPERTY_SETTINGS
+@given(intervals=intervals_strategy(), alignment=st.sampled_from([1, 64, 256]))
+def test_stop_at_bound_keeps_the_best_layout(intervals, alignment):
+    check_stop_at_bound(intervals, alignment)
+
+
+def test_stop_at_bound_stops_only_at_the_bound():
+    # the WINS cases where greedy_by_size is not optimal run every heuristic; a chain stops after the first
+    for winner, (sizes, starts, ends, _) in WINS.items():
+        full, fast = check_stop_at_bound([Interval(*x) for x in zip(sizes, starts, ends)], 1)
+        assert len(fast.candidates) == len(ARENA_HEURISTICS)
+    full, fast = check_stop_at_bound([Interval(1024, i, i + 2) for i in range(3000)])  # threads, if not stopped
+    assert fast.total_bytes == fast.lower_bound_bytes == 2048 and len(fast.candidates) == 1
+    # above 2,000 buffers, not stopped: the other heuristics on threads
+    check_stop_at_bound([Interval(x, s, s + 3) for s, x in zip(range(0, 6000, 2), [300, 1000, 3001] * 1000)], 1)
+    _, _, _, totals = _C.plan_arena([8], [0], [1], 256, "greedy_by_breadth", 0)  # stop_at: "best" only
+    assert list(totals) == ["greedy_by_breadth"]
