@@ -84,9 +84,7 @@ def plan_arena(intervals: Sequence[Interval], alignment: int = 256, heuristic: s
     Every offset is a multiple of ``alignment`` (a power of two) and sizes are rounded up to it;
     two buffers live at the same event never overlap in memory.
     """
-    _require_power_of_two("alignment", alignment)
-    if heuristic != "best" and heuristic not in ARENA_HEURISTICS:
-        raise ValueError(f"heuristic must be 'best' or one of {ARENA_HEURISTICS}, got {heuristic!r}")
+    _check_options(alignment, heuristic)
     for i, interval in enumerate(intervals):
         if not isinstance(interval, Interval):
             raise TypeError(f"intervals[{i}] must be an Interval, got {type(interval).__name__}")
@@ -103,9 +101,7 @@ def plan_arena_columns(sizes: Sequence[int], starts: Sequence[int], ends: Sequen
     ``stop_at_bound`` (with ``"best"``): where the first heuristic's arena already equals the lower bound,
     the others are not run (no layout is smaller, and ties keep the earlier): the same offsets, total and
     heuristic, but ``candidates`` lists only the heuristics run."""
-    _require_power_of_two("alignment", alignment)
-    if heuristic != "best" and heuristic not in ARENA_HEURISTICS:
-        raise ValueError(f"heuristic must be 'best' or one of {ARENA_HEURISTICS}, got {heuristic!r}")
+    _check_options(alignment, heuristic)
     cols = {}
     for name, values in (("size", sizes), ("start", starts), ("end", ends)):
         a = np.asarray(values)
@@ -124,6 +120,12 @@ def plan_arena_columns(sizes: Sequence[int], starts: Sequence[int], ends: Sequen
         Interval(int(cols["size"][i]), int(cols["start"][i]), int(cols["end"][i]))  # raises its error
     return _plan(cols["size"].tolist(), cols["start"].tolist(), cols["end"].tolist(), alignment, heuristic,
                  stop_at_bound)
+
+
+def _check_options(alignment: int, heuristic: str) -> None:
+    _require_power_of_two("alignment", alignment)
+    if heuristic != "best" and heuristic not in ARENA_HEURISTICS:
+        raise ValueError(f"heuristic must be 'best' or one of {ARENA_HEURISTICS}, got {heuristic!r}")
 
 
 def _plan(sizes: list[int], starts: list[int], ends: list[int], alignment: int, heuristic: str,

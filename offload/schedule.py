@@ -250,7 +250,11 @@ def _layout(trace, buckets, itemsize, resident, intervals):
             specs.extend((b, BufferKind.PARAM, s, e, size) for s, e in needs.get(b, []))
     for b, (s, e) in sorted(grads.items()):
         specs.append((b, BufferKind.GRAD, s, e, buckets[b].grad_nbytes(itemsize)))
-    specs = [x for x in specs if x[4] > 0]
+    return _arena_of([x for x in specs if x[4] > 0])
+
+
+def _arena_of(specs):
+    """``specs`` (bucket, kind, start, end, size) and the arena layout of their buffers."""
     layout = plan_arena_columns([x[4] for x in specs], [x[2] for x in specs], [x[3] for x in specs],
                                 alignment=ARENA_ALIGN, stop_at_bound=True)
     return specs, layout
@@ -722,9 +726,7 @@ class _Greedy:
         grad = BufferKind.GRAD
         specs.extend((g, grad, s, e, self.grad_bytes[g]) for g, (s, e) in sorted(self.grads.items())
                      if self.grad_bytes[g] > 0)
-        layout = plan_arena_columns([x[4] for x in specs], [x[2] for x in specs], [x[3] for x in specs],
-                                    alignment=ARENA_ALIGN, stop_at_bound=True)
-        return specs, layout
+        return _arena_of(specs)
 
     # -- the move sequence ----------------------------------------------------------------------------
 
