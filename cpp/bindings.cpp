@@ -13,6 +13,7 @@
 
 #include "arena_planner.h"
 #include "cpu_adam.h"
+#include "greedy.h"
 #include "lane_sim.h"
 #include "pinned_arena.h"
 #include "schedule_kernels.h"
@@ -123,6 +124,88 @@ py::tuple last_occupants(const IndexArray& issue, const IndexArray& release_at, 
   }
   return py::make_tuple(r.ptr, r.buffers);
 }
+
+// A numpy array that owns `v` (moved, not copied), of the given shape.
+template <typename T>
+py::array_t<T> owning_array(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
+  auto* owned = new std::vector<T>(std::move(v));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(std::move(shape), owned->data(), free_when_done);
+}
+
+template <typename T, typename A>
+std::vector<T> vector_of(const A& a, const char* name) {
+  const offload::View<T> v = view_of<T>(a, name);
+  return {v.begin(), v.end()};
+}
+
+// The greedy scheduler's move sequence (cpp/greedy.h): the constants once, then one call per copy mode.
+class GreedyKernel {
+ public:
+  GreedyKernel(std::int64_t n, std::int64_t nb, const IndexArray& use_b, const IndexArray& use_s,
+               const IndexArray& use_e, const IndexArray& size, const IndexArray& nbytes, const SecondsArray& dur,
+               const SecondsArray& updated_dur, const IndexArray& updated, const IndexArray& fwd_row,
+               const IndexArray& bwd_row, const IndexArray& fwd_at, const IndexArray& bwd_at,
+               const IndexArray& keepable, const SecondsArray& tau, const IndexArray& grad_profile,
+               const IndexArray& need_b, const IndexArray& need_e, const SecondsArray& compute,
+               const IndexArray& d2h_event, const SecondsArray& d2h_solo, const SecondsArray& adam_s, double duplex,
+               std::int64_t n_used, std::int64_t max_points) {
+    c_.n = n, c_.nb = nb;
+    c_.use_b = vector_of<std::int64_t>(use_b, "use_b");
+    c_.use_s = vector_of<std::int64_t>(use_s, "use_s");
+    c_.use_e = vector_of<std::int64_t>(use_e, "use_e");
+    c_.size = vector_of<std::int64_t>(size, "size");
+    c_.nbytes = vector_of<std::int64_t>(nbytes, "nbytes");
+    c_.dur = vector_of<double>(dur, "dur");
+    c_.updated_dur = vector_of<double>(updated_dur, "updated_dur");
+    for (std::int64_t x : view_of<std::int64_t>(updated, "updated")) c_.updated.push_back(x != 0);
+    c_.fwd_row = vector_of<std::int64_t>(fwd_row, "fwd_row");
+    c_.bwd_row = vector_of<std::int64_t>(bwd_row, "bwd_row");
+    c_.fwd_at = vector_of<std::int64_t>(fwd_at, "fwd_at");
+    c_.bwd_at = vector_of<std::int64_t>(bwd_at, "bwd_at");
+    c_.keepable = vector_of<std::int64_t>(keepable, "keepable");
+    c_.tau = vector_of<double>(tau, "tau");
+    c_.grad_profile = vector_of<std::int64_t>(grad_profile, "grad_profile");
+    c_.need_b = vector_of<std::int64_t>(need_b, "need_b");
+    c_.need_e = vector_of<std::int64_t>(need_e, "need_e");
+    c_.compute = vector_of<double>(compute, "compute");
+    c_.d2h_event = vector_of<std::int64_t>(d2h_event, "d2h_event");
+    c_.d2h_solo = vector_of<double>(d2h_solo, "d2h_solo");
+    c_.adam_s = vector_of<double>(adam_s, "adam_s");
+    c_.duplex = duplex;
+    c_.n_used = n_used;
+    c_.max_points = max_points;
+    offload::check_greedy_constants(c_);
+  }
+
+  // (points, fallback): each point (resident, flat rows, step, compute, stall, h2d busy, d2h busy, adam,
+  // compute end, stall per event, copy credit, h2d bytes, peak, resident bytes); arrays are numpy.
+  py::tuple points(int mode, std::int64_t capacity) const {
+    if (mode < 0 || mode > 2) throw std::invalid_argument("mode must be 0, 1 or 2, got " + std::to_string(mode));
+    offload::GreedyRun run;
+    {
+      py::gil_scoped_release release;
+      run = offload::greedy_points(c_, static_cast<offload::CopyMode>(mode), capacity);
+    }
+    py::list out;
+    for (offload::GreedyPoint& p : run.points) {
+      const auto rows = static_cast<py::ssize_t>(p.flat.size() / 3);
+      const auto resident = static_cast<py::ssize_t>(p.resident.size());
+      const auto events = static_cast<py::ssize_t>(p.lanes.stall_per_event.size());
+      const auto copies = static_cast<py::ssize_t>(p.lanes.copy_credit.size());
+      out.append(py::make_tuple(owning_array(std::move(p.resident), {resident}),
+                                owning_array(std::move(p.flat), {rows, 3}), p.lanes.step_s, p.lanes.compute_s,
+                                p.lanes.stall_s, p.lanes.h2d_busy_s, p.lanes.d2h_busy_s, p.lanes.adam_s,
+                                p.lanes.compute_end, owning_array(std::move(p.lanes.stall_per_event), {events}),
+                                owning_array(std::move(p.lanes.copy_credit), {copies}), p.h2d_bytes, p.peak,
+                                p.resident_bytes));
+    }
+    return py::make_tuple(out, run.fallback);
+  }
+
+ private:
+  offload::GreedyConstants c_;
+};
 
 offload::ScalarType scalar_type(const std::string& name, const char* what) {
   if (name == "float32") return offload::ScalarType::kFloat32;
@@ -270,6 +353,22 @@ PYBIND11_MODULE(_C, m) {
         "The step simulator's lane loop over flat arrays (see cpp/lane_sim.h and offload/simulate.py).");
   m.def("latest_issue", &latest_issue, py::arg("deadline"), py::arg("duration"),
         "The latest copy placement's backward pass (see cpp/schedule_kernels.h).");
+  py::class_<GreedyKernel>(m, "GreedyKernel",
+                           "The greedy scheduler's move sequence (cpp/greedy.h): constants once, points per mode.")
+      .def(py::init<std::int64_t, std::int64_t, const IndexArray&, const IndexArray&, const IndexArray&,
+                    const IndexArray&, const IndexArray&, const SecondsArray&, const SecondsArray&, const IndexArray&,
+                    const IndexArray&, const IndexArray&, const IndexArray&, const IndexArray&, const IndexArray&,
+                    const SecondsArray&, const IndexArray&, const IndexArray&, const IndexArray&, const SecondsArray&,
+                    const IndexArray&, const SecondsArray&, const SecondsArray&, double, std::int64_t,
+                    std::int64_t>(),
+           py::arg("n"), py::arg("nb"), py::arg("use_b"), py::arg("use_s"), py::arg("use_e"), py::arg("size"),
+           py::arg("nbytes"), py::arg("dur"), py::arg("updated_dur"), py::arg("updated"), py::arg("fwd_row"),
+           py::arg("bwd_row"), py::arg("fwd_at"), py::arg("bwd_at"), py::arg("keepable"), py::arg("tau"),
+           py::arg("grad_profile"), py::arg("need_b"), py::arg("need_e"), py::arg("compute"), py::arg("d2h_event"),
+           py::arg("d2h_solo"), py::arg("adam_s"), py::arg("duplex"), py::arg("n_used"), py::arg("max_points"))
+      .def("points", &GreedyKernel::points, py::arg("mode"), py::arg("capacity"),
+           "Every point of one copy mode's sequence (0 latest, 1 lookahead, 2 just in time) whose peak fits "
+           "capacity: (points, fallback), fallback non-empty where the Python loop must run instead.");
   m.def("last_occupants", &last_occupants, py::arg("issue"), py::arg("release"), py::arg("lo"), py::arg("hi"),
         "Per buffer, the last earlier occupants of its bytes, flattened: (ptr, buffers).");
 }

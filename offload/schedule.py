@@ -582,6 +582,7 @@ class _Greedy:
                            np.asarray(_each(hw.d2h_seconds, d["d2h_bytes"]), dtype=np.float64),
                            np.asarray(_each(hw.adam_seconds, d["adam_numel"]), dtype=np.float64))
         self.d2h_total = sum(d["d2h_bytes"])
+        self._kernel = None  # the C++ move sequence (``candidates``), built at its first use
 
     @property
     def uses(self) -> dict[int, list[tuple[int, int]]]:
@@ -731,7 +732,37 @@ class _Greedy:
     # -- the move sequence ----------------------------------------------------------------------------
 
     def candidates(self, capacity: int) -> list[_Point]:
-        """Every simulated point of every mode's sequence whose live bytes fit ``capacity``."""
+        """Every simulated point of every mode's sequence whose live bytes fit ``capacity``: the loop of
+        :meth:`candidates_reference`, in C++ where built (``cpp/greedy.cpp``: the same points, field for field
+        and bit for bit; ``tests/test_greedy_kernel.py``). Where the C++ loop meets what the reference raises
+        on (a stall on a zero-length copy, a score dividing by zero), the reference runs and raises it."""
+        if _C is not None:
+            points = self._candidates_cpp(capacity)
+            if points is not None:
+                return points
+        return self.candidates_reference(capacity)
+
+    def _candidates_cpp(self, capacity: int) -> list[_Point] | None:
+        if self._kernel is None:
+            self._kernel = _C.GreedyKernel(
+                self.n, len(self.buckets), self.use_b, self.use_s, self.use_e, self.size_np, self.nbytes_np,
+                self.dur_np, self.updated_dur, np.isin(np.arange(len(self.buckets)), list(self.grads)).astype(np.int64),
+                self.fwd_row, self.bwd_row, self.fwd_at, self.bwd_at, self.keepable, self.tau_np,
+                self.grad_profile_np, self.need_b, self.need_e, self.compute_np, *self.d2h_arrays,
+                self.hw.duplex_factor, self.n_used, MAX_POINTS)
+        capacity = min(max(capacity, -1), 2 ** 62)  # live bytes are >= 0 and far below 2^62
+        points = []
+        for m, mode in enumerate(MODES):
+            got, fallback = self._kernel.points(m, capacity)
+            if fallback:
+                return None
+            for res, flat, *lanes, h2d_bytes, peak, resident_bytes in got:
+                sim = LaneResult(*lanes, h2d_bytes, self.d2h_total)
+                points.append(_Point(mode, frozenset(res.tolist()), flat, sim, peak, (-h2d_bytes, resident_bytes, -m)))
+        return points
+
+    def candidates_reference(self, capacity: int) -> list[_Point]:
+        """Every simulated point of every mode's sequence whose live bytes fit ``capacity`` (the Python loop)."""
         points = []
         for m, mode in enumerate(MODES):
             resident, keep = frozenset(), frozenset()
