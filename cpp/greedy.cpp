@@ -142,7 +142,8 @@ class Sequence {
   // `_Greedy.placed`: the streamed buffers (rows_p_, rows_b_, rows_e_), sorted by (issue, bucket, end).
   void place() {
     const std::size_t u = c_.use_b.size();
-    std::vector<i64> end(c_.use_e);
+    std::vector<i64>& end = end_;
+    end.assign(c_.use_e.begin(), c_.use_e.end());
     live_.assign(u, 1);
     for (std::size_t i = 0; i < u; ++i)
       if (resident_[static_cast<std::size_t>(c_.use_b[i])]) live_[i] = 0;
@@ -162,7 +163,8 @@ class Sequence {
     if (mode_ == CopyMode::kJustInTime) {
       p_ = s_;
     } else if (mode_ == CopyMode::kLookahead) {  // the previous distinct need start
-      std::vector<std::uint8_t> starts(static_cast<std::size_t>(c_.n), 0);
+      std::vector<std::uint8_t>& starts = starts_;
+      starts.assign(static_cast<std::size_t>(c_.n), 0);
       for (i64 s : s_) starts[static_cast<std::size_t>(s)] = 1;
       prev_.resize(static_cast<std::size_t>(c_.n));
       i64 last = -1;
@@ -228,7 +230,8 @@ class Sequence {
 
   // `_Greedy.profile`: live arena bytes at each event (prof_); returns their max (0 without events).
   i64 live_bytes() {
-    std::vector<i64> diff(c_.grad_profile);
+    std::vector<i64>& diff = diff_;
+    diff.assign(c_.grad_profile.begin(), c_.grad_profile.end());
     i64 res = 0;
     for (i64 b = 0; b < c_.nb; ++b)
       if (resident_[static_cast<std::size_t>(b)]) res += c_.size[static_cast<std::size_t>(b)];
@@ -357,27 +360,26 @@ class Sequence {
       if (den == 0) return false;
       cand_.push_back({g / den, kb, 0, g});
     }
-    // best score first, then bucket, then keep before resident (np.lexsort((bs * 2 + kinds, -score)))
-    ranked_.resize(cand_.size());
-    for (std::size_t i = 0; i < cand_.size(); ++i) ranked_[i] = static_cast<i64>(i);
-    std::stable_sort(ranked_.begin(), ranked_.end(), [&](i64 x, i64 y) {
-      const Candidate &a = cand_[static_cast<std::size_t>(x)], &b = cand_[static_cast<std::size_t>(y)];
+    // best score first, then bucket, then keep before resident (np.lexsort((bs * 2 + kinds, -score)): a
+    // total order, the keys being distinct). Each bucket's best move, in rank order, is taken until `cap`
+    // moves or (while there is stall) until their gains, summed in that order, cover it. A bucket has at
+    // most two candidates, so the first 2 * cap in rank order hold every move taken: only they are sorted.
+    const auto better = [](const Candidate& a, const Candidate& b) {
       if (np_less(-a.score, -b.score)) return true;
       if (np_less(-b.score, -a.score)) return false;
       return a.bucket * 2 + a.kind < b.bucket * 2 + b.kind;
-    });
-    // each bucket's best move, in rank order; taken until `cap` moves or (while there is stall) until their
-    // gains, summed in that order, cover it
+    };
     const i64 cap = std::max<i64>(1, (c_.n_used + c_.max_points - 1) / c_.max_points);
+    const auto head = cand_.begin() + std::min<std::ptrdiff_t>(static_cast<std::ptrdiff_t>(cand_.size()), 2 * cap);
+    std::nth_element(cand_.begin(), head, cand_.end(), better);  // nothing after `head` ranks before it
+    std::sort(cand_.begin(), head, better);
     seen_.assign(nb, 0);
     double covered = 0;
-    for (i64 i : ranked_) {
-      if (static_cast<i64>(moves.size()) >= cap) break;
-      const Candidate& x = cand_[static_cast<std::size_t>(i)];
-      if (seen_[static_cast<std::size_t>(x.bucket)]) continue;
-      seen_[static_cast<std::size_t>(x.bucket)] = 1;
-      moves.push_back({x.kind == 1, x.bucket});
-      covered = moves.size() == 1 ? x.gain : covered + x.gain;
+    for (auto it = cand_.begin(); it != head && static_cast<i64>(moves.size()) < cap; ++it) {
+      if (seen_[static_cast<std::size_t>(it->bucket)]) continue;
+      seen_[static_cast<std::size_t>(it->bucket)] = 1;
+      moves.push_back({it->kind == 1, it->bucket});
+      covered = moves.size() == 1 ? it->gain : covered + it->gain;  // np.cumsum: sequential adds
       if (stalled && covered >= sim.stall_s) break;
     }
     return true;
@@ -411,10 +413,9 @@ class Sequence {
 
   const GreedyConstants& c_;
   CopyMode mode_;
-  std::vector<std::uint8_t> resident_, kept_, live_, seen_;
-  std::vector<i64> s_, e_, b_, p_, gp_, gb_, ge_, prev_, order_, start_, rows_p_, rows_b_, rows_e_, prof_;
+  std::vector<std::uint8_t> resident_, kept_, live_, seen_, starts_;
+  std::vector<i64> end_, diff_, s_, e_, b_, p_, gp_, gb_, ge_, prev_, order_, start_, rows_p_, rows_b_, rows_e_, prof_;
   std::vector<i64> cb_, ce_, h2d_event_, copy_order_, copy_start_, wait_ptr_, wait_copy_, count_, inside_, outside_;
-  std::vector<i64> ranked_;
   std::vector<double> deadline_, duration_, h2d_solo_, gain_;
   std::vector<Candidate> cand_;
   i64 refresh_ = 0;

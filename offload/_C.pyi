@@ -141,3 +141,26 @@ def last_occupants(
 ) -> tuple[list[int], list[int]]:
     """Per buffer, the buffers that last released its bytes ``[lo, hi)`` before it was issued, flattened as
     (ptr, buffers) (``cpp/schedule_kernels.h``)."""
+
+class GreedyKernel:
+    """The greedy scheduler's move sequence (``cpp/greedy.h``; ``offload.schedule._Greedy.candidates``): the
+    constants of one (trace, buckets, hardware) once, then every simulated point of a copy mode's sequence.
+    Its Python reference is ``_Greedy.candidates_reference`` (tested field for field, bitwise)."""
+
+    def __init__(
+        self, n: int, nb: int, use_b: Sequence[int], use_s: Sequence[int], use_e: Sequence[int],
+        size: Sequence[int], nbytes: Sequence[int], dur: Sequence[float], updated_dur: Sequence[float],
+        updated: Sequence[int], fwd_row: Sequence[int], bwd_row: Sequence[int], fwd_at: Sequence[int],
+        bwd_at: Sequence[int], keepable: Sequence[int], tau: Sequence[float], grad_profile: Sequence[int],
+        need_b: Sequence[int], need_e: Sequence[int], compute: Sequence[float], d2h_event: Sequence[int],
+        d2h_solo: Sequence[float], adam_s: Sequence[float], duplex: float, n_used: int, max_points: int,
+    ) -> None:
+        """The arrays of ``_Greedy.__init__`` (names as there; numpy arrays or sequences, copied). Raises
+        ``ValueError`` naming the first inconsistent length, out-of-range index or unsorted input."""
+    def points(self, mode: int, capacity: int) -> tuple[list[tuple], str]:
+        """Every point of mode ``mode`` (0 latest, 1 lookahead, 2 just in time) whose peak live bytes are
+        ``<= capacity``, in sequence order, each (resident buckets, flat rows (k, 3), step, compute, stall,
+        h2d busy, d2h busy, adam, compute end, stall per event, copy credit, h2d bytes, peak, resident
+        bytes), arrays as numpy; and a fallback reason, non-empty where the Python loop must run instead
+        (it raises the reference's error: a stall on a zero-length copy, a score dividing by zero). Releases
+        the GIL."""
