@@ -27,16 +27,16 @@ std::vector<std::int64_t> aligned_sizes(const BufferLifetimes& b, std::int64_t a
   std::vector<std::int64_t> aligned(b.sizes.size());
   std::int64_t sum = 0;  // bounds every offset + size, so nothing downstream can overflow
   for (std::size_t i = 0; i < b.sizes.size(); ++i) {
-    const std::string which = "buffer " + std::to_string(i) + ": ";
+    const auto which = [i] { return "buffer " + std::to_string(i) + ": "; };  // only for an error
     if (b.sizes[i] <= 0) {
-      throw std::invalid_argument(which + "size must be positive, got " + std::to_string(b.sizes[i]));
+      throw std::invalid_argument(which() + "size must be positive, got " + std::to_string(b.sizes[i]));
     }
     if (b.ends[i] <= b.starts[i]) {
-      throw std::invalid_argument(which + "end (" + std::to_string(b.ends[i]) +
+      throw std::invalid_argument(which() + "end (" + std::to_string(b.ends[i]) +
                                   ") must be greater than start (" + std::to_string(b.starts[i]) + ")");
     }
     if (b.sizes[i] > kMax - (alignment - 1)) {
-      throw std::invalid_argument(which + "size " + std::to_string(b.sizes[i]) + " is too large");
+      throw std::invalid_argument(which() + "size " + std::to_string(b.sizes[i]) + " is too large");
     }
     aligned[i] = (b.sizes[i] + alignment - 1) / alignment * alignment;
     if (aligned[i] > kMax - sum) throw std::invalid_argument("total size of all buffers overflows int64");

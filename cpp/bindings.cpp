@@ -76,6 +76,29 @@ offload::View<T> view_of(const A& a, const char* name) {
   return {a.data(), static_cast<std::size_t>(a.shape(0))};
 }
 
+// plan_arena and arena_lower_bound for int64 numpy columns (no forcecast: other arrays and sequences take
+// the std::vector overloads above, with their conversions and errors): a planner with its columns as arrays
+// hands over 30,000 buffers without a Python int per value.
+using IntColumn = py::array_t<std::int64_t, py::array::c_style>;
+
+Sizes column(const IntColumn& a, const char* name) {
+  const auto v = view_of<std::int64_t>(a, name);
+  return {v.begin(), v.end()};
+}
+
+py::tuple plan_arena_columns(const IntColumn& sizes, const IntColumn& starts, const IntColumn& ends,
+                             std::int64_t alignment, const std::string& heuristic, std::int64_t stop_at) {
+  return plan_arena(column(sizes, "sizes"), column(starts, "starts"), column(ends, "ends"), alignment, heuristic,
+                    stop_at);
+}
+
+std::int64_t arena_lower_bound_columns(const IntColumn& sizes, const IntColumn& starts, const IntColumn& ends,
+                                       std::int64_t alignment) {
+  const Sizes a = column(sizes, "sizes"), b = column(starts, "starts"), c = column(ends, "ends");
+  py::gil_scoped_release release;
+  return offload::arena_lower_bound({a, b, c}, alignment);
+}
+
 // Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit,
 // divided by zero), the two per-item results as numpy arrays; offload/simulate.py builds the SimResult.
 py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_event, const SecondsArray& h2d_solo,
@@ -339,11 +362,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("adamw_isa", &offload::adamw_isa, "Instruction set the CPU AdamW dispatches to on this CPU.");
   m.def("adamw_has_openmp", &offload::adamw_has_openmp, "Whether the CPU AdamW runs on OpenMP threads.");
 
+  m.def("plan_arena", &plan_arena_columns, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
+        py::arg("alignment") = 256, py::arg("heuristic") = "best", py::arg("stop_at") = -1,
+        "The same, for int64 numpy columns (no Python int per value).");
   m.def("plan_arena", &plan_arena, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
         py::arg("alignment") = 256, py::arg("heuristic") = "best", py::arg("stop_at") = -1,
         "Best-fit offsets under each heuristic (or the one named); keeps the smallest. Returns (offsets in "
         "input order, total bytes, heuristic, {heuristic: total bytes}). With \"best\" and stop_at >= 0 (a "
         "lower bound): the first heuristic alone where its total is <= stop_at.");
+  m.def("arena_lower_bound", &arena_lower_bound_columns, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
+        py::arg("alignment") = 256, "The same, for int64 numpy columns.");
   m.def("arena_lower_bound", &arena_lower_bound, py::arg("sizes"), py::arg("starts"), py::arg("ends"),
         py::arg("alignment") = 256, py::call_guard<py::gil_scoped_release>(),
         "Max over time of the sum of live aligned sizes.");

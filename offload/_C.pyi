@@ -91,12 +91,14 @@ def plan_arena(
     every heuristic run. Deterministic; releases the GIL. Raises ``ValueError`` on bad input.
     With ``"best"`` and ``stop_at >= 0`` (a lower bound on the total), the first heuristic runs alone
     first and is returned where its total is ``<= stop_at`` (the others are then not run).
+    C-contiguous int64 numpy columns are read as they are (an overload); other input is converted per value.
     """
 
 def arena_lower_bound(
     sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256
 ) -> int:
-    """Max over time of the sum of live aligned sizes: no layout can be smaller than this."""
+    """Max over time of the sum of live aligned sizes: no layout can be smaller than this. Takes int64 numpy
+    columns as they are, like ``plan_arena``."""
 
 def adamw_step(
     param: int, exp_avg: int, exp_avg_sq: int, grad: int, grad_dtype: str, lowp_out: int, lowp_dtype: str,

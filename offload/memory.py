@@ -118,8 +118,9 @@ def plan_arena_columns(sizes: Sequence[int], starts: Sequence[int], ends: Sequen
     if len(bad):
         i = int(bad[0])
         Interval(int(cols["size"][i]), int(cols["start"][i]), int(cols["end"][i]))  # raises its error
-    return _plan(cols["size"].tolist(), cols["start"].tolist(), cols["end"].tolist(), alignment, heuristic,
-                 stop_at_bound)
+    # int64 columns go to the C++ planner as they are (no Python int per value); other dtypes as lists
+    sizes, starts, ends = (a if a.dtype == np.int64 else a.tolist() for a in (cols["size"], cols["start"], cols["end"]))
+    return _plan(sizes, starts, ends, alignment, heuristic, stop_at_bound)
 
 
 def _check_options(alignment: int, heuristic: str) -> None:
@@ -128,7 +129,7 @@ def _check_options(alignment: int, heuristic: str) -> None:
         raise ValueError(f"heuristic must be 'best' or one of {ARENA_HEURISTICS}, got {heuristic!r}")
 
 
-def _plan(sizes: list[int], starts: list[int], ends: list[int], alignment: int, heuristic: str,
+def _plan(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int, heuristic: str,
           stop_at_bound: bool = False) -> ArenaLayout:
     lower_bound = _C.arena_lower_bound(sizes, starts, ends, alignment)
     offsets, total, winner, totals = _C.plan_arena(sizes, starts, ends, alignment, heuristic,

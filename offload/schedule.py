@@ -33,6 +33,7 @@ import bisect
 import contextlib
 import dataclasses
 import enum
+import functools
 import gc
 import itertools
 from dataclasses import dataclass
@@ -253,10 +254,12 @@ def _layout(trace, buckets, itemsize, resident, intervals):
     return _arena_of([x for x in specs if x[4] > 0])
 
 
-def _arena_of(specs):
-    """``specs`` (bucket, kind, start, end, size) and the arena layout of their buffers."""
-    layout = plan_arena_columns([x[4] for x in specs], [x[2] for x in specs], [x[3] for x in specs],
-                                alignment=ARENA_ALIGN, stop_at_bound=True)
+def _arena_of(specs, columns=None):
+    """``specs`` (bucket, kind, start, end, size) and the arena layout of their buffers. ``columns``: their
+    sizes, starts and ends as int64 arrays, where the caller has them (else taken from ``specs``)."""
+    sizes, starts, ends = columns if columns is not None else ([x[4] for x in specs], [x[2] for x in specs],
+                                                               [x[3] for x in specs])
+    layout = plan_arena_columns(sizes, starts, ends, alignment=ARENA_ALIGN, stop_at_bound=True)
     return specs, layout
 
 
@@ -721,13 +724,20 @@ class _Greedy:
         b, start, end = b[order], start[order], end[order]
         size = self.nbytes_np[b]
         keep = size > 0
-        param = BufferKind.PARAM
-        specs = list(zip(b[keep].tolist(), itertools.repeat(param), start[keep].tolist(), end[keep].tolist(),
-                         size[keep].tolist()))
+        b, start, end, size = b[keep], start[keep], end[keep], size[keep]
+        specs = list(zip(b.tolist(), itertools.repeat(BufferKind.PARAM), start.tolist(), end.tolist(), size.tolist()))
+        grad_specs, grad_columns = self._grad_specs
+        specs.extend(grad_specs)
+        return _arena_of(specs, [np.concatenate([x, g]) for x, g in zip((size, start, end), grad_columns)])
+
+    @functools.cached_property
+    def _grad_specs(self):
+        """The grad slots' specs (by bucket; empty ones dropped) and their (sizes, starts, ends) as arrays."""
         grad = BufferKind.GRAD
-        specs.extend((g, grad, s, e, self.grad_bytes[g]) for g, (s, e) in sorted(self.grads.items())
-                     if self.grad_bytes[g] > 0)
-        return _arena_of(specs)
+        specs = [(g, grad, s, e, self.grad_bytes[g]) for g, (s, e) in sorted(self.grads.items())
+                 if self.grad_bytes[g] > 0]
+        columns = [np.array([x[k] for x in specs], dtype=np.int64) for k in (4, 2, 3)]
+        return specs, columns
 
     # -- the move sequence ----------------------------------------------------------------------------
 

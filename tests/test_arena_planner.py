@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -266,10 +267,32 @@ def test_non_intervals_raise_type_error():
     ],
 )
 def test_bad_input_to_c_raises_value_error(args, match):
-    with pytest.raises(ValueError, match=match):
-        _C.plan_arena(*args)
-    with pytest.raises(ValueError, match=match):
-        _C.arena_lower_bound(*args)
+    for columns in (args, [np.asarray(x, dtype=np.int64) for x in args]):  # lists, and the int64 overloads
+        with pytest.raises(ValueError, match=match):
+            _C.plan_arena(*columns)
+        with pytest.raises(ValueError, match=match):
+            _C.arena_lower_bound(*columns)
+
+
+def test_int64_columns_give_what_lists_give():
+    """The int64 numpy overloads of plan_arena / arena_lower_bound (what plan_arena_columns passes) return
+    what the list ones do; other dtypes and non-contiguous arrays take the list path."""
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 50, 3000):
+        starts = rng.integers(0, 200, n)
+        sizes, ends = rng.integers(1, 5000, n), starts + rng.integers(1, 40, n)
+        lists = [x.tolist() for x in (sizes, starts, ends)]
+        for heuristic, stop_at in (("best", -1), ("best", 0), ("greedy_by_breadth", -1)):
+            want = _C.plan_arena(*lists, 256, heuristic, stop_at)
+            assert _C.plan_arena(sizes, starts, ends, 256, heuristic, stop_at) == want
+            assert _C.plan_arena(*(x.astype(np.int32) for x in (sizes, starts, ends)), 256, heuristic, stop_at) == want
+        assert _C.arena_lower_bound(sizes, starts, ends, 256) == _C.arena_lower_bound(*lists, 256)
+    wide = np.stack([sizes, sizes], axis=1)  # a strided column
+    assert not wide[:2, 0].flags.c_contiguous
+    assert _C.plan_arena(wide[:2, 0], starts[:2], ends[:2]) == _C.plan_arena(sizes[:2].tolist(), starts[:2].tolist(),
+                                                                           ends[:2].tolist())
+    with pytest.raises(TypeError):
+        _C.plan_arena(np.array([8.5]), np.array([0]), np.array([1]))  # floats are refused, as in a list
 
 
 def test_c_rejects_bad_alignment():
