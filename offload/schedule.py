@@ -36,6 +36,7 @@ import enum
 import functools
 import gc
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -192,7 +193,42 @@ def _grad_issue(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int
 
 
 def _grad_info(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]):
-    """(:func:`_grad_intervals`, :func:`_grad_issue`) from one pass over the events."""
+    """(:func:`_grad_intervals`, :func:`_grad_issue`), from :func:`_grad_arrays`."""
+    b, start, end, issue = (x.tolist() for x in _grad_arrays(trace, buckets, bucket_of))
+    return dict(zip(b, map(list, zip(start, end)))), dict(zip(b, issue))
+
+
+def _grad_arrays(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]):
+    """Per bucket with grads, in the order of their first grads: (bucket, slot start, slot end, issue) as
+    int64 arrays (what :func:`_grad_info_reference` computes with a loop over the events)."""
+    events = trace.events
+    n = len(events)
+    kinds = np.fromiter(map(operator.attrgetter("kind"), events), dtype=np.int64, count=n)
+    at = np.flatnonzero(kinds == EventKind.GRAD)
+    keys = np.fromiter(map(operator.attrgetter("key"), map(events.__getitem__, at.tolist())), dtype=np.int64,
+                       count=len(at))
+    owner = np.asarray(bucket_of, dtype=np.int64).reshape(-1)
+    b = owner[keys]
+    buckets_with, first = np.unique(b, return_index=True)
+    last = len(b) - 1 - np.unique(b[::-1], return_index=True)[1]
+    # complete: every touched parameter of the bucket's runs has its grad (a run's parameters are its
+    # bucket's, so "has a grad" is "is the key of some grad event")
+    params = np.fromiter(itertools.chain.from_iterable(run.params for x in buckets_with.tolist()
+                                                       for run in buckets[x].runs), dtype=np.int64)
+    missing = np.zeros(len(owner), dtype=bool)
+    missing[np.fromiter(trace.touched, dtype=np.int64, count=len(trace.touched))] = True
+    missing[keys] = False
+    incomplete = np.zeros(len(buckets), dtype=bool)
+    incomplete[owner[params[missing[params]]]] = True
+    by_first = np.argsort(first, kind="stable")
+    buckets_with, first, last = buckets_with[by_first], at[first[by_first]], at[last[by_first]]
+    # a bucket whose grads are not all seen is flushed at the end of backward: its slot is kept till then
+    issue = np.where(incomplete[buckets_with], n, last)
+    return buckets_with, first, np.where(issue < n, issue + 1, n), issue
+
+
+def _grad_info_reference(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]):
+    """:func:`_grad_info` by a loop over the events (the reference it is tested against)."""
     n = len(trace.events)
     touched = set(trace.touched)
     first: dict[int, int] = {}
@@ -514,7 +550,9 @@ class _Greedy:
         self.trace, self.buckets, self.hw, self.compute = trace, buckets, hw, compute
         self.n = len(trace.events)
         bucket_of = locate(buckets)[0]
-        self.grads, self.grad_issue = _grad_info(trace, buckets, bucket_of)
+        grad_b, grad_s, grad_e, grad_issue = _grad_arrays(trace, buckets, bucket_of)
+        self.grads = dict(zip(grad_b.tolist(), map(list, zip(grad_s.tolist(), grad_e.tolist()))))  # _grad_info's
+        self.grad_issue = dict(zip(grad_b.tolist(), grad_issue.tolist()))
         self.needs = _needed_all(trace, bucket_of)
         # every (event, bucket) need, flattened in event order: for the program's waits
         lens = [len(bs) for bs in self.needs]
@@ -535,30 +573,35 @@ class _Greedy:
         last[:-1] = new[1:]
         self.use_b, self.use_s, self.use_e = b[new], start[new], reach[last] - b[last] * big
         self.n_used = len(np.unique(self.use_b))  # buckets any event needs
+        nb = len(buckets)
         self.nbytes = [b.nbytes(itemsize) for b in buckets]
-        self.size = [_align(x) for x in self.nbytes]
-        self.grad_bytes = {b: buckets[b].grad_nbytes(itemsize) for b in self.grads}
+        self.nbytes_np = np.asarray(self.nbytes, dtype=np.int64).reshape(nb)
+        self.size_np = (self.nbytes_np + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN  # _align
+        self.size = self.size_np.tolist()
+        grad_bytes = np.fromiter((buckets[b].grad_nbytes(itemsize) for b in grad_b.tolist()), dtype=np.int64,
+                                 count=len(grad_b))
+        self.grad_bytes = dict(zip(grad_b.tolist(), grad_bytes.tolist()))
         dur = {x: hw.h2d_seconds(x) for x in set(self.nbytes)}  # one call per distinct size
         self.dur = [dur[x] for x in self.nbytes]
-        self.tau = list(itertools.accumulate(compute, initial=0.0))  # sequential sums, as a loop adds
+        self.compute_np = np.asarray(compute, dtype=np.float64).reshape(self.n)
+        # compute reaches event i at tau[i]: sequential sums from 0.0 (np.add.accumulate adds in order, as
+        # itertools.accumulate(compute, initial=0.0) does)
+        self.tau_np = np.add.accumulate(np.concatenate([np.zeros(1), self.compute_np]))
         # live grad-slot bytes change: + at each slot's start, - at its end (integer sums: exact in any order)
-        slots = np.array([(s, e, self.grad_bytes[b]) for b, (s, e) in self.grads.items()],
-                         dtype=np.int64).reshape(-1, 3)
-        slot_bytes = (slots[:, 2] + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN  # _align
+        slot_bytes = (grad_bytes + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN  # _align
         self.grad_profile_np = np.zeros(self.n + 1, dtype=np.int64)
-        np.add.at(self.grad_profile_np, slots[:, 0], slot_bytes)
-        np.add.at(self.grad_profile_np, slots[:, 1], -slot_bytes)
-        # the same, as arrays for the vectorised profile and moves
-        nb = len(buckets)
-        self.size_np = np.asarray(self.size, dtype=np.int64).reshape(nb)
-        self.nbytes_np = np.asarray(self.nbytes, dtype=np.int64).reshape(nb)
-        # the device-to-host side of every program (it does not depend on the point)
-        d2h = sorted((self.grad_issue[b], b) for b in self.grads)
-        self.d2h = dict(d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
-                        d2h_bytes=tuple(self.grad_bytes[b] for _, b in d2h),
-                        adam_numel=tuple(self.buckets[b].trainable_numel for _, b in d2h))
+        np.add.at(self.grad_profile_np, grad_s, slot_bytes)
+        np.add.at(self.grad_profile_np, grad_e, -slot_bytes)
+        # the device-to-host side of every program (it does not depend on the point): by (issue, bucket)
+        d2h = np.lexsort((grad_b, grad_issue))
+        d2h_b = grad_b[d2h].tolist()
+        self.d2h = dict(d2h_event=tuple(grad_issue[d2h].tolist()), d2h_bucket=tuple(d2h_b),
+                        d2h_bytes=tuple(grad_bytes[d2h].tolist()),
+                        adam_numel=tuple(self.buckets[b].trainable_numel for b in d2h_b))
         self.dur_np = np.asarray(self.dur, dtype=np.float64).reshape(nb)
-        self.updated_dur = np.array([self.dur[b] if b in self.grads else 0.0 for b in range(nb)], dtype=np.float64)
+        self.updated = np.zeros(nb, dtype=bool)  # per bucket: has grads (refreshed when resident)
+        self.updated[grad_b] = True
+        self.updated_dur = np.where(self.updated, self.dur_np, 0.0)
         # keepable: buckets used in forward and again in backward. Per keepable bucket: the start and the row
         # of its last forward interval (``fwd_*``) and of its first backward one (``bwd_*``), which is its
         # first interval starting at or after ``num_forward`` and not its first interval.
@@ -574,12 +617,10 @@ class _Greedy:
         self.bwd_row = np.zeros(nb, dtype=np.int64)
         self.fwd_at[self.keepable], self.bwd_at[self.keepable] = self.use_s[r - 1], self.use_s[r]
         self.fwd_row[self.keepable], self.bwd_row[self.keepable] = r - 1, r
-        self.tau_np = np.asarray(self.tau, dtype=np.float64)
         self.need_key = self.need_b * (self.n + 1) + self.need_e
         self.need_ptr_np = np.asarray(self.need_ptr, dtype=np.int64)
         self._table = np.zeros((max(1, self.n.bit_length()), max(1, self.n)), dtype=np.int64)  # moves' _MaxTable
         # what every simulated point passes to the lanes unchanged
-        self.compute_np = np.asarray(compute, dtype=np.float64)
         d = self.d2h
         self.d2h_arrays = (np.asarray(d["d2h_event"], dtype=np.int64),
                            np.asarray(_each(hw.d2h_seconds, d["d2h_bytes"]), dtype=np.float64),
@@ -756,7 +797,7 @@ class _Greedy:
         if self._kernel is None:
             self._kernel = _C.GreedyKernel(
                 self.n, len(self.buckets), self.use_b, self.use_s, self.use_e, self.size_np, self.nbytes_np,
-                self.dur_np, self.updated_dur, np.isin(np.arange(len(self.buckets)), list(self.grads)).astype(np.int64),
+                self.dur_np, self.updated_dur, self.updated.astype(np.int64),
                 self.fwd_row, self.bwd_row, self.fwd_at, self.bwd_at, self.keepable, self.tau_np,
                 self.grad_profile_np, self.need_b, self.need_e, self.compute_np, *self.d2h_arrays,
                 self.hw.duplex_factor, self.n_used, MAX_POINTS)

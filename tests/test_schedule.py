@@ -414,3 +414,23 @@ def test_negative_or_nan_compute_seconds_are_refused(bad):
     compute[1] = bad
     with pytest.raises(ValueError, match="non-negative seconds"):
         build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0, compute_s=compute)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), st.data())
+def test_grad_arrays_are_the_grad_intervals_of_the_event_loop(case, data):
+    """_grad_info (numpy over the GRAD events) is the per-event loop _grad_info_reference, orders included;
+    _Greedy's compute prefix sums (np.add.accumulate) are itertools.accumulate's, bitwise."""
+    import itertools
+    import struct
+    from offload.buckets import locate
+    from offload.schedule import _Greedy, _grad_info, _grad_info_reference
+    trace, buckets = case
+    bucket_of = locate(buckets)[0]
+    got, want = _grad_info(trace, buckets, bucket_of), _grad_info_reference(trace, buckets, bucket_of)
+    assert got == want and [list(x) for x in got] == [list(x) for x in want]
+    compute = tuple(data.draw(st.sampled_from([0.0, -0.0, 1e-7, 3e-4, 1 / 3])) for _ in trace.events)
+    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], compute)
+    tau = list(itertools.accumulate(compute, initial=0.0))
+    assert [struct.pack("<d", x) for x in g.tau_np.tolist()] == [struct.pack("<d", x) for x in tau]
+    assert g.grads == want[0] and g.grad_issue == want[1] and list(g.grads) == list(want[0])
