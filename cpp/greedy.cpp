@@ -100,8 +100,9 @@ class Sequence {
       if (peak > capacity) break;  // resident bytes only grow along the sequence
       if (!copies()) return fallback(out, "need without a live buffer");
       GreedyPoint point;
-      point.lanes = simulate_lanes(LaneProgram{c_.compute, h2d_event_, h2d_solo_, wait_ptr_, wait_copy_,
-                                               c_.d2h_event, c_.d2h_solo, c_.adam_s, false, c_.duplex});
+      simulate_lanes(LaneProgram{c_.compute, h2d_event_, h2d_solo_, wait_ptr_, wait_copy_, c_.d2h_event, c_.d2h_solo,
+                                 c_.adam_s, false, c_.duplex},
+                     lane_scratch_, point.lanes);
       if (point.lanes.divided_by_zero) return fallback(out, "stall on a zero-length copy");
       for (i64 b : cb_) point.h2d_bytes += c_.nbytes[static_cast<std::size_t>(b)];
       for (i64 b = 0; b < c_.nb; ++b) {
@@ -420,6 +421,7 @@ class Sequence {
   std::vector<Candidate> cand_;
   i64 refresh_ = 0;
   MaxTable rmq_;
+  LaneScratch lane_scratch_;
 };
 
 void check_size(std::size_t got, std::size_t want, const char* name) {

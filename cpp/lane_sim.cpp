@@ -7,26 +7,32 @@
 namespace offload {
 namespace {
 
-// Copies grouped by issuing event, in copy order within an event (what the reference's dict of lists is).
-struct ByEvent {
-  std::vector<std::int64_t> ptr, copy;
-  ByEvent(const View<std::int64_t>& event, std::int64_t lo, std::int64_t hi) {
-    ptr.assign(static_cast<std::size_t>(hi - lo + 2), 0);
-    for (std::int64_t e : event)
-      if (e >= lo && e <= hi) ++ptr[static_cast<std::size_t>(e - lo + 1)];
-    for (std::size_t i = 1; i < ptr.size(); ++i) ptr[i] += ptr[i - 1];
-    copy.resize(static_cast<std::size_t>(ptr.back()));
-    std::vector<std::int64_t> fill(ptr.begin(), ptr.end() - 1);
-    for (std::size_t k = 0; k < event.size(); ++k) {
-      const std::int64_t e = event[k];
-      if (e >= lo && e <= hi) copy[static_cast<std::size_t>(fill[static_cast<std::size_t>(e - lo)]++)] = k;
-    }
+// Copies grouped by issuing event, in copy order within an event (what the reference's dict of lists is):
+// event e's copies are copy[ptr[e - lo]:ptr[e - lo + 1]].
+void group_by_event(const View<std::int64_t>& event, std::int64_t lo, std::int64_t hi, std::vector<std::int64_t>& ptr,
+                    std::vector<std::int64_t>& copy, std::vector<std::int64_t>& fill) {
+  ptr.assign(static_cast<std::size_t>(hi - lo + 2), 0);
+  for (std::int64_t e : event)
+    if (e >= lo && e <= hi) ++ptr[static_cast<std::size_t>(e - lo + 1)];
+  for (std::size_t i = 1; i < ptr.size(); ++i) ptr[i] += ptr[i - 1];
+  copy.resize(static_cast<std::size_t>(ptr.back()));
+  fill.assign(ptr.begin(), ptr.end() - 1);
+  for (std::size_t k = 0; k < event.size(); ++k) {
+    const std::int64_t e = event[k];
+    if (e >= lo && e <= hi) copy[static_cast<std::size_t>(fill[static_cast<std::size_t>(e - lo)]++)] = static_cast<std::int64_t>(k);
   }
-};
+}
 
 }  // namespace
 
 LaneResult simulate_lanes(const LaneProgram& p) {
+  LaneScratch scratch;
+  LaneResult r;
+  simulate_lanes(p, scratch, r);
+  return r;
+}
+
+void simulate_lanes(const LaneProgram& p, LaneScratch& w, LaneResult& r) {
   const std::int64_t n = static_cast<std::int64_t>(p.compute.size());
   const std::size_t nh = p.h2d_solo.size();
   if (p.h2d_event.size() != nh || p.d2h_event.size() != p.d2h_solo.size() || p.adam_s.size() != p.d2h_solo.size() ||
@@ -34,10 +40,16 @@ LaneResult simulate_lanes(const LaneProgram& p) {
     throw std::invalid_argument("simulate_lanes: inconsistent program lengths");
   for (std::int64_t k : p.wait_copy)
     if (k < 0 || static_cast<std::size_t>(k) >= nh) throw std::invalid_argument("simulate_lanes: bad wait copy");
-  const ByEvent h2d_at(p.h2d_event, -1, n - 1), d2h_at(p.d2h_event, 0, n);
-  std::vector<double> done(nh, 0.0), dur(nh, 0.0), cum(nh, 0.0), stall_at(nh, 0.0);
-  std::vector<std::int64_t> period_of(nh, 0);
-  LaneResult r;
+  group_by_event(p.h2d_event, -1, n - 1, w.h2d_ptr, w.h2d_copy, w.fill);
+  group_by_event(p.d2h_event, 0, n, w.d2h_ptr, w.d2h_copy, w.fill);
+  const std::vector<std::int64_t>&h2d_ptr = w.h2d_ptr, &h2d_copy = w.h2d_copy, &d2h_ptr = w.d2h_ptr,
+                               &d2h_copy = w.d2h_copy;
+  std::vector<double>&done = w.done, &dur = w.dur, &cum = w.cum, &stall_at = w.stall_at;
+  done.assign(nh, 0.0), dur.assign(nh, 0.0), cum.assign(nh, 0.0), stall_at.assign(nh, 0.0);
+  std::vector<std::int64_t>& period_of = w.period_of;
+  period_of.assign(nh, 0);
+  r.step_s = r.compute_s = r.stall_s = r.h2d_busy_s = r.d2h_busy_s = r.adam_s = r.compute_end = 0;
+  r.divided_by_zero = false;
   r.stall_per_event.assign(static_cast<std::size_t>(n), 0.0);
   double h2d_free = 0, d2h_free = 0, cpu_free = 0, period_len = 0, t = 0;
   std::int64_t period_start = 0;
@@ -67,9 +79,9 @@ LaneResult simulate_lanes(const LaneProgram& p) {
       cpu_free = std::max(cpu_free, d2h_free) + p.adam_s[k];
   };
 
-  for (std::int64_t j = h2d_at.ptr[0]; j < h2d_at.ptr[1]; ++j) issue_h2d(h2d_at.copy[j], 0.0);
+  for (std::int64_t j = h2d_ptr[0]; j < h2d_ptr[1]; ++j) issue_h2d(h2d_copy[j], 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
-    for (std::int64_t j = h2d_at.ptr[i + 1]; j < h2d_at.ptr[i + 2]; ++j) issue_h2d(h2d_at.copy[j], t);
+    for (std::int64_t j = h2d_ptr[i + 1]; j < h2d_ptr[i + 2]; ++j) issue_h2d(h2d_copy[j], t);
     for (std::int64_t j = p.wait_ptr[i]; j < p.wait_ptr[i + 1]; ++j) {
       const std::int64_t k = p.wait_copy[j];
       if (done[k] > t) {
@@ -80,11 +92,11 @@ LaneResult simulate_lanes(const LaneProgram& p) {
         t = done[k];
       }
     }
-    for (std::int64_t j = d2h_at.ptr[i]; j < d2h_at.ptr[i + 1]; ++j) issue_d2h(d2h_at.copy[j], t);
+    for (std::int64_t j = d2h_ptr[i]; j < d2h_ptr[i + 1]; ++j) issue_d2h(d2h_copy[j], t);
     t += p.compute[i];
   }
   r.compute_end = t;
-  for (std::int64_t j = d2h_at.ptr[n]; j < d2h_at.ptr[n + 1]; ++j) issue_d2h(d2h_at.copy[j], t);
+  for (std::int64_t j = d2h_ptr[n]; j < d2h_ptr[n + 1]; ++j) issue_d2h(d2h_copy[j], t);
   for (const auto& [ready, adam] : pending) cpu_free = std::max(std::max(cpu_free, ready), t) + adam;
   r.step_s = std::max(std::max(t, h2d_free), std::max(d2h_free, cpu_free));
   for (double c : p.compute) r.compute_s += c;
@@ -97,7 +109,6 @@ LaneResult simulate_lanes(const LaneProgram& p) {
     acc += stall_at[j];
     r.copy_credit[j] = dur[j] * acc;
   }
-  return r;
 }
 
 }  // namespace offload

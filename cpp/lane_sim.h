@@ -45,4 +45,14 @@ struct LaneResult {
 
 LaneResult simulate_lanes(const LaneProgram& p);
 
+// Working buffers of the lane loop, reusable from call to call: a caller that simulates many programs
+// (the greedy scheduler's points) keeps one and so does not fault fresh pages in at every call.
+struct LaneScratch {
+  std::vector<double> done, dur, cum, stall_at;
+  std::vector<std::int64_t> period_of, h2d_ptr, h2d_copy, d2h_ptr, d2h_copy, fill;
+};
+
+// simulate_lanes(p) into `r` (its vectors reused), with `scratch`'s buffers: the same result.
+void simulate_lanes(const LaneProgram& p, LaneScratch& scratch, LaneResult& r);
+
 }  // namespace offload
