@@ -59,6 +59,7 @@ class RecomputeMixin:
         with _Busy(self):
             if t.device == self.backend.device and t.layout == torch.strided and self._locate(t) is None:
                 self.ckpt.count(block, region, t)
+                self.memory.saw_saved(t.untyped_storage().nbytes())  # saved for real once "auto" un-checkpoints it
 
     def region_done(self, region: int) -> None:
         """The backward of checkpointed call ``region`` is over: its buckets and recomputed tensors go."""

@@ -427,8 +427,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
     def _evict_to_fit(self, nbytes: int) -> bool:
         """Free finished grad slots, then evict unused on-demand buckets, least recently used first, until
         ``nbytes`` more fit the budget; False if they still do not."""
-        # Leave room for the largest gradient autograd may materialise while this bucket is here.
-        limit = self.config.budget - self.grad_headroom - self.reserve
+        limit = self._cache_limit()
         self._reclaim(block=self.memory.current + nbytes > limit)
         protected = set(self.active) | self.node_buckets
         for buckets in self.held.values():  # recomputed weight views point into them (see recompute.py)
@@ -440,11 +439,25 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
                 self._release(b)
         return self.memory.current + nbytes <= limit
 
+    def _cache_limit(self) -> int:
+        """Device bytes that buckets fetched on demand may fill, with what else is live.
+
+        Off plan, nothing is laid out ahead: a saved activation or a parameter's gradient is allocated by
+        autograd before the engine hears of it, so evicting then does not lower the peak already reached.
+        The room for the next one is kept free instead: the largest gradient autograd may materialise
+        (backward) or the largest storage saved for backward so far, checkpointed blocks' included (forward;
+        in backward only a recompute saves, and ``reserve`` holds what it is still to save). The two never land
+        in the same phase, so the larger of them is enough. An activation larger than any seen before (a
+        longer sequence) can still overshoot, by at most its own size: eviction follows it
+        (``_activations_grew``)."""
+        headroom = max(self.grad_headroom, self.memory.largest_saved)
+        return self.config.budget - headroom - self.reserve
+
     def _activations_grew(self) -> None:
         """Off plan, buckets fetched on demand stay cached until room is needed; room is needed when saved
         activations grow as much as when another bucket is fetched, so evict the same way (no-op on plan,
         where activations are planned, and while tracing, where nothing is cached)."""
-        if self.lru and self.memory.current > self.config.budget - self.grad_headroom - self.reserve:
+        if self.lru and self.memory.current > self._cache_limit():
             self._evict_to_fit(0)
 
     def _touch_lru(self, b: int) -> None:
