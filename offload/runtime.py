@@ -139,6 +139,9 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
                              "name the modules instead: activation_checkpointing=[\"layers.0\", ...]")
         self.ckpt = Checkpointer(module, self, blocks)
         self.checkpoint_choice: CheckpointChoice | None = None  # what "auto" decided after the warm-up
+        # "auto" runs with no block checkpointed where the warm-up says that may fit: the warm-up's (trace,
+        # profile), to choose blocks from if that step's plan does not fit (offload/recompute_hooks.py)
+        self.warmup: tuple[Trace, ActivationProfile] | None = None
         self.profile: ActivationProfile | None = None  # activation bytes per block, of the last step
         self._reset_step()
         self._register_hooks()
@@ -517,6 +520,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
             parts = e.breakdown
             raise self._activation_hint(e, self.config.budget - sum(parts.values()) + parts["activations"]) from None
         validate_plan(plan)
+        self.warmup = None  # decided: from now on "auto" only ever checkpoints more
         self.on_plan = False
         self._deactivate()
         if self.train_plan is not None:
