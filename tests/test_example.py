@@ -63,6 +63,17 @@ def test_train_gpt_save_and_resume(tmp_path, capsys):
     assert last and last == [line for line in resumed.splitlines() if line.startswith("step 8:")], (whole, resumed)
 
 
+@pytest.mark.hf
+def test_train_gpt_hf_gpt2_defaults(capsys):
+    """`train_gpt.py --model hf-gpt2` (a README command) at its default sizes and budget: GPT-2's eager attention
+    saves more than that budget leaves, so its default is --checkpointing auto (it exited 2 with the engine's
+    hint before); it trains within the budget (the script exits 1 otherwise). Fewer steps than the default."""
+    pytest.importorskip("transformers")
+    out = _main("train_gpt", "--model", "hf-gpt2", "--steps", "6", "--eval-every", "6", capsys=capsys)
+    assert "--checkpointing auto" in out and "within budget" in out, out
+    assert importlib.import_module("train_gpt").parse_args([]).checkpointing == "none"  # the built-in GPT: unchanged
+
+
 def test_finetune_frozen_example(capsys):
     """The script checks itself (exit 1 otherwise): no optimizer state for frozen weights on the host, no
     backward copies of buckets below the lowest trainable parameter, bytes copied = the plan's, peak <= budget."""
