@@ -122,20 +122,19 @@ def on_demand_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> i
     graded = {ev.key for ev in trace.events[nf:] if ev.kind == EventKind.GRAD}
     stack: list[tuple[int, set[int]]] = []
     forward = 0
+    calls_of: dict[int, list[int]] = {}  # module -> its PRE events
     for i in range(nf):
         while stack and stack[-1][0] <= i:
             stack.pop()
         if trace.events[i].kind == EventKind.PRE:
+            calls_of.setdefault(trace.events[i].key, []).append(i)
             stack.append((trace.ends[i], {bucket_of[p] for p in trace.uses[i]}))
             forward = max(forward, sum(nbytes[b] for b in set().union(*(s for _, s in stack))))
 
     def inside(module: int) -> tuple[int, dict[int, int]]:
         """(largest call without gradients, per parameter the largest call using it) within ``module``'s calls."""
         frozen, by_param = 0, {}
-        for i in range(nf):
-            ev = trace.events[i]
-            if ev.kind != EventKind.PRE or ev.key != module:
-                continue
+        for i in calls_of.get(module, ()):
             for j in range(i, min(trace.ends[i], nf)):
                 if trace.events[j].kind != EventKind.PRE:
                     continue
