@@ -12,6 +12,7 @@ import torch
 
 from .activations import (AUTO, ActivationProfile, CheckpointChoice, activation_bytes, checkpoint_hint, choose_checkpoints,
                           on_demand_bytes, profile_of, recompute_seconds)
+from .config import format_bytes
 from .errors import BudgetTooSmallError
 from .param_access import _Busy, _UseDetector
 from .schedule import budget_error, min_arena_bytes
@@ -95,7 +96,17 @@ class RecomputeMixin:
             if held <= self.config.budget and self.memory.peak <= self.config.budget:  # the warm-up's did too
                 self.warmup = (trace, self.profile)  # to choose from if that gives no plan that fits
                 return self._checkpoint(CheckpointChoice((), (), plain, 0.0, True))
-            return self._checkpoint(self._fitting_choice(trace, self.profile, ()))
+            try:
+                return self._checkpoint(self._fitting_choice(trace, self.profile, ()))
+            except BudgetTooSmallError as e:
+                if held > self.config.budget:
+                    raise
+                raise BudgetTooSmallError(  # the warm-up alone went over: what it costs, and what would not
+                    f'{e} The warm-up step of "auto" checkpoints every block, and each recompute keeps its block\'s '
+                    f"weights on the device until that block's backward is over: it peaked at "
+                    f"{format_bytes(self.memory.peak)}. With no block checkpointed a step holds at most about "
+                    f"{format_bytes(held)}: activation_checkpointing=None may fit this budget.",
+                    min_budget_bytes=e.min_budget_bytes, budget_bytes=e.budget_bytes, breakdown=e.breakdown) from None
         warmup, self.warmup = self.warmup, None
         if warmup is not None:  # no checkpointing gave no plan that fits: choose as if it had not been tried
             choice = self._fitting_choice(*warmup, ())

@@ -86,8 +86,10 @@ def test_finetune_frozen_example(capsys):
 def test_bert_mlm_example(capsys):
     pytest.importorskip("transformers")
     # The example's default is --checkpointing auto (its default shapes need it, checked by hand: 4 of 4 blocks,
-    # peak 9.3 of 9.5 MiB); at these tiny shapes the activations fit without, and "auto" would refuse the budget:
-    # it sizes the arena from the warm-up step, where every block is checkpointed (README, Limitations).
-    args = "--steps 8 --layers 2 --hidden 128 --heads 4 --seq 16 --batch 1 --checkpointing none"
-    out = _main("bert_mlm", *args.split(), capsys=capsys)
+    # peak 9.3 of 9.5 MiB); at these tiny shapes the activations fit without, and "auto" refuses the budget: its
+    # warm-up step checkpoints every block, and the recomputes hold their blocks' weights (README, Limitations).
+    args = "--steps 8 --layers 2 --hidden 128 --heads 4 --seq 16 --batch 1 --checkpointing"
+    out = _main("bert_mlm", *args.split(), "none", capsys=capsys)
     assert "BertForMaskedLM" in out and "budget" in out, out
+    with pytest.raises(offload.BudgetTooSmallError, match="activation_checkpointing=None may fit this budget"):
+        _main("bert_mlm", *args.split(), "auto", capsys=capsys)
