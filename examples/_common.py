@@ -36,7 +36,7 @@ _CHOICES = {"dtype": ["float32", "bfloat16", "float16"], "checkpointing": ["auto
 
 
 def add_run_args(p: argparse.ArgumentParser, *, steps: int, batch: int, seq: int, lr: float,
-                 checkpointing: str = "none", helps: dict[str, str] | None = None) -> None:
+                 checkpointing: str | None = "none", helps: dict[str, str] | None = None) -> None:
     """Add --steps --budget --batch --seq --lr --dtype --device --seed --checkpointing with this example's defaults;
     ``helps`` (flag name without dashes -> text) replaces a generic help text."""
     defaults = {"steps": steps, "budget": None, "batch": batch, "seq": seq, "lr": lr, "dtype": "float32",

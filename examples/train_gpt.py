@@ -2,7 +2,7 @@
 
     python examples/train_gpt.py                         # 4.8M parameters, budget 3/4 of their 18 MiB
     python examples/train_gpt.py --steps 500 --budget 12MiB --dtype bfloat16
-    python examples/train_gpt.py --model hf-gpt2         # transformers' GPT2LMHeadModel, same sizes
+    python examples/train_gpt.py --model hf-gpt2         # transformers' GPT2LMHeadModel, same sizes (--checkpointing auto)
     python examples/train_gpt.py --steps 50 --save ckpt.pt && python examples/train_gpt.py --steps 100 --resume ckpt.pt
 
 A byte-level language model (vocab 256: one token per byte, no tokenizer files; GPT-2's BPE tokenizer
@@ -42,8 +42,11 @@ console = Console()
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_run_args(p, steps=100, batch=2, seq=32, lr=2e-3, helps={
+    add_run_args(p, steps=100, batch=2, seq=32, lr=2e-3, checkpointing=None, helps={
         "budget": 'device memory budget, e.g. "12MiB" (default: 3/4 of the fp32 weights)',
+        "checkpointing": 'activation checkpointing: "auto" recomputes the fewest blocks that make the activations fit '
+                         'the budget, "none" never recomputes (default: auto with --model hf-gpt2, whose eager '
+                         'attention saves more than the default budget leaves; none with gpt)',
         "lr": "peak learning rate (linear warmup, then cosine decay)",
         "seed": "seed of the weight init and the batch sampling"})
     p.add_argument("--bucket-bytes", help='bytes per parameter bucket, e.g. "1MiB" (default: 1/12 of the weights)')
@@ -57,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, help="stop after this step, as if interrupted (--save writes there)")
     p.add_argument("--eval-every", type=int, default=25, help="steps between validation-loss estimates")
     args = p.parse_args(argv)
+    if args.checkpointing is None:
+        args.checkpointing = "auto" if args.model == "hf-gpt2" else "none"
     if args.steps < 1 or args.eval_every < 1:
         p.error("--steps and --eval-every must be at least 1")
     return args

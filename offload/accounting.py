@@ -19,6 +19,9 @@ class DeviceMemory:
         self.current = 0
         self.peak = 0
         self.activation_peak = 0  # of the current step
+        # Largest storage saved for backward (or that a checkpointed block would save) since wrap: off plan,
+        # the room kept free for the next one to land in (see Runtime._cache_limit).
+        self.largest_saved = 0
         self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         # Called after saved activations grew: off plan, the runtime evicts cached buckets to stay in budget.
         self.on_activations: Callable[[], None] | None = None
@@ -33,6 +36,7 @@ class DeviceMemory:
         entry = self._held.get(key)
         if entry is None:
             self._held[key] = [1, nbytes]
+            self.saw_saved(nbytes)
             self.add("activations", nbytes)
             self.activation_peak = max(self.activation_peak, self.parts["activations"])
             if self.on_activations is not None:
@@ -40,6 +44,10 @@ class DeviceMemory:
             return True
         entry[0] += 1
         return False
+
+    def saw_saved(self, nbytes: int) -> None:
+        """A storage of ``nbytes`` is (or, were its block not checkpointed, would be) saved for backward."""
+        self.largest_saved = max(self.largest_saved, nbytes)
 
     def drop(self, key: int) -> None:
         entry = self._held.get(key)

@@ -19,14 +19,26 @@ after it have already let go of (their saved bytes, or their inputs if checkpoin
 most max(F_C, max over r in C of F_C - freed_after(r) + saved_r). When C is M itself the measured peak
 is returned as it is. The estimate only errs high (a block's input that it also saves is counted twice;
 the saved bytes outside the blocks are taken as held all through backward).
+
+[Note: auto and no checkpointing] "auto" measures in a warm-up step that checkpoints every block, and a
+recompute keeps its block's weights on the device until that block's backward is over, so the arena that
+step needed is more than a step without recompute needs; checked against it, a small model whose
+activations fit anyway could be refused a budget that ``activation_checkpointing=None`` accepts. So
+"auto" first asks whether nothing needs checkpointing: the activations with no block checkpointed
+(``activation_bytes(profile, ())``), module buffers and what a step run on demand holds at most
+(:func:`on_demand_bytes`, an upper bound) within the budget. If so, the next step runs with no block
+checkpointed (on demand, as the step after any choice does) and is planned like a step under None; only
+if that plan does not fit does "auto" fall back to choosing blocks from the warm-up as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
+from .buckets import Bucket, locate
 from .config import format_bytes as _fmt
+from .trace import EventKind, Trace
 
 AUTO = "auto"
 
@@ -88,6 +100,73 @@ def activation_bytes(profile: ActivationProfile, chosen: Iterable[int]) -> int:
         else:
             freed += b.saved
     return peak
+
+
+def on_demand_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> int:
+    """Most device bytes, saved activations and module buffers aside, a step following ``trace`` holds when
+    it runs on demand with no block checkpointed (an upper bound, from a trace in which blocks may have been
+    checkpointed; see [Note: auto and no checkpointing]).
+
+    On demand, the runtime evicts the buckets not in use before it allocates, so what it holds is what is
+    in use: in forward, the buckets of the module calls active at once; in backward, the buckets of the
+    autograd node running, the grad slots open (a bucket's slot opens at its first gradient and closes at
+    its last) and the largest gradient autograd materialises. A node reads only weights that one forward call
+    read: at an UNPACK event, its uses. Inside a block that ``trace`` recomputed, whose nodes are not
+    events: a node whose gradient lands at a GRAD event read at most the buckets of the calls of the block
+    that used that parameter, and ran before that gradient's slot opened; any other node, at most the buckets
+    of one call of the block whose parameters get no gradient (frozen weights), at any time."""
+    bucket_of = locate(buckets)[0]
+    nbytes = [b.nbytes(itemsize) for b in buckets]
+    nf, n = trace.num_forward, len(trace.events)
+    calls = [sum(nbytes[b] for b in {bucket_of[p] for p in uses}) for uses in trace.uses]
+    graded = {ev.key for ev in trace.events[nf:] if ev.kind == EventKind.GRAD}
+    stack: list[tuple[int, set[int]]] = []
+    forward = 0
+    calls_of: dict[int, list[int]] = {}  # module -> its PRE events
+    for i in range(nf):
+        while stack and stack[-1][0] <= i:
+            stack.pop()
+        if trace.events[i].kind == EventKind.PRE:
+            calls_of.setdefault(trace.events[i].key, []).append(i)
+            stack.append((trace.ends[i], {bucket_of[p] for p in trace.uses[i]}))
+            forward = max(forward, sum(nbytes[b] for b in set().union(*(s for _, s in stack))))
+
+    def inside(module: int) -> tuple[int, dict[int, int]]:
+        """(largest call without gradients, per parameter the largest call using it) within ``module``'s calls."""
+        frozen, by_param = 0, {}
+        for i in calls_of.get(module, ()):
+            for j in range(i, min(trace.ends[i], nf)):
+                if trace.events[j].kind != EventKind.PRE:
+                    continue
+                if not any(p in graded for p in trace.uses[j]):
+                    frozen = max(frozen, calls[j])
+                for p in trace.uses[j]:
+                    by_param[p] = max(by_param.get(p, 0), calls[j])
+        return frozen, by_param
+
+    touched = set(trace.touched)
+    got: dict[int, set[int]] = {}
+    open_bytes = backward = 0
+    frozen, by_param, block_end = 0, {}, 0  # of the recomputed block whose backward runs
+    for i in range(nf, n):
+        ev = trace.events[i]
+        if i >= block_end:
+            frozen, by_param = 0, {}
+        if ev.kind == EventKind.RECOMPUTE:
+            (frozen, by_param), block_end = inside(ev.key), trace.ends[i]
+        node = calls[i] if ev.kind == EventKind.UNPACK else frozen
+        if ev.kind == EventKind.GRAD:
+            # the node that made this gradient, its weights still cached, as the gradient lands
+            backward = max(backward, by_param.get(ev.key, 0) + open_bytes + trace.max_grad_bytes)
+            b = bucket_of[ev.key]
+            if b not in got:
+                got[b] = set()
+                open_bytes += buckets[b].grad_nbytes(itemsize)
+            got[b].add(ev.key)
+        backward = max(backward, node + open_bytes + trace.max_grad_bytes)
+        if ev.kind == EventKind.GRAD and got[b] >= {p for run in buckets[b].runs for p in run.params if p in touched}:
+            open_bytes -= buckets[b].grad_nbytes(itemsize)  # complete: copied out, its slot freed
+    return max(forward, backward)
 
 
 def recompute_seconds(profile: ActivationProfile, chosen: Iterable[int]) -> float:

@@ -3,14 +3,16 @@ into while backward recomputes a checkpointed call (see its [Note: recompute and
 and how "auto" chooses the blocks to checkpoint from the activations measured in the warm-up step.
 
 A part of :class:`offload.runtime.Runtime`, split out by concern; its state (``ckpt``, ``profile``,
-``checkpoint_choice``, ``recompute_*``, ``held``, ``reserve``) is set up in ``Runtime.__init__`` and
+``checkpoint_choice``, ``warmup``, ``recompute_*``, ``held``, ``reserve``) is set up in ``Runtime.__init__`` and
 ``Runtime._reset_step``."""
 
 from __future__ import annotations
 
 import torch
 
-from .activations import AUTO, ActivationProfile, checkpoint_hint, choose_checkpoints, profile_of, recompute_seconds
+from .activations import (AUTO, ActivationProfile, CheckpointChoice, activation_bytes, checkpoint_hint, choose_checkpoints,
+                          on_demand_bytes, profile_of, recompute_seconds)
+from .config import format_bytes
 from .errors import BudgetTooSmallError
 from .param_access import _Busy, _UseDetector
 from .schedule import budget_error, min_arena_bytes
@@ -59,6 +61,7 @@ class RecomputeMixin:
         with _Busy(self):
             if t.device == self.backend.device and t.layout == torch.strided and self._locate(t) is None:
                 self.ckpt.count(block, region, t)
+                self.memory.saw_saved(t.untyped_storage().nbytes())  # saved for real once "auto" un-checkpoints it
 
     def region_done(self, region: int) -> None:
         """The backward of checkpointed call ``region`` is over: its buckets and recomputed tensors go."""
@@ -84,27 +87,60 @@ class RecomputeMixin:
 
     def _choose_checkpoints(self, trace: Trace) -> bool:
         """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
-        budget from now on. True when that changes what is checkpointed."""
-        capacity = (self.config.budget - self.memory.parts["buffers"] - trace.max_grad_bytes
-                    - min_arena_bytes(trace, self.buckets, self.itemsize))
-        base = self.ckpt.active if self.checkpoint_choice is not None else ()  # later: only ever more
-        choice = choose_checkpoints(self.profile, capacity, base)
+        budget from now on, none if nothing needs it (see [Note: auto and no checkpointing] in
+        offload/activations.py); later, when a plan does not fit: more blocks. True when that changes what
+        is checkpointed."""
+        if self.checkpoint_choice is None:  # after the warm-up
+            plain = activation_bytes(self.profile, ())
+            held = plain + self.memory.parts["buffers"] + on_demand_bytes(trace, self.buckets, self.itemsize)
+            if held <= self.config.budget and self.memory.peak <= self.config.budget:  # the warm-up's did too
+                self.warmup = (trace, self.profile)  # to choose from if that gives no plan that fits
+                return self._checkpoint(CheckpointChoice((), (), plain, 0.0, True))
+            try:
+                return self._checkpoint(self._fitting_choice(trace, self.profile, ()))
+            except BudgetTooSmallError as e:
+                if held > self.config.budget:
+                    raise
+                raise BudgetTooSmallError(  # the warm-up alone went over: what it costs, and what would not
+                    f'{e} The warm-up step of "auto" checkpoints every block, and each recompute keeps its block\'s '
+                    f"weights on the device until that block's backward is over: it peaked at "
+                    f"{format_bytes(self.memory.peak)}. With no block checkpointed a step holds at most about "
+                    f"{format_bytes(held)}: activation_checkpointing=None may fit this budget.",
+                    min_budget_bytes=e.min_budget_bytes, budget_bytes=e.budget_bytes, breakdown=e.breakdown) from None
+        warmup, self.warmup = self.warmup, None
+        if warmup is not None:  # no checkpointing gave no plan that fits: choose as if it had not been tried
+            choice = self._fitting_choice(*warmup, ())
+            if choice.modules:
+                return self._checkpoint(choice)
+        return self._checkpoint(self._fitting_choice(trace, self.profile, self.ckpt.active))  # only ever more
+
+    def _fitting_choice(self, trace: Trace, profile: ActivationProfile, base) -> CheckpointChoice:
+        """The fewest blocks besides ``base`` whose activations (estimated from ``profile``) fit the budget
+        beside the leanest arena ``trace`` needs; BudgetTooSmallError if even every block does not."""
+        arena = min_arena_bytes(trace, self.buckets, self.itemsize)
+        capacity = self.config.budget - self.memory.parts["buffers"] - trace.max_grad_bytes - arena
+        choice = choose_checkpoints(profile, capacity, base)
         if not choice.fits:
-            need = dict(arena=min_arena_bytes(trace, self.buckets, self.itemsize), activations=choice.activation_bytes,
-                        fixed=self.memory.parts["buffers"], grad=trace.max_grad_bytes)
-            raise self._activation_hint(budget_error(self.config.budget, **need), capacity)
+            need = dict(arena=arena, activations=choice.activation_bytes, fixed=self.memory.parts["buffers"],
+                        grad=trace.max_grad_bytes)
+            raise self._activation_hint(budget_error(self.config.budget, **need), capacity, profile)
+        return choice
+
+    def _checkpoint(self, choice: CheckpointChoice) -> bool:
+        """Checkpoint what ``choice`` says from the next forward on; True if that changes anything."""
         self.checkpoint_choice = choice
         if frozenset(choice.modules) == self.ckpt.active:
             return False
         self.ckpt.set_active(choice.modules)
         return True
 
-    def _activation_hint(self, err: BudgetTooSmallError, capacity: int) -> BudgetTooSmallError:
+    def _activation_hint(self, err: BudgetTooSmallError, capacity: int,
+                         profile: ActivationProfile | None = None) -> BudgetTooSmallError:
         """``err`` with what activation checkpointing would (or could not) do about it, when activations
-        are part of the problem."""
+        are part of the problem (measured in ``profile``, by default the last step's)."""
         if not err.breakdown.get("activations"):
             return err
-        hint = checkpoint_hint(self.profile, capacity, self.checkpoint_mode)
+        hint = checkpoint_hint(profile or self.profile, capacity, self.checkpoint_mode)
         if not hint:
             return err
         return BudgetTooSmallError(f"{err} Activations: {hint}.", min_budget_bytes=err.min_budget_bytes,

@@ -139,6 +139,9 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
                              "name the modules instead: activation_checkpointing=[\"layers.0\", ...]")
         self.ckpt = Checkpointer(module, self, blocks)
         self.checkpoint_choice: CheckpointChoice | None = None  # what "auto" decided after the warm-up
+        # "auto" runs with no block checkpointed where the warm-up says that may fit: the warm-up's (trace,
+        # profile), to choose blocks from if that step's plan does not fit (offload/recompute_hooks.py)
+        self.warmup: tuple[Trace, ActivationProfile] | None = None
         self.profile: ActivationProfile | None = None  # activation bytes per block, of the last step
         self._reset_step()
         self._register_hooks()
@@ -427,8 +430,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
     def _evict_to_fit(self, nbytes: int) -> bool:
         """Free finished grad slots, then evict unused on-demand buckets, least recently used first, until
         ``nbytes`` more fit the budget; False if they still do not."""
-        # Leave room for the largest gradient autograd may materialise while this bucket is here.
-        limit = self.config.budget - self.grad_headroom - self.reserve
+        limit = self._cache_limit()
         self._reclaim(block=self.memory.current + nbytes > limit)
         protected = set(self.active) | self.node_buckets
         for buckets in self.held.values():  # recomputed weight views point into them (see recompute.py)
@@ -440,11 +442,25 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
                 self._release(b)
         return self.memory.current + nbytes <= limit
 
+    def _cache_limit(self) -> int:
+        """Device bytes that buckets fetched on demand may fill, with what else is live.
+
+        Off plan, nothing is laid out ahead: a saved activation or a parameter's gradient is allocated by
+        autograd before the engine hears of it, so evicting then does not lower the peak already reached.
+        The room for the next one is kept free instead: the largest gradient autograd may materialise
+        (backward) or the largest storage saved for backward so far, checkpointed blocks' included (forward;
+        in backward only a recompute saves, and ``reserve`` holds what it is still to save). The two never land
+        in the same phase, so the larger of them is enough. An activation larger than any seen before (a
+        longer sequence) can still overshoot, by at most its own size: eviction follows it
+        (``_activations_grew``)."""
+        headroom = max(self.grad_headroom, self.memory.largest_saved)
+        return self.config.budget - headroom - self.reserve
+
     def _activations_grew(self) -> None:
         """Off plan, buckets fetched on demand stay cached until room is needed; room is needed when saved
         activations grow as much as when another bucket is fetched, so evict the same way (no-op on plan,
         where activations are planned, and while tracing, where nothing is cached)."""
-        if self.lru and self.memory.current > self.config.budget - self.grad_headroom - self.reserve:
+        if self.lru and self.memory.current > self._cache_limit():
             self._evict_to_fit(0)
 
     def _touch_lru(self, b: int) -> None:
@@ -504,6 +520,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
             parts = e.breakdown
             raise self._activation_hint(e, self.config.budget - sum(parts.values()) + parts["activations"]) from None
         validate_plan(plan)
+        self.warmup = None  # decided: from now on "auto" only ever checkpoints more
         self.on_plan = False
         self._deactivate()
         if self.train_plan is not None:

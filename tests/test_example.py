@@ -63,6 +63,17 @@ def test_train_gpt_save_and_resume(tmp_path, capsys):
     assert last and last == [line for line in resumed.splitlines() if line.startswith("step 8:")], (whole, resumed)
 
 
+@pytest.mark.hf
+def test_train_gpt_hf_gpt2_defaults(capsys):
+    """`train_gpt.py --model hf-gpt2` (a README command) at its default sizes and budget: GPT-2's eager attention
+    saves more than that budget leaves, so its default is --checkpointing auto (it exited 2 with the engine's
+    hint before); it trains within the budget (the script exits 1 otherwise). Fewer steps than the default."""
+    pytest.importorskip("transformers")
+    out = _main("train_gpt", "--model", "hf-gpt2", "--steps", "6", "--eval-every", "6", capsys=capsys)
+    assert "--checkpointing auto" in out and "within budget" in out, out
+    assert importlib.import_module("train_gpt").parse_args([]).checkpointing == "none"  # the built-in GPT: unchanged
+
+
 def test_finetune_frozen_example(capsys):
     """The script checks itself (exit 1 otherwise): no optimizer state for frozen weights on the host, no
     backward copies of buckets below the lowest trainable parameter, bytes copied = the plan's, peak <= budget."""
@@ -75,8 +86,10 @@ def test_finetune_frozen_example(capsys):
 def test_bert_mlm_example(capsys):
     pytest.importorskip("transformers")
     # The example's default is --checkpointing auto (its default shapes need it, checked by hand: 4 of 4 blocks,
-    # peak 9.3 of 9.5 MiB); at these tiny shapes the activations fit without, and "auto" would refuse the budget:
-    # it sizes the arena from the warm-up step, where every block is checkpointed (README, Limitations).
-    args = "--steps 8 --layers 2 --hidden 128 --heads 4 --seq 16 --batch 1 --checkpointing none"
-    out = _main("bert_mlm", *args.split(), capsys=capsys)
+    # peak 9.3 of 9.5 MiB); at these tiny shapes the activations fit without, and "auto" refuses the budget: its
+    # warm-up step checkpoints every block, and the recomputes hold their blocks' weights (README, Limitations).
+    args = "--steps 8 --layers 2 --hidden 128 --heads 4 --seq 16 --batch 1 --checkpointing"
+    out = _main("bert_mlm", *args.split(), "none", capsys=capsys)
     assert "BertForMaskedLM" in out and "budget" in out, out
+    with pytest.raises(offload.BudgetTooSmallError, match="activation_checkpointing=None may fit this budget"):
+        _main("bert_mlm", *args.split(), "auto", capsys=capsys)
