@@ -70,13 +70,14 @@ class MaxTable {
 };
 
 // A stable counting sort of indices [0, key.size()) by key in [0, bound): `order` and, per key value,
-// where its run starts (`start`, bound + 1 entries).
-void counting_sort(const std::vector<i64>& key, i64 bound, std::vector<i64>& order, std::vector<i64>& start) {
+// where its run starts (`start`, bound + 1 entries); `fill` is scratch.
+void counting_sort(const std::vector<i64>& key, i64 bound, std::vector<i64>& order, std::vector<i64>& start,
+                   std::vector<i64>& fill) {
   start.assign(static_cast<std::size_t>(bound + 1), 0);
   for (i64 k : key) ++start[static_cast<std::size_t>(k + 1)];
   for (std::size_t v = 1; v < start.size(); ++v) start[v] += start[v - 1];
   order.resize(key.size());
-  std::vector<i64> fill(start.begin(), start.end() - 1);
+  fill.assign(start.begin(), start.end() - 1);
   for (std::size_t i = 0; i < key.size(); ++i) order[static_cast<std::size_t>(fill[static_cast<std::size_t>(key[i])]++)] = static_cast<i64>(i);
 }
 
@@ -178,14 +179,15 @@ class Sequence {
         p_[i] = prev >= 0 ? prev : s_[i];
       }
     } else {  // latest: the copies in (need, bucket) order (stable by need: the rows are by bucket already)
-      counting_sort(s_, c_.n, order_, start_);
+      counting_sort(s_, c_.n, order_, start_, fill_);
       deadline_.resize(l), duration_.resize(l);
       for (std::size_t q = 0; q < l; ++q) {
         const auto i = static_cast<std::size_t>(order_[q]);
         deadline_[q] = c_.tau[static_cast<std::size_t>(s_[i])];
         duration_[q] = c_.dur[static_cast<std::size_t>(b_[i])];
       }
-      const std::vector<double> latest = latest_issue(deadline_, duration_);
+      std::vector<double>& latest = latest_;
+      latest_issue(deadline_, duration_, latest);
       for (std::size_t q = 0; q < l; ++q) {
         const auto i = static_cast<std::size_t>(order_[q]);
         p_[i] = std::min(s_[i], std::max<i64>(0, reached_by(latest[q], s_[i]) - 1));
@@ -202,7 +204,7 @@ class Sequence {
     gp.resize(g), gb.resize(g), ge.resize(g);
     // sorted by (issue, bucket, end): a stable sort by issue suffices, as the rows come by bucket, and
     // a bucket's rows have strictly increasing issues (each issue > the previous buffer's end)
-    counting_sort(gp, c_.n, order_, start_);
+    counting_sort(gp, c_.n, order_, start_, fill_);
     rows_p_.resize(gp.size()), rows_b_.resize(gp.size()), rows_e_.resize(gp.size());
     for (std::size_t r = 0; r < gp.size(); ++r) {
       const auto k = static_cast<std::size_t>(order_[r]);
@@ -271,7 +273,7 @@ class Sequence {
     h2d_solo_.resize(cb_.size());
     for (std::size_t k = 0; k < cb_.size(); ++k) h2d_solo_[k] = c_.dur[static_cast<std::size_t>(cb_[k])];
     // the copies by (bucket, end): stable by bucket, as a bucket's copies come in event order
-    counting_sort(cb_, c_.nb, copy_order_, copy_start_);
+    counting_sort(cb_, c_.nb, copy_order_, copy_start_, fill_);
     const i64 total = static_cast<i64>(cb_.size());
     wait_ptr_.assign(static_cast<std::size_t>(c_.n + 1), 0);
     wait_copy_.clear();
@@ -318,7 +320,7 @@ class Sequence {
       for (std::size_t b = 0; b < nb; ++b) gain_[b] = gain_[b] - c_.updated_dur[b];
     rmq_.build(prof_);
     // each bucket's buffers in event order: max live bytes inside them and in the gaps outside them
-    counting_sort(rows_b_, c_.nb, order_, start_);
+    counting_sort(rows_b_, c_.nb, order_, start_, fill_);
     inside_.assign(nb, 0), outside_.assign(nb, 0);
     for (std::size_t b = 0; b < nb; ++b) {
       const i64 lo = start_[b], hi = start_[b + 1];
@@ -415,9 +417,9 @@ class Sequence {
   const GreedyConstants& c_;
   CopyMode mode_;
   std::vector<std::uint8_t> resident_, kept_, live_, seen_, starts_;
-  std::vector<i64> end_, diff_, s_, e_, b_, p_, gp_, gb_, ge_, prev_, order_, start_, rows_p_, rows_b_, rows_e_, prof_;
+  std::vector<i64> end_, diff_, fill_, s_, e_, b_, p_, gp_, gb_, ge_, prev_, order_, start_, rows_p_, rows_b_, rows_e_, prof_;
   std::vector<i64> cb_, ce_, h2d_event_, copy_order_, copy_start_, wait_ptr_, wait_copy_, count_, inside_, outside_;
-  std::vector<double> deadline_, duration_, h2d_solo_, gain_;
+  std::vector<double> deadline_, duration_, latest_, h2d_solo_, gain_;
   std::vector<Candidate> cand_;
   i64 refresh_ = 0;
   MaxTable rmq_;

@@ -10,14 +10,19 @@
 namespace offload {
 
 std::vector<double> latest_issue(View<double> deadline, View<double> duration) {
+  std::vector<double> out;
+  latest_issue(deadline, duration, out);
+  return out;
+}
+
+void latest_issue(View<double> deadline, View<double> duration, std::vector<double>& out) {
   if (deadline.size() != duration.size()) throw std::invalid_argument("latest_issue: lengths differ");
-  std::vector<double> out(deadline.size());
+  out.resize(deadline.size());
   double next = std::numeric_limits<double>::infinity();
   for (std::size_t q = deadline.size(); q-- > 0;) {
     next = std::min(deadline[q], next) - duration[q];
     out[q] = next;
   }
-  return out;
 }
 
 Occupants last_occupants(View<std::int64_t> issue, View<std::int64_t> release, View<std::int64_t> lo,

@@ -13,6 +13,8 @@ namespace offload {
 // out[n] = +inf (each copy as late as the copy after it allows). The same operations in the same order
 // as the Python loop (std::min(a, b) and Python's min(a, b) both return a unless b < a), so bitwise equal.
 std::vector<double> latest_issue(View<double> deadline, View<double> duration);
+// The same into `out` (resized; its memory reused by a caller that runs it many times).
+void latest_issue(View<double> deadline, View<double> duration, std::vector<double>& out);
 
 // For each buffer k, in ascending order, the buffers that last released the bytes [lo[k], hi[k]) before k
 // was issued (each range non-empty, lo >= 0; see [Note: waits on earlier buffers] in offload/schedule.py). Buffers are swept in order of
