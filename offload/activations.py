@@ -20,10 +20,12 @@ most max(F_C, max over r in C of F_C - freed_after(r) + saved_r). When C is M it
 is returned as it is. The estimate only errs high (a block's input that it also saves is counted twice;
 the saved bytes outside the blocks are taken as held all through backward).
 
-[Note: auto and no checkpointing] "auto" measures in a warm-up step that checkpoints every block, and a
-recompute keeps its block's weights on the device until that block's backward is over, so the arena that
-step needed is more than a step without recompute needs; checked against it, a small model whose
-activations fit anyway could be refused a budget that ``activation_checkpointing=None`` accepts. So
+[Note: auto and no checkpointing] "auto" measures in a warm-up step that checkpoints every block, and on
+plan a recompute keeps its block's weights on the device until that block's backward is over, so the arena
+a plan of that step needs is more than a step without recompute needs; checked against it, a small model
+whose activations fit anyway could be refused a budget that ``activation_checkpointing=None`` accepts. (The
+warm-up itself runs off plan and holds the weights only during the recompute: [Note: recomputed weights off
+plan] in offload/recompute.py.) So
 "auto" first asks whether nothing needs checkpointing: the activations with no block checkpointed
 (``activation_bytes(profile, ())``), module buffers and what a step run on demand holds at most
 (:func:`on_demand_bytes`, an upper bound) within the budget. If so, the next step runs with no block

@@ -202,7 +202,12 @@ class ParamAccessMixin:
             self._advance(EventKind.UNPACK, p)
         self.node_buckets.add(b)
         self._wait(b)
-        slot = self.slot[b]
+        return self._param_view(saved)
+
+    def _param_view(self, saved: _ParamRef) -> torch.Tensor:
+        """The weight view ``saved`` names, in its bucket's slot (the bucket is on the device)."""
+        p = saved.param
+        slot = self.slot[self.bucket_of[p]]
         start = slot.offset + self.host.offset[p] * self.itemsize + saved.byte_offset
         typed = slot.storage.view(saved.dtype)
         itemsize = typed.element_size()

@@ -10,9 +10,22 @@ device slots of their buckets. The engine therefore (1) runs the use detector du
 weights it reads are fetched and recorded as one RECOMPUTE event of the trace, (2) keeps those buckets
 where they are until the call's backward is over, which a pass-through autograd function on the call's
 inputs reports (its backward runs once the grads of all the inputs are made, i.e. after every node of
-the call; see ``_RegionEnd``), and the planner's need interval of the RECOMPUTE event ends there too,
+the call; see ``_RegionEnd``), and the planner's need interval of the RECOMPUTE event ends there too
+(off plan, see [Note: recomputed weights off plan]),
 and (3) counts the recomputed tensors as device memory from the recompute until then (an upper bound:
 autograd frees them one by one as it goes).
+
+[Note: recomputed weights off plan] Off plan (the warm-up step of "auto", which checkpoints every block, the
+on-demand step after a choice, a departure) nothing is laid out ahead, and holding a block's buckets through
+its whole backward costs what a step without checkpointing never holds: the buckets of every call of the
+block at once, beside the grad slots its backward opens. So a recompute that starts off plan hands checkpoint
+a stand-in for each weight view it saves (a one-element tensor expanded to the view's shape, dtype and device,
+which is all checkpoint checks a recomputed tensor against, carrying the view's parameter reference), and
+the unpack hook above checkpoint's turns the stand-in back into the view when a node of the call's backward
+asks for it, fetching the bucket first if it was evicted (as the engine's own unpack does, [Note: saved
+parameters]). The buckets are then held only while the recompute runs and go back to the on-demand cache at
+its end. On plan, (2) above holds: the plan laid out the RECOMPUTE event's needs until the call's backward is
+over, so there is no stand-in, and the trace records the same events either way.
 
 The bytes a checkpointed call would have saved are measured in forward by a pack hook placed above
 checkpoint's own (it passes every tensor on), so a step that checkpoints a block still measures what not
@@ -110,23 +123,29 @@ class _RegionEnd(torch.autograd.Function):
 
 class _AboveCheckpoint:
     """Saved-tensor hooks pushed above the ones on top when entered (checkpoint's): ``seen(x)`` for every
-    saved tensor, then checkpoint's own pack and unpack, unchanged."""
+    saved tensor, then checkpoint's own pack with what ``seen`` returned in place of ``x`` (``x`` if None),
+    and checkpoint's own unpack, its result passed through ``unpacked`` if given."""
 
-    def __init__(self, seen: Callable[[torch.Tensor], None]):
+    def __init__(self, seen: Callable[[torch.Tensor], torch.Tensor | None],
+                 unpacked: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.seen = seen
+        self.unpacked = unpacked
         self.ctx = None
 
     def __enter__(self):
         below = torch._C._autograd._top_saved_tensors_default_hooks(False)
         assert below is not None, "entered outside torch.utils.checkpoint's saved-tensor hooks"
         pack_below, unpack_below = below
-        seen = self.seen
+        seen, unpacked = self.seen, self.unpacked
 
         def pack(x):
-            seen(x)
-            return pack_below(x)
+            y = seen(x)
+            return pack_below(x if y is None else y)
 
-        self.ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack_below)
+        def unpack(h):
+            return unpacked(unpack_below(h))
+
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack_below if unpacked is None else unpack)
         self.ctx.__enter__()
 
     def __exit__(self, *exc):
@@ -234,7 +253,7 @@ class Checkpointer:
         raise RuntimeError("the checkpoint generator did not finish with its forward")
 
     def _contexts(self, rt, region: int, index: int):
-        forward = _AboveCheckpoint(lambda x: rt.region_saved(index, region, x))
+        forward = _AboveCheckpoint(lambda x: rt.region_saved(index, region, x), rt.recomputed_unpacked)
         return forward, _RecomputeScope(self, rt, region, index)
 
 

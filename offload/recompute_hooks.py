@@ -19,6 +19,17 @@ from .schedule import budget_error, min_arena_bytes
 from .trace import EventKind, Trace
 
 
+_STANDIN = "_offload_weight"  # attribute of a stand-in tensor: the weight view it stands for (a _ParamRef)
+
+
+def _standin(t: torch.Tensor, ref) -> torch.Tensor:
+    """A one-element tensor with ``t``'s shape, dtype and device (what checkpoint checks a recomputed tensor
+    against) that names the weight view ``ref`` it stands for."""
+    s = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
+    setattr(s, _STANDIN, ref)
+    return s
+
+
 class RecomputeMixin:
     """Recompute callbacks, the activation profile and the "auto" checkpoint choice of the runtime."""
 
@@ -34,27 +45,50 @@ class RecomputeMixin:
             self.reserve = self.ckpt.region_bytes.get(region, 0)
             if not self.on_plan:
                 self._make_room(0)
+                self.standin_regions.add(region)  # see [Note: recomputed weights off plan]
             self.recompute_region = region
         return [_UseDetector(self)]  # the weights it reads are fetched (and held) like forward's
 
-    def recompute_saved(self, region: int, t: torch.Tensor) -> None:
-        """A tensor the recompute saves for the call's backward: device memory until the call is done."""
+    def recompute_saved(self, region: int, t: torch.Tensor) -> torch.Tensor | None:
+        """A tensor the recompute saves for the call's backward: device memory until the call is done. A
+        weight view into a slot: on plan, that bucket stays put until then; off plan, a stand-in is saved
+        instead (returned), resolved when the call's backward unpacks it (``recomputed_unpacked``)."""
         with _Busy(self):
             if t.device != self.backend.device or t.layout != torch.strided:
-                return
+                return None
             ref = self._locate(t)
-            if ref is not None:  # a weight view into a slot: that bucket stays put
+            if ref is not None:
+                if region in self.standin_regions:
+                    return _standin(t, ref)
                 self.held.setdefault(region, set()).add(self.bucket_of[ref.param])
-                return
+                return None
             storage = t.untyped_storage()
             if self.memory.hold(storage.data_ptr(), storage.nbytes()):
                 self.reserve = max(0, self.reserve - storage.nbytes())
             self.recompute_holds.setdefault(region, []).append(storage.data_ptr())
+            return None
 
     def recompute_end(self, region: int) -> None:
         self.recorder.recompute_end()
         self.recompute_region = None
         self.reserve = 0
+        if region in self.standin_regions:  # no saved tensor points into its buckets: they may go
+            self.held.pop(region, None)
+            with _Busy(self):
+                self._evict_to_fit(0)  # back within the cache's limit before the call's backward runs
+
+    def recomputed_unpacked(self, x: torch.Tensor) -> torch.Tensor:
+        """What checkpoint hands back for a tensor a checkpointed call saved: a stand-in for a weight view
+        (``recompute_saved``) becomes that view, its bucket fetched first if it is not on the device (as
+        the unpack hook of a call that is not checkpointed does, [Note: saved parameters]), protected
+        while the node runs; any other tensor is returned as it is."""
+        ref = getattr(x, _STANDIN, None)
+        if ref is None:
+            return x
+        b = self.bucket_of[ref.param]
+        self.node_buckets.add(b)
+        self._wait(b)
+        return self._param_view(ref)
 
     def region_saved(self, block: int, region: int, t: torch.Tensor) -> None:
         """Forward of a checkpointed call: ``t`` is what it would have saved (measured, not kept)."""
@@ -102,8 +136,8 @@ class RecomputeMixin:
                 if held > self.config.budget:
                     raise
                 raise BudgetTooSmallError(  # the warm-up alone went over: what it costs, and what would not
-                    f'{e} The warm-up step of "auto" checkpoints every block, and each recompute keeps its block\'s '
-                    f"weights on the device until that block's backward is over: it peaked at "
+                    f'{e} The warm-up step of "auto" checkpoints every block, and each recompute needs its block\'s '
+                    f"weights on the device at once: it peaked at "
                     f"{format_bytes(self.memory.peak)}. With no block checkpointed a step holds at most about "
                     f"{format_bytes(held)}: activation_checkpointing=None may fit this budget.",
                     min_budget_bytes=e.min_budget_bytes, budget_bytes=e.budget_bytes, breakdown=e.breakdown) from None

@@ -221,6 +221,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self.recompute_region: int | None = None  # the region being recomputed now
         self.reserve = 0  # bytes the recompute in progress is still expected to save
         self.held: dict[int, set[int]] = {}  # region -> buckets its recomputed weight views point into
+        self.standin_regions: set[int] = set()  # regions recomputed off plan: weight views saved as stand-ins
         self.recompute_holds: dict[int, list[int]] = {}  # region -> storages of its recomputed tensors
 
     def _begin_forward(self, root: int) -> None:
