@@ -1,6 +1,7 @@
 """``offload report``: driven as a subprocess (table text, JSON, errors), and checked against the engine."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -44,9 +45,9 @@ FACTORIES = textwrap.dedent("""
 """)
 
 
-def _run(*args, cwd=None, timeout=600):
+def _run(*args, cwd=None, timeout=600, env=None):
     return subprocess.run([sys.executable, "-m", "offload", "report", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+                          timeout=timeout, cwd=cwd, env=env)
 
 
 @pytest.fixture
@@ -194,14 +195,15 @@ def test_host_ram_that_cannot_hold_the_state(factories):
 
 
 def test_transformers_config_needs_transformers(tmp_path):
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        err = _one_line_error(_run("--model", "transformers.GPT2Config", "--config", str(tmp_path / "c.json"),
-                                   "--budget", "8GiB"), 2)
-        assert "transformers" in err
-    else:
-        pytest.skip("transformers is installed")
+    """Without transformers, a transformers config is refused in one line (exit 2). Runs whether or not
+    transformers is installed: a package of that name that fails to import is put first on the path."""
+    hidden = tmp_path / "hide" / "transformers"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text('raise ImportError("No module named \'transformers\' (hidden by the test)")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hidden.parent), os.environ.get("PYTHONPATH")])))
+    err = _one_line_error(_run("--model", "transformers.GPT2Config", "--config", str(tmp_path / "c.json"),
+                               "--budget", "8GiB", env=env), 2)
+    assert "needs the transformers package" in err, err
 
 
 @pytest.mark.hf
