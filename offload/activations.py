@@ -147,6 +147,7 @@ def on_demand_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> i
         return frozen, by_param
 
     touched = set(trace.touched)
+    expected: dict[int, set[int]] = {}  # per bucket with grads: the parameters whose grads complete it
     got: dict[int, set[int]] = {}
     open_bytes = backward = 0
     frozen, by_param, block_end = 0, {}, 0  # of the recomputed block whose backward runs
@@ -163,10 +164,11 @@ def on_demand_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> i
             b = bucket_of[ev.key]
             if b not in got:
                 got[b] = set()
+                expected[b] = {p for run in buckets[b].runs for p in run.params if p in touched}
                 open_bytes += buckets[b].grad_nbytes(itemsize)
             got[b].add(ev.key)
         backward = max(backward, node + open_bytes + trace.max_grad_bytes)
-        if ev.kind == EventKind.GRAD and got[b] >= {p for run in buckets[b].runs for p in run.params if p in touched}:
+        if ev.kind == EventKind.GRAD and got[b] >= expected[b]:
             open_bytes -= buckets[b].grad_nbytes(itemsize)  # complete: copied out, its slot freed
     return max(forward, backward)
 

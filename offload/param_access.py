@@ -195,19 +195,20 @@ class ParamAccessMixin:
         if isinstance(saved, SavedActivation):
             return saved.tensor
         p = saved.param
-        b = self.bucket_of[p]
         self._begin_backward()
         if self.recorder.unpack(p, torch._C._current_autograd_node()):
             self.node_buckets = set()
             self._advance(EventKind.UNPACK, p)
-        self.node_buckets.add(b)
-        self._wait(b)
         return self._param_view(saved)
 
     def _param_view(self, saved: _ParamRef) -> torch.Tensor:
-        """The weight view ``saved`` names, in its bucket's slot (the bucket is on the device)."""
+        """The weight view ``saved`` names, in its bucket's slot: the bucket is fetched first if it is not on
+        the device, and kept while the autograd node running reads it (``node_buckets``)."""
         p = saved.param
-        slot = self.slot[self.bucket_of[p]]
+        b = self.bucket_of[p]
+        self.node_buckets.add(b)
+        self._wait(b)
+        slot = self.slot[b]
         start = slot.offset + self.host.offset[p] * self.itemsize + saved.byte_offset
         typed = slot.storage.view(saved.dtype)
         itemsize = typed.element_size()

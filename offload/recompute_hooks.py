@@ -83,12 +83,7 @@ class RecomputeMixin:
         the unpack hook of a call that is not checkpointed does, [Note: saved parameters]), protected
         while the node runs; any other tensor is returned as it is."""
         ref = getattr(x, _STANDIN, None)
-        if ref is None:
-            return x
-        b = self.bucket_of[ref.param]
-        self.node_buckets.add(b)
-        self._wait(b)
-        return self._param_view(ref)
+        return x if ref is None else self._param_view(ref)
 
     def region_saved(self, block: int, region: int, t: torch.Tensor) -> None:
         """Forward of a checkpointed call: ``t`` is what it would have saved (measured, not kept)."""

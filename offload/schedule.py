@@ -194,7 +194,12 @@ def _grad_issue(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int
 
 def _grad_info(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]):
     """(:func:`_grad_intervals`, :func:`_grad_issue`), from :func:`_grad_arrays`."""
-    b, start, end, issue = (x.tolist() for x in _grad_arrays(trace, buckets, bucket_of))
+    return _grad_dicts(*_grad_arrays(trace, buckets, bucket_of))
+
+
+def _grad_dicts(b, start, end, issue):
+    """:func:`_grad_arrays`' arrays as :func:`_grad_info`'s two dicts (slot [start, end], issue) by bucket."""
+    b, start, end, issue = b.tolist(), start.tolist(), end.tolist(), issue.tolist()
     return dict(zip(b, map(list, zip(start, end)))), dict(zip(b, issue))
 
 
@@ -551,8 +556,7 @@ class _Greedy:
         self.n = len(trace.events)
         bucket_of = locate(buckets)[0]
         grad_b, grad_s, grad_e, grad_issue = _grad_arrays(trace, buckets, bucket_of)
-        self.grads = dict(zip(grad_b.tolist(), map(list, zip(grad_s.tolist(), grad_e.tolist()))))  # _grad_info's
-        self.grad_issue = dict(zip(grad_b.tolist(), grad_issue.tolist()))
+        self.grads, self.grad_issue = _grad_dicts(grad_b, grad_s, grad_e, grad_issue)  # _grad_info's
         self.needs = _needed_all(trace, bucket_of)
         # every (event, bucket) need, flattened in event order: for the program's waits
         lens = [len(bs) for bs in self.needs]

@@ -36,17 +36,18 @@ def batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def train(model, steps=4, micro=1, clip=None, **options):
-    """Train through offload; return (losses, fp32 weights, memory_stats after each step, engine trace)."""
+def train(model, steps=4, micro=1, clip=None, data=batch, bucket_bytes=80_000, **options):
+    """Train through offload on ``data(i)`` for micro-batch i; return (losses, fp32 weights, memory_stats after
+    each step, engine trace)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = offload.AdamW(params, **ADAMW)
-    engine = offload.wrap(model, opt, device="cpu", bucket_bytes=80_000, **options)
+    engine = offload.wrap(model, opt, device="cpu", bucket_bytes=bucket_bytes, **options)
     losses, stats = [], []
     try:
         for step in range(steps):
             torch.manual_seed(step)  # dropout masks: the same in every run
             for m in range(micro):
-                x, y = batch(step * micro + m)
+                x, y = data(step * micro + m)
                 _, loss = engine(x, targets=y)
                 losses.append(loss.detach().clone())
                 loss.backward()
@@ -240,24 +241,14 @@ def _small_seq_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=4, n_head=4, n_embd=128, bias=False, dropout=0.0))
 
 
-def _train_short(budget, steps=4, **options):
-    model = _small_seq_gpt()
-    opt = offload.AdamW(model.parameters(), **ADAMW)
-    engine = offload.wrap(model, opt, device="cpu", budget=budget, bucket_bytes=80_000, **options)
+def _tokens(rows: int):
+    """Micro-batches of ``rows`` random 16-token sequences, drawn in order from one seeded generator."""
     g = torch.Generator().manual_seed(1)
-    losses, peaks = [], []
-    try:
-        for _ in range(steps):
-            tokens = torch.randint(0, VOCAB, (2, 17), generator=g)
-            _, loss = engine(tokens[:, :-1], targets=tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach().clone())
-            peaks.append(engine.memory_stats()["device_peak_bytes"])
-        return losses, engine.state_dict()["model"], engine.memory_stats(), peaks, engine._runtime.trace
-    finally:
-        engine.close()
+
+    def data(i: int):
+        tokens = torch.randint(0, VOCAB, (rows, 17), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return data
 
 
 def test_auto_checkpoints_nothing_where_nothing_needs_it():
@@ -268,11 +259,12 @@ def test_auto_checkpoints_nothing_where_nothing_needs_it():
     checkpointing])."""
     torch.manual_seed(0)
     budget = int(0.6 * sum(p.numel() * 4 for p in _small_seq_gpt().parameters()))
-    plain = _train_short(budget)
-    auto = _train_short(budget, activation_checkpointing="auto")
-    assert auto[2]["activation_checkpointing"]["checkpointed"] == []
-    assert not any(ev.kind == EventKind.RECOMPUTE for ev in auto[4].events)
-    assert max(auto[3]) <= budget and max(plain[3]) <= budget, (auto[3], plain[3], budget)
+    plain = train(_small_seq_gpt(), budget=budget, data=_tokens(2))
+    auto = train(_small_seq_gpt(), budget=budget, data=_tokens(2), activation_checkpointing="auto")
+    assert auto[2][-1]["activation_checkpointing"]["checkpointed"] == []
+    assert not any(ev.kind == EventKind.RECOMPUTE for ev in auto[3].events)
+    auto_peaks, plain_peaks = ([s["device_peak_bytes"] for s in run[2]] for run in (auto, plain))
+    assert max(auto_peaks) <= budget and max(plain_peaks) <= budget, (auto_peaks, plain_peaks, budget)
     assert_same(auto, plain)
 
 
@@ -298,28 +290,6 @@ def _weights_dominated_gpt() -> GPT:
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=128, bias=False, dropout=0.0))
 
 
-def _train_warmup_case(budget, bucket_bytes, **options):
-    """(losses, fp32 weights, memory_stats after each step) of 3 steps of the weights-dominated GPT."""
-    torch.manual_seed(0)
-    model = _weights_dominated_gpt()
-    opt = offload.AdamW(model.parameters(), **ADAMW)
-    engine = offload.wrap(model, opt, device="cpu", budget=budget, bucket_bytes=bucket_bytes, **options)
-    g = torch.Generator().manual_seed(1)
-    losses, stats = [], []
-    try:
-        for _ in range(3):
-            tokens = torch.randint(0, VOCAB, (1, 17), generator=g)
-            _, loss = engine(tokens[:, :-1], targets=tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach().clone())
-            stats.append(engine.memory_stats())
-        return losses, engine.state_dict()["model"], stats
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("buckets_per_block", [4, 8])
 def test_auto_warmup_within_a_budget_none_fits(monkeypatch, buckets_per_block):
     """Regression: the warm-up step of "auto" checkpoints every block, and each recompute kept its block's
@@ -334,8 +304,9 @@ def test_auto_warmup_within_a_budget_none_fits(monkeypatch, buckets_per_block):
     import offload.recompute_hooks as hooks
     standins = []
     monkeypatch.setattr(hooks, "_standin", lambda t, ref, make=hooks._standin: standins.append(ref) or make(t, ref))
-    auto = _train_warmup_case(budget, bucket_bytes, activation_checkpointing="auto")
-    plain = _train_warmup_case(budget, bucket_bytes)
+    auto = train(_weights_dominated_gpt(), steps=3, data=_tokens(1), budget=budget, bucket_bytes=bucket_bytes,
+                 activation_checkpointing="auto")
+    plain = train(_weights_dominated_gpt(), steps=3, data=_tokens(1), budget=budget, bucket_bytes=bucket_bytes)
     assert standins, "the warm-up recomputed no weight view off plan"  # what this test is about
     peaks = [s["device_peak_bytes"] for s in auto[2]]  # the peak since wrap: after step 1, the warm-up's
     assert max(peaks) <= budget, (peaks, budget)
