@@ -74,3 +74,44 @@ def device(request):
     finally:
         for (obj, name), value in zip(flags, saved):
             setattr(obj, name, value)
+
+
+# -- the GPU run (benchmarks/gpu_check.sh) ------------------------------------------------------------------------
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, every `gpu` test goes to one worker (xdist's `loadgroup`), so GPU tests run one at a
+    time and their timings and device peaks are not disturbed by each other; the CPU tests spread over the rest."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
+_GPU_LOG = {"path": None}
+
+
+def pytest_configure(config):
+    # Written where the reports are gathered: by the controller under xdist (its workers report to it), else here.
+    if not hasattr(config, "workerinput"):
+        _GPU_LOG["path"] = os.environ.get("OFFLOAD_GPU_LOG")
+
+
+def pytest_runtest_logreport(report):
+    """With OFFLOAD_GPU_LOG set (gpu_check.sh sets it), each `gpu` test's outcome, time and printed figures are
+    appended to that file: the GPU tests' own log, also when they ran on an xdist worker (this hook runs where
+    the reports are gathered, and a report's keywords carry its markers)."""
+    path = _GPU_LOG["path"]
+    if not path or "gpu" not in report.keywords:
+        return
+    if report.when != "call" and report.passed:
+        return  # setup and teardown that passed say nothing
+    lines = [f"{report.outcome.upper():8s} {report.nodeid} ({report.when}, {report.duration:.2f} s)"]
+    if report.skipped and isinstance(report.longrepr, tuple):
+        lines.append(f"    reason: {report.longrepr[2]}")
+    if report.capstdout:
+        lines += ["    " + line for line in report.capstdout.rstrip().splitlines()]
+    if report.failed:
+        lines += ["    " + line for line in str(report.longrepr).splitlines()[-30:]]
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
