@@ -616,7 +616,7 @@ def gpu_breakdown(plan: Plan) -> dict[str, int]:
     t = plan.trace
     out = dict.fromkeys(BREAKDOWN, 0)
     out.update(params=best_p, grads=best_g + t.max_grad_bytes, activations=t.activation_peak_bytes,
-               workspace=plan.arena_bytes - best_p - best_g + plan.fixed_bytes)
+               workspace=plan.arena_bytes - best_p - best_g + plan.fixed_bytes + plan.headroom_bytes)
     out["total"] = sum(out.values())
     assert out["total"] == plan.peak_bytes, (out, plan.peak_bytes)
     return out
