@@ -149,15 +149,17 @@ def test_plan_reserves_the_headroom(monkeypatch):
 
 
 def test_too_small_budget_error_counts_the_headroom(monkeypatch):
-    """The same model and budget: the CPU backend's error names what the model needs; on the simulated GPU
-    with a headroom the minimum grows by exactly that much, and the message names it."""
+    """A budget too small for the model: the CPU backend's error names what the model needs; on the simulated
+    GPU with a headroom (the budget that much larger) the minimum grows by exactly the headroom, and the
+    message names it."""
     case = CASES["mlp"]
+    weights = _weights(case())
     with pytest.raises(offload.BudgetTooSmallError) as cpu:
-        train_streamed(case(), 1, budget_frac=1e-4)
-    made = _use_backend(monkeypatch, lambda: CUDABackend(torch.device("cpu"), api=AllocatingCuda()))
+        train_streamed(case(), 1, budget_frac=1024 / weights)
+    headroom = CUDABackend(torch.device("cpu"), api=AllocatingCuda()).headroom_bytes()
+    _use_backend(monkeypatch, lambda: CUDABackend(torch.device("cpu"), api=AllocatingCuda()))
     with pytest.raises(offload.BudgetTooSmallError) as gpu:
-        train_streamed(case(), 1, budget_frac=1e-4)
-    headroom = made[0].headroom_bytes()
+        train_streamed(case(), 1, budget_frac=(1024 + headroom) / weights)
     assert gpu.value.breakdown.get("headroom") == headroom > 0
     assert gpu.value.min_budget_bytes == cpu.value.min_budget_bytes + headroom
     assert "runtime headroom" in str(gpu.value), str(gpu.value)
@@ -176,6 +178,14 @@ def test_a_budget_the_cpu_accepts_is_refused_when_the_headroom_does_not_fit(monk
     with pytest.raises(offload.BudgetTooSmallError, match="runtime headroom") as gpu:
         train_streamed(case(), 2, budget_frac=need / weights + 1e-9)
     assert gpu.value.breakdown["headroom"] > 0
+
+
+def test_a_budget_below_the_headroom_is_refused_at_wrap(monkeypatch):
+    made = _use_backend(monkeypatch, lambda: CUDABackend(torch.device("cpu"), api=AllocatingCuda()))
+    model = nn.Linear(4, 4)
+    with pytest.raises(offload.BudgetTooSmallError, match="runtime headroom alone") as e:
+        offload.wrap(model, offload.AdamW(model.parameters()), budget=2**20, device="cpu")
+    assert e.value.breakdown == {"headroom": made[0].headroom_bytes()} and e.value.min_budget_bytes > 2**20
 
 
 # -- defect 8 (c): peaks are deltas, never reset ----------------------------------------------------------

@@ -63,7 +63,8 @@ rest would be 1 MiB or less. So the backend measures, once, what matmuls on the 
 
 Not in it: tensors a user makes outside forward (inputs, targets, the loss), transients of backward
 (activation gradients, a logits gradient), cuDNN or attention workspaces, and the rounding of each saved
-activation; a budget must leave room for them.
+activation; a budget must leave room for them. A workspace cuBLAS allocates itself (outside PyTorch's
+allocator, where a torch build does not cache workspaces) is neither in the headroom nor in the peak.
 
 [Note: peaks]
 ``torch.cuda.reset_peak_memory_stats`` resets a process-wide statistic, so an engine that reset it would
@@ -175,7 +176,8 @@ class CudaAPI:
     def blas_backward(self) -> None:
         """A matmul in backward, which runs on autograd's device thread (its own cuBLAS handle), on the
         stream of the forward op: the current stream."""
-        with torch.cuda.device(self.device):
+        # (grad mode on whatever the caller's context: wrap may run under no_grad or inference_mode)
+        with torch.cuda.device(self.device), torch.inference_mode(False), torch.enable_grad():
             w = torch.ones(16, 16, device=self.device, requires_grad=True)
             (torch.ones(16, 16, device=self.device) @ w).sum().backward()
             torch.cuda.current_stream(self.device).synchronize()
