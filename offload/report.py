@@ -599,8 +599,8 @@ def min_budget_bytes(mt: MetaTrace, buckets, itemsize: int, fixed: int) -> int:
 
 def gpu_breakdown(plan: Plan) -> dict[str, int]:
     """The planned device peak by part. The arena is split at its busiest event (parameter buffers and
-    grad slots live then); the rest of the arena (fragmentation) and module buffers are ``workspace``. The
-    parts add up to :attr:`Plan.peak_bytes`, the planner's own figure."""
+    grad slots live then); the rest of the arena (fragmentation), module buffers and the backend's runtime
+    headroom are ``workspace``. The parts add up to :attr:`Plan.peak_bytes`, the planner's own figure."""
     n = len(plan.trace.events)
     diff = {BufferKind.PARAM: [0] * (n + 1), BufferKind.GRAD: [0] * (n + 1)}
     for x in plan.buffers:

@@ -408,3 +408,60 @@ def test_gpu_failed_pinning_leaves_no_cuda_error():
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(arena.data_ptr)
     backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_dropped_backend_waits_for_its_copies_before_unpinning():
+    """A copy from the pinned arena queued behind a long kernel on the H2D stream; the backend is dropped
+    without close(): by the time its finalizer returned, the stream has finished (it was synchronized
+    before cudaHostUnregister), and the copy delivered the values."""
+    backend = make_backend("cuda")
+    arena = HostArena(2**20)
+    backend.pin_host(arena)
+    host = arena.view(0, 1024, torch.float32)
+    host.fill_(7.0)
+    device = torch.zeros(1024, device="cuda")
+    stream = backend._h2d_stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the copy may run
+    backend.h2d(device, host)
+    del backend
+    gc.collect()
+    assert stream.query()
+    assert torch.equal(device.cpu(), torch.full((1024,), 7.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_clipping_syncs_once_not_per_parameter():
+    """torch.cuda's sync debug mode warns at every synchronizing call: clip_grad_norm_ made one per parameter
+    (16 here), now one per device the norms are on."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    from offload.backend import headroom_bytes
+    engine = offload.wrap(model, opt, budget=nbytes + headroom_bytes("cuda"), bucket_bytes=nbytes // 4,
+                          dtype=torch.float16, device="cuda", overlap_optimizer=False)
+    try:
+        for step in range(2):
+            engine.backward(engine(torch.randn(4, 16, device="cuda")).square().mean())
+            engine.wait_for_updates()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    engine.clip_grad_norm_(1.0)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            syncs = [w for w in seen if "synchroniz" in str(w.message)]
+            print(f"\nstep {step}: {len(syncs)} synchronizing call(s) in clip_grad_norm_")
+            assert len(syncs) <= 2, [str(w.message) for w in syncs]
+            opt.step()
+            opt.zero_grad()
+    finally:
+        engine.close()
