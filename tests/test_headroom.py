@@ -19,7 +19,7 @@ import offload.api
 from fake_cuda import FakeCuda, FakeCudart
 from loops import train_streamed
 from models import CASES, run
-from offload.backend import CPUBackend, CUDABackend, make_backend
+from offload.backend import CPUBackend, CUDABackend, headroom_bytes, make_backend
 from offload.memory import HostArena
 
 WORKSPACE = 96 * 1024  # per cuBLAS handle (the main thread's, autograd's) in the simulation: 96 KiB
@@ -109,7 +109,7 @@ def _weights(case) -> int:
 
 def test_cpu_backend_has_no_headroom():
     """CPU plans, digests and figures do not change: the CPU backend's "device" has no runtime to reserve for."""
-    assert CPUBackend().headroom_bytes() == 0
+    assert CPUBackend().headroom_bytes() == 0 and headroom_bytes("cpu") == 0
     got = train_streamed(CASES["mlp"](), 3)
     assert got.stats["device_parts"]["headroom"] == 0 and got.stats["plan"]["headroom_bytes"] == 0
 
@@ -332,8 +332,6 @@ def test_gpu_device_peak_within_budget_with_the_cublas_workspaces(name):
     """A model with matmuls, its budget filled by the plan (0.6 of the weights besides the headroom), trained
     with the cuBLAS workspaces made inside the measured window (cleared first, as the backend does): the
     process's max_memory_allocated over what was allocated before wrap stays within the budget."""
-    from offload.backend import headroom_bytes
-
     headroom = headroom_bytes("cuda")
     case = CASES[name]()
     budget = int(0.6 * _weights(case)) + headroom
@@ -443,7 +441,6 @@ def test_gpu_clipping_syncs_once_not_per_parameter():
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    from offload.backend import headroom_bytes
     engine = offload.wrap(model, opt, budget=nbytes + headroom_bytes("cuda"), bucket_bytes=nbytes // 4,
                           dtype=torch.float16, device="cuda", overlap_optimizer=False)
     try:
