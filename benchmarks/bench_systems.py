@@ -24,8 +24,11 @@ same setting for every system; this engine's ``activation_checkpointing`` stays 
                    physical bound
 
 On CUDA the GPU budget is enforced for every system (this engine included) with
-``torch.cuda.set_per_process_memory_fraction(budget / total)``; this engine is also given it as its own
-``budget``. On the CPU nothing enforces a budget (``budget_enforced: false`` in the result).
+``torch.cuda.set_per_process_memory_fraction(budget / total)``, set before anything is allocated, so the cap
+covers everything the process allocates through PyTorch: cuBLAS workspaces, inputs, temporaries. This engine
+is also given it as its own ``budget``, and its plan keeps the runtime headroom it measures (cuBLAS
+workspaces, allocator rounding: ``details.headroom_bytes``) out of it, so what the plan reserves is what the
+cap allows. On the CPU nothing enforces a budget (``budget_enforced: false`` in the result).
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ def tokens(spec: dict, device: torch.device) -> torch.Tensor:
 
 
 def apply_budget(spec: dict, device: torch.device) -> bool:
-    """Cap this process's CUDA allocator at the budget; True when a cap is in force."""
+    """Cap this process's CUDA allocator at the budget (what this engine's plan reserves, its measured
+    headroom included); True when a cap is in force. Called before any allocation."""
     if device.type != "cuda" or not spec.get("budget_bytes") or not spec.get("cap", True):
         return False
     total = torch.cuda.get_device_properties(device).total_memory
@@ -202,11 +206,11 @@ def sys_offload(spec, device, idx):
         plan = engine._runtime.plan  # not public API: the plan the runtime executes
         out = {k: stats[k] for k in ("budget_bytes", "device_peak_bytes", "device_peak_accounted_bytes",
                                      "arena_bytes", "host_pinned_bytes", "counters")}
+        out["headroom_bytes"] = stats["device_parts"]["headroom"]  # measured on CUDA, kept out of the plan
         out["plan"] = stats["plan"]
         if plan is not None:
             t = plan.trace
-            capacity = plan.budget_bytes - t.activation_peak_bytes - plan.fixed_bytes - t.max_grad_bytes
-            out["least_traffic"] = least_traffic(t, plan.buckets, plan.itemsize, capacity)
+            out["least_traffic"] = least_traffic(t, plan.buckets, plan.itemsize, plan.capacity_bytes)
             # The simulator's step for this plan: as planned (the runtime plans with its default hardware
             # preset and the warm-up step's wall times), and with --hw's link and AdamW figures.
             out["predicted_step_s"] = plan.simulated.step_s if plan.simulated is not None else None

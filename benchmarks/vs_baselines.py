@@ -170,7 +170,9 @@ def budget_rule(args) -> str:
     if args.device.startswith("cpu"):
         return "none on the CPU device: only this engine's own budget applies (a smoke run, not a comparison)"
     return ("torch.cuda.set_per_process_memory_fraction(budget / total) for every system"
-            + (" except offload (its own budget only)" if args.no_cap_offload else ", offload included"))
+            + (" except offload (its own budget only)" if args.no_cap_offload else ", offload included")
+            + "; offload's plan keeps its measured runtime headroom (cuBLAS workspaces, allocator rounding) inside "
+              "the budget")
 
 
 def add_bound(run: dict, compute: dict | None, hw) -> None:

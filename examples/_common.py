@@ -22,7 +22,7 @@ VAL_FRACTION = 0.05  # held out for validation: the last 5 % of the bytes
 # flag -> (type, help); add_run_args gives each example's defaults, and its own help where it means more
 _RUN_ARGS = {
     "steps": (int, "training steps"),
-    "budget": (str, "device memory budget (default: 3/4 of the fp32 weights)"),
+    "budget": (str, "device memory budget (default: 3/4 of the fp32 weights, plus the runtime headroom on CUDA)"),
     "batch": (int, "sequences per step"),
     "seq": (int, "tokens (bytes) per sequence"),
     "lr": (float, "learning rate"),
@@ -57,6 +57,19 @@ def setup(args: argparse.Namespace) -> str:
     """Seed torch's global RNG with --seed; the device to run on (--device, else cuda if available)."""
     torch.manual_seed(args.seed)
     return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_budget(plan_bytes: int, device: str) -> int:
+    """A default --budget: ``plan_bytes`` for what the engine lays out (weights, activations, grads), plus the
+    headroom it keeps beside its plan on ``device`` (on CUDA the cuBLAS workspaces and allocator rounding it
+    measures, 0 on the CPU), so that a default budget streams the same share of the weights on any device."""
+    from offload.backend import headroom_bytes
+    return plan_bytes + headroom_bytes(device)
+
+
+def plan_budget(stats: dict) -> int:
+    """The part of the budget the plan may fill: the budget less the engine's measured headroom."""
+    return stats["budget_bytes"] - stats["device_parts"]["headroom"]
 
 
 def import_transformers(who: str):
@@ -114,6 +127,9 @@ def memory_table(stats: dict) -> Table:
     table.add_column("what it is")
     table.add_row("budget", format_bytes(stats["budget_bytes"]), "--budget")
     table.add_row("device peak", format_bytes(stats["device_peak_bytes"]), "most device memory in use at once")
+    if stats["device_parts"]["headroom"]:
+        table.add_row("runtime headroom", format_bytes(stats["device_parts"]["headroom"]),
+                      "cuBLAS workspaces, allocator rounding: measured, kept out of the plan")
     plan = stats["plan"]
     lower = f"; lower bound {format_bytes(plan['arena_lower_bound_bytes'])} (most bytes live at once)" if plan else ""
     table.add_row("arena", format_bytes(stats["arena_bytes"]), "the one device buffer the plan lays out" + lower)

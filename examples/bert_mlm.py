@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 
 import offload
-from _common import (add_run_args, checkpointing, format_bytes, import_transformers, load_stdlib_source, loss_trend,
-                     memory_table, progress_columns, setup)  # examples/_common.py, next to this file
+from _common import (add_run_args, checkpointing, default_budget, format_bytes, import_transformers,
+                     load_stdlib_source, loss_trend, memory_table, progress_columns, setup)  # examples/_common.py, next to this file
 
 PAD, MASK, CLS, SEP = 256, 257, 258, 259
 VOCAB = 260
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     console.print(f"BertForMaskedLM: {n / 1e6:.2f}M parameters ({format_bytes(weights)} fp32), "
                   f"{args.layers} layers x {args.hidden}; text: {files} stdlib files, byte-level")
     opt = offload.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    engine = offload.wrap(model, opt, budget=args.budget or int(0.75 * weights),
+    engine = offload.wrap(model, opt, budget=args.budget or default_budget(int(0.75 * weights), device),
                           bucket_bytes=max(weights // 12, 4096), dtype=getattr(torch, args.dtype), device=device,
                           activation_checkpointing=checkpointing(args))
     console.print(f"device: {device}, budget {format_bytes(engine.memory_stats()['budget_bytes'])}")

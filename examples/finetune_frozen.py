@@ -30,8 +30,8 @@ from rich.table import Table
 from torch import nn
 
 import offload
-from _common import (add_run_args, checkpointing, format_bytes, get_batch, load_stdlib_source, loss_trend,  # next to this file
-                     progress_columns, setup)
+from _common import (add_run_args, checkpointing, default_budget, format_bytes, get_batch,  # next to this file
+                     load_stdlib_source, loss_trend, progress_columns, setup)
 from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
 console = Console()
@@ -57,7 +57,8 @@ class LoRALinear(nn.Module):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_args(p, steps=30, batch=2, seq=32, lr=1e-3,
-                 helps={"budget": "device memory budget (default: half the fp32 weights)"})
+                 helps={"budget": "device memory budget (default: half the fp32 weights, plus the runtime headroom "
+                                  "on CUDA)"})
     p.add_argument("--n-layer", type=int, default=8, help="transformer blocks")
     p.add_argument("--n-embd", type=int, default=256, help="model width")
     p.add_argument("--n-head", type=int, default=8, help="attention heads; must divide --n-embd")
@@ -148,7 +149,8 @@ def main(argv=None) -> int:
     opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     weights = 4 * total
     dtype = getattr(torch, args.dtype)
-    engine = offload.wrap(model, opt, budget=args.budget or weights // 2, bucket_bytes=max(weights // 24, 4096),
+    engine = offload.wrap(model, opt, budget=args.budget or default_budget(weights // 2, device),
+                          bucket_bytes=max(weights // 24, 4096),
                           dtype=dtype, device=device, activation_checkpointing=checkpointing(args))
     rt = engine._runtime
     g = torch.Generator().manual_seed(args.seed)

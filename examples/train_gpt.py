@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 
 import offload
-from _common import (add_run_args, checkpointing, format_bytes, get_batch, import_transformers, load_stdlib_source,
-                     loss_trend, memory_table, progress_columns, setup)  # examples/_common.py, next to this file
+from _common import (add_run_args, checkpointing, default_budget, format_bytes, get_batch, import_transformers,
+                     load_stdlib_source, loss_trend, memory_table, plan_budget, progress_columns, setup)  # examples/_common.py, next to this file
 from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
 VAL_BATCHES = 8  # batches in one validation-loss estimate (always the same ones)
@@ -43,7 +43,8 @@ console = Console()
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_args(p, steps=100, batch=2, seq=32, lr=2e-3, checkpointing=None, helps={
-        "budget": 'device memory budget, e.g. "12MiB" (default: 3/4 of the fp32 weights)',
+        "budget": 'device memory budget, e.g. "12MiB" (default: 3/4 of the fp32 weights, plus the runtime headroom '
+                  'the engine measures on CUDA)',
         "checkpointing": 'activation checkpointing: "auto" recomputes the fewest blocks that make the activations fit '
                          'the budget, "none" never recomputes (default: auto with --model hf-gpt2, whose eager '
                          'attention saves more than the default budget leaves; none with gpt)',
@@ -188,15 +189,17 @@ def main(argv=None) -> int:
         engine = offload.wrap(
             model,
             opt,
-            budget=args.budget or int(0.75 * weights),
+            budget=args.budget or default_budget(int(0.75 * weights), device),
             bucket_bytes=args.bucket_bytes or weights // 12,
             dtype=getattr(torch, args.dtype),
             device=device,
             activation_checkpointing=checkpointing(args),
         )
-        budget = engine.memory_stats()["budget_bytes"]
-        verdict = "the weights alone do not fit" if budget < weights else "the weights fit"
-        console.print(f"device: {device}, budget {format_bytes(budget)}: {verdict}")
+        stats = engine.memory_stats()
+        budget, room = stats["budget_bytes"], plan_budget(stats)
+        verdict = "the weights alone do not fit" if room < weights else "the weights fit"
+        beside = f" ({format_bytes(room)} beside the runtime headroom)" if room != budget else ""
+        console.print(f"device: {device}, budget {format_bytes(budget)}{beside}: {verdict}")
         start, g = 0, torch.Generator().manual_seed(args.seed)
         if args.resume:
             extra = engine.load(args.resume)

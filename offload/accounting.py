@@ -11,11 +11,14 @@ class DeviceMemory:
     """Device bytes the engine is responsible for, by part, with the peak of their sum.
 
     On the CPU backend this is the device memory (there is no allocator to ask); it counts the arena,
-    on-demand slots, module buffers, saved activations and gradients in flight.
+    on-demand slots, module buffers, saved activations and gradients in flight, and the backend's
+    ``headroom`` (what the process holds beyond them on CUDA: cuBLAS workspaces, allocator rounding; see
+    [Note: headroom] in backend/cuda.py), held from the start.
     """
 
-    def __init__(self) -> None:
-        self.parts: dict[str, int] = {"arena": 0, "slots": 0, "buffers": 0, "activations": 0, "grads": 0}
+    def __init__(self, headroom: int = 0) -> None:
+        self.parts: dict[str, int] = {"arena": 0, "slots": 0, "buffers": 0, "activations": 0, "grads": 0,
+                                      "headroom": 0}
         self.current = 0
         self.peak = 0
         self.activation_peak = 0  # of the current step
@@ -25,6 +28,7 @@ class DeviceMemory:
         self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         # Called after saved activations grew: off plan, the runtime evicts cached buckets to stay in budget.
         self.on_activations: Callable[[], None] | None = None
+        self.add("headroom", headroom)
 
     def add(self, part: str, n: int) -> None:
         self.parts[part] += n

@@ -45,7 +45,8 @@ class ForwardOnlyMixin:
         if plan is None:
             try:
                 plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
-                                  fixed_bytes=self.memory.parts["buffers"])
+                                  fixed_bytes=self.memory.parts["buffers"],
+                                  headroom_bytes=self.memory.parts["headroom"])
             except BudgetTooSmallError:
                 return  # no plan fits: the next no-grad forward fetches on demand, as this one did
             validate_plan(plan)

@@ -209,7 +209,7 @@ class GradientsMixin:
         if self.scaler is not None:
             self.cpu.drain()  # the norms of accumulated grads are computed on the CPU lane
             norms = [self.norms[p] for ps, _ in self.pending.values() for p in ps]
-            found_inf = bool(norms) and not bool(torch.isfinite(torch.stack([n.float().cpu() for n in norms])).all())
+            found_inf = bool(norms) and not bool(torch.isfinite(_norms_on_host(norms)).all())
             inv_scale = 1.0 / self.step_scale if self.step_scale else 1.0
             self.scaler.update(found_inf)
             if found_inf:
@@ -236,7 +236,7 @@ class GradientsMixin:
             return torch.tensor(0.0)
         self.cpu.drain()  # grads (and the norms of accumulated ones) are final
         if norm_type == 2.0:
-            norms = [self.norms[p].float().cpu() for p in params]
+            norms = _norms_on_host([self.norms[p] for p in params])
         else:
             by_bucket: dict[int, list[int]] = {}
             for p in params:
@@ -244,8 +244,8 @@ class GradientsMixin:
             found = {}
             for b, ps in by_bucket.items():
                 found.update(self.host.grad_norms(b, ps, norm_type))
-            norms = [found[p] for p in params]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+            norms = torch.stack([found[p] for p in params])
+        total = torch.linalg.vector_norm(norms, norm_type)
         if self.step_scale is not None and self.step_scale != 1.0:
             total = total / self.step_scale  # exact: loss scales are powers of two
         if self.clip_factor != 1.0:
@@ -272,3 +272,17 @@ class GradientsMixin:
         self.clip_factor = 1.0
         self.step_scale = None
         self.awaiting_step = False
+
+
+def _norms_on_host(norms) -> torch.Tensor:
+    """Per-parameter norms (0-d tensors) as one fp32 CPU tensor, in order, read with one device-to-host copy
+    per device they are on instead of one per parameter (each a sync on CUDA): the norms of grads gathered
+    on the device live there, those of accumulated grads (summed by the CPU lane) on the host."""
+    out = torch.empty(len(norms), dtype=torch.float32)
+    where: dict[torch.device, list[int]] = {}
+    for i, n in enumerate(norms):
+        where.setdefault(n.device, []).append(i)
+    for device, at in where.items():
+        values = torch.stack([norms[i].float() for i in at])
+        out[at] = values if device.type == "cpu" else values.cpu()
+    return out

@@ -13,7 +13,7 @@ import psutil
 import torch
 
 from .config import format_bytes
-from .errors import OffloadError
+from .errors import BudgetTooSmallError, OffloadError
 
 _HOW_TO_SET = ("To change weights of a wrapped model, use engine.load_state_dict(...) or engine.load(path); to "
                "change the model itself, engine.close() it, change it, and wrap it again")
@@ -115,12 +115,21 @@ def check_step_has_grads(rt) -> None:
 
 
 def check_budget(budget: int, backend) -> None:
-    """The budget cannot exceed the device's memory."""
+    """The budget cannot exceed the device's memory, and must leave room for a plan beside the backend's
+    runtime headroom (cuBLAS workspaces and allocator rounding on CUDA; [Note: headroom] in backend/cuda.py)."""
     total = backend.total_bytes()
     if budget > total:
         raise OffloadError(f"budget {format_bytes(budget)} is larger than the device's memory "
                            f"({format_bytes(total)} on {backend.device}). Give a budget below that, leaving room "
                            "for other processes, e.g. budget=\"{}\"".format(_suggest(total)))
+    headroom = backend.headroom_bytes()
+    if budget <= headroom:
+        raise BudgetTooSmallError(
+            f"the device budget {format_bytes(budget)} is too small: the runtime headroom alone (cuBLAS "
+            f"workspaces, allocator rounding, measured on {backend.device}) takes {format_bytes(headroom)} of it, "
+            f"which leaves nothing for the model. Give a budget of the model's needs plus {format_bytes(headroom)} "
+            "(offload.backend.headroom_bytes(device) measures it)",
+            min_budget_bytes=headroom + 1, budget_bytes=budget, breakdown={"headroom": headroom})
 
 
 def _suggest(total: int) -> str:

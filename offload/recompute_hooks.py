@@ -121,7 +121,8 @@ class RecomputeMixin:
         is checkpointed."""
         if self.checkpoint_choice is None:  # after the warm-up
             plain = activation_bytes(self.profile, ())
-            held = plain + self.memory.parts["buffers"] + on_demand_bytes(trace, self.buckets, self.itemsize)
+            held = (plain + self.memory.parts["buffers"] + self.memory.parts["headroom"]
+                    + on_demand_bytes(trace, self.buckets, self.itemsize))
             if held <= self.config.budget and self.memory.peak <= self.config.budget:  # the warm-up's did too
                 self.warmup = (trace, self.profile)  # to choose from if that gives no plan that fits
                 return self._checkpoint(CheckpointChoice((), (), plain, 0.0, True))
@@ -147,11 +148,12 @@ class RecomputeMixin:
         """The fewest blocks besides ``base`` whose activations (estimated from ``profile``) fit the budget
         beside the leanest arena ``trace`` needs; BudgetTooSmallError if even every block does not."""
         arena = min_arena_bytes(trace, self.buckets, self.itemsize)
-        capacity = self.config.budget - self.memory.parts["buffers"] - trace.max_grad_bytes - arena
+        headroom = self.memory.parts["headroom"]
+        capacity = self.config.budget - self.memory.parts["buffers"] - trace.max_grad_bytes - arena - headroom
         choice = choose_checkpoints(profile, capacity, base)
         if not choice.fits:
             need = dict(arena=arena, activations=choice.activation_bytes, fixed=self.memory.parts["buffers"],
-                        grad=trace.max_grad_bytes)
+                        grad=trace.max_grad_bytes, headroom=headroom)
             raise self._activation_hint(budget_error(self.config.budget, **need), capacity, profile)
         return choice
 

@@ -599,8 +599,8 @@ def min_budget_bytes(mt: MetaTrace, buckets, itemsize: int, fixed: int) -> int:
 
 def gpu_breakdown(plan: Plan) -> dict[str, int]:
     """The planned device peak by part. The arena is split at its busiest event (parameter buffers and
-    grad slots live then); the rest of the arena (fragmentation) and module buffers are ``workspace``. The
-    parts add up to :attr:`Plan.peak_bytes`, the planner's own figure."""
+    grad slots live then); the rest of the arena (fragmentation), module buffers and the backend's runtime
+    headroom are ``workspace``. The parts add up to :attr:`Plan.peak_bytes`, the planner's own figure."""
     n = len(plan.trace.events)
     diff = {BufferKind.PARAM: [0] * (n + 1), BufferKind.GRAD: [0] * (n + 1)}
     for x in plan.buffers:
@@ -616,7 +616,7 @@ def gpu_breakdown(plan: Plan) -> dict[str, int]:
     t = plan.trace
     out = dict.fromkeys(BREAKDOWN, 0)
     out.update(params=best_p, grads=best_g + t.max_grad_bytes, activations=t.activation_peak_bytes,
-               workspace=plan.arena_bytes - best_p - best_g + plan.fixed_bytes)
+               workspace=plan.arena_bytes - best_p - best_g + plan.fixed_bytes + plan.headroom_bytes)
     out["total"] = sum(out.values())
     assert out["total"] == plan.peak_bytes, (out, plan.peak_bytes)
     return out

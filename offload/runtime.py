@@ -71,7 +71,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self.dtype = config.dtype
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.busy = False
-        self.memory = DeviceMemory()
+        self.memory = DeviceMemory(headroom=backend.headroom_bytes())  # [Note: headroom] in backend/cuda.py
         self.memory.on_activations = self._activations_grew
         self.placeholders = [backend.placeholder(p.shape, self.dtype) for p in self.params]
         self.grad_headroom = max((s.numel * self.itemsize for s in self.specs if s.group is not None), default=0)
@@ -514,7 +514,8 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
             return self._drop_plan()  # other blocks are checkpointed from now on: the next step is planned
         try:
             plan = build_plan(trace, self.buckets, itemsize=self.itemsize, budget_bytes=self.config.budget,
-                              fixed_bytes=self.memory.parts["buffers"], hw=self.config.hw)
+                              fixed_bytes=self.memory.parts["buffers"], hw=self.config.hw,
+                              headroom_bytes=self.memory.parts["headroom"])
         except BudgetTooSmallError as e:
             if self.auto_checkpoint and self._choose_checkpoints(trace):
                 return self._drop_plan()  # the activations grew (a longer sequence): checkpoint more blocks
@@ -540,7 +541,8 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         buckets = make_buckets(self.specs, order, self.config.bucket_bytes, self.itemsize)
         rec = self.recorder
         need = forward_min_budget(rec.events, rec.uses, rec.ends, buckets, self.specs, self.itemsize,
-                                  activations=self.memory.activation_peak, fixed=self.memory.parts["buffers"])
+                                  activations=self.memory.activation_peak, fixed=self.memory.parts["buffers"],
+                                  headroom=self.memory.parts["headroom"])
         if sum(need.values()) > self.config.budget:
             self.profile = self._profile(self.memory.activation_peak)
             capacity = self.config.budget - sum(need.values()) + need["activations"]

@@ -103,6 +103,9 @@ class Plan:
     strategy: str
     simulated: SimResult | None = None  # the cost model's prediction for this plan (greedy plans)
     hw_name: str = ""  # the hardware model that prediction used
+    # what the backend's runtime holds beyond the plan (cuBLAS workspaces, allocator rounding; 0 on the CPU
+    # backend): kept out of the budget ([Note: headroom] in backend/cuda.py)
+    headroom_bytes: int = 0
 
     @property
     def activation_bytes(self) -> int:
@@ -110,8 +113,16 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int:
-        """Planned device peak: arena + activations + fixed + the largest grad autograd materialises."""
-        return self.arena_bytes + self.trace.activation_peak_bytes + self.fixed_bytes + self.trace.max_grad_bytes
+        """Planned device peak: arena + activations + fixed + the largest grad autograd materialises + the
+        backend's headroom."""
+        return (self.arena_bytes + self.trace.activation_peak_bytes + self.fixed_bytes + self.trace.max_grad_bytes
+                + self.headroom_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the budget leaves for the arena: budget - activations - fixed - largest grad - headroom."""
+        return (self.budget_bytes - self.trace.activation_peak_bytes - self.fixed_bytes - self.trace.max_grad_bytes
+                - self.headroom_bytes)
 
     def summary(self) -> dict:
         resident = set(self.resident)
@@ -127,6 +138,7 @@ class Plan:
             "arena_lower_bound_bytes": self.lower_bound_bytes,
             "activation_bytes": self.activation_bytes,
             "planned_peak_bytes": self.peak_bytes,
+            "headroom_bytes": self.headroom_bytes,
             "strategy": self.strategy,
             "events": len(self.trace.events),
             "predicted_step_s": self.simulated.step_s if self.simulated is not None else None,
@@ -448,15 +460,16 @@ def _needed_all(trace: Trace, bucket_of: Sequence[int]) -> list[tuple[int, ...]]
 
 def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget_bytes: int,
                fixed_bytes: int, hw: HardwareModel | None = None,
-               compute_s: Sequence[float] | None = None) -> Plan:
+               compute_s: Sequence[float] | None = None, headroom_bytes: int = 0) -> Plan:
     """The greedy cost-model plan (see the module docstring) that fits ``budget_bytes``.
 
     ``hw`` defaults to :data:`DEFAULT_HW`; ``compute_s`` (seconds of compute per trace event) defaults to
-    the trace's own :attr:`Trace.compute_seconds`. Raises :class:`BudgetTooSmallError` when even streaming
-    everything just in time does not fit.
+    the trace's own :attr:`Trace.compute_seconds`; ``headroom_bytes`` (the backend's, see
+    :attr:`Plan.headroom_bytes`) is kept out of the budget. Raises :class:`BudgetTooSmallError` when even
+    streaming everything just in time does not fit.
     """
     with _gc_paused():
-        return _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s)
+        return _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes)
 
 
 @contextlib.contextmanager
@@ -476,24 +489,26 @@ def _gc_paused():
             gc.enable()
 
 
-def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s) -> Plan:
+def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes) -> Plan:
     hw = hw or DEFAULT_HW
     compute = _compute_times(trace, compute_s)
     g = _Greedy(trace, buckets, itemsize, hw, compute)
-    extra = trace.activation_peak_bytes + fixed_bytes + trace.max_grad_bytes
+    extra = trace.activation_peak_bytes + fixed_bytes + trace.max_grad_bytes + headroom_bytes
     points = g.candidates(budget_bytes - extra)
     while points:
         best = min(p.step_s for p in points)
         point = max((p for p in points if p.step_s <= best * (1 + 1e-9)), key=lambda p: p.rank)
         specs, layout = g.layout(point.resident, point.flat)
         if layout.total_bytes + extra <= budget_bytes:
-            return _assemble(trace, buckets, itemsize, point.resident, f"greedy ({point.mode})", specs, layout,
+            plan = _assemble(trace, buckets, itemsize, point.resident, f"greedy ({point.mode})", specs, layout,
                              budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name, needs=g.needs)
+            return dataclasses.replace(plan, headroom_bytes=headroom_bytes) if headroom_bytes else plan
         points = [p for p in points if p is not point]  # its arena fragments past the budget: next best
     jit = {b: [list(iv) for iv in ivs] for b, ivs in g.uses.items()}
     _, layout = _layout(trace, buckets, itemsize, frozenset(), (jit, g.grads))
     raise budget_error(budget_bytes, arena=max(layout.total_bytes, budget_bytes - extra + 1),
-                       activations=trace.activation_peak_bytes, fixed=fixed_bytes, grad=trace.max_grad_bytes)
+                       activations=trace.activation_peak_bytes, fixed=fixed_bytes, grad=trace.max_grad_bytes,
+                       headroom=headroom_bytes)
 
 
 def _compute_times(trace: Trace, compute_s: Sequence[float] | None) -> tuple[float, ...]:
@@ -1029,16 +1044,15 @@ def plan_bound(plan: Plan, hw: HardwareModel, compute_s: Sequence[float] | None 
     """The physical bound for this plan's trace, buckets and budget (not for the plan's own choices)."""
     compute = _compute_times(plan.trace, compute_s)
     t = plan.trace
-    capacity = plan.budget_bytes - t.activation_peak_bytes - plan.fixed_bytes - t.max_grad_bytes
-    least = least_traffic(t, plan.buckets, plan.itemsize, capacity)
+    least = least_traffic(t, plan.buckets, plan.itemsize, plan.capacity_bytes)
     return physical_bound(sum(compute), least["h2d"], least["d2h"], least["adam_numel"], hw)
 
 
 def forward_min_budget(events, uses, ends, buckets: Sequence[Bucket], specs, itemsize: int, *,
-                       activations: int, fixed: int) -> dict[str, int]:
+                       activations: int, fixed: int, headroom: int = 0) -> dict[str, int]:
     """The least device memory any plan needs, from a recorded forward (before backward is seen): the
     buckets the deepest stack of active module calls needs at once, one grad slot, the largest grad
-    autograd materialises, activations and fixed buffers."""
+    autograd materialises, activations, fixed buffers and the backend's headroom."""
     bucket_of = locate(buckets)[0]
     nbytes = [b.nbytes(itemsize) for b in buckets]
     worst = 0
@@ -1052,14 +1066,15 @@ def forward_min_budget(events, uses, ends, buckets: Sequence[Bucket], specs, ite
             worst = max(worst, sum(nbytes[b] for b in live))
     return dict(buckets=worst, grad_slot=max((b.grad_nbytes(itemsize) for b in buckets), default=0),
                 grad=max((s.numel * itemsize for s in specs if s.group is not None), default=0),
-                activations=activations, fixed=fixed)
+                activations=activations, fixed=fixed, headroom=headroom)
 
 
 def budget_error(budget: int, **parts: int) -> BudgetTooSmallError:
     names = {"arena": "parameter buckets and grad slots (streaming everything just in time)",
              "activations": "saved activations", "fixed": "module buffers",
              "grad": "largest parameter gradient in flight", "buckets": "buckets one module call needs at once",
-             "grad_slot": "largest bucket grad slot"}
+             "grad_slot": "largest bucket grad slot",
+             "headroom": "runtime headroom (cuBLAS workspaces, allocator rounding)"}
     need = sum(parts.values())
     parts = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
     detail = ", ".join(f"{names.get(k, k)} {format_bytes(v)}" for k, v in parts.items() if v)

@@ -38,7 +38,7 @@ def test_train_gpt_example():
     assert "device memory (engine.memory_stats())" in out, out  # the summary table
     for row in ("budget", "device peak", "arena", "pinned host", "buckets", "re-plans"):
         assert row in out, f"memory summary lacks {row!r}:\n{out}"
-    assert "within budget" in out, out
+    assert "within budget" in out and "OVER BUDGET" not in out, out  # on a GPU: with its measured headroom
 
 
 def _main(module: str, *args: str, capsys) -> str:

@@ -9,7 +9,7 @@ from .base import DONE, Event, HostEvent, Lane
 from .cpu import CPUBackend
 from .cuda import CUDABackend
 
-__all__ = ["CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "make_backend"]
+__all__ = ["CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "headroom_bytes", "make_backend"]
 
 
 def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None):
@@ -32,3 +32,14 @@ def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None):
         # An explicit index: tensors report cuda:N, and the runtime compares devices.
         return CUDABackend(torch.device("cuda", index), chaos=chaos)
     raise ValueError(f"no backend for device type {device.type!r}; use 'cuda' or 'cpu'")
+
+
+def headroom_bytes(device: str | torch.device) -> int:
+    """Device bytes an engine on ``device`` keeps out of its plan: on CUDA the cuBLAS workspaces and allocator
+    rounding it measures ([Note: headroom] in backend/cuda.py), on the CPU 0. A budget given as "this much for
+    the plan" adds it (the examples' default budgets do)."""
+    backend = make_backend(device)
+    try:
+        return backend.headroom_bytes()
+    finally:
+        backend.close()

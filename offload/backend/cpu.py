@@ -47,6 +47,11 @@ class CPUBackend:
         """The "device" is host RAM."""
         return psutil.virtual_memory().total
 
+    def headroom_bytes(self) -> int:
+        """0: the "device" is host memory, and no library keeps workspaces in it beside the plan (the CUDA
+        backend measures its own; see [Note: headroom] in backend/cuda.py)."""
+        return 0
+
     def peak_bytes(self) -> int | None:
         """None: no allocator to ask; the runtime's own accounting is the device peak on this backend."""
         return None

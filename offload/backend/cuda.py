@@ -40,10 +40,44 @@ copies to and from it are DMA'd asynchronously instead of staged through a drive
 power-of-two rounding as ``pin_memory()``'s caching host allocator does. ``close()`` (or garbage collection
 of the backend) unregisters it; the backend keeps the arena alive until then, so it is never unmapped
 while registered.
+If the engine is dropped without ``close()``, the finalizer first waits for the copy streams (a copy may
+still read or write the arena), then unregisters.
+
+[Note: headroom]
+The plan lays out the arena, saved activations, module buffers and the largest gradient, and fills the
+budget with them. A CUDA process holds more, and the allocator's peak counts it: cuBLAS keeps a workspace
+per (handle, stream) -- one for the thread that runs forward, one for autograd's device thread that runs
+backward, 32 MiB each on Hopper and Blackwell with recent torch (``CUBLAS_WORKSPACE_CONFIG``) --, cuBLASLt
+may take its own, and the allocator rounds every block up to 512 B and does not split a large block whose
+rest would be 1 MiB or less. So the backend measures, once, what matmuls on the current stream add (its
+*headroom*), and the planner keeps it out of the budget:
+
+* the workspaces are cleared first (``torch._C._cuda_clearCublasWorkspaces``, as torch's own memory-leak
+  checks and CUDA graph trees do), so the figure does not depend on what ran before, and the backend's
+  peak base is taken then: the workspaces made again later fall inside the engine's measured peak;
+* one warm-up matmul on this thread and one in a backward (autograd's thread), each between readings of
+  ``memory_allocated`` (what stays: workspaces) and the cumulative allocated bytes (what came and went: a
+  per-call workspace where torch does not cache them, and the tiny warm-up tensors);
+* plus the allocator's rounding of the arena, the one large block the engine allocates per plan
+  (:data:`ARENA_ROUNDING_BYTES`, the caching allocator's rule with its default settings).
+
+Not in it: tensors a user makes outside forward (inputs, targets, the loss), transients of backward
+(activation gradients, a logits gradient), cuDNN or attention workspaces, and the rounding of each saved
+activation; a budget must leave room for them. A workspace cuBLAS allocates itself (outside PyTorch's
+allocator, where a torch build does not cache workspaces) is neither in the headroom nor in the peak.
+
+[Note: peaks]
+``torch.cuda.reset_peak_memory_stats`` resets a process-wide statistic, so an engine that reset it would
+erase the peak another engine (or the user) is measuring. The backend never resets: its peak is
+``max_memory_allocated()`` minus what was allocated when it was made. That is exact when the process had
+not allocated more than that before (a fresh process, or after the caller's own reset), and otherwise an
+upper bound (the earlier maximum may be the larger).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import weakref
 from typing import Callable, Iterable
 
@@ -54,11 +88,19 @@ from ..chaos import ChaosConfig, chaos_delay
 from ..errors import OffloadError
 from .base import Event, HostEvent
 
-__all__ = ["CUDABackend", "CudaAPI", "HostRegistry"]
+__all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry"]
 
 # cudaHostRegisterPortable: pinned for every CUDA context, not only the one current when registering (the
 # engine may run on cuda:1 while cuda:0 is current); as torch's own pin_memory utilities register.
 _HOST_REGISTER_PORTABLE = 1
+
+# The caching allocator's rounding (c10/cuda/CUDACachingAllocator.cpp, default settings): every block is a
+# multiple of 512 B (kMinBlockSize), and a block taken from a larger free one is split only if more than 1 MiB
+# (kSmallSize) would be left, so a large allocation may hold up to 1 MiB + 511 B more than it asked for.
+_BLOCK_BYTES = 512
+_UNSPLIT_BYTES = 1 << 20
+ARENA_ROUNDING_BYTES = _UNSPLIT_BYTES + _BLOCK_BYTES - 1
+"""What the allocator may add to the arena (one large block) beyond its planned size: part of the headroom."""
 
 
 class CudaAPI:
@@ -99,13 +141,46 @@ class CudaAPI:
     def total_memory(self) -> int:
         return torch.cuda.get_device_properties(self.device).total_memory
 
-    def reset_peak(self) -> int:
-        """Reset the allocator's peak statistic; return the bytes allocated now."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return torch.cuda.memory_allocated(self.device)
+    # The caching allocator's statistics (see [Note: headroom] and [Note: peaks]). A stand-in whose
+    # max_allocated() is None has no allocator to ask; the backend then calls none of the others.
 
     def max_allocated(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def allocated_total(self) -> int:
+        """Bytes allocated since the process started (a counter that only grows, unless a user resets it)."""
+        return torch.cuda.memory_stats(self.device).get("allocated_bytes.all.allocated", 0)
+
+    def clear_blas_workspaces(self) -> None:
+        """Free the cuBLAS/cuBLASLt workspaces torch keeps per (handle, stream); the next matmul on each makes
+        its own again. Private in torch, used by its own memory checks; absent in some builds."""
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+
+    def blas_forward(self) -> None:
+        """Matmuls on this thread and the current stream: cuBLAS (mm) and, where torch routes a bias add
+        through it, cuBLASLt (addmm), in each dtype the engine computes in."""
+        dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if torch.cuda.is_bf16_supported() else ())
+        with torch.cuda.device(self.device):
+            for dtype in dtypes:
+                a = torch.ones(16, 16, dtype=dtype, device=self.device)
+                bias = torch.ones(16, dtype=dtype, device=self.device)
+                torch.mm(a, a)
+                torch.addmm(bias, a, a)
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def blas_backward(self) -> None:
+        """A matmul in backward, which runs on autograd's device thread (its own cuBLAS handle), on the
+        stream of the forward op: the current stream."""
+        # (grad mode on whatever the caller's context: wrap may run under no_grad or inference_mode)
+        with torch.cuda.device(self.device), torch.inference_mode(False), torch.enable_grad():
+            w = torch.ones(16, 16, device=self.device, requires_grad=True)
+            (torch.ones(16, 16, device=self.device) @ w).sum().backward()
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class HostRegistry:
@@ -138,8 +213,10 @@ class HostRegistry:
         for start, (n, _) in self._ranges.items():
             if ptr < start + n and start < ptr + nbytes:
                 raise OffloadError(f"host range [{ptr:#x}, +{nbytes}) overlaps the pinned range [{start:#x}, +{n})")
-        err = int(self._cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+        cudart = self._cudart()
+        err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
         if err != 0:
+            _clear_last_error(cudart)
             raise OffloadError(
                 f"cudaHostRegister of the {nbytes}-byte host arena failed with CUDA error {err}. Without pinned "
                 "memory host/device copies cannot overlap compute. Check `ulimit -l` (locked-memory limit) and "
@@ -152,13 +229,48 @@ class HostRegistry:
         """Unregister every range (all are tried; the first failure is raised after)."""
         failures = []
         for ptr in list(self._ranges):
-            err = int(self._cudart().cudaHostUnregister(ptr))
+            cudart = self._cudart()
+            err = int(cudart.cudaHostUnregister(ptr))
             del self._ranges[ptr]  # forgotten either way: retrying an unregister cannot help
             if err != 0:
+                _clear_last_error(cudart)
                 failures.append((ptr, err))
         if failures:
             raise OffloadError(f"cudaHostUnregister failed for {len(failures)} range(s): "
                                + ", ".join(f"{p:#x} (CUDA error {e})" for p, e in failures))
+
+
+def _clear_last_error(cudart) -> None:
+    """Reset CUDA's last error (per host thread) after a runtime call that failed and was handled here.
+
+    torch's cudart bindings return the error of ``cudaHostRegister``/``cudaHostUnregister`` but leave it set
+    (``C10_CUDA_ERROR_HANDLED``); the next ``C10_CUDA_KERNEL_LAUNCH_CHECK`` (after any kernel) would read it
+    with ``cudaGetLastError`` and fail that kernel with our error. torch exposes no ``cudaGetLastError``, so
+    where ``cudart`` lacks it the function is called in the CUDA runtime torch loaded (found by soname,
+    never loaded anew: its error state is the one to clear)."""
+    get = getattr(cudart, "cudaGetLastError", None)
+    if get is not None:
+        get()
+        return
+    major = (torch.version.cuda or "").split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:  # not loaded under that name (or statically linked into torch: nothing to reach)
+            continue
+        lib.cudaGetLastError()
+        return
+
+
+def _release_pinned(streams: list, pinned: HostRegistry) -> None:
+    """Finalizer and close(): wait for the copy streams (a copy may still read or write the pinned arena),
+    then unregister it."""
+    try:
+        for stream in streams:
+            stream.synchronize()
+    finally:
+        streams.clear()
+        pinned.release_all()
 
 
 class CUDABackend:
@@ -173,13 +285,20 @@ class CUDABackend:
         self._d2h = None  # created on first use: see _d2h_stream
         self._nan: dict[torch.dtype, torch.Tensor] = {}
         self._pinned = HostRegistry(self._api.cudart)
-        # Unregister pinned memory also if the engine is dropped without close(); not at interpreter exit,
-        # where the process's teardown releases it and the CUDA runtime may already be gone.
-        self._unpin = weakref.finalize(self, self._pinned.release_all)
+        self._copy_streams: list = []  # the streams above once made: the finalizer waits for them
+        # Unregister pinned memory also if the engine is dropped without close(), after its copies ([Note:
+        # pinning]); not at interpreter exit, where the process's teardown releases it and the CUDA runtime
+        # may already be gone.
+        self._unpin = weakref.finalize(self, _release_pinned, self._copy_streams, self._pinned)
         self._unpin.atexit = False
         self._closed = False
-        # Device peak: the allocator's peak since this backend was made, above what was allocated then.
-        self._peak_base = self._api.reset_peak()
+        # Device peak: the allocator's peak above what was allocated when this backend was made ([Note:
+        # peaks]); headroom: what the process holds beyond the plan ([Note: headroom]). Both None / 0 where
+        # there is no allocator to ask (a simulated GPU).
+        self._peak_base: int | None = None
+        self._headroom = 0
+        if self._api.max_allocated() is not None:
+            self._peak_base, self._headroom = self._measure_headroom()
 
     # -- streams ------------------------------------------------------------------------------------------
 
@@ -189,6 +308,7 @@ class CUDABackend:
             # bucket while compute runs on the current one; one stream keeps the copies in plan order.
             self._h2d = self._api.new_stream()
             self._h2d.wait_stream(self._api.current_stream())  # [Note: stream-ordered memory]
+            self._copy_streams.append(self._h2d)
         return self._h2d
 
     def _d2h_stream(self):
@@ -197,6 +317,7 @@ class CUDABackend:
             # separate copy engines, so a gradient copy never queues behind a prefetch, nor a prefetch behind
             # it, and backward goes on while both run.
             self._d2h = self._api.new_stream()
+            self._copy_streams.append(self._d2h)
         return self._d2h
 
     # -- memory -------------------------------------------------------------------------------------------
@@ -232,13 +353,31 @@ class CUDABackend:
         return self._api.total_memory()
 
     def peak_bytes(self) -> int | None:
-        """Peak device bytes allocated through PyTorch since this backend was made (or :meth:`reset_peak`),
-        above what was allocated then: the arena, on-demand slots, activations, gradients, temporaries."""
-        peak = self._api.max_allocated()
-        return None if peak is None else max(0, peak - self._peak_base)
+        """Peak device bytes allocated through PyTorch since this backend was made, above what was allocated
+        then (see [Note: peaks]): the arena, on-demand slots, activations, gradients, temporaries, and the
+        cuBLAS workspaces made again after the backend cleared them ([Note: headroom])."""
+        if self._peak_base is None:
+            return None
+        return max(0, self._api.max_allocated() - self._peak_base)
 
-    def reset_peak(self) -> None:
-        self._peak_base = self._api.reset_peak()
+    def headroom_bytes(self) -> int:
+        """Device bytes the process holds beyond what the plan lays out, measured once when the backend was
+        made (see [Note: headroom]); the planner keeps them out of the budget."""
+        return self._headroom
+
+    def _measure_headroom(self) -> tuple[int, int]:
+        """(peak base, headroom): see [Note: headroom]."""
+        api = self._api
+        api.clear_blas_workspaces()
+        base = api.allocated()
+        kept = came_and_went = 0
+        for phase in (api.blas_forward, api.blas_backward):
+            now, total = api.allocated(), api.allocated_total()
+            phase()
+            stays = api.allocated() - now
+            kept += stays
+            came_and_went = max(came_and_went, api.allocated_total() - total - stays)
+        return base, kept + came_and_went + ARENA_ROUNDING_BYTES
 
     # -- copies and events --------------------------------------------------------------------------------
 
@@ -304,7 +443,7 @@ class CUDABackend:
         try:
             self.synchronize()
         finally:
-            self._unpin()  # runs release_all once; a later call (or garbage collection) does nothing
+            self._unpin()  # runs _release_pinned once; a later call (or garbage collection) does nothing
             self._h2d = self._d2h = None
 
     def _check_open(self) -> None:
