@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Callable
 
 import torch
@@ -25,11 +27,14 @@ class DeviceMemory:
         self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         # Called after saved activations grew: off plan, the runtime evicts cached buckets to stay in budget.
         self.on_activations: Callable[[], None] | None = None
+        # (time.perf_counter(), current) after every change, the latest ones: Engine.export_timeline's counter
+        self.samples: deque[tuple[float, int]] = deque(maxlen=1 << 16)
 
     def add(self, part: str, n: int) -> None:
         self.parts[part] += n
         self.current += n
         self.peak = max(self.peak, self.current)
+        self.samples.append((time.perf_counter(), self.current))
 
     def hold(self, key: int, nbytes: int) -> bool:
         """Count storage ``key`` as activations (once, however often it is held); True if it is new."""
