@@ -11,6 +11,7 @@ import torch
 
 import models
 import offload
+import offload.timeline
 from loops import ADAMW
 from offload.hw import PRESETS
 from offload.schedule import BufferKind, program_of
@@ -153,3 +154,42 @@ def test_plot_memory(tmp_path):
         engine.close()
     tl.plot_memory(tmp_path / "mem.png")
     assert (tmp_path / "mem.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+FACTORY = """
+import torch
+from offload.presets import Shape
+
+def small(batch, seq):
+    shape = Shape("gpt2", vocab=512, n_ctx=64, d=128, n_layer=4, n_head=4, ffn=512)
+    return shape.build(torch.get_default_device()), torch.zeros(batch, seq, dtype=torch.long)
+"""
+
+
+def test_report_timeline_and_plot(tmp_path, monkeypatch, capsys):
+    """`offload report ... --timeline step.json --plot mem.png`: the simulated step of the report's plan (the
+    JSON on stdout stays clean: messages go to stderr)."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "tl_factory.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    from offload.cli import main
+    status = main(["report", "--model", "tl_factory:small", "--budget", "3MiB", "--batch", "2", "--seq", "64",
+                   "--bucket-bytes", "256KiB", "--host-ram", "1GiB", "--json", "--timeline", "step.json",
+                   "--plot", "mem.png"])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    report = json.loads(out.out)
+    trace = json.loads((tmp_path / "step.json").read_text())
+    _check_chrome_format(trace)
+    assert trace["otherData"]["predicted_step_s"] == pytest.approx(report["predicted_step_s"], rel=1e-12)
+    fetches = report["plan"]["fetches_per_step"] + report["plan"]["resident_buckets"]
+    assert len(_slices(trace, "h2d")) == fetches  # every fetch, and the refresh of each resident bucket
+    assert (tmp_path / "mem.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    tl = offload.timeline.Timeline("simulated", (), ((0.0, 1),), budget_bytes=2)
+    with pytest.raises(offload.OffloadError, match="pip install matplotlib"):
+        tl.plot_memory(tmp_path / "mem.png")
