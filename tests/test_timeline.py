@@ -193,3 +193,22 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     tl = offload.timeline.Timeline("simulated", (), ((0.0, 1),), budget_bytes=2)
     with pytest.raises(offload.OffloadError, match="pip install matplotlib"):
         tl.plot_memory(tmp_path / "mem.png")
+
+
+def test_memory_helpers_for_a_users_loop(capsys):
+    """offload.memory_line / memory_table / print_memory: device peak against the budget from memory_stats()."""
+    case = models.mlp()
+    engine, opt = _engine(case)
+    try:
+        _steps(engine, opt, case, 2)
+        stats = engine.memory_stats()
+        line = offload.memory_line(engine)
+        offload.print_memory(engine)
+    finally:
+        engine.close()
+    peak, budget = offload.format_bytes(stats["device_peak_bytes"]), offload.format_bytes(stats["budget_bytes"])
+    assert line.startswith(f"device peak {peak} of {budget} budget")
+    out = capsys.readouterr().out
+    for text in ("budget", "device peak", peak, "arena", "pinned host", "buckets", "streamed"):
+        assert text in out, text
+    assert offload.memory_table(stats).row_count >= 7
