@@ -3,8 +3,8 @@ and as a memory plot.
 
 Two sources, one format:
 
-* :func:`measured` (``Engine.export_timeline``): the last recorded forward + backward of a running engine
-  and the copies and updates issued from it on. The compute lane comes from the step's own trace (the
+* :func:`measured` (``Engine.export_timeline``): the last completed step of a running engine: its (last)
+  forward and backward and the copies and updates issued from them to the end of ``step()``. The compute lane comes from the step's own trace (the
   wall time of every hook event, as the planner sees it); the copy and CPU-AdamW lanes from the start
   and end times their lane threads recorded (:class:`LaneLog`); the counter from the engine's device-byte
   accounting after every change.
@@ -126,19 +126,24 @@ class LaneLog:
 
     def __init__(self, maxlen: int = 1 << 16) -> None:
         self.entries: deque = deque(maxlen=maxlen)
+        self.last_step: tuple[Any, float] | None = None  # (its last forward+backward's Recorder, when step() ended)
 
     def add(self, lane: str, bucket: int, nbytes: int, event: Any) -> None:
         self.entries.append((lane, bucket, nbytes, time.perf_counter(), event))
+
+    def step_done(self, recorder) -> None:
+        """``step()`` ended: the step to show is ``recorder``'s forward and backward and what was issued up to
+        now (a later evaluation forward records into a new Recorder and is not part of it)."""
+        self.last_step = (recorder, time.perf_counter())
 
 
 def measured(runtime, names: Sequence[str]) -> Timeline:
     """The last recorded step of ``runtime`` (see the module docstring). ``names``: module names in
     ``module.named_modules()`` order, which is the order the runtime numbers modules in."""
-    rec = runtime.recorder
-    if not rec.events or not 0 < rec.num_forward < len(rec.events):
-        raise OffloadError("no training step to show: export_timeline shows the last recorded forward and backward "
-                           "(and the updates after it), so call it after backward()/step() and before the next "
-                           "forward, an evaluation's included")
+    if runtime.lane_log.last_step is None:
+        raise OffloadError("no training step to show: export_timeline shows the last completed step (forward, "
+                           "backward and step()), so call it after at least one optimizer step")
+    rec, t_end = runtime.lane_log.last_step
     runtime.wait_for_updates()
     runtime.backend.synchronize()  # the refresh copies step() issued may still be running: wait for their times
     t0 = rec.times[0]
@@ -147,7 +152,7 @@ def measured(runtime, names: Sequence[str]) -> Timeline:
     spans = _event_spans(rec.events, rec.ends, starts, stops, names, runtime.bucket_of)
     no_times = set()
     for lane, bucket, nbytes, issued, event in list(runtime.lane_log.entries):
-        if issued < t0:
+        if not t0 <= issued <= t_end:
             continue
         start, end = getattr(event, "started", None), getattr(event, "finished", None)
         if start is None or end is None:
@@ -156,7 +161,7 @@ def measured(runtime, names: Sequence[str]) -> Timeline:
         what = "AdamW" if lane == "cpu_adam" else "copy"
         args = {"bucket": bucket, "issued_ms": round((issued - t0) * 1e3, 6)} | ({"bytes": nbytes} if nbytes else {})
         spans.append(Span(lane, f"{what} bucket {bucket}", start - t0, end - t0, args))
-    memory = tuple((t - t0, n) for t, n in list(runtime.memory.samples) if t >= t0)
+    memory = tuple((t - t0, n) for t, n in list(runtime.memory.samples) if t0 <= t <= t_end)
     other = {"lanes_without_times": sorted(no_times)} if no_times else {}
     return Timeline("measured", tuple(spans), memory, runtime.config.budget, other)
 

@@ -9,6 +9,7 @@ bf16 on the device; autocast keeps fp32 weights).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -198,3 +199,15 @@ def test_refuses_another_optimizer_and_needs_a_budget(tmp_path):
         OffloadTrainer(model=case.model, args=_args(tmp_path), optimizers=(opt, None), offload_budget="1GiB")
     with pytest.raises(TypeError, match="offload_budget"):
         OffloadTrainer(model=case.model, args=_args(tmp_path))
+
+
+@pytest.mark.slow
+def test_example_hf_trainer(tmp_path, capsys):
+    """examples/hf_trainer.py: trains, evaluates, checkpoints, writes its timeline, stays within its budget."""
+    import hf_trainer  # examples/ is on sys.path (conftest.py)
+
+    status = hf_trainer.main(["--steps", "6", "--eval-every", "3", "--output-dir", str(tmp_path / "out"),
+                              "--timeline", str(tmp_path / "step.json"), "--device", "cpu"])
+    assert status == 0, capsys.readouterr().out
+    assert (tmp_path / "out" / "checkpoint-6" / "offload.pt").is_file()
+    assert json.loads((tmp_path / "step.json").read_text())["traceEvents"]
