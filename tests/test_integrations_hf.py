@@ -211,3 +211,14 @@ def test_example_hf_trainer(tmp_path, capsys):
     assert status == 0, capsys.readouterr().out
     assert (tmp_path / "out" / "checkpoint-6" / "offload.pt").is_file()
     assert json.loads((tmp_path / "step.json").read_text())["traceEvents"]
+
+
+def test_fp16_skipped_steps_do_not_advance_the_lr_schedule(tmp_path):
+    """fp16 with an initial loss scale that overflows: the engine skips those steps, and the Trainer must not
+    step the LR schedule for them (as with the plain Trainer's GradScaler)."""
+    args = _args(tmp_path, fp16=True, max_steps=6)
+    trainer, _ = _train(OffloadTrainer, hf_models.gpt2, args,
+                        loss_scale=offload.LossScaleConfig(init_scale=2.0**20))
+    skipped = trainer.engine.memory_stats()["optimizer"]["skipped_steps"]
+    assert 0 < skipped < 6
+    assert trainer.lr_scheduler.last_epoch == 6 - skipped

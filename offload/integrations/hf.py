@@ -100,6 +100,7 @@ class OffloadTrainer(Trainer):
         self.engine: Engine = wrap(self.model, optimizer, config=config)
         """The engine that owns the model's weights and the optimizer state (``memory_stats()``, ...)."""
         self.optimizer = optimizer  # Trainer.create_optimizer keeps an optimizer that is already set
+        self.add_callback(_SkippedStep(self.engine))
 
     # -- setup: nothing may move, cast or wrap the model (see the Note) ------------------------------------
 
@@ -176,6 +177,19 @@ class OffloadTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         self.engine.load(_offload_checkpoint(self.state.best_model_checkpoint))
+
+
+class _SkippedStep(transformers.TrainerCallback):
+    """A float16 step the engine skipped (overflow) must not advance the LR schedule, as with the plain Trainer's
+    GradScaler. The Trainer asks accelerate's optimizer wrapper, which only knows of its own scaler (off here),
+    right after ``on_optimizer_step``: tell it here."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None and hasattr(optimizer, "_is_overflow"):  # accelerate's AcceleratedOptimizer
+            optimizer._is_overflow = bool(self.engine.memory_stats()["optimizer"]["last_step_skipped"])
 
 
 # ---------------------------------------------------------------------------------------------------------
