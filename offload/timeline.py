@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .errors import OffloadError
+from .schedule import program_of
+from .simulate import simulate_reference
 
 LANES = ("compute", "h2d", "d2h", "cpu_adam")
 _TRACK = {"compute": (1, "compute"), "stall": (1, "compute"), "h2d": (2, "H2D (host to device)"),
           "d2h": (3, "D2H (device to host)"), "cpu_adam": (4, "CPU AdamW")}
-_EVENT_NAMES = {0: "forward", 1: "forward (after)", 2: "backward", 3: "grad", 4: "recompute"}  # EventKind
 
 
 @dataclass(frozen=True)
@@ -200,9 +201,6 @@ def simulated(plan, hw, names: Sequence[str] | None = None, compute_s: Sequence[
     memory counter is the plan's: the arena buffers live at each event plus module buffers, and, as one
     constant, the activations and the largest gradient autograd materialises (the trace knows their peak,
     not their shape over time), so its top is ``plan.peak_bytes``."""
-    from .schedule import program_of  # schedule imports this module's users; keep the import graph acyclic
-    from .simulate import simulate_reference
-
     program = program_of(plan, compute_s)
     record: list = []
     result = simulate_reference(program, hw, record)
