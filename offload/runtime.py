@@ -41,8 +41,8 @@ from .recompute import Checkpointer, candidates
 from .recompute_hooks import RecomputeMixin
 from .residency import _ALLOWED, Residency, _Slot
 from .scaler import LossScaler
-from .timeline import LaneLog
 from .schedule import Plan, budget_error, build_plan, forward_min_budget, validate_plan
+from .timeline import LaneLog
 from .trace import EventKind, Recorder, Trace
 
 

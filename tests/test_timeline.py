@@ -214,3 +214,24 @@ def test_memory_helpers_for_a_users_loop(capsys):
     for text in ("budget", "device peak", peak, "arena", "pinned host", "buckets", "streamed"):
         assert text in out, text
     assert offload.memory_table(stats).row_count >= 7
+
+
+def test_export_timeline_with_accumulation_and_deferred_updates(tmp_path):
+    """overlap_optimizer=False, 2 micro-batches: the step shown is the last micro-batch's forward and backward (one
+    gradient copy per trainable bucket) and the updates step() ran after it (one per bucket, after the copies)."""
+    case = models.gpt()
+    engine, opt = _engine(case, overlap_optimizer=False)
+    try:
+        _steps(engine, opt, case, 2, accumulate=2)
+        trace = engine.export_timeline(tmp_path / "step.json").chrome_trace()
+        plan = engine._runtime.train_plan
+    finally:
+        engine.close()
+    trainable = sorted(b for b, bucket in enumerate(plan.buckets) if bucket.numel)
+    d2h, adam = _slices(trace, "d2h"), _slices(trace, "cpu_adam")
+    assert sorted(e["args"]["bucket"] for e in d2h) == trainable
+    assert sorted(e["args"]["bucket"] for e in adam) == trainable
+    copied = {e["args"]["bucket"]: e["ts"] + e["dur"] for e in d2h}
+    assert all(e["ts"] >= copied[e["args"]["bucket"]] for e in adam)  # each update after its grads arrived
+    backward_end = max(e["ts"] + e["dur"] for e in _slices(trace, "compute"))
+    assert min(e["args"]["issued_ms"] * 1e3 for e in adam) >= backward_end - 1.0  # issued by step(), not backward

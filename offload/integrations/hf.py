@@ -244,14 +244,14 @@ def _refuse_unsupported(model, args, kwargs: dict) -> None:
     if optimizers[0] is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
         refuse("optimizers= / optimizer_cls_and_kwargs=", "the engine makes its offload.AdamW from the arguments "
                "(learning_rate, weight_decay, adam_beta1/2, adam_epsilon)")
-    if args.activation_checkpointing or args.gradient_checkpointing:
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
         refuse("activation_checkpointing=True", 'use the engine\'s: offload_config=OffloadConfig(budget=..., '
                'activation_checkpointing="auto")')
     if args.bf16_full_eval or args.fp16_full_eval:
         refuse("bf16_full_eval / fp16_full_eval", "evaluation runs in the training dtype (bf16=True / fp16=True)")
     if args.n_gpu > 1 or args.world_size > 1:
         refuse(f"{max(args.n_gpu, args.world_size)} devices", "offload trains on one device; run one process on one GPU")
-    if args.use_liger_kernel:
+    if getattr(args, "use_liger_kernel", False):
         refuse("use_liger_kernel=True", "it patches the model's modules after wrapping; leave it off")
 
 
