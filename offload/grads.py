@@ -203,7 +203,7 @@ class GradientsMixin:
             else:
                 self._refresh_resident(updated)
         self.stale = False
-        self.lane_log.step_done(self.recorder)
+        self.lane_log.step_done(self.recorder, self.memory)
 
     def _step_deferred(self) -> bool:
         """Run the gathered updates (loss scale and clipping applied); return True if the step is skipped."""

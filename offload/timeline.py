@@ -121,21 +121,29 @@ def _pyplot():
 
 
 class LaneLog:
-    """The copies and updates the runtime issued lately: ``(lane, bucket, bytes, issued at, event)``. Their
-    events carry the lane's start and end times once run (``HostEvent.started``/``finished``). Bounded: it
-    holds the latest ``maxlen`` entries, many steps' worth for any model that streams."""
+    """The copies and updates the runtime issued: ``(lane, bucket, bytes, issued at, event)``. Their events
+    carry the lane's start and end times once run (``HostEvent.started``/``finished``).
 
-    def __init__(self, maxlen: int = 1 << 16) -> None:
-        self.entries: deque = deque(maxlen=maxlen)
-        self.last_step: tuple[Any, float] | None = None  # (its last forward+backward's Recorder, when step() ended)
+    Held per step, so a long run keeps nothing more (the leak tests count objects): ``step_done`` moves what
+    was issued since the previous step, and the device-byte samples of that time, to ``last_step`` and starts
+    afresh. Bounded too (``maxlen`` each) for a loop that only evaluates and never steps."""
+
+    MAXLEN = 1 << 14
+
+    def __init__(self) -> None:
+        self.entries: deque = deque(maxlen=self.MAXLEN)
+        # (the step's last forward+backward's Recorder, when step() ended, entries, device-byte samples)
+        self.last_step: tuple | None = None
 
     def add(self, lane: str, bucket: int, nbytes: int, event: Any) -> None:
         self.entries.append((lane, bucket, nbytes, time.perf_counter(), event))
 
-    def step_done(self, recorder) -> None:
+    def step_done(self, recorder, memory) -> None:
         """``step()`` ended: the step to show is ``recorder``'s forward and backward and what was issued up to
         now (a later evaluation forward records into a new Recorder and is not part of it)."""
-        self.last_step = (recorder, time.perf_counter())
+        self.last_step = (recorder, time.perf_counter(), self.entries, memory.samples)
+        self.entries = deque(maxlen=self.MAXLEN)
+        memory.samples = deque(maxlen=self.MAXLEN)
 
 
 def measured(runtime, names: Sequence[str]) -> Timeline:
@@ -144,7 +152,7 @@ def measured(runtime, names: Sequence[str]) -> Timeline:
     if runtime.lane_log.last_step is None:
         raise OffloadError("no training step to show: export_timeline shows the last completed step (forward, "
                            "backward and step()), so call it after at least one optimizer step")
-    rec, t_end = runtime.lane_log.last_step
+    rec, t_end, entries, samples = runtime.lane_log.last_step
     runtime.wait_for_updates()
     runtime.backend.synchronize()  # the refresh copies step() issued may still be running: wait for their times
     t0 = rec.times[0]
@@ -152,7 +160,7 @@ def measured(runtime, names: Sequence[str]) -> Timeline:
     stops = starts[1:] + starts[-1:]  # an event lasts until the next one; the last one has no measured end
     spans = _event_spans(rec.events, rec.ends, starts, stops, names, runtime.bucket_of)
     no_times = set()
-    for lane, bucket, nbytes, issued, event in list(runtime.lane_log.entries):
+    for lane, bucket, nbytes, issued, event in list(entries):
         if not t0 <= issued <= t_end:
             continue
         start, end = getattr(event, "started", None), getattr(event, "finished", None)
@@ -162,7 +170,7 @@ def measured(runtime, names: Sequence[str]) -> Timeline:
         what = "AdamW" if lane == "cpu_adam" else "copy"
         args = {"bucket": bucket, "issued_ms": round((issued - t0) * 1e3, 6)} | ({"bytes": nbytes} if nbytes else {})
         spans.append(Span(lane, f"{what} bucket {bucket}", start - t0, end - t0, args))
-    memory = tuple((t - t0, n) for t, n in list(runtime.memory.samples) if t0 <= t <= t_end)
+    memory = tuple((t - t0, n) for t, n in list(samples) if t0 <= t <= t_end)
     other = {"lanes_without_times": sorted(no_times)} if no_times else {}
     return Timeline("measured", tuple(spans), memory, runtime.config.budget, other)
 
