@@ -222,3 +222,22 @@ def test_fp16_skipped_steps_do_not_advance_the_lr_schedule(tmp_path):
     skipped = trainer.engine.memory_stats()["optimizer"]["skipped_steps"]
     assert 0 < skipped < 6
     assert trainer.lr_scheduler.last_epoch == 6 - skipped
+
+
+def test_engine_device_follows_the_trainer(tmp_path):
+    """Without offload_config the engine runs where the Trainer puts the batches (use_cpu=True: the CPU backend,
+    even with CUDA present)."""
+    case = hf_models.gpt2()
+    trainer = OffloadTrainer(model=case.model, args=_args(tmp_path), offload_budget="1GiB")
+    assert trainer.engine.config.device == torch.device("cpu")
+    trainer.engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_refuses_a_config_on_another_device_than_the_batches(tmp_path):
+    """use_cpu=True with OffloadConfig(device="cuda"): refused up front, not a device mismatch in the first forward."""
+    case = hf_models.gpt2()
+    with pytest.raises(UnsupportedTrainingArgumentError, match="make them agree"):
+        OffloadTrainer(model=case.model, args=_args(tmp_path),
+                       offload_config=offload.OffloadConfig(budget="1GiB", device="cuda"))

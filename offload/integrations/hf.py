@@ -208,10 +208,15 @@ def _engine_config(args, budget, config: OffloadConfig | None) -> OffloadConfig:
     if budget is None and config is None:
         raise TypeError('OffloadTrainer needs a device memory budget: offload_budget="8GiB" (or '
                         "offload_config=OffloadConfig(budget=...))")
+    device = args.device.type  # where the Trainer puts the batches (cpu with use_cpu=True or without CUDA)
     if config is None:
-        config = OffloadConfig(budget=budget)
-    elif budget is not None and OffloadConfig(budget=budget).budget != config.budget:
+        config = OffloadConfig(budget=budget, device=device)
+    elif budget is not None and OffloadConfig(budget=budget, device=device).budget != config.budget:
         raise ValueError(f"offload_budget={budget!r} and offload_config.budget={config.budget} differ; give one")
+    if config.device.type != device:
+        raise UnsupportedTrainingArgumentError(
+            f"offload_config.device is {config.device} but the Trainer puts batches on {args.device} "
+            f"(use_cpu={args.use_cpu}); make them agree (OffloadConfig(device=...) or TrainingArguments(use_cpu=...))")
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     if config.dtype not in (torch.float32, dtype):
         raise UnsupportedTrainingArgumentError(
