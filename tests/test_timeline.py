@@ -235,3 +235,23 @@ def test_export_timeline_with_accumulation_and_deferred_updates(tmp_path):
     assert all(e["ts"] >= copied[e["args"]["bucket"]] for e in adam)  # each update after its grads arrived
     backward_end = max(e["ts"] + e["dur"] for e in _slices(trace, "compute"))
     assert min(e["args"]["issued_ms"] * 1e3 for e in adam) >= backward_end - 1.0  # issued by step(), not backward
+
+
+def test_export_timeline_on_the_simulated_gpu_says_which_lanes_have_no_times(monkeypatch, tmp_path):
+    """[Note: lane times on CUDA]: copies on CUDA streams record no host times. The CUDA backend (on the simulated
+    GPU) gives a timeline with the compute and CPU AdamW lanes, empty copy lanes, and says so."""
+    from fake_cuda import FakeCuda
+    from offload.backend.cuda import CUDABackend
+
+    monkeypatch.setattr(offload.api, "make_backend",
+                        lambda device, chaos=None: CUDABackend(torch.device("cpu"), api=FakeCuda(lazy=True)))
+    case = models.gpt()
+    engine, opt = _engine(case)
+    try:
+        _steps(engine, opt, case, 2)
+        trace = engine.export_timeline(tmp_path / "step.json").chrome_trace()
+    finally:
+        engine.close()
+    assert trace["otherData"]["lanes_without_times"] == ["d2h", "h2d"]
+    assert not _slices(trace, "h2d") and not _slices(trace, "d2h")
+    assert _slices(trace, "cpu_adam") and _slices(trace, "compute")
