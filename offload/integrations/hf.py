@@ -66,8 +66,9 @@ class OffloadTrainer(Trainer):
 
     ``offload_budget``: the device memory budget (``"8GiB"`` or bytes); required unless ``offload_config``
     carries it. ``offload_config``: an :class:`offload.OffloadConfig` for the other engine options (bucket
-    size, activation checkpointing, hardware model, device, ...). Its ``dtype`` and ``overlap_optimizer``
-    follow the TrainingArguments: ``bf16``/``fp16`` set the compute dtype, and accumulation
+    size, activation checkpointing, hardware model, ...). Its ``device`` must be where the Trainer puts the
+    batches (``args.device``; the default when no config is given), and its ``dtype`` and
+    ``overlap_optimizer`` follow the TrainingArguments: ``bf16``/``fp16`` set the compute dtype, and accumulation
     (``gradient_accumulation_steps > 1``) or clipping (``max_grad_norm > 0``) need every grad before the
     update, so they turn the overlapped optimizer off.
 
