@@ -1,6 +1,6 @@
 """What the examples share: their common command-line flags, the device they run on, the offline text they
-train on (this Python's standard library source, as bytes), the memory summary, the progress bar and the loss
-verdict.
+train on (this Python's standard library source, as bytes), the progress bar and the loss verdict. (The
+memory summary they end with is the library's: ``offload.memory_table``.)
 
 Not an example itself: train_gpt.py, finetune_frozen.py and bert_mlm.py import it from their own folder, so
 each still runs as ``python examples/X.py`` from the repository root or from examples/.
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 DATA_BYTES = 4 * 2**20  # how much standard-library source to read
 VAL_FRACTION = 0.05  # held out for validation: the last 5 % of the bytes
@@ -117,33 +116,6 @@ def get_batch(data: torch.Tensor, batch: int, seq: int, g: torch.Generator):
     x = torch.stack([data[i : i + seq] for i in ix]).long()
     y = torch.stack([data[i + 1 : i + 1 + seq] for i in ix]).long()
     return x, y
-
-
-def memory_table(stats: dict) -> Table:
-    """The engine's memory summary (``engine.memory_stats()``) as a table."""
-    table = Table(title="device memory (engine.memory_stats())")
-    table.add_column("")
-    table.add_column("bytes", justify="right")
-    table.add_column("what it is")
-    table.add_row("budget", format_bytes(stats["budget_bytes"]), "--budget")
-    table.add_row("device peak", format_bytes(stats["device_peak_bytes"]), "most device memory in use at once")
-    if stats["device_parts"]["headroom"]:
-        table.add_row("runtime headroom", format_bytes(stats["device_parts"]["headroom"]),
-                      "cuBLAS workspaces, allocator rounding: measured, kept out of the plan")
-    plan = stats["plan"]
-    lower = f"; lower bound {format_bytes(plan['arena_lower_bound_bytes'])} (most bytes live at once)" if plan else ""
-    table.add_row("arena", format_bytes(stats["arena_bytes"]), "the one device buffer the plan lays out" + lower)
-    table.add_row("pinned host", format_bytes(stats["host_pinned_bytes"]), "host arena: fp32 weights, AdamW m/v, grads (pinned on CUDA)")
-    if plan:
-        table.add_row("activations", format_bytes(plan["activation_bytes"]), "saved for backward, traced in step 1")
-        buckets = f"{plan['num_buckets']} x ~{format_bytes(plan['bucket_bytes'])}"
-        table.add_row("buckets", buckets, f"{plan['resident_buckets']} resident, {plan['streamed_buckets']} streamed")
-        table.add_row("re-plans", str(plan["replans"]), "plans rebuilt because execution left the traced order")
-    ckpt = stats.get("activation_checkpointing") or {}
-    if ckpt.get("mode"):
-        table.add_row("checkpointed", f"{len(ckpt['checkpointed'])} of {ckpt['blocks']} blocks",
-                      f"--checkpointing {ckpt['mode']}: recomputed in backward instead of saved")
-    return table
 
 
 def progress_columns(label: str, *fields: TextColumn) -> tuple:

@@ -22,7 +22,7 @@ from rich.progress import Progress, TextColumn
 
 import offload
 from _common import (add_run_args, checkpointing, default_budget, format_bytes, import_transformers,
-                     load_stdlib_source, loss_trend, memory_table, progress_columns, setup)  # examples/_common.py, next to this file
+                     load_stdlib_source, loss_trend, progress_columns, setup)  # examples/_common.py, next to this file
 
 PAD, MASK, CLS, SEP = 256, 257, 258, 259
 VOCAB = 260
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         stats = engine.memory_stats()
     finally:
         engine.close()
-    console.print(memory_table(stats))
+    console.print(offload.memory_table(stats))
     within = stats["device_peak_bytes"] <= stats["budget_bytes"]
     k, first, last = loss_trend(losses)
     console.print(f"[{'green' if within else 'red'}]device peak {format_bytes(stats['device_peak_bytes'])} "

@@ -32,7 +32,7 @@ from rich.progress import Progress, TextColumn
 
 import offload
 from _common import (add_run_args, checkpointing, default_budget, format_bytes, get_batch, import_transformers,
-                     load_stdlib_source, loss_trend, memory_table, plan_budget, progress_columns, setup)  # examples/_common.py, next to this file
+                     load_stdlib_source, loss_trend, plan_budget, progress_columns, setup)  # examples/_common.py, next to this file
 from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
 VAL_BATCHES = 8  # batches in one validation-loss estimate (always the same ones)
@@ -154,7 +154,7 @@ def train(engine, opt, sched, train_data, val_data, args, device: str, start: in
 
 def report(stats: dict, losses: list[float]) -> bool:
     """Print the memory summary and the verdict; True if the loss went down within the budget."""
-    console.print(memory_table(stats))
+    console.print(offload.memory_table(stats))
     peak, budget = format_bytes(stats["device_peak_bytes"]), format_bytes(stats["budget_bytes"])
     within = stats["device_peak_bytes"] <= stats["budget_bytes"]
     if within:

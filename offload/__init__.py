@@ -10,6 +10,8 @@ from .chaos import ChaosConfig
 from .config import LossScaleConfig, OffloadConfig, format_bytes, parse_bytes
 from .errors import BudgetTooSmallError, CheckpointError, HostMemoryError, OffloadError, OffloadWarning
 from .optim import AdamW
+from .summary import memory_line, memory_table, print_memory
+from .timeline import Timeline
 
 __all__ = [
     "AdamW",
@@ -22,8 +24,12 @@ __all__ = [
     "OffloadConfig",
     "OffloadError",
     "OffloadWarning",
+    "Timeline",
     "format_bytes",
+    "memory_line",
+    "memory_table",
     "parse_bytes",
+    "print_memory",
     "wrap",
 ]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Callable
 
 import torch
@@ -28,12 +30,16 @@ class DeviceMemory:
         self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         # Called after saved activations grew: off plan, the runtime evicts cached buckets to stay in budget.
         self.on_activations: Callable[[], None] | None = None
+        # (time.perf_counter(), current) after every change since the last step() (offload/timeline.py's
+        # LaneLog.step_done takes them for Engine.export_timeline's counter and starts a new deque)
+        self.samples: deque[tuple[float, int]] = deque(maxlen=1 << 14)
         self.add("headroom", headroom)
 
     def add(self, part: str, n: int) -> None:
         self.parts[part] += n
         self.current += n
         self.peak = max(self.peak, self.current)
+        self.samples.append((time.perf_counter(), self.current))
 
     def hold(self, key: int, nbytes: int) -> bool:
         """Count storage ``key`` as activations (once, however often it is held); True if it is new."""

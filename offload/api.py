@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint, faults, guards
+from . import checkpoint, faults, guards, timeline
 from .backend import make_backend
 from .config import OffloadConfig
 from .optim import AdamW
@@ -153,6 +153,18 @@ class Engine:
             "activation_checkpointing": rt.checkpoint_stats(),
             "counters": dict(rt.stats),
         }
+
+    def export_timeline(self, path: str | os.PathLike) -> "timeline.Timeline":
+        """Write the last measured step as Chrome-trace JSON to ``path`` (open it in https://ui.perfetto.dev
+        or chrome://tracing) and return it: a track per lane (compute with module calls nested, H2D copies,
+        D2H copies, CPU AdamW; one slice per bucket copy or update) and a counter of device bytes against the
+        budget. Call it after a training step, before the next forward. ``.plot_memory("mem.png")`` on the
+        result draws the memory line (needs matplotlib). See offload/timeline.py."""
+        self._check_open()
+        names = [name for name, _ in self.module.named_modules()]
+        result = timeline.measured(self._runtime, names)
+        result.save(path)
+        return result
 
     # -- checkpoints ----------------------------------------------------------------------------------
 

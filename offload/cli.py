@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host-ram", help="host RAM to plan for, e.g. 256GiB (default: available on this machine)")
     r.add_argument("--bucket-bytes", default=None, help="bucket size (default: the engine's, 32MiB)")
     r.add_argument("--json", action="store_true", help="print JSON (keys documented in the README) instead")
+    r.add_argument("--timeline", metavar="PATH", help="write the simulated step as Chrome-trace JSON (open it in "
+                   "https://ui.perfetto.dev or chrome://tracing): a track per lane, a slice per copy/update/call")
+    r.add_argument("--plot", metavar="PNG", help="draw the simulated step's device memory against the budget "
+                   "(needs matplotlib)")
     r.set_defaults(run=_report)
     p = sub.add_parser("probe", help="measure this machine: PCIe curve (CUDA), CPU AdamW, host bandwidth")
     p.add_argument("--json", metavar="PATH", help="write the measurements (and a hardware model) as JSON")
@@ -151,6 +155,10 @@ def _report(args, console: Console) -> int:
         print(json.dumps(report.to_json(), indent=1))
     else:
         _render(report, console)
+    if args.timeline or args.plot:
+        status = _timeline(args, report)
+        if status:
+            return status
     if not report.fits or not report.host_fits:
         return _fail(_verdict(report), 1)
     return 0
@@ -163,6 +171,26 @@ _FIX = {"activation_checkpointing": 'activation_checkpointing="auto" ({} blocks)
         "seq": "--seq {}", "budget": "--budget {}"}
 _SYSTEMS = {"zero-offload": "DeepSpeed ZeRO-Offload", "zero3-offload": "DeepSpeed ZeRO-3 offload",
             "gemini-cpu": "ColossalAI Gemini (CPU placement)"}
+
+
+def _timeline(args, report) -> int:
+    """--timeline / --plot: the simulated step of the report's plan (messages on stderr: stdout may be JSON)."""
+    from .errors import OffloadError
+    from .timeline import simulated
+
+    tl = simulated(report.plan, report.request.hw, report.module_names, report.compute_s)
+    if not report.fits:  # the plan at the minimum budget, as the tables show
+        tl.other["note"] = "the budget does not fit this model: this is the plan at the minimum budget"
+    if args.timeline:
+        tl.save(args.timeline)
+        print(f"wrote {args.timeline} (Chrome trace: open in https://ui.perfetto.dev)", file=sys.stderr)
+    if args.plot:
+        try:
+            tl.plot_memory(args.plot)
+        except OffloadError as e:
+            return _fail(str(e), 1)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
 
 
 def _fix_text(fix) -> str:

@@ -128,6 +128,7 @@ class GradientsMixin:
             d2h = self.backend.d2h(staging, view, waits)
             ready = self.cpu.submit(lambda: self._accumulate(b, staging, got), [d2h, earlier[1]],
                                     f"gradient accumulation of bucket {b}")
+        self.lane_log.add("d2h", b, view.numel() * self.itemsize, d2h)
         self.grad_copies.append(d2h)
         if k is not None:
             self.done[k] = d2h
@@ -154,6 +155,7 @@ class GradientsMixin:
         waits = [ready] + [e for e in (self.h2d_event.get(b),) if e is not None]
         self.adam_event[b] = self.cpu.submit(lambda: self.host.update(b, params, hparams, factors), waits,
                                              f"AdamW of bucket {b}")
+        self.lane_log.add("cpu_adam", b, 0, self.adam_event[b])
 
     def _end_backward(self) -> None:
         """Queued on the autograd engine: runs once the whole backward has finished."""
@@ -201,6 +203,7 @@ class GradientsMixin:
             else:
                 self._refresh_resident(updated)
         self.stale = False
+        self.lane_log.step_done(self.recorder, self.memory)
 
     def _step_deferred(self) -> bool:
         """Run the gathered updates (loss scale and clipping applied); return True if the step is skipped."""

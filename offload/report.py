@@ -465,6 +465,8 @@ class Report:
     bound: str | None = None
     bound_s: float | None = None  # the physical lower bound of a step with this trace, buckets, budget
     activations_source: str = "meta trace"  # or "analytic estimate (...)" where the model cannot run on meta
+    compute_s: tuple[float, ...] = ()  # per trace event: the estimated compute seconds the plan was simulated with
+    module_names: tuple[str, ...] = ()  # model.named_modules() order: the trace's module keys (for timelines)
 
     @property
     def checkpointed_activation_bytes(self) -> int | None:
@@ -570,7 +572,8 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         overflow=overflow, plan=plan, activations=acts, fixes=fixes,
         baselines=_baselines(case, params), lanes_s=lanes, bound=bound,
         bound_s=plan_bound(plan, request.hw, compute).seconds,
-        activations_source="meta trace" if analytic is None else f"analytic estimate ({analytic.describe()})")
+        activations_source="meta trace" if analytic is None else f"analytic estimate ({analytic.describe()})",
+        compute_s=tuple(compute), module_names=tuple(name for name, _ in model.named_modules()))
 
 
 def _trace(model: nn.Module, run, request: Request) -> MetaTrace:

@@ -42,6 +42,7 @@ from .recompute_hooks import RecomputeMixin
 from .residency import _ALLOWED, Residency, _Slot
 from .scaler import LossScaler
 from .schedule import Plan, budget_error, build_plan, forward_min_budget, validate_plan
+from .timeline import LaneLog
 from .trace import EventKind, Recorder, Trace
 
 
@@ -121,6 +122,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
                       "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0,
                       "eval_plans_built": 0, "h2d_bytes": 0, "d2h_bytes": 0}
         self.h2d_by_bucket: list[int] = []  # host-to-device bytes per bucket since wrap
+        self.lane_log = LaneLog()  # copies and updates of the latest steps, for Engine.export_timeline
         self.last_step_skipped = False
         self.backward_seen = False  # a backward ran since the last step() (guards.check_step_has_grads)
         self.guard = guards.ParamGuard(self)
@@ -374,6 +376,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self._set_state(b, Residency.IN_FLIGHT)
         self.slot[b] = slot
         self.h2d_event[b] = self.backend.h2d(dst, self.host.source(b), waits)
+        self.lane_log.add("h2d", b, n * self.itemsize, self.h2d_event[b])
         if fresh:
             self._bind_params(b, slot)
             self._index_slot(b, slot)

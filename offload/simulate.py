@@ -182,13 +182,17 @@ def _each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
     return list(map(memo.__getitem__, xs))
 
 
-def simulate_reference(program: Program, hw: HardwareModel) -> SimResult:
+def simulate_reference(program: Program, hw: HardwareModel, record: list | None = None) -> SimResult:
     """Run the four lanes over one step, in Python (the reference :func:`simulate` is tested against).
 
     Stall attribution (``copy_credit``): when compute waits ``s`` seconds for copy ``k``, every copy of the
     host-to-device lane's current busy period up to ``k`` shares ``s`` in proportion to its duration: had
     any of them not been queued, ``k`` would have arrived that much earlier. The scheduler uses the credit
     to rank which bucket to keep on the device.
+
+    ``record``: a list that gets one ``(lane, index, start, end)`` per piece of work (lanes ``"compute"``,
+    ``"stall"``: event index; ``"h2d"``, ``"d2h"``, ``"adam"``: copy index), for a timeline of the step
+    (offload/timeline.py). The result does not depend on it.
     """
     n = len(program.compute_s)
     h2d_solo = [hw.h2d_seconds(x) for x in program.h2d_bytes]
@@ -207,7 +211,7 @@ def simulate_reference(program: Program, hw: HardwareModel) -> SimResult:
     h2d_free = d2h_free = cpu_free = 0.0
     h2d_busy = d2h_busy = adam_total = 0.0
     period_start, period_len = 0, 0.0
-    pending_adam: list[tuple[float, float]] = []  # (grads on host at, AdamW seconds), when after backward
+    pending_adam: list[tuple[int, float, float]] = []  # (copy, grads on host at, AdamW seconds), after backward
     stall = [0.0] * n
     cum = [0.0] * len(h2d_solo)  # busy-period duration up to and including each copy
     t = 0.0
@@ -223,6 +227,8 @@ def simulate_reference(program: Program, hw: HardwareModel) -> SimResult:
         h2d_done[k] = h2d_free
         h2d_busy += dur
         period_len += dur
+        if record is not None:
+            record.append(("h2d", k, start, h2d_free))
         period_of[k] = period_start
         cum[k] = period_len
 
@@ -235,16 +241,21 @@ def simulate_reference(program: Program, hw: HardwareModel) -> SimResult:
         d2h_busy += dur
         adam = hw.adam_seconds(program.adam_numel[k])
         adam_total += adam
+        if record is not None:
+            record.append(("d2h", k, start, d2h_free))
         if program.adam_after_backward:
-            pending_adam.append((d2h_free, adam))
+            pending_adam.append((k, d2h_free, adam))
         else:
             cpu_free = max(cpu_free, d2h_free) + adam
+            if record is not None:
+                record.append(("adam", k, cpu_free - adam, cpu_free))
 
     for k in by_event.get(STEP_START, ()):
         issue_h2d(k, 0.0)
     for i in range(n):
         for k in by_event.get(i, ()):
             issue_h2d(k, t)
+        reached = t
         for k in program.waits[i]:
             done = h2d_done[k]
             if done > t:
@@ -252,14 +263,20 @@ def simulate_reference(program: Program, hw: HardwareModel) -> SimResult:
                 stall[i] += s
                 stall_at[k] += s / cum[k]
                 t = done
+        if record is not None:
+            if t > reached:
+                record.append(("stall", i, reached, t))
+            record.append(("compute", i, t, t + program.compute_s[i]))
         for k in d2h_by_event.get(i, ()):
             issue_d2h(k, t)
         t += program.compute_s[i]
     compute_end = t
     for k in d2h_by_event.get(n, ()):
         issue_d2h(k, t)
-    for ready, adam in pending_adam:
+    for k, ready, adam in pending_adam:
         cpu_free = max(cpu_free, ready, compute_end) + adam
+        if record is not None:
+            record.append(("adam", k, cpu_free - adam, cpu_free))
     step = max(compute_end, h2d_free, d2h_free, cpu_free)
     return SimResult(
         step_s=step, compute_s=sum(program.compute_s), stall_s=sum(stall), stall_per_event=tuple(stall),

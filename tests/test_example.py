@@ -70,7 +70,7 @@ def test_train_gpt_hf_gpt2_defaults(capsys):
     hint before); it trains within the budget (the script exits 1 otherwise). Fewer steps than the default."""
     pytest.importorskip("transformers")
     out = _main("train_gpt", "--model", "hf-gpt2", "--steps", "6", "--eval-every", "6", capsys=capsys)
-    assert "--checkpointing auto" in out and "within budget" in out, out
+    assert 'activation_checkpointing="auto"' in out and "within budget" in out, out
     assert importlib.import_module("train_gpt").parse_args([]).checkpointing == "none"  # the built-in GPT: unchanged
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from typing import Callable, Iterable, Protocol
 
@@ -24,12 +25,16 @@ class Event(Protocol):
 class HostEvent:
     """An :class:`Event` set by a lane (or born complete). Failures travel with it."""
 
-    __slots__ = ("_flag", "_error", "_what")
+    __slots__ = ("_flag", "_error", "_what", "started", "finished")
 
     def __init__(self, done: bool = False, what: str = "") -> None:
         self._flag = threading.Event()
         self._error: BaseException | None = None
         self._what = what
+        # time.perf_counter() when its lane began and ended the work (None: not run by a lane), for
+        # Engine.export_timeline; two clock reads per item, nothing measurable beside a copy or an update.
+        self.started: float | None = None
+        self.finished: float | None = None
         if done:
             self._flag.set()
 
@@ -110,8 +115,10 @@ def _run_lane(work: queue.SimpleQueue, before: Callable[[], None] | None) -> Non
                 w.synchronize()
             if before:
                 before()
+            ev.started = time.perf_counter()
             with torch.no_grad():
                 fn()
+            ev.finished = time.perf_counter()
             if before:
                 before()
             ev.set()
