@@ -162,7 +162,7 @@ def test_out_of_range_budget_is_a_usage_error(budget):
     traceback ("1e400" is a float beyond range; issue 21, 2.9)."""
     from offload import cli
     with pytest.raises(ReportError, match="--budget") as e:
-        cli._request(cli.build_parser().parse_args(["report", "--model", "gpt2", "--budget", budget]))
+        cli._request(cli.build_parser().parse_args(["report", "--model", "gpt2", f"--budget={budget}"]))
     assert e.value.usage
 
 
