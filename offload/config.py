@@ -20,6 +20,7 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_MAX_BYTES = 2**63 - 1  # sizes cross into the C++ core (and torch) as int64
 _ACCEPTED = 'an int number of bytes or a string such as "64MiB", "8GiB", "1.5GB", "512KiB", "1048576"'
 
 
@@ -38,11 +39,20 @@ def parse_bytes(value: int | float | str, what: str = "size") -> int:
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
             raise ValueError(f"cannot parse {what} {value!r}; use {_ACCEPTED}")
-        n = int(float(m.group(1)) * _UNITS[unit])
+        number = m.group(1)
+        if number.isdigit():  # exact, however many digits: no detour through a float
+            n = int(number) * _UNITS[unit]
+        else:
+            scaled = float(number) * _UNITS[unit]
+            # "1e400", "1e308TiB": inf, and int(inf) is an OverflowError; the range check below says why
+            n = int(scaled) if math.isfinite(scaled) else _MAX_BYTES + 1
     else:
         raise TypeError(f"{what} must be {_ACCEPTED}; got {type(value).__name__}")
     if n <= 0:
         raise ValueError(f"{what} must be positive; got {value!r}")
+    if n > _MAX_BYTES:
+        raise ValueError(f"{what} {value!r} is too large: at most 2**63 - 1 bytes (the C++ core's sizes are "
+                         f"int64); use {_ACCEPTED}")
     return n
 
 

@@ -24,14 +24,16 @@ class Trained(NamedTuple):
 
 
 def train_streamed(case: Case, steps: int, *, budget_frac: float = 0.6, dtype=torch.float32, accumulate: int = 1,
-                   clip: float | None = None, chaos=None, on_step=None, inspect=None) -> Trained:
+                   clip: float | None = None, chaos=None, on_step=None, inspect=None,
+                   fused: bool | None = None) -> Trained:
     """Train ``case`` for ``steps`` steps: a device budget of ``budget_frac`` of its
     fp32 weights, buckets of a tenth of them, on the CPU backend (or whatever ``offload.api.make_backend``
     stands for in a test). ``accumulate`` backward passes per step and ``clip`` (a max norm) train with
     overlap_optimizer=False. ``on_step(engine, step)`` runs after every step; ``inspect(engine)`` once after
-    the last, before the engine is closed."""
+    the last, before the engine is closed. ``fused``: offload.AdamW's (False: torch's arithmetic, for
+    comparing with plain PyTorch bit for bit)."""
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
-    opt = offload.AdamW(case.model.parameters(), **ADAMW)
+    opt = offload.AdamW(case.model.parameters(), fused=fused, **ADAMW)
     deferred = {"overlap_optimizer": False} if accumulate > 1 or clip is not None else {}
     engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
                           dtype=dtype, device="cpu", chaos=chaos, **deferred)

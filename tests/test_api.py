@@ -28,7 +28,8 @@ def test_empty_model():
         offload.wrap(Empty(), offload.AdamW([nn.Parameter(torch.ones(1))]), budget="1MiB", device="cpu")
 
 
-@pytest.mark.parametrize("budget", ["12 parsecs", 0, -1, float("nan"), "", "1.5 floppies"])
+@pytest.mark.parametrize("budget", ["12 parsecs", 0, -1, float("nan"), "", "1.5 floppies", "1e400", "1e400GiB",
+                                    float("inf"), "-8GiB"])
 def test_bad_budget(budget):
     m = _mlp()
     with pytest.raises(ValueError) as e:

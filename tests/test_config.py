@@ -18,11 +18,20 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["12 parsecs", "", "GiB", "-1GiB", "1.2.3MiB", "0", 0, -5, math.nan, math.inf, 1.5])
+@pytest.mark.parametrize("bad", ["12 parsecs", "", "GiB", "-1GiB", "1.2.3MiB", "0", 0, -5, math.nan, math.inf, 1.5,
+                                 # beyond any float: int(float("1e400")) was an OverflowError (issue 21, 2.9)
+                                 "1e400", "1e400GiB", "1e309", "9e307TiB", "inf", "-inf", "nan", "infinity",
+                                 "-1e400", "1e-400", "0.4", -math.inf,
+                                 # finite but beyond int64, which the C++ core's sizes are
+                                 "1e300", "8388608TiB", "9223372036854775808", 2**63, float(2**64)])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(ValueError) as e:
         parse_bytes(bad, "budget")
     assert "budget" in str(e.value)
+
+
+def test_parse_bytes_largest():
+    assert parse_bytes(2**63 - 1) == parse_bytes("9223372036854775807") == 2**63 - 1
 
 
 @pytest.mark.parametrize("bad", [True, None, [1], torch.tensor(3)])

@@ -156,6 +156,21 @@ def test_unparsable_budget():
     assert "--budget" in err
 
 
+@pytest.mark.parametrize("budget", ["1e400", "1e400GiB", "inf", "nan", "-8GiB", "0"])
+def test_out_of_range_budget_is_a_usage_error(budget):
+    """Like any other bad size: a ReportError marked usage (one line, exit status 2), not an OverflowError
+    traceback ("1e400" is a float beyond range; issue 21, 2.9)."""
+    from offload import cli
+    with pytest.raises(ReportError, match="--budget") as e:
+        cli._request(cli.build_parser().parse_args(["report", "--model", "gpt2", f"--budget={budget}"]))
+    assert e.value.usage
+
+
+def test_out_of_range_budget_exits_with_one_line():
+    err = _one_line_error(_run("--model", "gpt2", "--budget", "1e400"), 2)
+    assert "--budget" in err and "1e400" in err
+
+
 def test_bad_dtype_is_a_usage_error():
     err = _one_line_error(_run("--model", "gpt2", "--budget", "8GiB", "--dtype", "int8"), 2)
     assert "bf16" in err
