@@ -3,6 +3,16 @@
 A bucket is the unit that moves between host and device. Inside a bucket, parameters the optimizer
 updates come first, grouped by param group, so that the trainable part is one contiguous prefix
 (one grad slot, one flat AdamW per group run) and frozen parameters follow it.
+
+[Note: parameter alignment]
+Every parameter starts at an element offset that is a multiple of ``PARAM_ALIGN`` bytes in the device
+dtype (8 elements in bf16/fp16, 4 in fp32): packed back to back, one odd-sized parameter would misalign
+every later one in its bucket, and vectorised kernels and cuBLASLt take slower paths on a weight that is
+not 16-byte aligned (issue 21). The host keeps the same element offsets in every region (fp32 master, m,
+v and grad; the 16-bit copy and grad staging), so one copy still moves a whole bucket and each region is
+aligned at least as well (an fp32 region at twice the bytes). The padding between parameters is part of
+the bucket (``numel`` counts it): it is zero everywhere (the grad slot is cleared when taken, so its
+padding sends zeros and AdamW keeps zero masters zero), and no parameter view covers it.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 HOST_ALIGN = 64  # bytes: a cache line, and the widest SIMD load the CPU AdamW uses
+PARAM_ALIGN = 16  # bytes: where every parameter starts inside a bucket, see [Note: parameter alignment]
 
 
 @dataclass(frozen=True)
@@ -35,9 +46,9 @@ class Run:
 class Bucket:
     index: int
     params: tuple[int, ...]  # parameter ids, in bucket order (trainable first)
-    offsets: tuple[int, ...]  # element offset of each parameter inside the bucket
-    numel: int
-    trainable_numel: int  # length of the trainable prefix
+    offsets: tuple[int, ...]  # element offset of each parameter inside the bucket (aligned: PARAM_ALIGN)
+    numel: int  # up to the end of the last parameter, the padding between parameters included
+    trainable_numel: int  # length of the trainable prefix (up to the end of its last parameter)
     runs: tuple[Run, ...]
 
     def nbytes(self, itemsize: int) -> int:
@@ -52,29 +63,40 @@ def make_buckets(specs: Sequence[ParamSpec], order: Sequence[int], bucket_bytes:
     """Greedy packing of parameters in ``order`` into buckets of at most ``bucket_bytes``.
 
     A parameter never straddles two buckets; one larger than ``bucket_bytes`` gets a bucket of its own.
+    Each parameter starts ``PARAM_ALIGN``-aligned (see [Note: parameter alignment]); the size a bucket is
+    held to counts every member padded to that alignment, so whatever order the members take inside the
+    bucket, no bucket of several parameters is larger than ``bucket_bytes``. Sizes that are multiples of
+    the alignment pack exactly as without it.
     """
     if sorted(order) != list(range(len(specs))):
         raise ValueError("order must be a permutation of all parameter ids")
     if bucket_bytes <= 0 or itemsize <= 0:
         raise ValueError("bucket_bytes and itemsize must be positive")
+    align = param_align(itemsize)
     groups: list[list[int]] = []
-    size = 0
+    padded = 0  # elements of the current bucket's members, each padded to the alignment
     for p in order:
-        nbytes = specs[p].numel * itemsize
-        if groups and size + nbytes <= bucket_bytes:
+        numel = _align(specs[p].numel, align)
+        if groups and (padded + numel) * itemsize <= bucket_bytes:
             groups[-1].append(p)
-            size += nbytes
+            padded += numel
         else:
             groups.append([p])
-            size = nbytes
-    return tuple(_bucket(i, members, specs) for i, members in enumerate(groups))
+            padded = numel
+    return tuple(_bucket(i, members, specs, align) for i, members in enumerate(groups))
 
 
-def _bucket(index: int, members: list[int], specs: Sequence[ParamSpec]) -> Bucket:
+def param_align(itemsize: int) -> int:
+    """Elements between parameter starts in a bucket of ``itemsize``-byte elements: ``PARAM_ALIGN`` bytes."""
+    return max(1, PARAM_ALIGN // itemsize)
+
+
+def _bucket(index: int, members: list[int], specs: Sequence[ParamSpec], align: int) -> Bucket:
     # Stable sort: trainable first, by group; frozen last. First-use order survives inside each class.
     ordered = sorted(members, key=lambda p: (specs[p].group is None, specs[p].group or 0))
     offsets, runs, off = [], [], 0
     for p in ordered:
+        off = _align(off, align)
         offsets.append(off)
         g = specs[p].group
         if g is not None:

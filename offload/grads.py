@@ -98,6 +98,11 @@ class GradientsMixin:
             self._make_room(n * self.itemsize)
             view = self.backend.empty(n * self.itemsize).view(self.dtype)
             self.memory.add("slots", n * self.itemsize)
+        with torch.no_grad():
+            # Cleared once (one fill on the compute stream, after the waits above): the padding between
+            # parameters ([Note: parameter alignment] in buckets.py) and any parameter without a grad this
+            # pass (an unused branch) send zeros, not the bytes of the slot's previous occupant.
+            view.zero_()
         self.grad_slots[b] = (view, k)
         return view
 
@@ -107,14 +112,9 @@ class GradientsMixin:
             return
         self.finished.add(b)
         view, k = self.grad_slots.pop(b)
-        got = frozenset(self.received[b])
-        bucket = self.buckets[b]
+        got = frozenset(self.received[b])  # the slot was cleared when taken: the others send zeros
         host = self.host
         with torch.no_grad():
-            for run in bucket.runs:  # a parameter without a grad this pass contributes zeros, not garbage
-                for p in run.params:
-                    if p not in got:
-                        view[host.offset[p]: host.offset[p] + self.specs[p].numel].zero_()
             earlier = self.pending.get(b)
             if self.deferred and earlier is None:  # the norms clipping needs, where the grads are
                 self.norms.update(self._slot_norms(view, got))
