@@ -125,23 +125,42 @@ def locate(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], tuple[int, ...]]
 class HostLayout:
     """Byte offsets in the host arena: per bucket an fp32 master and, when the device computes in a
     16-bit dtype, the low-precision copy the host-to-device copy sends (``lowp``, empty otherwise); for
-    its trainable prefix an fp32 grad (the accumulator), Adam m and Adam v.
+    its trainable prefix the grad the update reads (``grad``), the accumulation staging (``staging``,
+    empty without accumulation), Adam m and Adam v.
 
     With a 16-bit copy, the fp32 master covers the trainable prefix only: a frozen parameter is never
     updated, so its 16-bit copy (what the device computes with) is all the host keeps of it, 2 bytes a
-    parameter. In fp32 the master is the copy the device gets, 4 bytes a frozen parameter."""
+    parameter. In fp32 the master is the copy the device gets, 4 bytes a frozen parameter.
+
+    [Note: host grads] The device-to-host copy of a bucket's grads never converts: it moves the grad
+    slot's bytes as they are (2 per element in bf16/fp16) into pinned memory of the slot's dtype (a copy
+    into another dtype converts on the device first: a temporary twice the slot, and twice the bytes over
+    PCIe; see [Note: stream-ordered memory] in ``backend/cuda.py``). So ``grad`` is in the device dtype
+    (``grad_itemsize``), and the fused AdamW reads 16-bit grads as they are. Gradient accumulation needs an
+    fp32 sum (16-bit sums lose the small grads): with ``accumulate`` the ``grad`` is fp32 and every copy
+    lands in ``staging`` (device dtype) instead, except the first of a step in fp32, which lands in the sum
+    itself; the CPU lane widens or adds staging into the sum. Trainable bytes per parameter: 16 (fp32 or
+    16-bit, no accumulation: 4 master + 4 m + 4 v + grad 4, or 2 + the 2-byte copy) and 20 with
+    accumulation (a 4-byte sum + the staging in the device dtype)."""
 
     master: tuple[int, ...]
     lowp: tuple[int, ...]
     grad: tuple[int, ...]
+    staging: tuple[int, ...]
     exp_avg: tuple[int, ...]
     exp_avg_sq: tuple[int, ...]
     total_bytes: int
+    grad_itemsize: int = 4  # bytes per element of ``grad``: 4 (fp32) or the 16-bit dtype's
+    staging_itemsize: int = 0  # bytes per element of ``staging``: the device dtype's, 0 without accumulation
 
 
-def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0) -> HostLayout:
-    """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none."""
-    fields: dict[str, list[int]] = {"master": [], "lowp": [], "grad": [], "exp_avg": [], "exp_avg_sq": []}
+def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: bool = False) -> HostLayout:
+    """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none.
+    ``accumulate``: room for gradient accumulation (an fp32 sum and a staging copy, see [Note: host grads])."""
+    device_itemsize = lowp_itemsize or 4
+    grad_itemsize = 4 if accumulate else device_itemsize
+    staging_itemsize = device_itemsize if accumulate else 0
+    fields: dict[str, list[int]] = {k: [] for k in ("master", "lowp", "grad", "staging", "exp_avg", "exp_avg_sq")}
     off = 0
 
     def take(nbytes: int) -> int:
@@ -153,9 +172,12 @@ def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0) -> HostLayout
     for b in buckets:
         fields["master"].append(take((b.trainable_numel if lowp_itemsize else b.numel) * 4))
         fields["lowp"].append(take(b.numel * lowp_itemsize))
-        for name in ("grad", "exp_avg", "exp_avg_sq"):
+        fields["grad"].append(take(b.trainable_numel * grad_itemsize))
+        fields["staging"].append(take(b.trainable_numel * staging_itemsize))
+        for name in ("exp_avg", "exp_avg_sq"):
             fields[name].append(take(b.trainable_numel * 4))
-    return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off)
+    return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off, grad_itemsize=grad_itemsize,
+                      staging_itemsize=staging_itemsize)
 
 
 def _align(n: int, a: int) -> int:

@@ -68,13 +68,14 @@ def test_every_parameter_starts_16_byte_aligned_on_device_and_host(raw, bucket_b
     specs = [ParamSpec(n, g) for n, g in raw]
     buckets = make_buckets(specs, list(range(len(specs))), bucket_bytes, itemsize)
     lowp = itemsize if itemsize == 2 else 0
-    lay = host_layout(buckets, lowp)
-    for b in buckets:
-        for off in b.offsets:
-            assert off * itemsize % 16 == 0
-            for region, size in ((lay.master, 4), (lay.lowp, lowp), (lay.grad, 4), (lay.exp_avg, 4),
-                                 (lay.exp_avg_sq, 4)):
-                assert (region[b.index] + off * size) % 16 == 0
+    for accumulate in (False, True):
+        lay = host_layout(buckets, lowp, accumulate)
+        for b in buckets:
+            for off in b.offsets:
+                assert off * itemsize % 16 == 0
+                for region, size in ((lay.master, 4), (lay.lowp, lowp), (lay.grad, lay.grad_itemsize),
+                                     (lay.staging, lay.staging_itemsize), (lay.exp_avg, 4), (lay.exp_avg_sq, 4)):
+                    assert (region[b.index] + off * size) % 16 == 0
 
 
 def test_padding_packs_sizes_that_are_multiples_of_the_alignment_as_before():
@@ -114,12 +115,16 @@ def test_host_layout_disjoint_and_aligned(raw, bucket_bytes):
 
 
 def test_host_layout_16bit_keeps_no_master_for_frozen():
-    """With a 16-bit copy, a frozen parameter is that copy only: 2 bytes, against 4 + 2 + 3 x 4 trainable."""
+    """With a 16-bit copy, a frozen parameter is that copy only: 2 bytes, against 4 + 2 + 2 (its 16-bit grad)
+    + 2 x 4 trainable; with accumulation an fp32 sum (4) and a 16-bit staging copy (2) instead of the grad."""
     specs = [ParamSpec(104, 0), ParamSpec(296, None), ParamSpec(48, 0), ParamSpec(72, None)]
     buckets = make_buckets(specs, [0, 1, 2, 3], 10_000, 2)
     assert len(buckets) == 1 and buckets[0].trainable_numel == 152  # aligned sizes: no padding
     fp32, bf16 = host_layout(buckets), host_layout(buckets, lowp_itemsize=2)
-    exact32 = 152 * 16 + 368 * 4
-    exact16 = 152 * 18 + 368 * 2
-    assert exact32 <= fp32.total_bytes <= exact32 + 5 * HOST_ALIGN
-    assert exact16 <= bf16.total_bytes <= exact16 + 5 * HOST_ALIGN
+    fp32_acc, bf16_acc = host_layout(buckets, accumulate=True), host_layout(buckets, 2, accumulate=True)
+    for lay, exact in ((fp32, 152 * 16 + 368 * 4), (bf16, 152 * 16 + 368 * 2),
+                       (fp32_acc, 152 * 20 + 368 * 4), (bf16_acc, 152 * 20 + 368 * 2)):
+        assert exact <= lay.total_bytes <= exact + 6 * HOST_ALIGN
+    assert (bf16.grad_itemsize, bf16.staging_itemsize) == (2, 0)
+    assert (bf16_acc.grad_itemsize, bf16_acc.staging_itemsize) == (4, 2)
+    assert (fp32_acc.grad_itemsize, fp32_acc.staging_itemsize) == (4, 4)
