@@ -242,7 +242,7 @@ def test_gpu_d2h_moves_two_bytes_per_element_without_a_conversion_kernel(tmp_pat
 @pytest.mark.usefixtures("cuda_warm")
 def test_gpu_accumulation_staging_is_pinned(monkeypatch):
     """With gradient accumulation on CUDA, every grad copy lands in page-locked host memory."""
-    made = _use(monkeypatch, lambda device: CopyLog(torch.device(device)))
+    made = _use(monkeypatch, lambda device: CopyLog(torch.device("cuda", torch.cuda.current_device())))
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), lr=1e-3)
@@ -258,4 +258,30 @@ def test_gpu_accumulation_staging_is_pinned(monkeypatch):
         print(f"\n{len(copies)} grad copies, pinned: {sum(bool(c['pinned']) for c in copies)}")
         assert len(copies) > 3 and all(c["pinned"] for c in copies)
     finally:
+        engine.close()
+
+
+@gpu
+@pytest.mark.usefixtures("cuda_warm")
+def test_gpu_parameters_are_16_byte_aligned_while_their_module_runs():
+    """On CUDA, in bf16 (8-element alignment), every odd-sized parameter's device view starts 16-byte aligned,
+    planned slots and on-demand ones alike."""
+    model = _odd_model()
+    nbytes = sum(p.numel() * 2 for p in model.parameters())
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    engine = offload.wrap(model, opt, budget=int(0.9 * nbytes), bucket_bytes=nbytes // 10, dtype=torch.bfloat16,
+                          device="cuda")
+    seen: list[int] = []
+    handles = _check_alignment(model, seen)
+    try:
+        for step in range(3):
+            engine(torch.randn(4, 37, device="cuda")).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        print(f"\n{len(seen)} parameter uses, addresses mod 16: {sorted(set(seen))}; "
+              f"streamed buckets: {engine.memory_stats()['plan']['streamed_buckets']}")
+        assert seen and set(seen) == {0}
+    finally:
+        for h in handles:
+            h.remove()
         engine.close()
