@@ -43,7 +43,8 @@ RAM_HEADROOM = 1.25  # run an allocation only when 1.25x its size is available
 
 def bucket_regions(model: str) -> tuple[list[tuple[int, int]], int]:
     """The host regions the engine requests for ``model`` trained in bf16 (per bucket an fp32 master, its
-    bf16 copy, and fp32 grad, m and v), as (offset, size) in ``host_layout``'s arena, and that arena's size."""
+    bf16 copy, its bf16 grad, and fp32 m and v), as (offset, size) in ``host_layout``'s arena, and that
+    arena's size."""
     params = list(MODELS[model].build("meta").parameters())
     specs = [ParamSpec(p.numel(), 0) for p in params]
     buckets = make_buckets(specs, list(range(len(params))), BUCKET_BYTES, 2)
@@ -52,7 +53,8 @@ def bucket_regions(model: str) -> tuple[list[tuple[int, int]], int]:
     for b in buckets:
         regions.append((layout.master[b.index], b.numel * 4))
         regions.append((layout.lowp[b.index], b.numel * 2))
-        for field in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
+        regions.append((layout.grad[b.index], b.trainable_numel * layout.grad_itemsize))
+        for field in (layout.exp_avg, layout.exp_avg_sq):
             regions.append((field[b.index], b.trainable_numel * 4))
     return [r for r in regions if r[1] > 0], layout.total_bytes
 

@@ -3,6 +3,16 @@
 A bucket is the unit that moves between host and device. Inside a bucket, parameters the optimizer
 updates come first, grouped by param group, so that the trainable part is one contiguous prefix
 (one grad slot, one flat AdamW per group run) and frozen parameters follow it.
+
+[Note: parameter alignment]
+Every parameter starts at an element offset that is a multiple of ``PARAM_ALIGN`` bytes in the device
+dtype (8 elements in bf16/fp16, 4 in fp32): packed back to back, one odd-sized parameter would misalign
+every later one in its bucket, and vectorised kernels and cuBLASLt take slower paths on a weight that is
+not 16-byte aligned (issue 21). The host keeps the same element offsets in every region (fp32 master, m,
+v and grad; the 16-bit copy and grad staging), so one copy still moves a whole bucket and each region is
+aligned at least as well (an fp32 region at twice the bytes). The padding between parameters is part of
+the bucket (``numel`` counts it): it is zero everywhere (the grad slot is cleared when taken, so its
+padding sends zeros and AdamW keeps zero masters zero), and no parameter view covers it.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 HOST_ALIGN = 64  # bytes: a cache line, and the widest SIMD load the CPU AdamW uses
+PARAM_ALIGN = 16  # bytes: where every parameter starts inside a bucket, see [Note: parameter alignment]
 
 
 @dataclass(frozen=True)
@@ -35,9 +46,9 @@ class Run:
 class Bucket:
     index: int
     params: tuple[int, ...]  # parameter ids, in bucket order (trainable first)
-    offsets: tuple[int, ...]  # element offset of each parameter inside the bucket
-    numel: int
-    trainable_numel: int  # length of the trainable prefix
+    offsets: tuple[int, ...]  # element offset of each parameter inside the bucket (aligned: PARAM_ALIGN)
+    numel: int  # up to the end of the last parameter, the padding between parameters included
+    trainable_numel: int  # length of the trainable prefix (up to the end of its last parameter)
     runs: tuple[Run, ...]
 
     def nbytes(self, itemsize: int) -> int:
@@ -52,29 +63,40 @@ def make_buckets(specs: Sequence[ParamSpec], order: Sequence[int], bucket_bytes:
     """Greedy packing of parameters in ``order`` into buckets of at most ``bucket_bytes``.
 
     A parameter never straddles two buckets; one larger than ``bucket_bytes`` gets a bucket of its own.
+    Each parameter starts ``PARAM_ALIGN``-aligned (see [Note: parameter alignment]); the size a bucket is
+    held to counts every member padded to that alignment, so whatever order the members take inside the
+    bucket, no bucket of several parameters is larger than ``bucket_bytes``. Sizes that are multiples of
+    the alignment pack exactly as without it.
     """
     if sorted(order) != list(range(len(specs))):
         raise ValueError("order must be a permutation of all parameter ids")
     if bucket_bytes <= 0 or itemsize <= 0:
         raise ValueError("bucket_bytes and itemsize must be positive")
+    align = param_align(itemsize)
     groups: list[list[int]] = []
-    size = 0
+    padded = 0  # elements of the current bucket's members, each padded to the alignment
     for p in order:
-        nbytes = specs[p].numel * itemsize
-        if groups and size + nbytes <= bucket_bytes:
+        numel = _align(specs[p].numel, align)
+        if groups and (padded + numel) * itemsize <= bucket_bytes:
             groups[-1].append(p)
-            size += nbytes
+            padded += numel
         else:
             groups.append([p])
-            size = nbytes
-    return tuple(_bucket(i, members, specs) for i, members in enumerate(groups))
+            padded = numel
+    return tuple(_bucket(i, members, specs, align) for i, members in enumerate(groups))
 
 
-def _bucket(index: int, members: list[int], specs: Sequence[ParamSpec]) -> Bucket:
+def param_align(itemsize: int) -> int:
+    """Elements between parameter starts in a bucket of ``itemsize``-byte elements: ``PARAM_ALIGN`` bytes."""
+    return max(1, PARAM_ALIGN // itemsize)
+
+
+def _bucket(index: int, members: list[int], specs: Sequence[ParamSpec], align: int) -> Bucket:
     # Stable sort: trainable first, by group; frozen last. First-use order survives inside each class.
     ordered = sorted(members, key=lambda p: (specs[p].group is None, specs[p].group or 0))
     offsets, runs, off = [], [], 0
     for p in ordered:
+        off = _align(off, align)
         offsets.append(off)
         g = specs[p].group
         if g is not None:
@@ -103,23 +125,42 @@ def locate(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], tuple[int, ...]]
 class HostLayout:
     """Byte offsets in the host arena: per bucket an fp32 master and, when the device computes in a
     16-bit dtype, the low-precision copy the host-to-device copy sends (``lowp``, empty otherwise); for
-    its trainable prefix an fp32 grad (the accumulator), Adam m and Adam v.
+    its trainable prefix the grad the update reads (``grad``), the accumulation staging (``staging``,
+    empty without accumulation), Adam m and Adam v.
 
     With a 16-bit copy, the fp32 master covers the trainable prefix only: a frozen parameter is never
     updated, so its 16-bit copy (what the device computes with) is all the host keeps of it, 2 bytes a
-    parameter. In fp32 the master is the copy the device gets, 4 bytes a frozen parameter."""
+    parameter. In fp32 the master is the copy the device gets, 4 bytes a frozen parameter.
+
+    [Note: host grads] The device-to-host copy of a bucket's grads never converts: it moves the grad
+    slot's bytes as they are (2 per element in bf16/fp16) into pinned memory of the slot's dtype (a copy
+    into another dtype converts on the device first: a temporary twice the slot, and twice the bytes over
+    PCIe; see [Note: stream-ordered memory] in ``backend/cuda.py``). So ``grad`` is in the device dtype
+    (``grad_itemsize``), and the fused AdamW reads 16-bit grads as they are. Gradient accumulation needs an
+    fp32 sum (16-bit sums lose the small grads): with ``accumulate`` the ``grad`` is fp32 and every copy
+    lands in ``staging`` (device dtype) instead, except the first of a step in fp32, which lands in the sum
+    itself; the CPU lane widens or adds staging into the sum. Trainable bytes per parameter: 16 (fp32 or
+    16-bit, no accumulation: 4 master + 4 m + 4 v + grad 4, or 2 + the 2-byte copy) and 20 with
+    accumulation (a 4-byte sum + the staging in the device dtype)."""
 
     master: tuple[int, ...]
     lowp: tuple[int, ...]
     grad: tuple[int, ...]
+    staging: tuple[int, ...]
     exp_avg: tuple[int, ...]
     exp_avg_sq: tuple[int, ...]
     total_bytes: int
+    grad_itemsize: int = 4  # bytes per element of ``grad``: 4 (fp32) or the 16-bit dtype's
+    staging_itemsize: int = 0  # bytes per element of ``staging``: the device dtype's, 0 without accumulation
 
 
-def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0) -> HostLayout:
-    """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none."""
-    fields: dict[str, list[int]] = {"master": [], "lowp": [], "grad": [], "exp_avg": [], "exp_avg_sq": []}
+def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: bool = False) -> HostLayout:
+    """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none.
+    ``accumulate``: room for gradient accumulation (an fp32 sum and a staging copy, see [Note: host grads])."""
+    device_itemsize = lowp_itemsize or 4
+    grad_itemsize = 4 if accumulate else device_itemsize
+    staging_itemsize = device_itemsize if accumulate else 0
+    fields: dict[str, list[int]] = {k: [] for k in ("master", "lowp", "grad", "staging", "exp_avg", "exp_avg_sq")}
     off = 0
 
     def take(nbytes: int) -> int:
@@ -131,9 +172,12 @@ def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0) -> HostLayout
     for b in buckets:
         fields["master"].append(take((b.trainable_numel if lowp_itemsize else b.numel) * 4))
         fields["lowp"].append(take(b.numel * lowp_itemsize))
-        for name in ("grad", "exp_avg", "exp_avg_sq"):
+        fields["grad"].append(take(b.trainable_numel * grad_itemsize))
+        fields["staging"].append(take(b.trainable_numel * staging_itemsize))
+        for name in ("exp_avg", "exp_avg_sq"):
             fields[name].append(take(b.trainable_numel * 4))
-    return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off)
+    return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off, grad_itemsize=grad_itemsize,
+                      staging_itemsize=staging_itemsize)
 
 
 def _align(n: int, a: int) -> int:

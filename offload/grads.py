@@ -98,6 +98,11 @@ class GradientsMixin:
             self._make_room(n * self.itemsize)
             view = self.backend.empty(n * self.itemsize).view(self.dtype)
             self.memory.add("slots", n * self.itemsize)
+        with torch.no_grad():
+            # Cleared once (one fill on the compute stream, after the waits above): the padding between
+            # parameters ([Note: parameter alignment] in buckets.py) and any parameter without a grad this
+            # pass (an unused branch) send zeros, not the bytes of the slot's previous occupant.
+            view.zero_()
         self.grad_slots[b] = (view, k)
         return view
 
@@ -107,26 +112,27 @@ class GradientsMixin:
             return
         self.finished.add(b)
         view, k = self.grad_slots.pop(b)
-        got = frozenset(self.received[b])
-        bucket = self.buckets[b]
+        got = frozenset(self.received[b])  # the slot was cleared when taken: the others send zeros
         host = self.host
+        earlier = self.pending.get(b)
         with torch.no_grad():
-            for run in bucket.runs:  # a parameter without a grad this pass contributes zeros, not garbage
-                for p in run.params:
-                    if p not in got:
-                        view[host.offset[p]: host.offset[p] + self.specs[p].numel].zero_()
-            earlier = self.pending.get(b)
             if self.deferred and earlier is None:  # the norms clipping needs, where the grads are
                 self.norms.update(self._slot_norms(view, got))
         waits = [self.backend.record()] + [e for e in (self.adam_event.get(b),) if e is not None]
         self.stats["d2h_bytes"] += view.numel() * self.itemsize
-        if earlier is None:
-            d2h = self.backend.d2h(host.grad[b], view, waits)
+        # The copy never converts: it lands in pinned host memory of the slot's dtype ([Note: host grads]
+        # in buckets.py), the grad the update reads or the bucket's staging copy.
+        dst = host.landing(b, first=earlier is None)
+        if earlier is not None:
+            waits.append(earlier[1])  # the previous pass's sum (which read the staging copy) is done
+        d2h = self.backend.d2h(dst, view, waits)
+        if dst is host.grad[b]:
             ready = d2h
-        else:  # accumulate: copy out beside the sum, add on the CPU lane (which also owns the sum's norms)
-            staging = torch.empty(view.numel(), dtype=self.dtype)
-            d2h = self.backend.d2h(staging, view, waits)
-            ready = self.cpu.submit(lambda: self._accumulate(b, staging, got), [d2h, earlier[1]],
+        elif earlier is None:  # the step's first grads, in 16 bits: widened into the fp32 sum
+            ready = self.cpu.submit(lambda: host.take_staged(b, first=True), [d2h],
+                                    f"gradient widening of bucket {b}")
+        else:  # accumulate: added into the sum on the CPU lane (which also owns the sum's norms)
+            ready = self.cpu.submit(lambda: self._accumulate(b, got), [d2h, earlier[1]],
                                     f"gradient accumulation of bucket {b}")
         self.lane_log.add("d2h", b, view.numel() * self.itemsize, d2h)
         self.grad_copies.append(d2h)
@@ -144,9 +150,9 @@ class GradientsMixin:
         return {p: torch.linalg.vector_norm(view[off[p]: off[p] + self.specs[p].numel], dtype=dtype)
                 for p in params}
 
-    def _accumulate(self, b: int, staging: torch.Tensor, got) -> None:
-        """CPU lane: add one more backward's grads of bucket ``b`` into the fp32 sum, renew their norms."""
-        self.host.grad[b].add_(staging)
+    def _accumulate(self, b: int, got) -> None:
+        """CPU lane: add one more backward's grads of bucket ``b`` (staged) into the fp32 sum, renew their norms."""
+        self.host.take_staged(b, first=False)
         self.norms.update(self.host.grad_norms(b, got))
 
     def _submit_update(self, b: int, params, ready, hparams=None, factors: tuple[float, ...] = ()) -> None:

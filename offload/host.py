@@ -9,7 +9,7 @@ from typing import Sequence
 import psutil
 import torch
 
-from .buckets import Bucket, ParamSpec, host_layout, locate
+from .buckets import Bucket, HostLayout, ParamSpec, host_layout, locate
 from .config import format_bytes
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step
 from .errors import HostMemoryError, OffloadError
@@ -21,20 +21,23 @@ HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when s
 
 class HostState:
     def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
-                 lowp_dtype: torch.dtype | None = None, fused: bool = KERNEL_AVAILABLE):
+                 lowp_dtype: torch.dtype | None = None, fused: bool = KERNEL_AVAILABLE, accumulate: bool = False):
         """``lowp_dtype``: the device's 16-bit compute dtype, whose copy of each bucket is kept here for the
         host-to-device copy and rewritten by every update; None when the device computes in fp32.
-        ``fused``: updates run on the C++ kernel (``offload.AdamW.fused``); False: torch ops."""
+        ``fused``: updates run on the C++ kernel (``offload.AdamW.fused``); False: torch ops.
+        ``accumulate``: grads may be summed over several backward passes (updates deferred to ``step()``):
+        an fp32 sum and a staging copy per bucket (see [Note: host grads] in ``buckets.py``)."""
         if fused and not KERNEL_AVAILABLE:
             raise ValueError("fused=True needs the C++ AdamW kernel, which offload._C lacks")
         self.fused = fused
+        self.device_dtype = lowp_dtype or torch.float32
         # fp16 grads can overflow: the step-wide check (runtime, from the grad norms) skips such a step
         # before any update; the kernel checks each bucket again, so an inf that slipped past it could
         # never reach the weights.
         self.check_finite = lowp_dtype == torch.float16
         lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
-        layout = host_layout(buckets, lowp_itemsize)
-        check_host_ram(layout.total_bytes, lowp_itemsize)
+        layout = host_layout(buckets, lowp_itemsize, accumulate)
+        check_host_ram(layout.total_bytes, layout, lowp_itemsize)
         self.arena = HostArena(layout.total_bytes)
         self.buckets, self.specs, self.shapes, self.layout = tuple(buckets), list(specs), list(shapes), layout
         # A frozen parameter has no fp32 master beside its 16-bit copy (see buckets.HostLayout).
@@ -45,12 +48,21 @@ class HostState:
             if lowp_itemsize and b.numel:
                 self.arena.reserve(layout.lowp[b.index], b.numel * lowp_itemsize)
             if b.trainable_numel:
-                for region in (layout.grad, layout.exp_avg, layout.exp_avg_sq):
+                self.arena.reserve(layout.grad[b.index], b.trainable_numel * layout.grad_itemsize)
+                if accumulate:
+                    self.arena.reserve(layout.staging[b.index], b.trainable_numel * layout.staging_itemsize)
+                for region in (layout.exp_avg, layout.exp_avg_sq):
                     self.arena.reserve(region[b.index], b.trainable_numel * 4)
         view = self.arena.view
         self.master = [view(layout.master[b.index], self.master_numel[b.index], torch.float32) for b in buckets]
         self.lowp = [view(layout.lowp[b.index], b.numel, lowp_dtype) for b in buckets] if lowp_dtype else None
-        self.grad = [view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
+        device_dtype = self.device_dtype
+        # What the update reads (the device dtype, or the fp32 sum with accumulation), and where the copies
+        # that cannot land in it are staged: [Note: host grads].
+        grad_dtype = torch.float32 if accumulate else device_dtype
+        self.grad = [view(layout.grad[b.index], b.trainable_numel, grad_dtype) for b in buckets]
+        self.staging = ([view(layout.staging[b.index], b.trainable_numel, device_dtype) for b in buckets]
+                        if accumulate else None)
         self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg_sq = [view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.bucket_of, self.offset = locate(buckets)  # offset: element offset inside the bucket
@@ -134,12 +146,14 @@ class HostState:
                 self._inf_error(b)
 
         def plain(s: int, e: int, step: int, hp: dict) -> None:
-            if self.check_finite and not bool(torch.isfinite(grad[s:e]).all()):
+            # 16-bit grads widen first (exactly), so the update is torch's on the same fp32 grads
+            g = grad[s:e] if grad.dtype == torch.float32 else grad[s:e].float()
+            if self.check_finite and not bool(torch.isfinite(g).all()):
                 self._inf_error(b)
             for f in grad_factors:
                 if f != 1.0:
-                    grad[s:e].mul_(f)
-            adamw_(master[s:e], grad[s:e], m[s:e], v[s:e], step, **hp)
+                    g.mul_(f)
+            adamw_(master[s:e], g, m[s:e], v[s:e], step, **hp)
             self.refresh_lowp(b, s, e)
 
         one = fused if self.fused else plain
@@ -162,10 +176,32 @@ class HostState:
                            "passed; the bucket was not updated. This is a bug in offload: please report it")
 
     def grad_norms(self, b: int, params, ord: float = 2.0) -> dict[int, torch.Tensor]:
-        """Per-parameter norm of the accumulated host grads of ``params`` (all in bucket ``b``)."""
+        """Per-parameter norm (fp32) of the accumulated host grads of ``params`` (all in bucket ``b``)."""
         grad = self.grad[b]
-        return {p: torch.linalg.vector_norm(grad[self.offset[p]: self.offset[p] + self.specs[p].numel], ord)
+        wide = None if grad.dtype == torch.float32 else torch.float32
+        return {p: torch.linalg.vector_norm(grad[self.offset[p]: self.offset[p] + self.specs[p].numel], ord,
+                                            dtype=wide)
                 for p in params}
+
+    def landing(self, b: int, first: bool) -> torch.Tensor:
+        """Where the device-to-host copy of bucket ``b``'s grads goes: the grad the update reads if it is in
+        the device dtype and this is the step's ``first`` backward, else the staging copy
+        (:meth:`take_staged` then folds it in). See [Note: host grads] in ``buckets.py``."""
+        if first and self.grad[b].dtype == self.device_dtype:
+            return self.grad[b]
+        if self.staging is None:
+            raise OffloadError("gradient accumulation needs the host's fp32 sum and staging copy, which this "
+                               "engine was not built with (overlap_optimizer=True): a bug in offload, please "
+                               "report it")
+        return self.staging[b]
+
+    def take_staged(self, b: int, first: bool) -> None:
+        """CPU lane, after the copy into ``staging[b]``: widen it into the fp32 sum (the step's ``first``
+        grads), or add it (exactly what adding the fp32-converted grads would give: widening is exact)."""
+        if first:
+            self.grad[b].copy_(self.staging[b])
+        else:
+            self.grad[b].add_(self.staging[b])
 
     def _count(self, params) -> None:
         for p in params:
@@ -189,11 +225,12 @@ class HostState:
             optimizer.state[param] = {"step": self.step_tensor[p], "exp_avg": m, "exp_avg_sq": v}
 
 
-def check_host_ram(nbytes: int, lowp_itemsize: int = 0) -> None:
+def check_host_ram(nbytes: int, layout: HostLayout, lowp_itemsize: int = 0) -> None:
     available = psutil.virtual_memory().available
     if nbytes * HOST_RAM_HEADROOM > available:
+        trainable = 12 + lowp_itemsize + layout.grad_itemsize + layout.staging_itemsize
         raise HostMemoryError(
             f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grads: "
-            f"{16 + lowp_itemsize} bytes per trainable parameter, {lowp_itemsize or 4} per frozen one) but only "
+            f"{trainable} bytes per trainable parameter, {lowp_itemsize or 4} per frozen one) but only "
             f"{format_bytes(available)} is available. Free host memory, freeze more parameters, or use a "
             "machine with more RAM.")

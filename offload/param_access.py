@@ -138,7 +138,10 @@ class ParamAccessMixin:
         self.memory.add("slots", nbytes)
         view = storage.view(self.dtype).view(param.shape)
         self.stats["h2d_bytes"] += nbytes
-        self.backend.wait(self.backend.h2d(view, self.original[p], [self.boundary]))
+        # Rounded to the device dtype here, so the copy moves the slot's bytes and converts nothing on the
+        # device (see [Note: stream-ordered memory] in backend/cuda.py).
+        src = self.original[p].detach().to(self.dtype)
+        self.backend.wait(self.backend.h2d(view, src, [self.boundary]))
         self.recorder.exclude_end()
         param.data = view
         self.trace_views[p] = view

@@ -560,7 +560,8 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
     progress("simulating the baselines")
     case = Case(mt.trace, buckets, itemsize, request.hw, compute, request.budget_bytes, fixed)
     lowp = itemsize if request.dtype != torch.float32 else 0
-    host = host_breakdown(buckets, lowp)
+    # float16 defers updates to step() by default (overlap_optimizer), so its engine keeps room to accumulate
+    host = host_breakdown(buckets, lowp, accumulate=request.dtype == torch.float16)
     sim = plan.simulated
     lanes = {"compute": sim.compute_s, "h2d": sim.h2d_busy_s, "d2h": sim.d2h_busy_s, "cpu_adam": sim.adam_s,
              "stall": sim.stall_s}
@@ -625,16 +626,19 @@ def gpu_breakdown(plan: Plan) -> dict[str, int]:
     return out
 
 
-def host_breakdown(buckets, lowp_itemsize: int) -> dict[str, int]:
+def host_breakdown(buckets, lowp_itemsize: int, accumulate: bool = False) -> dict[str, int]:
     """The engine's host arena by part (the layout ``HostState`` allocates); alignment padding is
-    ``workspace``. Grads are the engine's fp32 accumulators (one per trainable parameter)."""
+    ``workspace``. Grads are what the device's grad copies land in, in the device dtype, plus an fp32 sum with
+    ``accumulate`` (deferred updates; see [Note: host grads] in ``buckets.py``)."""
     numel = sum(b.numel for b in buckets)
     trainable = sum(b.trainable_numel for b in buckets)
+    layout = host_layout(buckets, lowp_itemsize, accumulate)
     out = dict.fromkeys(BREAKDOWN, 0)
     master = trainable if lowp_itemsize else numel  # with a 16-bit copy, frozen parameters have no fp32 master
-    out.update(master_weights=4 * master, lowp_staging=lowp_itemsize * numel, grads=4 * trainable,
+    out.update(master_weights=4 * master, lowp_staging=lowp_itemsize * numel,
+               grads=(layout.grad_itemsize + layout.staging_itemsize) * trainable,
                adam_m=4 * trainable, adam_v=4 * trainable)
-    total = host_layout(buckets, lowp_itemsize).total_bytes
+    total = layout.total_bytes
     out["workspace"] = total - sum(out.values())
     out["total"] = total
     return out

@@ -552,7 +552,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
             raise self._activation_hint(budget_error(self.config.budget, **need), capacity)
         lowp = self.dtype if self.dtype != torch.float32 else None
         host = HostState(buckets, self.specs, [p.shape for p in self.params], lowp,  # may raise HostMemoryError
-                         fused=self.optimizer.fused)
+                         fused=self.optimizer.fused, accumulate=self.deferred)
         self.backend.pin_host(host.arena)  # page-locked once, after first touch (CUDA; no-op on the CPU backend)
         with torch.no_grad():
             for p in range(len(self.params)):

@@ -3,40 +3,48 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from offload.buckets import HOST_ALIGN, ParamSpec, host_layout, make_buckets
+from offload.buckets import HOST_ALIGN, PARAM_ALIGN, ParamSpec, host_layout, make_buckets
 
 specs_st = st.lists(st.tuples(st.integers(1, 5000), st.sampled_from([None, 0, 1, 2])), min_size=1, max_size=60)
 
 
+def _padded(off: int, itemsize: int) -> int:
+    align = max(1, PARAM_ALIGN // itemsize)
+    return (off + align - 1) // align * align
+
+
 @settings(max_examples=200, deadline=None)
-@given(specs_st, st.integers(4, 40000), st.randoms(use_true_random=False))
-def test_every_param_once_never_straddles_first_use_order(raw, bucket_bytes, rnd):
+@given(specs_st, st.integers(4, 40000), st.randoms(use_true_random=False), st.sampled_from([4, 2]))
+def test_every_param_once_never_straddles_first_use_order(raw, bucket_bytes, rnd, itemsize):
     specs = [ParamSpec(n, g) for n, g in raw]
     order = list(range(len(specs)))
     rnd.shuffle(order)
-    buckets = make_buckets(specs, order, bucket_bytes, itemsize=4)
+    buckets = make_buckets(specs, order, bucket_bytes, itemsize=itemsize)
     seen = [p for b in buckets for p in b.params]
     assert sorted(seen) == list(range(len(specs)))  # each parameter exactly once
     for b in buckets:
-        # contiguous, non-overlapping, in-bounds offsets
-        spans = sorted(zip(b.offsets, b.params))
+        # in bucket order, each parameter at the next aligned offset: non-overlapping, no more padding than
+        # alignment needs, in bounds
         pos = 0
-        for off, p in spans:
-            assert off == pos
-            pos += specs[p].numel
+        for off, p in zip(b.offsets, b.params):
+            assert off == _padded(pos, itemsize)
+            pos = off + specs[p].numel
         assert pos == b.numel
         # over-size buckets only for a single oversize parameter
-        assert b.nbytes(4) <= bucket_bytes or len(b.params) == 1
+        assert b.nbytes(itemsize) <= bucket_bytes or len(b.params) == 1
         # trainable prefix, grouped into runs; frozen after
         groups = [specs[p].group for p in b.params]
         n_train = sum(g is not None for g in groups)
         assert all(g is not None for g in groups[:n_train]) and all(g is None for g in groups[n_train:])
-        assert b.trainable_numel == sum(specs[p].numel for p in b.params[:n_train])
+        ends = [off + specs[p].numel for off, p in zip(b.offsets, b.params)]
+        assert b.trainable_numel == (ends[n_train - 1] if n_train else 0)
         run_params = [p for r in b.runs for p in r.params]
         assert run_params == list(b.params[:n_train])
         for r in b.runs:
             assert {specs[p].group for p in r.params} == {r.group}
-            assert r.end - r.start == sum(specs[p].numel for p in r.params)
+            first, last = r.params[0], r.params[-1]
+            assert r.start == b.offsets[b.params.index(first)]
+            assert r.end == b.offsets[b.params.index(last)] + specs[last].numel
     # buckets follow first-use order: a bucket's members come from one contiguous stretch of ``order``
     where = {p: i for i, p in enumerate(order)}
     spans = [(min(where[p] for p in b.params), max(where[p] for p in b.params)) for b in buckets]
@@ -45,10 +53,39 @@ def test_every_param_once_never_straddles_first_use_order(raw, bucket_bytes, rnd
 
 
 def test_greedy_packing_example():
-    specs = [ParamSpec(10, 0), ParamSpec(10, None), ParamSpec(25, 0), ParamSpec(5, 1)]
+    specs = [ParamSpec(12, 0), ParamSpec(8, None), ParamSpec(25, 0), ParamSpec(5, 1)]
     buckets = make_buckets(specs, [0, 1, 2, 3], bucket_bytes=80, itemsize=4)  # 20 elements per bucket
     assert [b.params for b in buckets] == [(0, 1), (2,), (3,)]
-    assert buckets[0].trainable_numel == 10 and buckets[0].offsets == (0, 10)
+    assert buckets[0].trainable_numel == 12 and buckets[0].offsets == (0, 12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(specs_st, st.integers(4, 40000), st.sampled_from([4, 2]))
+def test_every_parameter_starts_16_byte_aligned_on_device_and_host(raw, bucket_bytes, itemsize):
+    """fp32, bf16/fp16 buckets: each parameter's start is 16-byte aligned in the device dtype, and so in every
+    host region (fp32 regions at twice the bytes, each region starting HOST_ALIGN-aligned). Issue 21, defect 6:
+    packed back to back, one odd size misaligned every later parameter of its bucket."""
+    specs = [ParamSpec(n, g) for n, g in raw]
+    buckets = make_buckets(specs, list(range(len(specs))), bucket_bytes, itemsize)
+    lowp = itemsize if itemsize == 2 else 0
+    for accumulate in (False, True):
+        lay = host_layout(buckets, lowp, accumulate)
+        for b in buckets:
+            for off in b.offsets:
+                assert off * itemsize % 16 == 0
+                for region, size in ((lay.master, 4), (lay.lowp, lowp), (lay.grad, lay.grad_itemsize),
+                                     (lay.staging, lay.staging_itemsize), (lay.exp_avg, 4), (lay.exp_avg_sq, 4)):
+                    assert (region[b.index] + off * size) % 16 == 0
+
+
+def test_padding_packs_sizes_that_are_multiples_of_the_alignment_as_before():
+    """Sizes already aligned pack exactly as they did without padding (the planner sees the same buckets)."""
+    specs = [ParamSpec(n, 0) for n in (256, 1024, 64, 8, 512, 256)]
+    buckets = make_buckets(specs, range(len(specs)), bucket_bytes=2 * 1100, itemsize=2)
+    assert [b.params for b in buckets] == [(0,), (1, 2, 3), (4, 5)]
+    assert [b.offsets for b in buckets] == [(0,), (0, 1024, 1088), (0, 512)]
+    odd = make_buckets([ParamSpec(n, 0) for n in (3, 5, 7)], range(3), bucket_bytes=48, itemsize=2)
+    assert [b.params for b in odd] == [(0, 1, 2)] and odd[0].offsets == (0, 8, 16) and odd[0].numel == 23
 
 
 def test_bad_order_rejected():
@@ -78,12 +115,16 @@ def test_host_layout_disjoint_and_aligned(raw, bucket_bytes):
 
 
 def test_host_layout_16bit_keeps_no_master_for_frozen():
-    """With a 16-bit copy, a frozen parameter is that copy only: 2 bytes, against 4 + 2 + 3 x 4 trainable."""
-    specs = [ParamSpec(100, 0), ParamSpec(300, None), ParamSpec(50, 0), ParamSpec(70, None)]
+    """With a 16-bit copy, a frozen parameter is that copy only: 2 bytes, against 4 + 2 + 2 (its 16-bit grad)
+    + 2 x 4 trainable; with accumulation an fp32 sum (4) and a 16-bit staging copy (2) instead of the grad."""
+    specs = [ParamSpec(104, 0), ParamSpec(296, None), ParamSpec(48, 0), ParamSpec(72, None)]
     buckets = make_buckets(specs, [0, 1, 2, 3], 10_000, 2)
-    assert len(buckets) == 1 and buckets[0].trainable_numel == 150
+    assert len(buckets) == 1 and buckets[0].trainable_numel == 152  # aligned sizes: no padding
     fp32, bf16 = host_layout(buckets), host_layout(buckets, lowp_itemsize=2)
-    exact32 = 150 * 16 + 370 * 4
-    exact16 = 150 * 18 + 370 * 2
-    assert exact32 <= fp32.total_bytes <= exact32 + 5 * HOST_ALIGN
-    assert exact16 <= bf16.total_bytes <= exact16 + 5 * HOST_ALIGN
+    fp32_acc, bf16_acc = host_layout(buckets, accumulate=True), host_layout(buckets, 2, accumulate=True)
+    for lay, exact in ((fp32, 152 * 16 + 368 * 4), (bf16, 152 * 16 + 368 * 2),
+                       (fp32_acc, 152 * 20 + 368 * 4), (bf16_acc, 152 * 20 + 368 * 2)):
+        assert exact <= lay.total_bytes <= exact + 6 * HOST_ALIGN
+    assert (bf16.grad_itemsize, bf16.staging_itemsize) == (2, 0)
+    assert (bf16_acc.grad_itemsize, bf16_acc.staging_itemsize) == (4, 2)
+    assert (fp32_acc.grad_itemsize, fp32_acc.staging_itemsize) == (4, 4)

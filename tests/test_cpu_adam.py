@@ -123,6 +123,22 @@ def test_bitwise_every_dtype_combination(isa, grad_dtype, lowp_dtype, n, offset)
         assert_bitwise(lowp, rlowp, "lowp_out")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_16bit_grad_gives_the_update_of_the_same_grad_widened(isa, grad_dtype, check_finite):
+    """The engine copies 16-bit grads to the host as they are (issue 21, defect 4) where it used to widen
+    them on the device first: the kernel must not care, bit for bit (widening is exact)."""
+    p, g, m, v = state(4099, grad_dtype, seed=7, offset=1)
+    wp, wm, wv = clones(p, m, v)
+    lowp, wlowp = torch.zeros(4099, dtype=torch.bfloat16), torch.zeros(4099, dtype=torch.bfloat16)
+    kw = dict(step=5, grad_scale=2.0**-7, check_finite=check_finite, isa=isa)
+    assert run_kernel(p, g, m, v, lowp=lowp, **kw) is False
+    assert run_kernel(wp, g.float(), wm, wv, lowp=wlowp, **kw) is False
+    for name, a, b in (("param", p, wp), ("exp_avg", m, wm), ("exp_avg_sq", v, wv), ("lowp_out", lowp, wlowp)):
+        assert_bitwise(a, b, name)
+
+
 @pytest.mark.parametrize(("beta1", "beta2", "weight_decay", "grad_scale"),
                          [(0.9, 0.999, 0.0, 1.0), (0.3, 0.95, 0.01, 1.0), (0.0, 0.0, 0.5, 3.0), (0.5, 0.5, 0.1, 1e-4)])
 def test_bitwise_over_steps_and_hyperparameters(beta1, beta2, weight_decay, grad_scale):

@@ -20,9 +20,10 @@ SPECS = [ParamSpec(3001, 0), ParamSpec(517, 1), ParamSpec(2048, 0), ParamSpec(77
 HPARAMS = [(1e-2, 0.9, 0.999, 1e-8, 0.1), (3e-3, 0.8, 0.99, 1e-6, 0.0)]
 
 
-def _host(lowp, fused) -> HostState:
+def _host(lowp, fused, accumulate=False) -> HostState:
     buckets = make_buckets(SPECS, range(len(SPECS)), bucket_bytes=4 * 4000, itemsize=4)
-    host = HostState(buckets, SPECS, [torch.Size([s.numel]) for s in SPECS], lowp, fused=fused)
+    host = HostState(buckets, SPECS, [torch.Size([s.numel]) for s in SPECS], lowp, fused=fused,
+                     accumulate=accumulate)
     gen = torch.Generator().manual_seed(0)
     for b in range(len(buckets)):
         host.master[b].copy_(torch.randn(host.master[b].numel(), generator=gen))
@@ -52,7 +53,7 @@ def _expected(host: HostState, b: int, params, factors, fused: bool):
             adamw_step_reference(master[s:e], grad[s:e], m[s:e], v[s:e], step=step, **hp, grad_scale=scale,
                                  lowp_out=None if lowp is None else lowp[s:e], exact_sqrt=True)
         else:
-            g = grad[s:e]
+            g = grad[s:e] if grad.dtype == torch.float32 else grad[s:e].float()  # 16-bit grads widen first
             for f in factors:
                 g.mul_(f)
             adamw_(master[s:e], g, m[s:e], v[s:e], step, **hp)
@@ -82,6 +83,55 @@ def test_update_matches_its_reference(fused, lowp, factors):
                 assert torch.equal(host.lowp[b][: bucket.trainable_numel],
                                    host.master[b][: bucket.trainable_numel].to(lowp))
     assert host.steps[0] == 2 and host.steps[3] == 0  # first parameter of bucket 0 stepped twice; frozen never
+
+
+@pytest.mark.parametrize("lowp", LOWP[1:])
+@pytest.mark.parametrize("fused", PATHS)
+@pytest.mark.parametrize("factors", [(), (2.0**-8, 0.37)], ids=["unscaled", "scaled_and_clipped"])
+def test_16bit_grads_update_exactly_as_the_same_grads_widened(fused, lowp, factors):
+    """Without accumulation the host keeps grads in the device's 16-bit dtype (the copy moves them as they
+    are); the update is bit for bit the one on the same grads in fp32 (what the host held before: widening
+    is exact), on both paths: the numerics of the engine do not change."""
+    narrow, wide = _host(lowp, fused), _host(lowp, fused, accumulate=True)
+    for b in range(len(narrow.buckets)):
+        assert narrow.grad[b].dtype == lowp and wide.grad[b].dtype == torch.float32
+        assert torch.equal(wide.master[b], narrow.master[b]) and torch.equal(wide.exp_avg[b], narrow.exp_avg[b])
+        wide.grad[b].copy_(narrow.grad[b])
+        params = frozenset(p for p in narrow.buckets[b].params if SPECS[p].group is not None)
+        narrow.update(b, params, HPARAMS, factors)
+        wide.update(b, params, HPARAMS, factors)
+        for name in ("master", "exp_avg", "exp_avg_sq", "lowp"):
+            assert torch.equal(getattr(narrow, name)[b], getattr(wide, name)[b]), (b, name)
+
+
+@pytest.mark.parametrize("lowp", LOWP)
+def test_accumulation_lands_in_staging_and_sums_in_fp32(lowp):
+    """[Note: host grads]: with accumulation the step's first copy lands in the fp32 sum when the device is
+    fp32 and in the staging copy otherwise; later copies always in staging; the sum is the fp32 sum of the
+    widened grads. Without accumulation every copy lands in the grad the update reads."""
+    host = _host(lowp, False, accumulate=True)
+    device = lowp or torch.float32
+    gen = torch.Generator().manual_seed(1)
+    for b in range(len(host.buckets)):
+        first = host.landing(b, first=True)
+        assert first.dtype == device and (first is host.grad[b]) == (lowp is None)
+        grads = [(torch.randn(first.numel(), generator=gen) * 3).to(device) for _ in range(3)]
+        first.copy_(grads[0])
+        if first is not host.grad[b]:
+            host.take_staged(b, first=True)
+        for g in grads[1:]:
+            later = host.landing(b, first=False)
+            assert later is host.staging[b]
+            later.copy_(g)
+            host.take_staged(b, first=False)
+        want = grads[0].float()
+        for g in grads[1:]:
+            want = want + g.float()
+        assert torch.equal(host.grad[b], want)
+    plain = _host(lowp, False)
+    assert plain.staging is None and plain.landing(0, first=True) is plain.grad[0]
+    with pytest.raises(OffloadError, match="accumulation"):
+        plain.landing(0, first=False)
 
 
 @pytest.mark.parametrize("fused", PATHS)

@@ -80,8 +80,8 @@ def test_gpt2_xl_fits_8gib_at_batch_1():
     assert set(data["baselines"]) == {"zero-offload", "zero3-offload", "gemini-cpu"}
     # ZeRO-Offload keeps every bf16 parameter on the device: 3.1 GB of weights alone, plus activations.
     assert data["baselines"]["zero-offload"]["gpu_peak_bytes"] > 2 * data["params"]
-    # The host arena: fp32 master, grad, Adam m and v (16 B) + the bf16 copy (2 B) per parameter.
-    assert data["host_bytes"]["total"] >= 18 * data["params"]
+    # The host arena: fp32 master, Adam m and v (12 B) + the bf16 copy and the bf16 grad (2 + 2 B) per parameter.
+    assert data["host_bytes"]["total"] >= 16 * data["params"]
 
 
 def test_gpt2_xl_100mib_does_not_fit():

@@ -28,10 +28,17 @@ for later compute (same stream, in order) but not for the H2D stream, which is n
 So every ``empty()`` makes the H2D stream wait for the current stream (``wait_stream``), and the H2D
 stream does the same when it is created. Side streams never free memory compute allocated: the runtime
 waits for a copy's event on the compute stream before it drops a slot the copy writes, and keeps a slot a
-D2H reads until that copy's event has completed (a ``(tensor, event)`` pair, as in FSDP2). A copy that
-converts dtypes (e.g. fp32 host to bf16 device) is correct but takes PyTorch's staging path (a conversion
-on the host into pageable memory for H2D, a device temporary allocated on the D2H stream for D2H); the fast
-path is a same-dtype copy between a device slot and the pinned arena.
+D2H reads until that copy's event has completed (a ``(tensor, event)`` pair, as in FSDP2).
+
+Every copy is between tensors of one dtype (``_copy`` refuses others): a non-blocking copy that converts
+is converted *on the device* by PyTorch (``copy_kernel_cuda``: with ``non_blocking=True`` the conversion
+device is the GPU, in both directions). For D2H (bf16 slot to fp32 host) that is an fp32 temporary of twice
+the slot, allocated on the D2H stream, a conversion kernel there, then 4 bytes per element over PCIe; for
+H2D (fp32 host to bf16 slot) an fp32 device temporary on the H2D stream, 4 bytes per element over PCIe,
+then a conversion kernel. Neither temporary is in the plan, and the stats and the simulator count the
+slot's 2 bytes. So the host keeps each bucket in the device dtype on both paths (the 16-bit copy that
+H2D reads, the 16-bit grads D2H writes: [Note: host grads] in ``buckets.py``), and every copy is one DMA
+between a device slot and the pinned arena.
 
 [Note: pinning]
 The host arena (``cpp/pinned_arena``: mmap'd, 2 MiB aligned, first-touched by parallel threads so each
@@ -391,6 +398,10 @@ class CUDABackend:
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event]) -> Event:
         self._check_open()
+        if dst.dtype != src.dtype:
+            raise OffloadError(f"a copy from {src.dtype} to {dst.dtype} would convert on the device (an unplanned "
+                               "temporary, and the wider dtype's bytes over PCIe); the engine copies one dtype "
+                               "only (see [Note: stream-ordered memory]): a bug in offload, please report it")
         for event in waits:
             self._stream_wait(stream, event)
         chaos = self._chaos["h2d" if stream is self._h2d else "d2h"]
