@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import offload
+from budgets import with_headroom
 from compare import FusedStepChecker, assert_bitwise, assert_losses_bitwise
 from models import CASES, Case, run
 
@@ -65,7 +66,7 @@ def offloaded(model: torch.nn.Module, budget: str = "streaming", params=None, de
     engine = offload.wrap(
         model,
         opt,
-        budget=int(BUDGETS[budget] * nbytes),
+        budget=with_headroom(BUDGETS[budget] * nbytes, device),
         bucket_bytes=nbytes // 10,
         dtype=torch.float32,
         device=device,
@@ -200,7 +201,7 @@ def assert_same_optimizer_state(actual: dict, expected: dict, device) -> None:
 
 def assert_memory(engine, budget: str, model_bytes: int) -> None:
     stats = engine.memory_stats()
-    assert stats["budget_bytes"] == int(BUDGETS[budget] * model_bytes)
+    assert stats["budget_bytes"] == with_headroom(BUDGETS[budget] * model_bytes, engine.config.device)
     assert 0 < stats["device_peak_bytes"] <= stats["budget_bytes"]
     plan = stats["plan"]
     assert plan["resident_buckets"] + plan["streamed_buckets"] == plan["num_buckets"]

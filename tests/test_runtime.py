@@ -19,6 +19,7 @@ from torch import nn
 
 import offload
 from offload.schedule import validate_plan
+from budgets import with_headroom
 
 
 def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, device="cpu", fused=None, **kw):
@@ -26,7 +27,7 @@ def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, devic
     ref = copy.deepcopy(model).to(device)
     pbytes = sum(p.numel() * 4 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), lr=lr, weight_decay=wd, fused=fused)
-    engine = offload.wrap(model, opt, budget=int(pbytes * budget_frac), device=device,
+    engine = offload.wrap(model, opt, budget=with_headroom(pbytes * budget_frac, device), device=device,
                           bucket_bytes=max(1024, int(pbytes * bucket_frac)), **kw)
     if torch.device(device).type == "cpu":  # the same update arithmetic as the engine's: see the docstring
         ref_opt = offload.AdamW(ref.parameters(), lr=lr, weight_decay=wd, fused=opt.fused)
