@@ -13,9 +13,10 @@ both, two ways:
   thread that entered the simulation, forward and backward, and attributes it to the current stream) and
   by copies (at enqueue, their place in stream order). Two accesses to overlapping bytes from different
   streams, one of them a write, must be ordered by events, or it is a *race*: on a GPU that order is up
-  to the scheduler. Freeing device memory is an access too: the caching allocator hands a block back to
-  compute, so every copy that touched it must be ordered before compute's next work (or the freeing
-  host's clock). This is the check that makes a compute event *not complete when recorded*: a backend
+  to the scheduler. Allocating and freeing device memory are accesses too: the caching allocator hands out
+  a block that work queued on its stream may still use (so another stream must wait for that stream after
+  the allocation), and takes it back for that stream's next work (so every other stream's access must be
+  ordered before that, or before the freeing host thread). This is the check that makes a compute event *not complete when recorded*: a backend
   whose ``record()`` does not capture compute (returns a completed event, records another stream) races
   with the first copy that reads what compute wrote. A compute event's ``query()`` is true only once the
   asking host thread has synchronized past it. Races are collected in ``races`` and raised as
@@ -435,9 +436,13 @@ class FakeCuda:
             t = torch.empty(nbytes, dtype=torch.uint8)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        block = _Block(nbytes, stream or self.current)
+        stream = stream or self.current
+        block = _Block(nbytes, stream)
         with self.lock:
             self.memory[ptr] = block
+            # The caching allocator hands out a block that work queued on ``stream`` may still use (freed a
+            # moment ago): to every other stream the memory is written by ``stream`` at this point.
+            block.accesses[(0, nbytes, stream.name, True)] = (stream._tick(), f"its allocation on stream {stream.name}")
         weakref.finalize(storage, self._freed, ptr, block)
         return t
 

@@ -177,8 +177,8 @@ def run_one(mutation, timeout: int) -> tuple[str, float, str]:
         except subprocess.TimeoutExpired:
             return "TIMEOUT", time.time() - t0, ""
         out = proc.stdout + proc.stderr
-        caught = [line.split(" ", 1)[1].split(" - ")[0] for line in out.splitlines()
-                  if line.startswith(("FAILED ", "ERROR "))]
+        caught = list(dict.fromkeys(line.split(" ", 1)[1].split(" - ")[0] for line in out.splitlines()
+                                    if line.startswith(("FAILED ", "ERROR "))))
         if proc.returncode == 0:
             return "NOT CAUGHT", time.time() - t0, ""
         reason = ""

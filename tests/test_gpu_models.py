@@ -27,7 +27,7 @@ def _wrap(model, opt, device, extra_bytes=0, **kw):
                         device=device, **kw)
 
 
-def _train_both(make_case, device, steps, inspect=None):
+def _train_both(make_case, device, steps, inspect=None, extra_bytes=0):
     """The engine and plain PyTorch (torch.optim.AdamW) on ``device``, same batches; the engine's
     offload.AdamW(fused=False) follows torch's arithmetic. Returns (engine state, reference state, engine
     losses, reference losses, engine stats, what ``inspect(engine)`` returned after each step)."""
@@ -36,7 +36,7 @@ def _train_both(make_case, device, steps, inspect=None):
     ref_opt = torch.optim.AdamW(ref.model.parameters(), foreach=False, **ADAMW)
     opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
     seen, losses, ref_losses = [], [], []
-    with _wrap(case.model, opt, device) as engine:
+    with _wrap(case.model, opt, device, extra_bytes) as engine:
         for step in range(steps):
             batch = case.make_batch(step).to(device)
             loss = case.loss_fn(run(engine, batch), batch)
@@ -98,7 +98,7 @@ def hf_bert() -> Case:
 @on_cuda
 def test_hf_bert_trains_with_its_buffers_on_the_device(device):
     names = lambda engine: {n: b.device.type for n, b in engine.module.named_buffers()}  # noqa: E731
-    state, want, losses, ref_losses, stats, seen = _train_both(hf_bert, device, 3, inspect=names)
+    state, want, losses, ref_losses, stats, seen = _train_both(hf_bert, device, 3, inspect=names, extra_bytes=2 << 20)
     print(f"\nHF BERT on {torch.cuda.get_device_name()}: buffers {sorted(seen[0])}; losses {losses} vs torch "
           f"{ref_losses}")
     assert seen[0] and all(set(s.values()) == {"cuda"} for s in seen), seen
@@ -130,10 +130,8 @@ def _mlp_run(device, steps, stream=None):
     engine = _wrap(case.model, opt, device)
     with engine:
         for step in range(steps):
-            batch = case.make_batch(step).to(device)
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream())  # the batch was copied on the default stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                batch = case.make_batch(step).to(device)  # made on the stream that uses it
                 loss = case.loss_fn(run(engine, batch), batch)
                 engine.backward(loss)
             opt.step()  # outside the user's stream
@@ -174,6 +172,17 @@ class _Sleep(torch.autograd.Function):
         return grad, None
 
 
+class SlowLayer(nn.Module):
+    def __init__(self, width: int, cycles: int, g: torch.Generator):
+        super().__init__()
+        self.w = nn.Parameter(1 + 0.01 * torch.randn(width, generator=g))
+        self.b = nn.Parameter(0.01 * torch.randn(width, generator=g))
+        self.cycles = cycles
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.w + self.b, self.cycles)
+
+
 class SlowElementwise(nn.Module):
     """Elementwise layers only (x * w + b, no reduction but the loss), each padded with a GPU sleep each way:
     every op is correctly rounded IEEE arithmetic on both devices, so CUDA and the CPU backend agree bit for
@@ -182,20 +191,18 @@ class SlowElementwise(nn.Module):
     def __init__(self, width=1 << 16, depth=8, cycles=2_000_000):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.w = nn.ParameterList(nn.Parameter(1 + 0.01 * torch.randn(width, generator=g)) for _ in range(depth))
-        self.b = nn.ParameterList(nn.Parameter(0.01 * torch.randn(width, generator=g)) for _ in range(depth))
-        self.cycles = cycles
+        self.layers = nn.ModuleList(SlowLayer(width, cycles, g) for _ in range(depth))
 
     def forward(self, x):
-        for w, b in zip(self.w, self.b):
-            x = _Sleep.apply(x * w + b, self.cycles)
+        for layer in self.layers:
+            x = layer(x)
         return x
 
 
 def _slow_run(device, steps=4):
     model = SlowElementwise()
     opt = offload.AdamW(model.parameters(), **ADAMW)  # the default (fused) kernel: the same on the host
-    with _wrap(model, opt, device, extra_bytes=4 << 20) as engine:  # + the saved activations
+    with _wrap(model, opt, device, extra_bytes=3 << 20) as engine:  # + the saved activations (2 MiB)
         for step in range(steps):
             x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(step)).to(device)
             y = engine(x)
