@@ -442,7 +442,7 @@ class FakeCuda:
             self.memory[ptr] = block
             # The caching allocator hands out a block that work queued on ``stream`` may still use (freed a
             # moment ago): to every other stream the memory is written by ``stream`` at this point.
-            block.accesses[(0, nbytes, stream.name, True)] = (stream._tick(), f"its allocation on stream {stream.name}")
+            block.accesses[(0, nbytes, stream.name, True)] = (stream._tick(), "its allocation")
         weakref.finalize(storage, self._freed, ptr, block)
         return t
 

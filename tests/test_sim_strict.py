@@ -14,6 +14,7 @@ import offload
 from fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 from loops import ADAMW, train_streamed
 from models import CASES, run
+from offload.backend import CUDABackend
 from offload.backend.cuda import StreamError
 
 
@@ -167,8 +168,30 @@ def test_a_user_stream_is_the_engines_compute_stream(simulated_gpu):
             opt.zero_grad()
             losses.append(loss.item())
         state = engine.state_dict()["model"]
+        with sim.use_stream(stream), torch.no_grad():
+            run(engine, case.make_batch(0))  # an evaluation on the user's stream, then (outside it) the arena
+        engine.load_state_dict(engine.state_dict())  # is freed and made again: both on the user's stream
         with pytest.raises(StreamError, match="same `with torch.cuda.stream"):
             engine(case.make_batch(0).args[0])  # the default stream now: refused, clearly
     assert losses == want.losses
     for key, value in want.state.items():
         assert torch.equal(state[key], value), key
+
+
+def test_device_memory_comes_from_the_user_streams_pool():
+    """What the engine allocates outside the user's `with torch.cuda.stream(s)` (the arena, made at step())
+    comes from s's pool, so freeing it while s still reads it is safe (the allocator reuses it in s's order);
+    from the default stream's pool it would be reused by the default stream before s's reads are done."""
+    from fake_cuda import FakeCuda
+
+    sim = FakeCuda()
+    backend = CUDABackend(sim.device, api=sim)
+    with sim:
+        user = sim.user_stream()
+        with sim.use_stream(user):
+            backend.begin_forward()  # the engine's first forward binds it to the user's stream
+        arena = backend.empty(64)  # at step(): the default stream is current
+        with sim.use_stream(user):
+            arena.view(torch.float32).sum()  # compute reads it on the user's stream
+        del arena
+    assert sim.races == []
