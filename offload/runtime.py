@@ -270,6 +270,9 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
             self._exit_contexts()
             for p in list(self.trace_views):
                 self._trace_release(p)
+            if self.original is not None:  # the traced forward raised: no graph holds an accumulator now
+                for p, param in enumerate(self.params):
+                    self.backend.bind(param, self.original[p])
             self.active.clear()
             self._release_all()
             self._reset_step()

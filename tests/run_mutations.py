@@ -133,6 +133,11 @@ MUTATIONS = [
      "        waits = [ready]"),
     ("G9", "step() frees grad slots without waiting for their D2H", "offload/grads.py",
      "        self._reclaim(block=True)  # every update", "        self._reclaim()  # every update"),
+    # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
+    ("B6+R7", "on-demand fetch: neither empty()'s wait nor the boundary orders the H2D after compute", "+",
+     "B6+R7", ""),
+    ("B7+P2", "traced step: neither the new stream's wait nor the boundary orders the H2D after compute", "+",
+     "B7+P2", ""),
 ]
 
 _BIT = "tests/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"
@@ -160,15 +165,24 @@ def copy_repo(dest: Path) -> None:
     shutil.copy(built[0], dest / "offload")
 
 
-def run_one(mutation, timeout: int) -> tuple[str, float, str]:
+def edits(mutation) -> list[tuple[str, str, str]]:
+    """A mutation's (file, old, new) edits: its own, or those of the mutations it combines."""
     ident, _, path, old, new = mutation
+    if path == "+":
+        return [e for part in old.split("+") for m in MUTATIONS if m[0] == part for e in edits(m)]
+    return [(path, old, new)]
+
+
+def run_one(mutation, timeout: int) -> tuple[str, float, str]:
+    ident = mutation[0]
     with tempfile.TemporaryDirectory(prefix=f"mut-{ident}-") as tmp:
         dest = Path(tmp)
         copy_repo(dest)
-        text = (dest / path).read_text()
-        if text.count(old) != 1:
-            return "NOT APPLIED (text not found once)", 0.0, ""
-        (dest / path).write_text(text.replace(old, new))
+        for path, old, new in edits(mutation):
+            text = (dest / path).read_text()
+            if text.count(old) != 1:
+                return "NOT APPLIED (text not found once)", 0.0, ""
+            (dest / path).write_text(text.replace(old, new))
         (dest / "launch.py").write_text(LAUNCH.format(copy=str(dest)))
         t0 = time.time()
         try:
@@ -199,8 +213,8 @@ def main() -> None:
         if only and mutation[0] not in only:
             continue
         verdict, seconds, reason = run_one(mutation, args.timeout)
-        print(f"| {mutation[0]} | {mutation[1]} | `{mutation[2]}` | {verdict} | {reason} | {seconds:.0f} s |",
-              flush=True)
+        files = ", ".join(sorted({f"`{path}`" for path, _, _ in edits(mutation)}))
+        print(f"| {mutation[0]} | {mutation[1]} | {files} | {verdict} | {reason} | {seconds:.0f} s |", flush=True)
 
 
 if __name__ == "__main__":

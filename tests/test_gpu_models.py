@@ -95,6 +95,7 @@ def hf_bert() -> Case:
     return Case(model, make_batch, lambda out, b: out.loss)
 
 
+@pytest.mark.hf
 @on_cuda
 def test_hf_bert_trains_with_its_buffers_on_the_device(device):
     names = lambda engine: {n: b.device.type for n, b in engine.module.named_buffers()}  # noqa: E731
