@@ -138,6 +138,8 @@ MUTATIONS = [
      "B6+R7", ""),
     ("B7+P2", "traced step: neither the new stream's wait nor the boundary orders the H2D after compute", "+",
      "B7+P2", ""),
+    ("B6+R12", "a new arena: neither empty()'s wait nor the boundary orders its first H2Ds after compute", "+",
+     "B6+R12", ""),
 ]
 
 _BIT = "tests/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"
