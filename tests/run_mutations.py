@@ -196,7 +196,8 @@ def run_one(mutation, timeout: int) -> tuple[str, float, str]:
         caught = list(dict.fromkeys(line.split(" ", 1)[1].split(" - ")[0] for line in out.splitlines()
                                     if line.startswith(("FAILED ", "ERROR "))))
         if proc.returncode == 0:
-            return "NOT CAUGHT", time.time() - t0, ""
+            summary = [line for line in out.splitlines() if " passed" in line]
+            return "NOT CAUGHT", time.time() - t0, summary[-1].strip("= ") if summary else ""
         reason = ""
         for line in out.splitlines():
             if line.startswith("E ") and not reason:
