@@ -61,7 +61,8 @@ class Engine:
         backend = make_backend(config.device) if config.chaos is None else make_backend(config.device, chaos=config.chaos)
         guards.check_budget(config.budget, backend)
         self._runtime = Runtime(model, optimizer, config, backend, params, groups)
-        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+        self._buffers = _buffers_to_device(model, backend)  # [(buffer, its device before wrap)]
+        buffer_bytes = sum(b.numel() * b.element_size() for b, _ in self._buffers)
         self._runtime.memory.add("buffers", buffer_bytes)
         optimizer._bind(self)
         for p in params:
@@ -174,9 +175,10 @@ class Engine:
         rt = self._runtime
         rt.wait_for_updates()
         weights = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():
-            p = rt.param_index.get(id(value))
-            weights[name] = rt.read_weight(p) if p is not None else value.detach().clone()
+        with rt.backend.compute():  # buffers live on the device: read after the compute that updates them
+            for name, value in self.module.state_dict(keep_vars=True).items():
+                p = rt.param_index.get(id(value))
+                weights[name] = rt.read_weight(p) if p is not None else value.detach().to("cpu", copy=True)
         return {"model": weights, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -196,7 +198,7 @@ class Engine:
             raise ValueError(f"state dict does not match the model's shapes: {'; '.join(wrong[:8])}"
                              + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""))
         self.optimizer.check_state_shapes(state_dict["optimizer"])
-        with torch.no_grad():
+        with torch.no_grad(), rt.backend.compute():
             for name, value in state_dict["model"].items():
                 target = own[name]
                 p = rt.param_index.get(id(target))
@@ -233,7 +235,12 @@ class Engine:
             return
         self._closed = True
         try:
-            self._runtime.close()
+            try:
+                with self._runtime.backend.compute(), torch.no_grad():
+                    for buf, device in self._buffers:  # back where they were, with their trained values
+                        buf.data = buf.data.to(device, copy=True)
+            finally:
+                self._runtime.close()
         finally:
             self.optimizer._unbind()
             self.optimizer.state.clear()
@@ -254,6 +261,26 @@ class Engine:
     def __repr__(self) -> str:
         return (f"Engine({type(self.module).__name__}, budget={self.config.budget}, "
                 f"device={self.config.device}, dtype={self.config.dtype})")
+
+
+def _buffers_to_device(model: nn.Module, backend) -> list[tuple[torch.Tensor, torch.device]]:
+    """Put every module buffer (BatchNorm's running statistics, HF BERT's ``position_ids``) on the device for
+    the engine's lifetime: compute reads them next to the weights and activations, so on CUDA a buffer left
+    on the host fails with a device mismatch. The buffer objects stay (``.data`` is rebound), so references
+    to them see the moved values; ``Engine.close()`` moves them back. Their bytes are device memory the plan
+    counts (``fixed_bytes``)."""
+    moved, seen = [], set()
+    with torch.no_grad():
+        for buf in model.buffers():
+            if id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            nbytes = buf.numel() * buf.element_size()
+            device = backend.empty(nbytes).view(buf.dtype).view(buf.shape)
+            device.copy_(buf)
+            moved.append((buf, buf.device))
+            buf.data = device
+    return moved
 
 
 def _validate(model: nn.Module, optimizer: AdamW) -> tuple[list[nn.Parameter], list[int | None]]:

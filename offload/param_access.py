@@ -9,6 +9,17 @@ byte offset, size, stride, dtype), and the unpack hook rebuilds it from wherever
 fetching it first if needed. The pack hook also sees every other saved tensor: those are the
 activations, counted (once per storage) until autograd frees them.
 
+[Note: one accumulator per parameter] Autograd gives a parameter one AccumulateGrad node, alive while a
+graph holds it; ``param.data = x`` drops it when ``x``'s device or dtype differs from the current value's
+(``VariableHooks::set_data``). A weight used twice in one forward (a tied embedding / LM head, a module
+called twice) whose ``.data`` moved between the uses would then get two accumulators: its
+post-accumulate-grad hook fires twice with partial grads, the trace has two GRAD events for it, and the
+planned steps depart from the plan. So while a graph may be alive the runtime only ever rebinds a
+parameter between tensors of its compute dtype on the device: slot views and placeholders of that dtype
+(``Runtime.placeholders``), never its host original (fp32, on the CPU) or another dtype. Host tensors
+come only before the first forward and at ``close()``. (The simulated GPU, tests/fake_cuda.py, drops the
+accumulator on a host/device change as CUDA does, so a break of this rule fails its tests.)
+
 [Note: knowing where we are] Forward progress is module calls (pre/post hooks on every module); a
 ``TorchFunctionMode`` sees every tensor op of the forward and reports which parameters it touches (so a
 parent reading a child's weight, tied weights and functional uses are all handled, and a parameter that
@@ -143,16 +154,15 @@ class ParamAccessMixin:
         src = self.original[p].detach().to(self.dtype)
         self.backend.wait(self.backend.h2d(view, src, [self.boundary]))
         self.recorder.exclude_end()
-        param.data = view
+        self.backend.bind(param, view)
         self.trace_views[p] = view
         self.trace_storage[storage.untyped_storage().data_ptr()] = p
 
     def _trace_release(self, p: int) -> None:
         view = self.trace_views.pop(p)
         del self.trace_storage[view.untyped_storage().data_ptr()]
-        # Never back to the fp32 original while tracing a 16-bit run: a parameter whose dtype changes gets a
-        # new gradient accumulator, and a tied weight released between two uses would then have two.
-        self.params[p].data = self.original[p] if self.dtype == torch.float32 else self.placeholders[p]
+        # A placeholder, never the host original: see [Note: one accumulator per parameter].
+        self.backend.bind(self.params[p], self.placeholders[p])
         self.memory.add("slots", -view.numel() * self.itemsize)
 
     # ---------------------------------------------------------------------------------------------------

@@ -227,6 +227,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self.recompute_holds: dict[int, list[int]] = {}  # region -> storages of its recomputed tensors
 
     def _begin_forward(self, root: int) -> None:
+        self.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
         grad_enabled = torch.is_grad_enabled()
@@ -271,6 +272,9 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
             self._exit_contexts()
             for p in list(self.trace_views):
                 self._trace_release(p)
+            if self.original is not None:  # the traced forward raised: no graph holds an accumulator now
+                for p, param in enumerate(self.params):
+                    self.backend.bind(param, self.original[p])
             self.active.clear()
             self._release_all()
             self._reset_step()
@@ -359,11 +363,11 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         bucket = self.buckets[b]
         for p, off in zip(bucket.params, bucket.offsets):
             param = self.params[p]
-            param.data = typed[base + off: base + off + param.numel()].view(param.shape)
+            self.backend.bind(param, typed[base + off: base + off + param.numel()].view(param.shape))
 
     def _unbind_params(self, b: int) -> None:
         for p in self.buckets[b].params:
-            self.params[p].data = self.placeholders[p]
+            self.backend.bind(self.params[p], self.placeholders[p])
 
     def _copy_in(self, b: int, slot: _Slot, waits) -> None:
         """Issue the host-to-device copy of bucket ``b`` into ``slot``."""
@@ -505,6 +509,16 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
     # ---------------------------------------------------------------------------------------------------
     # after the optimizer step: new weights on the device, or a new plan
 
+    def step(self) -> None:
+        with self.backend.compute():  # called outside the user's `with torch.cuda.stream(s)`, perhaps
+            GradientsMixin.step(self)
+
+    def _end_backward(self) -> None:
+        # Queued on the autograd engine, which runs it on the stream current where backward was called:
+        # the runtime's kernels in it (flushing grads) go on the engine's compute stream all the same.
+        with self.backend.compute():
+            GradientsMixin._end_backward(self)
+
     def _refresh_resident(self, buckets) -> None:
         """Updated buckets that stay on the device get their new weights (the next forward waits)."""
         for b in sorted(buckets & set(self.slot)):
@@ -562,7 +576,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self.h2d_by_bucket = [0] * len(buckets)
         self.original = None
         for p, param in enumerate(self.params):
-            param.data = self.placeholders[p]
+            self.backend.bind(param, self.placeholders[p])
         self._adopt_optimizer_state()
         # Saved references from this forward point at per-parameter copies; from now on they resolve
         # through buckets (backward fetches on demand: there is no plan until this step is recorded).
@@ -586,6 +600,9 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
             if self.original is not None:
                 self.original[p].copy_(value)
             else:
+                # A copy in flight (a resident bucket's refresh after step()) may still read the host copy
+                # written here: host buffers are touched only after the copies reading them finished.
+                self.backend.synchronize()
                 self.host.write_master(p, value)
 
     def after_weights_written(self) -> None:
@@ -606,10 +623,10 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         finally:
             if self.host is not None:
                 for p, param in enumerate(self.params):
-                    param.data = self.read_weight(p)  # fp32, as every parameter was when wrapped
+                    self.backend.bind(param, self.read_weight(p))  # fp32, as every parameter was when wrapped
             elif self.original is not None:
                 for p, param in enumerate(self.params):
-                    param.data = self.original[p]
+                    self.backend.bind(param, self.original[p])
             self.cpu.close()
             self.backend.close()
             self.slot.clear()

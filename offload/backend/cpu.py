@@ -8,6 +8,7 @@ event, and ``wait`` (make compute wait) blocks the calling thread.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterable
 
@@ -39,6 +40,17 @@ class CPUBackend:
         """What a parameter points to while its bucket is not on the device: the right shape, dtype and
         device, no memory (one NaN expanded), so a stray read poisons the result and a write fails."""
         return torch.full((), float("nan"), dtype=dtype, device=self.device).expand(shape)
+
+    def begin_forward(self) -> None:
+        """Nothing to bind: compute is the calling thread (the CUDA backend binds to the current stream)."""
+
+    def compute(self):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def bind(param: torch.Tensor, value: torch.Tensor) -> None:
+        """Point ``param`` at ``value`` (its slot view, a placeholder, or its host tensor at close)."""
+        param.data = value
 
     def pin_host(self, arena) -> None:
         """Nothing to pin: there is no device to copy to by DMA (the CUDA backend registers the arena)."""

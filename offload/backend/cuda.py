@@ -21,6 +21,14 @@ D2H event of a gradient slot), and a gradient slot is refilled by compute only a
 waits come from the plan (``Buffer.after``) through the runtime. Host buffers are protected the same way:
 the CPU lane waits (host side) for the event of the copy that reads or writes them.
 
+[Note: the compute stream]
+"The current stream" is the one current at the engine's first forward: the backend binds to it then
+(``begin_forward``), so a user who runs the model under ``with torch.cuda.stream(s):`` gets every record,
+wait and allocation on ``s``, also from ``step()`` or the end-of-backward callback called outside the
+``with`` block (``compute()`` puts the runtime's own kernels there on ``s`` too). A later forward under
+another stream is refused (:class:`StreamError`): the arena, the slots and the events of the plan belong
+to the first one, and moving them (``record_stream``, cross-stream waits) at every switch is not worth it.
+
 [Note: stream-ordered memory]
 Memory from ``empty()`` comes from PyTorch's caching allocator on the current stream. The allocator may
 hand back a block that compute freed a moment ago while kernels reading it are still queued; that is safe
@@ -83,6 +91,7 @@ upper bound (the earlier maximum may be the larger).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import weakref
@@ -95,7 +104,12 @@ from ..chaos import ChaosConfig, chaos_delay
 from ..errors import OffloadError
 from .base import Event, HostEvent
 
-__all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry"]
+__all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry", "StreamError"]
+
+
+class StreamError(OffloadError):
+    """The engine's forward ran on a different CUDA stream than before (see [Note: the compute stream])."""
+
 
 # cudaHostRegisterPortable: pinned for every CUDA context, not only the one current when registering (the
 # engine may run on cuda:1 while cuda:0 is current); as torch's own pin_memory utilities register.
@@ -125,6 +139,21 @@ class CudaAPI:
 
     def new_event(self, blocking: bool = False):
         return torch.cuda.Event(blocking=blocking)
+
+    def stream(self, stream):
+        """``with torch.cuda.stream(stream)``: kernels and allocations in the block go to ``stream``."""
+        return torch.cuda.stream(stream)
+
+    def empty(self, nbytes: int, stream) -> torch.Tensor:
+        """Device memory from the caching allocator, in ``stream``'s pool (freed memory is reused by work
+        on that stream without further synchronisation)."""
+        with torch.cuda.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def set_data(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """``param.data = value``. A change of device or dtype drops the parameter's grad accumulator if
+        autograd holds one (``VariableHooks::set_data``); see [Note: one accumulator per parameter]."""
+        param.data = value
 
     def copy(self, stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue ``dst.copy_(src)`` on ``stream`` (asynchronous where the host side is pinned)."""
@@ -288,6 +317,7 @@ class CUDABackend:
         self._api = api if api is not None else CudaAPI(device)
         # Chaos mode: a random torch.cuda._sleep on the copy stream before and after every copy (offload.chaos).
         self._chaos = {"h2d": chaos_delay(chaos, "h2d"), "d2h": chaos_delay(chaos, "d2h")}
+        self._compute = None  # bound at the first forward: see [Note: the compute stream]
         self._h2d = None  # created on first use: see _h2d_stream
         self._d2h = None  # created on first use: see _d2h_stream
         self._nan: dict[torch.dtype, torch.Tensor] = {}
@@ -314,7 +344,7 @@ class CUDABackend:
             # Parameter buckets go host -> device on a stream of their own so the copy engine moves the next
             # bucket while compute runs on the current one; one stream keeps the copies in plan order.
             self._h2d = self._api.new_stream()
-            self._h2d.wait_stream(self._api.current_stream())  # [Note: stream-ordered memory]
+            self._h2d.wait_stream(self._compute_stream())  # [Note: stream-ordered memory]
             self._copy_streams.append(self._h2d)
         return self._h2d
 
@@ -327,12 +357,36 @@ class CUDABackend:
             self._copy_streams.append(self._d2h)
         return self._d2h
 
+    def _compute_stream(self):
+        return self._compute if self._compute is not None else self._api.current_stream()
+
+    def begin_forward(self) -> None:
+        """A forward starts: bind to the current stream, or refuse another (see [Note: the compute stream])."""
+        current = self._api.current_stream()
+        if self._compute is None:
+            self._compute = current
+        elif current != self._compute:
+            raise StreamError(
+                f"this engine's forward ran on CUDA stream {self._compute} before and now runs on {current}. "
+                "The engine keeps its device memory and events on the stream of its first forward; run every "
+                "forward of one engine under the same `with torch.cuda.stream(s):` (or always on the default "
+                "stream), or wrap the model again for another stream")
+
+    def compute(self):
+        """Run the runtime's own kernels (outside a forward) on the engine's compute stream."""
+        return self._api.stream(self._compute) if self._compute is not None else contextlib.nullcontext()
+
+    def bind(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Point ``param`` at ``value`` (device memory, a placeholder, or its host tensor at close)."""
+        self._api.set_data(param, value)
+
     # -- memory -------------------------------------------------------------------------------------------
 
     def empty(self, nbytes: int) -> torch.Tensor:
-        t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        compute = self._compute_stream()
+        t = self._api.empty(nbytes, compute)
         if self._h2d is not None:
-            self._h2d.wait_stream(self._api.current_stream())  # [Note: stream-ordered memory]
+            self._h2d.wait_stream(compute)  # [Note: stream-ordered memory]
         return t
 
     def placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -341,7 +395,10 @@ class CUDABackend:
         a write fails."""
         nan = self._nan.get(dtype)
         if nan is None:
-            nan = self._nan[dtype] = torch.full((), float("nan"), dtype=dtype, device=self.device)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            nan = self._api.empty(itemsize, self._compute_stream()).view(dtype).reshape(())
+            nan.fill_(float("nan"))
+            self._nan[dtype] = nan
         return nan.expand(shape)
 
     def pin_host(self, arena) -> None:
@@ -419,13 +476,13 @@ class CUDABackend:
     def record(self) -> Event:
         """An event marking all compute issued so far on the current stream."""
         event = self._api.new_event()
-        event.record(self._api.current_stream())
+        event.record(self._compute_stream())
         return event
 
     def wait(self, event: Event) -> None:
         """Make compute (the current stream) wait for ``event``; the host blocks only for a host event."""
         with record_function("offload::wait"):
-            self._stream_wait(self._api.current_stream(), event)
+            self._stream_wait(self._compute_stream(), event)
 
     @staticmethod
     def _stream_wait(stream, event: Event) -> None:

@@ -1,0 +1,224 @@
+"""Mutation check of the simulated GPU (issue 21, part 3): remove one wait of the CUDA backend or the runtime
+at a time and see which simulated-GPU test fails. Not a test (pytest does not collect it); run by hand:
+
+    python tests/run_mutations.py [--only ID,ID] [--out tests/MUTATIONS.md]
+
+Each mutation is applied to a copy of the repository (the checkout is never touched), and pytest runs the
+simulated-GPU tests there (``-x``: the first test that fails is the one that caught it). The built
+``offload._C`` of this checkout is copied along. The table it prints is what tests/MUTATIONS.md records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (id, what it breaks, file, old text, new text): old must occur exactly once in file
+MUTATIONS = [
+    # -- the backend (offload/backend/cuda.py): the mechanisms -----------------------------------------------
+    ("B1", "copies wait for no device event (compute->copy, copy->copy, slot reuse)", "offload/backend/cuda.py",
+     "        for event in waits:\n            self._stream_wait(stream, event)\n        chaos",
+     "        for event in waits:\n            if isinstance(event, HostEvent):\n"
+     "                self._stream_wait(stream, event)\n        chaos"),
+    ("B2", "a copy does not wait for host (CPU-lane) events: AdamW->H2D", "offload/backend/cuda.py",
+     "            event.synchronize()  # CPU-lane work", "            pass  # CPU-lane work"),
+    ("B3", "record() does not capture compute (a completed event)", "offload/backend/cuda.py",
+     "        event = self._api.new_event()\n        event.record(self._compute_stream())\n        return event",
+     "        from .base import DONE\n        return DONE"),
+    ("B4", "compute waits for no copy (copy->compute)", "offload/backend/cuda.py",
+     "            self._stream_wait(self._compute_stream(), event)",
+     "            if isinstance(event, HostEvent):\n                event.synchronize()"),
+    ("B5", "a copy's event is recorded before the copy", "offload/backend/cuda.py",
+     "        self._api.copy(stream, dst, src)\n        if chaos is not None:  # after the copy",
+     "        early = self._api.new_event(blocking=True)\n        early.record(stream)\n"
+     "        self._api.copy(stream, dst, src)\n        return early\n        if chaos is not None:  # after the copy"),
+    ("B6", "empty(): the H2D stream does not wait for compute (stream-ordered memory)", "offload/backend/cuda.py",
+     "            self._h2d.wait_stream(compute)  # [Note: stream-ordered memory]",
+     "            pass  # [Note: stream-ordered memory]"),
+    ("B7", "the new H2D stream does not wait for compute issued before it", "offload/backend/cuda.py",
+     "            self._h2d.wait_stream(self._compute_stream())  # [Note: stream-ordered memory]",
+     "            pass  # [Note: stream-ordered memory]"),
+    ("B8", "synchronize() does not wait for the copies", "offload/backend/cuda.py",
+     "            for stream in (self._h2d, self._d2h):\n                if stream is not None:\n"
+     "                    stream.synchronize()",
+     "            pass"),
+    ("B9", "no compute stream bound at the first forward (defect 7: the user's stream)", "offload/backend/cuda.py",
+     "        if self._compute is None:\n            self._compute = current\n        elif",
+     "        if True:\n            pass\n        elif"),
+    # -- the runtime (offload/runtime.py, param_access.py, grads.py): each wait it asks for ------------------
+    ("R1", "a forward does not wait for the grad copies of the previous backward (accumulation)", "offload/runtime.py",
+     "        for event in self.grad_copies:\n            self.backend.wait(event)\n",
+     "        for event in self.grad_copies:\n            pass\n"),
+    ("R2", "a forward's boundary is not a compute event", "offload/runtime.py",
+     "        self.grad_copies = []\n        self.boundary = self.backend.record()",
+     "        self.grad_copies = []\n        self.boundary = DONE"),
+    ("R3", "an H2D does not wait for the AdamW of its bucket (AdamW->H2D)", "offload/runtime.py",
+     "(*waits, self.adam_event.get(b))", "(*waits,)"),
+    ("R4", "compute does not wait for a bucket's H2D (copy->compute)", "offload/runtime.py",
+     "            self._fetch_on_demand(b)\n        self.backend.wait(self.h2d_event[b])",
+     "            self._fetch_on_demand(b)\n        pass"),
+    ("R5", "a prefetch does not wait for the slot's previous occupant (slot reuse)", "offload/runtime.py",
+     "        waits = [self.done[j] for j in x.after if j in self.done] + [self.boundary]",
+     "        waits = [self.boundary]"),
+    ("R6", "a prefetch does not wait for the compute boundary", "offload/runtime.py",
+     "        waits = [self.done[j] for j in x.after if j in self.done] + [self.boundary]",
+     "        waits = [self.done[j] for j in x.after if j in self.done]"),
+    ("R7", "an on-demand fetch does not wait for the compute boundary", "offload/runtime.py",
+     "        self._copy_in(b, _Slot(storage, 0, None), [self.boundary])",
+     "        self._copy_in(b, _Slot(storage, 0, None), [])"),
+    ("R8", "grad slots are freed before their D2H is known complete", "offload/runtime.py",
+     "            if block or ev.query():\n                ev.synchronize()", "            if True:\n                pass"),
+    ("R9", "a bucket still in flight is released without compute waiting for its H2D", "offload/runtime.py",
+     "            self.backend.wait(self.h2d_event[b])  # never free memory a copy is still writing",
+     "            pass  # never free memory a copy is still writing"),
+    ("R10", "a released planned slot gets no compute event (slot reuse)", "offload/runtime.py",
+     "            self.done[slot.planned] = self.backend.record()", "            self.done[slot.planned] = DONE"),
+    ("R11", "the end of a step's compute is not recorded (_release_all)", "offload/runtime.py",
+     "                self._release(b)\n        self.boundary = self.backend.record()",
+     "                self._release(b)\n        self.boundary = DONE"),
+    ("R12", "resident buckets are copied in without waiting for compute (_activate)", "offload/runtime.py",
+     "            self._copy_in(b, _Slot(self.arena, plan.buffers[k].offset, k), [self.boundary])",
+     "            self._copy_in(b, _Slot(self.arena, plan.buffers[k].offset, k), [])"),
+    ("R13", "the arena is dropped without waiting for the copies (_deactivate)", "offload/runtime.py",
+     "        self.backend.synchronize()\n        for b in list(self.slot):",
+     "        for b in list(self.slot):"),
+    ("R14", "a resident refresh does not wait for compute that reads the slot", "offload/runtime.py",
+     "            self._copy_in(b, self.slot[b], [self.boundary])", "            self._copy_in(b, self.slot[b], [])"),
+    ("R15", "a resident refresh does not wait for a refresh still in flight", "offload/runtime.py",
+     "            if self.state[b] is Residency.IN_FLIGHT:\n                self._wait(b)\n            self._copy_in",
+     "            if self.state[b] is Residency.IN_FLIGHT:\n                self._set_state(b, Residency.DEVICE)\n"
+     "            self._copy_in"),
+    ("R16", "departing the plan moves grad slots without waiting for the copies", "offload/runtime.py",
+     "        with torch.no_grad():\n            self.backend.synchronize()\n            for b, (view, k)",
+     "        with torch.no_grad():\n            for b, (view, k)"),
+    ("R17", "load_state_dict writes host masters while copies read them", "offload/runtime.py",
+     "                self.backend.synchronize()\n                self.host.write_master(p, value)",
+     "                self.host.write_master(p, value)"),
+    ("P1", "the traced step reads a parameter before its H2D (copy->compute)", "offload/param_access.py",
+     "        self.backend.wait(self.backend.h2d(view, self.original[p], [self.boundary]))",
+     "        self.backend.h2d(view, self.original[p], [self.boundary])"),
+    ("P2", "the traced step's H2D does not wait for the compute boundary", "offload/param_access.py",
+     "        self.backend.wait(self.backend.h2d(view, self.original[p], [self.boundary]))",
+     "        self.backend.wait(self.backend.h2d(view, self.original[p], []))"),
+    ("G1", "a grad slot is refilled before its previous occupant's copy/compute (slot reuse)", "offload/grads.py",
+     "            for j in x.after:\n                if j in self.done:\n                    self.backend.wait(self.done[j])",
+     "            for j in x.after:\n                pass"),
+    ("G2", "a grad slot is used without waiting for the boundary", "offload/grads.py",
+     "            self.backend.wait(self.boundary)\n            view = self.arena",
+     "            view = self.arena"),
+    ("G3", "a grad D2H does not wait for the compute that wrote the slot (compute->D2H)", "offload/grads.py",
+     "        waits = [self.backend.record()] + [e for e in (self.adam_event.get(b),) if e is not None]",
+     "        waits = [e for e in (self.adam_event.get(b),) if e is not None]"),
+    ("G4", "a grad D2H does not wait for the previous AdamW reading the host grad", "offload/grads.py",
+     "        waits = [self.backend.record()] + [e for e in (self.adam_event.get(b),) if e is not None]",
+     "        waits = [self.backend.record()]"),
+    ("G5", "a grad slot's reuse does not wait for its D2H (slot reuse)", "offload/grads.py",
+     "        if k is not None:\n            self.done[k] = d2h", "        if k is not None:\n            pass"),
+    ("G6", "accumulation adds the staged grads before their D2H (D2H->CPU)", "offload/grads.py",
+     "[d2h, earlier[1]]", "[earlier[1]]"),
+    ("G7", "AdamW reads the host grads before their D2H (D2H->CPU AdamW)", "offload/grads.py",
+     "        waits = [ready] + [e for e in (self.h2d_event.get(b),) if e is not None]",
+     "        waits = [e for e in (self.h2d_event.get(b),) if e is not None]"),
+    ("G8", "AdamW rewrites a bucket's host copy while its H2D may read it", "offload/grads.py",
+     "        waits = [ready] + [e for e in (self.h2d_event.get(b),) if e is not None]",
+     "        waits = [ready]"),
+    ("G9", "step() frees grad slots without waiting for their D2H", "offload/grads.py",
+     "        self._reclaim(block=True)  # every update", "        self._reclaim()  # every update"),
+    # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
+    ("B6+R7", "on-demand fetch: neither empty()'s wait nor the boundary orders the H2D after compute", "+",
+     "B6+R7", ""),
+    ("B7+P2", "traced step: neither the new stream's wait nor the boundary orders the H2D after compute", "+",
+     "B7+P2", ""),
+    ("B6+R12", "a new arena: neither empty()'s wait nor the boundary orders its first H2Ds after compute", "+",
+     "B6+R12", ""),
+]
+
+_BIT = "tests/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"
+TESTS = ["tests/test_sim_strict.py", f"{_BIT}[mlp]", f"{_BIT}[gpt]", f"{_BIT}[reused_module]",
+         "tests/test_cuda_backend.py::test_simulated_gpu_training_features_bit_for_bit_like_the_cpu_backend"
+         "[accumulate-clip]",
+         "tests/test_cuda_backend.py::test_simulated_gpu_departures_evaluation_and_checkpoint"]
+
+LAUNCH = """
+import sys
+# the editable install's finder would import the checkout's offload: drop it, import the copy's
+sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__.lower()
+                    and 'ScikitBuild' not in type(f).__name__]
+sys.path.insert(0, {copy!r})
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def copy_repo(dest: Path) -> None:
+    for part in ("offload", "tests", "examples"):
+        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    built = glob.glob(str(ROOT / "build" / "*" / "_C*.so")) or glob.glob(str(ROOT / "offload" / "_C*.so"))
+    shutil.copy(built[0], dest / "offload")
+
+
+def edits(mutation) -> list[tuple[str, str, str]]:
+    """A mutation's (file, old, new) edits: its own, or those of the mutations it combines."""
+    ident, _, path, old, new = mutation
+    if path == "+":
+        return [e for part in old.split("+") for m in MUTATIONS if m[0] == part for e in edits(m)]
+    return [(path, old, new)]
+
+
+def run_one(mutation, timeout: int) -> tuple[str, float, str]:
+    ident = mutation[0]
+    with tempfile.TemporaryDirectory(prefix=f"mut-{ident}-") as tmp:
+        dest = Path(tmp)
+        copy_repo(dest)
+        for path, old, new in edits(mutation):
+            text = (dest / path).read_text()
+            if text.count(old) != 1:
+                return "NOT APPLIED (text not found once)", 0.0, ""
+            (dest / path).write_text(text.replace(old, new))
+        (dest / "launch.py").write_text(LAUNCH.format(copy=str(dest)))
+        t0 = time.time()
+        try:
+            proc = subprocess.run([sys.executable, "launch.py", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+                                  cwd=dest, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "TIMEOUT", time.time() - t0, ""
+        out = proc.stdout + proc.stderr
+        caught = list(dict.fromkeys(line.split(" ", 1)[1].split(" - ")[0] for line in out.splitlines()
+                                    if line.startswith(("FAILED ", "ERROR "))))
+        if proc.returncode == 0:
+            summary = [line for line in out.splitlines() if " passed" in line]
+            return "NOT CAUGHT", time.time() - t0, summary[-1].strip("= ") if summary else ""
+        reason = ""
+        for line in out.splitlines():
+            if line.startswith("E ") and not reason:
+                reason = line[1:].strip()[:160]
+        return ("caught by " + ", ".join(caught)) if caught else f"pytest exit {proc.returncode}", \
+            time.time() - t0, reason
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="")
+    parser.add_argument("--timeout", type=int, default=900)
+    args = parser.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    for mutation in MUTATIONS:
+        if only and mutation[0] not in only:
+            continue
+        verdict, seconds, reason = run_one(mutation, args.timeout)
+        files = ", ".join(sorted({f"`{path}`" for path, _, _ in edits(mutation)}))
+        print(f"| {mutation[0]} | {mutation[1]} | {files} | {verdict} | {reason} | {seconds:.0f} s |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
