@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import offload
+from budgets import with_headroom
 from models import CASES, run
 from offload.backend import CUDABackend, make_backend
 from offload.memory import HostArena
@@ -28,7 +29,7 @@ def _backend() -> CUDABackend:
 def test_wrap_on_cuda_pins_the_host_arena_and_unpins_it_at_close():
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
     opt = offload.AdamW(model.parameters(), lr=1e-3)
-    engine = offload.wrap(model, opt, budget=int(0.6 * 6 * 65 * 64 * 4), device="cuda", bucket_bytes=16 * 1024)
+    engine = offload.wrap(model, opt, budget=with_headroom(0.6 * 6 * 65 * 64 * 4, "cuda"), device="cuda", bucket_bytes=16 * 1024)
     rt = engine._runtime
     assert isinstance(rt.backend, CUDABackend) and rt.backend.device.index is not None
     engine(torch.randn(2, 64, device="cuda")).sum().backward()
@@ -102,7 +103,7 @@ def test_device_peak_is_measured_and_includes_the_arena():
     case = CASES["mlp"]()
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
     opt = offload.AdamW(case.model.parameters(), lr=3e-4)
-    with offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cuda") as engine:
+    with offload.wrap(case.model, opt, budget=with_headroom(0.6 * nbytes, "cuda"), bucket_bytes=nbytes // 10, device="cuda") as engine:
         for step in range(3):
             batch = case.make_batch(step).to("cuda")
             case.loss_fn(run(engine, batch), batch).backward()
@@ -220,7 +221,7 @@ def test_copies_overlap_compute(monkeypatch):
     monkeypatch.setattr(offload.api, "make_backend", lambda device: backend)
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     weight_bytes = depth * layer_bytes
-    with offload.wrap(model, opt, budget=int(0.4 * weight_bytes), bucket_bytes=layer_bytes, device="cuda") as engine:
+    with offload.wrap(model, opt, budget=with_headroom(0.4 * weight_bytes, "cuda"), bucket_bytes=layer_bytes, device="cuda") as engine:
 
         def engine_step():
             engine(x).square().mean().backward()
@@ -257,7 +258,7 @@ def test_memory_is_flat_over_200_steps():
     case = CASES["gpt"]()
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
     opt = offload.AdamW(case.model.parameters(), lr=3e-4, weight_decay=0.1)
-    engine = offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cuda")
+    engine = offload.wrap(case.model, opt, budget=with_headroom(0.6 * nbytes, "cuda"), bucket_bytes=nbytes // 10, device="cuda")
     rt = engine._runtime
     seen = []
     try:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import offload
+from budgets import with_headroom
 from loops import ADAMW
 from models import CASES, Batch, Case, run
 from offload.backend.cuda import StreamError
@@ -23,7 +24,7 @@ on_cuda = pytest.mark.parametrize("device", ["cuda"], indirect=True)  # conftest
 
 def _wrap(model, opt, device, extra_bytes=0, **kw):
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    return offload.wrap(model, opt, budget=int(0.6 * nbytes) + extra_bytes, bucket_bytes=nbytes // 10,
+    return offload.wrap(model, opt, budget=with_headroom(0.6 * nbytes + extra_bytes, device), bucket_bytes=nbytes // 10,
                         device=device, **kw)
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import offload
+from budgets import with_headroom
 import offload.api
 from fake_cuda import FakeCuda
 from loops import train_streamed
@@ -206,8 +207,8 @@ def test_gpu_d2h_moves_two_bytes_per_element_without_a_conversion_kernel(tmp_pat
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), lr=1e-3)
-    engine = offload.wrap(model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 8, dtype=dtype,
-                          device="cuda")
+    engine = offload.wrap(model, opt, budget=with_headroom(0.6 * nbytes, "cuda"), bucket_bytes=nbytes // 8,
+                          dtype=dtype, device="cuda")
     x = torch.randn(16, 512, device="cuda")
     try:
         for _ in range(2):  # the traced step, then the first planned one
@@ -246,8 +247,8 @@ def test_gpu_accumulation_staging_is_pinned(monkeypatch):
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), lr=1e-3)
-    engine = offload.wrap(model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 8, dtype=torch.bfloat16,
-                          device="cuda", overlap_optimizer=False)
+    engine = offload.wrap(model, opt, budget=with_headroom(0.6 * nbytes, "cuda"), bucket_bytes=nbytes // 8,
+                          dtype=torch.bfloat16, device="cuda", overlap_optimizer=False)
     try:
         for step in range(3):
             for _ in range(3):
@@ -269,8 +270,8 @@ def test_gpu_parameters_are_16_byte_aligned_while_their_module_runs():
     model = _odd_model()
     nbytes = sum(p.numel() * 2 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), lr=1e-3)
-    engine = offload.wrap(model, opt, budget=int(0.9 * nbytes), bucket_bytes=nbytes // 10, dtype=torch.bfloat16,
-                          device="cuda")
+    engine = offload.wrap(model, opt, budget=with_headroom(0.9 * nbytes, "cuda"), bucket_bytes=nbytes // 10,
+                          dtype=torch.bfloat16, device="cuda")
     seen: list[int] = []
     handles = _check_alignment(model, seen)
     try:

@@ -140,7 +140,7 @@ def test_buffers_round_trip_through_state_dict_and_save(simulated_gpu, tmp_path)
         engine.load(tmp_path / "ckpt.pt")
         assert torch.equal(bn.running_mean, before) and made[0]._api.is_device(bn.running_mean)
     plain = torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"]
-    assert torch.equal(plain[f"features.1.running_mean"], before)
+    assert torch.equal(plain["features.1.running_mean"], before)
 
 
 # -- defect 7: the user's own compute stream ------------------------------------------------------------------
