@@ -60,6 +60,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import offload.api
+
 
 class SimulatedRace(AssertionError):
     """Two accesses to the same device bytes that no event orders (see the module docstring)."""
@@ -554,3 +556,16 @@ def simulated_gpu(monkeypatch):
         yield use
     races = [r for sim in sims for r in sim.races]
     assert not races, "the simulated GPU saw races:\n" + "\n".join(races[:10])
+
+
+def use_backend(monkeypatch, factory):
+    """Make every engine wrapped from now on (in this test) use ``factory(device)``'s backend instead of
+    ``make_backend``; returns the list of backends made, in order."""
+    made = []
+
+    def make(device, chaos=None):
+        made.append(factory(device))
+        return made[-1]
+
+    monkeypatch.setattr(offload.api, "make_backend", make)
+    return made

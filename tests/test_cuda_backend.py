@@ -15,7 +15,7 @@ from torch import nn
 
 import offload
 import offload.api
-from fake_cuda import FakeCuda, SimulatedRace, simulated_gpu  # noqa: F401 (a fixture)
+from fake_cuda import FakeCuda, use_backend, SimulatedRace, simulated_gpu  # noqa: F401 (a fixture)
 from loops import train_streamed
 from models import CASES
 from offload.backend import CPUBackend, CUDABackend, DONE, HostEvent, make_backend
@@ -256,14 +256,7 @@ class Recording(CUDABackend):
 
 
 def _use_backend(monkeypatch, factory):
-    made = []
-
-    def make(device, chaos=None):
-        made.append(factory())
-        return made[-1]
-
-    monkeypatch.setattr(offload.api, "make_backend", make)
-    return made
+    return use_backend(monkeypatch, lambda device: factory())
 
 
 @pytest.fixture

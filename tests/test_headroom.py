@@ -16,7 +16,7 @@ from torch import nn
 
 import offload
 import offload.api
-from fake_cuda import FakeCuda, FakeCudart
+from fake_cuda import FakeCuda, FakeCudart, use_backend
 from loops import train_streamed
 from models import CASES, run
 from offload.backend import CPUBackend, CUDABackend, headroom_bytes, make_backend
@@ -90,14 +90,7 @@ class AllocatingCuda(FakeCuda):
 
 
 def _use_backend(monkeypatch, factory):
-    made = []
-
-    def make(device, chaos=None):
-        made.append(factory())
-        return made[-1]
-
-    monkeypatch.setattr(offload.api, "make_backend", make)
-    return made
+    return use_backend(monkeypatch, lambda device: factory())
 
 
 def _weights(case) -> int:

@@ -12,7 +12,7 @@ from torch import nn
 import offload
 from budgets import with_headroom
 import offload.api
-from fake_cuda import FakeCuda
+from fake_cuda import FakeCuda, use_backend
 from loops import train_streamed
 from models import CASES
 from offload.backend import CUDABackend
@@ -43,14 +43,7 @@ class CopyLog(CUDABackend):
 
 
 def _use(monkeypatch, make):
-    made = []
-
-    def factory(device, chaos=None):
-        made.append(make(device))
-        return made[-1]
-
-    monkeypatch.setattr(offload.api, "make_backend", factory)
-    return made
+    return use_backend(monkeypatch, make)
 
 
 def _simulated(monkeypatch):
