@@ -8,7 +8,8 @@
 from .api import Engine, wrap
 from .chaos import ChaosConfig
 from .config import LossScaleConfig, OffloadConfig, format_bytes, parse_bytes
-from .errors import BudgetTooSmallError, CheckpointError, HostMemoryError, OffloadError, OffloadWarning
+from .errors import (BudgetTooSmallError, CheckpointError, HostMemoryError, OffloadError, OffloadWarning,
+                     StreamError)
 from .optim import AdamW
 from .summary import memory_line, memory_table, print_memory
 from .timeline import Timeline
@@ -24,6 +25,7 @@ __all__ = [
     "OffloadConfig",
     "OffloadError",
     "OffloadWarning",
+    "StreamError",
     "Timeline",
     "format_bytes",
     "memory_line",

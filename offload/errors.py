@@ -29,5 +29,10 @@ class CheckpointError(OffloadError, ValueError):
     """A checkpoint cannot be loaded: not an offload checkpoint, truncated or corrupt, or of another model."""
 
 
+class StreamError(OffloadError):
+    """The engine's forward ran on another CUDA stream than its first forward did: the plan's arena, slots and
+    events belong to that stream (see [Note: the compute stream] in backend/cuda.py)."""
+
+
 class OffloadWarning(UserWarning):
     """Something was discarded or cannot be done as asked, and training goes on (e.g. a fault mid-step)."""

@@ -1,7 +1,7 @@
 """Mutation check of the simulated GPU (issue 21, part 3): remove one wait of the CUDA backend or the runtime
 at a time and see which simulated-GPU test fails. Not a test (pytest does not collect it); run by hand:
 
-    python tests/run_mutations.py [--only ID,ID] [--out tests/MUTATIONS.md]
+    python tests/run_mutations.py [--only ID,ID] [--timeout SECONDS]
 
 Each mutation is applied to a copy of the repository (the checkout is never touched), and pytest runs the
 simulated-GPU tests there (``-x``: the first test that fails is the one that caught it). The built
@@ -132,6 +132,10 @@ MUTATIONS = [
      "        waits = [ready]"),
     ("G9", "step() frees grad slots without waiting for their D2H", "offload/grads.py",
      "        self._reclaim(block=True)  # every update", "        self._reclaim()  # every update"),
+    ("G10", "a grad D2H into the staging copy does not wait for the previous pass's add (it reads that copy)",
+     "offload/grads.py",
+     "            waits.append(earlier[1])  # the previous pass's sum",
+     "            pass  # the previous pass's sum"),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("B6+R7", "on-demand fetch: neither empty()'s wait nor the boundary orders the H2D after compute", "+",
      "B6+R7", ""),

@@ -16,7 +16,7 @@ import offload
 from budgets import with_headroom
 from loops import ADAMW
 from models import CASES, Batch, Case, run
-from offload.backend.cuda import StreamError
+from offload.errors import StreamError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 on_cuda = pytest.mark.parametrize("device", ["cuda"], indirect=True)  # conftest's fixture: fp32 means fp32

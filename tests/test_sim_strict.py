@@ -15,7 +15,7 @@ from fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 from loops import ADAMW, train_streamed
 from models import CASES, run
 from offload.backend import CUDABackend
-from offload.backend.cuda import StreamError
+from offload.errors import StreamError
 
 
 # -- AdamW on the host and the next copies --------------------------------------------------------------------

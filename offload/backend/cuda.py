@@ -101,14 +101,10 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ..chaos import ChaosConfig, chaos_delay
-from ..errors import OffloadError
+from ..errors import OffloadError, StreamError
 from .base import Event, HostEvent
 
 __all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry", "StreamError"]
-
-
-class StreamError(OffloadError):
-    """The engine's forward ran on a different CUDA stream than before (see [Note: the compute stream])."""
 
 
 # cudaHostRegisterPortable: pinned for every CUDA context, not only the one current when registering (the
