@@ -49,6 +49,35 @@ def test_a_forward_between_backward_and_step_reads_the_updated_weights(simulated
         assert torch.equal(a, b)
 
 
+def test_accumulation_reuses_a_staging_copy_only_after_the_previous_add(simulated_gpu):
+    """overlap_optimizer=False, three backward passes per step, fp32: the first pass's grads land in the fp32
+    sum, the second's and third's in the bucket's pinned staging copy, which the CPU lane adds into the sum.
+    The third pass's D2H into that copy must wait for the add of the second (it reads the copy). The CPU
+    lane is slowed (20 ms before and after each item) so those adds have not run when the copies are issued.
+    Bit for bit with plain torch's accumulation (offload.AdamW(fused=False): torch's arithmetic)."""
+    simulated_gpu()
+    case, ref = CASES["mlp"](), CASES["mlp"]()
+    ref_opt = torch.optim.AdamW(ref.model.parameters(), foreach=False, **ADAMW)
+    opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
+    nbytes = sum(p.numel() * 4 for p in case.model.parameters())
+    engine = offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cpu",
+                          overlap_optimizer=False)
+    engine._runtime.cpu._before = lambda: time.sleep(0.02)  # read when the lane's thread starts: now
+    with engine:
+        for step in range(2):
+            for i in range(3):
+                batch = case.make_batch(3 * step + i)
+                engine.backward(case.loss_fn(run(engine, batch), batch))
+                ref.loss_fn(run(ref.model, batch), batch).backward()
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        state = engine.state_dict()["model"]
+    for name, want in ref.model.state_dict().items():
+        assert torch.equal(state[name], want), name
+
+
 # -- defect 2: a tied weight keeps one grad accumulator through the traced step ------------------------------
 
 
