@@ -535,23 +535,18 @@ def simulated_gpu(monkeypatch):
     """``use(backend_class=CUDABackend, **sim_options)``: engines wrapped from now on get a CUDA backend on a
     :class:`FakeCuda`, entered for the test (compute is watched); returns the list of backends made. The test
     fails if the simulation saw a race."""
-    import offload.api
     from offload.backend import CUDABackend
 
     sims: list[FakeCuda] = []
     with contextlib.ExitStack() as stack:
         def use(backend_class=CUDABackend, **options):
-            made = []
-
-            def make(device, chaos=None):
+            def make(device, chaos):
                 sim = stack.enter_context(FakeCuda(**options))
                 sims.append(sim)
                 kw = {} if chaos is None else {"chaos": chaos}
-                made.append(backend_class(torch.device("cpu"), api=sim, **kw))
-                return made[-1]
+                return backend_class(torch.device("cpu"), api=sim, **kw)
 
-            monkeypatch.setattr(offload.api, "make_backend", make)
-            return made
+            return use_backend(monkeypatch, make)
 
         yield use
     races = [r for sim in sims for r in sim.races]
@@ -559,12 +554,12 @@ def simulated_gpu(monkeypatch):
 
 
 def use_backend(monkeypatch, factory):
-    """Make every engine wrapped from now on (in this test) use ``factory(device)``'s backend instead of
-    ``make_backend``; returns the list of backends made, in order."""
+    """Make every engine wrapped from now on (in this test) use ``factory(device, chaos)``'s backend instead
+    of ``make_backend``; returns the list of backends made, in order."""
     made = []
 
     def make(device, chaos=None):
-        made.append(factory(device))
+        made.append(factory(device, chaos))
         return made[-1]
 
     monkeypatch.setattr(offload.api, "make_backend", make)

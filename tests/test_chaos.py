@@ -15,7 +15,7 @@ import torch
 
 import offload
 import offload.api
-from fake_cuda import FakeCuda
+from fake_cuda import FakeCuda, use_backend
 from loops import ADAMW, Trained, train_streamed
 from compare import assert_bitwise as assert_same_as_torch
 from models import CASES, run
@@ -101,14 +101,7 @@ def test_plan_changes_bitwise_equal_under_chaos():
 
 
 def _use_backend(monkeypatch, factory):
-    made = []
-
-    def make(device, chaos=None):
-        made.append(factory(chaos))
-        return made[-1]
-
-    monkeypatch.setattr(offload.api, "make_backend", make)
-    return made
+    return use_backend(monkeypatch, lambda device, chaos: factory(chaos))
 
 
 def test_chaos_on_the_simulated_gpu_puts_sleeps_on_the_copy_streams(monkeypatch):

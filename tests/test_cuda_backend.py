@@ -256,7 +256,7 @@ class Recording(CUDABackend):
 
 
 def _use_backend(monkeypatch, factory):
-    return use_backend(monkeypatch, lambda device: factory())
+    return use_backend(monkeypatch, lambda device, chaos: factory())
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ class AllocatingCuda(FakeCuda):
 
 
 def _use_backend(monkeypatch, factory):
-    return use_backend(monkeypatch, lambda device: factory())
+    return use_backend(monkeypatch, lambda device, chaos: factory())
 
 
 def _weights(case) -> int:

@@ -43,7 +43,7 @@ class CopyLog(CUDABackend):
 
 
 def _use(monkeypatch, make):
-    return use_backend(monkeypatch, make)
+    return use_backend(monkeypatch, lambda device, chaos: make(device))
 
 
 def _simulated(monkeypatch):
