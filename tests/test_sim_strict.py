@@ -56,47 +56,36 @@ def test_accumulation_reuses_a_staging_copy_only_after_the_previous_add(simulate
     lane is slowed (20 ms before and after each item) so those adds have not run when the copies are issued.
     Bit for bit with plain torch's accumulation (offload.AdamW(fused=False): torch's arithmetic)."""
     simulated_gpu()
-    case, ref = CASES["mlp"](), CASES["mlp"]()
-    ref_opt = torch.optim.AdamW(ref.model.parameters(), foreach=False, **ADAMW)
-    opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
-    nbytes = sum(p.numel() * 4 for p in case.model.parameters())
-    engine = offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cpu",
-                          overlap_optimizer=False)
-    engine._runtime.cpu._before = lambda: time.sleep(0.02)  # read when the lane's thread starts: now
-    with engine:
-        for step in range(2):
-            for i in range(3):
-                batch = case.make_batch(3 * step + i)
-                engine.backward(case.loss_fn(run(engine, batch), batch))
-                ref.loss_fn(run(ref.model, batch), batch).backward()
-            opt.step()
-            opt.zero_grad()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        state = engine.state_dict()["model"]
-    for name, want in ref.model.state_dict().items():
-        assert torch.equal(state[name], want), name
+    state, want, _ = _lockstep_with_torch(CASES["mlp"], 2, accumulate=3, lane_delay=0.02)
+    for name, value in want.items():
+        assert torch.equal(state[name], value), name
 
 
 # -- defect 2: a tied weight keeps one grad accumulator through the traced step ------------------------------
 
 
-def _lockstep_with_torch(case_fn, steps, dtype=torch.float32, budget_frac=0.6):
+def _lockstep_with_torch(case_fn, steps, dtype=torch.float32, budget_frac=0.6, accumulate=1, lane_delay=None):
     """The engine (offload.AdamW(fused=False): torch's arithmetic) and plain PyTorch + torch.optim.AdamW on
-    the same batches; returns (engine's state, reference state, engine stats)."""
+    the same batches, ``accumulate`` backward passes a step (then with overlap_optimizer=False); returns
+    (engine's state, reference state, engine stats). ``lane_delay``: seconds the engine's CPU lane sleeps
+    before and after each item, so its work lags behind the copies."""
     ref, case = case_fn(), case_fn()
     ref_opt = torch.optim.AdamW(ref.model.parameters(), foreach=False, **ADAMW)
     opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
+    deferred = {"overlap_optimizer": False} if accumulate > 1 else {}
     engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
-                          dtype=dtype, device="cpu")
+                          dtype=dtype, device="cpu", **deferred)
+    if lane_delay is not None:
+        engine._runtime.cpu._before = lambda: time.sleep(lane_delay)  # read when the lane's thread starts: now
     with engine:
         for step in range(steps):
-            batch = case.make_batch(step)
-            engine.backward(case.loss_fn(run(engine, batch), batch))
+            for i in range(accumulate):
+                batch = case.make_batch(accumulate * step + i)
+                engine.backward(case.loss_fn(run(engine, batch), batch))
+                ref.loss_fn(run(ref.model, batch), batch).backward()
             opt.step()
             opt.zero_grad()
-            ref.loss_fn(run(ref.model, batch), batch).backward()
             ref_opt.step()
             ref_opt.zero_grad()
         state, stats = engine.state_dict()["model"], engine.memory_stats()
