@@ -1,13 +1,13 @@
 """Arena planner against its lower bound (max live bytes), on plans from real model traces and on random
 interval sets, and how long planning takes.
 
-Model plans: GPT-2 1.5B (gpt2-xl), BERT-large and GPT-3 6.7B (``offload.presets``) are built on the meta device,
-one training step is traced the way the engine traces it (``offload.metatrace``), parameters are bucketed
+Model plans: GPT-2 1.5B (gpt2-xl), BERT-large and GPT-3 6.7B (``offload.tools.presets``) are built on the meta device,
+one training step is traced the way the engine traces it (``offload.tools.metatrace``), parameters are bucketed
 (32 MiB of bf16, the default) and the device
 buffers of each schedule strategy (everything streamed), and of ``build_plan`` at half the streamed
 weights' size as budget (some buckets resident), are laid out. Random: 1,000 interval sets of three kinds,
 plus one of 10,000 buffers for the time goal. The C++ layout is checked against the Python reference
-(offload/arena_reference.py) wherever the reference is fast enough.
+(offload/planning/_reference.py) wherever the reference is fast enough.
 
     python benchmarks/arena_planner.py --json benchmarks/results/cpu-<date>/arena_planner.json
 
@@ -26,16 +26,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from common import describe, machine, median, print_table, write_json  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from common import describe, machine, median, print_table, write_json  # noqa: E402
-from offload import arena_reference  # noqa: E402
-from offload.buckets import locate, make_buckets  # noqa: E402
-from offload.hw import load_hw  # noqa: E402
-from offload.memory import Interval, plan_arena  # noqa: E402
-from offload.metatrace import trace_meta  # noqa: E402
-from offload.presets import MODELS, preset_inputs  # noqa: E402
-from offload.schedule import ARENA_ALIGN, STRATEGIES, _intervals, _layout, build_plan  # noqa: E402
+from offload.planning import _reference as arena_reference  # noqa: E402
+from offload.planning.arena import Interval, plan_arena  # noqa: E402
+from offload.planning.buckets import locate, make_buckets  # noqa: E402
+from offload.planning.hw import load_hw  # noqa: E402
+from offload.planning.schedule import (  # noqa: E402
+    ARENA_ALIGN,
+    STRATEGIES,
+    _intervals,
+    _layout,
+    build_plan,
+)
+from offload.tools.metatrace import trace_meta  # noqa: E402
+from offload.tools.presets import MODELS, preset_inputs  # noqa: E402
 
 MODEL_NAMES = ("gpt2-xl", "bert-large", "gpt3-6.7b")  # GPT-2 1.5B, BERT-large, a 6.7B GPT
 
@@ -54,7 +60,7 @@ def model_interval_sets(name: str, seq: int) -> list[tuple[str, list[Interval]]]
     for strategy in STRATEGIES:
         specs_, _ = _layout(trace, buckets, ITEMSIZE, frozenset(), _intervals(trace, buckets, bucket_of, strategy))
         out.append((f"{name}: {strategy.name}, all streamed", [Interval(x[4], x[2], x[3]) for x in specs_]))
-    # The scheduler's own plan (offload.schedule.build_plan) with half the weights' size as budget.
+    # The scheduler's own plan (offload.planning.schedule.build_plan) with half the weights' size as budget.
     half = sum(b.nbytes(ITEMSIZE) for b in buckets) // 2
     plan = build_plan(trace, buckets, itemsize=ITEMSIZE, budget_bytes=half + trace.activation_peak_bytes
                       + trace.max_grad_bytes, fixed_bytes=0, hw=load_hw("pcie4"))

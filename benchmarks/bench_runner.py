@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench_systems import PACKAGE, RESIDENT_BYTES_PER_PARAM, precheck  # noqa: E402
 from common import cpu_model  # noqa: E402
+
 from offload.config import format_bytes  # noqa: E402
 
 LOG_TAIL = 3000  # characters of a failed child's output kept in the result

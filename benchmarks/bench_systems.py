@@ -8,7 +8,7 @@ result (a JSON object) goes to ``RESULT_PATH``, whether the run worked or not. T
 system's OOM, crash or hang cannot take the others with it, and so its peak GPU memory and peak host
 RSS are its own.
 
-Every system trains the same model (``offload.presets``-style transformer, random init, synthetic tokens)
+Every system trains the same model (``offload.tools.presets``-style transformer, random init, synthetic tokens)
 with AdamW and bf16 compute over fp32 master weights, and no activation checkpointing for anyone (the
 same setting for every system; this engine's ``activation_checkpointing`` stays off):
 
@@ -50,7 +50,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for `offload`
 
-from offload.presets import Shape, Transformer  # noqa: E402
+from offload.tools.presets import Shape, Transformer  # noqa: E402
 
 SYSTEMS = ("offload", "zero_offload", "zero3_offload", "torchao", "torch", "gemini")
 PACKAGE = {"zero_offload": "deepspeed", "zero3_offload": "deepspeed", "torchao": "torchao",
@@ -200,7 +200,7 @@ def sys_offload(spec, device, idx):
         engine.zero_grad()
 
     def details():
-        from offload.schedule import least_traffic
+        from offload.planning.schedule import least_traffic
 
         stats = engine.memory_stats()
         plan = engine._runtime.plan  # not public API: the plan the runtime executes
@@ -216,8 +216,8 @@ def sys_offload(spec, device, idx):
             out["predicted_step_s"] = plan.simulated.step_s if plan.simulated is not None else None
             out["planned_with_hw"] = plan.hw_name
             if spec.get("hw"):
-                from offload.hw import load_hw
-                from offload.schedule import simulate_plan
+                from offload.planning.hw import load_hw
+                from offload.planning.schedule import simulate_plan
 
                 out["predicted_step_s_hw"] = simulate_plan(plan, load_hw(spec["hw"])).step_s
             out["traced_compute_s"] = sum(t.compute_seconds)

@@ -5,7 +5,7 @@ The same work, per parameter: read the fp32 master, the grad (bf16 by default), 
 master, m, v and a bf16 copy of the new master. Bytes touched per parameter: 4+2+4+4 read, 4+4+4+2 written
 = 28 with bf16 grads (32 with fp32 grads).
 
-    (a) offload    offload.cpu_adam.adamw_step(..., lowp_out=bf16 copy): one pass
+    (a) offload    offload.host.cpu_adam.adamw_step(..., lowp_out=bf16 copy): one pass
     (b) torch      grad bf16 -> fp32 copy, torch.optim.AdamW(fused=True).step(), master -> bf16 copy
     (c) deepspeed  grad bf16 -> fp32 copy, deepspeed.ops.adam.DeepSpeedCPUAdam.step() (JIT-built), master ->
                    bf16 copy, when deepspeed is installed
@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
+from common import describe, machine, median, print_table, write_json  # noqa: E402
+from offload.host.cpu_adam import adamw_step, kernel_info  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from common import describe, machine, median, print_table, write_json  # noqa: E402
 from offload import _C  # noqa: E402
-from offload.cpu_adam import adamw_step, kernel_info  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -2,7 +2,7 @@
 back 8 GiB, and OS allocations per step in steady state.
 
 * Bucket mix: the host regions the engine asks for (fp32 master, bf16 copy, grad, m and v of every bucket;
-  ``offload.buckets.host_layout``) for ``offload.presets`` models (BERT-large, GPT-2 1.5B = gpt2-xl, GPT-3
+  ``offload.planning.buckets.host_layout``) for ``offload.tools.presets`` models (BERT-large, GPT-2 1.5B = gpt2-xl, GPT-3
   6.7B) built on the meta device and bucketed at 32 MiB of bf16.
   ``offload``: one exact-size arena (cpp/pinned_arena), created for real where the machine has the RAM.
   ``pow2_rule``: what a per-request allocator that rounds up to a power of two reserves (torch's
@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
+from common import describe, machine, print_table, write_json  # noqa: E402
+from offload.host.arena import HostArena  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from common import describe, machine, print_table, write_json  # noqa: E402
-from offload.buckets import ParamSpec, host_layout, make_buckets  # noqa: E402
-from offload.memory import HostArena  # noqa: E402
-from offload.presets import MODELS  # noqa: E402
+from offload.planning.buckets import ParamSpec, host_layout, make_buckets  # noqa: E402
+from offload.tools.presets import MODELS  # noqa: E402
 
 GiB = 1 << 30
 BUCKET_BYTES = 32 << 20
@@ -173,7 +173,7 @@ def big_cases(nbytes: int, threads: int, rounds: int) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--models", default="bert-large,gpt2-xl,gpt3-6.7b", help="offload.presets names")
+    ap.add_argument("--models", default="bert-large,gpt2-xl,gpt3-6.7b", help="offload.tools.presets names")
     ap.add_argument("--big-gib", type=float, default=8.0, help="size of the allocate+touch case")
     ap.add_argument("--threads", type=int, default=0, help="touch threads (0: every core)")
     ap.add_argument("--rounds", type=int, default=3, help="times each 8 GiB variant runs (alloc_s: the fastest)")

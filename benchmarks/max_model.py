@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from bench_runner import gib, machine, not_startable, run_child, size_label, write_json  # noqa: E402
+from bench_systems import SYSTEMS  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench_runner import gib, machine, size_label, not_startable, run_child, write_json  # noqa: E402
-from bench_systems import SYSTEMS  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
-from offload.presets import Shape  # noqa: E402
+from offload.tools.presets import Shape  # noqa: E402
 
 TOO_BIG = {"oom", "budget_too_small", "host_oom", "crashed", "skipped"}
 WIDTH = dict(kind="gpt3", vocab=50257, n_ctx=2048, d=2560, n_head=32, ffn=4 * 2560)  # GPT-3 2.7B's width

@@ -1,9 +1,9 @@
 """Simulated step time of the greedy scheduler against other engines' placement rules and the physical
 bound, on traces of real model shapes (built on the meta device: no weights, no GPU).
 
-For each model, hardware preset and budget, every policy of ``offload.baselines`` runs on the same
+For each model, hardware preset and budget, every policy of ``offload.tools.baselines`` runs on the same
 simulator with the same trace, buckets and compute times. Compute times are *estimated* from each
-operator's FLOPs and bytes on the preset's assumed device roofline (see ``offload/hw.py``); the hardware
+operator's FLOPs and bytes on the preset's assumed device roofline (see ``offload/planning/hw.py``); the hardware
 presets are nominal figures, not measurements. What is measured in this run: how long tracing and
 planning took on this machine.
 
@@ -31,15 +31,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from offload.baselines import POLICIES, Case
-from offload.buckets import ParamSpec, make_buckets
 from offload.config import format_bytes, parse_bytes
-from offload.hw import PRESETS
-from offload.metatrace import trace_meta
-from offload.presets import MODELS, preset_inputs
-from offload.schedule import build_plan, least_traffic
-from offload.simulate import physical_bound
-from offload.trace import EventKind, Recorder
+from offload.planning.buckets import ParamSpec, make_buckets
+from offload.planning.hw import PRESETS
+from offload.planning.schedule import build_plan, least_traffic
+from offload.planning.simulate import physical_bound
+from offload.planning.trace import EventKind, Recorder
+from offload.tools.baselines import POLICIES, Case
+from offload.tools.metatrace import trace_meta
+from offload.tools.presets import MODELS, preset_inputs
 
 CASES = (("gpt2-xl", 1, 1024), ("gpt3-6.7b", 1, 2048), ("bert-large", 8, 512))
 FRACTIONS = (0.10, 0.25, 0.50)

@@ -1,6 +1,6 @@
 """Does the simulator predict the runtime? On the CPU backend with throttled copy lanes (a copy of n bytes
 takes n / bandwidth, the lane sleeping off the CPU), train an MLP under a budget that forces streaming,
-and compare the measured step time with what ``offload.simulate`` predicts for the plan the runtime
+and compare the measured step time with what ``offload.planning.simulate`` predicts for the plan the runtime
 executes.
 
 Inputs of the prediction, all measured in this run: compute seconds per event from a step of the same
@@ -30,9 +30,9 @@ from torch import nn
 
 import offload
 from offload.backend.cpu import CPUBackend
-from offload.hw import HardwareModel, latency_curve
-from offload.probe import cpu_adam_params_per_s
-from offload.schedule import simulate_plan
+from offload.planning.hw import HardwareModel, latency_curve
+from offload.planning.schedule import simulate_plan
+from offload.tools.probe import cpu_adam_params_per_s
 
 
 def mlp(width: int, depth: int) -> nn.Module:

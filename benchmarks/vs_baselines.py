@@ -10,7 +10,7 @@ its status and error, never dropped. A run whose resident parameters alone excee
 torch 16 B/param, torchao 4, ZeRO-2 2) is recorded as ``skipped`` without spending GPU time (``--no-skip``
 runs it anyway).
 
-For this engine each result also carries the physical bound of its step (``offload.simulate.physical_bound``
+For this engine each result also carries the physical bound of its step (``offload.planning.simulate.physical_bound``
 over the least traffic of the plan it ran: max(compute, H2D bytes / peak H2D, D2H bytes / peak D2H, CPU
 AdamW)) with the compute part *measured* in a separate child (forward + backward, bf16 weights resident,
 no optimizer, no budget cap) and the link / AdamW parts from ``--hw`` (``offload probe --json`` output for
@@ -38,16 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+from bench_runner import gib, machine, not_startable, run_child, size_label, write_json  # noqa: E402
+from bench_systems import SYSTEMS  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench_runner import gib, machine, size_label, not_startable, run_child, write_json  # noqa: E402
-from bench_systems import SYSTEMS  # noqa: E402
 from offload.config import parse_bytes  # noqa: E402
-from offload.hw import load_hw  # noqa: E402
-from offload.presets import MODELS as PRESETS  # noqa: E402
-from offload.presets import Shape  # noqa: E402
-from offload.simulate import physical_bound  # noqa: E402
+from offload.planning.hw import load_hw  # noqa: E402
+from offload.planning.simulate import physical_bound  # noqa: E402
+from offload.tools.presets import MODELS as PRESETS  # noqa: E402
+from offload.tools.presets import Shape  # noqa: E402
 
 # model -> (shape, batch, seq). Batch and sequence are fixed per model and small enough that activations
 # (no checkpointing) leave room in the 8 GiB budget for the larger models to be streamed at all.

@@ -14,7 +14,7 @@
 // and best fit cannot put a buffer into the slot of one a few KiB smaller; rounded, they share slots
 // (GPT-2 1.5B's keep-within-phase plan: 1.084x the lower bound exact, 1.004x with size classes). The
 // smallest of the six arenas wins (ties: the first in heuristic order).
-// The Python reference in offload/arena_reference.py must return exactly the same offsets.
+// The Python reference in offload/planning/_reference.py must return exactly the same offsets.
 #pragma once
 
 #include <cstdint>

@@ -100,7 +100,7 @@ std::int64_t arena_lower_bound_columns(const IntColumn& sizes, const IntColumn& 
 }
 
 // Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit,
-// divided by zero), the two per-item results as numpy arrays; offload/simulate.py builds the SimResult.
+// divided by zero), the two per-item results as numpy arrays; offload/planning/simulate.py builds the SimResult.
 py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_event, const SecondsArray& h2d_solo,
                          const IndexArray& wait_ptr, const IndexArray& wait_copy, const IndexArray& d2h_event,
                          const SecondsArray& d2h_solo, const SecondsArray& adam_s, bool adam_after_backward,
@@ -237,7 +237,7 @@ offload::ScalarType scalar_type(const std::string& name, const char* what) {
   throw std::invalid_argument(std::string(what) + " must be 'float32', 'bfloat16' or 'float16', got '" + name + "'");
 }
 
-// Pointers arrive as integers (tensor.data_ptr()); the Python wrapper (offload/cpu_adam.py) checks
+// Pointers arrive as integers (tensor.data_ptr()); the Python wrapper (offload/host/cpu_adam.py) checks
 // dtypes, lengths, contiguity and overlap before calling. lowp_dtype is read only when lowp_out is set.
 offload::AdamWBuffers make_buffers(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
                                    std::uintptr_t grad, const std::string& grad_dtype, std::uintptr_t lowp_out,
@@ -378,7 +378,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("simulate_lanes", &simulate_lanes, py::arg("compute"), py::arg("h2d_event"), py::arg("h2d_solo"),
         py::arg("wait_ptr"), py::arg("wait_copy"), py::arg("d2h_event"), py::arg("d2h_solo"), py::arg("adam_s"),
         py::arg("adam_after_backward"), py::arg("duplex"),
-        "The step simulator's lane loop over flat arrays (see cpp/lane_sim.h and offload/simulate.py).");
+        "The step simulator's lane loop over flat arrays (see cpp/lane_sim.h and offload/planning/simulate.py).");
   m.def("latest_issue", &latest_issue, py::arg("deadline"), py::arg("duration"),
         "The latest copy placement's backward pass (see cpp/schedule_kernels.h).");
   py::class_<GreedyKernel>(m, "GreedyKernel",

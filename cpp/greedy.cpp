@@ -15,7 +15,7 @@ using i64 = std::int64_t;
 // numpy's order for floats (its sorts and searchsorted): NaN after every number.
 inline bool np_less(double a, double b) { return a < b || (b != b && a == a); }
 
-// Range maximum over a fixed array (what offload/schedule.py's `_MaxTable` answers; integer maxima are exact
+// Range maximum over a fixed array (what offload/planning/schedule.py's `_MaxTable` answers; integer maxima are exact
 // however taken): blocks of 64 with each block's prefix and suffix maxima, and a sparse table over the block
 // maxima, so that it builds in O(n) and answers a range within one block by a scan.
 class MaxTable {

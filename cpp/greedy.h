@@ -1,4 +1,4 @@
-// The greedy scheduler's move sequence (offload/schedule.py `_Greedy.candidates_reference`) in C++: for
+// The greedy scheduler's move sequence (offload/planning/schedule.py `_Greedy.candidates_reference`) in C++: for
 // one copy mode, every point from "everything streamed" on, each placed, profiled, simulated (the lanes of
 // cpp/lane_sim) and followed by its batch of moves, until a point exceeds the capacity or no move is left.
 // The Python loop is the reference (tests/test_greedy_kernel.py compares every field of every point).

@@ -1,4 +1,4 @@
-// The step simulator's lane loop (offload/simulate.py `simulate`) in C++: the same arithmetic in the
+// The step simulator's lane loop (offload/planning/simulate.py `simulate`) in C++: the same arithmetic in the
 // same order, so results are bitwise those of the Python reference (the loop has no multiply-add the
 // compiler could contract: the build targets baseline x86-64/arm64 flags without -ffast-math). The Python side turns a Program into flat arrays, looking the per-copy seconds up in
 // the HardwareModel; this only runs the four lanes. Tested against the reference in tests/test_simulate.py.

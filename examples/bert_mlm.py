@@ -17,12 +17,21 @@ import sys
 import time
 
 import torch
+from _common import (
+    add_run_args,
+    checkpointing,
+    default_budget,
+    format_bytes,
+    import_transformers,
+    load_stdlib_source,  # examples/_common.py, next to this file
+    loss_trend,
+    progress_columns,
+    setup,
+)
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 
 import offload
-from _common import (add_run_args, checkpointing, default_budget, format_bytes, import_transformers,
-                     load_stdlib_source, loss_trend, progress_columns, setup)  # examples/_common.py, next to this file
 
 PAD, MASK, CLS, SEP = 256, 257, 258, 259
 VOCAB = 260

@@ -25,15 +25,24 @@ import sys
 import time
 
 import torch
+from _common import (  # next to this file
+    add_run_args,
+    checkpointing,
+    default_budget,
+    format_bytes,
+    get_batch,
+    load_stdlib_source,
+    loss_trend,
+    progress_columns,
+    setup,
+)
+from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 from torch import nn
 
 import offload
-from _common import (add_run_args, checkpointing, default_budget, format_bytes, get_batch,  # next to this file
-                     load_stdlib_source, loss_trend, progress_columns, setup)
-from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
 console = Console()
 

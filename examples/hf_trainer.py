@@ -20,10 +20,14 @@ import argparse
 import sys
 
 import torch
+from _common import (  # examples/_common.py, next to this file
+    format_bytes,
+    import_transformers,
+    load_stdlib_source,
+)
 from rich.console import Console
 
 import offload
-from _common import format_bytes, import_transformers, load_stdlib_source  # examples/_common.py, next to this file
 
 console = Console()
 

@@ -27,13 +27,24 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _common import (
+    add_run_args,
+    checkpointing,
+    default_budget,
+    format_bytes,
+    get_batch,
+    import_transformers,
+    load_stdlib_source,  # examples/_common.py, next to this file
+    loss_trend,
+    plan_budget,
+    progress_columns,
+    setup,
+)
+from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 from rich.console import Console
 from rich.progress import Progress, TextColumn
 
 import offload
-from _common import (add_run_args, checkpointing, default_budget, format_bytes, get_batch, import_transformers,
-                     load_stdlib_source, loss_trend, plan_budget, progress_columns, setup)  # examples/_common.py, next to this file
-from gpt import GPT, GPTConfig  # examples/gpt.py, next to this file
 
 VAL_BATCHES = 8  # batches in one validation-loss estimate (always the same ones)
 

@@ -6,13 +6,19 @@
 """
 
 from .api import Engine, wrap
-from .chaos import ChaosConfig
 from .config import LossScaleConfig, OffloadConfig, format_bytes, parse_bytes
-from .errors import (BudgetTooSmallError, CheckpointError, HostMemoryError, OffloadError, OffloadWarning,
-                     StreamError)
+from .errors import (
+                     BudgetTooSmallError,
+                     CheckpointError,
+                     HostMemoryError,
+                     OffloadError,
+                     OffloadWarning,
+                     StreamError,
+)
 from .optim import AdamW
 from .summary import memory_line, memory_table, print_memory
-from .timeline import Timeline
+from .testing.chaos import ChaosConfig
+from .tools.timeline import Timeline
 
 __all__ = [
     "AdamW",

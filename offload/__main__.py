@@ -1,5 +1,5 @@
 """``python -m offload ...``: the same as the ``offload`` console script."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

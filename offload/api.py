@@ -9,11 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint, faults, guards, timeline
+from . import persist
 from .backend import make_backend
 from .config import OffloadConfig
 from .optim import AdamW
-from .runtime import Runtime
+from .runtime import faults, guards
+from .runtime.core import Runtime
+from .tools import timeline
 
 # The one piece of process-wide state: which modules are wrapped right now, so that wrapping one twice
 # (or a module that shares parameters with a wrapped one) fails loudly instead of corrupting both.
@@ -93,7 +95,7 @@ class Engine:
             loss = loss * rt.scaler.scale
         try:
             loss.backward(**kwargs)
-        except BaseException as e:  # KeyboardInterrupt too: see offload/faults.py
+        except BaseException as e:  # KeyboardInterrupt too: see offload/runtime/faults.py
             faults.abort_backward(rt, e)
             raise
         finally:
@@ -160,7 +162,7 @@ class Engine:
         or chrome://tracing) and return it: a track per lane (compute with module calls nested, H2D copies,
         D2H copies, CPU AdamW; one slice per bucket copy or update) and a counter of device bytes against the
         budget. Call it after a training step, before the next forward. ``.plot_memory("mem.png")`` on the
-        result draws the memory line (needs matplotlib). See offload/timeline.py."""
+        result draws the memory line (needs matplotlib). See offload/tools/timeline.py."""
         self._check_open()
         names = [name for name, _ in self.module.named_modules()]
         result = timeline.measured(self._runtime, names)
@@ -215,13 +217,13 @@ class Engine:
         AdamW state, loss-scaler state, RNG states, and ``extra`` (e.g. an LR scheduler's state_dict).
         A crash or kill during the write leaves the previous file at ``path`` intact."""
         self._check_open()
-        checkpoint.save(self, path, extra)
+        persist.save(self, path, extra)
 
     def load(self, path: str | os.PathLike) -> dict | None:
         """Resume from a checkpoint written by :meth:`save`; returns its ``extra``. Training then goes on
         exactly as if it had not stopped (same weights, AdamW state, loss scale and RNG streams)."""
         self._check_open()
-        return checkpoint.load(self, path)
+        return persist.load(self, path)
 
     def _adopt_optimizer_state(self) -> None:
         self._runtime._adopt_optimizer_state()

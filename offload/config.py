@@ -10,8 +10,8 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-from .chaos import ChaosConfig
-from .hw import HardwareModel, load_hw
+from .planning.hw import HardwareModel, load_hw
+from .testing.chaos import ChaosConfig
 
 _UNITS = {
     "": 1, "b": 1,
@@ -123,9 +123,9 @@ class OffloadConfig:
     (as in ``model.named_modules()``), or a callable ``(name, module) -> bool``, checkpoints those always.
     None (default): nothing is checkpointed."""
     hw: HardwareModel | str | os.PathLike | None = None
-    """The machine the scheduler plans for: a :class:`offload.hw.HardwareModel`, a preset name (``"pcie3"``,
+    """The machine the scheduler plans for: a :class:`offload.planning.hw.HardwareModel`, a preset name (``"pcie3"``,
     ``"pcie4"``, ``"pcie5"``: nominal figures) or the path of the JSON that ``offload probe --json`` wrote
-    (measured). Resolved once, here, with :func:`offload.hw.load_hw`. ``None``: the ``pcie4`` preset."""
+    (measured). Resolved once, here, with :func:`offload.planning.hw.load_hw`. ``None``: the ``pcie4`` preset."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .cpu_adam import KERNEL_AVAILABLE, adamw_step
+from .host.cpu_adam import KERNEL_AVAILABLE, adamw_step
 
 
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -23,7 +23,7 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     The same operations, in the same order, as ``torch.optim.AdamW(foreach=False)``, so results agree to
     the bit on the same inputs (elementwise ops do not care that the tensors here are flat and span
     several parameters). Six passes over memory: the engine runs the fused C++ kernel
-    (``offload.cpu_adam.adamw_step``) instead unless ``offload.AdamW(fused=False)``.
+    (``offload.host.cpu_adam.adamw_step``) instead unless ``offload.AdamW(fused=False)``.
     """
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
@@ -41,9 +41,9 @@ class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay; fp32 state on the host. Param groups may set lr, betas, eps,
     weight_decay.
 
-    ``fused``: run the update with the fused C++ kernel (``offload.cpu_adam.adamw_step``: one pass over
+    ``fused``: run the update with the fused C++ kernel (``offload.host.cpu_adam.adamw_step``: one pass over
     memory, the 16-bit copy for the next host-to-device copy written in the same pass). ``None`` (default):
-    the kernel when it is built (``offload.cpu_adam.KERNEL_AVAILABLE``), else torch ops. ``False``: torch
+    the kernel when it is built (``offload.host.cpu_adam.KERNEL_AVAILABLE``), else torch ops. ``False``: torch
     ops (``adamw_``), the same operations as ``torch.optim.AdamW(foreach=False)``, so bit for bit the same
     numbers. See [Note: fused and torch numerics].
 
@@ -63,7 +63,7 @@ class AdamW(torch.optim.Optimizer):
             raise TypeError(f"fused must be None, True or False; got {fused!r}")
         elif fused and not KERNEL_AVAILABLE:
             raise RuntimeError("offload.AdamW(fused=True) needs the C++ kernel, which this build of offload._C "
-                               "lacks (offload.cpu_adam.KERNEL_AVAILABLE is False). Rebuild the package, or "
+                               "lacks (offload.host.cpu_adam.KERNEL_AVAILABLE is False). Rebuild the package, or "
                                "pass fused=None to use torch ops when it is missing")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:

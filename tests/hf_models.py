@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
-
 import transformers as tf
+from torch import nn
 
 VOCAB = 96
 SEQ = 8

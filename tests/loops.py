@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from models import Case, run
 
 import offload
-from models import Case, run
 
 ADAMW = dict(lr=3e-4, weight_decay=0.1)  # what train_streamed's engine trains with
 

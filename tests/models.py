@@ -20,9 +20,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from gpt import (  # examples/gpt.py (conftest.py puts examples/ on sys.path)
+    GPT,
+    GPTConfig,
+)
 from torch import nn
-
-from gpt import GPT, GPTConfig  # examples/gpt.py (conftest.py puts examples/ on sys.path)
 
 
 @dataclass

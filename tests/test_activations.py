@@ -1,9 +1,15 @@
-"""The activation planner (offload/activations.py): estimates by hand, and the greedy choice."""
+"""The activation planner (offload/planning/activations.py): estimates by hand, and the greedy choice."""
 
 import pytest
 
-from offload.activations import (ActivationProfile, BlockProfile, activation_bytes, checkpoint_hint,
-                                 choose_checkpoints, recompute_seconds)
+from offload.planning.activations import (
+    ActivationProfile,
+    BlockProfile,
+    activation_bytes,
+    checkpoint_hint,
+    choose_checkpoints,
+    recompute_seconds,
+)
 
 MB = 1 << 20
 

@@ -106,7 +106,7 @@ def test_budget_too_small_leaves_model_intact():
 
 
 def test_host_ram_too_small(monkeypatch):
-    import offload.host as host
+    import offload.host.state as host
     m = _mlp()
     engine = offload.wrap(m, offload.AdamW(m.parameters()), budget="1MiB", device="cpu")
     monkeypatch.setattr(host.psutil, "virtual_memory", lambda: SimpleNamespace(available=1000))

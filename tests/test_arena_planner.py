@@ -1,4 +1,4 @@
-"""The C++ arena planner against its pure-Python reference (offload/arena_reference.py)."""
+"""The C++ arena planner against its pure-Python reference (offload/planning/_reference.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import _C, arena_reference
-from offload.memory import ARENA_HEURISTICS, ArenaLayout, Interval, plan_arena
+from offload import _C
+from offload.planning import _reference as arena_reference
+from offload.planning.arena import ARENA_HEURISTICS, ArenaLayout, Interval, plan_arena
 
 # Deterministic (same examples every run) and no .hypothesis/ database in the working tree.
 PROPERTY_SETTINGS = settings(max_examples=200, derandomize=True, database=None, deadline=None)
 
 
-# --- reference: offload/arena_reference.py ----------------------------------------------------------
+# --- reference: offload/planning/_reference.py ----------------------------------------------------------
 
 
 def reference_plan(sizes, starts, ends, alignment, heuristic="best"):
@@ -324,14 +325,14 @@ def test_ten_thousand_buffers():
        st.sampled_from([1, 64, 256]))
 def test_columns_give_the_interval_layout(rows, alignment):
     """plan_arena_columns (what the scheduler calls, without Interval objects) is plan_arena."""
-    from offload.memory import plan_arena_columns
+    from offload.planning.arena import plan_arena_columns
     intervals = [Interval(size, start, start + length) for size, start, length in rows]
     assert plan_arena_columns([iv.size for iv in intervals], [iv.start for iv in intervals],
                               [iv.end for iv in intervals], alignment) == plan_arena(intervals, alignment)
 
 
 def test_columns_raise_the_interval_errors():
-    from offload.memory import plan_arena_columns
+    from offload.planning.arena import plan_arena_columns
     for cols, err, match in [(([8, 0], [0, 0], [1, 1]), ValueError, "size must be positive"),
                              (([8, 8], [0, 3], [1, 3]), ValueError, "must be greater than start"),
                              (([8.0], [0], [1]), TypeError, "must be an int"),
@@ -367,7 +368,7 @@ def test_many_buffers_on_threads_match_reference():
 def check_stop_at_bound(intervals: list[Interval], alignment: int = 256) -> tuple[ArenaLayout, ArenaLayout]:
     """plan_arena_columns(stop_at_bound=True) against the reference with the same stop and against the
     full run: the same offsets, total and heuristic; only the heuristics run are listed."""
-    from offload.memory import plan_arena_columns
+    from offload.planning.arena import plan_arena_columns
     cols = [[iv.size for iv in intervals], [iv.start for iv in intervals], [iv.end for iv in intervals]]
     full = plan_arena_columns(*cols, alignment)
     fast = plan_arena_columns(*cols, alignment, stop_at_bound=True)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from offload.baselines import POLICIES, Case
-from offload.buckets import make_buckets
-from offload.hw import PRESETS
-from offload.metatrace import trace_meta
-from offload.presets import MODELS, Shape, preset_inputs
+from offload.planning.buckets import make_buckets
+from offload.planning.hw import PRESETS
+from offload.tools.baselines import POLICIES, Case
+from offload.tools.metatrace import trace_meta
+from offload.tools.presets import MODELS, Shape, preset_inputs
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,16 @@
 """Bucketing and host layout (pure functions)."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from offload.buckets import HOST_ALIGN, PARAM_ALIGN, ParamSpec, host_layout, make_buckets
+from offload.planning.buckets import (
+    HOST_ALIGN,
+    PARAM_ALIGN,
+    ParamSpec,
+    host_layout,
+    make_buckets,
+)
 
 specs_st = st.lists(st.tuples(st.integers(1, 5000), st.sampled_from([None, 0, 1, 2])), min_size=1, max_size=60)
 

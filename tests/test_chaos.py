@@ -12,13 +12,13 @@ import threading
 
 import pytest
 import torch
+from compare import assert_bitwise as assert_same_as_torch
+from fake_cuda import FakeCuda, use_backend
+from loops import ADAMW, Trained, train_streamed
+from models import CASES, run
 
 import offload
 import offload.api
-from fake_cuda import FakeCuda, use_backend
-from loops import ADAMW, Trained, train_streamed
-from compare import assert_bitwise as assert_same_as_torch
-from models import CASES, run
 from offload.backend import CUDABackend
 
 CHAOS = offload.ChaosConfig(seed=0, max_delay_ms=2)
@@ -60,7 +60,7 @@ def test_chaos_config_validation():
 
 
 def test_chaos_delays_are_seeded_per_lane():
-    from offload.chaos import ChaosDelay
+    from offload.testing.chaos import ChaosDelay
     a, b = ChaosDelay(CHAOS, "h2d"), ChaosDelay(CHAOS, "h2d")
     seq = [a.draw() for _ in range(50)]
     assert seq == [b.draw() for _ in range(50)]
@@ -153,7 +153,7 @@ class _Null:
 def test_chaos_catches_a_missing_wait(monkeypatch):
     """Take one wait out of the runtime (the host-to-device copy a bucket's first use must wait for): with
     chaos on, the copies land late and the numbers change, so chaos mode does catch this class of bug."""
-    import offload.runtime as runtime
+    import offload.runtime.core as runtime
 
     def no_wait(self, b):  # _wait without waiting for the copy event
         if self.state[b] is runtime.Residency.HOST:

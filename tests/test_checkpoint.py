@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-
-import offload
 from gpt import GPT, GPTConfig
 from models import CASES, run
+
+import offload
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 

@@ -16,12 +16,12 @@ def test_probe_without_cuda_says_pcie_was_not_measured(tmp_path):
     assert "CPU AdamW" in r.stdout
     data = json.loads(out.read_text())
     assert data["cpu_adam_params_per_s"] > 0 and data["host_bytes_per_s"] > 0
-    from offload.cpu_adam import KERNEL_AVAILABLE
+    from offload.host.cpu_adam import KERNEL_AVAILABLE
     assert data["cpu_adam_impl"].startswith("fused C++") == KERNEL_AVAILABLE  # the engine's own update
     if not data["cuda"]:
         assert "not measured" in r.stdout and data["pcie"] is None
         assert data["hardware_model"]["measured"] is False
-    from offload.hw import load_hw
+    from offload.planning.hw import load_hw
     assert load_hw(out).adam_params_per_s == data["cpu_adam_params_per_s"]
 
 
@@ -33,9 +33,9 @@ def test_unknown_command_is_a_usage_error():
 
 def test_probe_times_both_update_paths():
     import pytest
+    from offload.host.cpu_adam import KERNEL_AVAILABLE
 
-    from offload.cpu_adam import KERNEL_AVAILABLE
-    from offload.probe import cpu_adam_params_per_s
+    from offload.tools.probe import cpu_adam_params_per_s
     assert cpu_adam_params_per_s(1 << 14, repeat=1, fused=False) > 0
     if KERNEL_AVAILABLE:
         assert cpu_adam_params_per_s(1 << 14, repeat=1, fused=True) > 0

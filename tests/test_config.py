@@ -87,7 +87,7 @@ def test_config_hw_takes_a_model_a_preset_or_a_probe_file(tmp_path):
     import json
     from dataclasses import replace
 
-    from offload.hw import PRESETS
+    from offload.planning.hw import PRESETS
     assert OffloadConfig(budget="1GiB").hw is None  # the scheduler's default (pcie4)
     assert OffloadConfig(budget="1GiB", hw="pcie5").hw == PRESETS["pcie5"]
     measured = replace(PRESETS["pcie4"], name="probe (test)", adam_params_per_s=1.5e8, measured=True)

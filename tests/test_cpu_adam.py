@@ -7,9 +7,14 @@ import platform
 
 import pytest
 import torch
+from offload.host.cpu_adam import (
+    KERNEL_AVAILABLE,
+    adamw_step,
+    adamw_step_reference,
+    kernel_info,
+)
 
 from offload import _C
-from offload.cpu_adam import KERNEL_AVAILABLE, adamw_step, adamw_step_reference, kernel_info
 from offload.optim import adamw_
 
 pytestmark = pytest.mark.skipif(not KERNEL_AVAILABLE, reason="offload._C was built without the CPU AdamW")

@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
+from budgets import with_headroom
+from models import CASES, run
+from offload.host.arena import HostArena
 from torch import nn
 
 import offload
-from budgets import with_headroom
-from models import CASES, run
 from offload.backend import CUDABackend, make_backend
-from offload.memory import HostArena
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.usefixtures("cuda_warm")]

@@ -11,16 +11,16 @@ import weakref
 
 import pytest
 import torch
+from fake_cuda import FakeCuda, SimulatedRace, simulated_gpu, use_backend  # noqa: F401 (a fixture)
+from loops import train_streamed
+from models import CASES
+from offload.host.arena import HostArena
 from torch import nn
 
 import offload
 import offload.api
-from fake_cuda import FakeCuda, use_backend, SimulatedRace, simulated_gpu  # noqa: F401 (a fixture)
-from loops import train_streamed
-from models import CASES
-from offload.backend import CPUBackend, CUDABackend, DONE, HostEvent, make_backend
+from offload.backend import DONE, CPUBackend, CUDABackend, HostEvent, make_backend
 from offload.backend.cuda import HostRegistry
-from offload.memory import HostArena
 
 
 def _backend(lazy=True):

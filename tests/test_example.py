@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import offload
 import pytest
+
+import offload
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,11 +3,11 @@ catch. What it shows of the runtime and the CUDA defects of issue 21 is in test_
 
 import pytest
 import torch
-
-import offload
 from fake_cuda import FakeCuda, SimulatedRace, simulated_gpu  # noqa: F401 (a fixture)
 from loops import train_streamed
 from models import CASES
+
+import offload
 from offload.backend import DONE, CUDABackend
 
 

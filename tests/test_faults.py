@@ -1,4 +1,4 @@
-"""Faults mid-step (offload/faults.py): an exception or KeyboardInterrupt inside forward or backward leaves
+"""Faults mid-step (offload/runtime/faults.py): an exception or KeyboardInterrupt inside forward or backward leaves
 the engine usable. After the fault a warning says what was discarded; device slots, gradient slots, saved
 activations and in-flight copies are all released; ``zero_grad()`` and the next steps give what plain
 PyTorch + torch.optim.AdamW gives after the same fault (the reference raises in the same place and is

@@ -13,12 +13,12 @@ import copy
 
 import pytest
 import torch
-
-import offload
 from compare import assert_bitwise, assert_losses_bitwise
 from gpt import GPT, GPTConfig
-from offload.buckets import HOST_ALIGN
-from offload.schedule import BufferKind
+
+import offload
+from offload.planning.buckets import HOST_ALIGN
+from offload.planning.schedule import BufferKind
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 STEPS = 6

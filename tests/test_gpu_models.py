@@ -10,12 +10,12 @@ import contextlib
 
 import pytest
 import torch
-from torch import nn
-
-import offload
 from budgets import with_headroom
 from loops import ADAMW
 from models import CASES, Batch, Case, run
+from torch import nn
+
+import offload
 from offload.errors import StreamError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -4,12 +4,12 @@ equal, on random traces, machines, compute times and capacities."""
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from offload.hw import PRESETS
-from offload.schedule import _C, MODES, _compute_times, _Greedy
-
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_schedule import _chain_trace, _compute, machines, traces
+
+from offload.planning.hw import PRESETS
+from offload.planning.schedule import _C, MODES, _compute_times, _Greedy
 
 pytestmark = pytest.mark.skipif(_C is None, reason="needs the built extension (offload._C)")
 

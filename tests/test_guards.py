@@ -10,11 +10,11 @@ import gc
 
 import pytest
 import torch
+from fake_cuda import FakeCuda
 from torch import nn
 
 import offload
 import offload.api
-from fake_cuda import FakeCuda
 from offload.backend import CUDABackend
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)

@@ -12,15 +12,15 @@ import gc
 
 import pytest
 import torch
+from fake_cuda import FakeCuda, FakeCudart, use_backend
+from loops import train_streamed
+from models import CASES, run
+from offload.host.arena import HostArena
 from torch import nn
 
 import offload
 import offload.api
-from fake_cuda import FakeCuda, FakeCudart, use_backend
-from loops import train_streamed
-from models import CASES, run
 from offload.backend import CPUBackend, CUDABackend, headroom_bytes, make_backend
-from offload.memory import HostArena
 
 WORKSPACE = 96 * 1024  # per cuBLAS handle (the main thread's, autograd's) in the simulation: 96 KiB
 

@@ -22,9 +22,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import offload  # noqa: E402
 from compare import FusedStepChecker, assert_bitwise, assert_losses_bitwise  # noqa: E402
 from hf_models import CASES, HFCase  # noqa: E402
+
+import offload  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -142,7 +143,7 @@ def test_hf_fused_kernel_steps_within_its_bound(name: str):
     """The default (fused C++) AdamW in the engine: at every step, from the engine's own weights and AdamW
     state, plain PyTorch + torch.optim.AdamW takes the same step; m and v must be bit for bit, the masters
     within the kernel's proven bound per element (tests/compare.py), key biases and all."""
-    if not offload.cpu_adam.KERNEL_AVAILABLE:
+    if not offload.host.cpu_adam.KERNEL_AVAILABLE:
         pytest.skip("the C++ kernel is not built")
     case = CASES[name]()
     checker = FusedStepChecker(case.model, ADAMW)

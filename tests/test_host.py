@@ -5,12 +5,12 @@ grad factors as its scale, the torch path against ``offload.optim.adamw_`` after
 
 import pytest
 import torch
+from offload.host.cpu_adam import KERNEL_AVAILABLE, adamw_step_reference
+from offload.host.state import HostState
 
-from offload.buckets import ParamSpec, make_buckets
-from offload.cpu_adam import KERNEL_AVAILABLE, adamw_step_reference
 from offload.errors import OffloadError
-from offload.host import HostState
 from offload.optim import adamw_
+from offload.planning.buckets import ParamSpec, make_buckets
 
 PATHS = [pytest.param(True, id="fused", marks=pytest.mark.skipif(not KERNEL_AVAILABLE, reason="kernel not built")),
          pytest.param(False, id="torch")]
@@ -148,8 +148,8 @@ def test_fp16_update_refuses_an_inf_grad_and_writes_nothing(fused):
 
 
 def test_fused_needs_the_kernel(monkeypatch):
-    import offload.host
-    monkeypatch.setattr(offload.host, "KERNEL_AVAILABLE", False)
+    import offload.host.state
+    monkeypatch.setattr(offload.host.state, "KERNEL_AVAILABLE", False)
     with pytest.raises(ValueError, match="kernel"):
         HostState(make_buckets(SPECS, range(len(SPECS)), 4 * 4000, 4), SPECS,
                   [torch.Size([s.numel]) for s in SPECS], None, fused=True)

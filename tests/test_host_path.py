@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-from torch import nn
-
-import offload
 from budgets import with_headroom
-import offload.api
 from fake_cuda import FakeCuda, use_backend
 from loops import train_streamed
 from models import CASES
+from torch import nn
+
+import offload
+import offload.api
 from offload.backend import CUDABackend
 
 

@@ -20,6 +20,7 @@ pytest.importorskip("accelerate")
 
 import hf_models  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
+
 import offload  # noqa: E402
 from offload.integrations.hf import OffloadTrainer, UnsupportedTrainingArgumentError  # noqa: E402
 

@@ -13,11 +13,11 @@ import weakref
 import psutil
 import pytest
 import torch
+from fake_cuda import FakeCuda
+from models import CASES, run
 
 import offload
 import offload.api
-from fake_cuda import FakeCuda
-from models import CASES, run
 from offload.backend import CUDABackend
 
 RSS_TOLERANCE = 8 * 2**20  # bytes of RSS growth allowed after step 10 (allocator noise; see the note)

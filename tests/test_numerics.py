@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-import offload
 from budgets import with_headroom
 from compare import FusedStepChecker, assert_bitwise, assert_losses_bitwise
 from models import CASES, Case, run
+
+import offload
 
 STEPS = 50
 EVAL_AFTER = (20, 35, 50)  # test_eval_mid_training evaluates after this many training steps
@@ -324,7 +324,7 @@ def test_fused_kernel_steps_within_its_bound(name: str):
     """The default (fused C++) AdamW in a streaming engine: at every step, from the engine's own weights and
     AdamW state, plain PyTorch + torch.optim.AdamW takes the same step on the same batch; m, v and the
     buffers must be bit for bit, the masters within the kernel's bound per element (tests/compare.py)."""
-    if not offload.cpu_adam.KERNEL_AVAILABLE:
+    if not offload.host.cpu_adam.KERNEL_AVAILABLE:
         pytest.skip("the C++ kernel is not built")
     case = CASES[name]()
     checker = FusedStepChecker(case.model, ADAMW)

@@ -15,9 +15,9 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from offload.host.arena import HostArena, numa_node_of_pci_device
 
 from offload import _C
-from offload.memory import HostArena, numa_node_of_pci_device
 
 MiB = 1 << 20
 HUGE_PAGE = 2 * MiB

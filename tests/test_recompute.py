@@ -1,4 +1,4 @@
-"""Activation checkpointing through the engine (offload/recompute.py, offload/activations.py).
+"""Activation checkpointing through the engine (offload/runtime/recompute.py, offload/planning/activations.py).
 
 A tiny GPT with a long sequence for its size: its saved activations (~4.2 MiB) are five times its
 parameters (~0.8 MiB), so activations are what overflows the budget. Checkpointing must not change a
@@ -12,11 +12,11 @@ import copy
 
 import pytest
 import torch
-
-import offload
 from compare import assert_bitwise
 from gpt import GPT, GPTConfig
-from offload.trace import EventKind
+
+import offload
+from offload.planning.trace import EventKind
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 BATCH, SEQ, VOCAB = 4, 64, 64
@@ -220,6 +220,7 @@ def test_simulated_gpu_bit_for_bit(monkeypatch, reference):
     """The CUDA backend's ordering rules (tests/fake_cuda.py: copies land as late as CUDA allows) with
     recomputes in backward: a recompute that read a slot before its copy would change the numbers."""
     from fake_cuda import FakeCuda
+
     from offload.backend.cuda import CUDABackend
     made = []
 
@@ -270,7 +271,7 @@ def test_auto_falls_back_when_no_checkpointing_does_not_plan(monkeypatch):
     """If running with no block checkpointed does not give a plan that fits after all, "auto" chooses from
     the warm-up as it would have without trying (forced here: the estimates of what a step without
     checkpointing holds say nothing; that step then goes over the budget, which is not checked)."""
-    import offload.recompute_hooks as hooks
+    import offload.runtime.recompute_hooks as hooks
     monkeypatch.setattr(hooks, "on_demand_bytes", lambda trace, buckets, itemsize: 0)
     monkeypatch.setattr(hooks, "activation_bytes", lambda profile, chosen: 0)
     run = train(make_model(), budget=BUDGET, steps=5, activation_checkpointing="auto")
@@ -295,11 +296,11 @@ def test_auto_warmup_within_a_budget_none_fits(monkeypatch, buckets_per_block):
     over a budget that activation_checkpointing=None runs in (2 x 128 GPT, 16 tokens, 0.7 x its fp32 weights:
     warm-up peak 1,484,552 > budget 1,131,468 at both bucket sizes; now 992,520), and "auto" refused it. Off
     plan, a recompute now saves stand-ins for the weight views and its backward fetches them as a call that is
-    not checkpointed does (see [Note: recomputed weights off plan] in offload/recompute.py): the warm-up stays
+    not checkpointed does (see [Note: recomputed weights off plan] in offload/runtime/recompute.py): the warm-up stays
     within the budget, "auto" then checkpoints nothing and runs like None, bit for bit."""
     weights = sum(p.numel() * 4 for p in _weights_dominated_gpt().parameters())
     budget, bucket_bytes = int(0.7 * weights), weights // (2 * buckets_per_block)
-    import offload.recompute_hooks as hooks
+    import offload.runtime.recompute_hooks as hooks
     standins = []
     monkeypatch.setattr(hooks, "_standin", lambda t, ref, make=hooks._standin: standins.append(ref) or make(t, ref))
     auto = train(_weights_dominated_gpt(), steps=3, data=_tokens(1), budget=budget, bucket_bytes=bucket_bytes,

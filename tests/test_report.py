@@ -10,21 +10,29 @@ import pytest
 import torch
 
 import offload
-from offload.buckets import make_buckets
-from offload.activations import activation_bytes
-from offload.hw import PRESETS
-from offload.metatrace import trace_meta
-from offload.presets import Shape
-from offload.report import (BREAKDOWN, FusedAttention, ReportError, Request, make_report, measure_activations,
-                            min_budget_bytes, model_source)
-from offload.schedule import build_plan
+from offload.planning.activations import activation_bytes
+from offload.planning.buckets import make_buckets
+from offload.planning.hw import PRESETS
+from offload.planning.schedule import build_plan
+from offload.tools.metatrace import trace_meta
+from offload.tools.presets import Shape
+from offload.tools.report import (
+    BREAKDOWN,
+    FusedAttention,
+    ReportError,
+    Request,
+    make_report,
+    measure_activations,
+    min_budget_bytes,
+    model_source,
+)
 
 MiB, GiB = 2**20, 2**30
 SMALL = Shape("gpt2", vocab=512, n_ctx=64, d=128, n_layer=4, n_head=4, ffn=512)  # ~1 M parameters
 
 FACTORIES = textwrap.dedent("""
     import torch
-    from offload.presets import Shape
+    from offload.tools.presets import Shape
 
     SMALL = Shape("gpt2", vocab=512, n_ctx=64, d=128, n_layer=4, n_head=4, ffn=512)
 
@@ -160,7 +168,7 @@ def test_unparsable_budget():
 def test_out_of_range_budget_is_a_usage_error(budget):
     """Like any other bad size: a ReportError marked usage (one line, exit status 2), not an OverflowError
     traceback ("1e400" is a float beyond range; issue 21, 2.9)."""
-    from offload import cli
+    from offload.tools import cli
     with pytest.raises(ReportError, match="--budget") as e:
         cli._request(cli.build_parser().parse_args(["report", "--model", "gpt2", f"--budget={budget}"]))
     assert e.value.usage
@@ -177,7 +185,7 @@ def test_bad_dtype_is_a_usage_error():
 
 
 def test_bad_hardware_and_unknown_factory_are_usage_errors(factories, monkeypatch):
-    from offload import cli
+    from offload.tools import cli
     with pytest.raises(ReportError, match="pcie9") as e:
         cli._request(cli.build_parser().parse_args(["report", "--model", "gpt2", "--budget", "8GiB", "--hw", "pcie9"]))
     assert e.value.usage
@@ -347,7 +355,7 @@ def test_report_error_for_a_model_that_cannot_run_on_meta(tmp_path, monkeypatch)
 
 ITEM_GPT = textwrap.dedent("""
     import torch
-    from offload.presets import Shape
+    from offload.tools.presets import Shape
 
     SMALL = Shape("gpt2", vocab=512, n_ctx=64, d=128, n_layer=4, n_head=4, ffn=512)
 

@@ -15,11 +15,11 @@ import copy
 
 import pytest
 import torch
+from budgets import with_headroom
 from torch import nn
 
 import offload
-from offload.schedule import validate_plan
-from budgets import with_headroom
+from offload.planning.schedule import validate_plan
 
 
 def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, device="cpu", fused=None, **kw):
@@ -251,7 +251,7 @@ def test_adamw_torch_update_matches_torch_bitwise():
     assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
 
 
-@pytest.mark.skipif(not offload.cpu_adam.KERNEL_AVAILABLE, reason="the C++ kernel is not built")
+@pytest.mark.skipif(not offload.host.cpu_adam.KERNEL_AVAILABLE, reason="the C++ kernel is not built")
 def test_adamw_fused_one_step_bound_against_torch():
     """One step from the same state: m and v bitwise, the master within the kernel's proven bound (1 ulp of
     the weight + 2 ulp of the update, tests/test_cpu_adam.py), and differing at all on few elements. (The

@@ -5,14 +5,21 @@ makes it slower, and it is never slower than streaming everything."""
 import gc
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from offload import BudgetTooSmallError
-from offload.baselines import Case, double_buffer
-from offload.buckets import ParamSpec, make_buckets
-from offload.hw import PRESETS, HardwareModel, latency_curve
-from offload.schedule import BufferKind, build_plan, plan_bound, simulate_plan, validate_plan
-from offload.trace import EventKind, Recorder
+from offload.planning.buckets import ParamSpec, make_buckets
+from offload.planning.hw import PRESETS, HardwareModel, latency_curve
+from offload.planning.schedule import (
+    BufferKind,
+    build_plan,
+    plan_bound,
+    simulate_plan,
+    validate_plan,
+)
+from offload.planning.trace import EventKind, Recorder
+from offload.tools.baselines import Case, double_buffer
 
 
 @st.composite
@@ -193,7 +200,7 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
     it, also when it raises."""
     trace, buckets = _chain_trace(8, 1000)
     seen = []
-    import offload.schedule as schedule
+    import offload.planning.schedule as schedule
     real = schedule._Greedy.candidates
 
     def spy(self, capacity):
@@ -312,8 +319,9 @@ def test_chain_plans_are_the_ones_recorded_before_the_speed_work(n, digest):
                           st.floats(0, 10) | st.sampled_from([0.0, -0.0])), max_size=60))
 def test_cpp_latest_issue_equals_the_python_reference_bitwise(rows):
     import numpy as np
+
     from offload import _C
-    from offload.schedule import _latest_issue_reference
+    from offload.planning.schedule import _latest_issue_reference
     if not hasattr(_C, "latest_issue"):
         pytest.skip("offload._C was built without latest_issue")
     deadline, duration = [d for d, _ in rows], [t for _, t in rows]
@@ -336,7 +344,7 @@ def _buffers(draw):
 @given(_buffers())
 def test_cpp_buffer_waits_equal_the_python_reference(case):
     from offload import _C
-    from offload.schedule import _after, _after_reference
+    from offload.planning.schedule import _after, _after_reference
     if not hasattr(_C, "last_occupants"):
         pytest.skip("offload._C was built without last_occupants")
     specs, offsets = case
@@ -345,7 +353,8 @@ def test_cpp_buffer_waits_equal_the_python_reference(case):
 
 def test_sparse_table_max_equals_brute_force():
     import numpy as np
-    from offload.schedule import _MaxTable
+
+    from offload.planning.schedule import _MaxTable
     rng = np.random.default_rng(0)
     for n in (1, 2, 3, 5, 8, 17, 100, 257):
         values = rng.integers(0, 1000, n)
@@ -358,7 +367,7 @@ def test_sparse_table_max_equals_brute_force():
 
 
 def test_fast_constructors_make_the_same_frozen_objects():
-    from offload.schedule import Buffer, EventActions, _maker
+    from offload.planning.schedule import Buffer, EventActions, _maker
     a = _maker(Buffer)(3, BufferKind.GRAD, 1, 5, 100, 256, (0, 2))
     b = Buffer(3, BufferKind.GRAD, 1, 5, 100, 256, (0, 2))
     assert a == b and hash(a) == hash(b) and repr(a) == repr(b) and type(a) is Buffer
@@ -373,7 +382,7 @@ def test_fast_constructors_make_the_same_frozen_objects():
 def test_layout_from_arrays_is_the_layout_from_intervals(case, hw, data):
     """The scheduler lays its chosen point out from arrays (_Greedy.layout): the same buffers, in the same
     order, and the same arena as _layout from the per-bucket intervals, at every simulated point."""
-    from offload.schedule import _Greedy, _layout
+    from offload.planning.schedule import _Greedy, _layout
     trace, buckets = case
     g = _Greedy(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
     for point in g.candidates(10**9):
@@ -384,7 +393,8 @@ def test_layout_from_arrays_is_the_layout_from_intervals(case, hw, data):
 def test_combined_key_sort_is_lexsort():
     """_lexsort (one stable argsort of a combined key) gives np.lexsort's permutation, ties included."""
     import numpy as np
-    from offload.schedule import _lexsort
+
+    from offload.planning.schedule import _lexsort
     rng = np.random.default_rng(1)
     for n in (0, 1, 7, 500):
         keys = (rng.integers(0, 3, n), rng.integers(0, 5, n), rng.integers(0, 4, n))  # many ties
@@ -398,8 +408,8 @@ def test_combined_key_sort_is_lexsort():
 @given(traces())
 def test_need_interval_arrays_are_the_merged_need_intervals(case):
     """_Greedy's need intervals, merged with numpy, are _need_intervals(merge_phase=False)."""
-    from offload.buckets import locate
-    from offload.schedule import _Greedy, _need_intervals
+    from offload.planning.buckets import locate
+    from offload.planning.schedule import _Greedy, _need_intervals
     trace, buckets = case
     g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], tuple(trace.compute_seconds))
     expected = _need_intervals(trace, locate(buckets)[0], merge_phase=False)
@@ -423,8 +433,9 @@ def test_grad_arrays_are_the_grad_intervals_of_the_event_loop(case, data):
     _Greedy's compute prefix sums (np.add.accumulate) are itertools.accumulate's, bitwise."""
     import itertools
     import struct
-    from offload.buckets import locate
-    from offload.schedule import _Greedy, _grad_info, _grad_info_reference
+
+    from offload.planning.buckets import locate
+    from offload.planning.schedule import _grad_info, _grad_info_reference, _Greedy
     trace, buckets = case
     bucket_of = locate(buckets)[0]
     got, want = _grad_info(trace, buckets, bucket_of), _grad_info_reference(trace, buckets, bucket_of)

@@ -9,14 +9,13 @@ import time
 
 import pytest
 import torch
-
-import offload
 from fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 from loops import ADAMW, train_streamed
 from models import CASES, run
+
+import offload
 from offload.backend import CUDABackend
 from offload.errors import StreamError
-
 
 # -- AdamW on the host and the next copies --------------------------------------------------------------------
 

@@ -7,9 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import simulate as simulate_module
-from offload.hw import PRESETS, HardwareModel, latency_curve, load_hw
-from offload.simulate import STEP_START, FlatWaits, Program, physical_bound, simulate
+from offload.planning import simulate as simulate_module
+from offload.planning.hw import PRESETS, HardwareModel, latency_curve, load_hw
+from offload.planning.simulate import (
+    STEP_START,
+    FlatWaits,
+    Program,
+    physical_bound,
+    simulate,
+)
 
 
 def _hw(bw=1000.0, duplex=1.0, adam=100.0):

@@ -1,4 +1,4 @@
-"""Timelines of a step (offload/timeline.py): ``Engine.export_timeline`` (measured) and the simulated step of a
+"""Timelines of a step (offload/tools/timeline.py): ``Engine.export_timeline`` (measured) and the simulated step of a
 plan (``offload report --timeline``), as Chrome-trace JSON whose slices match the plan."""
 
 from __future__ import annotations
@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import models
 import pytest
 import torch
-
-import models
-import offload
-import offload.timeline
 from loops import ADAMW
-from offload.hw import PRESETS
-from offload.schedule import BufferKind, program_of
-from offload.simulate import simulate, simulate_reference
-from offload.timeline import simulated
+
+import offload
+import offload.tools.timeline
+from offload.planning.hw import PRESETS
+from offload.planning.schedule import BufferKind, program_of
+from offload.planning.simulate import simulate, simulate_reference
+from offload.tools.timeline import simulated
 
 
 def _engine(case, budget_frac=0.6, **fields):
@@ -160,7 +160,7 @@ def test_plot_memory(tmp_path):
 
 FACTORY = """
 import torch
-from offload.presets import Shape
+from offload.tools.presets import Shape
 
 def small(batch, seq):
     shape = Shape("gpt2", vocab=512, n_ctx=64, d=128, n_layer=4, n_head=4, ffn=512)
@@ -174,7 +174,7 @@ def test_report_timeline_and_plot(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     (tmp_path / "tl_factory.py").write_text(FACTORY)
     monkeypatch.chdir(tmp_path)
-    from offload.cli import main
+    from offload.tools.cli import main
     status = main(["report", "--model", "tl_factory:small", "--budget", "3MiB", "--batch", "2", "--seq", "64",
                    "--bucket-bytes", "256KiB", "--host-ram", "1GiB", "--json", "--timeline", "step.json",
                    "--plot", "mem.png"])
@@ -192,7 +192,7 @@ def test_report_timeline_and_plot(tmp_path, monkeypatch, capsys):
 def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
-    tl = offload.timeline.Timeline("simulated", (), ((0.0, 1),), budget_bytes=2)
+    tl = offload.tools.timeline.Timeline("simulated", (), ((0.0, 1),), budget_bytes=2)
     with pytest.raises(offload.OffloadError, match="pip install matplotlib"):
         tl.plot_memory(tmp_path / "mem.png")
 
@@ -241,6 +241,7 @@ def test_export_timeline_on_the_simulated_gpu_says_which_lanes_have_no_times(mon
     """[Note: lane times on CUDA]: copies on CUDA streams record no host times. The CUDA backend (on the simulated
     GPU) gives a timeline with the compute and CPU AdamW lanes, empty copy lanes, and says so."""
     from fake_cuda import FakeCuda
+
     from offload.backend.cuda import CUDABackend
 
     monkeypatch.setattr(offload.api, "make_backend",

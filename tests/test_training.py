@@ -5,12 +5,12 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
-import offload
 from compare import assert_bitwise
 from loops import lockstep
 from models import CASES, Batch, run
+from torch import nn
+
+import offload
 
 # The fp32 comparisons run the engine with offload.AdamW(fused=False) and are bit for bit (see [Note: exact,
 # or within the kernel's bound] in tests/compare.py); the mixed-precision curves use lr 1e-3 so that 100
@@ -334,7 +334,7 @@ def test_fused_and_torch_updates_train_alike(dtype):
     """The engine's two host updates (the fused kernel, the default, and torch ops) in a 16-bit engine: each
     leaves the 16-bit host copy equal to its master rounded, and the two runs agree (they differ only by
     the kernel's IEEE sqrt: [Note: fused and torch numerics] in offload/optim.py)."""
-    if not offload.cpu_adam.KERNEL_AVAILABLE:
+    if not offload.host.cpu_adam.KERNEL_AVAILABLE:
         pytest.skip("the C++ kernel is not built")
     results = []
     for fused in (True, False):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..chaos import ChaosConfig
+from ..testing.chaos import ChaosConfig
 from .base import DONE, Event, HostEvent, Lane
 from .cpu import CPUBackend
 from .cuda import CUDABackend
@@ -14,7 +14,7 @@ __all__ = ["CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "h
 
 def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None):
     """The backend for ``device``: ``cpu`` (the asynchronous CPU stand-in) or ``cuda[:index]``; ``chaos``
-    puts random delays around its copies (see offload.chaos)."""
+    puts random delays around its copies (see offload.testing.chaos)."""
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:

@@ -67,7 +67,7 @@ class Lane:
 
     def __init__(self, name: str, before: Callable[[], None] | None = None) -> None:
         self.name = name
-        self._before = before  # called before and after each item (chaos delays, offload.chaos)
+        self._before = before  # called before and after each item (chaos delays, offload.testing.chaos)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False

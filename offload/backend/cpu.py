@@ -15,7 +15,7 @@ from typing import Iterable
 import psutil
 import torch
 
-from ..chaos import ChaosConfig, chaos_delay
+from ..testing.chaos import ChaosConfig, chaos_delay
 from .base import DONE, Event, HostEvent, Lane
 
 

@@ -100,8 +100,8 @@ from typing import Callable, Iterable
 import torch
 from torch.autograd.profiler import record_function
 
-from ..chaos import ChaosConfig, chaos_delay
 from ..errors import OffloadError, StreamError
+from ..testing.chaos import ChaosConfig, chaos_delay
 from .base import Event, HostEvent
 
 __all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry", "StreamError"]
@@ -311,7 +311,7 @@ class CUDABackend:
     def __init__(self, device: torch.device, api: CudaAPI | None = None, chaos: ChaosConfig | None = None) -> None:
         self.device = device
         self._api = api if api is not None else CudaAPI(device)
-        # Chaos mode: a random torch.cuda._sleep on the copy stream before and after every copy (offload.chaos).
+        # Chaos mode: a random torch.cuda._sleep on the copy stream before and after every copy (offload.testing.chaos).
         self._chaos = {"h2d": chaos_delay(chaos, "h2d"), "d2h": chaos_delay(chaos, "d2h")}
         self._compute = None  # bound at the first forward: see [Note: the compute stream]
         self._h2d = None  # created on first use: see _h2d_stream
@@ -398,7 +398,7 @@ class CUDABackend:
         return nan.expand(shape)
 
     def pin_host(self, arena) -> None:
-        """Page-lock ``arena`` (an :class:`offload.memory.HostArena`) once, at its exact size; undone by
+        """Page-lock ``arena`` (an :class:`offload.host.arena.HostArena`) once, at its exact size; undone by
         :meth:`close`. Call it after the arena's pages were first-touched (see [Note: pinning])."""
         self._check_open()
         with record_function("offload::pin_host"):

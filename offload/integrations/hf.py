@@ -1,6 +1,6 @@
 """``OffloadTrainer``: a ``transformers.Trainer`` whose model trains through an offload engine.
 
-    from offload.integrations.hf import OffloadTrainer
+    from .hf import OffloadTrainer
     trainer = OffloadTrainer(model=model, args=TrainingArguments(...), train_dataset=ds, offload_budget="8GiB")
     trainer.train()          # trainer.evaluate(), trainer.save_model(), trainer.train(resume_from_checkpoint=...)
 

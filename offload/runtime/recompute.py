@@ -29,7 +29,7 @@ over, so there is no stand-in, and the trace records the same events either way.
 
 The bytes a checkpointed call would have saved are measured in forward by a pack hook placed above
 checkpoint's own (it passes every tensor on), so a step that checkpoints a block still measures what not
-checkpointing it would cost (see ``offload/activations.py``).
+checkpointing it would cost (see ``offload/planning/activations.py``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ from typing import Callable
 
 import torch
 from torch import nn
+
 # The implementation of torch.utils.checkpoint.checkpoint(..., use_reentrant=False), as a generator that a
 # forward pre-hook enters and a forward hook finishes (what torch.distributed._composable.checkpoint does).
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
-from .activations import AUTO
+from ..planning.activations import AUTO
 
 
 def find_blocks(model: nn.Module) -> dict[int, str]:

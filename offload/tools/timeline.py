@@ -9,7 +9,7 @@ Two sources, one format:
   and end times their lane threads recorded (:class:`LaneLog`); the counter from the engine's device-byte
   accounting after every change.
 * :func:`simulated` (``offload report --timeline``): the cost model's step for a plan,
-  :func:`offload.simulate.simulate_reference` with its ``record`` of every piece of work.
+  :func:`offload.planning.simulate.simulate_reference` with its ``record`` of every piece of work.
 
 Tracks: ``compute`` (module calls nested as in the model, backward nodes, gradient events, stalls),
 ``H2D`` (one slice per bucket copy), ``D2H`` (one per bucket's gradient copy), ``CPU AdamW`` (one per
@@ -31,9 +31,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .errors import OffloadError
-from .schedule import program_of
-from .simulate import simulate_reference
+from ..errors import OffloadError
+from ..planning.schedule import program_of
+from ..planning.simulate import simulate_reference
 
 LANES = ("compute", "h2d", "d2h", "cpu_adam")
 _TRACK = {"compute": (1, "compute"), "stall": (1, "compute"), "h2d": (2, "H2D (host to device)"),

@@ -2,7 +2,7 @@
 the host as soon as the bucket's grads are final, summed over backward passes (accumulation), their norms
 for clipping, and the AdamW updates they feed (overlapped with backward, or deferred to ``step()``).
 
-A part of :class:`offload.runtime.Runtime`, split out by concern; its state is set up in
+A part of :class:`offload.runtime.core.Runtime`, split out by concern; its state is set up in
 ``Runtime.__init__`` and ``Runtime._reset_step``. Like the rest of the runtime it executes the plan
 (``plan.grad_buffer``) and touches streams only through the backend."""
 
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from ..errors import OffloadError
+from ..planning.trace import EventKind
 from . import faults, guards
-from .errors import OffloadError
-from .trace import EventKind
 
 
 class GradientsMixin:

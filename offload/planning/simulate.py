@@ -1,7 +1,7 @@
 """A discrete-event simulator of one training step (pure): compute, host-to-device, device-to-host and
 CPU lanes, from a :class:`Program` (what the step does, in lane terms) and a :class:`HardwareModel`.
 
-The lanes follow the runtime's rules (``offload/runtime.py``):
+The lanes follow the runtime's rules (``offload/runtime/core.py``):
 
 * compute runs the trace's events in order; at event ``i`` it first issues the copies the plan hangs
   there, then waits for the copies of the buckets event ``i`` needs, then computes for ``compute_s[i]``;
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 from .hw import HardwareModel
 
 try:
-    from . import _C
+    from .. import _C
 except ImportError:  # a source tree without the built extension: the Python reference runs
     _C = None
 
@@ -192,7 +192,7 @@ def simulate_reference(program: Program, hw: HardwareModel, record: list | None 
 
     ``record``: a list that gets one ``(lane, index, start, end)`` per piece of work (lanes ``"compute"``,
     ``"stall"``: event index; ``"h2d"``, ``"d2h"``, ``"adam"``: copy index), for a timeline of the step
-    (offload/timeline.py). The result does not depend on it.
+    (offload/tools/timeline.py). The result does not depend on it.
     """
     n = len(program.compute_s)
     h2d_solo = [hw.h2d_seconds(x) for x in program.h2d_bytes]
@@ -309,7 +309,7 @@ class Bound:
 def physical_bound(compute_s: float, h2d_bytes: int, d2h_bytes: int, adam_numel: int,
                    hw: HardwareModel) -> Bound:
     """``max(compute, H2D bytes / peak H2D, D2H bytes / peak D2H, CPU AdamW)`` for the least bytes any
-    plan must move (see :func:`offload.schedule.least_traffic`)."""
+    plan must move (see :func:`offload.planning.schedule.least_traffic`)."""
     parts = {"compute": compute_s, "h2d": h2d_bytes / hw.peak_h2d, "d2h": d2h_bytes / hw.peak_d2h,
              "cpu_adam": hw.adam_seconds(adam_numel)}
     limit = max(parts, key=parts.get)

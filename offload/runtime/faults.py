@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from .errors import OffloadError, OffloadWarning
+from ..errors import OffloadError, OffloadWarning
 
 
 def _describe(error: BaseException | None) -> str:
@@ -33,7 +33,7 @@ def _describe(error: BaseException | None) -> str:
 
 
 def abort_forward(rt, error: BaseException | None) -> None:
-    """The forward of ``rt`` (a :class:`offload.runtime.Runtime`) raised ``error`` (None: it was noticed
+    """The forward of ``rt`` (a :class:`offload.runtime.core.Runtime`) raised ``error`` (None: it was noticed
     later that a forward never finished): release what it fetched and warn."""
     streamed = sum(1 for b, slot in rt.slot.items() if not rt._is_resident(b, slot))
     tracing = rt.original is not None

@@ -1,8 +1,8 @@
-"""The runtime's side of activation checkpointing: what offload/recompute.py's ``Checkpointer`` calls back
+"""The runtime's side of activation checkpointing: what offload/runtime/recompute.py's ``Checkpointer`` calls back
 into while backward recomputes a checkpointed call (see its [Note: recompute and the parameter buckets]),
 and how "auto" chooses the blocks to checkpoint from the activations measured in the warm-up step.
 
-A part of :class:`offload.runtime.Runtime`, split out by concern; its state (``ckpt``, ``profile``,
+A part of :class:`offload.runtime.core.Runtime`, split out by concern; its state (``ckpt``, ``profile``,
 ``checkpoint_choice``, ``warmup``, ``recompute_*``, ``held``, ``reserve``) is set up in ``Runtime.__init__`` and
 ``Runtime._reset_step``."""
 
@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import torch
 
-from .activations import (AUTO, ActivationProfile, CheckpointChoice, activation_bytes, checkpoint_hint, choose_checkpoints,
-                          on_demand_bytes, profile_of, recompute_seconds)
-from .config import format_bytes
-from .errors import BudgetTooSmallError
+from ..config import format_bytes
+from ..errors import BudgetTooSmallError
+from ..planning.activations import (
+    AUTO,
+    ActivationProfile,
+    CheckpointChoice,
+    activation_bytes,
+    checkpoint_hint,
+    choose_checkpoints,
+    on_demand_bytes,
+    profile_of,
+    recompute_seconds,
+)
+from ..planning.schedule import budget_error, min_arena_bytes
+from ..planning.trace import EventKind, Trace
 from .param_access import _Busy, _UseDetector
-from .schedule import budget_error, min_arena_bytes
-from .trace import EventKind, Trace
-
 
 _STANDIN = "_offload_weight"  # attribute of a stand-in tensor: the weight view it stands for (a _ParamRef)
 
@@ -117,7 +125,7 @@ class RecomputeMixin:
     def _choose_checkpoints(self, trace: Trace) -> bool:
         """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
         budget from now on, none if nothing needs it (see [Note: auto and no checkpointing] in
-        offload/activations.py); later, when a plan does not fit: more blocks. True when that changes what
+        offload/planning/activations.py); later, when a plan does not fit: more blocks. True when that changes what
         is checkpointed."""
         if self.checkpoint_choice is None:  # after the warm-up
             plain = activation_bytes(self.profile, ())

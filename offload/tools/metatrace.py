@@ -3,7 +3,7 @@ runtime records in its warm-up step, activation bytes from the saved tensors, an
 *estimated* from a roofline: each operator takes ``max(FLOPs / device FLOP/s, bytes / device bytes/s)``
 with the hardware model's (assumed or measured) device figures.
 
-The events follow the runtime's rules (``offload/runtime.py``): a PRE/POST per module call, the
+The events follow the runtime's rules (``offload/runtime/core.py``): a PRE/POST per module call, the
 parameters each tensor op touches charged to the innermost active call, an UNPACK per backward node that
 reads saved parameters, a GRAD per parameter gradient; saved activations count while autograd holds them,
 once per storage, inside the root module's forward.
@@ -20,9 +20,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .buckets import ParamSpec
-from .hw import HardwareModel
-from .trace import Recorder, Trace
+from ..planning.buckets import ParamSpec
+from ..planning.hw import HardwareModel
+from ..planning.trace import Recorder, Trace
 
 
 @dataclass(frozen=True)

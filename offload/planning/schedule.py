@@ -3,7 +3,7 @@ where every device buffer lives in the arena (pure: data in, frozen Plan out).
 
 Policy: the greedy cost-model scheduler (:func:`build_plan`). It starts from "everything streamed", with
 each bucket's copy placed as late as possible while still arriving before use given the copy queue
-(or, where memory is tighter, just in time); it simulates the step (``offload/simulate.py``) and then
+(or, where memory is tighter, just in time); it simulates the step (``offload/planning/simulate.py``) and then
 repeatedly takes the move that removes the most simulated stall per byte of device memory: keep a bucket
 on the device for the whole step (resident), or keep it between its last forward use and its first
 backward use (the last layers). Once no stall is left, it goes on taking the moves that save the most
@@ -42,17 +42,27 @@ from typing import Sequence
 
 import numpy as np
 
+from ..config import format_bytes
+from ..errors import BudgetTooSmallError
+from .arena import plan_arena_columns
 from .buckets import Bucket, locate
-from .config import format_bytes
-from .errors import BudgetTooSmallError
 from .hw import PRESETS, HardwareModel
-from .memory import plan_arena_columns
-from .simulate import (STEP_START, Bound, FlatWaits, LaneResult, Program, SimResult, _each, physical_bound, simulate,
-                       simulate_arrays)
+from .simulate import (
+    STEP_START,
+    Bound,
+    FlatWaits,
+    LaneResult,
+    Program,
+    SimResult,
+    _each,
+    physical_bound,
+    simulate,
+    simulate_arrays,
+)
 from .trace import EventKind, Trace
 
 try:
-    from . import _C
+    from .. import _C
 except ImportError:  # a source tree without the built extension: the Python references run
     _C = None
 
@@ -1012,7 +1022,7 @@ def _align(n: int) -> int:
 
 
 def program_of(plan: Plan, compute_s: Sequence[float] | None = None) -> Program:
-    """The lane program of a plan (what :func:`offload.simulate.simulate` runs)."""
+    """The lane program of a plan (what :func:`offload.planning.simulate.simulate` runs)."""
     g = _Greedy(plan.trace, plan.buckets, plan.itemsize, DEFAULT_HW, _compute_times(plan.trace, compute_s))
     resident = frozenset(plan.resident)
     streamed: dict[int, list[list[int]]] = {}

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from .cpu_adam import KERNEL_AVAILABLE, adamw_step, kernel_info
-from .hw import PRESETS, PROBE_SIZES, HardwareModel
-from .optim import adamw_
+from ..host.cpu_adam import KERNEL_AVAILABLE, adamw_step, kernel_info
+from ..optim import adamw_
+from ..planning.hw import PRESETS, PROBE_SIZES, HardwareModel
 
 
 def _best_of(fn: Callable[[], None], repeat: int) -> float:

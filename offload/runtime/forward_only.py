@@ -8,14 +8,14 @@ the module called, else the latest that does (generate() on T5 calls the encoder
 cross-attention keys, then the model reading them from its cache: three paths, always in that order).
 Switching plans frees one arena before the other is allocated (``Runtime._begin_forward``).
 
-A part of :class:`offload.runtime.Runtime`, split out by concern; its state (``eval_plans``, ``eval_next``,
+A part of :class:`offload.runtime.core.Runtime`, split out by concern; its state (``eval_plans``, ``eval_next``,
 ``eval_last``, ``eval_plan``) is set up in ``Runtime.__init__``."""
 
 from __future__ import annotations
 
-from .errors import BudgetTooSmallError
-from .schedule import Plan, build_plan, validate_plan
-from .trace import Event, EventKind, Trace
+from ..errors import BudgetTooSmallError
+from ..planning.schedule import Plan, build_plan, validate_plan
+from ..planning.trace import Event, EventKind, Trace
 
 EVAL_PLANS_KEPT = 4  # forward-only plans kept, one per recent no-grad path (see [Note: forward-only plans])
 

@@ -1,6 +1,6 @@
 """The ``offload`` command line: ``offload report`` (will this model train on this GPU, how much host RAM,
 how fast) and ``offload probe`` (measure this machine). The CLI only prints what the planners and probes
-return (``offload/report.py``, ``offload/probe.py``).
+return (``offload/tools/report.py``, ``offload/tools/probe.py``).
 
 Exit status: 0 when the answer is "fits" (report) or the probe ran; 1 when the model does not fit (the report
 is still printed, and one line on stderr says why) or cannot be reported on; 2 for usage errors. Errors are
@@ -17,7 +17,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .config import format_bytes
+from ..config import format_bytes
 from .report import DTYPES
 
 USAGE_ERROR = 2
@@ -114,8 +114,8 @@ def _fail(message: str, status: int) -> int:
 def _request(args):
     import psutil
 
-    from .config import OffloadConfig, parse_bytes
-    from .hw import load_hw
+    from ..config import OffloadConfig, parse_bytes
+    from ..planning.hw import load_hw
     from .report import ReportError, Request
 
     def size(value, what):
@@ -175,7 +175,7 @@ _SYSTEMS = {"zero-offload": "DeepSpeed ZeRO-Offload", "zero3-offload": "DeepSpee
 
 def _timeline(args, report) -> int:
     """--timeline / --plot: the simulated step of the report's plan (messages on stderr: stdout may be JSON)."""
-    from .errors import OffloadError
+    from ..errors import OffloadError
     from .timeline import simulated
 
     tl = simulated(report.plan, report.request.hw, report.module_names, report.compute_s)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from .. import _C
 
 __all__ = ["KERNEL_AVAILABLE", "adamw_step", "adamw_step_reference", "kernel_info"]
 

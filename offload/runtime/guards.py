@@ -12,8 +12,8 @@ from __future__ import annotations
 import psutil
 import torch
 
-from .config import format_bytes
-from .errors import BudgetTooSmallError, OffloadError
+from ..config import format_bytes
+from ..errors import BudgetTooSmallError, OffloadError
 
 _HOW_TO_SET = ("To change weights of a wrapped model, use engine.load_state_dict(...) or engine.load(path); to "
                "change the model itself, engine.close() it, change it, and wrap it again")

@@ -1,6 +1,6 @@
 """Other engines' placement rules, expressed on the same simulator, for an honest comparison (pure).
 
-Each policy turns (trace, buckets, hardware, compute times) into a lane :class:`~offload.simulate.Program`
+Each policy turns (trace, buckets, hardware, compute times) into a lane :class:`~offload.planning.simulate.Program`
 and a device peak. They model the *rules* of each system at its default settings, on this engine's trace
 and buckets; they are not measurements of those systems. What each one simplifies is in its docstring.
 
@@ -16,7 +16,7 @@ and buckets; they are not measurements of those systems. What each one simplifie
   after backward; every updated chunk is fetched again next step.
 * ``double-buffer``: MegaTrain-style one-layer double buffering: everything streamed, each bucket's copy
   issued when the previous bucket starts being used, CPU Adam overlapped with backward as here.
-* ``greedy``: this engine's scheduler (:func:`offload.schedule.build_plan`).
+* ``greedy``: this engine's scheduler (:func:`offload.planning.schedule.build_plan`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,20 @@ import bisect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .buckets import Bucket, ParamSpec, locate, make_buckets
-from .errors import BudgetTooSmallError
-from .hw import HardwareModel
-from .memory import Interval, plan_arena
-from .schedule import ARENA_ALIGN, _grad_intervals, _grad_issue, _need_intervals, _with_prefetch, build_plan
-from .simulate import STEP_START, Program, SimResult, simulate
-from .trace import Trace
+from ..errors import BudgetTooSmallError
+from ..planning.arena import Interval, plan_arena
+from ..planning.buckets import Bucket, ParamSpec, locate, make_buckets
+from ..planning.hw import HardwareModel
+from ..planning.schedule import (
+    ARENA_ALIGN,
+    _grad_intervals,
+    _grad_issue,
+    _need_intervals,
+    _with_prefetch,
+    build_plan,
+)
+from ..planning.simulate import STEP_START, Program, SimResult, simulate
+from ..planning.trace import Trace
 
 ZERO3_PREFETCH_NUMEL = 50_000_000  # stage3_prefetch_bucket_size default
 ZERO3_PERSISTENCE_NUMEL = 100_000  # stage3_param_persistence_threshold default

@@ -27,7 +27,7 @@ is somehow not on the device is fetched instead of read as garbage). Backward pr
 reading saved parameters (unpack hook) and gradient accumulation (post-accumulate-grad hooks); the end of
 backward is a callback queued on the autograd engine.
 
-A part of :class:`offload.runtime.Runtime`, split out by concern; its state (``slot_index``,
+A part of :class:`offload.runtime.core.Runtime`, split out by concern; its state (``slot_index``,
 ``trace_views``, ``trace_storage``, ``users``, ``active``, ``held``) is set up in ``Runtime.__init__``
 and ``Runtime._reset_step``."""
 
@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..planning.trace import EventKind
 from .accounting import SavedActivation
 from .residency import Residency, _Slot
-from .trace import EventKind
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from .core import Runtime
 
 
 class _ParamRef:

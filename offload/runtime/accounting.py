@@ -30,7 +30,7 @@ class DeviceMemory:
         self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         # Called after saved activations grew: off plan, the runtime evicts cached buckets to stay in budget.
         self.on_activations: Callable[[], None] | None = None
-        # (time.perf_counter(), current) after every change since the last step() (offload/timeline.py's
+        # (time.perf_counter(), current) after every change since the last step() (offload/tools/timeline.py's
         # LaneLog.step_done takes them for Engine.export_timeline's counter and starts a new deque)
         self.samples: deque[tuple[float, int]] = deque(maxlen=1 << 14)
         self.add("headroom", headroom)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import LossScaleConfig
+from ..config import LossScaleConfig
 
 
 class LossScaler:

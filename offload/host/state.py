@@ -9,12 +9,12 @@ from typing import Sequence
 import psutil
 import torch
 
-from .buckets import Bucket, HostLayout, ParamSpec, host_layout, locate
-from .config import format_bytes
+from ..config import format_bytes
+from ..errors import HostMemoryError, OffloadError
+from ..optim import adamw_
+from ..planning.buckets import Bucket, HostLayout, ParamSpec, host_layout, locate
+from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step
-from .errors import HostMemoryError, OffloadError
-from .memory import HostArena
-from .optim import adamw_
 
 HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when sizing the host arena
 

@@ -25,7 +25,7 @@ plan a recompute keeps its block's weights on the device until that block's back
 a plan of that step needs is more than a step without recompute needs; checked against it, a small model
 whose activations fit anyway could be refused a budget that ``activation_checkpointing=None`` accepts. (The
 warm-up itself runs off plan and holds the weights only during the recompute: [Note: recomputed weights off
-plan] in offload/recompute.py.) So
+plan] in offload/runtime/recompute.py.) So
 "auto" first asks whether nothing needs checkpointing: the activations with no block checkpointed
 (``activation_bytes(profile, ())``), module buffers and what a step run on demand holds at most
 (:func:`on_demand_bytes`, an upper bound) within the budget. If so, the next step runs with no block
@@ -38,8 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from ..config import format_bytes as _fmt
 from .buckets import Bucket, locate
-from .config import format_bytes as _fmt
 from .trace import EventKind, Trace
 
 AUTO = "auto"

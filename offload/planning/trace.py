@@ -6,7 +6,7 @@ child's weight, and functional uses are all seen). Backward events are autograd 
 parameters (UNPACK, one event per node, keyed by the first parameter it reads) and gradient
 accumulations (GRAD, keyed by parameter); a checkpointed module call that backward recomputes is one
 RECOMPUTE event (keyed by module index) whose uses are the parameters the recompute reads and which ends
-when that call's backward is over (see offload/recompute.py). Recording is cheap (list appends), so every step is recorded
+when that call's backward is over (see offload/runtime/recompute.py). Recording is cheap (list appends), so every step is recorded
 and a step that departs from the plan can be planned again from its own record.
 """
 

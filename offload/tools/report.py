@@ -2,16 +2,16 @@
 and how fast will a step be? Answered without a GPU and without weights.
 
 The model is built on the ``meta`` device and one forward + backward is traced there
-(:func:`offload.metatrace.trace_meta`: the engine's events, saved-activation bytes, roofline compute
+(:func:`offload.tools.metatrace.trace_meta`: the engine's events, saved-activation bytes, roofline compute
 estimates). Then exactly what the engine does after its warm-up step is done to that trace: parameters are
-packed into buckets (:func:`offload.buckets.make_buckets`), the plan comes from
-:func:`offload.schedule.build_plan` (the engine's one planner; its simulator gives the step time), and the
-host arena layout from :func:`offload.buckets.host_layout`. The baselines are
-:mod:`offload.baselines` on the same trace and buckets.
+packed into buckets (:func:`offload.planning.buckets.make_buckets`), the plan comes from
+:func:`offload.planning.schedule.build_plan` (the engine's one planner; its simulator gives the step time), and the
+host arena layout from :func:`offload.planning.buckets.host_layout`. The baselines are
+:mod:`offload.tools.baselines` on the same trace and buckets.
 
 What is *estimated* rather than traced, and labelled so in the output: compute times (a per-operator
 roofline on the hardware model's assumed device throughput), the activation bytes under the engine's
-``activation_checkpointing="auto"`` (its own estimate and choice rules, :mod:`offload.activations`, on
+``activation_checkpointing="auto"`` (its own estimate and choice rules, :mod:`offload.planning.activations`, on
 per-block bytes counted on the meta device), and the host bytes of the baselines (their per-parameter
 rules).
 """
@@ -28,17 +28,29 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..errors import BudgetTooSmallError
+from ..host.state import HOST_RAM_HEADROOM
+from ..planning.activations import (
+    ActivationProfile,
+    activation_bytes,
+    choose_checkpoints,
+    profile_of,
+)
+from ..planning.buckets import ParamSpec, host_layout, make_buckets
+from ..planning.hw import HardwareModel
+from ..planning.schedule import (
+    ARENA_ALIGN,
+    BufferKind,
+    Plan,
+    build_plan,
+    forward_min_budget,
+    plan_bound,
+)
+from ..planning.trace import Event, EventKind, Trace
+from ..runtime.recompute import find_blocks
 from .baselines import Case, gemini_cpu, zero3_offload, zero_offload
-from .buckets import ParamSpec, host_layout, make_buckets
-from .errors import BudgetTooSmallError
-from .host import HOST_RAM_HEADROOM
-from .hw import HardwareModel
-from .activations import ActivationProfile, activation_bytes, choose_checkpoints, profile_of
 from .metatrace import MetaTrace, _Counter, _Saved, trace_meta
 from .presets import MODELS, preset_inputs
-from .recompute import find_blocks
-from .schedule import ARENA_ALIGN, BufferKind, Plan, build_plan, forward_min_budget, plan_bound
-from .trace import Event, EventKind, Trace
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -253,8 +265,8 @@ def _loss(out) -> torch.Tensor:
 def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]) -> ActivationProfile:
     """One forward on the meta device (no backward: saved activations only accumulate in forward), counted
     the way the engine counts them (per storage, inside the root module's forward, parameters excluded),
-    per block of ``activation_checkpointing="auto"`` (:func:`offload.recompute.find_blocks`) too: the
-    :class:`~offload.activations.ActivationProfile` the engine's checkpoint planner takes (forward seconds 0:
+    per block of ``activation_checkpointing="auto"`` (:func:`offload.runtime.recompute.find_blocks`) too: the
+    :class:`~offload.planning.activations.ActivationProfile` the engine's checkpoint planner takes (forward seconds 0:
     not measured here)."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     counter = _Counter()
@@ -589,7 +601,7 @@ def _trace(model: nn.Module, run, request: Request) -> MetaTrace:
 
 def min_budget_bytes(mt: MetaTrace, buckets, itemsize: int, fixed: int) -> int:
     """The least device budget the engine accepts: the larger of its two checks, the one at the end of the
-    warm-up forward (:func:`offload.schedule.forward_min_budget`) and the planner's (every bucket streamed
+    warm-up forward (:func:`offload.planning.schedule.forward_min_budget`) and the planner's (every bucket streamed
     just in time: what :func:`build_plan` reports when asked for a plan that cannot fit)."""
     t = mt.trace
     first = sum(forward_min_budget(t.events, t.uses, t.ends, buckets, mt.specs, itemsize,

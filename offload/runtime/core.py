@@ -1,18 +1,18 @@
 """The runtime: registers the hooks and executes the plan. It decides nothing the plan has not decided;
 where there is no plan yet (the first, traced step) or the step departs from it, it fetches on demand.
 
-Residency of a bucket (one state machine per bucket, transitions asserted; offload/residency.py):
+Residency of a bucket (one state machine per bucket, transitions asserted; offload/runtime/residency.py):
 
     HOST --fetch--> IN_FLIGHT --wait--> DEVICE --release--> HOST
 
 This file holds the hooks, the step state, plan following, residency and the traced first step. The other
 parts of :class:`Runtime`, one concern each (mixins sharing the state this file sets up):
 
-* offload/param_access.py: forward uses, saved-tensor pack/unpack, the slot index ([Note: saved
+* offload/runtime/param_access.py: forward uses, saved-tensor pack/unpack, the slot index ([Note: saved
   parameters], [Note: knowing where we are]);
-* offload/grads.py: backward, grads to the host, accumulation, clipping, the optimizer step;
-* offload/forward_only.py: plans of no-grad forwards ([Note: forward-only plans]);
-* offload/recompute_hooks.py: the runtime's side of activation checkpointing.
+* offload/runtime/grads.py: backward, grads to the host, accumulation, clipping, the optimizer step;
+* offload/runtime/forward_only.py: plans of no-grad forwards ([Note: forward-only plans]);
+* offload/runtime/recompute_hooks.py: the runtime's side of activation checkpointing.
 """
 
 from __future__ import annotations
@@ -24,26 +24,32 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..backend import DONE, Lane
+from ..config import OffloadConfig
+from ..errors import BudgetTooSmallError
+from ..host.state import HostState
+from ..optim import AdamW
+from ..planning.activations import AUTO, ActivationProfile, CheckpointChoice
+from ..planning.buckets import Bucket, ParamSpec, make_buckets
+from ..planning.schedule import (
+    Plan,
+    budget_error,
+    build_plan,
+    forward_min_budget,
+    validate_plan,
+)
+from ..planning.trace import EventKind, Recorder, Trace
+from ..testing.chaos import chaos_delay
+from ..tools.timeline import LaneLog
 from . import faults, guards
 from .accounting import DeviceMemory
-from .activations import AUTO, ActivationProfile, CheckpointChoice
-from .backend import DONE, Lane
-from .buckets import Bucket, ParamSpec, make_buckets
-from .chaos import chaos_delay
-from .config import OffloadConfig
-from .errors import BudgetTooSmallError
 from .forward_only import ForwardOnlyMixin
 from .grads import GradientsMixin
-from .host import HostState
-from .optim import AdamW
 from .param_access import ParamAccessMixin, _Busy, _UseDetector
 from .recompute import Checkpointer, candidates
 from .recompute_hooks import RecomputeMixin
 from .residency import _ALLOWED, Residency, _Slot
 from .scaler import LossScaler
-from .schedule import Plan, budget_error, build_plan, forward_min_budget, validate_plan
-from .timeline import LaneLog
-from .trace import EventKind, Recorder, Trace
 
 
 def _weak_hook(method):
@@ -131,7 +137,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self._module_index = {}
         self._handles = []
         self._contexts: list = []
-        # Activation checkpointing (offload/recompute.py, [Note: recompute and the parameter buckets]).
+        # Activation checkpointing (offload/runtime/recompute.py, [Note: recompute and the parameter buckets]).
         spec = config.activation_checkpointing
         self.auto_checkpoint = spec == AUTO
         blocks = candidates(spec, module)
@@ -142,7 +148,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self.ckpt = Checkpointer(module, self, blocks)
         self.checkpoint_choice: CheckpointChoice | None = None  # what "auto" decided after the warm-up
         # "auto" runs with no block checkpointed where the warm-up says that may fit: the warm-up's (trace,
-        # profile), to choose blocks from if that step's plan does not fit (offload/recompute_hooks.py)
+        # profile), to choose blocks from if that step's plan does not fit (offload/runtime/recompute_hooks.py)
         self.warmup: tuple[Trace, ActivationProfile] | None = None
         self.profile: ActivationProfile | None = None  # activation bytes per block, of the last step
         self._reset_step()
@@ -234,7 +240,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         if self.in_backward or self.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
             self._release_all()
-        # A no-grad forward follows a forward-only plan (offload/forward_only.py, [Note: forward-only plans]).
+        # A no-grad forward follows a forward-only plan (offload/runtime/forward_only.py, [Note: forward-only plans]).
         # one arena before the other is allocated.
         want = self.train_plan if grad_enabled else self._eval_plan_for(root)
         if want is not self.plan and self.host is not None:
