@@ -2,7 +2,7 @@
 
 Token + position embeddings, pre-LayerNorm transformer blocks (causal self-attention and a GELU MLP),
 a final LayerNorm and a language-model head whose weight is the token embedding's (weight tying).
-Used by examples/train_gpt.py and, at toy sizes, by the tests (tests/models.py).
+Used by examples/train_gpt.py and, at toy sizes, by the tests (tests/support/models.py).
 """
 
 import math

@@ -145,11 +145,11 @@ MUTATIONS = [
      "B6+R12", ""),
 ]
 
-_BIT = "tests/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"
-TESTS = ["tests/test_sim_strict.py", f"{_BIT}[mlp]", f"{_BIT}[gpt]", f"{_BIT}[reused_module]",
-         "tests/test_cuda_backend.py::test_simulated_gpu_training_features_bit_for_bit_like_the_cpu_backend"
+_BIT = "tests/backend/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"
+TESTS = ["tests/backend/test_sim_strict.py", f"{_BIT}[mlp]", f"{_BIT}[gpt]", f"{_BIT}[reused_module]",
+         "tests/backend/test_cuda_backend.py::test_simulated_gpu_training_features_bit_for_bit_like_the_cpu_backend"
          "[accumulate-clip]",
-         "tests/test_cuda_backend.py::test_simulated_gpu_departures_evaluation_and_checkpoint"]
+         "tests/backend/test_cuda_backend.py::test_simulated_gpu_departures_evaluation_and_checkpoint"]
 
 LAUNCH = """
 import sys

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # A few seconds on two cores, and the script's default budget (3/4 of the weights) stays feasible: activations
 # grow with tokens x width x depth but weights with width^2 x depth, so 16 tokens of a 4 x 128 model keep the
 # activations (~0.5 MiB) and the largest parameter (256 KiB) well under the 2.4 MiB budget.
-TINY = "--steps 12 --n-layer 4 --n-embd 128 --n-head 4 --batch 1 --seq 16 --eval-every 6".split()
+TINY = ["--steps", "12", "--n-layer", "4", "--n-embd", "128", "--n-head", "4", "--batch", "1", "--seq", "16", "--eval-every", "6"]
 
 
 def test_train_gpt_example():
@@ -55,7 +55,7 @@ def test_train_gpt_save_and_resume(tmp_path, capsys):
     """--save at every evaluation, --resume continues from the step saved, to the same last loss as an
     uninterrupted run (weights, AdamW state, LR schedule and data position all come back)."""
     ckpt = str(tmp_path / "ckpt.pt")
-    small = "--n-layer 2 --n-embd 64 --n-head 4 --batch 1 --seq 16 --eval-every 4".split()
+    small = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--batch", "1", "--seq", "16", "--eval-every", "4"]
     whole = _main("train_gpt", "--steps", "8", *small, capsys=capsys)
     _main("train_gpt", "--steps", "8", *small, "--save", ckpt, "--stop-after", "4", capsys=capsys)
     resumed = _main("train_gpt", "--steps", "8", *small, "--resume", ckpt, capsys=capsys)
@@ -78,7 +78,7 @@ def test_train_gpt_hf_gpt2_defaults(capsys):
 def test_finetune_frozen_example(capsys):
     """The script checks itself (exit 1 otherwise): no optimizer state for frozen weights on the host, no
     backward copies of buckets below the lowest trainable parameter, bytes copied = the plan's, peak <= budget."""
-    out = _main("finetune_frozen", *"--steps 8 --n-layer 4 --n-embd 64 --n-head 4 --seq 16 --lora 4".split(),
+    out = _main("finetune_frozen", *["--steps", "8", "--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--seq", "16", "--lora", "4"],
                 capsys=capsys)
     assert "not copied for backward" in out and "FAIL" not in out, out
 

@@ -1,4 +1,4 @@
-"""On a real GPU, what the simulated GPU (tests/fake_cuda.py, tests/test_sim_strict.py) shows on the CPU
+"""On a real GPU, what the simulated GPU (tests/support/fake_cuda.py, tests/backend/test_sim_strict.py) shows on the CPU
 (issue 21): module buffers on the device (a BatchNorm CNN, HF BERT's position_ids / token_type_ids), a tied
 weight with one grad accumulator through the traced fp32 step, a user's own compute stream, and a compute
 stream slowed with ``torch.cuda._sleep`` that still trains bit for bit like the CPU backend. Marked `gpu`,
@@ -10,13 +10,13 @@ import contextlib
 
 import pytest
 import torch
-from budgets import with_headroom
-from loops import ADAMW
-from models import CASES, Batch, Case, run
 from torch import nn
 
 import offload
 from offload.errors import StreamError
+from tests.support.budgets import with_headroom
+from tests.support.loops import ADAMW
+from tests.support.models import CASES, Batch, Case, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 on_cuda = pytest.mark.parametrize("device", ["cuda"], indirect=True)  # conftest's fixture: fp32 means fp32
@@ -68,7 +68,7 @@ def _close(state, want, rtol=1e-4, atol=1e-5):
 @on_cuda
 def test_batchnorm_cnn_trains_with_its_buffers_on_the_device(device):
     case_fn = CASES["cnn_batchnorm"]
-    buffers_on = lambda engine: {b.device.type for b in engine.module.buffers()}  # noqa: E731
+    buffers_on = lambda engine: {b.device.type for b in engine.module.buffers()}
     state, want, losses, ref_losses, stats, seen = _train_both(case_fn, device, 4, inspect=buffers_on)
     assert all(s == {"cuda"} for s in seen)
     print(f"\nBatchNorm CNN on {torch.cuda.get_device_name()}: losses {losses} vs torch {ref_losses}")
@@ -99,7 +99,7 @@ def hf_bert() -> Case:
 @pytest.mark.hf
 @on_cuda
 def test_hf_bert_trains_with_its_buffers_on_the_device(device):
-    names = lambda engine: {n: b.device.type for n, b in engine.module.named_buffers()}  # noqa: E731
+    names = lambda engine: {n: b.device.type for n, b in engine.module.named_buffers()}
     state, want, losses, ref_losses, stats, seen = _train_both(hf_bert, device, 3, inspect=names, extra_bytes=2 << 20)
     print(f"\nHF BERT on {torch.cuda.get_device_name()}: buffers {sorted(seen[0])}; losses {losses} vs torch "
           f"{ref_losses}")

@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` models, unchanged, trained and evaluated through offload.
 
-Each model (tests/hf_models.py: GPT-2, BERT MLM, Llama, T5, OPT, ViT, tiny configs, random weights, no
+Each model (tests/support/hf_models.py: GPT-2, BERT MLM, Llama, T5, OPT, ViT, tiny configs, random weights, no
 download) trains a few steps twice from identical weights on identical batches: plain PyTorch with
 ``torch.optim.AdamW(foreach=False)``, and ``offload.wrap`` in fp32 with a budget of 0.8x the parameter bytes,
 so buckets must stream, and ``offload.AdamW(fused=False)``. Losses and final weights must be bit for bit the
@@ -9,7 +9,7 @@ reference's answers through the engine, on a forward-only plan: no gradient, no 
 
 These models have parameters whose true gradient is zero (the key bias of GPT-2's fused c_attn, BERT, OPT
 and ViT: softmax ignores a shift shared by all keys), which is why nothing here compares with a tolerance:
-see [Note: exact, or within the kernel's bound] in tests/compare.py. The default fused kernel is checked
+see [Note: exact, or within the kernel's bound] in tests/support/compare.py. The default fused kernel is checked
 step by step against its proven bound (``test_hf_fused_kernel_steps_within_its_bound``).
 """
 
@@ -22,10 +22,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from compare import FusedStepChecker, assert_bitwise, assert_losses_bitwise  # noqa: E402
-from hf_models import CASES, HFCase  # noqa: E402
-
-import offload  # noqa: E402
+import offload
+from tests.support.compare import (
+    FusedStepChecker,
+    assert_bitwise,
+    assert_losses_bitwise,
+)
+from tests.support.hf_models import CASES, HFCase
 
 pytestmark = pytest.mark.hf
 
@@ -142,7 +145,7 @@ def test_hf_model_trains_and_evaluates_like_pytorch(name: str, references):
 def test_hf_fused_kernel_steps_within_its_bound(name: str):
     """The default (fused C++) AdamW in the engine: at every step, from the engine's own weights and AdamW
     state, plain PyTorch + torch.optim.AdamW takes the same step; m and v must be bit for bit, the masters
-    within the kernel's proven bound per element (tests/compare.py), key biases and all."""
+    within the kernel's proven bound per element (tests/support/compare.py), key biases and all."""
     if not offload.host.cpu_adam.KERNEL_AVAILABLE:
         pytest.skip("the C++ kernel is not built")
     case = CASES[name]()

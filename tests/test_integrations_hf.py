@@ -1,6 +1,6 @@
 """``offload.integrations.hf.OffloadTrainer`` against the plain ``transformers.Trainer``.
 
-Tiny models built from configs (tests/hf_models.py; nothing downloaded), the CPU backend, a budget below the
+Tiny models built from configs (tests/support/hf_models.py; nothing downloaded), the CPU backend, a budget below the
 parameter bytes so buckets stream. With ``optim="adamw_torch"`` the engine runs torch's own AdamW ops
 (``offload.AdamW(fused=False)``), so fp32 runs must equal the plain Trainer bit for bit: every logged loss and
 grad norm, and the final weights. bf16 is compared within a tolerance (the engine keeps every weight in
@@ -18,11 +18,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import hf_models  # noqa: E402
-from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.state import AcceleratorState
 
-import offload  # noqa: E402
-from offload.integrations.hf import OffloadTrainer, UnsupportedTrainingArgumentError  # noqa: E402
+import offload
+from offload.integrations.hf import OffloadTrainer, UnsupportedTrainingArgumentError
+from tests.support import hf_models
 
 pytestmark = pytest.mark.hf
 
@@ -54,7 +54,7 @@ class Logs(transformers.TrainerCallback):
             self.eval.append((state.global_step, logs["eval_loss"]))
 
 
-def _args(tmp_path, **over) -> "transformers.TrainingArguments":
+def _args(tmp_path, **over) -> transformers.TrainingArguments:
     kw = dict(output_dir=str(tmp_path / "out"), report_to=[], max_steps=4, per_device_train_batch_size=2,
               logging_steps=1, save_strategy="no", optim="adamw_torch", learning_rate=1e-3, weight_decay=0.1,
               warmup_steps=1, lr_scheduler_type="cosine", use_cpu=True, disable_tqdm=True, seed=3)

@@ -122,7 +122,7 @@ ARENA_ROUNDING_BYTES = _UNSPLIT_BYTES + _BLOCK_BYTES - 1
 
 class CudaAPI:
     """The few ``torch.cuda`` calls the backend makes, in one place, so the CPU tests can stand in a
-    simulated GPU (``tests/fake_cuda.py``) and run the backend's logic without CUDA."""
+    simulated GPU (``tests/support/fake_cuda.py``) and run the backend's logic without CUDA."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,6 +1,6 @@
 """Pure-Python reference of ``cpp/arena_planner``: the spec the C++ must match offset for offset.
 
-Slow (quadratic Python) and only for checking: ``tests/test_arena_planner.py`` and
+Slow (quadratic Python) and only for checking: ``tests/planning/test_arena_planner.py`` and
 ``benchmarks/arena_planner.py`` compare the C++ planner against it.
 """
 

@@ -416,7 +416,7 @@ def _maker(cls):
     """A constructor for the frozen dataclass ``cls`` taking every field positionally, for the tens of
     thousands of buffers and actions of a large plan: it fills the instance dict at once (what the
     generated ``__init__`` does one ``object.__setattr__`` at a time), for about half the cost. The
-    objects are the same: equal, equally hashed and printed (``tests/test_schedule.py``)."""
+    objects are the same: equal, equally hashed and printed (``tests/planning/test_schedule.py``)."""
     assert not hasattr(cls, "__post_init__") and "__slots__" not in vars(cls), f"{cls.__name__}: use its __init__"
     names = tuple(f.name for f in dataclasses.fields(cls))
     new = object.__new__
@@ -814,7 +814,7 @@ class _Greedy:
     def candidates(self, capacity: int) -> list[_Point]:
         """Every simulated point of every mode's sequence whose live bytes fit ``capacity``: the loop of
         :meth:`candidates_reference`, in C++ where built (``cpp/greedy.cpp``: the same points, field for field
-        and bit for bit; ``tests/test_greedy_kernel.py``). Where the C++ loop meets what the reference raises
+        and bit for bit; ``tests/planning/test_greedy_kernel.py``). Where the C++ loop meets what the reference raises
         on (a stall on a zero-length copy, a score dividing by zero), the reference runs and raises it."""
         if _C is not None:
             points = self._candidates_cpp(capacity)

@@ -17,7 +17,7 @@ post-accumulate-grad hook fires twice with partial grads, the trace has two GRAD
 planned steps depart from the plan. So while a graph may be alive the runtime only ever rebinds a
 parameter between tensors of its compute dtype on the device: slot views and placeholders of that dtype
 (``Runtime.placeholders``), never its host original (fp32, on the CPU) or another dtype. Host tensors
-come only before the first forward and at ``close()``. (The simulated GPU, tests/fake_cuda.py, drops the
+come only before the first forward and at ``close()``. (The simulated GPU, tests/support/fake_cuda.py, drops the
 accumulator on a host/device change as CUDA does, so a break of this rule fails its tests.)
 
 [Note: knowing where we are] Forward progress is module calls (pre/post hooks on every module); a

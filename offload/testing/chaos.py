@@ -6,7 +6,7 @@ busy GPU. Chaos mode makes lateness the norm: each lane (the CPU backend's host-
 device-to-host copy threads, and the CPU AdamW thread) sleeps a random time before and after every item
 it runs, before the event that marks the item's end is set; on the CUDA backend, ``torch.cuda._sleep``
 kernels are put on the copy streams before and after every copy. Every result must stay bit-identical to
-a run without chaos (tests/test_chaos.py checks it on every test model).
+a run without chaos (tests/runtime/test_chaos.py checks it on every test model).
 
 Delays are drawn from one ``random.Random`` per lane, seeded from ``(seed, lane name)``, so the sequence
 of delays a lane draws is the same from run to run (the interleaving with the compute thread is still up

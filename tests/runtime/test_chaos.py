@@ -1,0 +1,204 @@
+"""Chaos mode: random, seeded delays on every copy lane and the CPU AdamW lane must not change one bit.
+
+Each test trains the same model twice from the same initial weights on the same batches, once with chaos
+off and once with ``offload.ChaosConfig(seed, max_delay_ms=2)``, and requires the losses of every step and
+the final fp32 weights (and buffers) to be bitwise equal. A missing wait in the runtime would let a copy or
+an update land late and change the numbers (see test_chaos_catches_a_missing_wait, which removes one on
+purpose and is caught).
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import offload
+import offload.api
+from offload.backend import CUDABackend
+from tests.support.compare import assert_bitwise as assert_same_as_torch
+from tests.support.fake_cuda import FakeCuda, use_backend
+from tests.support.loops import ADAMW, Trained, train_streamed
+from tests.support.models import CASES, run
+
+CHAOS = offload.ChaosConfig(seed=0, max_delay_ms=2)
+STEPS = 8  # per model in the default run; the slow soak runs 1,000
+
+
+def train(case, steps, chaos=None, **features) -> Trained:
+    """Streamed training of a test model (tests/support/loops.py); ``extra`` holds the chaos delays drawn per lane
+    (empty without chaos)."""
+    return train_streamed(case, steps, chaos=chaos, inspect=_draws, **features)
+
+
+def _draws(engine) -> dict[str, int]:
+    rt = engine._runtime
+    lanes = {"cpu-adam": rt.cpu}
+    if hasattr(rt.backend, "_h2d") and hasattr(rt.backend._h2d, "_before"):
+        lanes |= {"h2d": rt.backend._h2d, "d2h": rt.backend._d2h}
+    return {name: lane._before.draws for name, lane in lanes.items() if lane._before is not None}
+
+
+def assert_bitwise(got, want):
+    losses, state = got[0], got[1]
+    assert losses == want[0], "losses differ under chaos"
+    assert state.keys() == want[1].keys()
+    for name, value in want[1].items():
+        assert torch.equal(state[name], value), f"{name} differs under chaos"
+
+
+def test_chaos_config_validation():
+    assert offload.ChaosConfig().max_delay_ms == 2.0
+    for bad in (0, -1, float("nan"), float("inf"), 1001, "2"):
+        with pytest.raises(ValueError, match="max_delay_ms"):
+            offload.ChaosConfig(max_delay_ms=bad)
+    with pytest.raises(TypeError, match="seed"):
+        offload.ChaosConfig(seed=1.5)
+    with pytest.raises(TypeError, match="ChaosConfig"):
+        offload.OffloadConfig(budget="1MiB", chaos={"seed": 0})
+    assert offload.OffloadConfig(budget="1MiB", chaos=CHAOS).chaos is CHAOS
+
+
+def test_chaos_delays_are_seeded_per_lane():
+    from offload.testing.chaos import ChaosDelay
+    a, b = ChaosDelay(CHAOS, "h2d"), ChaosDelay(CHAOS, "h2d")
+    seq = [a.draw() for _ in range(50)]
+    assert seq == [b.draw() for _ in range(50)]
+    assert all(0 <= d <= 0.002 for d in seq) and len(set(seq)) == 50
+    assert seq != [ChaosDelay(CHAOS, "d2h").draw() for _ in range(50)]
+    assert seq != [ChaosDelay(offload.ChaosConfig(seed=1), "h2d").draw() for _ in range(50)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_numerics_models_bitwise_equal_under_chaos(name):
+    want = train(CASES[name](), STEPS)
+    got = train(CASES[name](), STEPS, chaos=CHAOS)
+    assert_bitwise(got, want)
+    draws = got[3]
+    assert set(draws) == {"h2d", "d2h", "cpu-adam"} and min(draws.values()) > 0, draws  # chaos really ran
+    assert got[2]["plan"]["streamed_buckets"] > 0  # buckets streamed, so the copy lanes had work to delay
+
+
+@pytest.mark.parametrize("features", [dict(dtype=torch.bfloat16), dict(dtype=torch.float16),
+                                      dict(accumulate=2, clip=0.5)], ids=["bf16", "fp16", "accumulate-clip"])
+def test_training_features_bitwise_equal_under_chaos(features):
+    """16-bit host copies, loss scaling, accumulation staging on the CPU lane and clipping norms."""
+    want = train(CASES["gpt"](), 5, **features)
+    got = train(CASES["gpt"](), 5, chaos=CHAOS, **features)
+    assert_bitwise(got, want)
+
+
+def test_plan_changes_bitwise_equal_under_chaos():
+    """Departures from the plan (fetch on demand, arena dropped, replan) with every lane delayed."""
+    from tests.runtime.test_replan import MoE, Router, train_pattern
+    for make in (MoE, Router):
+        want = train_pattern(make, steps=8)
+        got = train_pattern(make, steps=8, chaos=CHAOS)
+        assert got.losses == want.losses
+        for k, v in want.state.items():
+            assert torch.equal(got.state[k], v), k
+        assert got.stats["plan"]["replans"] >= 1
+
+
+def _use_backend(monkeypatch, factory):
+    return use_backend(monkeypatch, lambda device, chaos: factory(chaos))
+
+
+def test_chaos_on_the_simulated_gpu_puts_sleeps_on_the_copy_streams(monkeypatch):
+    """On the CUDA backend, chaos enqueues a torch.cuda._sleep before and after every copy on its stream
+    (simulated GPU, tests/support/fake_cuda.py); training stays bit-identical."""
+    want = train(CASES["mlp"](), 4)
+    made = _use_backend(monkeypatch, lambda chaos: CUDABackend(torch.device("cpu"), api=FakeCuda(lazy=True),
+                                                               chaos=chaos))
+    got = train(CASES["mlp"](), 4, chaos=CHAOS)
+    assert_bitwise(got, want)
+    sim = made[0]._api
+    assert sim.copies > 0 and sim.sleeps == 2 * sim.copies
+    for stream in sim.streams:  # every copy sits between two sleeps on its own stream
+        kinds = [kind for kind, _ in stream.ops if kind != "wait"]
+        assert kinds == ["sleep", "copy", "sleep"] * (len(kinds) // 3) and kinds
+    delays = [entry[2] for entry in sim.log if entry[0] == "sleep"]
+    assert all(0 <= d <= 0.002 for d in delays) and len(set(delays)) > 1
+
+
+def test_cuda_api_sleep_converts_to_cycles():
+    """CudaAPI.sleep asks torch.cuda._sleep for cycles of the device clock (checked with a stand-in)."""
+    from offload.backend.cuda import CudaAPI
+
+    class Api(CudaAPI):
+        def cycles_per_second(self):
+            return 2e9
+
+    calls = []
+    api = Api(torch.device("cpu"))
+    orig_sleep, orig_stream = torch.cuda._sleep, torch.cuda.stream
+    try:
+        torch.cuda._sleep = calls.append
+        torch.cuda.stream = lambda s: _Null()
+        api.sleep(None, 0.001)
+        api.sleep(None, 0.0)
+    finally:
+        torch.cuda._sleep, torch.cuda.stream = orig_sleep, orig_stream
+    assert calls == [2_000_000, 1]
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_chaos_catches_a_missing_wait(monkeypatch):
+    """Take one wait out of the runtime (the host-to-device copy a bucket's first use must wait for): with
+    chaos on, the copies land late and the numbers change, so chaos mode does catch this class of bug."""
+    import offload.runtime.core as runtime
+
+    def no_wait(self, b):  # _wait without waiting for the copy event
+        if self.state[b] is runtime.Residency.HOST:
+            if self.on_plan:
+                self._leave_plan()
+            self._fetch_on_demand(b)
+        if self.state[b] is runtime.Residency.IN_FLIGHT:
+            self._set_state(b, runtime.Residency.DEVICE)
+        self._touch_lru(b)
+
+    want = train(CASES["low_density"](), 3)
+    monkeypatch.setattr(runtime.Runtime, "_wait", no_wait)
+    got = train(CASES["low_density"](), 3, chaos=offload.ChaosConfig(seed=0, max_delay_ms=5))
+    assert got[0] != want[0] or any(not torch.equal(got[1][k], v) for k, v in want[1].items())
+
+
+@pytest.mark.slow
+def test_chaos_soak_1000_steps():
+    """1,000 steps with chaos on, every loss and the final weights bitwise equal to chaos off."""
+    steps = 1000
+    want = train(CASES["low_density"](), steps)
+    threads = threading.active_count()
+    got = train(CASES["low_density"](), steps, chaos=CHAOS)
+    assert threading.active_count() <= threads
+    divergent = sum(a != b for a, b in zip(got[0], want[0]))
+    assert divergent == 0 and len(got[0]) == steps
+    assert_bitwise(got, want)
+    assert min(got[3].values()) >= steps  # every lane drew delays on every step
+
+
+def test_reference_agrees():
+    """The engine the chaos tests run is right: plain PyTorch + torch.optim.AdamW, bit for bit with chaos on
+    (offload.AdamW(fused=False): torch's arithmetic; see tests/support/compare.py)."""
+    case = CASES["mlp"]()
+    ref = copy.deepcopy(case.model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    want = []
+    for step in range(STEPS):
+        batch = case.make_batch(step)
+        loss = case.loss_fn(run(ref, batch), batch)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(loss.item())
+    losses, state, _, _ = train(case, STEPS, chaos=CHAOS, fused=False)
+    assert losses == want
+    assert_same_as_torch(state, ref.state_dict())
+

@@ -1,0 +1,78 @@
+"""Training loops several test files share (helpers, not tests; conftest.py puts tests/ on sys.path):
+
+* `train_streamed`: a test model (tests/support/models.py) trained by an engine with buckets streaming, with the
+  training features as options (16-bit compute, gradient accumulation, clipping, chaos);
+* `lockstep`: an engine and its plain-PyTorch reference trained side by side on the same losses.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+import offload
+from tests.support.models import Case, run
+
+ADAMW = dict(lr=3e-4, weight_decay=0.1)  # what train_streamed's engine trains with
+
+
+class Trained(NamedTuple):
+    losses: list[float]  # the last micro-batch's loss of every step
+    state: dict  # the engine's final fp32 weights and buffers: engine.state_dict()["model"]
+    stats: dict  # engine.memory_stats() after the last step
+    extra: Any = None  # what ``inspect(engine)`` returned after the last step (None without ``inspect``)
+
+
+def train_streamed(case: Case, steps: int, *, budget_frac: float = 0.6, dtype=torch.float32, accumulate: int = 1,
+                   clip: float | None = None, chaos=None, on_step=None, inspect=None,
+                   fused: bool | None = None) -> Trained:
+    """Train ``case`` for ``steps`` steps: a device budget of ``budget_frac`` of its
+    fp32 weights, buckets of a tenth of them, on the CPU backend (or whatever ``offload.api.make_backend``
+    stands for in a test). ``accumulate`` backward passes per step and ``clip`` (a max norm) train with
+    overlap_optimizer=False. ``on_step(engine, step)`` runs after every step; ``inspect(engine)`` once after
+    the last, before the engine is closed. ``fused``: offload.AdamW's (False: torch's arithmetic, for
+    comparing with plain PyTorch bit for bit)."""
+    nbytes = sum(p.numel() * 4 for p in case.model.parameters())
+    opt = offload.AdamW(case.model.parameters(), fused=fused, **ADAMW)
+    deferred = {"overlap_optimizer": False} if accumulate > 1 or clip is not None else {}
+    engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
+                          dtype=dtype, device="cpu", chaos=chaos, **deferred)
+    losses = []
+    try:
+        for step in range(steps):
+            for i in range(accumulate):
+                batch = case.make_batch(step * accumulate + i)
+                loss = case.loss_fn(run(engine, batch), batch)
+                engine.backward(loss)
+            if clip is not None:
+                engine.clip_grad_norm_(clip)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(engine, step)
+        extra = inspect(engine) if inspect is not None else None
+        return Trained(losses, engine.state_dict()["model"], engine.memory_stats(), extra)
+    finally:
+        engine.close()
+
+
+LossFn = Callable[[Callable], torch.Tensor]  # given the model (or engine) to run, the loss of one micro-batch
+
+
+def lockstep(engine, opt, ref, ref_opt, steps: int, micro_losses: Callable[[int], list[LossFn]],
+             before_step: Callable[[int], None] | None = None) -> None:
+    """Train ``engine`` (with ``opt``) and the plain-PyTorch ``ref`` (with ``ref_opt``) side by side: at each
+    step, every loss function of ``micro_losses(step)`` is computed and back-propagated by the engine
+    (``engine.backward``) and then by the reference (``loss.backward()``); then ``before_step(step)`` (to
+    compare or clip the gathered grads), then both optimizers step and zero their grads."""
+    for step in range(steps):
+        for loss_fn in micro_losses(step):
+            engine.backward(loss_fn(engine))
+            loss_fn(ref).backward()
+        if before_step is not None:
+            before_step(step)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()

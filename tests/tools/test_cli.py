@@ -1,0 +1,44 @@
+"""The command line, driven as a subprocess."""
+
+import json
+import subprocess
+import sys
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "offload", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_probe_without_cuda_says_pcie_was_not_measured(tmp_path):
+    out = tmp_path / "probe.json"
+    r = _run("probe", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "CPU AdamW" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["cpu_adam_params_per_s"] > 0 and data["host_bytes_per_s"] > 0
+    from offload.host.cpu_adam import KERNEL_AVAILABLE
+    assert data["cpu_adam_impl"].startswith("fused C++") == KERNEL_AVAILABLE  # the engine's own update
+    if not data["cuda"]:
+        assert "not measured" in r.stdout and data["pcie"] is None
+        assert data["hardware_model"]["measured"] is False
+    from offload.planning.hw import load_hw
+    assert load_hw(out).adam_params_per_s == data["cpu_adam_params_per_s"]
+
+
+def test_unknown_command_is_a_usage_error():
+    r = _run("bogus")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+
+
+def test_probe_times_both_update_paths():
+    import pytest
+
+    from offload.host.cpu_adam import KERNEL_AVAILABLE
+    from offload.tools.probe import cpu_adam_params_per_s
+    assert cpu_adam_params_per_s(1 << 14, repeat=1, fused=False) > 0
+    if KERNEL_AVAILABLE:
+        assert cpu_adam_params_per_s(1 << 14, repeat=1, fused=True) > 0
+    else:
+        with pytest.raises(ValueError, match="kernel"):
+            cpu_adam_params_per_s(1 << 14, repeat=1, fused=True)
