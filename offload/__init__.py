@@ -8,12 +8,19 @@
 from .api import Engine, wrap
 from .config import LossScaleConfig, OffloadConfig, format_bytes, parse_bytes
 from .errors import (
-                     BudgetTooSmallError,
-                     CheckpointError,
-                     HostMemoryError,
-                     OffloadError,
-                     OffloadWarning,
-                     StreamError,
+    AlreadyWrappedError,
+    BudgetTooSmallError,
+    CheckpointError,
+    EngineClosedError,
+    HostMemoryError,
+    InvariantError,
+    KernelUnavailableError,
+    NonFiniteNormError,
+    OffloadError,
+    OffloadWarning,
+    OptimizerBoundError,
+    ReportError,
+    StreamError,
 )
 from .optim import AdamW
 from .summary import memory_line, memory_table, print_memory
@@ -22,15 +29,22 @@ from .tools.timeline import Timeline
 
 __all__ = [
     "AdamW",
+    "AlreadyWrappedError",
     "BudgetTooSmallError",
     "ChaosConfig",
     "CheckpointError",
     "Engine",
+    "EngineClosedError",
     "HostMemoryError",
+    "InvariantError",
+    "KernelUnavailableError",
     "LossScaleConfig",
+    "NonFiniteNormError",
     "OffloadConfig",
     "OffloadError",
     "OffloadWarning",
+    "OptimizerBoundError",
+    "ReportError",
     "StreamError",
     "Timeline",
     "format_bytes",

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..errors import BudgetTooSmallError
+from ..errors import BudgetTooSmallError, ReportError
 from ..host.state import HOST_RAM_HEADROOM
 from ..planning.activations import (
     ActivationProfile,
@@ -63,14 +63,6 @@ BASELINES = {"zero-offload": zero_offload, "zero3-offload": zero3_offload, "gemi
 
 BREAKDOWN = ("params", "grads", "master_weights", "adam_m", "adam_v", "lowp_staging", "activations", "workspace")
 """Rows of the memory breakdown (keys of ``gpu_bytes`` / ``host_bytes``, each with a ``total``)."""
-
-
-class ReportError(Exception):
-    """Bad input or a model that cannot be reported on; ``usage`` marks a usage error (exit status 2)."""
-
-    def __init__(self, message: str, usage: bool = False):
-        super().__init__(message)
-        self.usage = usage
 
 
 @dataclass(frozen=True)
