@@ -201,3 +201,31 @@ def test_max_model_smoke(tmp_path):
     b = data["host_ram_bound"]
     assert 16 <= b["bytes_per_param"] < 16.5  # fp32 master, m, v + the bf16 grad and bf16 copy, plus alignment
     assert b["params"] == int(b["host_ram_bytes"] / b["bytes_per_param"])
+
+
+def test_overhead_smoke(tmp_path):
+    """benchmarks/overhead.py in its smoke mode: every model and mode measured and recorded (not the figures)."""
+    import overhead
+
+    path = tmp_path / "overhead.json"
+    assert overhead.main(["--smoke", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "overhead" and data["smoke"]
+    assert len(data["machine"]["load_average"]) == 3 and len(data["load_average_after"]) == 3
+    assert data["settings"]["threads"] == 1
+    cases = {(c["name"], c["mode"]): c for c in data["cases"]}
+    assert set(cases) == {(m, mode) for m in ("mlp", "gpt") for mode in ("resident", "streamed")}
+    for (name, mode), c in cases.items():
+        assert c["module_calls_per_step"] == {"mlp": 7, "gpt": 18}[name]  # 3 x (Linear, ReLU) + root; GPT's modules
+        assert len(c["engine_block_ms"]) == len(c["torch_block_ms"]) == 2
+        assert c["engine_ms"] > 0 and c["torch_ms"] > 0
+        assert c["ratio"] == pytest.approx(c["engine_ms"] / c["torch_ms"], rel=1e-3)
+        assert c["us_per_module_call"] == pytest.approx(
+            (c["engine_ms"] - c["torch_ms"]) * 1e3 / c["module_calls_per_step"], abs=0.02)
+        assert c["torch_adamw"] == "fused"  # available on the CPU in the torch this runs with
+        assert c["on_plan"], c["counters_timed"]  # timed steps followed the plan
+        assert len(c["load_average"]) == 3
+    streamed = cases[("gpt", "streamed")]
+    assert streamed["streamed"] and streamed["counters_timed"]["planned_fetches"] > 0
+    assert not cases[("gpt", "resident")]["streamed"]
+    assert cases[("gpt", "streamed")]["budget_bytes"] < cases[("gpt", "resident")]["budget_bytes"]
