@@ -12,7 +12,9 @@ against the same step in plain PyTorch, on the same machine, in the same process
 
 Per case the engine and torch run in blocks of ``--steps`` steps, alternating (engine block, torch block,
 torch block, engine block, ...) ``--repeats`` times, so load from other processes hits both alike; step times
-are the medians over blocks (minimum alongside). The overhead per module call is
+are the medians over blocks (minimum alongside), wall clock and CPU time (``time.process_time``: every thread
+of the process, the engine's copy and AdamW lanes included; steadier than wall time when other processes
+load the machine). The overhead per module call is
 
     (engine step - torch step) / module calls per step
 
@@ -179,12 +181,13 @@ def make_engine(model: Model, mode: str, resident_peak: int | None) -> tuple[Eng
     raise RuntimeError(f"{model.name}: no streamed budget found that plans")
 
 
-def time_block(run, steps: int) -> float:
+def time_block(run, steps: int) -> tuple[float, float]:
+    """Wall and CPU (process: every thread) milliseconds per step over ``steps`` steps."""
     gc.collect()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         run.step()
-    return (time.perf_counter() - t0) / steps * 1e3
+    return (time.perf_counter() - t0) / steps * 1e3, (time.process_time() - c0) / steps * 1e3
 
 
 def measure(model: Model, mode: str, steps: int, repeats: int, resident_peak: int | None) -> dict:
@@ -195,10 +198,13 @@ def measure(model: Model, mode: str, steps: int, repeats: int, resident_peak: in
             ref.step()
         before = engine.counters()
         times = {"engine": [], "torch": []}
+        cpu = {"engine": [], "torch": []}
         for r in range(repeats):
             order = (("engine", engine), ("torch", ref)) if r % 2 == 0 else (("torch", ref), ("engine", engine))
             for name, run in order:
-                times[name].append(time_block(run, steps))
+                wall, cpu_ms = time_block(run, steps)
+                times[name].append(wall)
+                cpu[name].append(cpu_ms)
         after = engine.counters()
         stats = engine.engine.memory_stats()
         calls = module_calls(ref.module, model.batch)
@@ -213,6 +219,9 @@ def measure(model: Model, mode: str, steps: int, repeats: int, resident_peak: in
             "engine_min_ms": round(min(times["engine"]), 4), "torch_min_ms": round(min(times["torch"]), 4),
             "ratio_min": round(min(times["engine"]) / min(times["torch"]), 4),
             "us_per_module_call_min": round((min(times["engine"]) - min(times["torch"])) * 1e3 / calls, 2),
+            "engine_cpu_ms": round(median(cpu["engine"]), 4), "torch_cpu_ms": round(median(cpu["torch"]), 4),
+            "ratio_cpu": round(median(cpu["engine"]) / median(cpu["torch"]), 4),
+            "us_per_module_call_cpu": round((median(cpu["engine"]) - median(cpu["torch"])) * 1e3 / calls, 2),
             "engine_block_ms": [round(t, 4) for t in times["engine"]],
             "torch_block_ms": [round(t, 4) for t in times["torch"]],
             "torch_adamw": ref.adamw, "counters_timed": counters,
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    console = Console(width=160)
+    console = Console(width=180)
     info = machine()
     describe(console, info)
     if args.smoke:
@@ -271,11 +280,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, mode, c["module_calls_per_step"], f"{c['torch_ms']:.2f}", f"{c['engine_ms']:.2f}",
                          f"{c['ratio']:.3f}x", f"{c['us_per_module_call']:.1f}",
                          f"{c['ratio_min']:.3f}x / {c['us_per_module_call_min']:.1f}",
+                         f"{c['ratio_cpu']:.3f}x / {c['us_per_module_call_cpu']:.1f}",
                          "yes" if c["on_plan"] else "NO", "yes" if c["streamed"] else "no",
                          " ".join(f"{x:.1f}" for x in c["load_average"])])
     print_table("Engine overhead per module call (CPU backend, fp32; medians over interleaved blocks)",
                 ["name", "mode", "calls/step", "torch ms", "engine ms", "ratio", "us/call",
-                 "min: ratio / us/call", "on plan", "streamed", "load avg"], rows, console)
+                 "min: ratio / us/call", "CPU time: ratio / us/call", "on plan", "streamed", "load avg"], rows, console)
     adamw = {c["torch_adamw"] for c in cases}
     console.print(f"torch baseline: torch.optim.AdamW {', '.join(sorted(adamw))}; engine: offload.AdamW "
                   f"(fused C++ kernel: {offload.AdamW([nn.Parameter(torch.zeros(1))]).fused})")

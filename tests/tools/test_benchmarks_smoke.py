@@ -220,6 +220,7 @@ def test_overhead_smoke(tmp_path):
         assert len(c["engine_block_ms"]) == len(c["torch_block_ms"]) == 2
         assert c["engine_ms"] > 0 and c["torch_ms"] > 0
         assert c["ratio"] == pytest.approx(c["engine_ms"] / c["torch_ms"], rel=1e-3)
+        assert c["ratio_cpu"] == pytest.approx(c["engine_cpu_ms"] / c["torch_cpu_ms"], rel=1e-3)
         assert c["us_per_module_call"] == pytest.approx(
             (c["engine_ms"] - c["torch_ms"]) * 1e3 / c["module_calls_per_step"], abs=0.02)
         assert c["torch_adamw"] == "fused"  # available on the CPU in the torch this runs with
