@@ -223,7 +223,7 @@ def test_overhead_smoke(tmp_path):
         assert c["ratio_cpu"] == pytest.approx(c["engine_cpu_ms"] / c["torch_cpu_ms"], rel=1e-3)
         assert c["us_per_module_call"] == pytest.approx(
             (c["engine_ms"] - c["torch_ms"]) * 1e3 / c["module_calls_per_step"], abs=0.02)
-        assert c["torch_adamw"] == "fused"  # available on the CPU in the torch this runs with
+        assert c["torch_adamw"] == "fused" or c["torch_adamw"].startswith("foreach (fused AdamW is not available")
         assert c["on_plan"], c["counters_timed"]  # timed steps followed the plan
         assert len(c["load_average"]) == 3
     streamed = cases[("gpt", "streamed")]
