@@ -128,8 +128,9 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
         wait_ptr = list(itertools.accumulate(map(len, program.waits), initial=0))
         wait_copy = list(itertools.chain.from_iterable(program.waits))
     out = simulate_arrays(
-        program.compute_s, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
-        program.d2h_event, _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
+        program.compute_s, program.h2d_event, seconds_each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
+        program.d2h_event, seconds_each(hw.d2h_seconds, program.d2h_bytes),
+        seconds_each(hw.adam_seconds, program.adam_numel),
         program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes))
     return simulate_reference(program, hw) if out is None else out
 
@@ -176,7 +177,7 @@ class LaneResult:
             tail_s=self.step_s - self.compute_end, copy_credit=tuple(self.copy_credit.tolist()))
 
 
-def _each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
+def seconds_each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
     """``[f(x) for x in xs]``, calling the pure ``f`` once per distinct value."""
     memo = {x: f(x) for x in set(xs)}
     return list(map(memo.__getitem__, xs))
