@@ -88,7 +88,7 @@ class HostState:
         """A tensor over ``numel`` fp32 elements of bucket ``b``'s ``region`` whose storage is exactly those
         bytes (no copy), so ``torch.save`` writes them and nothing else of the arena."""
         offset = getattr(self.layout, region)[b] + start * 4
-        return torch.frombuffer(self.arena._arena, dtype=torch.float32, count=numel, offset=offset)
+        return self.arena.exact_view(offset, numel, torch.float32)
 
     def has_master(self, p: int) -> bool:
         """False for a frozen parameter kept only as its 16-bit copy."""
