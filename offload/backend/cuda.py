@@ -95,7 +95,7 @@ import contextlib
 import ctypes
 import os
 import weakref
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 
 import torch
 from torch.autograd.profiler import record_function
@@ -103,6 +103,9 @@ from torch.autograd.profiler import record_function
 from ..errors import OffloadError, StreamError
 from ..testing.chaos import ChaosConfig, chaos_delay
 from .base import Event, HostEvent
+
+if TYPE_CHECKING:
+    from ..host.arena import HostArena
 
 __all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry", "StreamError"]
 
@@ -368,7 +371,7 @@ class CUDABackend:
                 "forward of one engine under the same `with torch.cuda.stream(s):` (or always on the default "
                 "stream), or wrap the model again for another stream")
 
-    def compute(self):
+    def compute(self) -> ContextManager[object]:
         """Run the runtime's own kernels (outside a forward) on the engine's compute stream."""
         return self._api.stream(self._compute) if self._compute is not None else contextlib.nullcontext()
 
@@ -397,7 +400,7 @@ class CUDABackend:
             self._nan[dtype] = nan
         return nan.expand(shape)
 
-    def pin_host(self, arena) -> None:
+    def pin_host(self, arena: HostArena) -> None:
         """Page-lock ``arena`` (an :class:`offload.host.arena.HostArena`) once, at its exact size; undone by
         :meth:`close`. Call it after the arena's pages were first-touched (see [Note: pinning])."""
         self._check_open()
@@ -406,6 +409,7 @@ class CUDABackend:
 
     @property
     def pinned_bytes(self) -> int:
+        """Host bytes registered with cudaHostRegister by :meth:`pin_host` and not yet released."""
         return self._pinned.nbytes
 
     def total_bytes(self) -> int:
