@@ -9,7 +9,8 @@ from .base import DONE, Backend, Event, HostEvent, Lane
 from .cpu import CPUBackend
 from .cuda import CUDABackend
 
-__all__ = ["Backend", "CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "headroom_bytes", "make_backend"]
+__all__ = ["Backend", "CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "headroom_bytes",
+           "make_backend"]
 
 
 def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None) -> Backend:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol, 
 
 import torch
 
-from ..errors import OffloadError
+from ..errors import EngineClosedError, OffloadError
 
 if TYPE_CHECKING:
     from ..host.arena import HostArena
@@ -162,7 +162,8 @@ class Lane:
 
     def submit(self, fn: Callable[[], object], waits: Iterable[Event] = (), what: str = "") -> HostEvent:
         if self._closed:
-            raise OffloadError(f"lane {self.name} is closed")
+            raise EngineClosedError(f"lane {self.name} is closed (its engine was closed): wrap the model again to "
+                                    "keep training")
         if self._thread is None:  # created lazily: an engine that never streams starts no thread
             self._thread = threading.Thread(target=_run_lane, args=(self._queue, self._before), name=self.name,
                                             daemon=True)

@@ -100,7 +100,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 import torch
 from torch.autograd.profiler import record_function
 
-from ..errors import OffloadError, StreamError
+from ..errors import EngineClosedError, HostMemoryError, InvariantError, OffloadError, StreamError
 from ..testing.chaos import ChaosConfig, chaos_delay
 from .base import Event, HostEvent
 
@@ -243,16 +243,16 @@ class HostRegistry:
         have = self._ranges.get(ptr)
         if have is not None:
             if have[0] != nbytes:
-                raise OffloadError(f"host range at {ptr:#x} is already pinned with {have[0]} bytes, not {nbytes}")
+                raise InvariantError(f"host range at {ptr:#x} is already pinned with {have[0]} bytes, not {nbytes}")
             return False
         for start, (n, _) in self._ranges.items():
             if ptr < start + n and start < ptr + nbytes:
-                raise OffloadError(f"host range [{ptr:#x}, +{nbytes}) overlaps the pinned range [{start:#x}, +{n})")
+                raise InvariantError(f"host range [{ptr:#x}, +{nbytes}) overlaps the pinned range [{start:#x}, +{n})")
         cudart = self._cudart()
         err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
         if err != 0:
             _clear_last_error(cudart)
-            raise OffloadError(
+            raise HostMemoryError(
                 f"cudaHostRegister of the {nbytes}-byte host arena failed with CUDA error {err}. Without pinned "
                 "memory host/device copies cannot overlap compute. Check `ulimit -l` (locked-memory limit) and "
                 "free host RAM; an earlier asynchronous CUDA error can also surface here "
@@ -456,9 +456,9 @@ class CUDABackend:
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event]) -> Event:
         self._check_open()
         if dst.dtype != src.dtype:
-            raise OffloadError(f"a copy from {src.dtype} to {dst.dtype} would convert on the device (an unplanned "
-                               "temporary, and the wider dtype's bytes over PCIe); the engine copies one dtype "
-                               "only (see [Note: stream-ordered memory]): a bug in offload, please report it")
+            raise InvariantError(f"a copy from {src.dtype} to {dst.dtype} would convert on the device (an "
+                                 "unplanned temporary, and the wider dtype's bytes over PCIe); the engine copies one "
+                                 "dtype only (see [Note: stream-ordered memory]): a bug in offload, please report it")
         for event in waits:
             self._stream_wait(stream, event)
         chaos = self._chaos["h2d" if stream is self._h2d else "d2h"]
@@ -516,4 +516,5 @@ class CUDABackend:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise OffloadError("the CUDA backend is closed")
+            raise EngineClosedError("the CUDA backend is closed (its engine was closed): wrap the model again to "
+                                    "keep training")

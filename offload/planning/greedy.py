@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import InvariantError
 from .arrays import MaxTable, latest_issue, lexsort
 from .buckets import Bucket
 from .greedy_inputs import GreedyInputs
@@ -156,7 +157,9 @@ class Greedy:
             hit = cb[order][q] == x.need_b
             found[hit] = order[q[hit]]
             has_copy = np.bincount(cb, minlength=x.nb)[x.need_b] > 0
-            assert not (has_copy & ~hit).any(), "a bucket is needed where none of its buffers is live"
+            if (has_copy & ~hit).any():
+                raise InvariantError("a bucket is needed where none of its buffers is live: a bug in the "
+                                     "scheduler, please report it")
         # -1: resident and not updated, already there (no wait)
         waited = found >= 0
         if waited.all():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..errors import InvariantError
 from .arena import plan_arena_columns
 from .buckets import locate
 from .intervals import grad_intervals, need_intervals, needed_all, with_prefetch
@@ -112,7 +113,8 @@ def frozen_maker(cls):
     thousands of buffers and actions of a large plan: it fills the instance dict at once (what the
     generated ``__init__`` does one ``object.__setattr__`` at a time), for about half the cost. The
     objects are the same: equal, equally hashed and printed (``tests/planning/test_schedule.py``)."""
-    assert not hasattr(cls, "__post_init__") and "__slots__" not in vars(cls), f"{cls.__name__}: use its __init__"
+    if hasattr(cls, "__post_init__") or "__slots__" in vars(cls):
+        raise InvariantError(f"{cls.__name__} has __post_init__ or __slots__: build it with its __init__")
     names = tuple(f.name for f in dataclasses.fields(cls))
     new = object.__new__
 
