@@ -99,6 +99,12 @@ class Backend(Protocol):
         """Block the host until every copy issued so far has finished."""
         ...
 
+    def host_lane(self, name: str) -> Lane:
+        """A new lane (thread ``offload-<name>``) for host work the runtime orders like a stream, e.g. the CPU
+        AdamW; made here so that chaos delays (``offload.testing.chaos``) reach it as they reach the copies.
+        The caller owns it and closes it."""
+        ...
+
     def threads_alive(self) -> int:
         """Worker threads of this backend still running (0 once closed)."""
         ...

@@ -38,6 +38,7 @@ class CPUBackend:
         # for the rest, off the CPU), so the CPU backend behaves like a PCIe link of that bandwidth. Used to
         # check the simulator against the runtime (benchmarks/sim_vs_runtime.py).
         self._bandwidth = (h2d_bytes_per_s, d2h_bytes_per_s)
+        self._chaos = chaos  # delays the lanes above and those of host_lane (tests only: offload.testing.chaos)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -109,6 +110,10 @@ class CPUBackend:
     def synchronize(self) -> None:
         self._h2d.drain()
         self._d2h.drain()
+
+    def host_lane(self, name: str) -> Lane:
+        """A new lane for the runtime's host work (the CPU AdamW), with this backend's chaos delays if any."""
+        return Lane(f"offload-{name}", before=chaos_delay(self._chaos, name))
 
     def threads_alive(self) -> int:
         """The copy lanes' threads still running (each starts at its first copy)."""

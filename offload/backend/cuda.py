@@ -102,7 +102,7 @@ from torch.autograd.profiler import record_function
 
 from ..errors import EngineClosedError, HostMemoryError, InvariantError, OffloadError, StreamError
 from ..testing.chaos import ChaosConfig, chaos_delay
-from .base import Event, HostEvent
+from .base import Event, HostEvent, Lane
 
 if TYPE_CHECKING:
     from ..host.arena import HostArena
@@ -316,6 +316,7 @@ class CUDABackend:
         self._api = api if api is not None else CudaAPI(device)
         # Chaos mode: a random torch.cuda._sleep on the copy stream before and after every copy (offload.testing.chaos).
         self._chaos = {"h2d": chaos_delay(chaos, "h2d"), "d2h": chaos_delay(chaos, "d2h")}
+        self._chaos_config = chaos  # for host_lane
         self._compute = None  # bound at the first forward: see [Note: the compute stream]
         self._h2d = None  # created on first use: see _h2d_stream
         self._d2h = None  # created on first use: see _d2h_stream
@@ -499,6 +500,10 @@ class CUDABackend:
                     stream.synchronize()
 
     # -- lifetime -----------------------------------------------------------------------------------------
+
+    def host_lane(self, name: str) -> Lane:
+        """A new lane for the runtime's host work (the CPU AdamW), with this backend's chaos delays if any."""
+        return Lane(f"offload-{name}", before=chaos_delay(self._chaos_config, name))
 
     def threads_alive(self) -> int:
         return 0  # CUDA streams, no threads of our own

@@ -60,3 +60,23 @@ def test_cpu_backend_pins_nothing():
     backend.pin_host(arena)
     assert backend.pinned_bytes == 0
     backend.close()
+
+
+def _cuda_backend_with(chaos):
+    sim = FakeCuda()
+    return CUDABackend(sim.device, api=sim, chaos=chaos)
+
+
+@pytest.mark.parametrize("make", [lambda chaos: CPUBackend(chaos=chaos), _cuda_backend_with], ids=["cpu", "cuda"])
+def test_host_lanes_carry_the_backends_chaos(make):
+    """host_lane (the runtime's CPU AdamW lane) delays its items when the backend was made with chaos
+    (offload.testing.chaos), like its copies; without chaos it has no delays."""
+    from offload.testing.chaos import ChaosConfig
+    for chaos, draws in ((None, None), (ChaosConfig(seed=3, max_delay_ms=1), 2)):
+        backend = make(chaos)
+        lane = backend.host_lane("cpu-adam")
+        lane.submit(lambda: None).synchronize()
+        assert lane.name == "offload-cpu-adam"
+        assert (None if lane._before is None else lane._before.draws) == draws  # before and after the item
+        lane.close()
+        backend.close()
