@@ -25,7 +25,9 @@ from .trace import Trace
 try:
     from .. import _C
 except ImportError:  # a source tree without the built extension: the Python references run
-    _C = None
+    _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
+
+Streamed = dict[int, list[list[int]]]  # per streamed bucket: its buffers [issue, end), in event order
 
 MODES = ("latest", "lookahead", "just in time")
 """Where a streamed bucket's copy is issued. ``latest``: as late as possible while still arriving before
@@ -54,7 +56,7 @@ class Point:
         return self.lanes.result() if isinstance(self.lanes, LaneResult) else self.lanes
 
     @property
-    def streamed(self) -> dict[int, list[list[int]]]:
+    def streamed(self) -> Streamed:
         """Per streamed bucket: its buffers [issue, end), in event order."""
         out: dict[int, list[list[int]]] = {}
         for p, b, e in self.flat.tolist():
@@ -70,7 +72,7 @@ class Greedy:
         self.inputs = inputs
         n = inputs.n
         self._table = np.zeros((max(1, n.bit_length()), max(1, n)), dtype=np.int64)  # moves' MaxTable
-        self._kernel = None  # the C++ move sequence (``candidates``), built at its first use
+        self._kernel: _C.GreedyKernel | None = None  # the C++ move sequence (``candidates``), built at its first use
 
     @classmethod
     def of(cls, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,
@@ -129,7 +131,15 @@ class Greedy:
         rows = np.stack([p[new], b[new], e[last]], axis=1)
         return rows[lexsort((rows[:, 2], rows[:, 1], rows[:, 0]), (x.n + 1, nb, x.n + 1))]
 
-    def flat(self, streamed: dict) -> np.ndarray:
+    def _rows(self, streamed: Streamed | None, flat: np.ndarray | None) -> np.ndarray:
+        """``flat``, or the rows of ``streamed`` where ``flat`` is None (one of them is given)."""
+        if flat is not None:
+            return flat
+        if streamed is None:
+            raise InvariantError("a point needs its streamed buffers, as a dict or as rows")
+        return self.flat(streamed)
+
+    def flat(self, streamed: Streamed) -> np.ndarray:
         """The streamed buffers as rows (issue, bucket, end), sorted: the order of their copies in the
         host-to-device queue (``program``)."""
         rows = [(p, b, e) for b, ivs in streamed.items() for p, e in ivs]
@@ -170,10 +180,10 @@ class Greedy:
             found = found[waited]
         return m, cb, ptr, found
 
-    def program(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> Program:
+    def program(self, resident: frozenset[int], streamed: Streamed | None,
+                flat: np.ndarray | None = None) -> Program:
         x = self.inputs
-        if flat is None:
-            flat = self.flat(streamed)
+        flat = self._rows(streamed, flat)
         m, cb, ptr, found = self.copies(resident, flat)
         return Program(
             compute_s=x.compute_s, h2d_event=(STEP_START,) * m + tuple(flat[:, 0].tolist()),
@@ -195,11 +205,11 @@ class Greedy:
                 return sim, m
         return simulate(self.program(resident, None, flat), x.hw), m
 
-    def profile(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> np.ndarray:
+    def profile(self, resident: frozenset[int], streamed: Streamed | None,
+                flat: np.ndarray | None = None) -> np.ndarray:
         """Live arena bytes at each event (aligned sizes, as the arena planner counts them)."""
         x = self.inputs
-        if flat is None:
-            flat = self.flat(streamed)
+        flat = self._rows(streamed, flat)
         diff = x.grad_profile.copy()
         res = np.fromiter(resident, dtype=np.int64, count=len(resident))
         diff[0] += int(x.size[res].sum())
@@ -262,8 +272,10 @@ class Greedy:
             got, fallback = self._kernel.points(m, capacity)
             if fallback:
                 return None
-            for res, flat, *lanes, h2d_bytes, peak, resident_bytes in got:
-                sim = LaneResult(*lanes, h2d_bytes, x.d2h_total)
+            for (res, flat, step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
+                 h2d_bytes, peak, resident_bytes) in got:
+                sim = LaneResult(step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
+                                 h2d_bytes, x.d2h_total)
                 points.append(Point(mode, frozenset(res.tolist()), flat, sim, peak, (-h2d_bytes, resident_bytes, -m)))
         return points
 
@@ -272,7 +284,8 @@ class Greedy:
         x = self.inputs
         points = []
         for m, mode in enumerate(MODES):
-            resident, keep = frozenset(), frozenset()
+            resident: frozenset[int] = frozenset()
+            keep: frozenset[int] = frozenset()
             while True:
                 flat = self.placed(mode, resident, keep)
                 prof = self.profile(resident, None, flat)

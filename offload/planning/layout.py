@@ -17,7 +17,7 @@ from ._reference import buffer_waits_reference
 try:
     from .. import _C
 except ImportError:  # a source tree without the built extension: the Python references run
-    _C = None
+    _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
 
 
 @dataclass(frozen=True)
