@@ -7,6 +7,11 @@ Hand-written stub for the pybind11 module built from cpp/. C++ errors arrive as 
 from collections.abc import Sequence
 from typing import TypedDict
 
+import numpy as np
+import numpy.typing as npt
+
+IntColumn = Sequence[int] | npt.NDArray[np.int64]  # int64 numpy columns are read as they are
+
 class ArenaStatsDict(TypedDict):
     size_bytes: int
     """Exactly the size asked for."""
@@ -75,7 +80,7 @@ class PinnedArena:
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
 def plan_arena(
-    sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256,
+    sizes: IntColumn, starts: IntColumn, ends: IntColumn, alignment: int = 256,
     heuristic: str = "best", stop_at: int = -1,
 ) -> tuple[list[int], int, str, dict[str, int]]:
     """Offsets for buffers with known lifetimes: best fit under three orderings, smallest arena kept.
@@ -94,9 +99,7 @@ def plan_arena(
     C-contiguous int64 numpy columns are read as they are (an overload); other input is converted per value.
     """
 
-def arena_lower_bound(
-    sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256
-) -> int:
+def arena_lower_bound(sizes: IntColumn, starts: IntColumn, ends: IntColumn, alignment: int = 256) -> int:
     """Max over time of the sum of live aligned sizes: no layout can be smaller than this. Takes int64 numpy
     columns as they are, like ``plan_arena``."""
 
@@ -129,12 +132,14 @@ def simulate_lanes(
     compute: Sequence[float], h2d_event: Sequence[int], h2d_solo: Sequence[float], wait_ptr: Sequence[int],
     wait_copy: Sequence[int], d2h_event: Sequence[int], d2h_solo: Sequence[float], adam_s: Sequence[float],
     adam_after_backward: bool, duplex: float,
-) -> tuple[float, float, float, float, float, float, float, object, object, bool]:
+) -> tuple[float, float, float, float, float, float, float, npt.NDArray[np.float64], npt.NDArray[np.float64], bool]:
     """The step simulator's lane loop (``cpp/lane_sim.h``) over one-dimensional numpy arrays (or sequences,
     converted). Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event,
     copy credit, divided by zero); the two per-item results are float64 numpy arrays."""
 
-def latest_issue(deadline: Sequence[float], duration: Sequence[float]) -> object:
+def latest_issue(
+    deadline: Sequence[float] | npt.NDArray[np.float64], duration: Sequence[float] | npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]:
     """``out[q] = min(deadline[q], out[q + 1]) - duration[q]`` backwards from +inf (``cpp/schedule_kernels.h``),
     as a float64 numpy array."""
 
@@ -145,9 +150,9 @@ def last_occupants(
     (ptr, buffers) (``cpp/schedule_kernels.h``)."""
 
 class GreedyKernel:
-    """The greedy scheduler's move sequence (``cpp/greedy.h``; ``offload.schedule._Greedy.candidates``): the
+    """The greedy scheduler's move sequence (``cpp/greedy.h``; ``offload.planning.greedy.Greedy.candidates``): the
     constants of one (trace, buckets, hardware) once, then every simulated point of a copy mode's sequence.
-    Its Python reference is ``_Greedy.candidates_reference`` (tested field for field, bitwise)."""
+    Its Python reference is ``Greedy.candidates_reference`` (tested field for field, bitwise)."""
 
     def __init__(
         self, n: int, nb: int, use_b: Sequence[int], use_s: Sequence[int], use_e: Sequence[int],
@@ -157,7 +162,7 @@ class GreedyKernel:
         need_b: Sequence[int], need_e: Sequence[int], compute: Sequence[float], d2h_event: Sequence[int],
         d2h_solo: Sequence[float], adam_s: Sequence[float], duplex: float, n_used: int, max_points: int,
     ) -> None:
-        """The arrays of ``_Greedy.__init__`` (names as there; numpy arrays or sequences, copied). Raises
+        """The fields of ``offload.planning.greedy_inputs.GreedyInputs`` (names as there, passed by keyword; numpy arrays or sequences, copied). Raises
         ``ValueError`` naming the first inconsistent length, out-of-range index or unsorted input."""
     def points(self, mode: int, capacity: int) -> tuple[list[tuple], str]:
         """Every point of mode ``mode`` (0 latest, 1 lookahead, 2 just in time) whose peak live bytes are

@@ -26,12 +26,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .hw import HardwareModel
 
 try:
     from .. import _C
 except ImportError:  # a source tree without the built extension: the Python reference runs
-    _C = None
+    _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
 
 STEP_START = -1  # Copy.event of a copy issued before event 0 (a resident bucket's refresh)
 
@@ -128,10 +130,13 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
         wait_ptr = list(itertools.accumulate(map(len, program.waits), initial=0))
         wait_copy = list(itertools.chain.from_iterable(program.waits))
     out = simulate_arrays(
-        program.compute_s, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
-        program.d2h_event, _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
+        program.compute_s, program.h2d_event, seconds_each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
+        program.d2h_event, seconds_each(hw.d2h_seconds, program.d2h_bytes),
+        seconds_each(hw.adam_seconds, program.adam_numel),
         program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes))
-    return simulate_reference(program, hw) if out is None else out
+    if out is None:
+        return simulate_reference(program, hw)
+    return out.result() if isinstance(out, LaneResult) else out  # (not lazy: a SimResult already)
 
 
 def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
@@ -163,8 +168,8 @@ class LaneResult:
     d2h_busy_s: float
     adam_s: float
     compute_end: float
-    stall_per_event: object  # numpy arrays
-    copy_credit: object
+    stall_per_event: np.ndarray
+    copy_credit: np.ndarray
     h2d_bytes: int
     d2h_bytes: int
 
@@ -176,7 +181,7 @@ class LaneResult:
             tail_s=self.step_s - self.compute_end, copy_credit=tuple(self.copy_credit.tolist()))
 
 
-def _each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
+def seconds_each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
     """``[f(x) for x in xs]``, calling the pure ``f`` once per distinct value."""
     memo = {x: f(x) for x in set(xs)}
     return list(map(memo.__getitem__, xs))
@@ -312,5 +317,5 @@ def physical_bound(compute_s: float, h2d_bytes: int, d2h_bytes: int, adam_numel:
     plan must move (see :func:`offload.planning.schedule.least_traffic`)."""
     parts = {"compute": compute_s, "h2d": h2d_bytes / hw.peak_h2d, "d2h": d2h_bytes / hw.peak_d2h,
              "cpu_adam": hw.adam_seconds(adam_numel)}
-    limit = max(parts, key=parts.get)
+    limit = max(parts, key=lambda k: parts[k])
     return Bound(parts[limit], limit, parts)

@@ -29,14 +29,9 @@ from ..errors import BudgetTooSmallError
 from ..planning.arena import Interval, plan_arena
 from ..planning.buckets import Bucket, ParamSpec, locate, make_buckets
 from ..planning.hw import HardwareModel
-from ..planning.schedule import (
-    ARENA_ALIGN,
-    _grad_intervals,
-    _grad_issue,
-    _need_intervals,
-    _with_prefetch,
-    build_plan,
-)
+from ..planning.intervals import grad_intervals, grad_issue, need_intervals, with_prefetch
+from ..planning.plan import ARENA_ALIGN, align
+from ..planning.schedule import build_plan
 from ..planning.simulate import STEP_START, Program, SimResult, simulate
 from ..planning.trace import Trace
 
@@ -72,10 +67,6 @@ class PolicyResult:
     @property
     def step_s(self) -> float | None:
         return self.sim.step_s if self.sim is not None else None
-
-
-def _align(n: int) -> int:
-    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
 
 
 def _param_specs(buckets: Sequence[Bucket]) -> tuple[list[ParamSpec], list[int]]:
@@ -118,7 +109,7 @@ def _lanes(case: Case, units: Sequence[Bucket], streamed: dict[int, list], resid
                     break
         waits.append(tuple(w))
     bucket_of = locate(case.buckets)[0]
-    issue = _grad_issue(trace, case.buckets, bucket_of)
+    issue = grad_issue(trace, case.buckets, bucket_of)
     d2h = sorted((e, b) for b, e in issue.items())
     return Program(
         compute_s=case.compute_s, h2d_event=tuple(events), h2d_bucket=tuple(owners), h2d_bytes=tuple(nbytes),
@@ -135,7 +126,7 @@ def _peak(case: Case, units, streamed, resident, grads_too: bool = True) -> int:
     ivs += [Interval(units[u].nbytes(case.itemsize), p, e) for u, spans in streamed.items() for p, e in spans
             if units[u].numel]
     if grads_too:
-        for b, (s, e) in _grad_intervals(case.trace, case.buckets, locate(case.buckets)[0]).items():
+        for b, (s, e) in grad_intervals(case.trace, case.buckets, locate(case.buckets)[0]).items():
             if case.buckets[b].trainable_numel:
                 ivs.append(Interval(case.buckets[b].grad_nbytes(case.itemsize), s, e))
     return plan_arena(ivs, alignment=ARENA_ALIGN).total_bytes + case.extra
@@ -173,7 +164,7 @@ def zero3_offload(case: Case) -> PolicyResult:
     unit_of = locate(units)[0]
     persistent = [u for u in range(len(units)) if units[u].numel <= ZERO3_PERSISTENCE_NUMEL]
     pset = set(persistent)
-    needs = {u: ivs for u, ivs in _need_intervals(case.trace, unit_of, merge_phase=False).items() if u not in pset}
+    needs = {u: ivs for u, ivs in need_intervals(case.trace, unit_of, merge_phase=False).items() if u not in pset}
     fetches = sorted((s, u, k) for u, ivs in needs.items() for k, (s, _) in enumerate(ivs))
     streamed: dict[int, list] = {u: [] for u in needs}
     window, lo = 0, 0
@@ -199,9 +190,9 @@ def gemini_cpu(case: Case) -> PolicyResult:
     units = case.buckets
     bucket_of = locate(units)[0]
     n = len(case.trace.events)
-    needs = _need_intervals(case.trace, bucket_of, merge_phase=False)
+    needs = need_intervals(case.trace, bucket_of, merge_phase=False)
     starts = {u: [s for s, _ in ivs] for u, ivs in needs.items()}
-    size = [_align(u.nbytes(case.itemsize)) for u in units]
+    size = [align(u.nbytes(case.itemsize)) for u in units]
     capacity = case.budget_bytes - case.extra
     on: dict[int, int] = {}  # chunk -> event it arrived
     used = 0
@@ -234,7 +225,7 @@ def _next_use(starts: list[int], i: int) -> int:
 def double_buffer(case: Case) -> PolicyResult:
     """Everything streamed, each copy issued when the previous bucket's use begins."""
     units = case.buckets
-    needs = _with_prefetch(_need_intervals(case.trace, locate(units)[0], merge_phase=False), lookahead=True)
+    needs = with_prefetch(need_intervals(case.trace, locate(units)[0], merge_phase=False), lookahead=True)
     program = _lanes(case, units, needs, (), set(), adam_after_backward=False)
     return _result("double-buffer", case, program, _peak(case, units, needs, ()))
 
