@@ -38,6 +38,7 @@ from ..planning.activations import (
 )
 from ..planning.buckets import ParamSpec, host_layout, make_buckets
 from ..planning.hw import HardwareModel
+from ..planning.placement import placement_bound
 from ..planning.schedule import (
     ARENA_ALIGN,
     BufferKind,
@@ -468,6 +469,8 @@ class Report:
     lanes_s: dict[str, float] = field(default_factory=dict)
     bound: str | None = None
     bound_s: float | None = None  # the physical lower bound of a step with this trace, buckets, budget
+    # the same over every placement that fits (optimizer state on the device too: [Note: the placement bound])
+    bound_placement_s: float | None = None
     activations_source: str = "meta trace"  # or "analytic estimate (...)" where the model cannot run on meta
     compute_s: tuple[float, ...] = ()  # per trace event: the estimated compute seconds the plan was simulated with
     module_names: tuple[str, ...] = ()  # model.named_modules() order: the trace's module keys (for timelines)
@@ -512,6 +515,7 @@ class Report:
             "plan": summary if self.fits else None,
             "predicted_step_s": self.predicted_step_s, "tokens_per_s": self.tokens_per_s,
             "bound": self.bound if self.fits else None, "bound_s": self.bound_s if self.fits else None,
+            "bound_placement_s": self.bound_placement_s if self.fits else None,
             "lanes_s": dict(self.lanes_s) if self.fits else None,
             "checkpointed_activation_bytes": self.checkpointed_activation_bytes,
             "fixes": [f.to_json() for f in self.fixes],
@@ -577,6 +581,8 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         overflow=overflow, plan=plan, activations=acts, fixes=fixes,
         baselines=_baselines(case, params), lanes_s=lanes, bound=bound,
         bound_s=plan_bound(plan, request.hw, compute).seconds,
+        bound_placement_s=placement_bound(mt.trace, buckets, itemsize, plan.capacity_bytes, sum(compute),
+                                          request.hw).seconds,
         activations_source="meta trace" if analytic is None else f"analytic estimate ({analytic.describe()})",
         compute_s=tuple(compute), module_names=tuple(name for name, _ in model.named_modules()))
 
