@@ -33,13 +33,9 @@ from offload.planning import _reference as arena_reference  # noqa: E402
 from offload.planning.arena import Interval, plan_arena  # noqa: E402
 from offload.planning.buckets import locate, make_buckets  # noqa: E402
 from offload.planning.hw import load_hw  # noqa: E402
-from offload.planning.schedule import (  # noqa: E402
-    ARENA_ALIGN,
-    STRATEGIES,
-    _intervals,
-    _layout,
-    build_plan,
-)
+from offload.planning.layout import STRATEGIES, layout_buffers, strategy_intervals  # noqa: E402
+from offload.planning.plan import ARENA_ALIGN  # noqa: E402
+from offload.planning.schedule import build_plan  # noqa: E402
 from offload.tools.metatrace import trace_meta  # noqa: E402
 from offload.tools.presets import MODELS, preset_inputs  # noqa: E402
 
@@ -58,7 +54,7 @@ def model_interval_sets(name: str, seq: int) -> list[tuple[str, list[Interval]]]
     bucket_of = locate(buckets)[0]
     out = []
     for strategy in STRATEGIES:
-        specs_, _ = _layout(trace, buckets, ITEMSIZE, frozenset(), _intervals(trace, buckets, bucket_of, strategy))
+        specs_, _ = layout_buffers(trace, buckets, ITEMSIZE, frozenset(), strategy_intervals(trace, buckets, bucket_of, strategy))
         out.append((f"{name}: {strategy.name}, all streamed", [Interval(x[4], x[2], x[3]) for x in specs_]))
     # The scheduler's own plan (offload.planning.schedule.build_plan) with half the weights' size as budget.
     half = sum(b.nbytes(ITEMSIZE) for b in buckets) // 2

@@ -15,7 +15,7 @@ using i64 = std::int64_t;
 // numpy's order for floats (its sorts and searchsorted): NaN after every number.
 inline bool np_less(double a, double b) { return a < b || (b != b && a == a); }
 
-// Range maximum over a fixed array (what offload/planning/schedule.py's `_MaxTable` answers; integer maxima are exact
+// Range maximum over a fixed array (what offload/planning/arrays.py's `MaxTable` answers; integer maxima are exact
 // however taken): blocks of 64 with each block's prefix and suffix maxima, and a sparse table over the block
 // maxima, so that it builds in O(n) and answers a range within one block by a scan.
 class MaxTable {
@@ -141,7 +141,7 @@ class Sequence {
     return out;
   }
 
-  // `_Greedy.placed`: the streamed buffers (rows_p_, rows_b_, rows_e_), sorted by (issue, bucket, end).
+  // `Greedy.placed`: the streamed buffers (rows_p_, rows_b_, rows_e_), sorted by (issue, bucket, end).
   void place() {
     const std::size_t u = c_.use_b.size();
     std::vector<i64>& end = end_;
@@ -231,7 +231,7 @@ class Sequence {
     return std::upper_bound(tau + lo + 1, tau + hi, x, np_less) - tau;  // in (lo, hi]
   }
 
-  // `_Greedy.profile`: live arena bytes at each event (prof_); returns their max (0 without events).
+  // `Greedy.profile`: live arena bytes at each event (prof_); returns their max (0 without events).
   i64 live_bytes() {
     std::vector<i64>& diff = diff_;
     diff.assign(c_.grad_profile.begin(), c_.grad_profile.end());
@@ -255,7 +255,7 @@ class Sequence {
     return peak;
   }
 
-  // `_Greedy.copies`: the copies (refreshes, then the streamed buffers) and each event's waits. False where
+  // `Greedy.copies`: the copies (refreshes, then the streamed buffers) and each event's waits. False where
   // a bucket with copies is needed where none ends after the need (the reference asserts).
   bool copies() {
     cb_.clear(), ce_.clear();
@@ -303,7 +303,7 @@ class Sequence {
     return true;
   }
 
-  // `_Greedy.moves`: the next batch, best first. False where a score would divide by zero (numpy raises).
+  // `Greedy.moves`: the next batch, best first. False where a score would divide by zero (numpy raises).
   bool next_moves(const LaneResult& sim, i64 peak, std::vector<Move>& moves) {
     moves.clear();
     const bool stalled = sim.stall_s > 0;

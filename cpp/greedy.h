@@ -1,4 +1,4 @@
-// The greedy scheduler's move sequence (offload/planning/schedule.py `_Greedy.candidates_reference`) in C++: for
+// The greedy scheduler's move sequence (offload/planning/greedy.py `Greedy.candidates_reference`) in C++: for
 // one copy mode, every point from "everything streamed" on, each placed, profiled, simulated (the lanes of
 // cpp/lane_sim) and followed by its batch of moves, until a point exceeds the capacity or no move is left.
 // The Python loop is the reference (tests/test_greedy_kernel.py compares every field of every point).
@@ -17,7 +17,8 @@
 
 namespace offload {
 
-// What the moves do not change, computed once by `_Greedy.__init__` (names as there).
+// What the moves do not change, computed once by `GreedyInputs.of` (offload/planning/greedy_inputs.py;
+// names as there).
 struct GreedyConstants {
   std::int64_t n = 0;   // trace events
   std::int64_t nb = 0;  // buckets
@@ -29,7 +30,7 @@ struct GreedyConstants {
   std::vector<double> dur;           // seconds of its host-to-device copy
   std::vector<double> updated_dur;   // dur where it is updated (has grads), else 0
   std::vector<std::uint8_t> updated;  // has grads: refreshed at the step start when resident
-  std::vector<std::int64_t> fwd_row, bwd_row, fwd_at, bwd_at;  // keepable buckets: see `_Greedy.__init__`
+  std::vector<std::int64_t> fwd_row, bwd_row, fwd_at, bwd_at;  // keepable buckets: see `GreedyInputs`
   std::vector<std::int64_t> keepable;  // ascending
   std::vector<double> tau;             // n + 1: compute reaches event i at tau[i] (sequential sums)
   std::vector<std::int64_t> grad_profile;  // n + 1: live grad-slot bytes change at each event

@@ -1,5 +1,6 @@
-// Two sequential loops of the greedy scheduler (offload/planning/schedule.py) in C++, each with its Python
-// reference in that file (tests/test_schedule.py checks they agree exactly). Pure functions on arrays.
+// Two sequential loops of the greedy scheduler (offload/planning/arrays.py, layout.py) in C++, each with its
+// Python reference in offload/planning/_reference.py (tests/planning/test_schedule.py checks they agree
+// exactly). Pure functions on arrays.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,7 @@ std::vector<double> latest_issue(View<double> deadline, View<double> duration);
 void latest_issue(View<double> deadline, View<double> duration, std::vector<double>& out);
 
 // For each buffer k, in ascending order, the buffers that last released the bytes [lo[k], hi[k]) before k
-// was issued (each range non-empty, lo >= 0; see [Note: waits on earlier buffers] in offload/planning/schedule.py). Buffers are swept in order of
+// was issued (each range non-empty, lo >= 0; see [Note: waits on earlier buffers] in offload/planning/plan.py). Buffers are swept in order of
 // (event, release before issue, k), where k is released at release[k] and issued at issue[k]. Returns
 // the lists flattened: buffer k's are out[ptr[k]:ptr[k + 1]].
 struct Occupants {

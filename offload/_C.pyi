@@ -145,9 +145,9 @@ def last_occupants(
     (ptr, buffers) (``cpp/schedule_kernels.h``)."""
 
 class GreedyKernel:
-    """The greedy scheduler's move sequence (``cpp/greedy.h``; ``offload.schedule._Greedy.candidates``): the
+    """The greedy scheduler's move sequence (``cpp/greedy.h``; ``offload.planning.greedy.Greedy.candidates``): the
     constants of one (trace, buckets, hardware) once, then every simulated point of a copy mode's sequence.
-    Its Python reference is ``_Greedy.candidates_reference`` (tested field for field, bitwise)."""
+    Its Python reference is ``Greedy.candidates_reference`` (tested field for field, bitwise)."""
 
     def __init__(
         self, n: int, nb: int, use_b: Sequence[int], use_s: Sequence[int], use_e: Sequence[int],
@@ -157,7 +157,7 @@ class GreedyKernel:
         need_b: Sequence[int], need_e: Sequence[int], compute: Sequence[float], d2h_event: Sequence[int],
         d2h_solo: Sequence[float], adam_s: Sequence[float], duplex: float, n_used: int, max_points: int,
     ) -> None:
-        """The arrays of ``_Greedy.__init__`` (names as there; numpy arrays or sequences, copied). Raises
+        """The fields of ``offload.planning.greedy_inputs.GreedyInputs`` (names as there, passed by keyword; numpy arrays or sequences, copied). Raises
         ``ValueError`` naming the first inconsistent length, out-of-range index or unsorted input."""
     def points(self, mode: int, capacity: int) -> tuple[list[tuple], str]:
         """Every point of mode ``mode`` (0 latest, 1 lookahead, 2 just in time) whose peak live bytes are

@@ -1,12 +1,24 @@
-"""Pure-Python reference of ``cpp/arena_planner``: the spec the C++ must match offset for offset.
+"""Pure-Python references: the specs the fast code (C++ or numpy) must match, tested against each other.
 
-Slow (quadratic Python) and only for checking: ``tests/planning/test_arena_planner.py`` and
-``benchmarks/arena_planner.py`` compare the C++ planner against it.
+* the arena planner (``cpp/arena_planner``): :func:`plan`, :func:`lower_bound` and their pieces, slow
+  (quadratic Python) and only for checking (``tests/planning/test_arena_planner.py``,
+  ``benchmarks/arena_planner.py``);
+* the schedule's sweeps: :func:`buffer_waits_reference` (``layout.buffer_waits``, C++ ``last_occupants``)
+  and :func:`latest_issue_reference` (``arrays.latest_issue``, C++ ``latest_issue``), also the fallbacks
+  where the extension is not built; :func:`grad_info_reference` (``intervals.grad_info``, numpy).
+
+The greedy search's own reference is :meth:`offload.planning.greedy.Greedy.candidates_reference` (it is
+built from the same pieces as the search and is its fallback); the lane simulator's is
+:func:`offload.planning.simulate.simulate_reference`.
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import Sequence
+
+from .buckets import Bucket
+from .trace import EventKind, Trace
 
 ORDERINGS = ("greedy_by_size", "greedy_by_breadth", "best_fit_by_lifetime")
 HEURISTICS = ORDERINGS + tuple(f"{o}+size_classes" for o in ORDERINGS)  # tie order: first wins
@@ -88,3 +100,83 @@ def lower_bound(sizes: list[int], starts: list[int], ends: list[int], alignment:
     """Max over event indices of the live aligned bytes (brute force over every start)."""
     aligned = [round_up(s, alignment) for s in sizes]
     return max((sum(a for a, s, e in zip(aligned, starts, ends) if s <= t < e) for t in set(starts)), default=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the schedule
+
+
+def buffer_waits_reference(specs, offsets) -> list[tuple[int, ...]]:
+    """For each buffer, the last earlier occupants of its memory: see [Note: waits on earlier buffers].
+
+    One sweep over the events, keeping a map from arena byte ranges to the buffer that last released
+    them (released buffers paint their range, a newly issued buffer reads the ranges under it): O(n log n)
+    plus the size of the answer, which is a few buffers each rather than every earlier one.
+    """
+    items = []  # (event, 0 release | 1 issue, buffer)
+    for k, x in enumerate(specs):
+        items.append((x[3], 0, k))
+        items.append((x[2], 1, k))
+    items.sort()
+    bounds = [0]  # segment starts, ascending; segment i is [bounds[i], bounds[i + 1]) (the last one unbounded)
+    owner: list[int | None] = [None]  # the buffer that last released each segment
+    out: list[tuple[int, ...]] = [()] * len(specs)
+
+    def split(at: int) -> int:
+        """Make ``at`` a segment start; return its index."""
+        i = bisect.bisect_right(bounds, at) - 1
+        if bounds[i] != at:
+            bounds.insert(i + 1, at)
+            owner.insert(i + 1, owner[i])
+            i += 1
+        return i
+
+    for _, issue, k in items:
+        lo = offsets[k]
+        hi = lo + specs[k][4]
+        if issue:
+            i = bisect.bisect_right(bounds, lo) - 1
+            got = set()
+            while i < len(bounds) and bounds[i] < hi:
+                if owner[i] is not None:
+                    got.add(owner[i])
+                i += 1
+            out[k] = tuple(sorted(got))
+        else:
+            i, j = split(lo), split(hi)
+            bounds[i:j] = [lo]
+            owner[i:j] = [k]
+    return out
+
+
+def latest_issue_reference(deadline: Sequence[float], duration: Sequence[float]) -> list[float]:
+    """``arrays.latest_issue``: ``out[q] = min(deadline[q], out[q + 1]) - duration[q]``, backwards."""
+    out = [0.0] * len(deadline)
+    nxt = float("inf")
+    for q in reversed(range(len(deadline))):
+        nxt = min(deadline[q], nxt) - duration[q]
+        out[q] = nxt
+    return out
+
+
+def grad_info_reference(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int]):
+    """:func:`offload.planning.intervals.grad_info` by a loop over the events (the reference it is tested against)."""
+    n = len(trace.events)
+    touched = set(trace.touched)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    got: dict[int, set[int]] = {}
+    grad = EventKind.GRAD
+    for i, key in [(i, ev.key) for i, ev in enumerate(trace.events) if ev.kind == grad]:
+        b = bucket_of[key]
+        first.setdefault(b, i)
+        last[b] = i
+        got.setdefault(b, set()).add(key)
+    intervals, issue = {}, {}
+    for b, s in first.items():
+        expected = {p for run in buckets[b].runs for p in run.params if p in touched}
+        # A bucket whose grads are not all seen is flushed at the end of backward: keep its slot till then.
+        complete = got[b] >= expected
+        intervals[b] = [s, last[b] + 1 if complete else n]
+        issue[b] = last[b] if complete else n
+    return intervals, issue

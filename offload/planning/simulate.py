@@ -160,8 +160,8 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
         wait_ptr = list(itertools.accumulate(map(len, program.waits), initial=0))
         wait_copy = list(itertools.chain.from_iterable(program.waits))
     out = simulate_arrays(
-        compute, program.h2d_event, _each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
-        program.d2h_event, _each(hw.d2h_seconds, program.d2h_bytes), _each(hw.adam_seconds, program.adam_numel),
+        compute, program.h2d_event, seconds_each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
+        program.d2h_event, seconds_each(hw.d2h_seconds, program.d2h_bytes), seconds_each(hw.adam_seconds, program.adam_numel),
         program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes), lazy=True)
     if out is None:
         return simulate_reference(program, hw)
@@ -220,7 +220,7 @@ class LaneResult:
             device_adam_s=self.device_adam_s)
 
 
-def _each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
+def seconds_each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
     """``[f(x) for x in xs]``, calling the pure ``f`` once per distinct value."""
     memo = {x: f(x) for x in set(xs)}
     return list(map(memo.__getitem__, xs))

@@ -32,15 +32,10 @@ from ..errors import BudgetTooSmallError
 from ..planning.arena import Interval, plan_arena
 from ..planning.buckets import Bucket, ParamSpec, locate, make_buckets
 from ..planning.hw import HardwareModel
+from ..planning.intervals import grad_intervals, grad_issue, need_intervals, with_prefetch
 from ..planning.placement import state_nbytes
-from ..planning.schedule import (
-    ARENA_ALIGN,
-    _grad_intervals,
-    _grad_issue,
-    _need_intervals,
-    _with_prefetch,
-    build_plan,
-)
+from ..planning.plan import ARENA_ALIGN, align
+from ..planning.schedule import build_plan
 from ..planning.simulate import STEP_START, Program, SimResult, simulate
 from ..planning.trace import Trace
 
@@ -77,10 +72,6 @@ class PolicyResult:
     @property
     def step_s(self) -> float | None:
         return self.sim.step_s if self.sim is not None else None
-
-
-def _align(n: int) -> int:
-    return (n + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
 
 
 def _param_specs(buckets: Sequence[Bucket]) -> tuple[list[ParamSpec], list[int]]:
@@ -125,7 +116,7 @@ def _lanes(case: Case, units: Sequence[Bucket], streamed: dict[int, list], resid
                     break
         waits.append(tuple(w))
     bucket_of = locate(case.buckets)[0]
-    issue = _grad_issue(trace, case.buckets, bucket_of)
+    issue = grad_issue(trace, case.buckets, bucket_of)
     d2h = sorted((e, b) for b, e in issue.items() if b not in on_device)
     device_adam = ()
     if on_device:
@@ -146,7 +137,7 @@ def _peak(case: Case, units, streamed, resident, grads_too: bool = True) -> int:
     ivs += [Interval(units[u].nbytes(case.itemsize), p, e) for u, spans in streamed.items() for p, e in spans
             if units[u].numel]
     if grads_too:
-        for b, (s, e) in _grad_intervals(case.trace, case.buckets, locate(case.buckets)[0]).items():
+        for b, (s, e) in grad_intervals(case.trace, case.buckets, locate(case.buckets)[0]).items():
             if case.buckets[b].trainable_numel:
                 ivs.append(Interval(case.buckets[b].grad_nbytes(case.itemsize), s, e))
     return plan_arena(ivs, alignment=ARENA_ALIGN).total_bytes + case.extra
@@ -209,7 +200,7 @@ def twin_flow(case: Case, ratios: Sequence[float] = TWIN_FLOW_RATIOS) -> PolicyR
             if on_device in tried:
                 continue
             tried.add(on_device)
-            peak = base_peak + sum(_align(state_nbytes(units[b], case.itemsize)) for b in on_device)
+            peak = base_peak + sum(align(state_nbytes(units[b], case.itemsize)) for b in on_device)
             program = _lanes(case, units, {}, resident, updated - on_device, adam_after_backward=True,
                              on_device=on_device)
             r = PolicyResult("twin-flow", simulate(program, case.hw), peak, peak <= case.budget_bytes,
@@ -230,7 +221,7 @@ def zero3_offload(case: Case) -> PolicyResult:
     unit_of = locate(units)[0]
     persistent = [u for u in range(len(units)) if units[u].numel <= ZERO3_PERSISTENCE_NUMEL]
     pset = set(persistent)
-    needs = {u: ivs for u, ivs in _need_intervals(case.trace, unit_of, merge_phase=False).items() if u not in pset}
+    needs = {u: ivs for u, ivs in need_intervals(case.trace, unit_of, merge_phase=False).items() if u not in pset}
     fetches = sorted((s, u, k) for u, ivs in needs.items() for k, (s, _) in enumerate(ivs))
     streamed: dict[int, list] = {u: [] for u in needs}
     window, lo = 0, 0
@@ -256,9 +247,9 @@ def gemini_cpu(case: Case) -> PolicyResult:
     units = case.buckets
     bucket_of = locate(units)[0]
     n = len(case.trace.events)
-    needs = _need_intervals(case.trace, bucket_of, merge_phase=False)
+    needs = need_intervals(case.trace, bucket_of, merge_phase=False)
     starts = {u: [s for s, _ in ivs] for u, ivs in needs.items()}
-    size = [_align(u.nbytes(case.itemsize)) for u in units]
+    size = [align(u.nbytes(case.itemsize)) for u in units]
     capacity = case.budget_bytes - case.extra
     on: dict[int, int] = {}  # chunk -> event it arrived
     used = 0
@@ -291,7 +282,7 @@ def _next_use(starts: list[int], i: int) -> int:
 def double_buffer(case: Case) -> PolicyResult:
     """Everything streamed, each copy issued when the previous bucket's use begins."""
     units = case.buckets
-    needs = _with_prefetch(_need_intervals(case.trace, locate(units)[0], merge_phase=False), lookahead=True)
+    needs = with_prefetch(need_intervals(case.trace, locate(units)[0], merge_phase=False), lookahead=True)
     program = _lanes(case, units, needs, (), set(), adam_after_backward=False)
     return _result("double-buffer", case, program, _peak(case, units, needs, ()))
 

@@ -1,15 +1,22 @@
-"""The greedy scheduler's move sequence in C++ (cpp/greedy.cpp, ``_Greedy.candidates``) against its Python
-reference (``_Greedy.candidates_reference``): the same points, every field equal and every float bitwise
+"""The greedy scheduler's move sequence in C++ (cpp/greedy.cpp, ``Greedy.candidates``) against its Python
+reference (``Greedy.candidates_reference``): the same points, every field equal and every float bitwise
 equal, on random traces, machines, compute times and capacities."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from offload.planning.greedy import MODES, Greedy, compute_times
 from offload.planning.hw import PRESETS
-from offload.planning.schedule import _C, MODES, _compute_times, _Greedy
 from tests.planning.test_schedule import _chain_trace, _compute, machines, traces
+
+try:
+    from offload import _C
+except ImportError:  # a source tree without the built extension
+    _C = None
 
 pytestmark = pytest.mark.skipif(_C is None, reason="needs the built extension (offload._C)")
 
@@ -51,7 +58,7 @@ def _compare(g, capacity):
 @given(traces(), machines(), st.data())
 def test_cpp_points_equal_the_python_loop_on_random_machines(case, hw, data):
     trace, buckets = case
-    g = _Greedy(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
+    g = Greedy.of(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
     everything = _compare(g, 10**12)
     peaks = sorted({p.peak for p in everything})
     # capacities that cut each sequence somewhere (the point at the capacity is in, the next one out)
@@ -63,7 +70,7 @@ def test_cpp_points_equal_the_python_loop_on_random_machines(case, hw, data):
 @given(traces())
 def test_cpp_points_equal_the_python_loop_with_the_default_machine(case):
     trace, buckets = case
-    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], _compute_times(trace, None))
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, None))
     _compare(g, 10**12)
 
 
@@ -71,7 +78,7 @@ def test_cpp_points_equal_the_python_loop_with_the_default_machine(case):
 @pytest.mark.parametrize("hw", ["pcie4", "pcie5"])
 def test_cpp_points_equal_the_python_loop_on_chains(n_layers, hw):
     trace, buckets = _chain_trace(n_layers, 1000)
-    g = _Greedy(trace, buckets, 4, PRESETS[hw], _compute_times(trace, [1e-5] * len(trace.events)))
+    g = Greedy.of(trace, buckets, 4, PRESETS[hw], compute_times(trace, [1e-5] * len(trace.events)))
     points = _compare(g, 10**12)
     assert {p.mode for p in points} == set(MODES) and len(points) > 3
     assert g.candidates(10**12) is not None
@@ -81,9 +88,10 @@ def test_a_zero_score_denominator_runs_the_reference_which_raises():
     """Where a score would divide by zero (numpy raises FloatingPointError), the C++ loop hands over to the
     Python one, which raises it: the same error as without the extension."""
     trace, buckets = _chain_trace(20, 1000)
-    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], _compute_times(trace, [1e-6] * len(trace.events)))
-    g.size_np = g.size_np.copy()
-    g.size_np[5] = 0  # a zero-byte bucket: no cost and no size to divide by
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, [1e-6] * len(trace.events)))
+    size = g.inputs.size.copy()
+    size[5] = 0  # a zero-byte bucket: no cost and no size to divide by
+    g = Greedy(dataclasses.replace(g.inputs, size=size))
     assert g._candidates_cpp(10**12) is None
     with pytest.raises(FloatingPointError):
         g.candidates_reference(10**12)
@@ -93,15 +101,15 @@ def test_a_zero_score_denominator_runs_the_reference_which_raises():
 
 def test_inconsistent_constants_are_refused():
     trace, buckets = _chain_trace(5, 1000)
-    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], _compute_times(trace, None))
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, None))
     assert g._candidates_cpp(10**12) is not None
     with pytest.raises(ValueError, match="mode"):
         g._kernel.points(3, 0)
-    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], _compute_times(trace, None))
-    g.tau_np = g.tau_np[:-1]
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, None))
+    g = Greedy(dataclasses.replace(g.inputs, tau=g.inputs.tau[:-1]))
     with pytest.raises(ValueError, match="tau"):
         g._candidates_cpp(10**12)
-    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], _compute_times(trace, None))
-    g.use_s = g.use_s[::-1].copy()
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, None))
+    g = Greedy(dataclasses.replace(g.inputs, use_s=g.inputs.use_s[::-1].copy()))
     with pytest.raises(ValueError, match="grouped by bucket"):
         g._candidates_cpp(10**12)

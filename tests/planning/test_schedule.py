@@ -200,8 +200,8 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
     it, also when it raises."""
     trace, buckets = _chain_trace(8, 1000)
     seen = []
-    from offload.planning import schedule
-    real = schedule._Greedy.candidates
+    from offload.planning.greedy import Greedy
+    real = Greedy.candidates
 
     def spy(self, capacity):
         seen.append(gc.isenabled())
@@ -209,7 +209,7 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
 
     assert gc.isenabled()
     try:
-        schedule._Greedy.candidates = spy
+        Greedy.candidates = spy
         build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0)
         assert gc.isenabled()
         with pytest.raises(BudgetTooSmallError):
@@ -220,7 +220,7 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()
     finally:
         gc.enable()
-        schedule._Greedy.candidates = real
+        Greedy.candidates = real
     assert seen == [False, False, False]
 
 
@@ -321,12 +321,12 @@ def test_cpp_latest_issue_equals_the_python_reference_bitwise(rows):
     import numpy as np
 
     from offload import _C
-    from offload.planning.schedule import _latest_issue_reference
+    from offload.planning._reference import latest_issue_reference
     if not hasattr(_C, "latest_issue"):
         pytest.skip("offload._C was built without latest_issue")
     deadline, duration = [d for d, _ in rows], [t for _, t in rows]
     got = _C.latest_issue(np.array(deadline, dtype=np.float64), np.array(duration, dtype=np.float64))
-    assert list(map(repr, got.tolist())) == list(map(repr, _latest_issue_reference(deadline, duration)))
+    assert list(map(repr, got.tolist())) == list(map(repr, latest_issue_reference(deadline, duration)))
 
 
 @st.composite
@@ -344,77 +344,81 @@ def _buffers(draw):
 @given(_buffers())
 def test_cpp_buffer_waits_equal_the_python_reference(case):
     from offload import _C
-    from offload.planning.schedule import _after, _after_reference
+    from offload.planning._reference import buffer_waits_reference
+    from offload.planning.layout import buffer_waits
     if not hasattr(_C, "last_occupants"):
         pytest.skip("offload._C was built without last_occupants")
     specs, offsets = case
-    assert _after(specs, offsets) == _after_reference(specs, offsets)
+    assert buffer_waits(specs, offsets) == buffer_waits_reference(specs, offsets)
 
 
 def test_sparse_table_max_equals_brute_force():
     import numpy as np
 
-    from offload.planning.schedule import _MaxTable
+    from offload.planning.arrays import MaxTable
     rng = np.random.default_rng(0)
     for n in (1, 2, 3, 5, 8, 17, 100, 257):
         values = rng.integers(0, 1000, n)
         lo, hi = rng.integers(0, n + 1, 300), rng.integers(0, n + 1, 300)
         expected = [values[a:b].max() if b > a else 0 for a, b in zip(lo, hi)]
-        assert _MaxTable(values).query(lo, hi).tolist() == expected
+        assert MaxTable(values).query(lo, hi).tolist() == expected
         ok = hi > lo  # every range non-empty (the other branch), in a reused buffer
         table = np.zeros((n.bit_length(), n), dtype=np.int64)
-        assert _MaxTable(values, table).query(lo[ok], hi[ok]).tolist() == [e for e, k in zip(expected, ok) if k]
+        assert MaxTable(values, table).query(lo[ok], hi[ok]).tolist() == [e for e, k in zip(expected, ok) if k]
 
 
 def test_fast_constructors_make_the_same_frozen_objects():
-    from offload.planning.schedule import Buffer, EventActions, _maker
-    a = _maker(Buffer)(3, BufferKind.GRAD, 1, 5, 100, 256, (0, 2))
+    from offload.planning.layout import frozen_maker
+    from offload.planning.plan import Buffer, EventActions
+    a = frozen_maker(Buffer)(3, BufferKind.GRAD, 1, 5, 100, 256, (0, 2))
     b = Buffer(3, BufferKind.GRAD, 1, 5, 100, 256, (0, 2))
     assert a == b and hash(a) == hash(b) and repr(a) == repr(b) and type(a) is Buffer
     with pytest.raises(AttributeError):
         a.start = 0  # still frozen
-    e = _maker(EventActions)((1,), (), (4,))
+    e = frozen_maker(EventActions)((1,), (), (4,))
     assert e == EventActions((1,), (), (4,)) and hash(e) == hash(EventActions((1,), (), (4,)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), machines(), st.data())
 def test_layout_from_arrays_is_the_layout_from_intervals(case, hw, data):
-    """The scheduler lays its chosen point out from arrays (_Greedy.layout): the same buffers, in the same
-    order, and the same arena as _layout from the per-bucket intervals, at every simulated point."""
-    from offload.planning.schedule import _Greedy, _layout
+    """The scheduler lays its chosen point out from arrays (Greedy.layout): the same buffers, in the same
+    order, and the same arena as layout_buffers from the per-bucket intervals, at every simulated point."""
+    from offload.planning.greedy import Greedy
+    from offload.planning.layout import layout_buffers
     trace, buckets = case
-    g = _Greedy(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
+    g = Greedy.of(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
     for point in g.candidates(10**9):
-        assert g.layout(point.resident, point.flat) == _layout(trace, buckets, 4, point.resident,
-                                                               (point.streamed, g.grads))
+        assert g.layout(point.resident, point.flat) == layout_buffers(trace, buckets, 4, point.resident,
+                                                               (point.streamed, g.inputs.grads))
 
 
 def test_combined_key_sort_is_lexsort():
-    """_lexsort (one stable argsort of a combined key) gives np.lexsort's permutation, ties included."""
+    """lexsort (one stable argsort of a combined key) gives np.lexsort's permutation, ties included."""
     import numpy as np
 
-    from offload.planning.schedule import _lexsort
+    from offload.planning.arrays import lexsort
     rng = np.random.default_rng(1)
     for n in (0, 1, 7, 500):
         keys = (rng.integers(0, 3, n), rng.integers(0, 5, n), rng.integers(0, 4, n))  # many ties
-        assert _lexsort(keys, (3, 5, 4)).tolist() == np.lexsort(keys).tolist()
-        assert _lexsort(keys[:2], (3, 5)).tolist() == np.lexsort(keys[:2]).tolist()
+        assert lexsort(keys, (3, 5, 4)).tolist() == np.lexsort(keys).tolist()
+        assert lexsort(keys[:2], (3, 5)).tolist() == np.lexsort(keys[:2]).tolist()
     big = (rng.integers(0, 2**40, 50), rng.integers(0, 2**40, 50))  # too large to combine: np.lexsort itself
-    assert _lexsort(big, (2**40, 2**40)).tolist() == np.lexsort(big).tolist()
+    assert lexsort(big, (2**40, 2**40)).tolist() == np.lexsort(big).tolist()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
 def test_need_interval_arrays_are_the_merged_need_intervals(case):
-    """_Greedy's need intervals, merged with numpy, are _need_intervals(merge_phase=False)."""
+    """Greedy's need intervals, merged with numpy, are need_intervals(merge_phase=False)."""
     from offload.planning.buckets import locate
-    from offload.planning.schedule import _Greedy, _need_intervals
+    from offload.planning.greedy import Greedy
+    from offload.planning.intervals import need_intervals
     trace, buckets = case
-    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], tuple(trace.compute_seconds))
-    expected = _need_intervals(trace, locate(buckets)[0], merge_phase=False)
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], tuple(trace.compute_seconds))
+    expected = need_intervals(trace, locate(buckets)[0], merge_phase=False)
     assert g.uses == {b: [tuple(iv) for iv in ivs] for b, ivs in expected.items()}
-    assert g.use_b.tolist() == sorted(g.use_b.tolist()) and g.n_used == len(expected)
+    assert g.inputs.use_b.tolist() == sorted(g.inputs.use_b.tolist()) and g.inputs.n_used == len(expected)
 
 
 @pytest.mark.parametrize("bad", [-1e-6, float("nan")])
@@ -429,19 +433,21 @@ def test_negative_or_nan_compute_seconds_are_refused(bad):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), st.data())
 def test_grad_arrays_are_the_grad_intervals_of_the_event_loop(case, data):
-    """_grad_info (numpy over the GRAD events) is the per-event loop _grad_info_reference, orders included;
-    _Greedy's compute prefix sums (np.add.accumulate) are itertools.accumulate's, bitwise."""
+    """grad_info (numpy over the GRAD events) is the per-event loop grad_info_reference, orders included;
+    GreedyInputs' compute prefix sums (np.add.accumulate) are itertools.accumulate's, bitwise."""
     import itertools
     import struct
 
     from offload.planning.buckets import locate
-    from offload.planning.schedule import _grad_info, _grad_info_reference, _Greedy
+    from offload.planning._reference import grad_info_reference
+    from offload.planning.greedy import Greedy
+    from offload.planning.intervals import grad_info
     trace, buckets = case
     bucket_of = locate(buckets)[0]
-    got, want = _grad_info(trace, buckets, bucket_of), _grad_info_reference(trace, buckets, bucket_of)
+    got, want = grad_info(trace, buckets, bucket_of), grad_info_reference(trace, buckets, bucket_of)
     assert got == want and [list(x) for x in got] == [list(x) for x in want]
     compute = tuple(data.draw(st.sampled_from([0.0, -0.0, 1e-7, 3e-4, 1 / 3])) for _ in trace.events)
-    g = _Greedy(trace, buckets, 4, PRESETS["pcie4"], compute)
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute)
     tau = list(itertools.accumulate(compute, initial=0.0))
-    assert [struct.pack("<d", x) for x in g.tau_np.tolist()] == [struct.pack("<d", x) for x in tau]
-    assert g.grads == want[0] and g.grad_issue == want[1] and list(g.grads) == list(want[0])
+    assert [struct.pack("<d", x) for x in g.inputs.tau.tolist()] == [struct.pack("<d", x) for x in tau]
+    assert g.inputs.grads == want[0] and g.inputs.grad_issue == want[1] and list(g.inputs.grads) == list(want[0])

@@ -1,0 +1,142 @@
+"""Laying buffers out in the arena: the buffers a residency choice makes (per bucket, its resident buffer
+or its streamed ones; the grad slots), their offsets (``arena.plan_arena_columns``), what each waits on
+([Note: waits on earlier buffers] in ``plan.py``), and the frozen :class:`Plan` assembled from them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .arena import plan_arena_columns
+from .buckets import locate
+from .intervals import grad_intervals, need_intervals, needed_all, with_prefetch
+from .plan import ARENA_ALIGN, Buffer, BufferKind, EventActions, Plan
+from ._reference import buffer_waits_reference
+
+try:
+    from .. import _C
+except ImportError:  # a source tree without the built extension: the Python references run
+    _C = None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    merge_phase: bool
+    lookahead: bool
+
+
+STRATEGIES = (
+    Strategy("lookahead, keep within phase", merge_phase=True, lookahead=True),
+    Strategy("lookahead", merge_phase=False, lookahead=True),
+    Strategy("just in time", merge_phase=False, lookahead=False),
+)
+
+
+def strategy_intervals(trace, buckets, bucket_of, strategy):
+    """What a layout needs that does not depend on residency: per bucket its param-buffer intervals
+    (prefetch moved in) and its grad-slot interval. Computed once per strategy."""
+    needs = with_prefetch(need_intervals(trace, bucket_of, strategy.merge_phase), strategy.lookahead)
+    return needs, grad_intervals(trace, buckets, bucket_of)
+
+
+def layout_buffers(trace, buckets, itemsize, resident, intervals):
+    n = len(trace.events)
+    needs, grads = intervals
+    specs: list[tuple[int, BufferKind, int, int, int]] = []  # bucket, kind, start, end, size
+    for b in range(len(buckets)):
+        size = buckets[b].nbytes(itemsize)
+        if b in resident:
+            specs.append((b, BufferKind.PARAM, 0, n, size))
+        else:
+            specs.extend((b, BufferKind.PARAM, s, e, size) for s, e in needs.get(b, []))
+    for b, (s, e) in sorted(grads.items()):
+        specs.append((b, BufferKind.GRAD, s, e, buckets[b].grad_nbytes(itemsize)))
+    return arena_of([x for x in specs if x[4] > 0])
+
+
+def arena_of(specs, columns=None):
+    """``specs`` (bucket, kind, start, end, size) and the arena layout of their buffers. ``columns``: their
+    sizes, starts and ends as int64 arrays, where the caller has them (else taken from ``specs``)."""
+    sizes, starts, ends = columns if columns is not None else ([x[4] for x in specs], [x[2] for x in specs],
+                                                               [x[3] for x in specs])
+    layout = plan_arena_columns(sizes, starts, ends, alignment=ARENA_ALIGN, stop_at_bound=True)
+    return specs, layout
+
+
+def buffer_waits(specs, offsets) -> list[tuple[int, ...]]:
+    """For each buffer, the last earlier occupants of its memory: see [Note: waits on earlier buffers].
+    The sweep of :func:`buffer_waits_reference`, in C++ (``cpp/schedule_kernels.cpp``; tested against it)."""
+    if _C is None or not specs:
+        return buffer_waits_reference(specs, offsets)
+    ptr, got = _C.last_occupants([x[2] for x in specs], [x[3] for x in specs], offsets,
+                                 [o + x[4] for o, x in zip(offsets, specs)])
+    return [tuple(got[a:b]) for a, b in zip(ptr, ptr[1:])]
+
+
+def assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fixed, *, simulated=None,
+             hw_name="", needs=None) -> Plan:
+    n = len(trace.events)
+    if needs is None:  # per event: the buckets it needs (the greedy scheduler has them already)
+        bucket_of = locate(buckets)[0]
+        needs = needed_all(trace, bucket_of)
+    after = buffer_waits(specs, layout.offsets)
+    make = frozen_maker(Buffer)
+    buffers = tuple(make(b, kind, s, e, size, off, aft)
+                    for (b, kind, s, e, size), off, aft in zip(specs, layout.offsets, after))
+    release: dict[int, list[int]] = {}  # per event with any: buffer ids, ascending
+    prefetch: dict[int, list[int]] = {}
+    grad_buffer: list[int | None] = [None] * len(buckets)
+    resident_buffer: list[int | None] = [None] * len(buckets)
+    grad = BufferKind.GRAD
+    for k, (b, kind, s, e, _) in enumerate(specs):
+        if kind is grad:
+            grad_buffer[b] = k
+        elif b in resident:
+            resident_buffer[b] = k
+        else:
+            prefetch.setdefault(s, []).append(k)
+            if e < n:
+                release.setdefault(e, []).append(k)
+    return Plan(
+        buckets=tuple(buckets), trace=trace, resident=tuple(sorted(resident)), buffers=buffers,
+        actions=event_actions(release, prefetch, needs),
+        grad_buffer=tuple(grad_buffer), resident_buffer=tuple(resident_buffer),
+        arena_bytes=layout.total_bytes, lower_bound_bytes=layout.lower_bound_bytes,
+        budget_bytes=budget, fixed_bytes=fixed, itemsize=itemsize, strategy=name, simulated=simulated,
+        hw_name=hw_name)
+
+
+def frozen_maker(cls):
+    """A constructor for the frozen dataclass ``cls`` taking every field positionally, for the tens of
+    thousands of buffers and actions of a large plan: it fills the instance dict at once (what the
+    generated ``__init__`` does one ``object.__setattr__`` at a time), for about half the cost. The
+    objects are the same: equal, equally hashed and printed (``tests/planning/test_schedule.py``)."""
+    assert not hasattr(cls, "__post_init__") and "__slots__" not in vars(cls), f"{cls.__name__}: use its __init__"
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    new = object.__new__
+
+    def make(*values):
+        obj = new(cls)
+        obj.__dict__.update(zip(names, values))
+        return obj
+    return make
+
+
+def event_actions(release: dict[int, list[int]], prefetch: dict[int, list[int]], needs) -> tuple[EventActions, ...]:
+    """One EventActions per event (``needs``: one per event; ``release``, ``prefetch``: buffer ids of the
+    events with any); events with neither releases nor prefetches share one object per distinct need
+    (they are frozen)."""
+    make = frozen_maker(EventActions)
+    idle: dict[tuple[int, ...], EventActions] = {}
+    out = []
+    for i, need in enumerate(needs):
+        r, p = release.get(i), prefetch.get(i)
+        if r or p:
+            out.append(make(tuple(r or ()), tuple(p or ()), need))
+        else:
+            x = idle.get(need)
+            if x is None:
+                x = idle[need] = make((), (), need)
+            out.append(x)
+    return tuple(out)
