@@ -65,6 +65,12 @@ class GreedyInputs:
     grad_bytes: dict[int, int]  # per bucket with grads: its grad slot's bytes
     d2h_program: dict[str, tuple]  # the device-to-host fields of every Program (d2h_event, d2h_bucket, ...)
     d2h_total: int  # bytes copied to the host per step
+    # device-optimizer buckets (issue 18; ``device_optimizer.restrict``; empty by default): taken out of the
+    # moves, resident with their optimizer state, updated on the compute lane
+    device: tuple[int, ...] = ()  # their bucket ids, ascending
+    device_state_bytes: tuple[int, ...] = ()  # per device bucket: its optimizer state's bytes
+    device_tail_s: float = 0.0  # their device AdamW after compute ends (grads flushed at the end of backward)
+    device_adam_s: float = 0.0  # their device AdamW in all (the rest is in ``compute``)
 
     @classmethod
     def of(cls, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,

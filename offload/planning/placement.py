@@ -66,11 +66,28 @@ def updated_buckets(trace: Trace, buckets: Sequence[Bucket]) -> list[int]:
     return sorted({bucket_of[ev.key] for ev in trace.events if ev.kind == grad})
 
 
+def placement_bytes(buckets: Sequence[Bucket], itemsize: int, placement: Sequence[Placement]) -> dict[str, int]:
+    """Bytes per tier of a plan's placements: the 16-bit weights of each placement, and the optimizer state
+    on the device (unaligned; streamed weights are on the device only while fetched)."""
+    out = {p.value: 0 for p in Placement}
+    out["device_optimizer_state"] = 0
+    for b, where in zip(buckets, placement):
+        out[where.value] += b.nbytes(itemsize)
+        if where is Placement.DEVICE_OPTIMIZER:
+            out["device_optimizer_state"] += state_nbytes(b, itemsize)
+    return out
+
+
 def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capacity: int, compute_s: float,
-                    hw: HardwareModel) -> Bound:
+                    hw: HardwareModel, forward_s: float = 0.0) -> Bound:
     """The least step time over every placement that fits ``capacity`` arena bytes (see [Note: the
     placement bound]). ``parts`` holds each term at the optimum and ``device_bytes`` (sigma there: the
-    device bytes the optimum spends on device-optimizer buckets)."""
+    device bytes the optimum spends on device-optimizer buckets).
+
+    ``forward_s``: the forward's compute seconds, to count that no grad copy and no CPU AdamW can start
+    before backward does (every grad is produced in backward): the D2H and CPU AdamW terms start there.
+    0 gives the issue's formula, which lets the host lanes overlap the forward too; with it the bound is
+    still a lower bound of every schedule the simulator runs, and a tighter one where the CPU is the wall."""
     bucket_of = locate(buckets)[0]
     updated = updated_buckets(trace, buckets)
     used = {bucket_of[p] for uses in trace.uses for p in uses}
@@ -90,8 +107,8 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     terms = {
         "compute": _cheapest(cost, dev, compute_s, top),
         "h2d": _removable(cost, h2d, h2d_fixed, top),
-        "d2h": _removable(cost, d2h, 0.0, top),
-        "cpu_adam": _removable(cost, cpu, 0.0, top),
+        "d2h": _removable(cost, d2h, forward_s if len(b) else 0.0, top),
+        "cpu_adam": _removable(cost, cpu, forward_s if len(b) else 0.0, top),
     }
     # the used buckets that are not updated stream what the capacity left over cannot hold
     kink = float(capacity - others)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import BudgetTooSmallError
 from ..planning.arena import Interval, plan_arena
@@ -68,6 +68,7 @@ class PolicyResult:
     peak_bytes: int
     fits: bool  # peak_bytes <= budget
     ratio: float | None = None  # twin-flow: the GPU share of the optimizer it settled on
+    plan: Any = None  # greedy: its Plan
 
     @property
     def step_s(self) -> float | None:
@@ -287,13 +288,16 @@ def double_buffer(case: Case) -> PolicyResult:
     return _result("double-buffer", case, program, _peak(case, units, needs, ()))
 
 
-def greedy(case: Case) -> PolicyResult:
+def greedy(case: Case, device_optimizer: bool = True) -> PolicyResult:
+    """This engine's planner, with device optimizer state allowed (issue 18; the runtime cannot execute
+    such plans yet: ``device_optimizer=False`` is what it runs today)."""
     try:
         plan = build_plan(case.trace, case.buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
-                          fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s)
+                          fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s,
+                          device_optimizer=device_optimizer)
     except BudgetTooSmallError as e:
         return PolicyResult("greedy", None, e.min_budget_bytes, False)
-    return PolicyResult("greedy", plan.simulated, plan.peak_bytes, True)
+    return PolicyResult("greedy", plan.simulated, plan.peak_bytes, True, plan=plan)
 
 
 POLICIES: dict[str, Callable[[Case], PolicyResult]] = {

@@ -2,15 +2,25 @@
 step, equals the all-on-the-CPU bound when nothing fits on the device, and shrinks as the budget grows; the
 simulator's device AdamW lane."""
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import BudgetTooSmallError
+from offload.errors import InvariantError
 from offload.planning.buckets import ParamSpec, make_buckets
 from offload.planning.hw import PRESETS, HardwareModel, latency_curve
-from offload.planning.placement import placement_bound, state_nbytes
-from offload.planning.schedule import build_plan, least_traffic, plan_bound
+from offload.planning.placement import Placement, placement_bound, placement_bytes, state_nbytes
+from offload.planning.schedule import (
+    BufferKind,
+    build_plan,
+    least_traffic,
+    plan_bound,
+    program_of,
+    validate_plan,
+)
 from offload.planning.simulate import Program, physical_bound, simulate, simulate_reference
 from offload.tools.baselines import Case, twin_flow, zero_offload
 
@@ -147,3 +157,120 @@ def test_twin_flow_sweep():
     assert tight.fits and tight.ratio <= 0.3 + 1e-12 and tight.step_s >= best.step_s
     none = twin_flow(Case(trace, buckets, 4, hw, compute, zo.peak_bytes - 1))
     assert not none.fits and none.ratio == 0.0
+
+
+# --- device-optimizer placements in the planner ------------------------------------------------------------
+
+
+def _plan(trace, buckets, budget, hw, compute, device_optimizer=True):
+    try:
+        return build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute,
+                          device_optimizer=device_optimizer)
+    except BudgetTooSmallError as e:
+        return build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
+                          compute_s=compute, device_optimizer=device_optimizer)
+
+
+def _check_device_placement(plan, hw, compute):
+    """What a plan with device-optimizer buckets promises: valid (every bucket resident when used, no two
+    live buffers overlap, peak within the budget, placements agree with the buffers); each device bucket
+    resident with a whole-step STATE buffer in the arena; the simulated step is the plan's own program's;
+    device buckets have no copy, no grad copy and no CPU AdamW there, and their device AdamW is counted."""
+    validate_plan(plan)
+    assert plan.peak_bytes <= plan.budget_bytes
+    n = len(plan.trace.events)
+    device = set(plan.device_optimizer)
+    for b in device:
+        assert plan.placement_of(b) is Placement.DEVICE_OPTIMIZER and b in plan.resident
+        x = plan.buffers[plan.state_buffer[b]]
+        assert x.kind is BufferKind.STATE and (x.start, x.end) == (0, n)
+        assert x.size == state_nbytes(plan.buckets[b], 4)
+        assert plan.resident_buffer[b] is not None
+        assert not any(plan.buffers[k].bucket == b for act in plan.actions for k in act.prefetch)
+    for b in set(range(len(plan.buckets))) - device:
+        assert plan.state_buffer[b] is None
+    program = program_of(plan, compute)
+    assert not device & set(program.h2d_bucket) and not device & set(program.d2h_bucket)
+    assert sum(program.device_adam_numel) == sum(plan.buckets[b].trainable_numel for b in device)
+    again = simulate(program, hw)
+    assert again.step_s == pytest.approx(plan.simulated.step_s, rel=1e-9, abs=1e-15)
+    assert again.device_adam_s == pytest.approx(plan.simulated.device_adam_s, rel=1e-9, abs=1e-15)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, data):
+    trace, buckets = case
+    compute = _compute(data.draw, trace)
+    if data.draw(st.booleans()):  # a slow CPU: where device optimizer state pays
+        hw = hw.with_(adam_params_per_s=data.draw(st.floats(1e2, 1e5)))
+    params = sum(b.nbytes(4) for b in buckets)
+    least = _plan(trace, buckets, 0, hw, compute, device_optimizer=False).budget_bytes
+    budget = least + data.draw(st.integers(0, 5 * params + 20000))
+    plan = _plan(trace, buckets, budget, hw, compute)
+    _check_device_placement(plan, hw, compute)
+    # the search includes today's plan (no device state): never slower than it at the same budget
+    today = _plan(trace, buckets, plan.budget_bytes, hw, compute, device_optimizer=False)
+    assert not today.device_optimizer
+    assert plan.simulated.step_s <= today.simulated.step_s * (1 + 1e-9) + 1e-15
+    # both placement bounds hold for it
+    forward = sum(compute[:trace.num_forward])
+    for fwd in (0.0, forward):
+        bound = placement_bound(trace, buckets, 4, plan.capacity_bytes, sum(compute), hw, forward_s=fwd)
+        assert plan.simulated.step_s >= bound.seconds * (1 - 1e-9)
+
+
+def _cpu_bound_chain(n=12, numel=1000):
+    trace, buckets = _chain_trace(n, numel)
+    hw = _hw(bw=1e6, adam=1e4, device_adam=1e7)  # CPU AdamW 0.1 s per bucket; copies 4 ms; device AdamW 0.1 ms
+    compute = [1e-3] * len(trace.events)
+    return trace, buckets, hw, compute
+
+
+def test_where_the_cpu_adamw_is_the_wall_the_first_layers_keep_their_optimizer_on_the_device():
+    trace, buckets, hw, compute = _cpu_bound_chain()
+    budget = 10**7
+    plan = _plan(trace, buckets, budget, hw, compute)
+    _check_device_placement(plan, hw, compute)
+    today = _plan(trace, buckets, budget, hw, compute, device_optimizer=False)
+    assert len(plan.device_optimizer) == len(buckets)  # room for all: every update leaves the CPU
+    assert plan.simulated.adam_s == 0 and plan.simulated.step_s < today.simulated.step_s / 10
+    # room for a third of them (weights 4 kB + state 8 kB, aligned, per bucket; plus the grad slot and the
+    # streamed ones): it takes the first layers, whose grads complete last
+    streamed = _plan(trace, buckets, 0, hw, compute, device_optimizer=False)
+    small = _plan(trace, buckets, streamed.peak_bytes + 4 * 12288, hw, compute)
+    _check_device_placement(small, hw, compute)
+    assert 0 < len(small.device_optimizer) <= 4 and 0 in small.device_optimizer
+    assert set(small.device_optimizer) == set(range(len(small.device_optimizer)))
+    assert small.simulated.step_s < _plan(trace, buckets, small.budget_bytes, hw, compute,
+                                          device_optimizer=False).simulated.step_s
+
+
+def test_device_optimizer_is_off_by_default_and_validate_plan_checks_placements():
+    trace, buckets, hw, compute = _cpu_bound_chain()
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0, hw=hw, compute_s=compute)
+    assert not plan.device_optimizer and not any(x.kind is BufferKind.STATE for x in plan.buffers)
+    assert set(plan.placement) == {Placement.RESIDENT}
+    validate_plan(plan)
+    # a placement the buffers do not back is refused
+    lie = dataclasses.replace(plan, placement=(Placement.DEVICE_OPTIMIZER,) + plan.placement[1:])
+    with pytest.raises(InvariantError, match="state buffer"):
+        validate_plan(lie)
+    lie = dataclasses.replace(plan, placement=(Placement.STREAMED,) + plan.placement[1:])
+    with pytest.raises(InvariantError, match="resident"):
+        validate_plan(lie)
+    dev = build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0, hw=hw, compute_s=compute,
+                     device_optimizer=True)
+    k = dev.state_buffer[0]
+    short = dataclasses.replace(dev, buffers=dev.buffers[:k] + (dataclasses.replace(dev.buffers[k], end=1),)
+                                + dev.buffers[k + 1:])
+    with pytest.raises(InvariantError, match="whole step"):
+        validate_plan(short)
+
+
+def test_placement_bytes_per_tier():
+    trace, buckets, hw, compute = _cpu_bound_chain()
+    plan = _plan(trace, buckets, 10**7, hw, compute)
+    tiers = placement_bytes(plan.buckets, 4, plan.placement)
+    assert tiers["device-optimizer"] == 12 * 4000 and tiers["device_optimizer_state"] == 12 * 8000
+    assert tiers["streamed"] == tiers["resident"] == 0
