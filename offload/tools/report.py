@@ -38,7 +38,7 @@ from ..planning.activations import (
 )
 from ..planning.buckets import ParamSpec, host_layout, make_buckets
 from ..planning.hw import HardwareModel
-from ..planning.placement import placement_bound
+from ..planning.placement import placement_bound, placement_bytes
 from ..planning.schedule import (
     ARENA_ALIGN,
     BufferKind,
@@ -474,6 +474,9 @@ class Report:
     activations_source: str = "meta trace"  # or "analytic estimate (...)" where the model cannot run on meta
     compute_s: tuple[float, ...] = ()  # per trace event: the estimated compute seconds the plan was simulated with
     module_names: tuple[str, ...] = ()  # model.named_modules() order: the trace's module keys (for timelines)
+    # the planner's plan with optimizer state allowed on the device (issue 18): predicted step and bytes per
+    # placement tier. The runtime cannot execute such a plan yet; ``plan`` is what it runs
+    device_optimizer_plan: dict | None = None
 
     @property
     def checkpointed_activation_bytes(self) -> int | None:
@@ -516,6 +519,7 @@ class Report:
             "predicted_step_s": self.predicted_step_s, "tokens_per_s": self.tokens_per_s,
             "bound": self.bound if self.fits else None, "bound_s": self.bound_s if self.fits else None,
             "bound_placement_s": self.bound_placement_s if self.fits else None,
+            "device_optimizer_plan": self.device_optimizer_plan if self.fits else None,
             "lanes_s": dict(self.lanes_s) if self.fits else None,
             "checkpointed_activation_bytes": self.checkpointed_activation_bytes,
             "fixes": [f.to_json() for f in self.fixes],
@@ -558,6 +562,13 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
                       fixed_bytes=fixed, hw=request.hw, compute_s=compute)  # (at min_budget it always fits)
     weights_side = min_budget - mt.trace.activation_peak_bytes
     overflow = None if fits else ("weights" if weights_side > request.budget_bytes else "activations")
+    device_plan = None
+    if fits:  # where the budget leaves room, optimizer state on the device (planner only, issue 18)
+        dev = build_plan(mt.trace, buckets, itemsize=itemsize, budget_bytes=request.budget_bytes, fixed_bytes=fixed,
+                         hw=request.hw, compute_s=compute, device_optimizer=True)
+        device_plan = {"predicted_step_s": dev.simulated.step_s, "device_optimizer_buckets": len(dev.device_optimizer),
+                       "placement_bytes": placement_bytes(dev.buckets, itemsize, dev.placement),
+                       "runtime": "not executable yet (issue 18): the runtime runs `plan`"}
     acts = None
     if overflow == "activations":  # what per-block checkpointing would save: one more forward, per block
         progress("counting activations per block")
@@ -584,7 +595,8 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         bound_placement_s=placement_bound(mt.trace, buckets, itemsize, plan.capacity_bytes, sum(compute),
                                           request.hw).seconds,
         activations_source="meta trace" if analytic is None else f"analytic estimate ({analytic.describe()})",
-        compute_s=tuple(compute), module_names=tuple(name for name, _ in model.named_modules()))
+        compute_s=tuple(compute), module_names=tuple(name for name, _ in model.named_modules()),
+        device_optimizer_plan=device_plan)
 
 
 def _trace(model: nn.Module, run, request: Request) -> MetaTrace:
