@@ -18,8 +18,9 @@ the most step time; where PCIe is, residency does. The search weighs both by sim
   complete), and the fastest of its points is ``k``'s step time;
 * ``k`` is searched on a coarse grid of the lengths that fit (with the length the placement bound's
   optimum spends, :func:`~offload.planning.placement.placement_bound`), then refined around the best by
-  bisection of its bracket: some eight greedy runs at most, each of the one copy mode that won without
-  device state (a third of a full run); the chosen ``k`` then runs every mode. ``k = 0`` (today's plan) is always a candidate
+  bisection of its bracket: some ten greedy runs at most; on a large trace (more than
+  :data:`QUICK_ABOVE` need intervals) each of the one copy mode that won without device state (a third
+  of a full run), and the chosen ``k`` then runs every mode. ``k = 0`` (today's plan) is always a candidate
   and wins ties, so the result is never slower than the plan without device optimizer state;
 * it is skipped outright where the plan without device state is already within 1 % of the placement bound
   (nothing left to win: the 10,000-bucket chain, compute-bound, plans as fast as before).
@@ -42,6 +43,7 @@ from .trace import Trace
 SKIP_WITHIN = 0.01  # skip the search where the plan without device state is this close to the placement bound
 GRID = 4  # coarse grid points over the prefix lengths that fit
 REFINE = 3  # bisection steps around the best grid point
+QUICK_ABOVE = 4096  # need intervals above which a length is judged by one copy mode (planning speed)
 
 
 def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, buckets: Sequence[Bucket],
@@ -60,21 +62,30 @@ def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, bu
     kmax, grid = prefix_lengths(order, cost, capacity, bound.parts["device_bytes"])
     if not kmax:
         return None
-    # each length is judged by the copy mode that won without device state (one sequence instead of three;
-    # all three where none of its points fits); the chosen length then runs every mode, so its plan is at
-    # least as fast as judged
-    mode = min(points, key=lambda p: (p.step_s, MODES.index(p.mode))).mode
+    # on a large trace each length is judged by the copy mode that won without device state (one sequence
+    # instead of three; all three where none of its points fits); the chosen length then runs every mode, so
+    # its plan is at least as fast as judged
+    quick = len(x.use_b) > QUICK_ABOVE
+    modes = (min(points, key=lambda p: (p.step_s, MODES.index(p.mode))).mode,) if quick else MODES
+
+    runs: dict[int, tuple[Greedy, list[Point]]] = {}  # every mode's points (kept where not quick)
 
     def evaluate(k: int) -> float:
         g_k = Greedy(restrict(x, order[:k], buckets, itemsize))
-        got = g_k.candidates(capacity, modes=(mode,)) or g_k.candidates(capacity)  # none fit: try every mode
+        got = g_k.candidates(capacity, modes=modes)
+        if not quick:
+            runs[k] = (g_k, got)
+        elif not got:  # none of that mode's points fits: every mode
+            got = g_k.candidates(capacity)
         return min((p.step_s for p in got), default=float("inf"))
 
     k = search(evaluate, kmax, grid, base)
     if not k:
         return None
-    g_k = Greedy(restrict(x, order[:k], buckets, itemsize))
-    return g_k, g_k.candidates(capacity)
+    if k not in runs:
+        g_k = Greedy(restrict(x, order[:k], buckets, itemsize))
+        runs[k] = (g_k, g_k.candidates(capacity))
+    return runs[k]
 
 
 def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], itemsize: int) -> GreedyInputs:
@@ -161,7 +172,7 @@ def prefix_lengths(order: Sequence[int], cost: Sequence[int], capacity: int, hin
 
 def search(evaluate: Callable[[int], float], kmax: int, grid: Sequence[int], base: float) -> int:
     """The prefix length with the least ``evaluate(k)`` (step seconds; ``base`` is k = 0's): the coarse
-    ``grid``, then bisection of the best point's bracket (``REFINE`` steps). Ties go to the shorter prefix,
+    ``grid``, then ``REFINE`` rounds of bisecting both sides of the best point's bracket. Ties go to the shorter prefix,
     and k = 0 wins unless strictly faster by more than 1e-9 relative."""
     seen = {0: base}
     for k in grid:
@@ -171,11 +182,12 @@ def search(evaluate: Callable[[int], float], kmax: int, grid: Sequence[int], bas
         best = min(ks, key=lambda k: (seen[k], k))
         i = ks.index(best)
         lo, hi = ks[max(0, i - 1)], ks[min(len(ks) - 1, i + 1)]
-        # probe the middle of the wider side of the bracket that is not explored yet
-        mids = [m for m in ((lo + best) // 2, (best + hi + 1) // 2) if m not in seen and 0 < m <= kmax]
+        # probe the middle of each side of the bracket (a minimum inside, or at the edge of what fits: the
+        # step often falls until the device state no longer leaves room to stream the rest)
+        mids = {m for m in ((lo + best) // 2, (best + hi + 1) // 2) if m not in seen and 0 < m <= kmax}
         if not mids:
             break
-        m = max(mids, key=lambda m: abs(m - best))
-        seen[m] = evaluate(m)
+        for m in sorted(mids):
+            seen[m] = evaluate(m)
     best = min(seen, key=lambda k: (seen[k], k))
     return best if seen[best] < base * (1 - 1e-9) else 0
