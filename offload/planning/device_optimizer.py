@@ -23,7 +23,7 @@ the most step time; where PCIe is, residency does. The search weighs both by sim
   of a full run), and the chosen ``k`` then runs every mode. ``k = 0`` (today's plan) is always a candidate
   and wins ties, so the result is never slower than the plan without device optimizer state;
 * it is skipped outright where the plan without device state is already within 1 % of the placement bound
-  (nothing left to win: the 10,000-bucket chain, compute-bound, plans as fast as before).
+  (its causal form, ``forward_s``: nothing left to win).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, bu
     without device state)."""
     base = min(p.step_s for p in points)
     x = g.inputs
-    bound = placement_bound(trace, buckets, itemsize, capacity, sum(compute), x.hw)
+    bound = placement_bound(trace, buckets, itemsize, capacity, sum(compute), x.hw,
+                            forward_s=sum(compute[:trace.num_forward]))  # (the tighter of the two bounds)
     if base <= bound.seconds * (1 + SKIP_WITHIN):
         return None
     order = device_order(x, buckets)
