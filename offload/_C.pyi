@@ -7,6 +7,11 @@ Hand-written stub for the pybind11 module built from cpp/. C++ errors arrive as 
 from collections.abc import Sequence
 from typing import TypedDict
 
+import numpy as np
+import numpy.typing as npt
+
+IntColumn = Sequence[int] | npt.NDArray[np.int64]  # int64 numpy columns are read as they are
+
 class ArenaStatsDict(TypedDict):
     size_bytes: int
     """Exactly the size asked for."""
@@ -75,7 +80,7 @@ class PinnedArena:
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
 def plan_arena(
-    sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256,
+    sizes: IntColumn, starts: IntColumn, ends: IntColumn, alignment: int = 256,
     heuristic: str = "best", stop_at: int = -1,
 ) -> tuple[list[int], int, str, dict[str, int]]:
     """Offsets for buffers with known lifetimes: best fit under three orderings, smallest arena kept.
@@ -94,9 +99,7 @@ def plan_arena(
     C-contiguous int64 numpy columns are read as they are (an overload); other input is converted per value.
     """
 
-def arena_lower_bound(
-    sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int = 256
-) -> int:
+def arena_lower_bound(sizes: IntColumn, starts: IntColumn, ends: IntColumn, alignment: int = 256) -> int:
     """Max over time of the sum of live aligned sizes: no layout can be smaller than this. Takes int64 numpy
     columns as they are, like ``plan_arena``."""
 
@@ -129,12 +132,14 @@ def simulate_lanes(
     compute: Sequence[float], h2d_event: Sequence[int], h2d_solo: Sequence[float], wait_ptr: Sequence[int],
     wait_copy: Sequence[int], d2h_event: Sequence[int], d2h_solo: Sequence[float], adam_s: Sequence[float],
     adam_after_backward: bool, duplex: float,
-) -> tuple[float, float, float, float, float, float, float, object, object, bool]:
+) -> tuple[float, float, float, float, float, float, float, npt.NDArray[np.float64], npt.NDArray[np.float64], bool]:
     """The step simulator's lane loop (``cpp/lane_sim.h``) over one-dimensional numpy arrays (or sequences,
     converted). Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event,
     copy credit, divided by zero); the two per-item results are float64 numpy arrays."""
 
-def latest_issue(deadline: Sequence[float], duration: Sequence[float]) -> object:
+def latest_issue(
+    deadline: Sequence[float] | npt.NDArray[np.float64], duration: Sequence[float] | npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]:
     """``out[q] = min(deadline[q], out[q + 1]) - duration[q]`` backwards from +inf (``cpp/schedule_kernels.h``),
     as a float64 numpy array."""
 

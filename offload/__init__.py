@@ -24,14 +24,12 @@ from .errors import (
 )
 from .optim import AdamW
 from .summary import memory_line, memory_table, print_memory
-from .testing.chaos import ChaosConfig
 from .tools.timeline import Timeline
 
 __all__ = [
     "AdamW",
     "AlreadyWrappedError",
     "BudgetTooSmallError",
-    "ChaosConfig",
     "CheckpointError",
     "Engine",
     "EngineClosedError",

@@ -60,7 +60,7 @@ class Engine:
         self.optimizer = optimizer
         self.config = config
         # (chaos passed only when on: tests stand in make_backend(device) for a simulated GPU)
-        backend = make_backend(config.device) if config.chaos is None else make_backend(config.device, chaos=config.chaos)
+        backend = make_backend(config.device)
         guards.check_budget(config.budget, backend)
         self._runtime = Runtime(model, optimizer, config, backend, params, groups)
         self._buffers = _buffers_to_device(model, backend)  # [(buffer, its device before wrap)]

@@ -11,7 +11,6 @@ from typing import Callable, Sequence, Union
 import torch
 
 from .planning.hw import HardwareModel, load_hw
-from .testing.chaos import ChaosConfig
 
 _UNITS = {
     "": 1, "b": 1,
@@ -113,9 +112,6 @@ class OffloadConfig:
     every grad before any update."""
     loss_scale: LossScaleConfig | None = None
     """Dynamic loss scaling; used (with these defaults when None) for float16 only."""
-    chaos: ChaosConfig | None = None
-    """Testing only: random, seeded delays around every copy and CPU update (``offload.ChaosConfig``), to
-    show that no result depends on timing. None (default): off."""
     activation_checkpointing: Union[None, str, Sequence[str], Callable] = None
     """Recompute some modules' forward in backward instead of keeping their activations (non-reentrant
     ``torch.utils.checkpoint``; numbers unchanged). ``"auto"``: the engine measures what each transformer
@@ -147,8 +143,6 @@ class OffloadConfig:
                              "overlap_optimizer unset (or False), or compute in torch.bfloat16")
         if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be an offload.LossScaleConfig; got {self.loss_scale!r}")
-        if self.chaos is not None and not isinstance(self.chaos, ChaosConfig):
-            raise TypeError(f"chaos must be an offload.ChaosConfig (or None); got {self.chaos!r}")
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
         set_(self, "activation_checkpointing", _checkpointing(self.activation_checkpointing))

@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .errors import KernelUnavailableError, OptimizerBoundError
 from .host.cpu_adam import KERNEL_AVAILABLE, adamw_step
 
 
@@ -62,9 +63,10 @@ class AdamW(torch.optim.Optimizer):
         elif not isinstance(fused, bool):
             raise TypeError(f"fused must be None, True or False; got {fused!r}")
         elif fused and not KERNEL_AVAILABLE:
-            raise RuntimeError("offload.AdamW(fused=True) needs the C++ kernel, which this build of offload._C "
-                               "lacks (offload.host.cpu_adam.KERNEL_AVAILABLE is False). Rebuild the package, or "
-                               "pass fused=None to use torch ops when it is missing")
+            raise KernelUnavailableError("offload.AdamW(fused=True) needs the C++ kernel, which this build of "
+                                         "offload._C lacks (offload.host.cpu_adam.KERNEL_AVAILABLE is False). "
+                                         "Rebuild the package, or pass fused=None to use torch ops when it is "
+                                         "missing")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         for group in self.param_groups:
             _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -74,7 +76,8 @@ class AdamW(torch.optim.Optimizer):
 
     def _bind(self, engine) -> None:
         if self._engine is not None:
-            raise RuntimeError("this offload.AdamW is already bound to an engine; make one optimizer per engine")
+            raise OptimizerBoundError("this offload.AdamW is already bound to an engine; make one optimizer per "
+                                      "engine")
         self._engine = engine
 
     def _unbind(self) -> None:

@@ -103,3 +103,16 @@ def test_config_hw_takes_a_model_a_preset_or_a_probe_file(tmp_path):
         OffloadConfig(budget="1GiB", hw=tmp_path / "bad.json")
     with pytest.raises(TypeError, match="HardwareModel"):
         OffloadConfig(budget="1GiB", hw=3)
+
+
+def test_chaos_is_no_engine_option():
+    """Chaos mode is test support (offload.testing.chaos), turned on through the backend factory
+    (``offload.backend.make_backend(device, chaos=...)``): no config field, no top-level name."""
+    from torch import nn
+    assert "chaos" not in OffloadConfig.field_names()
+    assert not hasattr(offload, "ChaosConfig") and "ChaosConfig" not in offload.__all__
+    with pytest.raises(TypeError, match="chaos"):
+        OffloadConfig(budget="1GiB", chaos=None)
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="unknown option"):
+        offload.wrap(model, offload.AdamW(model.parameters()), budget="1MiB", device="cpu", chaos=None)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from ..testing.chaos import ChaosConfig
-from .base import DONE, Event, HostEvent, Lane
+from .base import DONE, Backend, Event, HostEvent, Lane
 from .cpu import CPUBackend
 from .cuda import CUDABackend
 
-__all__ = ["CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "headroom_bytes", "make_backend"]
+__all__ = ["Backend", "CPUBackend", "CUDABackend", "DONE", "Event", "HostEvent", "Lane", "headroom_bytes",
+           "make_backend"]
 
 
-def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None):
+def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None) -> Backend:
     """The backend for ``device``: ``cpu`` (the asynchronous CPU stand-in) or ``cuda[:index]``; ``chaos``
     puts random delays around its copies (see offload.testing.chaos)."""
     try:

@@ -1,4 +1,5 @@
-"""What every backend shares: events that carry errors, and lanes (ordered worker threads)."""
+"""What every backend shares: the :class:`Backend` protocol the runtime calls, events that carry errors, and
+lanes (ordered worker threads)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import OffloadError
+from ..errors import EngineClosedError, OffloadError
+
+if TYPE_CHECKING:
+    from ..host.arena import HostArena
 
 
 class Event(Protocol):
@@ -20,6 +24,94 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
     def query(self) -> bool: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the runtime and the API call on a backend: the only code that touches streams, events, pinning
+    and device memory (``CPUBackend``: the device is host memory and each copy stream a worker thread;
+    ``CUDABackend``: one CUDA device). ``tests/backend/test_protocol.py`` checks that both conform.
+
+    Copies and events follow the plan's order: a copy is issued after the events it ``waits`` on, and the
+    :class:`Event` it returns marks its end; compute waits for an event with :meth:`wait`.
+    """
+
+    device: torch.device
+
+    def begin_forward(self) -> None:
+        """A forward starts (the CUDA backend binds to, or checks, the current stream)."""
+        ...
+
+    def compute(self) -> ContextManager[object]:
+        """A context that runs the runtime's own kernels (outside a forward) where compute runs."""
+        ...
+
+    def bind(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Point ``param`` at ``value`` (its slot view, a placeholder, or its host tensor at close)."""
+        ...
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` uninitialised bytes of device memory (uint8)."""
+        ...
+
+    def placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A parameter's value while its bucket is not on the device: no memory, reads give NaN."""
+        ...
+
+    def pin_host(self, arena: HostArena) -> None:
+        """Make ``arena`` copyable by DMA (page-lock it) until :meth:`close`, where the device needs it."""
+        ...
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this backend holds page-locked now."""
+        ...
+
+    def total_bytes(self) -> int:
+        """The device's memory, all of it (what a budget may not exceed)."""
+        ...
+
+    def headroom_bytes(self) -> int:
+        """Device bytes the process holds beyond what the plan lays out (kept out of the budget)."""
+        ...
+
+    def peak_bytes(self) -> int | None:
+        """Peak device bytes allocated since the backend was made; None where no allocator can say."""
+        ...
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event:
+        """Copy host ``src`` into device ``dst`` after ``waits``; the event marks the copy's end."""
+        ...
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event:
+        """Copy device ``src`` into host ``dst`` after ``waits``; the event marks the copy's end."""
+        ...
+
+    def record(self) -> Event:
+        """An event marking all compute issued so far."""
+        ...
+
+    def wait(self, event: Event) -> None:
+        """Make compute wait for ``event``."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until every copy issued so far has finished."""
+        ...
+
+    def host_lane(self, name: str) -> Lane:
+        """A new lane (thread ``offload-<name>``) for host work the runtime orders like a stream, e.g. the CPU
+        AdamW; made here so that chaos delays (``offload.testing.chaos``) reach it as they reach the copies.
+        The caller owns it and closes it."""
+        ...
+
+    def threads_alive(self) -> int:
+        """Worker threads of this backend still running (0 once closed)."""
+        ...
+
+    def close(self) -> None:
+        """Finish the copies and release what the backend holds (streams, threads, pinned memory). Idempotent."""
+        ...
 
 
 class HostEvent:
@@ -76,7 +168,8 @@ class Lane:
 
     def submit(self, fn: Callable[[], object], waits: Iterable[Event] = (), what: str = "") -> HostEvent:
         if self._closed:
-            raise OffloadError(f"lane {self.name} is closed")
+            raise EngineClosedError(f"lane {self.name} is closed (its engine was closed): wrap the model again to "
+                                    "keep training")
         if self._thread is None:  # created lazily: an engine that never streams starts no thread
             self._thread = threading.Thread(target=_run_lane, args=(self._queue, self._before), name=self.name,
                                             daemon=True)

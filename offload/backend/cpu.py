@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, ContextManager, Iterable
 
 import psutil
 import torch
@@ -18,8 +18,14 @@ import torch
 from ..testing.chaos import ChaosConfig, chaos_delay
 from .base import DONE, Event, HostEvent, Lane
 
+if TYPE_CHECKING:
+    from ..host.arena import HostArena
+
 
 class CPUBackend:
+    """The :class:`~offload.backend.base.Backend` whose "device" is host memory and whose copy streams are
+    worker threads (see the module docstring)."""
+
     device = torch.device("cpu")
 
     def __init__(self, h2d_bytes_per_s: float | None = None, d2h_bytes_per_s: float | None = None,
@@ -32,6 +38,7 @@ class CPUBackend:
         # for the rest, off the CPU), so the CPU backend behaves like a PCIe link of that bandwidth. Used to
         # check the simulator against the runtime (benchmarks/sim_vs_runtime.py).
         self._bandwidth = (h2d_bytes_per_s, d2h_bytes_per_s)
+        self._chaos = chaos  # delays the lanes above and those of host_lane (tests only: offload.testing.chaos)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -44,7 +51,8 @@ class CPUBackend:
     def begin_forward(self) -> None:
         """Nothing to bind: compute is the calling thread (the CUDA backend binds to the current stream)."""
 
-    def compute(self):
+    def compute(self) -> ContextManager[object]:
+        """Nothing to enter: the runtime's kernels run on the calling thread, as compute does."""
         return contextlib.nullcontext()
 
     @staticmethod
@@ -52,8 +60,14 @@ class CPUBackend:
         """Point ``param`` at ``value`` (its slot view, a placeholder, or its host tensor at close)."""
         param.data = value
 
-    def pin_host(self, arena) -> None:
+    def pin_host(self, arena: HostArena) -> None:
         """Nothing to pin: there is no device to copy to by DMA (the CUDA backend registers the arena)."""
+
+    @property
+    def pinned_bytes(self) -> int:
+        """0: :meth:`pin_host` page-locks nothing on this backend (copies are ``Tensor.copy_`` between host
+        tensors on a worker thread, no DMA). The host arena itself is ordinary memory here."""
+        return 0
 
     def total_bytes(self) -> int:
         """The "device" is host RAM."""
@@ -97,9 +111,15 @@ class CPUBackend:
         self._h2d.drain()
         self._d2h.drain()
 
+    def host_lane(self, name: str) -> Lane:
+        """A new lane for the runtime's host work (the CPU AdamW), with this backend's chaos delays if any."""
+        return Lane(f"offload-{name}", before=chaos_delay(self._chaos, name))
+
     def threads_alive(self) -> int:
+        """The copy lanes' threads still running (each starts at its first copy)."""
         return int(self._h2d.alive) + int(self._d2h.alive)
 
     def close(self) -> None:
+        """Run the copies submitted, then stop and join the lanes' threads. Idempotent."""
         self._h2d.close()
         self._d2h.close()

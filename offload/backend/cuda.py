@@ -95,14 +95,17 @@ import contextlib
 import ctypes
 import os
 import weakref
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 
 import torch
 from torch.autograd.profiler import record_function
 
-from ..errors import OffloadError, StreamError
+from ..errors import EngineClosedError, HostMemoryError, InvariantError, OffloadError, StreamError
 from ..testing.chaos import ChaosConfig, chaos_delay
-from .base import Event, HostEvent
+from .base import Event, HostEvent, Lane
+
+if TYPE_CHECKING:
+    from ..host.arena import HostArena
 
 __all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry", "StreamError"]
 
@@ -240,16 +243,16 @@ class HostRegistry:
         have = self._ranges.get(ptr)
         if have is not None:
             if have[0] != nbytes:
-                raise OffloadError(f"host range at {ptr:#x} is already pinned with {have[0]} bytes, not {nbytes}")
+                raise InvariantError(f"host range at {ptr:#x} is already pinned with {have[0]} bytes, not {nbytes}")
             return False
         for start, (n, _) in self._ranges.items():
             if ptr < start + n and start < ptr + nbytes:
-                raise OffloadError(f"host range [{ptr:#x}, +{nbytes}) overlaps the pinned range [{start:#x}, +{n})")
+                raise InvariantError(f"host range [{ptr:#x}, +{nbytes}) overlaps the pinned range [{start:#x}, +{n})")
         cudart = self._cudart()
         err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
         if err != 0:
             _clear_last_error(cudart)
-            raise OffloadError(
+            raise HostMemoryError(
                 f"cudaHostRegister of the {nbytes}-byte host arena failed with CUDA error {err}. Without pinned "
                 "memory host/device copies cannot overlap compute. Check `ulimit -l` (locked-memory limit) and "
                 "free host RAM; an earlier asynchronous CUDA error can also surface here "
@@ -313,6 +316,7 @@ class CUDABackend:
         self._api = api if api is not None else CudaAPI(device)
         # Chaos mode: a random torch.cuda._sleep on the copy stream before and after every copy (offload.testing.chaos).
         self._chaos = {"h2d": chaos_delay(chaos, "h2d"), "d2h": chaos_delay(chaos, "d2h")}
+        self._chaos_config = chaos  # for host_lane
         self._compute = None  # bound at the first forward: see [Note: the compute stream]
         self._h2d = None  # created on first use: see _h2d_stream
         self._d2h = None  # created on first use: see _d2h_stream
@@ -368,7 +372,7 @@ class CUDABackend:
                 "forward of one engine under the same `with torch.cuda.stream(s):` (or always on the default "
                 "stream), or wrap the model again for another stream")
 
-    def compute(self):
+    def compute(self) -> ContextManager[object]:
         """Run the runtime's own kernels (outside a forward) on the engine's compute stream."""
         return self._api.stream(self._compute) if self._compute is not None else contextlib.nullcontext()
 
@@ -397,7 +401,7 @@ class CUDABackend:
             self._nan[dtype] = nan
         return nan.expand(shape)
 
-    def pin_host(self, arena) -> None:
+    def pin_host(self, arena: HostArena) -> None:
         """Page-lock ``arena`` (an :class:`offload.host.arena.HostArena`) once, at its exact size; undone by
         :meth:`close`. Call it after the arena's pages were first-touched (see [Note: pinning])."""
         self._check_open()
@@ -406,6 +410,7 @@ class CUDABackend:
 
     @property
     def pinned_bytes(self) -> int:
+        """Host bytes registered with cudaHostRegister by :meth:`pin_host` and not yet released."""
         return self._pinned.nbytes
 
     def total_bytes(self) -> int:
@@ -452,9 +457,9 @@ class CUDABackend:
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event]) -> Event:
         self._check_open()
         if dst.dtype != src.dtype:
-            raise OffloadError(f"a copy from {src.dtype} to {dst.dtype} would convert on the device (an unplanned "
-                               "temporary, and the wider dtype's bytes over PCIe); the engine copies one dtype "
-                               "only (see [Note: stream-ordered memory]): a bug in offload, please report it")
+            raise InvariantError(f"a copy from {src.dtype} to {dst.dtype} would convert on the device (an "
+                                 "unplanned temporary, and the wider dtype's bytes over PCIe); the engine copies one "
+                                 "dtype only (see [Note: stream-ordered memory]): a bug in offload, please report it")
         for event in waits:
             self._stream_wait(stream, event)
         chaos = self._chaos["h2d" if stream is self._h2d else "d2h"]
@@ -496,6 +501,10 @@ class CUDABackend:
 
     # -- lifetime -----------------------------------------------------------------------------------------
 
+    def host_lane(self, name: str) -> Lane:
+        """A new lane for the runtime's host work (the CPU AdamW), with this backend's chaos delays if any."""
+        return Lane(f"offload-{name}", before=chaos_delay(self._chaos_config, name))
+
     def threads_alive(self) -> int:
         return 0  # CUDA streams, no threads of our own
 
@@ -512,4 +521,5 @@ class CUDABackend:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise OffloadError("the CUDA backend is closed")
+            raise EngineClosedError("the CUDA backend is closed (its engine was closed): wrap the model again to "
+                                    "keep training")

@@ -81,6 +81,12 @@ class HostArena:
             )
         return self.tensor[offset:end].view(dtype)
 
+    def exact_view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Like :meth:`view`, but the tensor's storage is exactly those bytes (``torch.frombuffer`` over the
+        arena: no copy), where :meth:`view`'s shares the whole arena's storage; so ``torch.save`` of it writes
+        those bytes and nothing else of the arena."""
+        return torch.frombuffer(self._arena, dtype=dtype, count=numel, offset=offset)
+
     def reserve(self, offset: int, size: int) -> None:
         """Claim ``[offset, offset + size)`` (for example a planned offset)."""
         self._arena.reserve(offset, size)

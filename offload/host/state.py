@@ -10,7 +10,7 @@ import psutil
 import torch
 
 from ..config import format_bytes
-from ..errors import HostMemoryError, OffloadError
+from ..errors import HostMemoryError, InvariantError, KernelUnavailableError
 from ..optim import adamw_
 from ..planning.buckets import Bucket, HostLayout, ParamSpec, host_layout, locate
 from .arena import HostArena
@@ -28,7 +28,9 @@ class HostState:
         ``accumulate``: grads may be summed over several backward passes (updates deferred to ``step()``):
         an fp32 sum and a staging copy per bucket (see [Note: host grads] in ``buckets.py``)."""
         if fused and not KERNEL_AVAILABLE:
-            raise ValueError("fused=True needs the C++ AdamW kernel, which offload._C lacks")
+            raise KernelUnavailableError("fused=True needs the C++ AdamW kernel, which this build of offload._C lacks "
+                                         "(offload.host.cpu_adam.KERNEL_AVAILABLE is False): rebuild offload "
+                                         "(pip install -e .) or use fused=False")
         self.fused = fused
         self.device_dtype = lowp_dtype or torch.float32
         # fp16 grads can overflow: the step-wide check (runtime, from the grad norms) skips such a step
@@ -88,7 +90,7 @@ class HostState:
         """A tensor over ``numel`` fp32 elements of bucket ``b``'s ``region`` whose storage is exactly those
         bytes (no copy), so ``torch.save`` writes them and nothing else of the arena."""
         offset = getattr(self.layout, region)[b] + start * 4
-        return torch.frombuffer(self.arena._arena, dtype=torch.float32, count=numel, offset=offset)
+        return self.arena.exact_view(offset, numel, torch.float32)
 
     def has_master(self, p: int) -> bool:
         """False for a frozen parameter kept only as its 16-bit copy."""
@@ -172,8 +174,8 @@ class HostState:
 
     @staticmethod
     def _inf_error(b: int) -> None:
-        raise OffloadError(f"bucket {b}'s float16 grads hold an inf or NaN although the step-wide overflow check "
-                           "passed; the bucket was not updated. This is a bug in offload: please report it")
+        raise InvariantError(f"bucket {b}'s float16 grads hold an inf or NaN although the step-wide overflow check "
+                             "passed; the bucket was not updated. This is a bug in offload: please report it")
 
     def grad_norms(self, b: int, params, ord: float = 2.0) -> dict[int, torch.Tensor]:
         """Per-parameter norm (fp32) of the accumulated host grads of ``params`` (all in bucket ``b``)."""
@@ -190,9 +192,9 @@ class HostState:
         if first and self.grad[b].dtype == self.device_dtype:
             return self.grad[b]
         if self.staging is None:
-            raise OffloadError("gradient accumulation needs the host's fp32 sum and staging copy, which this "
-                               "engine was not built with (overlap_optimizer=True): a bug in offload, please "
-                               "report it")
+            raise InvariantError("gradient accumulation needs the host's fp32 sum and staging copy, which this "
+                                 "engine was not built with (overlap_optimizer=True): a bug in offload, please "
+                                 "report it")
         return self.staging[b]
 
     def take_staged(self, b: int, first: bool) -> None:

@@ -136,10 +136,11 @@ def buffer_waits_reference(specs, offsets) -> list[tuple[int, ...]]:
         hi = lo + specs[k][4]
         if issue:
             i = bisect.bisect_right(bounds, lo) - 1
-            got = set()
+            got: set[int] = set()
             while i < len(bounds) and bounds[i] < hi:
-                if owner[i] is not None:
-                    got.add(owner[i])
+                last = owner[i]
+                if last is not None:
+                    got.add(last)
                 i += 1
             out[k] = tuple(sorted(got))
         else:

@@ -135,7 +135,7 @@ def on_demand_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> i
 
     def inside(module: int) -> tuple[int, dict[int, int]]:
         """(largest call without gradients, per parameter the largest call using it) within ``module``'s calls."""
-        frozen, by_param = 0, {}
+        frozen, by_param = 0, dict[int, int]()
         for i in calls_of.get(module, ()):
             for j in range(i, min(trace.ends[i], nf)):
                 if trace.events[j].kind != EventKind.PRE:
@@ -150,7 +150,8 @@ def on_demand_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> i
     expected: dict[int, set[int]] = {}  # per bucket with grads: the parameters whose grads complete it
     got: dict[int, set[int]] = {}
     open_bytes = backward = 0
-    frozen, by_param, block_end = 0, {}, 0  # of the recomputed block whose backward runs
+    by_param: dict[int, int] = {}  # of the recomputed block whose backward runs
+    frozen = block_end = 0
     for i in range(nf, n):
         ev = trace.events[i]
         if i >= block_end:

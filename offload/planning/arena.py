@@ -105,13 +105,13 @@ def plan_arena_columns(sizes: Sequence[int], starts: Sequence[int], ends: Sequen
     if not len(cols["size"]) == len(cols["start"]) == len(cols["end"]):
         raise ValueError(f"sizes, starts and ends must have the same length, got {len(cols['size'])}, "
                          f"{len(cols['start'])} and {len(cols['end'])}")
-    bad = np.flatnonzero((cols["size"] <= 0) | (cols["end"] <= cols["start"]))
-    if len(bad):
-        i = int(bad[0])
+    invalid = np.flatnonzero((cols["size"] <= 0) | (cols["end"] <= cols["start"]))
+    if len(invalid):
+        i = int(invalid[0])
         Interval(int(cols["size"][i]), int(cols["start"][i]), int(cols["end"][i]))  # raises its error
     # int64 columns go to the C++ planner as they are (no Python int per value); other dtypes as lists
-    sizes, starts, ends = (a if a.dtype == np.int64 else a.tolist() for a in (cols["size"], cols["start"], cols["end"]))
-    return _plan(sizes, starts, ends, alignment, heuristic, stop_at_bound)
+    size, start, end = (a if a.dtype == np.int64 else a.tolist() for a in (cols["size"], cols["start"], cols["end"]))
+    return _plan(size, start, end, alignment, heuristic, stop_at_bound)
 
 
 def _check_options(alignment: int, heuristic: str) -> None:
@@ -120,8 +120,8 @@ def _check_options(alignment: int, heuristic: str) -> None:
         raise ValueError(f"heuristic must be 'best' or one of {ARENA_HEURISTICS}, got {heuristic!r}")
 
 
-def _plan(sizes: Sequence[int], starts: Sequence[int], ends: Sequence[int], alignment: int, heuristic: str,
-          stop_at_bound: bool = False) -> ArenaLayout:
+def _plan(sizes: Sequence[int] | np.ndarray, starts: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray,
+          alignment: int, heuristic: str, stop_at_bound: bool = False) -> ArenaLayout:
     lower_bound = _C.arena_lower_bound(sizes, starts, ends, alignment)
     offsets, total, winner, totals = _C.plan_arena(sizes, starts, ends, alignment, heuristic,
                                                    lower_bound if stop_at_bound and heuristic == "best" else -1)

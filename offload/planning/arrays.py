@@ -11,7 +11,7 @@ from ._reference import latest_issue_reference
 try:
     from .. import _C
 except ImportError:  # a source tree without the built extension: the Python references run
-    _C = None
+    _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
 
 
 def lexsort(keys, bounds) -> np.ndarray:
@@ -27,7 +27,7 @@ def lexsort(keys, bounds) -> np.ndarray:
     return np.argsort(combined, kind="stable")
 
 
-def latest_issue(deadline: np.ndarray, duration: np.ndarray):
+def latest_issue(deadline: np.ndarray, duration: np.ndarray) -> np.ndarray | list[float]:
     """``latest``'s backward pass over the copies in (need, bucket) order: each copy issues as late as
     the next one allows, ``out[q] = min(deadline[q], out[q + 1]) - duration[q]`` (sequential). In C++
     where built (``cpp/schedule_kernels.cpp``: the same float operations, so bitwise the same)."""

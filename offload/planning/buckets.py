@@ -94,21 +94,25 @@ def param_align(itemsize: int) -> int:
 def _bucket(index: int, members: list[int], specs: Sequence[ParamSpec], align: int) -> Bucket:
     # Stable sort: trainable first, by group; frozen last. First-use order survives inside each class.
     ordered = sorted(members, key=lambda p: (specs[p].group is None, specs[p].group or 0))
-    offsets, runs, off = [], [], 0
+    offsets: list[int] = []
+    runs: list[tuple[int, int, list[int]]] = []  # (group, start, params) of each run, in order
+    run_end: list[int] = []  # each run's end
+    off = 0
     for p in ordered:
         off = _align(off, align)
         offsets.append(off)
         g = specs[p].group
         if g is not None:
             if runs and runs[-1][0] == g:
-                runs[-1][2] = off + specs[p].numel
-                runs[-1][3].append(p)
+                runs[-1][2].append(p)
+                run_end[-1] = off + specs[p].numel
             else:
-                runs.append([g, off, off + specs[p].numel, [p]])
+                runs.append((g, off, [p]))
+                run_end.append(off + specs[p].numel)
         off += specs[p].numel
-    trainable = runs[-1][2] if runs else 0
+    trainable = run_end[-1] if runs else 0
     return Bucket(index, tuple(ordered), tuple(offsets), off, trainable,
-                  tuple(Run(g, s, e, tuple(ps)) for g, s, e, ps in runs))
+                  tuple(Run(g, s, e, tuple(ps)) for (g, s, ps), e in zip(runs, run_end)))
 
 
 def locate(buckets: Sequence[Bucket]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -33,9 +33,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import InvariantError
 from .buckets import Bucket
 from .greedy import MODES, Greedy, Point
-from .greedy_inputs import GreedyInputs
+from .greedy_inputs import D2HProgram, GreedyInputs
 from .placement import placement_bound, state_nbytes
 from .plan import align
 from .trace import Trace
@@ -101,7 +102,7 @@ def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], 
     dev = np.zeros(nb, dtype=bool)
     dev[np.asarray(device, dtype=np.int64)] = True
     if not x.updated[dev].all():
-        raise ValueError("only buckets with grads can keep their optimizer on the device")
+        raise InvariantError("only buckets with grads can keep their optimizer on the device")
     # need intervals and keep rows: a removed row shifts every later row index down
     keep_row = ~dev[x.use_b]
     shift = np.concatenate([[0], np.cumsum(~keep_row)])
@@ -123,13 +124,16 @@ def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], 
     # grad copies and CPU AdamW: only the host-optimizer buckets'
     d2h_bucket = np.asarray(x.d2h_program["d2h_bucket"], dtype=np.int64)
     host = ~dev[d2h_bucket]
-    d2h_program = {k: tuple(np.asarray(v)[host].tolist()) for k, v in x.d2h_program.items()
-                   if k != "device_adam_numel"}
+    def kept(v: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(np.asarray(v, dtype=np.int64)[host].tolist())
     # the device AdamW where its grads complete (x.grad_issue: its last grad, or n for a flushed bucket)
     device_numel = [0] * (n + 1)
     for b in device:
         device_numel[x.grad_issue[b]] += buckets[b].trainable_numel
-    d2h_program["device_adam_numel"] = tuple(device_numel)
+    p = x.d2h_program
+    d2h_program = D2HProgram(d2h_event=kept(p["d2h_event"]), d2h_bucket=kept(p["d2h_bucket"]),
+                             d2h_bytes=kept(p["d2h_bytes"]), adam_numel=kept(p["adam_numel"]),
+                             device_adam_numel=tuple(device_numel))
     hw = x.hw
     compute = x.compute.copy()
     total = 0.0

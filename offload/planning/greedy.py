@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import InvariantError
 from .arrays import MaxTable, latest_issue, lexsort
 from .buckets import Bucket
 from .greedy_inputs import GreedyInputs
@@ -25,7 +26,9 @@ from .trace import Trace
 try:
     from .. import _C
 except ImportError:  # a source tree without the built extension: the Python references run
-    _C = None
+    _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
+
+Streamed = dict[int, list[list[int]]]  # per streamed bucket: its buffers [issue, end), in event order
 
 MODES = ("latest", "lookahead", "just in time")
 """Where a streamed bucket's copy is issued. ``latest``: as late as possible while still arriving before
@@ -54,7 +57,7 @@ class Point:
         return self.lanes.result() if isinstance(self.lanes, LaneResult) else self.lanes
 
     @property
-    def streamed(self) -> dict[int, list[list[int]]]:
+    def streamed(self) -> Streamed:
         """Per streamed bucket: its buffers [issue, end), in event order."""
         out: dict[int, list[list[int]]] = {}
         for p, b, e in self.flat.tolist():
@@ -70,7 +73,7 @@ class Greedy:
         self.inputs = inputs
         n = inputs.n
         self._table = np.zeros((max(1, n.bit_length()), max(1, n)), dtype=np.int64)  # moves' MaxTable
-        self._kernel = None  # the C++ move sequence (``candidates``), built at its first use
+        self._kernel: _C.GreedyKernel | None = None  # the C++ move sequence (``candidates``), built at its first use
 
     @classmethod
     def of(cls, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,
@@ -129,7 +132,15 @@ class Greedy:
         rows = np.stack([p[new], b[new], e[last]], axis=1)
         return rows[lexsort((rows[:, 2], rows[:, 1], rows[:, 0]), (x.n + 1, nb, x.n + 1))]
 
-    def flat(self, streamed: dict) -> np.ndarray:
+    def _rows(self, streamed: Streamed | None, flat: np.ndarray | None) -> np.ndarray:
+        """``flat``, or the rows of ``streamed`` where ``flat`` is None (one of them is given)."""
+        if flat is not None:
+            return flat
+        if streamed is None:
+            raise InvariantError("a point needs its streamed buffers, as a dict or as rows")
+        return self.flat(streamed)
+
+    def flat(self, streamed: Streamed) -> np.ndarray:
         """The streamed buffers as rows (issue, bucket, end), sorted: the order of their copies in the
         host-to-device queue (``program``)."""
         rows = [(p, b, e) for b, ivs in streamed.items() for p, e in ivs]
@@ -157,7 +168,9 @@ class Greedy:
             hit = cb[order][q] == x.need_b
             found[hit] = order[q[hit]]
             has_copy = np.bincount(cb, minlength=x.nb)[x.need_b] > 0
-            assert not (has_copy & ~hit).any(), "a bucket is needed where none of its buffers is live"
+            if (has_copy & ~hit).any():
+                raise InvariantError("a bucket is needed where none of its buffers is live: a bug in the "
+                                     "scheduler, please report it")
         # -1: resident and not updated, already there (no wait)
         waited = found >= 0
         if waited.all():
@@ -168,10 +181,10 @@ class Greedy:
             found = found[waited]
         return m, cb, ptr, found
 
-    def program(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> Program:
+    def program(self, resident: frozenset[int], streamed: Streamed | None,
+                flat: np.ndarray | None = None) -> Program:
         x = self.inputs
-        if flat is None:
-            flat = self.flat(streamed)
+        flat = self._rows(streamed, flat)
         m, cb, ptr, found = self.copies(resident, flat)
         return Program(
             compute_s=x.compute_s, h2d_event=(STEP_START,) * m + tuple(flat[:, 0].tolist()),
@@ -189,15 +202,15 @@ class Greedy:
             sim = simulate_arrays(x.compute, h2d_event, x.dur[cb], ptr, found, x.d2h_event, x.d2h_solo, x.adam_s,
                                   False, x.duplex, int(x.nbytes[cb].sum()), x.d2h_total,
                                   lazy=True)
-            if sim is not None:
+            if isinstance(sim, LaneResult):  # (lazy: a LaneResult, or None)
                 return sim.with_device_adam(x.device_tail_s, x.device_adam_s), m
         return simulate(self.program(resident, None, flat), x.hw), m
 
-    def profile(self, resident: frozenset, streamed: dict, flat: np.ndarray | None = None) -> np.ndarray:
+    def profile(self, resident: frozenset[int], streamed: Streamed | None,
+                flat: np.ndarray | None = None) -> np.ndarray:
         """Live arena bytes at each event (aligned sizes, as the arena planner counts them)."""
         x = self.inputs
-        if flat is None:
-            flat = self.flat(streamed)
+        flat = self._rows(streamed, flat)
         diff = x.grad_profile.copy()
         res = np.fromiter(resident, dtype=np.int64, count=len(resident))
         diff[0] += int(x.size[res].sum())
@@ -283,8 +296,10 @@ class Greedy:
             got, fallback = self._kernel.points(m, capacity)
             if fallback:
                 return None
-            for res, flat, *lanes, h2d_bytes, peak, resident_bytes in got:
-                sim = LaneResult(*lanes, h2d_bytes, x.d2h_total).with_device_adam(x.device_tail_s, x.device_adam_s)
+            for (res, flat, step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
+                 h2d_bytes, peak, resident_bytes) in got:
+                sim = LaneResult(step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
+                                 h2d_bytes, x.d2h_total).with_device_adam(x.device_tail_s, x.device_adam_s)
                 points.append(Point(mode, frozenset(res.tolist()), flat, sim, peak, (-h2d_bytes, resident_bytes, -m)))
         return points
 
@@ -295,7 +310,8 @@ class Greedy:
         for m, mode in enumerate(MODES):
             if mode not in modes:
                 continue
-            resident, keep = frozenset(), frozenset()
+            resident: frozenset[int] = frozenset()
+            keep: frozenset[int] = frozenset()
             while True:
                 flat = self.placed(mode, resident, keep)
                 prof = self.profile(resident, None, flat)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, TypedDict
 
 import numpy as np
 
@@ -20,6 +20,17 @@ from .simulate import seconds_each
 from .trace import Trace
 
 MAX_POINTS = 32  # simulated points per mode's sequence at most ~this many moves apart (speed on huge traces)
+
+
+class D2HProgram(TypedDict):
+    """The device-to-host fields of every :class:`~offload.planning.simulate.Program` of one trace: per grad
+    copy, by (issue, bucket), its event, bucket, bytes and its bucket's trainable elements (for AdamW)."""
+
+    d2h_event: tuple[int, ...]
+    d2h_bucket: tuple[int, ...]
+    d2h_bytes: tuple[int, ...]
+    adam_numel: tuple[int, ...]
+    device_adam_numel: tuple[int, ...]  # per event + 1: device AdamW (device-optimizer buckets; () if none)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +74,7 @@ class GreedyInputs:
     grads: dict[int, list[int]]  # per bucket with grads: its grad slot [start, end) (intervals.grad_info)
     grad_issue: dict[int, int]  # per bucket with grads: the event its grads go to the host
     grad_bytes: dict[int, int]  # per bucket with grads: its grad slot's bytes
-    d2h_program: dict[str, tuple]  # the device-to-host fields of every Program (d2h_event, d2h_bucket, ...)
+    d2h_program: D2HProgram  # the device-to-host fields of every Program
     d2h_total: int  # bytes copied to the host per step
     # device-optimizer buckets (issue 18; ``device_optimizer.restrict``; empty by default): taken out of the
     # moves, resident with their optimizer state, updated on the compute lane
@@ -101,9 +112,9 @@ class GreedyInputs:
         # the device-to-host side of every program (it does not depend on the point): by (issue, bucket)
         d2h = np.lexsort((grad_b, grad_issue))
         d2h_b = grad_b[d2h].tolist()
-        d2h_program = dict(d2h_event=tuple(grad_issue[d2h].tolist()), d2h_bucket=tuple(d2h_b),
-                           d2h_bytes=tuple(grad_bytes[d2h].tolist()),
-                           adam_numel=tuple(buckets[b].trainable_numel for b in d2h_b))
+        d2h_program = D2HProgram(d2h_event=tuple(grad_issue[d2h].tolist()), d2h_bucket=tuple(d2h_b),
+                                 d2h_bytes=tuple(grad_bytes[d2h].tolist()),
+                                 adam_numel=tuple(buckets[b].trainable_numel for b in d2h_b), device_adam_numel=())
         updated = np.zeros(nb, dtype=bool)  # per bucket: has grads (refreshed when resident)
         updated[grad_b] = True
         keepable, fwd_at, bwd_at, fwd_row, bwd_row = _keep_rows(use_b, use_s, trace.num_forward, nb)

@@ -111,7 +111,7 @@ def grad_arrays(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int
 def needed_all(trace: Trace, bucket_of: Sequence[int]) -> list[tuple[int, ...]]:
     """Per event: the buckets it needs, in first-use order (``tuple(dict.fromkeys(bucket_of[p] for p in
     uses))``), the common cases (no use, one use) short."""
-    out = []
+    out: list[tuple[int, ...]] = []
     for uses in trace.uses:
         if not uses:
             out.append(())

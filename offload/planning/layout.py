@@ -18,7 +18,7 @@ from ._reference import buffer_waits_reference
 try:
     from .. import _C
 except ImportError:  # a source tree without the built extension: the Python references run
-    _C = None
+    _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,8 @@ def frozen_maker(cls):
     thousands of buffers and actions of a large plan: it fills the instance dict at once (what the
     generated ``__init__`` does one ``object.__setattr__`` at a time), for about half the cost. The
     objects are the same: equal, equally hashed and printed (``tests/planning/test_schedule.py``)."""
-    assert not hasattr(cls, "__post_init__") and "__slots__" not in vars(cls), f"{cls.__name__}: use its __init__"
+    if hasattr(cls, "__post_init__") or "__slots__" in vars(cls):
+        raise InvariantError(f"{cls.__name__} has __post_init__ or __slots__: build it with its __init__")
     names = tuple(f.name for f in dataclasses.fields(cls))
     new = object.__new__
 

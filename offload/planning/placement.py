@@ -134,8 +134,8 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     sigma = np.concatenate(cands)
     v = values(sigma)
     best = int(np.argmin(v.max(axis=0)))
-    parts = dict(zip(terms, v[:, best].tolist()))
-    limit = max(parts, key=parts.get)
+    parts: dict[str, float] = dict(zip(terms, v[:, best].tolist()))
+    limit = max(parts, key=lambda k: parts[k])
     parts["device_bytes"] = float(sigma[best])
     return Bound(parts[limit], limit, parts)
 

@@ -142,28 +142,29 @@ def align(n: int) -> int:
 
 
 def validate_plan(plan: Plan) -> None:
-    """Check the invariants the runtime relies on; raise AssertionError naming the first violation."""
+    """Check the invariants the runtime relies on; raise :class:`~offload.errors.InvariantError` naming the
+    first violation (a bug in the planner)."""
     n = len(plan.trace.events)
     bucket_of = locate(plan.buckets)[0]
     live: list[list[int]] = [[] for _ in range(n)]
     for k, x in enumerate(plan.buffers):
-        assert 0 <= x.start < x.end <= n, f"buffer {k} has a bad interval [{x.start}, {x.end})"
-        assert x.offset % ARENA_ALIGN == 0 and x.offset + x.size <= plan.arena_bytes, f"buffer {k} outside arena"
+        _check(0 <= x.start < x.end <= n, f"buffer {k} has a bad interval [{x.start}, {x.end})")
+        _check(x.offset % ARENA_ALIGN == 0 and x.offset + x.size <= plan.arena_bytes, f"buffer {k} outside arena")
         for i in range(x.start, x.end):
             live[i].append(k)
     for i in range(n):
         on_device = {plan.buffers[k].bucket for k in live[i] if plan.buffers[k].kind is BufferKind.PARAM}
         for p in plan.trace.uses[i]:
-            assert bucket_of[p] in on_device, f"event {i} needs bucket {bucket_of[p]}, which is not on the device"
+            _check(bucket_of[p] in on_device, f"event {i} needs bucket {bucket_of[p]}, which is not on the device")
         spans = sorted((plan.buffers[k].offset, plan.buffers[k].offset + plan.buffers[k].size) for k in live[i])
         for (a0, a1), (b0, _) in zip(spans, spans[1:]):
-            assert a1 <= b0, f"two live buffers overlap in memory at event {i}"
+            _check(a1 <= b0, f"two live buffers overlap in memory at event {i}")
     for k, x in enumerate(plan.buffers):
         for j in x.after:
             y = plan.buffers[j]
-            assert y.end <= x.start, f"buffer {k} waits on buffer {j}, which is still live"
-    assert plan.peak_bytes <= plan.budget_bytes, (
-        f"planned peak {plan.peak_bytes} exceeds the budget {plan.budget_bytes}")
+            _check(y.end <= x.start, f"buffer {k} waits on buffer {j}, which is still live")
+    _check(plan.peak_bytes <= plan.budget_bytes,
+           f"planned peak {plan.peak_bytes} exceeds the budget {plan.budget_bytes}")
     _validate_placement(plan)
 
 
@@ -199,3 +200,8 @@ def _validate_placement(plan: Plan) -> None:
                                      f"whole step of {want} B")
         if where is Placement.DEVICE_OPTIMIZER and plan.grad_buffer[b] is None:
             raise InvariantError(f"bucket {b} keeps its optimizer on the device but gets no grads")
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise InvariantError(f"invalid plan: {what}")

@@ -27,12 +27,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .hw import HardwareModel
 
 try:
     from .. import _C
 except ImportError:  # a source tree without the built extension: the Python reference runs
-    _C = None
+    _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
 
 STEP_START = -1  # Copy.event of a copy issued before event 0 (a resident bucket's refresh)
 
@@ -161,11 +163,12 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
         wait_copy = list(itertools.chain.from_iterable(program.waits))
     out = simulate_arrays(
         compute, program.h2d_event, seconds_each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
-        program.d2h_event, seconds_each(hw.d2h_seconds, program.d2h_bytes), seconds_each(hw.adam_seconds, program.adam_numel),
+        program.d2h_event, seconds_each(hw.d2h_seconds, program.d2h_bytes),
+        seconds_each(hw.adam_seconds, program.adam_numel),
         program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes), lazy=True)
     if out is None:
         return simulate_reference(program, hw)
-    return out.with_device_adam(tail, device_adam).result()
+    return out.with_device_adam(tail, device_adam).result() if isinstance(out, LaneResult) else out
 
 
 def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
@@ -197,8 +200,8 @@ class LaneResult:
     d2h_busy_s: float
     adam_s: float
     compute_end: float
-    stall_per_event: object  # numpy arrays
-    copy_credit: object
+    stall_per_event: np.ndarray
+    copy_credit: np.ndarray
     h2d_bytes: int
     d2h_bytes: int
     device_adam_s: float = 0.0  # included in compute_s (see [Note: device AdamW lane])
@@ -360,5 +363,5 @@ def physical_bound(compute_s: float, h2d_bytes: int, d2h_bytes: int, adam_numel:
     plan must move (see :func:`offload.planning.schedule.least_traffic`)."""
     parts = {"compute": compute_s, "h2d": h2d_bytes / hw.peak_h2d, "d2h": d2h_bytes / hw.peak_d2h,
              "cpu_adam": hw.adam_seconds(adam_numel)}
-    limit = max(parts, key=parts.get)
+    limit = max(parts, key=lambda k: parts[k])
     return Bound(parts[limit], limit, parts)

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..backend import DONE, Lane
+from ..backend import DONE
 from ..config import OffloadConfig
 from ..errors import BudgetTooSmallError
 from ..host.state import HostState
@@ -39,7 +39,6 @@ from ..planning.schedule import (
     validate_plan,
 )
 from ..planning.trace import EventKind, Recorder, Trace
-from ..testing.chaos import chaos_delay
 from ..tools.timeline import LaneLog
 from . import faults, guards
 from .accounting import DeviceMemory
@@ -83,7 +82,7 @@ class Runtime(ParamAccessMixin, ForwardOnlyMixin, RecomputeMixin, GradientsMixin
         self.placeholders = [backend.placeholder(p.shape, self.dtype) for p in self.params]
         self.grad_headroom = max((s.numel * self.itemsize for s in self.specs if s.group is not None), default=0)
         # AdamW of each bucket, in arrival order
-        self.cpu = Lane("offload-cpu-adam", before=chaos_delay(config.chaos, "cpu-adam"))
+        self.cpu = backend.host_lane("cpu-adam")
 
         # Before the first forward has been traced, parameters keep their original (host) tensors.
         self.original: list[torch.Tensor] | None = [p.data for p in self.params]

@@ -44,7 +44,7 @@ class MetaTrace:
         return sum(s.numel for s in self.specs)
 
 
-class _Saved:
+class SavedActivation:
     """A saved activation; counted until autograd drops it (the runtime's accounting, keyed by storage)."""
 
     __slots__ = ("tensor", "key", "counter", "__weakref__")
@@ -58,7 +58,9 @@ class _Saved:
         self.counter.drop(self.key)
 
 
-class _Counter:
+class SavedBytes:
+    """Bytes of saved activations held now and at most, counted once per storage (``hold``/``drop``)."""
+
     def __init__(self):
         self.held: dict[int, list[int]] = {}
         self.current = self.peak = 0
@@ -141,7 +143,7 @@ def trace_meta(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], hw: H
     index = {id(p): i for i, p in enumerate(params)}
     storage_of = {p.untyped_storage()._cdata: i for i, p in enumerate(params)}
     rec = Recorder()
-    counter = _Counter()
+    counter = SavedBytes()
     roof = _Roofline(rec)
     handles = []
     active: list = []  # the saved-tensor hooks, entered while the root module's forward runs
@@ -150,10 +152,10 @@ def trace_meta(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], hw: H
         p = storage_of.get(t.untyped_storage()._cdata) if t.device.type == "meta" else None
         if p is not None:
             return ("param", p, t)
-        return _Saved(t, counter)
+        return SavedActivation(t, counter)
 
     def unpack(saved):
-        if isinstance(saved, _Saved):
+        if isinstance(saved, SavedActivation):
             return saved.tensor
         _, p, t = saved
         rec.unpack(p, torch._C._current_autograd_node())

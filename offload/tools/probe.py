@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import KernelUnavailableError
 from ..host.cpu_adam import KERNEL_AVAILABLE, adamw_step, kernel_info
 from ..optim import adamw_
 from ..planning.hw import PRESETS, PROBE_SIZES, HardwareModel
@@ -49,7 +50,9 @@ def cpu_adam_params_per_s(numel: int = 1 << 22, repeat: int = 3, fused: bool = K
         lowp.copy_(p)
 
     if fused and not KERNEL_AVAILABLE:
-        raise ValueError("fused=True needs the C++ AdamW kernel, which offload._C lacks")
+        raise KernelUnavailableError("fused=True needs the C++ AdamW kernel, which this build of offload._C lacks "
+                                     "(offload.host.cpu_adam.KERNEL_AVAILABLE is False): rebuild offload "
+                                     "(pip install -e .) or use fused=False")
     return numel / _best_of(kernel if fused else plain, repeat)
 
 

@@ -17,6 +17,7 @@ import offload
 import offload.api
 from offload.backend import DONE, CPUBackend, CUDABackend, HostEvent, make_backend
 from offload.backend.cuda import HostRegistry
+from offload.errors import EngineClosedError, HostMemoryError, InvariantError
 from offload.host.arena import HostArena
 from tests.support.fake_cuda import FakeCuda, SimulatedRace, simulated_gpu, use_backend  # noqa: F401 (a fixture)
 from tests.support.loops import train_streamed
@@ -155,7 +156,7 @@ def test_synchronize_and_close():
     assert sim.pending() == 0 and torch.equal(dst, torch.full((3,), 2.0))  # close waits for the copies
     backend.close()  # idempotent
     assert backend.threads_alive() == 0
-    with pytest.raises(offload.OffloadError, match="closed"):
+    with pytest.raises(EngineClosedError, match="closed"):
         backend.h2d(dst, dst)
 
 
@@ -201,7 +202,7 @@ def test_pinned_arena_lives_until_unregistered_and_gc_unregisters():
 def test_pin_failure_is_an_actionable_error():
     backend, sim = _backend()
     sim.fake_cudart.fail_with = 2  # cudaErrorMemoryAllocation
-    with pytest.raises(offload.OffloadError, match=r"cudaHostRegister .* error 2.*ulimit -l"):
+    with pytest.raises(HostMemoryError, match=r"cudaHostRegister .* error 2.*ulimit -l"):
         backend.pin_host(HostArena(2**20))
     assert backend.pinned_bytes == 0
     backend.close()
@@ -213,9 +214,9 @@ def test_host_registry_rejects_overlaps_and_reports_unregister_failures():
     registry = HostRegistry(sim.cudart)
     owner = object()
     assert registry.register(1 << 30, 4096, owner)
-    with pytest.raises(offload.OffloadError, match="overlaps"):
+    with pytest.raises(InvariantError, match="overlaps"):
         registry.register((1 << 30) + 100, 4096, owner)
-    with pytest.raises(offload.OffloadError, match="already pinned with 4096"):
+    with pytest.raises(InvariantError, match="already pinned with 4096"):
         registry.register(1 << 30, 8192, owner)
     assert registry.register(1 << 31, 10, owner) and registry.nbytes == 4106
     del sim.fake_cudart.registered[1 << 31]  # the driver forgot it: unregister fails

@@ -6,7 +6,7 @@ grad factors as its scale, the torch path against ``offload.optim.adamw_`` after
 import pytest
 import torch
 
-from offload.errors import OffloadError
+from offload.errors import InvariantError, KernelUnavailableError
 from offload.host.cpu_adam import KERNEL_AVAILABLE, adamw_step_reference
 from offload.host.state import HostState
 from offload.optim import adamw_
@@ -130,7 +130,7 @@ def test_accumulation_lands_in_staging_and_sums_in_fp32(lowp):
         assert torch.equal(host.grad[b], want)
     plain = _host(lowp, False)
     assert plain.staging is None and plain.landing(0, first=True) is plain.grad[0]
-    with pytest.raises(OffloadError, match="accumulation"):
+    with pytest.raises(InvariantError, match="accumulation"):
         plain.landing(0, first=False)
 
 
@@ -141,7 +141,7 @@ def test_fp16_update_refuses_an_inf_grad_and_writes_nothing(fused):
     host.grad[0][5] = float("inf")
     before = [t[0].clone() for t in (host.master, host.exp_avg, host.exp_avg_sq, host.lowp)]
     params = frozenset(p for p in bucket.params if SPECS[p].group is not None)
-    with pytest.raises(OffloadError, match="inf or NaN"):
+    with pytest.raises(InvariantError, match="inf or NaN"):
         host.update(0, params, HPARAMS)
     for t, was in zip((host.master, host.exp_avg, host.exp_avg_sq, host.lowp), before):
         assert torch.equal(t[0], was)
@@ -150,6 +150,6 @@ def test_fp16_update_refuses_an_inf_grad_and_writes_nothing(fused):
 def test_fused_needs_the_kernel(monkeypatch):
     import offload.host.state
     monkeypatch.setattr(offload.host.state, "KERNEL_AVAILABLE", False)
-    with pytest.raises(ValueError, match="kernel"):
+    with pytest.raises(KernelUnavailableError, match="kernel"):
         HostState(make_buckets(SPECS, range(len(SPECS)), 4 * 4000, 4), SPECS,
                   [torch.Size([s.numel]) for s in SPECS], None, fused=True)

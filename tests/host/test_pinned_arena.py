@@ -207,6 +207,16 @@ def test_frombuffer_round_trip_and_shared_memory():
     assert arena.view(8, 1, torch.int64).dtype == torch.int64
 
 
+def test_exact_view_owns_exactly_its_bytes_and_shares_the_arena():
+    """exact_view (what checkpoints save) is a view over those bytes alone: its storage is numel * itemsize
+    bytes, not the arena, and writes through it show in view()'s tensor of the same range."""
+    arena = HostArena(MiB)
+    exact = arena.exact_view(4096, 10, torch.float32)
+    assert exact.untyped_storage().nbytes() == 40 and exact.data_ptr() == arena.data_ptr + 4096
+    exact.copy_(torch.arange(10, dtype=torch.float32))
+    assert torch.equal(arena.view(4096, 10, torch.float32), torch.arange(10, dtype=torch.float32))
+
+
 def test_tensor_keeps_arena_alive():
     arena = _C.PinnedArena(MiB)
     refs = sys.getrefcount(arena)

@@ -451,3 +451,20 @@ def test_grad_arrays_are_the_grad_intervals_of_the_event_loop(case, data):
     tau = list(itertools.accumulate(compute, initial=0.0))
     assert [struct.pack("<d", x) for x in g.inputs.tau.tolist()] == [struct.pack("<d", x) for x in tau]
     assert g.inputs.grads == want[0] and g.inputs.grad_issue == want[1] and list(g.inputs.grads) == list(want[0])
+
+
+def test_a_need_without_a_live_buffer_is_an_invariant_error():
+    """Greedy.copies maps each need to the copy that serves it; a bucket that has copies but none live at a
+    need (a broken point) raises InvariantError instead of simulating the wrong program."""
+    import numpy as np
+
+    from offload.errors import InvariantError
+    from offload.planning.greedy import Greedy
+    trace, buckets = _chain_trace(4, 1000)
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], tuple(trace.compute_seconds))
+    flat = g.placed("just in time", frozenset(), frozenset())
+    g.copies(frozenset(), flat)  # the point as placed: every need served
+    rows = np.flatnonzero(flat[:, 1] == 0)
+    assert len(rows) == 2  # bucket 0: its forward and its backward buffer
+    with pytest.raises(InvariantError, match="none of its buffers is live"):
+        g.copies(frozenset(), np.delete(flat, rows[1], axis=0))  # its backward use has no buffer left

@@ -1,8 +1,9 @@
 """Chaos mode: random, seeded delays on every copy lane and the CPU AdamW lane must not change one bit.
 
 Each test trains the same model twice from the same initial weights on the same batches, once with chaos
-off and once with ``offload.ChaosConfig(seed, max_delay_ms=2)``, and requires the losses of every step and
-the final fp32 weights (and buffers) to be bitwise equal. A missing wait in the runtime would let a copy or
+off and once with ``ChaosConfig(seed, max_delay_ms=2)`` (``offload.testing.chaos``: test support, no engine
+option; the backend factory takes it, tests/support/fake_cuda.py's ``with_chaos``), and requires the losses
+of every step and the final fp32 weights (and buffers) to be bitwise equal. A missing wait in the runtime would let a copy or
 an update land late and change the numbers (see test_chaos_catches_a_missing_wait, which removes one on
 purpose and is caught).
 """
@@ -16,12 +17,13 @@ import torch
 import offload
 import offload.api
 from offload.backend import CUDABackend
+from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise as assert_same_as_torch
 from tests.support.fake_cuda import FakeCuda, use_backend
 from tests.support.loops import ADAMW, Trained, train_streamed
 from tests.support.models import CASES, run
 
-CHAOS = offload.ChaosConfig(seed=0, max_delay_ms=2)
+CHAOS = ChaosConfig(seed=0, max_delay_ms=2)
 STEPS = 8  # per model in the default run; the slow soak runs 1,000
 
 
@@ -48,15 +50,12 @@ def assert_bitwise(got, want):
 
 
 def test_chaos_config_validation():
-    assert offload.ChaosConfig().max_delay_ms == 2.0
+    assert ChaosConfig().max_delay_ms == 2.0
     for bad in (0, -1, float("nan"), float("inf"), 1001, "2"):
         with pytest.raises(ValueError, match="max_delay_ms"):
-            offload.ChaosConfig(max_delay_ms=bad)
+            ChaosConfig(max_delay_ms=bad)
     with pytest.raises(TypeError, match="seed"):
-        offload.ChaosConfig(seed=1.5)
-    with pytest.raises(TypeError, match="ChaosConfig"):
-        offload.OffloadConfig(budget="1MiB", chaos={"seed": 0})
-    assert offload.OffloadConfig(budget="1MiB", chaos=CHAOS).chaos is CHAOS
+        ChaosConfig(seed=1.5)
 
 
 def test_chaos_delays_are_seeded_per_lane():
@@ -66,7 +65,7 @@ def test_chaos_delays_are_seeded_per_lane():
     assert seq == [b.draw() for _ in range(50)]
     assert all(0 <= d <= 0.002 for d in seq) and len(set(seq)) == 50
     assert seq != [ChaosDelay(CHAOS, "d2h").draw() for _ in range(50)]
-    assert seq != [ChaosDelay(offload.ChaosConfig(seed=1), "h2d").draw() for _ in range(50)]
+    assert seq != [ChaosDelay(ChaosConfig(seed=1), "h2d").draw() for _ in range(50)]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -166,7 +165,7 @@ def test_chaos_catches_a_missing_wait(monkeypatch):
 
     want = train(CASES["low_density"](), 3)
     monkeypatch.setattr(runtime.Runtime, "_wait", no_wait)
-    got = train(CASES["low_density"](), 3, chaos=offload.ChaosConfig(seed=0, max_delay_ms=5))
+    got = train(CASES["low_density"](), 3, chaos=ChaosConfig(seed=0, max_delay_ms=5))
     assert got[0] != want[0] or any(not torch.equal(got[1][k], v) for k, v in want[1].items())
 
 

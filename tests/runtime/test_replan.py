@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import offload
+from tests.support.fake_cuda import with_chaos
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 TOL = dict(rtol=0, atol=0)  # bit for bit: the engine runs offload.AdamW(fused=False), torch's arithmetic (tests/support/compare.py)
@@ -175,8 +176,8 @@ def train_pattern(make, steps=12, chaos=None, budget_frac=0.6) -> Run:
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), fused=False, **ADAMW)
-    engine = offload.wrap(model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 12, device="cpu",
-                          chaos=chaos)
+    with with_chaos(chaos):
+        engine = offload.wrap(model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 12, device="cpu")
     rt = engine._runtime
     leaves = []
     leave = rt._leave_plan

@@ -555,7 +555,8 @@ def simulated_gpu(monkeypatch):
 
 def use_backend(monkeypatch, factory):
     """Make every engine wrapped from now on (in this test) use ``factory(device, chaos)``'s backend instead
-    of ``make_backend``; returns the list of backends made, in order."""
+    of ``make_backend``; returns the list of backends made, in order. ``chaos`` is None unless the engine is
+    wrapped inside :func:`with_chaos`."""
     made = []
 
     def make(device, chaos=None):
@@ -564,3 +565,17 @@ def use_backend(monkeypatch, factory):
 
     monkeypatch.setattr(offload.api, "make_backend", make)
     return made
+
+
+@contextlib.contextmanager
+def with_chaos(chaos):
+    """Engines wrapped inside get their backend with chaos mode on (``offload.testing.chaos``; None: off),
+    from whatever stands for ``offload.api.make_backend`` now (the real one, or :func:`use_backend`'s
+    stand-in): chaos is no engine option, the backend factory takes it."""
+    if chaos is None:
+        yield
+        return
+    factory = offload.api.make_backend
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offload.api, "make_backend", lambda device: factory(device, chaos=chaos))
+        yield

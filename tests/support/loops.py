@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 import offload
+from tests.support.fake_cuda import with_chaos
 from tests.support.models import Case, run
 
 ADAMW = dict(lr=3e-4, weight_decay=0.1)  # what train_streamed's engine trains with
@@ -35,8 +36,9 @@ def train_streamed(case: Case, steps: int, *, budget_frac: float = 0.6, dtype=to
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
     opt = offload.AdamW(case.model.parameters(), fused=fused, **ADAMW)
     deferred = {"overlap_optimizer": False} if accumulate > 1 or clip is not None else {}
-    engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
-                          dtype=dtype, device="cpu", chaos=chaos, **deferred)
+    with with_chaos(chaos):  # chaos: an offload.testing.chaos.ChaosConfig, or None
+        engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
+                              dtype=dtype, device="cpu", **deferred)
     losses = []
     try:
         for step in range(steps):

@@ -34,11 +34,22 @@ def test_unknown_command_is_a_usage_error():
 def test_probe_times_both_update_paths():
     import pytest
 
+    from offload.errors import KernelUnavailableError
     from offload.host.cpu_adam import KERNEL_AVAILABLE
     from offload.tools.probe import cpu_adam_params_per_s
     assert cpu_adam_params_per_s(1 << 14, repeat=1, fused=False) > 0
     if KERNEL_AVAILABLE:
         assert cpu_adam_params_per_s(1 << 14, repeat=1, fused=True) > 0
     else:
-        with pytest.raises(ValueError, match="kernel"):
+        with pytest.raises(KernelUnavailableError, match="kernel"):
             cpu_adam_params_per_s(1 << 14, repeat=1, fused=True)
+
+
+def test_probe_refuses_fused_without_the_kernel(monkeypatch):
+    import pytest
+
+    import offload.tools.probe
+    from offload.errors import KernelUnavailableError
+    monkeypatch.setattr(offload.tools.probe, "KERNEL_AVAILABLE", False)
+    with pytest.raises(KernelUnavailableError, match="fused=False"):
+        offload.tools.probe.cpu_adam_params_per_s(1 << 14, repeat=1, fused=True)
