@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from offload import BudgetTooSmallError
 from offload.errors import InvariantError
-from offload.planning.buckets import ParamSpec, make_buckets
+from offload.planning.device_optimizer import restrict
+from offload.planning.greedy import Greedy, compute_times
 from offload.planning.hw import PRESETS, HardwareModel, latency_curve
 from offload.planning.placement import Placement, placement_bound, placement_bytes, state_nbytes
 from offload.planning.schedule import (
@@ -24,6 +25,7 @@ from offload.planning.schedule import (
 from offload.planning.simulate import Program, physical_bound, simulate, simulate_reference
 from offload.tools.baselines import Case, twin_flow, zero_offload
 
+from .test_greedy_kernel import _C, _compare
 from .test_schedule import _chain_trace, _compute, machines, traces
 
 
@@ -274,3 +276,19 @@ def test_placement_bytes_per_tier():
     tiers = placement_bytes(plan.buckets, 4, plan.placement)
     assert tiers["device-optimizer"] == 12 * 4000 and tiers["device_optimizer_state"] == 12 * 8000
     assert tiers["streamed"] == tiers["resident"] == 0
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_restricted_greedy_cpp_equals_its_python_loop(case, hw, data):
+    """The greedy's inputs with device-optimizer buckets taken out (device_optimizer.restrict): the C++ move
+    sequence and the Python loop agree point for point, bit for bit, as they do without them."""
+    if _C is None:
+        pytest.skip("needs the built extension (offload._C)")
+    trace, buckets = case
+    compute = compute_times(trace, _compute(data.draw, trace))
+    g = Greedy.of(trace, buckets, 4, hw, compute)
+    updated = sorted(g.inputs.grad_issue)
+    device = data.draw(st.lists(st.sampled_from(updated), unique=True) if updated else st.just([]))
+    x = restrict(g.inputs, device, buckets, 4)
+    _compare(Greedy(x), data.draw(st.integers(0, 60000)))
