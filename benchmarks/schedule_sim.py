@@ -7,9 +7,17 @@ operator's FLOPs and bytes on the preset's assumed device roofline (see ``offloa
 presets are nominal figures, not measurements. What is measured in this run: how long tracing and
 planning took on this machine.
 
-Budget rule: the budget is the step's non-parameter device memory (saved activations, the largest grad,
-module buffers) plus 10 %, 25 % or 50 % of the parameters' bf16 bytes, i.e. the share of the parameters
-that could stay on the device.
+Budget rules: (1) the step's non-parameter device memory (saved activations, the largest grad, module
+buffers) plus 10 %, 25 % or 50 % of the parameters' bf16 bytes, i.e. the share of the parameters that could
+stay on the device; (2) realistic GPU budgets (issue 18): gpt2-xl at 8 and 24 GiB, gpt3-6.7b at 40 GiB,
+llama-7b at 24 and 80 GiB, llama-13b at 80 GiB.
+
+Two bounds per case: ``bound_s``, with every update on the CPU (least traffic; measures the scheduler), and
+``bound_placement_s``, the least over every placement that fits (device optimizer state included;
+[Note: the placement bound] in offload/planning/placement.py), which the goals are measured against; and
+``bound_placement_causal_s``, the same with the grad copies and the CPU AdamW starting no earlier than
+backward (no grad exists before it): also a true lower bound, tighter where the CPU AdamW is the wall.
+Every number is SIMULATED on nominal presets, not measured on a GPU.
 
     python benchmarks/schedule_sim.py --json benchmarks/results/schedule_sim.json
     python benchmarks/schedule_sim.py --models none --chain 1000,3000,10000   # planner speed only
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -34,6 +43,7 @@ from rich.table import Table
 from offload.config import format_bytes, parse_bytes
 from offload.planning.buckets import ParamSpec, make_buckets
 from offload.planning.hw import PRESETS
+from offload.planning.placement import placement_bound, placement_bytes
 from offload.planning.schedule import build_plan, least_traffic
 from offload.planning.simulate import physical_bound
 from offload.planning.trace import EventKind, Recorder
@@ -41,8 +51,13 @@ from offload.tools.baselines import POLICIES, Case
 from offload.tools.metatrace import trace_meta
 from offload.tools.presets import MODELS, preset_inputs
 
-CASES = (("gpt2-xl", 1, 1024), ("gpt3-6.7b", 1, 2048), ("bert-large", 8, 512))
+CASES = (("gpt2-xl", 1, 1024), ("gpt3-6.7b", 1, 2048), ("bert-large", 8, 512), ("llama-7b", 1, 2048),
+         ("llama-13b", 1, 2048))
 FRACTIONS = (0.10, 0.25, 0.50)
+FRACTION_MODELS = ("gpt2-xl", "gpt3-6.7b", "bert-large")  # the budget rule (1) cases, as before issue 18
+GIB_BUDGETS = {"gpt2-xl": (8, 24), "gpt3-6.7b": (40,), "llama-7b": (24, 80), "llama-13b": (80,)}  # rule (2)
+GOALS = {"zero-offload": 1.5, "twin-flow": 1.25, "gemini-cpu": 2.13, "zero3-offload": 2.2}  # median speedup
+BOUND_GOAL = 1.15  # median greedy / bound_placement_s at most
 ITEMSIZE = 2  # bf16 on the device
 
 
@@ -67,16 +82,94 @@ def chain(n: int, numel: int = 256):
     return trace, make_buckets([ParamSpec(numel, 0)] * n, list(range(n)), numel * 4, 4)
 
 
-def time_chain(n: int) -> dict:
+def time_chain(n: int, device_optimizer: bool = False) -> dict:
     """Wall and CPU seconds of build_plan on an n-bucket chain (budget: a quarter of the buckets)."""
     trace, buckets = chain(n)
     compute = [1e-5 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0 for ev in trace.events]
     load = os.getloadavg()[0]
     w0, c0 = time.perf_counter(), time.process_time()
     plan = build_plan(trace, buckets, itemsize=4, budget_bytes=n * 1024 // 4, fixed_bytes=0, hw=PRESETS["pcie4"],
-                      compute_s=compute)
-    return {"buckets": n, "events": len(trace.events), "buffers": len(plan.buffers), "wall_s": time.perf_counter() - w0,
+                      compute_s=compute, device_optimizer=device_optimizer)
+    return {"buckets": n, "events": len(trace.events), "buffers": len(plan.buffers), "device_optimizer": device_optimizer,
+            "wall_s": time.perf_counter() - w0,
             "cpu_s": time.process_time() - c0, "load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0]}
+
+
+def plan_placement(plan) -> dict[str, int]:
+    """Device bytes per placement tier of a greedy plan (16-bit weights; and the device optimizer state)."""
+    if plan is None:
+        return {}
+    return placement_bytes(plan.buckets, plan.itemsize, [plan.placement_of(b) for b in range(len(plan.buckets))])
+
+
+def run_case(case: Case, row_base: dict, extra: int, out: list) -> dict:
+    """Every policy on one case; appends its JSON rows to ``out``; returns the table cells' inputs."""
+    trace, buckets, hw = case.trace, case.buckets, case.hw
+    compute = case.compute_s
+    cap = case.budget_bytes - extra
+    least = least_traffic(trace, buckets, ITEMSIZE, cap)
+    bound = physical_bound(sum(compute), least["h2d"], least["d2h"], least["adam_numel"], hw)
+    bound_p = placement_bound(trace, buckets, ITEMSIZE, cap, sum(compute), hw)
+    causal = placement_bound(trace, buckets, ITEMSIZE, cap, sum(compute), hw,
+                             forward_s=sum(compute[:trace.num_forward]))
+    row = {}
+    for pname, policy in POLICIES.items():
+        t1 = time.perf_counter()
+        r = policy(case)
+        row[pname] = r
+        entry = {**row_base, "policy": pname, "step_s": r.step_s, "bound_s": bound.seconds,
+                 "bound_limit": bound.limit, "bound_placement_s": bound_p.seconds,
+                 "bound_placement_limit": bound_p.limit, "bound_placement_device_bytes": bound_p.parts["device_bytes"],
+                 "bound_placement_causal_s": causal.seconds, "bound_placement_causal_limit": causal.limit,
+                 "peak_bytes": r.peak_bytes, "fits": r.fits, "stall_s": r.sim.stall_s if r.sim else None,
+                 "h2d_bytes": r.sim.h2d_bytes if r.sim else None}
+        if pname == "greedy":
+            entry["plan_s"] = time.perf_counter() - t1
+            entry["placement"] = plan_placement(r.plan)
+        if r.ratio is not None:
+            entry["ratio"] = r.ratio
+        out.append(entry)
+    return {"bound": bound, "bound_p": bound_p, "row": row}
+
+
+def summarise(cases: list[dict]) -> dict:
+    """The issue's goals over the cases where greedy fits: median speedup over each baseline (its step /
+    greedy's; a baseline that does not fit the budget counted as well, as a lower bound of what it needs),
+    median greedy / bound_placement_s, and where greedy is slower than a baseline that fits."""
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for c in cases:
+        by_case.setdefault((c["model"], c["hw"], c["budget_bytes"]), {})[c["policy"]] = c
+    speedups: dict[str, list[float]] = {p: [] for p in POLICIES if p != "greedy"}
+    speedups_fit: dict[str, list[float]] = {p: [] for p in POLICIES if p != "greedy"}
+    to_bound, to_causal, slower = [], [], []
+    for key, rows in by_case.items():
+        g = rows["greedy"]
+        if not g["fits"]:
+            continue
+        to_bound.append(g["step_s"] / g["bound_placement_s"])
+        to_causal.append(g["step_s"] / g["bound_placement_causal_s"])
+        for p, r in rows.items():
+            if p == "greedy" or r["step_s"] is None:
+                continue
+            speedups[p].append(r["step_s"] / g["step_s"])
+            if r["fits"]:
+                speedups_fit[p].append(r["step_s"] / g["step_s"])
+                if g["step_s"] > r["step_s"] * (1 + 1e-9):
+                    slower.append({"case": list(key), "baseline": p, "greedy_s": g["step_s"], "baseline_s": r["step_s"]})
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    goals = {}
+    for p, xs in speedups.items():
+        goals[p] = {"median_speedup": med(xs), "min": min(xs, default=None), "max": max(xs, default=None),
+                    "cases": len(xs), "median_speedup_where_it_fits": med(speedups_fit[p]),
+                    "cases_where_it_fits": len(speedups_fit[p]), "goal": GOALS.get(p),
+                    "holds": (med(xs) >= GOALS[p]) if p in GOALS and xs else None}
+    goals["bound_placement"] = {"median_greedy_over_bound": med(to_bound), "max": max(to_bound, default=None),
+                                "cases": len(to_bound), "goal": BOUND_GOAL,
+                                "holds": med(to_bound) <= BOUND_GOAL if to_bound else None,
+                                "median_greedy_over_causal_bound": med(to_causal),
+                                "max_over_causal_bound": max(to_causal, default=None)}
+    goals["never_slower_than_a_fitting_baseline"] = {"holds": not slower, "violations": slower}
+    return goals
 
 
 def main() -> int:
@@ -87,16 +180,20 @@ def main() -> int:
     ap.add_argument("--bucket-bytes", default="32MiB")
     ap.add_argument("--chain", default="", help="comma-separated bucket counts: time build_plan on a layer chain")
     args = ap.parse_args()
-    console = Console(width=None if sys.stdout.isatty() else 170)
+    console = Console(width=None if sys.stdout.isatty() else 200)
     bucket_bytes = parse_bytes(args.bucket_bytes)
     out = {"machine": machine(), "bucket_bytes": bucket_bytes, "itemsize": ITEMSIZE,
-           "budget_rule": "activations + largest grad + buffers + fraction x bf16 parameter bytes",
+           "simulated": "every step time here is SIMULATED on nominal hardware presets (offload/planning/hw.py), "
+                        "not measured; the device AdamW rate is a model (memory-bound, 28 B/param)",
+           "budget_rule": "fraction cases: activations + largest grad + buffers + fraction x bf16 parameter bytes; "
+                          "gib cases: the named GPU budget",
            "compute_times": "estimated: per-operator roofline on the preset's assumed device throughput",
+           "greedy": "build_plan(..., device_optimizer=True)",
            "cases": [], "timings_s": {}}
     wanted = args.models.split(",")
-    table = Table(title="simulated step (s); x = over the budget")
-    for col in ("model", "hw", "budget", "bound", "limit", *POLICIES, "greedy/bound"):
-        table.add_column(col, justify="right" if col not in ("model", "hw", "limit") else "left")
+    table = Table(title="SIMULATED step (s), nominal presets; x = over the budget")
+    for col in ("model", "hw", "budget", "bound", "bound (placement)", *POLICIES, "greedy/bound_p"):
+        table.add_column(col, justify="right" if col not in ("model", "hw") else "left")
     for name, batch, seq in (c for c in CASES if c[0] in wanted):
         shape = MODELS[name]
         t0 = time.perf_counter()
@@ -106,46 +203,46 @@ def main() -> int:
         buckets = make_buckets(list(mt.specs), list(mt.order), bucket_bytes, ITEMSIZE)
         param_bytes = sum(b.nbytes(ITEMSIZE) for b in buckets)
         extra = mt.trace.activation_peak_bytes + mt.trace.max_grad_bytes + mt.buffer_bytes
+        budgets = [(f"{frac:.0%}", extra + int(frac * param_bytes), frac) for frac in FRACTIONS
+                   if name in FRACTION_MODELS]
+        budgets += [(f"{gib} GiB", gib << 30, None) for gib in GIB_BUDGETS.get(name, ())]
         for hw_name in args.hw.split(","):
             hw = PRESETS[hw_name]
             compute = mt.compute_s(hw)
-            for frac in FRACTIONS:
-                budget = extra + int(frac * param_bytes)
+            for label, budget, frac in budgets:
                 case = Case(mt.trace, buckets, ITEMSIZE, hw, compute, budget, mt.buffer_bytes)
-                least = least_traffic(mt.trace, buckets, ITEMSIZE, budget - extra)
-                bound = physical_bound(sum(compute), least["h2d"], least["d2h"], least["adam_numel"], hw)
-                row = {}
-                for pname, policy in POLICIES.items():
+                base = {"model": name, "batch": batch, "seq": seq, "params": mt.numel, "budget_bytes": budget,
+                        "budget_fraction": frac, "budget_label": label, "hw": hw_name,
+                        "activation_bytes": mt.trace.activation_peak_bytes}
+                with console.status(f"{name} {hw_name} {label}"):
                     t1 = time.perf_counter()
-                    with console.status(f"{name} {hw_name} {frac:.0%}: {pname}"):
-                        r = policy(case)
-                    if pname == "greedy":
-                        out["timings_s"][f"greedy {name} {hw_name} {frac:.0%}"] = time.perf_counter() - t1
-                    row[pname] = r
-                    out["cases"].append({
-                        "model": name, "batch": batch, "seq": seq, "params": mt.numel, "budget_bytes": budget,
-                        "budget_fraction": frac, "hw": hw_name, "policy": pname, "step_s": r.step_s,
-                        "bound_s": bound.seconds, "bound_limit": bound.limit, "peak_bytes": r.peak_bytes,
-                        "fits": r.fits, "stall_s": r.sim.stall_s if r.sim else None,
-                        "h2d_bytes": r.sim.h2d_bytes if r.sim else None})
-                g = row["greedy"].step_s
+                    got = run_case(case, base, extra, out["cases"])
+                    out["timings_s"][f"case {name} {hw_name} {label}"] = time.perf_counter() - t1
+                row, bound, bound_p = got["row"], got["bound"], got["bound_p"]
+                g = row["greedy"].step_s if row["greedy"].fits else None
                 cells = [f"{r.step_s:.3f}{'' if r.fits else ' x'}" if r.step_s is not None else "-"
                          for r in row.values()]
-                table.add_row(name, hw_name, format_bytes(budget), f"{bound.seconds:.3f}", bound.limit, *cells,
-                              f"{g / bound.seconds:.2f}" if g else "-")
+                table.add_row(name, hw_name, label, f"{bound.seconds:.3f} {bound.limit}",
+                              f"{bound_p.seconds:.3f} {bound_p.limit}", *cells,
+                              f"{g / bound_p.seconds:.2f}" if g else "-")
     if out["cases"]:
         console.print(table)
+        out["goals"] = summarise(out["cases"])
+        # the issue's realistic GPU budgets alone (the fraction cases leave little room for optimizer state)
+        out["goals_realistic_budgets"] = summarise([c for c in out["cases"] if c["budget_fraction"] is None])
+        console.print_json(data={"all cases": out["goals"], "realistic budgets": out["goals_realistic_budgets"]})
     if args.chain:
         out["chain"] = []
         speed = Table(title="build_plan speed on a chain of one-bucket layers")
-        for col in ("buckets", "events", "buffers", "wall s", "cpu s", "load before/after"):
+        for col in ("buckets", "events", "buffers", "device opt", "wall s", "cpu s", "load before/after"):
             speed.add_column(col, justify="right")
         for n in (int(x) for x in args.chain.split(",")):
-            with console.status(f"planning a {n}-bucket chain"):
-                r = time_chain(n)
-            out["chain"].append(r)
-            speed.add_row(str(n), str(r["events"]), str(r["buffers"]), f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
-                          f"{r['load_avg_1m_before']:.1f}/{r['load_avg_1m_after']:.1f}")
+            for device_optimizer in (False, True):
+                with console.status(f"planning a {n}-bucket chain"):
+                    r = time_chain(n, device_optimizer)
+                out["chain"].append(r)
+                speed.add_row(str(n), str(r["events"]), str(r["buffers"]), str(device_optimizer), f"{r['wall_s']:.2f}",
+                              f"{r['cpu_s']:.2f}", f"{r['load_avg_1m_before']:.1f}/{r['load_avg_1m_after']:.1f}")
         console.print(speed)
     console.print(f"machine: {out['machine']}")
     console.print({k: round(v, 2) for k, v in out["timings_s"].items()})

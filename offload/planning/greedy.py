@@ -5,6 +5,7 @@ and first backward use), every point simulated. In C++ where built (``cpp/greedy
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from .buckets import Bucket
 from .greedy_inputs import GreedyInputs
 from .hw import HardwareModel
 from .layout import arena_of
-from .plan import BufferKind
+from .plan import BufferKind, align
 from .simulate import STEP_START, FlatWaits, LaneResult, Program, SimResult, simulate, simulate_arrays
 from .trace import Trace
 
@@ -201,8 +202,8 @@ class Greedy:
             sim = simulate_arrays(x.compute, h2d_event, x.dur[cb], ptr, found, x.d2h_event, x.d2h_solo, x.adam_s,
                                   False, x.duplex, int(x.nbytes[cb].sum()), x.d2h_total,
                                   lazy=True)
-            if sim is not None:
-                return sim, m
+            if isinstance(sim, LaneResult):  # (lazy: a LaneResult, or None)
+                return sim.with_device_adam(x.device_tail_s, x.device_adam_s), m
         return simulate(self.program(resident, None, flat), x.hw), m
 
     def profile(self, resident: frozenset[int], streamed: Streamed | None,
@@ -223,8 +224,15 @@ class Greedy:
         """``_layout(trace, buckets, itemsize, resident, (streamed, x.grads))`` for the point whose
         streamed buffers are ``flat``, from arrays: the same specs in the same order (per bucket, its
         resident buffer or its streamed ones in event order; then the grad slots by bucket; empty ones
-        dropped) and so the same layout."""
+        dropped) and so the same layout.
+
+        Device-optimizer buckets (``inputs.device``): their weights and optimizer state live the whole step,
+        under every other buffer, so they go first, packed from offset 0, and the rest is laid out above
+        them as without them (the same lower bound plus their bytes; no search over layouts that must
+        all keep them whole)."""
         x = self.inputs
+        if x.device:
+            return self._layout_with_device(resident, flat)
         res = np.asarray(sorted(resident), dtype=np.int64)
         b = np.concatenate([res, flat[:, 1]])
         start = np.concatenate([np.zeros(len(res), dtype=np.int64), flat[:, 0]])
@@ -237,7 +245,20 @@ class Greedy:
         specs = list(zip(b.tolist(), itertools.repeat(BufferKind.PARAM), start.tolist(), end.tolist(), size.tolist()))
         grad_specs, grad_columns = self._grad_specs
         specs.extend(grad_specs)
-        return arena_of(specs, [np.concatenate([x, g]) for x, g in zip((size, start, end), grad_columns)])
+        return arena_of(specs, [np.concatenate([c, g]) for c, g in zip((size, start, end), grad_columns)])
+
+    def _layout_with_device(self, resident: frozenset, flat: np.ndarray):
+        x = self.inputs
+        specs, layout = Greedy(dataclasses.replace(x, device=(), device_state_bytes=())).layout(resident, flat)
+        whole = [(b, BufferKind.PARAM, 0, x.n, int(x.nbytes[b])) for b in x.device if x.nbytes[b] > 0]
+        whole += [(b, BufferKind.STATE, 0, x.n, nbytes) for b, nbytes in zip(x.device, x.device_state_bytes)
+                  if nbytes > 0]
+        offsets = np.cumsum([0] + [align(spec[4]) for spec in whole]).tolist()
+        base = offsets.pop()
+        return whole + specs, dataclasses.replace(
+            layout, offsets=tuple(offsets) + tuple(o + base for o in layout.offsets),
+            total_bytes=layout.total_bytes + base, lower_bound_bytes=layout.lower_bound_bytes + base,
+            candidates=tuple((h, total + base) for h, total in layout.candidates))
 
     @functools.cached_property
     def _grad_specs(self):
@@ -251,39 +272,44 @@ class Greedy:
 
     # -- the move sequence ----------------------------------------------------------------------------
 
-    def candidates(self, capacity: int) -> list[Point]:
+    def candidates(self, capacity: int, modes: Sequence[str] = MODES) -> list[Point]:
         """Every simulated point of every mode's sequence whose live bytes fit ``capacity``: the loop of
         :meth:`candidates_reference`, in C++ where built (``cpp/greedy.cpp``: the same points, field for field
         and bit for bit; ``tests/planning/test_greedy_kernel.py``). Where the C++ loop meets what the reference raises
-        on (a stall on a zero-length copy, a score dividing by zero), the reference runs and raises it."""
+        on (a stall on a zero-length copy, a score dividing by zero), the reference runs and raises it.
+        ``modes``: only these copy modes' sequences (the device-optimizer search's quick evaluations)."""
         if _C is not None:
-            points = self._candidates_cpp(capacity)
+            points = self._candidates_cpp(capacity, modes)
             if points is not None:
                 return points
-        return self.candidates_reference(capacity)
+        return self.candidates_reference(capacity, modes)
 
-    def _candidates_cpp(self, capacity: int) -> list[Point] | None:
+    def _candidates_cpp(self, capacity: int, modes: Sequence[str] = MODES) -> list[Point] | None:
         x = self.inputs
         if self._kernel is None:
             self._kernel = _C.GreedyKernel(**x.kernel_args())
         capacity = min(max(capacity, -1), 2 ** 62)  # live bytes are >= 0 and far below 2^62
         points = []
         for m, mode in enumerate(MODES):
+            if mode not in modes:
+                continue
             got, fallback = self._kernel.points(m, capacity)
             if fallback:
                 return None
             for (res, flat, step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
                  h2d_bytes, peak, resident_bytes) in got:
                 sim = LaneResult(step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
-                                 h2d_bytes, x.d2h_total)
+                                 h2d_bytes, x.d2h_total).with_device_adam(x.device_tail_s, x.device_adam_s)
                 points.append(Point(mode, frozenset(res.tolist()), flat, sim, peak, (-h2d_bytes, resident_bytes, -m)))
         return points
 
-    def candidates_reference(self, capacity: int) -> list[Point]:
+    def candidates_reference(self, capacity: int, modes: Sequence[str] = MODES) -> list[Point]:
         """Every simulated point of every mode's sequence whose live bytes fit ``capacity`` (the Python loop)."""
         x = self.inputs
         points = []
         for m, mode in enumerate(MODES):
+            if mode not in modes:
+                continue
             resident: frozenset[int] = frozenset()
             keep: frozenset[int] = frozenset()
             while True:

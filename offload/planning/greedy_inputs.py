@@ -30,6 +30,7 @@ class D2HProgram(TypedDict):
     d2h_bucket: tuple[int, ...]
     d2h_bytes: tuple[int, ...]
     adam_numel: tuple[int, ...]
+    device_adam_numel: tuple[int, ...]  # per event + 1: device AdamW (device-optimizer buckets; () if none)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +76,12 @@ class GreedyInputs:
     grad_bytes: dict[int, int]  # per bucket with grads: its grad slot's bytes
     d2h_program: D2HProgram  # the device-to-host fields of every Program
     d2h_total: int  # bytes copied to the host per step
+    # device-optimizer buckets (issue 18; ``device_optimizer.restrict``; empty by default): taken out of the
+    # moves, resident with their optimizer state, updated on the compute lane
+    device: tuple[int, ...] = ()  # their bucket ids, ascending
+    device_state_bytes: tuple[int, ...] = ()  # per device bucket: its optimizer state's bytes
+    device_tail_s: float = 0.0  # their device AdamW after compute ends (grads flushed at the end of backward)
+    device_adam_s: float = 0.0  # their device AdamW in all (the rest is in ``compute``)
 
     @classmethod
     def of(cls, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,
@@ -107,7 +114,7 @@ class GreedyInputs:
         d2h_b = grad_b[d2h].tolist()
         d2h_program = D2HProgram(d2h_event=tuple(grad_issue[d2h].tolist()), d2h_bucket=tuple(d2h_b),
                                  d2h_bytes=tuple(grad_bytes[d2h].tolist()),
-                                 adam_numel=tuple(buckets[b].trainable_numel for b in d2h_b))
+                                 adam_numel=tuple(buckets[b].trainable_numel for b in d2h_b), device_adam_numel=())
         updated = np.zeros(nb, dtype=bool)  # per bucket: has grads (refreshed when resident)
         updated[grad_b] = True
         keepable, fwd_at, bwd_at, fwd_row, bwd_row = _keep_rows(use_b, use_s, trace.num_forward, nb)

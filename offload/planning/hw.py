@@ -8,7 +8,9 @@ The other half of the cost model, the compute time of each traced event, comes w
 
 Presets (``pcie3``, ``pcie4``, ``pcie5``) are *nominal* figures for planning without a GPU: the link's
 usual pinned bandwidth with a fixed per-copy latency, a GPU of that generation at an assumed effective
-throughput, a server-class host. They are assumptions, labelled as such (``measured=False``).
+throughput, a server-class host. They are assumptions, labelled as such (``measured=False``). The device
+AdamW rate (a bucket whose optimizer state stays on the device) is a memory-bound model on top of them
+(:data:`DEVICE_ADAM_BYTES_PER_PARAM` at the assumed memory bandwidth), not a measurement either.
 ``offload probe`` measures this machine and writes a JSON file that :func:`load_hw` reads back.
 """
 
@@ -24,6 +26,12 @@ from pathlib import Path
 Curve = tuple[tuple[int, float], ...]  # (transfer bytes, bytes/s), sizes strictly increasing
 
 PROBE_SIZES = tuple(1024 * 4**k for k in range(10))  # 1 KiB ... 256 MiB
+
+DEVICE_ADAM_BYTES_PER_PARAM = 28
+"""Device memory bytes one fused AdamW pass touches per parameter (issue 18): it reads the fp32 master, m
+and v (12) and the 16-bit grad (2), and writes master, m, v (12) and the 16-bit weight (2). At the
+device's effective memory bandwidth that gives the device AdamW's rate: a roofline *model* (a memory-bound
+elementwise kernel at the same effective bandwidth the compute estimates use), not a measurement."""
 
 
 def latency_curve(peak_bytes_per_s: float, latency_s: float, sizes=PROBE_SIZES) -> Curve:
@@ -53,6 +61,10 @@ class HardwareModel:
     measured: bool = False
     """True when the figures come from ``offload probe`` on a real machine."""
     notes: str = ""
+    device_adam_params_per_s: float = 0.0
+    """Parameters a fused AdamW *on the device* updates per second (a bucket whose optimizer state the plan
+    keeps on the device). 0: derived from ``device_bytes_per_s`` by :data:`DEVICE_ADAM_BYTES_PER_PARAM`, a
+    model of a memory-bound one-pass kernel, not a measurement (``offload probe`` has no GPU kernel to time)."""
 
     def __post_init__(self) -> None:
         for name in ("h2d", "d2h"):
@@ -67,6 +79,9 @@ class HardwareModel:
         for name in ("adam_params_per_s", "host_bytes_per_s", "device_flops_per_s", "device_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HardwareModel.{name} must be positive; got {getattr(self, name)!r}")
+        if not self.device_adam_params_per_s >= 0:
+            raise ValueError("HardwareModel.device_adam_params_per_s must be >= 0 (0: derived from "
+                             f"device_bytes_per_s); got {self.device_adam_params_per_s!r}")
 
     # -- transfers ------------------------------------------------------------------------------------
 
@@ -87,6 +102,15 @@ class HardwareModel:
     def adam_seconds(self, numel: int) -> float:
         return numel / self.adam_params_per_s
 
+    @property
+    def device_adam_rate(self) -> float:
+        """Parameters per second of the device AdamW: the field where set, else the memory-bound model
+        ``device_bytes_per_s / DEVICE_ADAM_BYTES_PER_PARAM``."""
+        return self.device_adam_params_per_s or self.device_bytes_per_s / DEVICE_ADAM_BYTES_PER_PARAM
+
+    def device_adam_seconds(self, numel: int) -> float:
+        return numel / self.device_adam_rate
+
     def bucket_bytes_hint(self, fraction: float = 0.9) -> int:
         """The smallest measured copy size reaching ``fraction`` of peak host-to-device bandwidth."""
         peak = self.peak_h2d
@@ -103,7 +127,7 @@ class HardwareModel:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareModel":
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        missing = set(cls.__dataclass_fields__) - set(known) - {"measured", "notes"}
+        missing = set(cls.__dataclass_fields__) - set(known) - {"measured", "notes", "device_adam_params_per_s"}
         if missing:
             raise ValueError(f"hardware description lacks {sorted(missing)}")
         known["h2d"] = tuple(tuple(p) for p in known["h2d"])
@@ -137,9 +161,11 @@ def _preset(name, peak, latency, duplex, adam, host, flops, mem, gpu) -> Hardwar
     return HardwareModel(
         name=name, h2d=curve, d2h=curve, duplex_factor=duplex, adam_params_per_s=adam, host_bytes_per_s=host,
         device_flops_per_s=flops, device_bytes_per_s=mem, measured=False,
+        device_adam_params_per_s=mem / DEVICE_ADAM_BYTES_PER_PARAM,
         notes=(f"nominal preset, not measured: PCIe x16 at {peak / 1e9:.0f} GB/s pinned with {latency * 1e6:.0f} us "
                f"per copy, {gpu} at an assumed {flops / 1e12:.0f} TFLOP/s effective, CPU AdamW "
-               f"{adam / 1e9:.1f} G params/s"))
+               f"{adam / 1e9:.1f} G params/s; device AdamW modelled at {mem / 1e12:.1f} TB/s effective / "
+               f"{DEVICE_ADAM_BYTES_PER_PARAM} B per param = {mem / DEVICE_ADAM_BYTES_PER_PARAM / 1e9:.0f} G params/s"))
 
 
 PRESETS: dict[str, HardwareModel] = {

@@ -11,6 +11,7 @@ from ..errors import InvariantError
 from .arena import plan_arena_columns
 from .buckets import locate
 from .intervals import grad_intervals, need_intervals, needed_all, with_prefetch
+from .placement import Placement
 from .plan import ARENA_ALIGN, Buffer, BufferKind, EventActions, Plan
 from ._reference import buffer_waits_reference
 
@@ -76,7 +77,9 @@ def buffer_waits(specs, offsets) -> list[tuple[int, ...]]:
 
 
 def assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fixed, *, simulated=None,
-             hw_name="", needs=None) -> Plan:
+             hw_name="", needs=None, device=()) -> Plan:
+    """The frozen :class:`Plan` of laid-out buffers. ``resident``: the buckets with a whole-step PARAM
+    buffer, ``device`` (a subset) the ones whose optimizer state (a STATE buffer) lives on the device."""
     n = len(trace.events)
     if needs is None:  # per event: the buckets it needs (the greedy scheduler has them already)
         bucket_of = locate(buckets)[0]
@@ -89,10 +92,13 @@ def assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fi
     prefetch: dict[int, list[int]] = {}
     grad_buffer: list[int | None] = [None] * len(buckets)
     resident_buffer: list[int | None] = [None] * len(buckets)
-    grad = BufferKind.GRAD
+    state_buffer: list[int | None] = [None] * len(buckets)
+    grad, state = BufferKind.GRAD, BufferKind.STATE
     for k, (b, kind, s, e, _) in enumerate(specs):
         if kind is grad:
             grad_buffer[b] = k
+        elif kind is state:
+            state_buffer[b] = k
         elif b in resident:
             resident_buffer[b] = k
         else:
@@ -105,7 +111,16 @@ def assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fi
         grad_buffer=tuple(grad_buffer), resident_buffer=tuple(resident_buffer),
         arena_bytes=layout.total_bytes, lower_bound_bytes=layout.lower_bound_bytes,
         budget_bytes=budget, fixed_bytes=fixed, itemsize=itemsize, strategy=name, simulated=simulated,
-        hw_name=hw_name)
+        hw_name=hw_name, placement=placements(len(buckets), resident, device), state_buffer=tuple(state_buffer))
+
+
+def placements(nb: int, resident, device) -> tuple[Placement, ...]:
+    """Per bucket: device-optimizer if in ``device``, else resident if in ``resident``, else streamed."""
+    dev, res = frozenset(device), frozenset(resident)
+    if dev - res:
+        raise InvariantError(f"device-optimizer buckets {sorted(dev - res)} are not resident")
+    on = (Placement.STREAMED, Placement.RESIDENT)
+    return tuple(Placement.DEVICE_OPTIMIZER if b in dev else on[b in res] for b in range(nb))
 
 
 def frozen_maker(cls):

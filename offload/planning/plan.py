@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import InvariantError
 from .buckets import Bucket, locate
+from .placement import Placement, state_nbytes
 from .simulate import SimResult
 from .trace import Trace
 
@@ -36,6 +37,9 @@ class BufferKind(enum.Enum):
     """A bucket's parameters on the device."""
     GRAD = "grad"
     """A bucket's gradient slot: grads are gathered here, then copied to the host in one transfer."""
+    STATE = "state"
+    """A device-optimizer bucket's fp32 optimizer state for the whole step (master where the weights are
+    16-bit, then m, then v; ``placement.state_nbytes``): updated there, never copied (issue 18)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,21 @@ class Plan:
     # what the backend's runtime holds beyond the plan (cuBLAS workspaces, allocator rounding; 0 on the CPU
     # backend): kept out of the budget ([Note: headroom] in backend/cuda.py)
     headroom_bytes: int = 0
+    # per bucket: where it lives and where its optimizer runs (issue 18). Only ``build_plan(...,
+    # device_optimizer=True)`` makes DEVICE_OPTIMIZER buckets; a plan from before this field (empty) reads as
+    # resident/streamed by ``resident``
+    placement: tuple[Placement, ...] = ()
+    state_buffer: tuple[int | None, ...] = ()  # per bucket: its STATE buffer id (device-optimizer buckets)
+
+    def placement_of(self, b: int) -> Placement:
+        if self.placement:
+            return self.placement[b]
+        return Placement.RESIDENT if b in self.resident else Placement.STREAMED
+
+    @property
+    def device_optimizer(self) -> tuple[int, ...]:
+        """Buckets whose optimizer state lives and is updated on the device."""
+        return tuple(b for b, p in enumerate(self.placement) if p is Placement.DEVICE_OPTIMIZER)
 
     @property
     def activation_bytes(self) -> int:
@@ -146,6 +165,41 @@ def validate_plan(plan: Plan) -> None:
             _check(y.end <= x.start, f"buffer {k} waits on buffer {j}, which is still live")
     _check(plan.peak_bytes <= plan.budget_bytes,
            f"planned peak {plan.peak_bytes} exceeds the budget {plan.budget_bytes}")
+    _validate_placement(plan)
+
+
+def _validate_placement(plan: Plan) -> None:
+    """Each bucket's placement agrees with its buffers: a streamed bucket is not resident; a resident one has
+    its whole-step buffer; a device-optimizer bucket also has grads (its update needs them) and a STATE
+    buffer of its state's size for the whole step, and no other bucket has one."""
+    nb, n = len(plan.buckets), len(plan.trace.events)
+    if not plan.placement:
+        if plan.state_buffer or any(x.kind is BufferKind.STATE for x in plan.buffers):
+            raise InvariantError("a plan without placements has optimizer state buffers")
+        return
+    if len(plan.placement) != nb or len(plan.state_buffer) != nb:
+        raise InvariantError(f"placement/state_buffer need one entry per bucket ({nb})")
+    resident = set(plan.resident)
+    states = {x.bucket: k for k, x in enumerate(plan.buffers) if x.kind is BufferKind.STATE}
+    for b, where in enumerate(plan.placement):
+        if (where is Placement.STREAMED) == (b in resident):
+            raise InvariantError(f"bucket {b} is {where.value} but {'' if b in resident else 'not '}resident")
+        if where is not Placement.STREAMED and plan.resident_buffer[b] is None:
+            size = plan.buckets[b].nbytes(plan.itemsize)
+            if size:
+                raise InvariantError(f"resident bucket {b} has no whole-step buffer")
+        want = state_nbytes(plan.buckets[b], plan.itemsize) if where is Placement.DEVICE_OPTIMIZER else 0
+        k = plan.state_buffer[b]
+        if k != states.get(b) or (want > 0) != (k is not None):
+            raise InvariantError(f"bucket {b} ({where.value}) has state buffer {k}, expected "
+                                 f"{'one' if want else 'none'}")
+        if k is not None:
+            x = plan.buffers[k]
+            if (x.start, x.end, x.size) != (0, n, want):
+                raise InvariantError(f"bucket {b}'s state buffer is [{x.start}, {x.end}) of {x.size} B, not the "
+                                     f"whole step of {want} B")
+        if where is Placement.DEVICE_OPTIMIZER and plan.grad_buffer[b] is None:
+            raise InvariantError(f"bucket {b} keeps its optimizer on the device but gets no grads")
 
 
 def _check(ok: bool, what: str) -> None:

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from .budget import budget_error, forward_min_budget, min_arena_bytes
 from .buckets import Bucket, locate
+from .device_optimizer import choose_device_optimizer, restrict
 from .greedy import Greedy, compute_times
 from .hw import PRESETS, HardwareModel
 from .intervals import grad_intervals
@@ -43,16 +44,23 @@ DEFAULT_HW = PRESETS["pcie4"]  # the cost model's hardware when the caller gives
 
 def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget_bytes: int,
                fixed_bytes: int, hw: HardwareModel | None = None,
-               compute_s: Sequence[float] | None = None, headroom_bytes: int = 0) -> Plan:
+               compute_s: Sequence[float] | None = None, headroom_bytes: int = 0,
+               device_optimizer: bool = False) -> Plan:
     """The greedy cost-model plan (see the module docstring) that fits ``budget_bytes``.
 
     ``hw`` defaults to :data:`DEFAULT_HW`; ``compute_s`` (seconds of compute per trace event) defaults to
     the trace's own :attr:`Trace.compute_seconds`; ``headroom_bytes`` (the backend's, see
     :attr:`Plan.headroom_bytes`) is kept out of the budget. Raises :class:`BudgetTooSmallError` when even
     streaming everything just in time does not fit.
+
+    ``device_optimizer``: also choose buckets whose optimizer state lives and is updated on the device
+    (:class:`~offload.planning.placement.Placement`; [Note: choosing device-optimizer buckets] in
+    ``device_optimizer.py``). Off by default: the runtime cannot execute such plans yet (issue 18), and
+    without it plans are exactly what they were.
     """
     with _gc_paused():
-        return _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes)
+        return _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes,
+                           device_optimizer)
 
 
 @contextlib.contextmanager
@@ -72,21 +80,24 @@ def _gc_paused():
             gc.enable()
 
 
-def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes) -> Plan:
+def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes,
+                device_optimizer) -> Plan:
     hw = hw or DEFAULT_HW
     compute = compute_times(trace, compute_s)
     g = Greedy.of(trace, buckets, itemsize, hw, compute)
     extra = trace.activation_peak_bytes + fixed_bytes + trace.max_grad_bytes + headroom_bytes
-    points = g.candidates(budget_bytes - extra)
-    while points:
-        best = min(p.step_s for p in points)
-        point = max((p for p in points if p.step_s <= best * (1 + 1e-9)), key=lambda p: p.rank)
-        specs, layout = g.layout(point.resident, point.flat)
-        if layout.total_bytes + extra <= budget_bytes:
-            plan = assemble(trace, buckets, itemsize, point.resident, f"greedy ({point.mode})", specs, layout,
-                            budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name, needs=g.inputs.needs)
+    capacity = budget_bytes - extra
+    points = g.candidates(capacity)
+    tried = []
+    if device_optimizer and points:
+        dev = choose_device_optimizer(g, points, trace, buckets, itemsize, capacity, compute)
+        if dev is not None:
+            tried.append(dev)  # its points first; today's (no device state) if none of them lays out
+    tried.append((g, points))
+    for g_k, points in tried:
+        plan = _fitting(trace, buckets, itemsize, g_k, points, extra, budget_bytes, fixed_bytes, hw)
+        if plan is not None:
             return dataclasses.replace(plan, headroom_bytes=headroom_bytes) if headroom_bytes else plan
-        points = [p for p in points if p is not point]  # its arena fragments past the budget: next best
     jit = {b: [list(iv) for iv in ivs] for b, ivs in g.uses.items()}
     _, layout = layout_buffers(trace, buckets, itemsize, frozenset(), (jit, g.inputs.grads))
     raise budget_error(budget_bytes, arena=max(layout.total_bytes, budget_bytes - extra + 1),
@@ -94,13 +105,31 @@ def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute
                        headroom=headroom_bytes)
 
 
+def _fitting(trace, buckets, itemsize, g, points, extra, budget_bytes, fixed_bytes, hw) -> Plan | None:
+    """The fastest of ``points`` whose arena layout fits the budget, assembled; None if none does."""
+    while points:
+        best = min(p.step_s for p in points)
+        point = max((p for p in points if p.step_s <= best * (1 + 1e-9)), key=lambda p: p.rank)
+        specs, layout = g.layout(point.resident, point.flat)
+        if layout.total_bytes + extra <= budget_bytes:
+            device = g.inputs.device
+            return assemble(trace, buckets, itemsize, point.resident | frozenset(device), f"greedy ({point.mode})",
+                            specs, layout, budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name,
+                            needs=g.inputs.needs, device=device)
+        points = [p for p in points if p is not point]  # its arena fragments past the budget: next best
+    return None
+
+
 def program_of(plan: Plan, compute_s: Sequence[float] | None = None) -> Program:
     """The lane program of a plan (what :func:`offload.planning.simulate.simulate` runs)."""
     g = Greedy.of(plan.trace, plan.buckets, plan.itemsize, DEFAULT_HW, compute_times(plan.trace, compute_s))
-    resident = frozenset(plan.resident)
+    device = plan.device_optimizer
+    if device:
+        g = Greedy(restrict(g.inputs, device, plan.buckets, plan.itemsize))
+    resident = frozenset(plan.resident) - frozenset(device)
     streamed: dict[int, list[list[int]]] = {}
     for x in plan.buffers:
-        if x.kind is BufferKind.PARAM and x.bucket not in resident:
+        if x.kind is BufferKind.PARAM and x.bucket not in plan.resident:
             streamed.setdefault(x.bucket, []).append([x.start, x.end])
     return g.program(resident, {b: sorted(ivs) for b, ivs in streamed.items()})
 

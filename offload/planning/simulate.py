@@ -22,6 +22,7 @@ the device, so on a GPU a copy may start earlier: the simulator is conservative 
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -93,6 +94,8 @@ class Program:
     d2h_bytes: tuple[int, ...]
     adam_numel: tuple[int, ...]  # per device-to-host copy: parameters its AdamW updates afterwards
     adam_after_backward: bool = False  # True: AdamW waits for the whole backward (DeepSpeed, Gemini)
+    device_adam_numel: tuple[int, ...] = ()  # per event and one more (after backward), or empty: parameters
+    # a device AdamW updates there, on the compute lane (device-optimizer buckets: [Note: device AdamW lane])
 
 
 @dataclass(frozen=True)
@@ -108,12 +111,40 @@ class SimResult:
     adam_s: float
     tail_s: float  # step end minus compute end: copies and AdamW not hidden behind compute
     copy_credit: tuple[float, ...]  # per host-to-device copy: the share of stall it caused (see simulate)
+    device_adam_s: float = 0.0  # device AdamW seconds on the compute lane (included in compute_s)
 
     def stall_by_bucket(self, program: Program) -> dict[int, float]:
         out: dict[int, float] = {}
         for b, c in zip(program.h2d_bucket, self.copy_credit):
             out[b] = out.get(b, 0.0) + c
         return out
+
+
+def with_device_adam(program: Program, hw: HardwareModel) -> tuple[tuple[float, ...], float, float]:
+    """The compute lane's seconds per event with the device AdamW folded in, the device AdamW seconds after
+    backward (the tail), and the device AdamW's total.
+
+    [Note: device AdamW lane] A device-optimizer bucket is updated by a fused AdamW on the compute stream,
+    issued by the hook that sees its grads complete: it delays the compute after it, like any kernel, and
+    overlaps with the copy lanes and the CPU. The simulator adds its seconds to the compute of the event
+    where the bucket's grads complete. An update after backward (entry ``len(compute_s)``: a bucket flushed
+    at the end of backward, or a policy that updates in ``step()``) runs on the compute lane after compute
+    ends, beside the copies and the CPU AdamW issued then: the step lasts at least compute end + tail."""
+    extra = program.device_adam_numel
+    if not extra or not any(extra):
+        return tuple(program.compute_s), 0.0, 0.0
+    n = len(program.compute_s)
+    if len(extra) != n + 1:
+        raise ValueError(f"device_adam_numel has {len(extra)} entries for {n} events (needs events + 1)")
+    compute = list(program.compute_s)
+    total = 0.0
+    for i, numel in enumerate(extra[:n]):
+        if numel:
+            s = hw.device_adam_seconds(numel)
+            compute[i] += s
+            total += s
+    tail = hw.device_adam_seconds(extra[n]) if extra[n] else 0.0
+    return tuple(compute), tail, total + tail
 
 
 def simulate(program: Program, hw: HardwareModel) -> SimResult:
@@ -124,19 +155,20 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
     """
     if _C is None:
         return simulate_reference(program, hw)
+    compute, tail, device_adam = with_device_adam(program, hw)
     if isinstance(program.waits, FlatWaits):
         wait_ptr, wait_copy = program.waits.ptr, program.waits.copies
     else:
         wait_ptr = list(itertools.accumulate(map(len, program.waits), initial=0))
         wait_copy = list(itertools.chain.from_iterable(program.waits))
     out = simulate_arrays(
-        program.compute_s, program.h2d_event, seconds_each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
+        compute, program.h2d_event, seconds_each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
         program.d2h_event, seconds_each(hw.d2h_seconds, program.d2h_bytes),
         seconds_each(hw.adam_seconds, program.adam_numel),
-        program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes))
+        program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes), lazy=True)
     if out is None:
         return simulate_reference(program, hw)
-    return out.result() if isinstance(out, LaneResult) else out  # (not lazy: a SimResult already)
+    return out.with_device_adam(tail, device_adam).result() if isinstance(out, LaneResult) else out
 
 
 def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
@@ -172,13 +204,23 @@ class LaneResult:
     copy_credit: np.ndarray
     h2d_bytes: int
     d2h_bytes: int
+    device_adam_s: float = 0.0  # included in compute_s (see [Note: device AdamW lane])
+
+    def with_device_adam(self, tail: float, total: float) -> "LaneResult":
+        """This result with ``tail`` seconds of device AdamW after compute end (on the compute lane,
+        beside the other lanes) and ``total`` device AdamW seconds in all (the rest already in compute)."""
+        if not total:
+            return self
+        return dataclasses.replace(self, step_s=max(self.compute_end + tail, self.step_s),
+                                   compute_s=self.compute_s + tail, device_adam_s=total)
 
     def result(self) -> SimResult:
         return SimResult(
             step_s=self.step_s, compute_s=self.compute_s, stall_s=self.stall_s,
             stall_per_event=tuple(self.stall_per_event.tolist()), h2d_bytes=self.h2d_bytes,
             d2h_bytes=self.d2h_bytes, h2d_busy_s=self.h2d_busy_s, d2h_busy_s=self.d2h_busy_s, adam_s=self.adam_s,
-            tail_s=self.step_s - self.compute_end, copy_credit=tuple(self.copy_credit.tolist()))
+            tail_s=self.step_s - self.compute_end, copy_credit=tuple(self.copy_credit.tolist()),
+            device_adam_s=self.device_adam_s)
 
 
 def seconds_each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
@@ -199,7 +241,8 @@ def simulate_reference(program: Program, hw: HardwareModel, record: list | None 
     ``"stall"``: event index; ``"h2d"``, ``"d2h"``, ``"adam"``: copy index), for a timeline of the step
     (offload/tools/timeline.py). The result does not depend on it.
     """
-    n = len(program.compute_s)
+    compute_s, device_tail, device_adam = with_device_adam(program, hw)
+    n = len(compute_s)
     h2d_solo = [hw.h2d_seconds(x) for x in program.h2d_bytes]
     h2d_done = [0.0] * len(h2d_solo)
     h2d_dur = [0.0] * len(h2d_solo)
@@ -271,10 +314,10 @@ def simulate_reference(program: Program, hw: HardwareModel, record: list | None 
         if record is not None:
             if t > reached:
                 record.append(("stall", i, reached, t))
-            record.append(("compute", i, t, t + program.compute_s[i]))
+            record.append(("compute", i, t, t + compute_s[i]))
         for k in d2h_by_event.get(i, ()):
             issue_d2h(k, t)
-        t += program.compute_s[i]
+        t += compute_s[i]
     compute_end = t
     for k in d2h_by_event.get(n, ()):
         issue_d2h(k, t)
@@ -282,12 +325,15 @@ def simulate_reference(program: Program, hw: HardwareModel, record: list | None 
         cpu_free = max(cpu_free, ready, compute_end) + adam
         if record is not None:
             record.append(("adam", k, cpu_free - adam, cpu_free))
-    step = max(compute_end, h2d_free, d2h_free, cpu_free)
+    if device_tail:  # (not recorded: a timeline's compute spans are per event)
+        step = max(compute_end + device_tail, max(compute_end, h2d_free, d2h_free, cpu_free))
+    else:
+        step = max(compute_end, h2d_free, d2h_free, cpu_free)
     return SimResult(
-        step_s=step, compute_s=sum(program.compute_s), stall_s=sum(stall), stall_per_event=tuple(stall),
+        step_s=step, compute_s=sum(compute_s) + device_tail if device_tail else sum(compute_s), stall_s=sum(stall), stall_per_event=tuple(stall),
         h2d_bytes=sum(program.h2d_bytes), d2h_bytes=sum(program.d2h_bytes), h2d_busy_s=h2d_busy,
         d2h_busy_s=d2h_busy, adam_s=adam_total, tail_s=step - compute_end,
-        copy_credit=_credit(h2d_dur, period_of, stall_at))
+        copy_credit=_credit(h2d_dur, period_of, stall_at), device_adam_s=device_adam)
 
 
 def _credit(dur: Sequence[float], period_of: Sequence[int], stall_at: Sequence[float]) -> tuple[float, ...]:

@@ -14,6 +14,9 @@ and buckets; they are not measurements of those systems. What each one simplifie
 * ``gemini-cpu``: ColossalAI Gemini with host placement: chunks (here: this engine's buckets) are fetched
   synchronously when needed and evicted, when the budget is full, by the farthest next use (OPT); CPU Adam
   after backward; every updated chunk is fetched again next step.
+* ``twin-flow``: DeepSpeed ZeRO-Offload++ Twin-Flow (``offload_optimizer.ratio``): ZeRO-Offload with a fixed
+  share of the optimizer (fp32 master, m, v) kept and updated on the GPU, the rest on the host. Users tune
+  the ratio, so the policy is the best of a sweep (see :func:`twin_flow`).
 * ``double-buffer``: MegaTrain-style one-layer double buffering: everything streamed, each bucket's copy
   issued when the previous bucket starts being used, CPU Adam overlapped with backward as here.
 * ``greedy``: this engine's scheduler (:func:`offload.planning.schedule.build_plan`).
@@ -23,13 +26,14 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import BudgetTooSmallError
 from ..planning.arena import Interval, plan_arena
 from ..planning.buckets import Bucket, ParamSpec, locate, make_buckets
 from ..planning.hw import HardwareModel
 from ..planning.intervals import grad_intervals, grad_issue, need_intervals, with_prefetch
+from ..planning.placement import state_nbytes
 from ..planning.plan import ARENA_ALIGN, align
 from ..planning.schedule import build_plan
 from ..planning.simulate import STEP_START, Program, SimResult, simulate
@@ -63,6 +67,8 @@ class PolicyResult:
     sim: SimResult | None  # None when the policy cannot run at all in this budget
     peak_bytes: int
     fits: bool  # peak_bytes <= budget
+    ratio: float | None = None  # twin-flow: the GPU share of the optimizer it settled on
+    plan: Any = None  # greedy: its Plan
 
     @property
     def step_s(self) -> float | None:
@@ -84,9 +90,11 @@ def _param_specs(buckets: Sequence[Bucket]) -> tuple[list[ParamSpec], list[int]]
 
 
 def _lanes(case: Case, units: Sequence[Bucket], streamed: dict[int, list], resident: Sequence[int],
-           refresh: set[int], adam_after_backward: bool) -> Program:
+           refresh: set[int], adam_after_backward: bool, on_device: frozenset = frozenset()) -> Program:
     """A program whose copies are per ``unit`` (buckets of some packing of the same parameters) and whose
-    grads go to the host per bucket of ``case.buckets`` at this engine's points."""
+    grads go to the host per bucket of ``case.buckets`` at this engine's points, except the buckets
+    ``on_device``: their optimizer runs on the device after backward (no grad copy, no CPU AdamW; their
+    units are not in ``refresh``)."""
     trace = case.trace
     n = len(trace.events)
     unit_of = locate(units)[0]
@@ -110,12 +118,16 @@ def _lanes(case: Case, units: Sequence[Bucket], streamed: dict[int, list], resid
         waits.append(tuple(w))
     bucket_of = locate(case.buckets)[0]
     issue = grad_issue(trace, case.buckets, bucket_of)
-    d2h = sorted((e, b) for b, e in issue.items())
+    d2h = sorted((e, b) for b, e in issue.items() if b not in on_device)
+    device_adam = ()
+    if on_device:
+        device_adam = (0,) * n + (sum(case.buckets[b].trainable_numel for b in on_device),)
     return Program(
         compute_s=case.compute_s, h2d_event=tuple(events), h2d_bucket=tuple(owners), h2d_bytes=tuple(nbytes),
         waits=tuple(waits), d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
         d2h_bytes=tuple(case.buckets[b].grad_nbytes(case.itemsize) for _, b in d2h),
-        adam_numel=tuple(case.buckets[b].trainable_numel for _, b in d2h), adam_after_backward=adam_after_backward)
+        adam_numel=tuple(case.buckets[b].trainable_numel for _, b in d2h), adam_after_backward=adam_after_backward,
+        device_adam_numel=device_adam)
 
 
 def _peak(case: Case, units, streamed, resident, grads_too: bool = True) -> int:
@@ -154,6 +166,52 @@ def zero_offload(case: Case) -> PolicyResult:
     resident = range(len(units))
     program = _lanes(case, units, {}, resident, _updated(case, units), adam_after_backward=True)
     return _result("zero-offload", case, program, _peak(case, units, {}, resident))
+
+
+TWIN_FLOW_RATIOS = tuple(k / 20 for k in range(21))  # the sweep: GPU share of the optimizer, 0 to 1 by 0.05
+
+
+def twin_flow(case: Case, ratios: Sequence[float] = TWIN_FLOW_RATIOS) -> PolicyResult:
+    """ZeRO-Offload (:func:`zero_offload`) with the optimizer of a ``ratio`` share of the trainable
+    parameters on the GPU: those buckets keep fp32 master, m and v on the device (their state bytes, as
+    this engine counts them, :func:`offload.planning.placement.state_nbytes`), send no grads to the host,
+    get no CPU AdamW and no copy back; their update runs on the GPU after backward, beside the CPU AdamW
+    of the rest (DeepSpeed's ``step()``). The share is whole buckets, taken from the first layers or from
+    the last ones (both tried: which sub-groups DeepSpeed keeps is not modelled, so the better side is
+    taken). The result is the fastest (ratio, side) that fits the budget, or ratio 0 (ZeRO-Offload, not
+    fitting) where none fits."""
+    units = case.buckets
+    resident = range(len(units))
+    updated = _updated(case, units)
+    base_peak = _peak(case, units, {}, resident)
+    trainable = [b for b in range(len(units)) if b in updated and units[b].trainable_numel]
+    total = sum(units[b].trainable_numel for b in trainable)
+    best: PolicyResult | None = None
+    fallback: PolicyResult | None = None
+    tried: set[frozenset] = set()
+    for ratio in (0.0, *ratios):  # ratio 0 (ZeRO-Offload) always: the answer where no ratio fits
+        for order in (trainable, trainable[::-1]):
+            share, numel = [], 0
+            for b in order:
+                if numel >= ratio * total:
+                    break
+                share.append(b)
+                numel += units[b].trainable_numel
+            on_device = frozenset(share)
+            if on_device in tried:
+                continue
+            tried.add(on_device)
+            peak = base_peak + sum(align(state_nbytes(units[b], case.itemsize)) for b in on_device)
+            program = _lanes(case, units, {}, resident, updated - on_device, adam_after_backward=True,
+                             on_device=on_device)
+            r = PolicyResult("twin-flow", simulate(program, case.hw), peak, peak <= case.budget_bytes,
+                             ratio=numel / total if total else 0.0)
+            if not on_device:
+                fallback = r
+            if (r.fits and (ratio in ratios or not on_device)
+                    and (best is None or r.step_s < best.step_s)):
+                best = r
+    return best if best is not None else fallback
 
 
 def zero3_offload(case: Case) -> PolicyResult:
@@ -230,16 +288,19 @@ def double_buffer(case: Case) -> PolicyResult:
     return _result("double-buffer", case, program, _peak(case, units, needs, ()))
 
 
-def greedy(case: Case) -> PolicyResult:
+def greedy(case: Case, device_optimizer: bool = True) -> PolicyResult:
+    """This engine's planner, with device optimizer state allowed (issue 18; the runtime cannot execute
+    such plans yet: ``device_optimizer=False`` is what it runs today)."""
     try:
         plan = build_plan(case.trace, case.buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
-                          fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s)
+                          fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s,
+                          device_optimizer=device_optimizer)
     except BudgetTooSmallError as e:
         return PolicyResult("greedy", None, e.min_budget_bytes, False)
-    return PolicyResult("greedy", plan.simulated, plan.peak_bytes, True)
+    return PolicyResult("greedy", plan.simulated, plan.peak_bytes, True, plan=plan)
 
 
 POLICIES: dict[str, Callable[[Case], PolicyResult]] = {
-    "greedy": greedy, "zero-offload": zero_offload, "zero3-offload": zero3_offload, "gemini-cpu": gemini_cpu,
-    "double-buffer": double_buffer,
+    "greedy": greedy, "zero-offload": zero_offload, "twin-flow": twin_flow, "zero3-offload": zero3_offload,
+    "gemini-cpu": gemini_cpu, "double-buffer": double_buffer,
 }

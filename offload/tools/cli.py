@@ -260,7 +260,16 @@ def _render(report, console: Console) -> None:
             f"{report.predicted_step_s:.3f} s, {report.tokens_per_s:,.0f} tokens/s, bound: {report.bound} "
             f"(compute {lanes['compute']:.3f} s, H2D {lanes['h2d']:.3f} s, D2H {lanes['d2h']:.3f} s, "
             f"CPU AdamW {lanes['cpu_adam']:.3f} s, stall {lanes['stall']:.3f} s; physical lower bound "
-            f"{report.bound_s:.3f} s)")
+            f"{report.bound_s:.3f} s with every update on the CPU, {report.bound_placement_s:.3f} s over every "
+            "placement that fits, optimizer state on the device included)")
+        dev = report.device_optimizer_plan
+        if dev is not None:
+            tiers = dev["placement_bytes"]
+            console.print(
+                f"[bold]with optimizer state on the device[/bold] (planner only; the runtime cannot run it yet): "
+                f"{dev['predicted_step_s']:.3f} s; weights streamed {format_bytes(tiers['streamed'])}, resident "
+                f"{format_bytes(tiers['resident'])}, with device optimizer {format_bytes(tiers['device-optimizer'])} "
+                f"(+ {format_bytes(tiers['device_optimizer_state'])} of fp32 master, m, v)")
     ckpt = report.checkpointed_activation_bytes
     if ckpt is not None:
         console.print(f'activations with every block checkpointed (estimate, the engine\'s rule for '

@@ -28,6 +28,7 @@ from ..errors import BudgetTooSmallError, InvariantError, ReportError
 from ..host.state import HOST_RAM_HEADROOM
 from ..planning.activations import ActivationProfile, activation_bytes, choose_checkpoints
 from ..planning.buckets import host_layout, make_buckets
+from ..planning.placement import placement_bound, placement_bytes
 from ..planning.plan import BufferKind, Plan, align
 from ..planning.schedule import build_plan, forward_min_budget, plan_bound
 from .baselines import Case, gemini_cpu, zero3_offload, zero_offload
@@ -86,9 +87,14 @@ class Report:
     lanes_s: dict[str, float] = field(default_factory=dict)
     bound: str | None = None
     bound_s: float | None = None  # the physical lower bound of a step with this trace, buckets, budget
+    # the same over every placement that fits (optimizer state on the device too: [Note: the placement bound])
+    bound_placement_s: float | None = None
     activations_source: str = "meta trace"  # or "analytic estimate (...)" where the model cannot run on meta
     compute_s: tuple[float, ...] = ()  # per trace event: the estimated compute seconds the plan was simulated with
     module_names: tuple[str, ...] = ()  # model.named_modules() order: the trace's module keys (for timelines)
+    # the planner's plan with optimizer state allowed on the device (issue 18): predicted step and bytes per
+    # placement tier. The runtime cannot execute such a plan yet; ``plan`` is what it runs
+    device_optimizer_plan: dict | None = None
 
     @property
     def checkpointed_activation_bytes(self) -> int | None:
@@ -130,6 +136,8 @@ class Report:
             "plan": summary if self.fits else None,
             "predicted_step_s": self.predicted_step_s, "tokens_per_s": self.tokens_per_s,
             "bound": self.bound if self.fits else None, "bound_s": self.bound_s if self.fits else None,
+            "bound_placement_s": self.bound_placement_s if self.fits else None,
+            "device_optimizer_plan": self.device_optimizer_plan if self.fits else None,
             "lanes_s": dict(self.lanes_s) if self.fits else None,
             "checkpointed_activation_bytes": self.checkpointed_activation_bytes,
             "fixes": [f.to_json() for f in self.fixes],
@@ -172,6 +180,13 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
                       fixed_bytes=fixed, hw=request.hw, compute_s=compute)  # (at min_budget it always fits)
     weights_side = min_budget - mt.trace.activation_peak_bytes
     overflow = None if fits else ("weights" if weights_side > request.budget_bytes else "activations")
+    device_plan = None
+    if fits:  # where the budget leaves room, optimizer state on the device (planner only, issue 18)
+        dev = build_plan(mt.trace, buckets, itemsize=itemsize, budget_bytes=request.budget_bytes, fixed_bytes=fixed,
+                         hw=request.hw, compute_s=compute, device_optimizer=True)
+        device_plan = {"predicted_step_s": dev.simulated.step_s, "device_optimizer_buckets": len(dev.device_optimizer),
+                       "placement_bytes": placement_bytes(dev.buckets, itemsize, dev.placement),
+                       "runtime": "not executable yet (issue 18): the runtime runs `plan`"}
     acts = None
     if overflow == "activations":  # what per-block checkpointing would save: one more forward, per block
         progress("counting activations per block")
@@ -195,8 +210,11 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         overflow=overflow, plan=plan, activations=acts, fixes=fixes,
         baselines=_baselines(case, params), lanes_s=lanes, bound=bound,
         bound_s=plan_bound(plan, request.hw, compute).seconds,
+        bound_placement_s=placement_bound(mt.trace, buckets, itemsize, plan.capacity_bytes, sum(compute),
+                                          request.hw).seconds,
         activations_source="meta trace" if analytic is None else f"analytic estimate ({analytic.describe()})",
-        compute_s=tuple(compute), module_names=tuple(name for name, _ in model.named_modules()))
+        compute_s=tuple(compute), module_names=tuple(name for name, _ in model.named_modules()),
+        device_optimizer_plan=device_plan)
 
 
 def _trace(model: nn.Module, run, request: Request) -> MetaTrace:

@@ -48,3 +48,25 @@ def test_policies_run_and_keep_their_promises(small):
         assert results["greedy"].step_s <= results["double-buffer"].step_s * (1 + 1e-9)
     # Gemini evicts to stay inside the budget (its chunks hold their own grads)
     assert results["gemini-cpu"].peak_bytes <= case.budget_bytes + max(b.nbytes(2) for b in buckets)
+
+
+def test_schedule_sim_goal_summary():
+    """benchmarks/schedule_sim.py's goal table: medians of baseline / greedy over the cases greedy fits,
+    greedy over the placement bound, and every case where greedy is slower than a baseline that fits."""
+    from schedule_sim import summarise
+
+    def rows(budget, greedy, zo, zo_fits, bound):
+        base = {"model": "m", "hw": "h", "budget_bytes": budget, "bound_placement_s": bound,
+                "bound_placement_causal_s": bound}
+        return [{**base, "policy": "greedy", "step_s": greedy, "fits": greedy is not None},
+                {**base, "policy": "zero-offload", "step_s": zo, "fits": zo_fits}]
+
+    cases = rows(1, 1.0, 2.0, True, 0.5) + rows(2, 1.0, 1.0, False, 1.0) + rows(3, 2.0, 1.0, True, 4 / 3)
+    cases += rows(4, None, 1.0, True, 1.0)  # greedy does not fit: not counted
+    goals = summarise(cases)
+    assert goals["zero-offload"]["median_speedup"] == 1.0 and goals["zero-offload"]["cases"] == 3
+    assert goals["zero-offload"]["median_speedup_where_it_fits"] == pytest.approx(1.25)
+    assert goals["zero-offload"]["holds"] is False
+    assert goals["bound_placement"]["median_greedy_over_bound"] == 1.5 and goals["bound_placement"]["max"] == 2.0
+    slower = goals["never_slower_than_a_fitting_baseline"]
+    assert not slower["holds"] and [v["case"][2] for v in slower["violations"]] == [3]

@@ -416,3 +416,20 @@ def test_analytic_estimate_in_the_cli_text(item_gpt):
              cwd=item_gpt)
     assert r.returncode == 0, r.stderr
     assert "activations: analytic estimate" in " ".join(r.stdout.split())
+
+
+def test_placement_bound_and_the_device_optimizer_plan(factories, monkeypatch):
+    """Issue 18: the report gives the bound over every placement beside today's, and what the planner would
+    do with optimizer state on the device (a plan the runtime does not run yet), with its bytes per tier."""
+    monkeypatch.syspath_prepend(str(factories))
+    roomy = make_report(_request("256MiB", 2, 64))
+    data = roomy.to_json()
+    assert roomy.fits and data["bound_placement_s"] <= data["bound_s"] * (1 + 1e-12)
+    dev = data["device_optimizer_plan"]
+    assert dev["predicted_step_s"] <= data["predicted_step_s"] * (1 + 1e-9)
+    assert dev["predicted_step_s"] >= data["bound_placement_s"] * (1 - 1e-9)
+    tiers = dev["placement_bytes"]
+    assert tiers["streamed"] + tiers["resident"] + tiers["device-optimizer"] == sum(
+        b.nbytes(roomy.plan.itemsize) for b in roomy.plan.buckets)
+    assert dev["device_optimizer_buckets"] > 0 and tiers["device_optimizer_state"] > 0  # room for state: used
+    assert not roomy.plan.device_optimizer  # the plan the runtime gets has none

@@ -1,0 +1,294 @@
+"""Placements (issue 18): the placement-aware bound is a true lower bound of every placement's simulated
+step, equals the all-on-the-CPU bound when nothing fits on the device, and shrinks as the budget grows; the
+simulator's device AdamW lane."""
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from offload import BudgetTooSmallError
+from offload.errors import InvariantError
+from offload.planning.device_optimizer import restrict
+from offload.planning.greedy import Greedy, compute_times
+from offload.planning.hw import PRESETS, HardwareModel, latency_curve
+from offload.planning.placement import Placement, placement_bound, placement_bytes, state_nbytes
+from offload.planning.schedule import (
+    BufferKind,
+    build_plan,
+    least_traffic,
+    plan_bound,
+    program_of,
+    validate_plan,
+)
+from offload.planning.simulate import Program, physical_bound, simulate, simulate_reference
+from offload.tools.baselines import Case, twin_flow, zero_offload
+
+from .test_greedy_kernel import _C, _compare
+from .test_schedule import _chain_trace, _compute, machines, traces
+
+
+def _hw(bw=1000.0, adam=100.0, device_adam=1000.0):
+    curve = ((1, bw), (10**9, bw))  # flat: a copy of n bytes takes n / bw seconds
+    return HardwareModel("test", curve, curve, duplex_factor=1.0, adam_params_per_s=adam, host_bytes_per_s=1e9,
+                         device_flops_per_s=1e12, device_bytes_per_s=1e11, device_adam_params_per_s=device_adam)
+
+
+def test_presets_model_the_device_adamw_from_memory_bandwidth():
+    for hw in PRESETS.values():
+        assert hw.device_adam_rate == pytest.approx(hw.device_bytes_per_s / 28)
+        assert "modelled" in hw.notes and not hw.measured
+    # a probe file written before the field existed still loads, and derives the rate
+    d = PRESETS["pcie4"].to_dict()
+    del d["device_adam_params_per_s"]
+    assert HardwareModel.from_dict(d).device_adam_rate == pytest.approx(1.5e12 / 28)
+
+
+def test_bound_by_hand():
+    """A chain of 10 buckets of 100 fp32 elements (400 B each; 8 B/param of state: 1200 B per device bucket).
+    compute 1 s; each bucket: H2D and D2H 0.4 s (1000 B/s), CPU AdamW 1 s (100/s), device AdamW 0.1 s.
+    All on the CPU: 10 s of CPU AdamW. With k buckets on the device: max(1 + 0.1 k, 4 - 0.4 k, 10 - k), least
+    where 1 + 0.1 k = 10 - k: k = 9/1.1, 1.818... s; that needs 9/1.1 * 1200 B of capacity."""
+    trace, buckets = _chain_trace(10, 100)
+    hw = _hw()
+    compute = 1.0
+    nothing = placement_bound(trace, buckets, 4, 0, compute, hw)
+    assert nothing.limit == "cpu_adam" and nothing.seconds == pytest.approx(10.0)
+    k = 9 / 1.1
+    best = placement_bound(trace, buckets, 4, 10**9, compute, hw)
+    assert best.seconds == pytest.approx(1 + 0.1 * k) and best.parts["device_bytes"] == pytest.approx(k * 1200)
+    half = placement_bound(trace, buckets, 4, 3 * 1200, compute, hw)  # room for 3 buckets
+    assert half.seconds == pytest.approx(7.0) and half.limit == "cpu_adam"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_bound_without_room_is_the_cpu_bound_and_more_room_never_raises_it(case, hw, data):
+    trace, buckets = case
+    compute = sum(_compute(data.draw, trace))
+    least = least_traffic(trace, buckets, 4, 0)
+    cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
+    assert placement_bound(trace, buckets, 4, 0, compute, hw).seconds == pytest.approx(cpu.seconds, rel=1e-12)
+    caps = sorted(data.draw(st.lists(st.integers(0, 60000), min_size=2, max_size=4)))
+    got = [placement_bound(trace, buckets, 4, c, compute, hw).seconds for c in caps]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(got, got[1:]))
+    # and it never exceeds today's bound at the same capacity
+    least = least_traffic(trace, buckets, 4, caps[-1])
+    cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
+    assert got[-1] <= cpu.seconds * (1 + 1e-12)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_bound_is_below_the_greedy_plan(case, hw, data):
+    trace, buckets = case
+    compute = _compute(data.draw, trace)
+    budget = data.draw(st.integers(0, 60000))
+    try:
+        plan = build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute)
+    except BudgetTooSmallError as e:
+        plan = build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
+                          compute_s=compute)
+    bound = placement_bound(trace, buckets, 4, plan.capacity_bytes, sum(compute), hw)
+    assert plan.simulated.step_s >= bound.seconds * (1 - 1e-9)
+    assert bound.seconds <= plan_bound(plan, hw, compute).seconds * (1 + 1e-12)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_bound_is_below_every_twin_flow_ratio_that_fits(case, hw, data):
+    """Twin-Flow plans put optimizer state on the device: the bound must hold for them too."""
+    trace, buckets = case
+    compute = tuple(_compute(data.draw, trace))
+    params = sum(b.nbytes(4) for b in buckets)
+    budget = data.draw(st.integers(0, 4 * params + 20000))
+    c = Case(trace, tuple(buckets), 4, hw, compute, budget)
+    for ratio in (0.0, 0.3, 0.7, 1.0):
+        r = twin_flow(c, ratios=(ratio,))
+        if r.fits:
+            bound = placement_bound(trace, buckets, 4, budget - c.extra, sum(compute), hw)
+            assert r.step_s >= bound.seconds * (1 - 1e-9)
+
+
+# --- the simulator's device AdamW lane -------------------------------------------------------------------
+
+
+def _program(**kw):
+    base = dict(compute_s=(1.0, 1.0, 1.0), h2d_event=(), h2d_bucket=(), h2d_bytes=(), waits=((), (), ()),
+                d2h_event=(), d2h_bucket=(), d2h_bytes=(), adam_numel=())
+    base.update(kw)
+    return Program(**base)
+
+
+def test_device_adamw_runs_on_the_compute_lane():
+    hw = _hw(device_adam=100.0)
+    # 50 params at event 1 (0.5 s, delays event 2), 200 after backward (2 s, beside a 1 s CPU AdamW)
+    p = _program(device_adam_numel=(0, 50, 0, 200), d2h_event=(3,), d2h_bucket=(0,), d2h_bytes=(0,),
+                 adam_numel=(100,))
+    for sim in (simulate, simulate_reference):
+        r = sim(p, hw)
+        assert r.device_adam_s == pytest.approx(2.5)
+        assert r.compute_s == pytest.approx(5.5)
+        assert r.step_s == pytest.approx(3.5 + 2.0)  # compute ends at 3.5; the tail 2 s outlasts the CPU's 1 s
+        assert r.adam_s == pytest.approx(1.0)
+    assert simulate(p, hw) == simulate_reference(p, hw)
+    with pytest.raises(ValueError, match="events \\+ 1"):
+        simulate(_program(device_adam_numel=(1, 2, 3)), hw)
+
+
+# --- Twin-Flow -------------------------------------------------------------------------------------------
+
+
+def test_twin_flow_sweep():
+    """Ratio 0 is ZeRO-Offload; the sweep's best is never slower than it; the device share costs its
+    optimizer state in device memory; with no room for state it falls back to ratio 0."""
+    trace, buckets = _chain_trace(10, 100)
+    hw = _hw()
+    compute = tuple(0.1 for _ in trace.events)
+    zo = zero_offload(Case(trace, buckets, 4, hw, compute, 10**9))
+    state = -(-state_nbytes(buckets[0], 4) // 256) * 256  # each bucket's state, arena-aligned
+    roomy = Case(trace, buckets, 4, hw, compute, zo.peak_bytes + 10 * state)
+    zero = twin_flow(roomy, ratios=(0.0,))
+    assert zero.step_s == zo.step_s and zero.ratio == 0.0 and zero.peak_bytes == zo.peak_bytes
+    best = twin_flow(roomy)
+    assert best.fits and 0 < best.ratio <= 1 and best.step_s < zo.step_s
+    assert best.peak_bytes == zo.peak_bytes + round(best.ratio * 10) * state
+    # a larger ratio's state must fit: with room for 3 buckets' state, at most 3 go to the device
+    tight = twin_flow(Case(trace, buckets, 4, hw, compute, zo.peak_bytes + 3 * state))
+    assert tight.fits and tight.ratio <= 0.3 + 1e-12 and tight.step_s >= best.step_s
+    none = twin_flow(Case(trace, buckets, 4, hw, compute, zo.peak_bytes - 1))
+    assert not none.fits and none.ratio == 0.0
+
+
+# --- device-optimizer placements in the planner ------------------------------------------------------------
+
+
+def _plan(trace, buckets, budget, hw, compute, device_optimizer=True):
+    try:
+        return build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute,
+                          device_optimizer=device_optimizer)
+    except BudgetTooSmallError as e:
+        return build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
+                          compute_s=compute, device_optimizer=device_optimizer)
+
+
+def _check_device_placement(plan, hw, compute):
+    """What a plan with device-optimizer buckets promises: valid (every bucket resident when used, no two
+    live buffers overlap, peak within the budget, placements agree with the buffers); each device bucket
+    resident with a whole-step STATE buffer in the arena; the simulated step is the plan's own program's;
+    device buckets have no copy, no grad copy and no CPU AdamW there, and their device AdamW is counted."""
+    validate_plan(plan)
+    assert plan.peak_bytes <= plan.budget_bytes
+    n = len(plan.trace.events)
+    device = set(plan.device_optimizer)
+    for b in device:
+        assert plan.placement_of(b) is Placement.DEVICE_OPTIMIZER and b in plan.resident
+        x = plan.buffers[plan.state_buffer[b]]
+        assert x.kind is BufferKind.STATE and (x.start, x.end) == (0, n)
+        assert x.size == state_nbytes(plan.buckets[b], 4)
+        assert plan.resident_buffer[b] is not None
+        assert not any(plan.buffers[k].bucket == b for act in plan.actions for k in act.prefetch)
+    for b in set(range(len(plan.buckets))) - device:
+        assert plan.state_buffer[b] is None
+    program = program_of(plan, compute)
+    assert not device & set(program.h2d_bucket) and not device & set(program.d2h_bucket)
+    assert sum(program.device_adam_numel) == sum(plan.buckets[b].trainable_numel for b in device)
+    again = simulate(program, hw)
+    assert again.step_s == pytest.approx(plan.simulated.step_s, rel=1e-9, abs=1e-15)
+    assert again.device_adam_s == pytest.approx(plan.simulated.device_adam_s, rel=1e-9, abs=1e-15)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, data):
+    trace, buckets = case
+    compute = _compute(data.draw, trace)
+    if data.draw(st.booleans()):  # a slow CPU: where device optimizer state pays
+        hw = hw.with_(adam_params_per_s=data.draw(st.floats(1e2, 1e5)))
+    params = sum(b.nbytes(4) for b in buckets)
+    least = _plan(trace, buckets, 0, hw, compute, device_optimizer=False).budget_bytes
+    budget = least + data.draw(st.integers(0, 5 * params + 20000))
+    plan = _plan(trace, buckets, budget, hw, compute)
+    _check_device_placement(plan, hw, compute)
+    # the search includes today's plan (no device state): never slower than it at the same budget
+    today = _plan(trace, buckets, plan.budget_bytes, hw, compute, device_optimizer=False)
+    assert not today.device_optimizer
+    assert plan.simulated.step_s <= today.simulated.step_s * (1 + 1e-9) + 1e-15
+    # both placement bounds hold for it
+    forward = sum(compute[:trace.num_forward])
+    for fwd in (0.0, forward):
+        bound = placement_bound(trace, buckets, 4, plan.capacity_bytes, sum(compute), hw, forward_s=fwd)
+        assert plan.simulated.step_s >= bound.seconds * (1 - 1e-9)
+
+
+def _cpu_bound_chain(n=12, numel=1000):
+    trace, buckets = _chain_trace(n, numel)
+    hw = _hw(bw=1e6, adam=1e4, device_adam=1e7)  # CPU AdamW 0.1 s per bucket; copies 4 ms; device AdamW 0.1 ms
+    compute = [1e-3] * len(trace.events)
+    return trace, buckets, hw, compute
+
+
+def test_where_the_cpu_adamw_is_the_wall_the_first_layers_keep_their_optimizer_on_the_device():
+    trace, buckets, hw, compute = _cpu_bound_chain()
+    budget = 10**7
+    plan = _plan(trace, buckets, budget, hw, compute)
+    _check_device_placement(plan, hw, compute)
+    today = _plan(trace, buckets, budget, hw, compute, device_optimizer=False)
+    assert len(plan.device_optimizer) == len(buckets)  # room for all: every update leaves the CPU
+    assert plan.simulated.adam_s == 0 and plan.simulated.step_s < today.simulated.step_s / 10
+    # room for a third of them (weights 4 kB + state 8 kB, aligned, per bucket; plus the grad slot and the
+    # streamed ones): it takes the first layers, whose grads complete last
+    streamed = _plan(trace, buckets, 0, hw, compute, device_optimizer=False)
+    small = _plan(trace, buckets, streamed.peak_bytes + 4 * 12288, hw, compute)
+    _check_device_placement(small, hw, compute)
+    assert 0 < len(small.device_optimizer) <= 4 and 0 in small.device_optimizer
+    assert set(small.device_optimizer) == set(range(len(small.device_optimizer)))
+    assert small.simulated.step_s < _plan(trace, buckets, small.budget_bytes, hw, compute,
+                                          device_optimizer=False).simulated.step_s
+
+
+def test_device_optimizer_is_off_by_default_and_validate_plan_checks_placements():
+    trace, buckets, hw, compute = _cpu_bound_chain()
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0, hw=hw, compute_s=compute)
+    assert not plan.device_optimizer and not any(x.kind is BufferKind.STATE for x in plan.buffers)
+    assert set(plan.placement) == {Placement.RESIDENT}
+    validate_plan(plan)
+    # a placement the buffers do not back is refused
+    lie = dataclasses.replace(plan, placement=(Placement.DEVICE_OPTIMIZER,) + plan.placement[1:])
+    with pytest.raises(InvariantError, match="state buffer"):
+        validate_plan(lie)
+    lie = dataclasses.replace(plan, placement=(Placement.STREAMED,) + plan.placement[1:])
+    with pytest.raises(InvariantError, match="resident"):
+        validate_plan(lie)
+    dev = build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0, hw=hw, compute_s=compute,
+                     device_optimizer=True)
+    k = dev.state_buffer[0]
+    short = dataclasses.replace(dev, buffers=dev.buffers[:k] + (dataclasses.replace(dev.buffers[k], end=1),)
+                                + dev.buffers[k + 1:])
+    with pytest.raises(InvariantError, match="whole step"):
+        validate_plan(short)
+
+
+def test_placement_bytes_per_tier():
+    trace, buckets, hw, compute = _cpu_bound_chain()
+    plan = _plan(trace, buckets, 10**7, hw, compute)
+    tiers = placement_bytes(plan.buckets, 4, plan.placement)
+    assert tiers["device-optimizer"] == 12 * 4000 and tiers["device_optimizer_state"] == 12 * 8000
+    assert tiers["streamed"] == tiers["resident"] == 0
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_restricted_greedy_cpp_equals_its_python_loop(case, hw, data):
+    """The greedy's inputs with device-optimizer buckets taken out (device_optimizer.restrict): the C++ move
+    sequence and the Python loop agree point for point, bit for bit, as they do without them."""
+    if _C is None:
+        pytest.skip("needs the built extension (offload._C)")
+    trace, buckets = case
+    compute = compute_times(trace, _compute(data.draw, trace))
+    g = Greedy.of(trace, buckets, 4, hw, compute)
+    updated = sorted(g.inputs.grad_issue)
+    device = data.draw(st.lists(st.sampled_from(updated), unique=True) if updated else st.just([]))
+    x = restrict(g.inputs, device, buckets, 4)
+    _compare(Greedy(x), data.draw(st.integers(0, 60000)))
