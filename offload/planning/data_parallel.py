@@ -1,6 +1,6 @@
 """Data parallelism in the cost model (pure, issue 20): the step of one rank of ``N`` when the optimizer
-state is partitioned across ranks ZeRO-Offload style, simulated on the lanes of ``simulate.py`` plus two
-collective lanes, and the host memory that partitioning leaves each rank.
+state is partitioned across ranks ZeRO-Offload style, simulated on the lanes of ``simulate.py`` plus a
+collective lane, and the host memory that partitioning leaves each rank.
 
 [Note: the data-parallel step]
 Every rank runs the same plan (its own device budget; the same trace on its own micro-batch), so one rank's
@@ -10,15 +10,20 @@ timeline stands for all (no stragglers). With ``G`` GPUs on each of ``M`` nodes,
   v and host grad. The 16-bit copy the device computes with is split ``1/G`` over the node's ranks (one
   copy per node: per node that is 2 B/param, against 14 B/param / M of optimizer state), see
   :func:`host_bytes_per_rank`.
+* **The collective lane.** One FIFO queue in issue order, beside compute and the copies: PyTorch's
+  ProcessGroupNCCL runs a group's collectives on one internal stream per device, so an all-gather and a
+  reduce-scatter of the same group never overlap, and a collective issued behind an all-gather whose
+  shard has not landed yet waits for it (head-of-line blocking; two groups would lift it, at the price of
+  sharing the links: not modelled).
 * **Backward.** When a bucket's last grad is produced (the single-GPU plan's grad-copy point), its grad
-  slot is reduce-scattered over all ranks on the *reduce-scatter lane* (FIFO in issue order, overlapped
-  with the rest of backward), then the rank's ``1/N`` shard goes to the host on the device-to-host lane,
+  slot is reduce-scattered over all ranks on the collective lane (overlapped with the rest of backward),
+  then the rank's ``1/N`` shard goes to the host on the device-to-host lane,
   and the CPU AdamW updates that shard. The ``G`` ranks of a node share its CPU: each rank's CPU lane runs
   at ``1/G`` of the node's AdamW throughput, so a node spends the same CPU time as one GPU on ``1/M`` of
   the model.
 * **Forward (and backward refetches).** Every host-to-device copy of the plan becomes a copy of a shard
-  plus an all-gather of the bucket on the *all-gather lane* (FIFO in issue order; it starts when the
-  shard has landed; compute waits for the all-gather, not the copy). A bucket's first copy in a step
+  plus an all-gather of the bucket on the collective lane (it starts when the shard has landed; compute
+  waits for the all-gather, not the copy). A bucket's first copy in a step
   after its update gathers the ``1/N`` shards over every rank (hierarchically: inter-node, then
   intra-node); with ``M > 1`` each rank then copies its node's ``1/G`` of the new 16-bit weights back to
   the host (device-to-host lane) when the bucket is copied again later in the step, so that later copies
@@ -53,7 +58,7 @@ from .trace import Trace
 @dataclass(frozen=True)
 class DataParallelResult:
     """One rank's simulated step: its lanes (``sim``: per-rank copy bytes, per-rank AdamW seconds) and the
-    collective lanes'."""
+    collective lane's (all-gather and reduce-scatter seconds apart)."""
 
     sim: SimResult
     world: int
@@ -77,8 +82,8 @@ def simulate_data_parallel(program: Program, hw: HardwareModel, cluster: Cluster
                            record: list | None = None) -> DataParallelResult:
     """One rank's step of ``program`` (a single-GPU lane program, e.g. ``schedule.program_of(plan)``) under
     [Note: the data-parallel step]: the lanes of :func:`~offload.planning.simulate.simulate_reference`
-    (the same arithmetic in the same order) with an all-gather lane after each host-to-device copy and a
-    reduce-scatter lane before each device-to-host copy. ``record`` gets ``(lane, index, start, end)`` as
+    (the same arithmetic in the same order) with a collective lane: an all-gather after each host-to-device
+    copy, a reduce-scatter before each device-to-host copy. ``record`` gets ``(lane, index, start, end)`` as
     the reference's does, with lanes ``"all_gather"``, ``"reduce_scatter"`` and ``"node_copy"`` added."""
     n_world, g, m = cluster.world, cluster.gpus_per_node, cluster.nodes
     cpu = hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g)
@@ -115,7 +120,7 @@ def simulate_data_parallel(program: Program, hw: HardwareModel, cluster: Cluster
     for k, e in enumerate(program.d2h_event):
         d2h_by_event.setdefault(e, []).append(k)
 
-    h2d_free = d2h_free = cpu_free = ag_free = rs_free = 0.0
+    h2d_free = d2h_free = cpu_free = coll_free = 0.0
     h2d_busy = d2h_busy = adam_total = ag_busy = rs_busy = 0.0
     period_start, period_len = 0, 0.0
     pending_adam: list[tuple[int, float, float]] = []
@@ -136,7 +141,7 @@ def simulate_data_parallel(program: Program, hw: HardwareModel, cluster: Cluster
         return start
 
     def issue_h2d(k: int, now: float) -> None:
-        nonlocal h2d_free, h2d_busy, period_start, period_len, ag_free, ag_busy
+        nonlocal h2d_free, h2d_busy, period_start, period_len, coll_free, ag_busy
         start = max(now, h2d_free)
         if start > h2d_free or k == 0:
             period_start, period_len = k, 0.0
@@ -150,28 +155,33 @@ def simulate_data_parallel(program: Program, hw: HardwareModel, cluster: Cluster
             record.append(("h2d", k, start, h2d_free))
         period_of[k] = period_start
         cum[k] = period_len
+        if n_world == 1:  # no collective: the copy is the bucket
+            ag_done[k] = h2d_done[k]
+            return
         # the bucket's all-gather: queued at issue, starts once this rank's shard has landed
-        a_start = max(now, ag_free, h2d_done[k])
+        a_start = max(now, coll_free, h2d_done[k])
         a_dur = collective(ag_solo[k], a_start)
-        ag_free = a_start + a_dur
-        ag_done[k] = ag_free
+        coll_free = a_start + a_dur
+        ag_done[k] = coll_free
         ag_busy += a_dur
-        if record is not None and n_world > 1:
-            record.append(("all_gather", k, a_start, ag_free))
+        if record is not None:
+            record.append(("all_gather", k, a_start, coll_free))
         if node_copy[k]:
             s = to_host(node_copy[k], ag_done[k])
             if record is not None:
                 record.append(("node_copy", k, s, d2h_free))
 
     def issue_d2h(k: int, now: float) -> None:
-        nonlocal cpu_free, adam_total, rs_free, rs_busy
-        r_start = max(now, rs_free)
-        r_dur = collective(rs_solo[k], r_start)
-        rs_free = r_start + r_dur
-        rs_busy += r_dur
-        if record is not None and n_world > 1:
-            record.append(("reduce_scatter", k, r_start, rs_free))
-        start = to_host(d2h_bytes[k], rs_free)
+        nonlocal cpu_free, adam_total, coll_free, rs_busy
+        ready = now
+        if n_world > 1:  # the grads' reduce-scatter first, behind the collectives issued before it
+            r_start = max(now, coll_free)
+            r_dur = collective(rs_solo[k], r_start)
+            coll_free = ready = r_start + r_dur
+            rs_busy += r_dur
+            if record is not None:
+                record.append(("reduce_scatter", k, r_start, coll_free))
+        start = to_host(d2h_bytes[k], ready)
         adam = cpu.adam_seconds(adam_numel[k])
         adam_total += adam
         if record is not None:
@@ -210,7 +220,7 @@ def simulate_data_parallel(program: Program, hw: HardwareModel, cluster: Cluster
         cpu_free = max(cpu_free, ready, compute_end) + adam
         if record is not None:
             record.append(("adam", k, cpu_free - adam, cpu_free))
-    step = max(compute_end, h2d_free, d2h_free, cpu_free, ag_free, rs_free)
+    step = max(compute_end, h2d_free, d2h_free, cpu_free, coll_free)
     sim = SimResult(
         step_s=step, compute_s=sum(program.compute_s), stall_s=sum(stall), stall_per_event=tuple(stall),
         h2d_bytes=sum(h2d_bytes), d2h_bytes=sum(d2h_bytes) + sum(node_copy), h2d_busy_s=h2d_busy,

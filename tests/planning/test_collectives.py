@@ -146,14 +146,18 @@ def test_two_nodes_gather_once_then_inside_the_node_by_hand():
 
 
 def test_a_collective_on_a_busy_pcie_link_is_slowed():
-    # the grads' reduce-scatter starts while a host-to-device copy runs: over NVLink it is not slowed, over
-    # PCIe (shares_host_link) it runs at the duplex factor
-    p = _program(h2d_event=(0,), h2d_bucket=(1,), h2d_bytes=(8000,), waits=((), (), ()),
-                 d2h_event=(0,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(0,))
-    fast = simulate_data_parallel(p, _hw(duplex=0.5), Cluster(2, 1, intra=Link("nv", 500.0, 0.0)))
-    slow = simulate_data_parallel(p, _hw(duplex=0.5), Cluster(2, 1, intra=Link("pcie", 500.0, 0.0, True)))
-    assert fast.reduce_scatter_busy_s == pytest.approx(1.0)
-    assert slow.reduce_scatter_busy_s == pytest.approx(2.0)
+    # grads of bucket 0 (8000 B) at event 0: reduce-scatter 0..1 s, their 4000 B shard to the host 1..5 s.
+    # Bucket 1 (200 B) copied at event 1: its 100 B shard (at half speed: the other direction is busy) 1..1.2 s, then
+    # its all-gather (1/2 x 200 / 4000 = 0.025 s alone) while the grads still copy: over NVLink not slowed,
+    # over PCIe (shares_host_link) at the duplex factor
+    p = _program(h2d_event=(1,), h2d_bucket=(1,), h2d_bytes=(200,), waits=((), (), (0,)),
+                 d2h_event=(0,), d2h_bucket=(0,), d2h_bytes=(8000,), adam_numel=(0,))
+    fast = simulate_data_parallel(p, _hw(duplex=0.5), Cluster(2, 1, intra=Link("nv", 4000.0, 0.0)))
+    slow = simulate_data_parallel(p, _hw(duplex=0.5), Cluster(2, 1, intra=Link("pcie", 4000.0, 0.0, True)))
+    assert fast.reduce_scatter_busy_s == pytest.approx(1.0) and slow.reduce_scatter_busy_s == pytest.approx(1.0)
+    assert fast.sim.h2d_busy_s == pytest.approx(0.2)
+    assert fast.all_gather_busy_s == pytest.approx(0.025)
+    assert slow.all_gather_busy_s == pytest.approx(0.05)
 
 
 # -- one rank is one GPU ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import scaling  # benchmarks/ is on sys.path (pyproject's pytest `pythonpath`)
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     path = tmp_path_factory.mktemp("scaling") / "scaling.json"
-    rc = scaling.main(["--models", "gpt2", "--hw", "pcie4", "--configs", "1,2,4/2", "--inter", "eth100,ib400",
+    rc = scaling.main(["--models", "gpt2:1:1024", "--hw", "pcie4", "--configs", "1,2,4/2", "--inter", "eth100,ib400",
                        "--json", str(path)])
     assert rc == 0
     return json.loads(path.read_text())
@@ -24,7 +24,7 @@ def test_labelled_simulated_with_presets_and_machine(result):
     assert "not measured" in result["hw"]["pcie4"]
     assert set(result["links"]) == {"nvlink3", "eth100", "ib400"}
     assert all(len(src) > 40 for src in result["links"].values())
-    assert result["machine"]["cpus"] and result["timings_s"]["trace gpt2"] > 0
+    assert result["machine"]["cpus"] and result["timings_s"]["trace gpt2 1x1024"] > 0
 
 
 def test_rows_agree_with_each_other(result):
