@@ -44,8 +44,9 @@ class MetaTrace:
         return sum(s.numel for s in self.specs)
 
 
-class SavedActivation:
-    """A saved activation; counted until autograd drops it (the runtime's accounting, keyed by storage)."""
+class CountedActivation:
+    """A saved activation on the meta device, counted in a :class:`SavedBytes` until autograd drops it (as
+    the runtime counts its own, ``runtime.accounting.SavedActivation``: once per storage)."""
 
     __slots__ = ("tensor", "key", "counter", "__weakref__")
 
@@ -152,10 +153,10 @@ def trace_meta(model: nn.Module, run: Callable[[nn.Module], torch.Tensor], hw: H
         p = storage_of.get(t.untyped_storage()._cdata) if t.device.type == "meta" else None
         if p is not None:
             return ("param", p, t)
-        return SavedActivation(t, counter)
+        return CountedActivation(t, counter)
 
     def unpack(saved):
-        if isinstance(saved, SavedActivation):
+        if isinstance(saved, CountedActivation):
             return saved.tensor
         _, p, t = saved
         rec.unpack(p, torch._C._current_autograd_node())

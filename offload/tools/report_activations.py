@@ -15,7 +15,7 @@ from ..planning.activations import ActivationProfile, profile_of
 from ..planning.buckets import ParamSpec
 from ..planning.trace import Event, EventKind, Trace
 from ..runtime.recompute import find_blocks
-from .metatrace import MetaTrace, SavedActivation, SavedBytes
+from .metatrace import CountedActivation, MetaTrace, SavedBytes
 from .report_model import Request
 
 
@@ -35,10 +35,10 @@ def measure_activations(model: nn.Module, run: Callable[[nn.Module], torch.Tenso
     handles, active, at = [], [], {}
 
     def pack(t):
-        return t if t.untyped_storage()._cdata in params else SavedActivation(t, counter)
+        return t if t.untyped_storage()._cdata in params else CountedActivation(t, counter)
 
     def unpack(x):
-        return x.tensor if isinstance(x, SavedActivation) else x
+        return x.tensor if isinstance(x, CountedActivation) else x
 
     def root_pre(module, args):
         ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
