@@ -17,26 +17,31 @@ timeline stands for all (no stragglers). With ``G`` GPUs on each of ``M`` nodes,
   sharing the links: not modelled).
 * **Backward.** When a bucket's last grad is produced (the single-GPU plan's grad-copy point), its grad
   slot is reduce-scattered over all ranks on the collective lane (overlapped with the rest of backward),
-  then the rank's ``1/N`` shard goes to the host on the device-to-host lane,
-  and the CPU AdamW updates that shard. The ``G`` ranks of a node share its CPU: each rank's CPU lane runs
-  at ``1/G`` of the node's AdamW throughput, so a node spends the same CPU time as one GPU on ``1/M`` of
-  the model.
+  then the rank's ``1/N`` shard goes to the host on the device-to-host lane, and the CPU AdamW updates that
+  shard. The ``G`` ranks of a node share its CPU: each rank's CPU lane runs at ``1/G`` of the node's AdamW
+  throughput (the hardware model's figure, the same host as one GPU's), so a node spends the CPU time of
+  one GPU on ``1/M`` of the model.
 * **Forward (and backward refetches).** Every host-to-device copy of the plan becomes a copy of a shard
   plus an all-gather of the bucket on the collective lane (it starts when the shard has landed; compute
-  waits for the all-gather, not the copy). A bucket's first copy in a step
-  after its update gathers the ``1/N`` shards over every rank (hierarchically: inter-node, then
-  intra-node); with ``M > 1`` each rank then copies its node's ``1/G`` of the new 16-bit weights back to
-  the host (device-to-host lane) when the bucket is copied again later in the step, so that later copies
-  gather inside the node only (``1/G`` copied, intra-node all-gather). With ``M = 1`` the two kinds are
-  the same. Both collectives work in place in the plan's buffers (NCCL allows an in-place all-gather
-  and reduce-scatter), so a rank's device plan and peak are the single-GPU plan's.
+  waits for the all-gather, not the copy). A bucket's first copy in a step after its update gathers the
+  ``1/N`` shards over every rank (hierarchically: inter-node, then intra-node); with ``M > 1`` each rank
+  then copies its node's ``1/G`` of the new 16-bit weights back to the host (device-to-host lane) when the
+  bucket is copied again later in the step, so that later copies gather inside the node only (``1/G``
+  copied, intra-node all-gather). With ``M = 1`` the two kinds are the same. Both collectives work in
+  place in the plan's buffers (NCCL allows an in-place all-gather and reduce-scatter), so a rank's device
+  plan and peak are the single-GPU plan's.
 * **One rank** issues no collective: ``N = 1`` is the single-GPU simulation, bit for bit (tested).
 
-Simplifications (stated, not hidden): the host-to-device and device-to-host copies of the ``G`` ranks of a
-node are independent links (one PCIe x16 per GPU) and do not share host memory bandwidth; where the
-collective link is the PCIe link itself (``Link.shares_host_link``), a collective that starts while either
-copy lane is busy runs at the hardware's duplex factor, but copies are not slowed by collectives; the
-sharded copy sizes are whole bytes rounded up (``ceil(S / N)``), not whole elements.
+Simplifications (stated, not hidden): every rank is as fast as the others; the copies of the ``G`` ranks of
+a node run on independent links (one PCIe x16 per GPU) and are not charged for host memory bandwidth, as
+the single-GPU model does not charge them either (a node's ranks copy ``1/G`` each, so the node's host
+traffic per step is one GPU's); where the collective link is the PCIe link itself
+(``Link.shares_host_link``), a collective that starts while either copy lane is busy runs at the hardware's
+duplex factor, but copies are not slowed by collectives; sharded copy sizes are whole bytes rounded up
+(``ceil(S / N)``), not whole elements. Consequences to read the numbers with: where one GPU's step is
+bound by the CPU AdamW, ``G`` GPUs on one node keep that step (the node's CPU does the same work), and
+``M`` nodes divide it by ``M`` (each node's CPU updates ``1/M`` of the model): weak-scaling efficiency
+above 100 %, bounded by the network's collective time.
 """
 
 from __future__ import annotations
