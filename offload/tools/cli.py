@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "https://ui.perfetto.dev or chrome://tracing): a track per lane, a slice per copy/update/call")
     r.add_argument("--plot", metavar="PNG", help="draw the simulated step's device memory against the budget "
                    "(needs matplotlib)")
+    r.add_argument("--gpus", type=int, default=1, help="data parallel: GPUs in all, the budget per GPU (default 1)")
+    r.add_argument("--nodes", type=int, default=1, help="data parallel: nodes the GPUs are spread over (default 1)")
+    r.add_argument("--intra", default="nvlink3", help="link inside a node for --gpus: nvlink3, nvlink4, pcie4-p2p, "
+                   "pcie5-p2p (nominal presets, offload/planning/collectives.py)")
+    r.add_argument("--inter", default="ib200", help="network between nodes for --nodes: eth100, ib200, ib400, ib8x400")
     r.set_defaults(run=_report)
     p = sub.add_parser("probe", help="measure this machine: PCIe curve (CUDA), CPU AdamW, host bandwidth")
     p.add_argument("--json", metavar="PATH", help="write the measurements (and a hardware model) as JSON")
@@ -149,12 +154,19 @@ def _report(args, console: Console) -> int:
         request = _request(args)
         with err.status("offload report") if show else contextlib.nullcontext() as status:
             report = make_report(request, progress=status.update if status is not None else lambda msg: None)
+        dp = None
+        if args.gpus > 1 or args.nodes > 1:  # issue 20: per-rank and per-node figures with the collectives
+            from .report_dp import data_parallel
+            dp = data_parallel(report, args.gpus, args.nodes, args.intra, args.inter)
     except ReportError as e:
         return _fail(str(e), USAGE_ERROR if e.usage else 1)
     if args.json:
-        print(json.dumps(report.to_json(), indent=1))
+        print(json.dumps(report.to_json() | ({"data_parallel": dp} if dp else {}), indent=1))
     else:
         _render(report, console)
+        if dp:
+            from .report_dp import render_data_parallel
+            render_data_parallel(dp, console)
     if args.timeline or args.plot:
         status = _timeline(args, report)
         if status:

@@ -1,0 +1,68 @@
+"""Data parallel, on the simulator of ``offload/planning/data_parallel.py`` (pure): this engine's rank plan
+against DeepSpeed ZeRO-Offload's data-parallel rule on the same trace, buckets, hardware and collectives.
+
+* ``greedy``: each rank's plan within its own budget (:func:`~offload.planning.data_parallel.build_rank_plan`),
+  grads reduce-scattered per bucket as backward produces them, CPU AdamW on the rank's shard overlapped
+  with backward, updated shards gathered before their next use.
+* ``zero-offload``: ZeRO-Offload as published (Ren et al., "ZeRO-Offload", USENIX ATC 2021, section 4 and
+  its multi-GPU scaling): every fp16 parameter resident on every GPU; grads reduce-scattered during backward
+  (ZeRO-2 partitioning) and each rank's partition copied to the host; CPU Adam on the partition after
+  backward; each rank copies its updated fp16 partition to the device and the parameters are all-gathered
+  before the next forward. Modelled on this engine's buckets and grad points (DeepSpeed's 5e8-element
+  reduce bucket is larger), with the same hierarchical collective costs as ``greedy`` (DeepSpeed's
+  all-gather is a flat ring over the world: this is kind to it across nodes); its optional one-step
+  delayed parameter update (DPU, which changes the maths) is not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..errors import BudgetTooSmallError
+from ..planning.collectives import Cluster
+from ..planning.data_parallel import DataParallelResult, build_rank_plan, simulate_data_parallel, simulate_rank_plan
+from ..planning.greedy import Greedy
+from ..planning.simulate import Program
+from .baselines import Case, zero_offload
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """One policy's step on one rank of a cluster: the simulation (None: no plan fits the budget) and the
+    rank's planned device peak."""
+
+    policy: str
+    dp: DataParallelResult | None
+    peak_bytes: int
+    fits: bool
+
+    @property
+    def step_s(self) -> float | None:
+        return self.dp.step_s if self.dp is not None else None
+
+
+def zero_offload_program(case: Case) -> Program:
+    """ZeRO-Offload's single-GPU lane program: every bucket resident, the updated ones copied to the device
+    at the start of the step, grads to the host at this engine's points, CPU Adam after backward."""
+    g = Greedy.of(case.trace, case.buckets, case.itemsize, case.hw, case.compute_s)
+    program = g.program(frozenset(range(len(case.buckets))), {})
+    return dataclasses.replace(program, adam_after_backward=True)
+
+
+def zero_offload_data_parallel(case: Case, cluster: Cluster) -> RankResult:
+    single = zero_offload(case)  # its device peak: every parameter resident, the grad slots
+    dp = simulate_data_parallel(zero_offload_program(case), case.hw, cluster)
+    return RankResult("zero-offload", dp, single.peak_bytes, single.fits)
+
+
+def greedy_data_parallel(case: Case, cluster: Cluster) -> RankResult:
+    try:
+        plan = build_rank_plan(case.trace, case.buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
+                               fixed_bytes=case.fixed_bytes, hw=case.hw, cluster=cluster, compute_s=case.compute_s)
+    except BudgetTooSmallError as e:
+        return RankResult("greedy", None, e.min_budget_bytes, False)
+    return RankResult("greedy", simulate_rank_plan(plan, case.hw, cluster, case.compute_s), plan.peak_bytes, True)
+
+
+POLICIES = {"greedy": greedy_data_parallel, "zero-offload": zero_offload_data_parallel}

@@ -1,0 +1,42 @@
+"""``offload report --gpus N [--nodes M]`` (issue 20): per-rank device and host bytes, per-node host bytes
+and the predicted step with the collectives, in the JSON and the table; bad cluster shapes are usage errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from offload.tools import cli
+
+
+def _json(capsys, *extra):
+    rc = cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--json", *extra])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_report_gpus_json(capsys):
+    rc, one = _json(capsys)
+    assert rc == 0 and "data_parallel" not in one
+    rc, out = _json(capsys, "--gpus", "16", "--nodes", "2", "--inter", "ib400")
+    assert rc == 0
+    dp = out["data_parallel"]
+    assert (dp["gpus"], dp["nodes"], dp["gpus_per_node"], dp["intra"], dp["inter"]) == (16, 2, 8, "nvlink3", "ib400")
+    assert dp["simulated"].startswith("cost model") and set(dp["links"]) == {"nvlink3", "ib400"}
+    assert dp["fits"] and dp["device_peak_bytes_per_rank"] <= out["budget_bytes"]
+    # optimizer state 1/16 a rank, the 16-bit copy 1/8 a rank (once a node): between 1/16 and 1/8 of one GPU's
+    host = one["host_bytes"]["total"]
+    assert host / 16 < dp["host_bytes_per_rank"] < host / 8
+    assert dp["host_bytes_per_node"] == 8 * dp["host_bytes_per_rank"]
+    assert dp["predicted_step_s"] > 0 and dp["all_gather_busy_s"] > 0 and dp["reduce_scatter_busy_s"] > 0
+    assert dp["tokens_per_s"] == pytest.approx(16 * out["batch"] * out["seq"] / dp["predicted_step_s"])
+    assert dp["zero_offload_step_s"] > 0
+
+
+def test_report_gpus_table_and_usage_errors(capsys):
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "data parallel on 4 GPUs" in text and "SIMULATED" in text and "pinned host per node" in text
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "6", "--nodes", "4"]) == 2
+    assert "evenly" in capsys.readouterr().err
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "2", "--intra", "nvlink9"]) == 2

@@ -1,0 +1,53 @@
+"""benchmarks/scaling.py in a small configuration (GPT-2 small on the meta device, 1, 2 and 4 GPUs): the
+harness runs, labels its numbers SIMULATED, names its presets and writes figures that agree with each
+other. It checks the harness, not the model's conclusions (tests/planning/test_collectives.py does)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import scaling  # benchmarks/ is on sys.path (pyproject's pytest `pythonpath`)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scaling") / "scaling.json"
+    rc = scaling.main(["--models", "gpt2:1:1024", "--hw", "pcie4", "--configs", "1,2,4/2", "--inter", "eth100,ib400",
+                       "--json", str(path)])
+    assert rc == 0
+    return json.loads(path.read_text())
+
+
+def test_labelled_simulated_with_presets_and_machine(result):
+    assert result["benchmark"] == "scaling" and result["label"].startswith("SIMULATED")
+    assert "not measured" in result["hw"]["pcie4"]
+    assert set(result["links"]) == {"nvlink3", "eth100", "ib400"}
+    assert all(len(src) > 40 for src in result["links"].values())
+    assert result["machine"]["cpus"] and result["timings_s"]["trace gpt2 1x1024"] > 0
+
+
+def test_rows_agree_with_each_other(result):
+    rows = result["rows"]
+    # 2 budgets x (1, 2 on one node, 4 over 2 nodes on each of 2 networks) x 2 policies
+    assert len(rows) == 2 * 4 * 2
+    zo_budget = [r for r in rows if r["budget"] == "zero-offload"]
+    assert all(r["fits"] for r in zo_budget)  # that budget is the one ZeRO-Offload's rule fits in
+    for r in zo_budget:
+        assert r["tokens_per_s"] == pytest.approx(r["gpus"] * r["batch"] * r["seq"] / r["step_s"])
+        assert r["peak_bytes"] <= r["budget_bytes"]
+    for policy in ("greedy", "zero-offload"):
+        mine = {(r["gpus"], r["inter"]): r for r in zo_budget if r["policy"] == policy}
+        assert mine[(1, None)]["efficiency"] == 1.0
+        one = mine[(1, None)]["tokens_per_s"]
+        for r in mine.values():  # efficiency = tokens/s at N / (N x tokens/s at 1)
+            assert r["efficiency"] == pytest.approx(r["tokens_per_s"] / (r["gpus"] * one))
+        # a faster network between the nodes is never slower
+        assert mine[(4, "ib400")]["step_s"] <= mine[(4, "eth100")]["step_s"]
+        # host bytes: per node ~1/M of the single-GPU's optimizer state, the 16-bit copy once a node
+        assert mine[(2, None)]["host_bytes_per_rank"] == pytest.approx(mine[(1, None)]["host_bytes_per_rank"] / 2,
+                                                                       rel=0.01)
+        assert mine[(4, "ib400")]["host_bytes_per_node"] < mine[(1, None)]["host_bytes_per_node"]
+        assert mine[(2, None)]["all_gather_busy_s"] > 0 and mine[(1, None)]["all_gather_busy_s"] == 0
+    goals = {g["goal"] for g in result["goals"]}
+    assert "never_below_zero_offload" in goals  # no 8-GPU config here: that goal is not evaluated
