@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -154,15 +154,28 @@ class _AboveCheckpoint:
         return False
 
 
+class RecomputeCallbacks(Protocol):
+    """What the Checkpointer calls back into (offload/runtime/recompute_hooks.py's RecomputeCoordinator)."""
+
+    def recompute_begin(self, region: int, module: int) -> list: ...
+    def recompute_saved(self, region: int, t: torch.Tensor) -> torch.Tensor | None: ...
+    def recompute_end(self, region: int) -> None: ...
+    def recomputed_unpacked(self, x: torch.Tensor) -> torch.Tensor: ...
+    def region_saved(self, block: int, region: int, t: torch.Tensor) -> None: ...
+    def region_done(self, region: int) -> None: ...
+
+
 class Checkpointer:
     """Runs the chosen modules checkpointed and measures, per block, what its forward saves.
 
-    The runtime owns it; it calls back into the runtime at the four moments the runtime must know of:
-    ``region_begin`` (a checkpointed call starts), ``recompute_begin``/``recompute_end`` (backward
-    recomputes it) and ``region_done`` (its backward is over).
+    The recompute coordinator owns it; it calls back into it (held weakly) at the moments the runtime must
+    know of: ``region_saved`` (a checkpointed call's forward saves a tensor: measured, not kept),
+    ``recompute_begin``/``recompute_saved``/``recompute_end`` (backward recomputes the call),
+    ``recomputed_unpacked`` (the call's backward unpacks what the recompute saved) and ``region_done``
+    (its backward is over).
     """
 
-    def __init__(self, model: nn.Module, runtime, blocks: dict[int, str]):
+    def __init__(self, model: nn.Module, runtime: RecomputeCallbacks, blocks: dict[int, str]):
         self.modules = list(model.modules())
         self.blocks = dict(blocks)  # module index -> name: what is measured (and may be checkpointed)
         self.block_of: dict[int, int] = {}  # module index -> the block containing it (itself included)

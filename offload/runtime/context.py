@@ -1,0 +1,113 @@
+"""What every component of the runtime shares, fixed when the engine is wrapped: the parameters and
+their specs, the compute dtype, the backend, the config, and the few shared holders (device-memory
+accounting, counters, the CPU lane, the phases). Components own everything else they keep.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+from torch import nn
+
+from ..backend.base import Event, Lane
+from ..config import OffloadConfig
+from ..optim import AdamW
+from ..planning.buckets import ParamSpec
+from ..tools.timeline import LaneLog
+from .accounting import DeviceMemory
+from .phases import Phases
+
+
+class Backend(Protocol):
+    """What the runtime uses of a backend (offload/backend/cpu.py, offload/backend/cuda.py): the only code
+    that touches streams, events, pinning and device memory. (A local stand-in for the ``Backend``
+    protocol of offload/backend/base.py.)"""
+
+    device: torch.device
+
+    def bind(self, param: torch.Tensor, value: torch.Tensor) -> None: ...
+    def placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor: ...
+    def empty(self, nbytes: int) -> torch.Tensor: ...
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event: ...
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event: ...
+    def wait(self, event: Event) -> None: ...
+    def record(self) -> Event: ...
+    def synchronize(self) -> None: ...
+    def compute(self) -> AbstractContextManager[Any]: ...
+    def begin_forward(self) -> None: ...
+    def pin_host(self, arena: Any) -> None: ...
+    def headroom_bytes(self) -> int: ...
+    def peak_bytes(self) -> int | None: ...
+    def total_bytes(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class Busy:
+    """Entered while the runtime's own code runs inside a forward: the use detector ignores its tensor ops.
+    Under ``torch.inference_mode()`` that code runs outside it: the arena, slots and views it makes are used
+    by the copy threads and by later training steps, which inference tensors would refuse. Re-entrant."""
+
+    __slots__ = ("depth", "_guards")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._guards: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.depth += 1
+        guard = None
+        if torch.is_inference_mode_enabled():
+            guard = torch.inference_mode(False)
+            guard.__enter__()
+        self._guards.append(guard)
+
+    def __exit__(self, *exc: object) -> None:
+        guard = self._guards.pop()
+        if guard is not None:
+            guard.__exit__(*exc)
+        self.depth -= 1
+
+
+@dataclass(frozen=True, eq=False)
+class RuntimeContext:
+    """Shared by every component of one runtime; fixed at wrap (the holders it names are mutable)."""
+
+    module: nn.Module
+    optimizer: AdamW
+    config: OffloadConfig
+    backend: Backend
+    params: tuple[nn.Parameter, ...]
+    param_index: dict[int, int]  # id(param) -> its index
+    specs: tuple[ParamSpec, ...]
+    dtype: torch.dtype  # compute dtype on the device
+    itemsize: int  # bytes per element of ``dtype``
+    placeholders: tuple[torch.Tensor, ...]  # what a parameter is bound to while its bucket is not on the device
+    memory: DeviceMemory
+    stats: dict[str, int]  # counters since wrap (memory_stats()["counters"])
+    cpu: Lane  # AdamW (and grad widening/accumulation) of each bucket, in arrival order
+    lane_log: LaneLog  # copies and updates of the latest steps, for Engine.export_timeline
+    busy: Busy
+    phases: Phases
+
+
+def new_stats() -> dict[str, int]:
+    return {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
+            "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0,
+            "eval_plans_built": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+
+
+def weak_hook(method: Callable[..., object]) -> Callable[..., None]:
+    """``method`` (bound), holding its object weakly; does nothing once the object is gone. Tensor hooks
+    are held by the tensor's C++ side, where Python's gc cannot see them: a hook holding the runtime
+    strongly would make runtime -> params -> hook -> runtime an uncollectable cycle."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def hook(*args: object) -> None:
+        fn = ref()
+        if fn is not None:
+            fn(*args)
+    return hook
