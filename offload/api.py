@@ -181,7 +181,7 @@ class Engine:
         with rt.ctx.backend.compute():  # buffers live on the device: read after the compute that updates them
             for name, value in self.module.state_dict(keep_vars=True).items():
                 p = rt.ctx.param_index.get(id(value))
-                weights[name] = rt.read_weight(p) if p is not None else value.detach().to("cpu", copy=True)
+                weights[name] = rt.weights.read(p) if p is not None else value.detach().to("cpu", copy=True)
         return {"model": weights, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -206,10 +206,10 @@ class Engine:
                 target = own[name]
                 p = rt.ctx.param_index.get(id(target))
                 if p is not None:
-                    rt.write_weight(p, value.to(torch.float32))
+                    rt.weights.write(p, value.to(torch.float32))
                 else:
                     target.copy_(value)
-        rt.after_weights_written()
+        rt.weights.written()
         self.optimizer.load_state_dict(state_dict["optimizer"])
 
     def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
@@ -227,7 +227,7 @@ class Engine:
         return persist.load(self, self._runtime, path)
 
     def _adopt_optimizer_state(self) -> None:
-        self._runtime.adopt_optimizer_state()
+        self._runtime.weights.adopt_optimizer_state()
 
     # -- lifetime -------------------------------------------------------------------------------------
 

@@ -92,5 +92,5 @@ class SavedActivation:
         self.key = storage.data_ptr()
         memory.hold(self.key, storage.nbytes())
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.memory.drop(self.key)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -17,9 +17,14 @@ from ..backend.base import Event, Lane
 from ..config import OffloadConfig
 from ..optim import AdamW
 from ..planning.buckets import ParamSpec
+from ..planning.hw import HardwareModel
+from ..testing.chaos import chaos_delay
 from ..tools.timeline import LaneLog
 from .accounting import DeviceMemory
 from .phases import Phases
+
+
+T = TypeVar("T")
 
 
 class Backend(Protocol):
@@ -86,6 +91,9 @@ class RuntimeContext:
     dtype: torch.dtype  # compute dtype on the device
     itemsize: int  # bytes per element of ``dtype``
     placeholders: tuple[torch.Tensor, ...]  # what a parameter is bound to while its bucket is not on the device
+    budget: int  # device bytes (config.budget, resolved)
+    bucket_bytes: int  # target bucket size (config.bucket_bytes, resolved)
+    hw: HardwareModel | None  # the machine plans are made for (config.hw, resolved; None: the default)
     memory: DeviceMemory
     stats: dict[str, int]  # counters since wrap (memory_stats()["counters"])
     cpu: Lane  # AdamW (and grad widening/accumulation) of each bucket, in arrival order
@@ -93,21 +101,38 @@ class RuntimeContext:
     busy: Busy
     phases: Phases
 
+    @classmethod
+    def build(cls, module: nn.Module, optimizer: AdamW, config: OffloadConfig, backend: Backend,
+              params: Sequence[nn.Parameter], groups: Sequence[int | None]) -> RuntimeContext:
+        """``groups``: each parameter's optimizer param group, None for a frozen one."""
+        dtype = config.dtype
+        return cls(
+            module=module, optimizer=optimizer, config=config, backend=backend, params=tuple(params),
+            param_index={id(p): i for i, p in enumerate(params)},
+            specs=tuple(ParamSpec(p.numel(), g) for p, g in zip(params, groups)),
+            dtype=dtype, itemsize=torch.empty((), dtype=dtype).element_size(),
+            placeholders=tuple(backend.placeholder(p.shape, dtype) for p in params),
+            budget=int(config.budget), bucket_bytes=int(config.bucket_bytes),
+            hw=config.hw if isinstance(config.hw, HardwareModel) else None,
+            memory=DeviceMemory(headroom=backend.headroom_bytes()),  # [Note: headroom] in backend/cuda.py
+            stats=_new_stats(), cpu=Lane("offload-cpu-adam", before=chaos_delay(config.chaos, "cpu-adam")),
+            lane_log=LaneLog(), busy=Busy(), phases=Phases())
 
-def new_stats() -> dict[str, int]:
+
+def _new_stats() -> dict[str, int]:
     return {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
             "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0,
             "eval_plans_built": 0, "h2d_bytes": 0, "d2h_bytes": 0}
 
 
-def weak_hook(method: Callable[..., object]) -> Callable[..., None]:
-    """``method`` (bound), holding its object weakly; does nothing once the object is gone. Tensor hooks
-    are held by the tensor's C++ side, where Python's gc cannot see them: a hook holding the runtime
-    strongly would make runtime -> params -> hook -> runtime an uncollectable cycle."""
-    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+def weak_hook(owner: T, method: Callable[[T, Any], object]) -> Callable[[Any], None]:
+    """``method`` of ``owner``, holding ``owner`` weakly; does nothing once it is gone. Tensor hooks are
+    held by the tensor's C++ side, where Python's gc cannot see them: a hook holding the runtime strongly
+    would make runtime -> params -> hook -> runtime an uncollectable cycle."""
+    ref = weakref.ref(owner)
 
-    def hook(*args: object) -> None:
-        fn = ref()
-        if fn is not None:
-            fn(*args)
+    def hook(arg: Any) -> None:
+        obj = ref()
+        if obj is not None:
+            method(obj, arg)
     return hook

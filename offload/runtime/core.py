@@ -16,7 +16,8 @@ and ``FSDPParamGroup`` owning buffers and events):
 * ``TracedWarmup`` (warmup.py): the first forward's per-parameter copies, then buckets and host arena;
 * ``ParamAccess`` (param_access.py): forward uses, saved parameter views, the buckets in use;
 * ``GradPipeline`` (grads.py): grad slots, copies, accumulation, norms, clipping, loss scale, updates;
-* ``RecomputeCoordinator`` (recompute_hooks.py): activation checkpointing's runtime side, "auto".
+* ``RecomputeCoordinator`` (recompute_hooks.py): activation checkpointing's runtime side, "auto";
+* ``Weights`` (weights.py): parameters' fp32 values from outside a step (state_dict, load, close).
 """
 
 from __future__ import annotations
@@ -28,25 +29,22 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from ..backend.base import Lane
 from ..config import OffloadConfig
 from ..optim import AdamW
-from ..planning.buckets import ParamSpec
 from ..planning.trace import EventKind
-from ..testing.chaos import chaos_delay
-from ..tools.timeline import LaneLog
 from . import faults, guards
-from .accounting import DeviceMemory, SavedActivation
-from .context import Backend, Busy, RuntimeContext, new_stats, weak_hook
+from .accounting import SavedActivation
+from .context import Backend, RuntimeContext, weak_hook
 from .executor import PlanExecutor
 from .forward_only import EvalPlans
 from .grads import BackwardDiscard, GradPipeline
 from .param_access import ParamAccess
-from .phases import Lifecycle, Pass, Phases
+from .phases import Lifecycle, Pass
 from .recompute_hooks import RecomputeCoordinator
 from .residency import ParamRef
 from .slots import SlotTable
 from .warmup import TracedWarmup
+from .weights import Weights
 
 
 class ForwardDiscard(NamedTuple):
@@ -62,16 +60,7 @@ class Runtime:
 
     def __init__(self, module: nn.Module, optimizer: AdamW, config: OffloadConfig, backend: Backend,
                  params: Sequence[nn.Parameter], groups: Sequence[int | None]) -> None:
-        dtype = config.dtype
-        self.ctx = ctx = RuntimeContext(
-            module=module, optimizer=optimizer, config=config, backend=backend, params=tuple(params),
-            param_index={id(p): i for i, p in enumerate(params)},
-            specs=tuple(ParamSpec(p.numel(), g) for p, g in zip(params, groups)),
-            dtype=dtype, itemsize=torch.empty((), dtype=dtype).element_size(),
-            placeholders=tuple(backend.placeholder(p.shape, dtype) for p in params),
-            memory=DeviceMemory(headroom=backend.headroom_bytes()),  # [Note: headroom] in backend/cuda.py
-            stats=new_stats(), cpu=Lane("offload-cpu-adam", before=chaos_delay(config.chaos, "cpu-adam")),
-            lane_log=LaneLog(), busy=Busy(), phases=Phases())
+        self.ctx = ctx = RuntimeContext.build(module, optimizer, config, backend, params, groups)
         self.slots = SlotTable(ctx)
         self.evals = EvalPlans(ctx)
         self.executor = PlanExecutor(ctx, self.slots, self.evals)
@@ -80,6 +69,7 @@ class Runtime:
         self.grads = GradPipeline(ctx, self.slots, self.executor)
         self.recompute = RecomputeCoordinator(ctx, self.slots, self.executor, self.access, self._begin_backward)
         self.guard = guards.ParamGuard(ctx, self.slots, self.executor, self.warmup)
+        self.weights = Weights(ctx, self.slots, self.executor, self.warmup)
         self.executor.before_leaving(self.grads.move_out_of_arena)
         self.slots.pin_with(self.access.pinned)
         ctx.memory.on_activations = self.slots.activations_grew
@@ -98,7 +88,7 @@ class Runtime:
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(i)))
             self._handles.append(m.register_forward_hook(self._post_hook(i)))
         # Weak: see context.weak_hook (an engine dropped without close() must still be freed).
-        on_grad = weak_hook(self._on_grad)
+        on_grad = weak_hook(self, Runtime._on_grad)
         for p, spec in zip(self.ctx.params, self.ctx.specs):
             if spec.group is not None:
                 self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
@@ -201,7 +191,6 @@ class Runtime:
         ctx.phases.enter(Pass.FORWARD)
         self.grads.wait_for_copies()
         self.slots.mark_boundary()
-        executor.grad_enabled = grad_enabled
         contexts: list[Any] = []
         if ctx.dtype != torch.float32:
             # Ops autocast keeps in fp32 (softmax, norms, losses) upcast the 16-bit weights and activations;
@@ -235,7 +224,6 @@ class Runtime:
         with self.ctx.busy:
             self._exit_contexts()
             self.warmup.abort()
-            self.access.active.clear()
             executor.release_all()
             self._reset_step()
         return found
@@ -258,21 +246,15 @@ class Runtime:
         memory = ctx.memory
         with ctx.backend.compute(), torch.no_grad():
             self.grads.flush()
-            plan = executor.plan
-            if executor.on_plan and plan is not None and executor.pos != len(plan.trace.events):
-                executor.leave()
+            executor.leave_unless_followed()
             self.recompute.backward_ended()
-            rec = executor.recorder
-            rec.activation_peak = memory.activation_peak
-            if executor.plan is not None and memory.activation_peak > executor.plan.activation_bytes:
-                executor.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
-            executor.trace = rec.finish()
-            self.recompute.measure(rec, memory.activation_peak)
+            executor.record_step(memory.activation_peak)
+            self.recompute.measure(executor.recorder, memory.activation_peak)
             executor.release_all()
             self.slots.reclaim()
         self.grads.backward_done()
         ctx.phases.enter(Pass.IDLE)
-        executor.pos = 0
+        executor.rewind()
 
     def abort_backward(self) -> BackwardDiscard | None:
         """The backward raised (see [Note: what a fault discards] in faults.py); None if it never reached
@@ -281,13 +263,12 @@ class Runtime:
         with torch.no_grad():
             if not self.ctx.phases.in_backward:
                 executor.release_all()
-                executor.pos = 0
+                executor.rewind()
                 return None
             discard = self.grads.abort()
             executor.release_all()
             executor.refresh(discard.updated)  # updated before the fault and resident: bring the new weights
             self._reset_step()
-            self.grads.backward_seen = False  # the failed backward does not count for step()
         return discard
 
     @property
@@ -308,12 +289,7 @@ class Runtime:
             self.guard.snapshot()
             updated = self.grads.run_step()
             with torch.no_grad():
-                trace = executor.trace
-                if (executor.train_plan is None or executor.stale) and trace is not None and trace.complete:
-                    executor.replan(trace, self.recompute)  # brings every resident bucket in afresh
-                else:
-                    executor.refresh(updated)
-            executor.stale = False
+                executor.after_step(updated, self.recompute)
             ctx.lane_log.step_done(executor.recorder, ctx.memory)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -329,37 +305,6 @@ class Runtime:
     def wait_for_updates(self) -> None:
         self.ctx.cpu.drain()
 
-    # -- weights in and out ---------------------------------------------------------------------------------
-
-    def read_weight(self, p: int) -> torch.Tensor:
-        """Current fp32 value of parameter ``p`` (a copy)."""
-        if self.ctx.phases.tracing:
-            return self.warmup.originals()[p].detach().to(torch.float32, copy=True)
-        return self.slots.hosted().read_param(p).view(self.ctx.params[p].shape)
-
-    def write_weight(self, p: int, value: torch.Tensor) -> None:
-        with torch.no_grad():
-            if self.ctx.phases.tracing:
-                self.warmup.originals()[p].copy_(value)
-            else:
-                # A copy in flight (a resident bucket's refresh after step()) may still read the host copy
-                # written here: host buffers are touched only after the copies reading them finished.
-                self.ctx.backend.synchronize()
-                self.slots.hosted().write_master(p, value)
-
-    def after_weights_written(self) -> None:
-        """Masters changed behind the plan's back: refresh whatever is on the device."""
-        if self.slots.host is None:
-            return
-        with torch.no_grad():
-            self.executor.deactivate()
-            if self.executor.plan is not None:
-                self.executor.activate(self.executor.plan)
-
-    def adopt_optimizer_state(self) -> None:
-        if self.slots.host is not None:
-            self.slots.host.adopt_optimizer_state(self.ctx.optimizer, list(self.ctx.params))
-
     def close(self) -> None:
         """Give every parameter its trained fp32 value back as an ordinary tensor, and stop the threads."""
         ctx = self.ctx
@@ -368,13 +313,9 @@ class Runtime:
             ctx.cpu.drain()
             ctx.backend.synchronize()
         finally:
-            values = ([self.read_weight(p) for p in range(len(ctx.params))] if self.slots.host is not None
-                      else self.warmup.original)  # fp32, as every parameter was when wrapped
-            for param, value in zip(ctx.params, values or ()):
-                ctx.backend.bind(param, value)
+            self.weights.restore()
             ctx.cpu.close()
             ctx.backend.close()
-            self.slots.slot.clear()
-            self.executor.arena = None
-            self.slots.host = None
+            self.slots.close()
+            self.executor.close()
             ctx.phases.become(Lifecycle.CLOSED)

@@ -56,6 +56,7 @@ class PlanExecutor:
         """A forward of module ``root`` starts: a training forward follows the training plan, a no-grad one
         a forward-only plan ([Note: forward-only plans]). Switching plans frees one arena before the other
         is allocated."""
+        self.grad_enabled = grad_enabled
         want = self.train_plan if grad_enabled else self.evals.plan_for(root)
         if want is not self.plan and self.slots.host is not None:
             self.deactivate()
@@ -69,7 +70,8 @@ class PlanExecutor:
         if not self.on_plan:
             return
         plan = self.plan
-        assert plan is not None  # on_plan implies a plan (mypy; on_plan is False whenever plan is None)
+        if plan is None:
+            raise InvariantError("on plan without a plan")
         events = plan.trace.events
         pos = self.pos
         if pos >= len(events) or events[pos].kind != kind or events[pos].key != key:
@@ -113,6 +115,24 @@ class PlanExecutor:
                 move_out()
             self.deactivate()
 
+    def leave_unless_followed(self) -> None:
+        """The end of backward: a step that did not reach the end of its plan departed from it."""
+        plan = self.plan
+        if self.on_plan and plan is not None and self.pos != len(plan.trace.events):
+            self.leave()
+
+    def record_step(self, activation_peak: int) -> None:
+        """The end of backward: this step's record becomes the trace the next plan is built from."""
+        rec = self.recorder
+        rec.activation_peak = activation_peak
+        if self.plan is not None and activation_peak > self.plan.activation_bytes:
+            self.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
+        self.trace = rec.finish()
+
+    def rewind(self) -> None:
+        """The pass is over: the next one starts at the plan's first event."""
+        self.pos = 0
+
     def followed(self) -> bool:
         """This step followed its plan to the end."""
         return self.on_plan and self.plan is not None and self.pos == len(self.plan.trace.events)
@@ -128,6 +148,8 @@ class PlanExecutor:
         slots.mark_boundary()
         for b in plan.resident:
             k = plan.resident_buffer[b]
+            if k is None:
+                raise InvariantError(f"plan: resident bucket {b} has no buffer")
             slots.copy_in(b, Slot(arena, plan.buffers[k].offset, k), [slots.boundary])
 
     def deactivate(self) -> None:
@@ -190,6 +212,9 @@ class PlanExecutor:
                 self.need(b)
             slots.copy_in(b, slots.slot[b], [slots.boundary])
 
+    def close(self) -> None:
+        self.arena = None
+
     # -- plans ------------------------------------------------------------------------------------------------
 
     def end_no_grad_forward(self) -> None:
@@ -202,6 +227,16 @@ class PlanExecutor:
             trace = self.plan.trace if followed and self.plan is not None else self.recorder.finish()
             self.evals.record(trace, self.slots.buckets)
 
+    def after_step(self, updated: set[int], recompute: RecomputeCoordinator) -> None:
+        """``step()`` updated ``updated``: plan again if there is no plan or this one is stale, else bring
+        the new weights of the resident buckets in."""
+        trace = self.trace
+        if (self.train_plan is None or self.stale) and trace is not None and trace.complete:
+            self.replan(trace, recompute)  # brings every resident bucket in afresh
+        else:
+            self.refresh(updated)
+        self.stale = False
+
     def replan(self, trace: Trace, recompute: RecomputeCoordinator) -> None:
         """Plan training steps from ``trace`` (or, with "auto" checkpointing, choose other blocks first)."""
         ctx = self.ctx
@@ -209,13 +244,13 @@ class PlanExecutor:
             return self.drop()  # other blocks are checkpointed from now on: the next step is planned
         parts = ctx.memory.parts
         try:
-            plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.config.budget,
-                              fixed_bytes=parts["buffers"], hw=ctx.config.hw, headroom_bytes=parts["headroom"])
+            plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
+                              fixed_bytes=parts["buffers"], hw=ctx.hw, headroom_bytes=parts["headroom"])
         except BudgetTooSmallError as e:
             if recompute.auto and recompute.choose(trace):
                 return self.drop()  # the activations grew (a longer sequence): checkpoint more blocks
             need = e.breakdown
-            raise recompute.activation_hint(e, ctx.config.budget - sum(need.values()) + need["activations"]) \
+            raise recompute.activation_hint(e, ctx.budget - sum(need.values()) + need["activations"]) \
                 from None
         validate_plan(plan)
         recompute.decided()

@@ -39,7 +39,8 @@ class EvalPlans:
 
     def plan_for(self, root: int) -> Plan | None:
         start = Event(EventKind.PRE, root)
-        plan = self.plans.get(self.next.get(self.last))  # type: ignore[arg-type]
+        after = self.next.get(self.last) if self.last is not None else None
+        plan = self.plans.get(after) if after is not None else None
         if plan is not None and plan.trace.events[0] == start:
             return plan
         for plan in reversed(self.plans.values()):
@@ -59,7 +60,7 @@ class EvalPlans:
         plan = self.plans.get(key)
         if plan is None:
             try:
-                plan = build_plan(trace, buckets, itemsize=ctx.itemsize, budget_bytes=ctx.config.budget,
+                plan = build_plan(trace, buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
                                   fixed_bytes=ctx.memory.parts["buffers"],
                                   headroom_bytes=ctx.memory.parts["headroom"])
             except BudgetTooSmallError:

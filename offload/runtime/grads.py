@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from .slots import SlotTable
 
 
+HParams = list[tuple[float, float, float, float, float]]  # AdamW.hparams(): per param group
+
+
 class GradSlot(NamedTuple):
     """Where a bucket's grads are gathered on the device during a backward."""
 
@@ -80,7 +83,7 @@ class GradPipeline:
     def reset_step(self) -> None:
         self.received: dict[int, set[int]] = {}  # bucket -> params whose grads arrived this backward
         self.finished: set[int] = set()  # buckets whose grads went to the host this backward
-        self.hparams: list[dict] | None = None  # overlapped updates: hyperparameters read as backward begins
+        self.hparams: HParams | None = None  # overlapped updates: hyperparameters read as backward begins
 
     # -- backward --------------------------------------------------------------------------------------------
 
@@ -221,7 +224,7 @@ class GradPipeline:
         host.take_staged(b, first=False)
         self.norms.update(host.grad_norms(b, got))
 
-    def _submit_update(self, b: int, params: Iterable[int], ready: Event, hparams: list[dict] | None = None,
+    def _submit_update(self, b: int, params: Iterable[int], ready: Event, hparams: HParams | None = None,
                        factors: tuple[float, ...] = ()) -> None:
         slots = self.slots
         hp = hparams or self.hparams
@@ -379,6 +382,7 @@ class GradPipeline:
             p.grad = None
         self.clear()
         self.next_backward_scale = None
+        self.backward_seen = False  # the failed backward does not count for step()
         return BackwardDiscard(arrived, updated, dropped, problems)
 
 

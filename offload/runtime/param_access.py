@@ -85,6 +85,7 @@ class ParamAccess:
         self.slots = slots
         self.executor = executor
         self.warmup = warmup
+        self._phases, self._busy = ctx.phases, ctx.busy  # read on every parameter use
         self.users: list[dict[int, None]] = []  # per active module call: what it touched (param or bucket ids)
         self.active: dict[int, int] = {}  # param (tracing) or bucket -> number of active calls using it
         self.node_buckets: set[int] = set()  # buckets the current backward node reads
@@ -109,10 +110,10 @@ class ParamAccess:
 
     def on_touch(self, p: int) -> None:
         """A tensor op of the forward reads parameter ``p`` (called by the use detector)."""
-        with self.ctx.busy:
+        with self._busy:
             executor = self.executor
             executor.recorder.touch(p)
-            if self.ctx.phases.lifecycle is Lifecycle.TRACING:
+            if self._phases.lifecycle is Lifecycle.TRACING:
                 self.warmup.fetch(p, executor.recorder, self.slots.boundary)
                 key = p
             else:
@@ -139,7 +140,7 @@ class ParamAccess:
             self.active[key] = n
             return
         del self.active[key]
-        if self.ctx.phases.lifecycle is Lifecycle.TRACING:  # a parameter's copy lives only while a call uses it
+        if self._phases.lifecycle is Lifecycle.TRACING:  # a parameter's copy lives only while a call uses it
             self.warmup.release(key)
 
     # -- saved tensors -------------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class ParamAccess:
         if t.device != self.ctx.backend.device or t.layout != torch.strided:
             return None
         key = t.untyped_storage().data_ptr()
-        byte = t.storage_offset() * t.element_size()
+        byte = int(t.storage_offset()) * t.element_size()
         p = self.warmup.storage.get(key)
         if p is not None:
             return ParamRef(p, byte, tuple(t.shape), t.stride(), t.dtype)

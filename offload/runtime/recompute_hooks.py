@@ -208,7 +208,7 @@ class RecomputeCoordinator:
 
     def _after_warmup(self, trace: Trace, profile: ActivationProfile) -> bool:
         ctx = self.ctx
-        memory, budget = ctx.memory, ctx.config.budget
+        memory, budget = ctx.memory, ctx.budget
         plain = activation_bytes(profile, ())
         held = (plain + memory.parts["buffers"] + memory.parts["headroom"]
                 + on_demand_bytes(trace, self.slots.buckets, ctx.itemsize))
@@ -239,12 +239,12 @@ class RecomputeCoordinator:
         parts = ctx.memory.parts
         arena = min_arena_bytes(trace, self.slots.buckets, ctx.itemsize)
         headroom = parts["headroom"]
-        capacity = ctx.config.budget - parts["buffers"] - trace.max_grad_bytes - arena - headroom
+        capacity = ctx.budget - parts["buffers"] - trace.max_grad_bytes - arena - headroom
         choice = choose_checkpoints(profile, capacity, base)
         if not choice.fits:
             need = dict(arena=arena, activations=choice.activation_bytes, fixed=parts["buffers"],
                         grad=trace.max_grad_bytes, headroom=headroom)
-            raise self.activation_hint(budget_error(ctx.config.budget, **need), capacity, profile)
+            raise self.activation_hint(budget_error(ctx.budget, **need), capacity, profile)
         return choice
 
     def _checkpoint(self, choice: CheckpointChoice) -> bool:

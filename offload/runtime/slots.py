@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ class SlotTable:
         self.ctx = ctx
         self.host: HostState | None = None  # set when the traced warm-up has made the buckets
         self.buckets: tuple[Bucket, ...] = ()
-        self.bucket_of: list[int] = []  # param -> its bucket
+        self.bucket_of: Sequence[int] = ()  # param -> its bucket
         self.state: list[Residency] = []  # per bucket
         self.slot: dict[int, Slot] = {}  # bucket -> where it is on the device (not HOST)
         self.index: dict[int, tuple[list[int], list[int]]] = {}  # storage ptr -> (offsets, buckets)
@@ -77,6 +77,11 @@ class SlotTable:
 
     def reset_step(self) -> None:
         self.done = {}
+
+    def close(self) -> None:
+        """The engine closed: nothing is on the device any more, and the host arena goes."""
+        self.slot.clear()
+        self.host = None
 
     def items(self) -> Iterator[tuple[int, Slot]]:
         return iter(list(self.slot.items()))
@@ -232,7 +237,7 @@ class SlotTable:
         longer sequence) can still overshoot, by at most its own size: eviction follows it
         (``activations_grew``)."""
         headroom = max(self.grad_headroom, self.ctx.memory.largest_saved)
-        return self.ctx.config.budget - headroom - self.reserve
+        return self.ctx.budget - headroom - self.reserve
 
     def activations_grew(self) -> None:
         """Off plan, buckets fetched on demand stay cached until room is needed; room is needed when saved

@@ -88,11 +88,11 @@ class TracedWarmup:
     def finish(self, recorder: Recorder, recompute: RecomputeCoordinator, accumulate: bool) -> None:
         """First forward done: pack buckets in first-use order, check the budget, build the host side."""
         ctx = self.ctx
-        memory, budget = ctx.memory, ctx.config.budget
+        memory, budget = ctx.memory, ctx.budget
         touched = list(recorder.touched)
         seen = set(touched)
         order = touched + [p for p in range(len(ctx.params)) if p not in seen]
-        buckets = make_buckets(list(ctx.specs), order, ctx.config.bucket_bytes, ctx.itemsize)
+        buckets = make_buckets(list(ctx.specs), order, ctx.bucket_bytes, ctx.itemsize)
         need = forward_min_budget(recorder.events, recorder.uses, recorder.ends, buckets, list(ctx.specs),
                                   ctx.itemsize, activations=memory.activation_peak, fixed=memory.parts["buffers"],
                                   headroom=memory.parts["headroom"])
