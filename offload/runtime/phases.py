@@ -44,7 +44,6 @@ _PASS = frozenset({
     (Pass.IDLE, Pass.FORWARD),
     (Pass.IDLE, Pass.BACKWARD),
     (Pass.FORWARD, Pass.BACKWARD),  # autograd run inside the forward (e.g. torch.autograd.grad in a module)
-    (Pass.BACKWARD, Pass.FORWARD),  # a forward called inside backward starts over (see Runtime._begin_forward)
     (Pass.BACKWARD, Pass.RECOMPUTE),
     (Pass.RECOMPUTE, Pass.BACKWARD),
 })
@@ -52,7 +51,8 @@ _PASS = frozenset({
 
 class Phases:
     """The runtime's lifecycle and pass; components read them, :meth:`enter` and :meth:`become` move them.
-    Any pass may drop to IDLE (a pass ended, or a fault discarded it)."""
+    Any pass may drop to IDLE (a pass ended, or a fault discarded it; a forward started inside a backward
+    first drops the backward to IDLE, see ``Runtime._begin_forward``)."""
 
     __slots__ = ("lifecycle", "current")
 
