@@ -7,9 +7,10 @@ copies not yet waited for, and per bucket the grads gathered since the last ``st
 Like the rest of the runtime it executes the plan (``plan.grad_buffer``) and touches streams only through
 the backend.
 
-Where grads become visible (issue 19): ``backward_done`` runs once per backward, after every bucket's
-copy was issued; ``clear`` runs when gathered grads are consumed or dropped (``step()``, ``zero_grad()``,
-a failed backward).
+Where grads would be exposed to the user (issue 19): ``backward_done`` runs once per backward, after every
+bucket's copy was issued (expose them there); ``clear`` runs when gathered grads are consumed or dropped
+(``step()``, deferred ``zero_grad()``, a failed backward), and ``wait_for_copies`` at the start of every
+forward (collect or clear them there).
 """
 
 from __future__ import annotations
