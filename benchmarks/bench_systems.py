@@ -203,7 +203,7 @@ def sys_offload(spec, device, idx):
         from offload.planning.schedule import least_traffic
 
         stats = engine.memory_stats()
-        plan = engine._runtime.plan  # not public API: the plan the runtime executes
+        plan = engine._runtime.executor.plan  # not public API: the plan the runtime executes
         out = {k: stats[k] for k in ("budget_bytes", "device_peak_bytes", "device_peak_accounted_bytes",
                                      "arena_bytes", "host_pinned_bytes", "counters")}
         out["headroom_bytes"] = stats["device_parts"]["headroom"]  # measured on CUDA, kept out of the plan

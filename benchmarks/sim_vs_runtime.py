@@ -22,6 +22,7 @@ import platform
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 from rich.console import Console
@@ -29,6 +30,7 @@ from rich.table import Table
 from torch import nn
 
 import offload
+import offload.api
 from offload.backend.cpu import CPUBackend
 from offload.planning.hw import HardwareModel, latency_curve
 from offload.planning.schedule import simulate_plan
@@ -43,11 +45,10 @@ def mlp(width: int, depth: int) -> nn.Module:
 def run(budget, width, depth, batch, steps, bandwidth=None, hw=None):
     model = mlp(width, depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
-    engine = offload.wrap(model, opt, budget=budget, device="cpu", bucket_bytes=width * width * 4 + width * 4, hw=hw)
-    if bandwidth is not None:  # swap in a throttled backend before anything has run
-        old = engine._runtime.backend
-        engine._runtime.backend = CPUBackend(bandwidth, bandwidth)
-        old.close()
+    throttled = None if bandwidth is None else (lambda device: CPUBackend(bandwidth, bandwidth))
+    with mock.patch.object(offload.api, "make_backend", throttled or offload.api.make_backend):
+        engine = offload.wrap(model, opt, budget=budget, device="cpu", bucket_bytes=width * width * 4 + width * 4,
+                              hw=hw)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     times = []
     for _ in range(steps):
@@ -58,7 +59,7 @@ def run(budget, width, depth, batch, steps, bandwidth=None, hw=None):
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
     rt = engine._runtime
-    out = (times, rt.trace, rt.plan, engine.memory_stats())
+    out = (times, rt.executor.trace, rt.executor.plan, engine.memory_stats())
     engine.close()
     return out
 

@@ -125,8 +125,8 @@ def planned_bytes(plan, b) -> tuple[int, int]:
 
 def classify(rt, below: set[int]) -> dict[str, list]:
     kinds = {"frozen, below the lowest trainable": [], "the rest": []}
-    for b in rt.buckets:
-        low = all(id(rt.params[p]) in below for p in b.params)
+    for b in rt.slots.buckets:
+        low = all(id(rt.ctx.params[p]) in below for p in b.params)
         kinds["frozen, below the lowest trainable" if low else "the rest"].append(b)
     return kinds
 
@@ -137,9 +137,9 @@ def transfers_table(rt, below: set[int], per_step: list[float], steps: int) -> T
         table.add_column(col, justify="right" if col != "buckets" else "left")
     for name, buckets in classify(rt, below).items():
         if buckets:
-            size = sum(b.nbytes(rt.itemsize) for b in buckets)
+            size = sum(b.nbytes(rt.ctx.itemsize) for b in buckets)
             moved = sum(per_step[b.index] for b in buckets)
-            backward = sum(planned_bytes(rt.train_plan, b.index)[1] for b in buckets)
+            backward = sum(planned_bytes(rt.executor.train_plan, b.index)[1] for b in buckets)
             table.add_row(name, str(len(buckets)), format_bytes(size), format_bytes(moved), format_bytes(backward))
     return table
 
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
                 progress.update(task, advance=1, loss=losses[-1], tps=x.numel() / dt)
         stats = engine.memory_stats()
         end = stats["transfers"]
-        start = marks.get("start", {"h2d_bytes_by_bucket": [0] * len(rt.buckets), "d2h_bytes": 0})
+        start = marks.get("start", {"h2d_bytes_by_bucket": [0] * len(rt.slots.buckets), "d2h_bytes": 0})
         measured = max(1, args.steps - 2)
         per_step = [(a - b) / measured for a, b in zip(end["h2d_bytes_by_bucket"], start["h2d_bytes_by_bucket"])]
         console.print(transfers_table(rt, below, per_step, measured))
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
 def report(rt, stats, below, per_step, losses, trainable, total, dtype) -> bool:
     itemsize = torch.empty((), dtype=dtype).element_size()
     host = stats["host_pinned_bytes"]
-    layout = rt.host.layout  # grads: in the device dtype, + an fp32 sum where updates are deferred (accumulation)
+    layout = rt.slots.host.layout  # grads: in the device dtype, + an fp32 sum where updates are deferred (accumulation)
     per_trainable = 12 + layout.grad_itemsize + layout.staging_itemsize + (itemsize if itemsize < 4 else 0)
     frozen_b = itemsize if itemsize < 4 else 4
     all_trainable = per_trainable * total
@@ -211,15 +211,15 @@ def report(rt, stats, below, per_step, losses, trainable, total, dtype) -> bool:
     console.print(table)
     checks = []
     checks.append(("host arena holds no optimizer state for frozen weights",
-                   formula <= host <= formula + 6 * 64 * len(rt.buckets)))
-    summary, plan = stats["plan"], rt.train_plan
+                   formula <= host <= formula + 6 * 64 * len(rt.slots.buckets)))
+    summary, plan = stats["plan"], rt.executor.train_plan
     below_buckets = classify(rt, below)["frozen, below the lowest trainable"]
     no_backward = all(planned_bytes(plan, b.index)[1] == 0 for b in below_buckets)
     checks.append(("buckets below the lowest trainable parameter are not copied for backward", no_backward))
     # What was measured is what the plan says: its copies, plus the refresh of updated resident buckets
     # (none after a step float16 skipped for overflow).
-    planned = [planned_bytes(plan, b.index)[0] for b in rt.buckets]
-    refresh = [b.nbytes(rt.itemsize) if b.index in plan.resident and b.trainable_numel else 0 for b in rt.buckets]
+    planned = [planned_bytes(plan, b.index)[0] for b in rt.slots.buckets]
+    refresh = [b.nbytes(rt.ctx.itemsize) if b.index in plan.resident and b.trainable_numel else 0 for b in rt.slots.buckets]
     checks.append(("bytes copied per bucket = the plan's",
                    all(p <= m <= p + r for m, p, r in zip(per_step, planned, refresh))))
     peak, budget = stats["device_peak_bytes"], stats["budget_bytes"]

@@ -12,6 +12,7 @@ from torch import nn
 from . import persist
 from .backend import make_backend
 from .config import OffloadConfig
+from .errors import AlreadyWrappedError, EngineClosedError, OptimizerBoundError
 from .optim import AdamW
 from .runtime import faults, guards
 from .runtime.core import Runtime
@@ -59,13 +60,12 @@ class Engine:
         self.module = model
         self.optimizer = optimizer
         self.config = config
-        # (chaos passed only when on: tests stand in make_backend(device) for a simulated GPU)
         backend = make_backend(config.device)
         guards.check_budget(config.budget, backend)
         self._runtime = Runtime(model, optimizer, config, backend, params, groups)
         self._buffers = _buffers_to_device(model, backend)  # [(buffer, its device before wrap)]
         buffer_bytes = sum(b.numel() * b.element_size() for b, _ in self._buffers)
-        self._runtime.memory.add("buffers", buffer_bytes)
+        self._runtime.ctx.memory.add("buffers", buffer_bytes)
         optimizer._bind(self)
         for p in params:
             _WRAPPED[id(p)] = (weakref.ref(p), weakref.ref(self))
@@ -90,16 +90,14 @@ class Engine:
         made, and with ``overlap_optimizer`` each bucket's update starts as soon as its grads are there."""
         self._check_open()
         rt = self._runtime
-        if rt.scaler is not None:
-            rt.next_backward_scale = rt.scaler.scale
-            loss = loss * rt.scaler.scale
+        loss = rt.grads.scale_loss(loss)
         try:
             loss.backward(**kwargs)
         except BaseException as e:  # KeyboardInterrupt too: see offload/runtime/faults.py
             faults.abort_backward(rt, e)
             raise
         finally:
-            rt.next_backward_scale = None
+            rt.grads.forget_scale()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -128,33 +126,35 @@ class Engine:
         first step; ``eval_plan``: the forward-only plan no-grad forwards follow). ``transfers`` counts the
         bytes copied since wrap: host to device (in all and per bucket) and gradients device to host."""
         rt = self._runtime
-        plan = rt.train_plan
+        ctx, grads, host = rt.ctx, rt.grads, rt.slots.host
+        memory, stats = ctx.memory, ctx.stats
+        plan, eval_plan = rt.executor.train_plan, rt.evals.latest
         # On CUDA the allocator's measured peak since wrap (arena, activations, grads, temporaries); on the
         # CPU backend, which has no allocator to ask, the runtime's own accounting.
-        measured = rt.backend.peak_bytes()
+        measured = ctx.backend.peak_bytes()
         summary = None
         if plan is not None:
-            summary = plan.summary() | {"bucket_bytes": self.config.bucket_bytes, "replans": rt.stats["replans"]}
+            summary = plan.summary() | {"bucket_bytes": self.config.bucket_bytes, "replans": stats["replans"]}
         return {
             "budget_bytes": self.config.budget,
-            "device_peak_bytes": rt.memory.peak if measured is None else measured,
-            "device_peak_accounted_bytes": rt.memory.peak,
-            "device_current_bytes": rt.memory.current,
-            "device_parts": dict(rt.memory.parts),
+            "device_peak_bytes": memory.peak if measured is None else measured,
+            "device_peak_accounted_bytes": memory.peak,
+            "device_current_bytes": memory.current,
+            "device_parts": dict(memory.parts),
             "arena_bytes": plan.arena_bytes if plan is not None else 0,
-            "host_pinned_bytes": rt.host.nbytes if rt.host is not None else 0,
+            "host_pinned_bytes": host.nbytes if host is not None else 0,
             "plan": summary,
-            "eval_plan": rt.eval_plan.summary() if rt.eval_plan is not None else None,
-            "transfers": {"h2d_bytes": rt.stats["h2d_bytes"], "d2h_bytes": rt.stats["d2h_bytes"],
-                          "h2d_bytes_by_bucket": list(rt.h2d_by_bucket)},
+            "eval_plan": eval_plan.summary() if eval_plan is not None else None,
+            "transfers": {"h2d_bytes": stats["h2d_bytes"], "d2h_bytes": stats["d2h_bytes"],
+                          "h2d_bytes_by_bucket": list(rt.slots.h2d_by_bucket)},
             "optimizer": {
-                "overlap": not rt.deferred,
-                "loss_scale": rt.scaler.scale if rt.scaler is not None else None,
-                "skipped_steps": rt.stats["skipped_steps"],
-                "last_step_skipped": rt.last_step_skipped,
+                "overlap": not grads.deferred,
+                "loss_scale": grads.scaler.scale if grads.scaler is not None else None,
+                "skipped_steps": stats["skipped_steps"],
+                "last_step_skipped": grads.last_step_skipped,
             },
-            "activation_checkpointing": rt.checkpoint_stats(),
-            "counters": dict(rt.stats),
+            "activation_checkpointing": rt.recompute.stats(),
+            "counters": dict(stats),
         }
 
     def export_timeline(self, path: str | os.PathLike) -> "timeline.Timeline":
@@ -177,10 +177,10 @@ class Engine:
         rt = self._runtime
         rt.wait_for_updates()
         weights = {}
-        with rt.backend.compute():  # buffers live on the device: read after the compute that updates them
+        with rt.ctx.backend.compute():  # buffers live on the device: read after the compute that updates them
             for name, value in self.module.state_dict(keep_vars=True).items():
-                p = rt.param_index.get(id(value))
-                weights[name] = rt.read_weight(p) if p is not None else value.detach().to("cpu", copy=True)
+                p = rt.ctx.param_index.get(id(value))
+                weights[name] = rt.weights.read(p) if p is not None else value.detach().to("cpu", copy=True)
         return {"model": weights, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -200,15 +200,15 @@ class Engine:
             raise ValueError(f"state dict does not match the model's shapes: {'; '.join(wrong[:8])}"
                              + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""))
         self.optimizer.check_state_shapes(state_dict["optimizer"])
-        with torch.no_grad(), rt.backend.compute():
+        with torch.no_grad(), rt.ctx.backend.compute():
             for name, value in state_dict["model"].items():
                 target = own[name]
-                p = rt.param_index.get(id(target))
+                p = rt.ctx.param_index.get(id(target))
                 if p is not None:
-                    rt.write_weight(p, value.to(torch.float32))
+                    rt.weights.write(p, value.to(torch.float32))
                 else:
                     target.copy_(value)
-        rt.after_weights_written()
+        rt.weights.written()
         self.optimizer.load_state_dict(state_dict["optimizer"])
 
     def save(self, path: str | os.PathLike, extra: dict | None = None) -> None:
@@ -217,16 +217,16 @@ class Engine:
         AdamW state, loss-scaler state, RNG states, and ``extra`` (e.g. an LR scheduler's state_dict).
         A crash or kill during the write leaves the previous file at ``path`` intact."""
         self._check_open()
-        persist.save(self, path, extra)
+        persist.save(self, self._runtime, path, extra)
 
     def load(self, path: str | os.PathLike) -> dict | None:
         """Resume from a checkpoint written by :meth:`save`; returns its ``extra``. Training then goes on
         exactly as if it had not stopped (same weights, AdamW state, loss scale and RNG streams)."""
         self._check_open()
-        return persist.load(self, path)
+        return persist.load(self, self._runtime, path)
 
     def _adopt_optimizer_state(self) -> None:
-        self._runtime._adopt_optimizer_state()
+        self._runtime.weights.adopt_optimizer_state()
 
     # -- lifetime -------------------------------------------------------------------------------------
 
@@ -238,7 +238,7 @@ class Engine:
         self._closed = True
         try:
             try:
-                with self._runtime.backend.compute(), torch.no_grad():
+                with self._runtime.ctx.backend.compute(), torch.no_grad():
                     for buf, device in self._buffers:  # back where they were, with their trained values
                         buf.data = buf.data.to(device, copy=True)
             finally:
@@ -246,7 +246,7 @@ class Engine:
         finally:
             self.optimizer._unbind()
             self.optimizer.state.clear()
-            for p in self._runtime.params:
+            for p in self._runtime.ctx.params:
                 if _wrapped_by(p) is self:
                     del _WRAPPED[id(p)]
 
@@ -258,7 +258,7 @@ class Engine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this engine is closed; wrap the model again to keep training")
+            raise EngineClosedError("this engine is closed; wrap the model again to keep training")
 
     def __repr__(self) -> str:
         return (f"Engine({type(self.module).__name__}, budget={self.config.budget}, "
@@ -297,7 +297,7 @@ def _validate(model: nn.Module, optimizer: AdamW) -> tuple[list[nn.Parameter], l
         raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to offload")
     for p in params:
         if _wrapped_by(p) is not None:
-            raise RuntimeError("this model (or one sharing parameters with it) is already wrapped by an offload "
+            raise AlreadyWrappedError("this model (or one sharing parameters with it) is already wrapped by an offload "
                                "engine; call engine.close() on that engine first")
         if p.device.type != "cpu":
             raise ValueError(f"parameters must be on the CPU when wrapping (found one on {p.device}); the engine "
@@ -306,7 +306,7 @@ def _validate(model: nn.Module, optimizer: AdamW) -> tuple[list[nn.Parameter], l
             raise TypeError(f"parameters must be torch.float32 (the engine keeps fp32 masters and computes in "
                             f"the configured dtype); found {p.dtype}. Convert the model with model.float() first")
     if optimizer._engine is not None:
-        raise RuntimeError("this offload.AdamW is already bound to an engine; make one optimizer per engine")
+        raise OptimizerBoundError("this offload.AdamW is already bound to an engine; make one optimizer per engine")
     group_of: dict[int, int] = {}
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:

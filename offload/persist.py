@@ -25,25 +25,26 @@ from .errors import CheckpointError
 
 if TYPE_CHECKING:
     from .api import Engine
+    from .runtime.core import Runtime
 
 FORMAT = "offload-checkpoint"
 VERSION = 1
 _TMP = ".{name}.tmp-{pid}-{tag}"
 
 
-def save(engine: "Engine", path: str | os.PathLike, extra: Any = None) -> None:
+def save(engine: "Engine", rt: "Runtime", path: str | os.PathLike, extra: Any = None) -> None:
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot save a checkpoint to {path}: directory {directory} does not exist")
-    rt = engine._runtime
     rt.wait_for_updates()
+    scaler = rt.grads.scaler
     content = {
         "format": FORMAT,
         "version": VERSION,
-        "model": _model_tensors(engine),
-        "optimizer": _optimizer_state(engine),
-        "scaler": rt.scaler.state_dict() if rt.scaler is not None else None,
+        "model": _model_tensors(engine, rt),
+        "optimizer": _optimizer_state(engine, rt),
+        "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": _rng_state(),
         "extra": extra,
     }
@@ -64,7 +65,7 @@ def save(engine: "Engine", path: str | os.PathLike, extra: Any = None) -> None:
     _fsync_directory(directory)  # make the rename itself durable
 
 
-def load(engine: "Engine", path: str | os.PathLike) -> Any:
+def load(engine: "Engine", rt: "Runtime", path: str | os.PathLike) -> Any:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -79,9 +80,9 @@ def load(engine: "Engine", path: str | os.PathLike) -> Any:
                               f"of offload reads version {VERSION}")
     _check_names_and_shapes(engine, ck["model"], path)
     engine.load_state_dict({"model": ck["model"], "optimizer": ck["optimizer"]})
-    rt = engine._runtime
-    if rt.scaler is not None and ck.get("scaler") is not None:
-        rt.scaler.load_state_dict(ck["scaler"])
+    scaler = rt.grads.scaler
+    if scaler is not None and ck.get("scaler") is not None:
+        scaler.load_state_dict(ck["scaler"])
     _set_rng_state(ck["rng"])
     return ck.get("extra")
 
@@ -89,11 +90,10 @@ def load(engine: "Engine", path: str | os.PathLike) -> Any:
 # -- what is written ------------------------------------------------------------------------------------
 
 
-def _model_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
-    rt = engine._runtime
+def _model_tensors(engine: "Engine", rt: "Runtime") -> dict[str, torch.Tensor]:
     out, by_param = {}, {}
     for name, value in engine.module.state_dict(keep_vars=True).items():
-        p = rt.param_index.get(id(value))
+        p = rt.ctx.param_index.get(id(value))
         if p is None:
             out[name] = value.detach().cpu()
         else:
@@ -103,30 +103,29 @@ def _model_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
     return out
 
 
-def _param_tensor(rt, p: int) -> torch.Tensor:
-    shape = rt.params[p].shape
-    if rt.host is None:  # not traced yet: the module still holds its own fp32 tensors
-        return rt.original[p].detach()
-    host = rt.host
+def _param_tensor(rt: "Runtime", p: int) -> torch.Tensor:
+    shape = rt.ctx.params[p].shape
+    host = rt.slots.host
+    if host is None:  # not traced yet: the module still holds its own fp32 tensors
+        return rt.warmup.originals()[p].detach()
     if not host.has_master(p):  # frozen, kept in 16 bits only: saved widened to fp32 (a copy)
         return host.read_param(p).view(shape)
-    return host.exact("master", host.bucket_of[p], host.offset[p], rt.specs[p].numel).view(shape)
+    return host.exact("master", host.bucket_of[p], host.offset[p], rt.ctx.specs[p].numel).view(shape)
 
 
-def _optimizer_state(engine: "Engine") -> dict:
+def _optimizer_state(engine: "Engine", rt: "Runtime") -> dict:
     """``optimizer.state_dict()``, with m and v as exact aliases of the arena instead of views of it."""
     sd = engine.optimizer.state_dict()
-    rt = engine._runtime
-    if rt.host is None:
+    host = rt.slots.host
+    if host is None:
         return sd
-    host = rt.host
     index = 0
     for group in engine.optimizer.param_groups:
         for param in group["params"]:
             state = sd["state"].get(index)
-            p = rt.param_index.get(id(param))
+            p = rt.ctx.param_index.get(id(param))
             if state is not None and p is not None and "exp_avg" in state:
-                b, off, n = host.bucket_of[p], host.offset[p], rt.specs[p].numel
+                b, off, n = host.bucket_of[p], host.offset[p], rt.ctx.specs[p].numel
                 state["exp_avg"] = host.exact("exp_avg", b, off, n).view(param.shape)
                 state["exp_avg_sq"] = host.exact("exp_avg_sq", b, off, n).view(param.shape)
             index += 1

@@ -1,7 +1,10 @@
 """Mutation check of the simulated GPU (issue 21, part 3): remove one wait of the CUDA backend or the runtime
 at a time and see which simulated-GPU test fails. Not a test (pytest does not collect it); run by hand:
 
-    python tests/run_mutations.py [--only ID,ID] [--timeout SECONDS]
+    python tests/run_mutations.py [--only ID,ID] [--timeout SECONDS] [--check]
+
+Every selected mutation's text must occur exactly once in its file, or the runner stops before running
+anything (``--check`` only does that check): a mutation is never skipped silently.
 
 Each mutation is applied to a copy of the repository (the checkout is never touched), and pytest runs the
 simulated-GPU tests there (``-x``: the first test that fails is the one that caught it). The built
@@ -53,88 +56,89 @@ MUTATIONS = [
     ("B9", "no compute stream bound at the first forward (defect 7: the user's stream)", "offload/backend/cuda.py",
      "        if self._compute is None:\n            self._compute = current\n        elif",
      "        if True:\n            pass\n        elif"),
-    # -- the runtime (offload/runtime/core.py, param_access.py, grads.py): each wait it asks for ------------------
-    ("R1", "a forward does not wait for the grad copies of the previous backward (accumulation)", "offload/runtime/core.py",
-     "        for event in self.grad_copies:\n            self.backend.wait(event)\n",
-     "        for event in self.grad_copies:\n            pass\n"),
+    # -- the runtime (offload/runtime/: slots.py, executor.py, grads.py, warmup.py, weights.py, core.py) -------
+    ("R1", "a forward does not wait for the grad copies of the previous backward (accumulation)", "offload/runtime/grads.py",
+     "        for event in self.copies:\n            self.ctx.backend.wait(event)\n",
+     "        for event in self.copies:\n            pass\n"),
     ("R2", "a forward's boundary is not a compute event", "offload/runtime/core.py",
-     "        self.grad_copies = []\n        self.boundary = self.backend.record()",
-     "        self.grad_copies = []\n        self.boundary = DONE"),
-    ("R3", "an H2D does not wait for the AdamW of its bucket (AdamW->H2D)", "offload/runtime/core.py",
+     "        self.grads.wait_for_copies()\n        self.slots.mark_boundary()",
+     "        self.grads.wait_for_copies()\n        from ..backend.base import DONE\n        self.slots.boundary = DONE"),
+    ("R3", "an H2D does not wait for the AdamW of its bucket (AdamW->H2D)", "offload/runtime/slots.py",
      "(*waits, self.adam_event.get(b))", "(*waits,)"),
-    ("R4", "compute does not wait for a bucket's H2D (copy->compute)", "offload/runtime/core.py",
-     "            self._fetch_on_demand(b)\n        self.backend.wait(self.h2d_event[b])",
-     "            self._fetch_on_demand(b)\n        pass"),
-    ("R5", "a prefetch does not wait for the slot's previous occupant (slot reuse)", "offload/runtime/core.py",
-     "        waits = [self.done[j] for j in x.after if j in self.done] + [self.boundary]",
-     "        waits = [self.boundary]"),
-    ("R6", "a prefetch does not wait for the compute boundary", "offload/runtime/core.py",
-     "        waits = [self.done[j] for j in x.after if j in self.done] + [self.boundary]",
-     "        waits = [self.done[j] for j in x.after if j in self.done]"),
-    ("R7", "an on-demand fetch does not wait for the compute boundary", "offload/runtime/core.py",
-     "        self._copy_in(b, _Slot(storage, 0, None), [self.boundary])",
-     "        self._copy_in(b, _Slot(storage, 0, None), [])"),
-    ("R8", "grad slots are freed before their D2H is known complete", "offload/runtime/core.py",
+    ("R4", "compute does not wait for a bucket's H2D (copy->compute)", "offload/runtime/slots.py",
+     "        self.ctx.backend.wait(self.h2d_event[b])\n        self.set_state(b, Residency.DEVICE)\n        self.touch(b)",
+     "        self.set_state(b, Residency.DEVICE)\n        self.touch(b)"),
+    ("R5", "a prefetch does not wait for the slot's previous occupant (slot reuse)", "offload/runtime/executor.py",
+     "        waits = [done[j] for j in x.after if j in done] + [slots.boundary]",
+     "        waits = [slots.boundary]"),
+    ("R6", "a prefetch does not wait for the compute boundary", "offload/runtime/executor.py",
+     "        waits = [done[j] for j in x.after if j in done] + [slots.boundary]",
+     "        waits = [done[j] for j in x.after if j in done]"),
+    ("R7", "an on-demand fetch does not wait for the compute boundary", "offload/runtime/slots.py",
+     "        self.copy_in(b, Slot(storage, 0, None), [self.boundary])",
+     "        self.copy_in(b, Slot(storage, 0, None), [])"),
+    ("R8", "grad slots are freed before their D2H is known complete", "offload/runtime/slots.py",
      "            if block or ev.query():\n                ev.synchronize()", "            if True:\n                pass"),
-    ("R9", "a bucket still in flight is released without compute waiting for its H2D", "offload/runtime/core.py",
-     "            self.backend.wait(self.h2d_event[b])  # never free memory a copy is still writing",
+    ("R9", "a bucket still in flight is released without compute waiting for its H2D", "offload/runtime/slots.py",
+     "            ctx.backend.wait(self.h2d_event[b])  # never free memory a copy is still writing",
      "            pass  # never free memory a copy is still writing"),
-    ("R10", "a released planned slot gets no compute event (slot reuse)", "offload/runtime/core.py",
-     "            self.done[slot.planned] = self.backend.record()", "            self.done[slot.planned] = DONE"),
-    ("R11", "the end of a step's compute is not recorded (_release_all)", "offload/runtime/core.py",
-     "                self._release(b)\n        self.boundary = self.backend.record()",
-     "                self._release(b)\n        self.boundary = DONE"),
-    ("R12", "resident buckets are copied in without waiting for compute (_activate)", "offload/runtime/core.py",
-     "            self._copy_in(b, _Slot(self.arena, plan.buffers[k].offset, k), [self.boundary])",
-     "            self._copy_in(b, _Slot(self.arena, plan.buffers[k].offset, k), [])"),
-    ("R13", "the arena is dropped without waiting for the copies (_deactivate)", "offload/runtime/core.py",
-     "        self.backend.synchronize()\n        for b in list(self.slot):",
-     "        for b in list(self.slot):"),
-    ("R14", "a resident refresh does not wait for compute that reads the slot", "offload/runtime/core.py",
-     "            self._copy_in(b, self.slot[b], [self.boundary])", "            self._copy_in(b, self.slot[b], [])"),
-    ("R15", "a resident refresh does not wait for a refresh still in flight", "offload/runtime/core.py",
-     "            if self.state[b] is Residency.IN_FLIGHT:\n                self._wait(b)\n            self._copy_in",
-     "            if self.state[b] is Residency.IN_FLIGHT:\n                self._set_state(b, Residency.DEVICE)\n"
-     "            self._copy_in"),
-    ("R16", "departing the plan moves grad slots without waiting for the copies", "offload/runtime/core.py",
-     "        with torch.no_grad():\n            self.backend.synchronize()\n            for b, (view, k)",
-     "        with torch.no_grad():\n            for b, (view, k)"),
-    ("R17", "load_state_dict writes host masters while copies read them", "offload/runtime/core.py",
-     "                self.backend.synchronize()\n                self.host.write_master(p, value)",
-     "                self.host.write_master(p, value)"),
-    ("P1", "the traced step reads a parameter before its H2D (copy->compute)", "offload/runtime/param_access.py",
-     "        self.backend.wait(self.backend.h2d(view, src, [self.boundary]))",
-     "        self.backend.h2d(view, src, [self.boundary])"),
-    ("P2", "the traced step's H2D does not wait for the compute boundary", "offload/runtime/param_access.py",
-     "        self.backend.wait(self.backend.h2d(view, src, [self.boundary]))",
-     "        self.backend.wait(self.backend.h2d(view, src, []))"),
+    ("R10", "a released planned slot gets no compute event (slot reuse)", "offload/runtime/slots.py",
+     "            self.done[slot.planned] = ctx.backend.record()", "            self.done[slot.planned] = DONE"),
+    ("R11", "the end of a step's compute is not recorded (PlanExecutor.release_all)", "offload/runtime/executor.py",
+     "                slots.release(b)\n        slots.mark_boundary()",
+     "                slots.release(b)\n        from ..backend.base import DONE\n        slots.boundary = DONE"),
+    ("R12", "resident buckets are copied in without waiting for compute (PlanExecutor.activate)",
+     "offload/runtime/executor.py",
+     "            slots.copy_in(b, Slot(arena, plan.buffers[k].offset, k), [slots.boundary])",
+     "            slots.copy_in(b, Slot(arena, plan.buffers[k].offset, k), [])"),
+    ("R13", "the arena is dropped without waiting for the copies (PlanExecutor.deactivate)", "offload/runtime/executor.py",
+     "        self.ctx.backend.synchronize()\n        for b in list(slots.slot):",
+     "        for b in list(slots.slot):"),
+    ("R14", "a resident refresh does not wait for compute that reads the slot", "offload/runtime/executor.py",
+     "            slots.copy_in(b, slots.slot[b], [slots.boundary])", "            slots.copy_in(b, slots.slot[b], [])"),
+    ("R15", "a resident refresh does not wait for a refresh still in flight", "offload/runtime/executor.py",
+     "            if slots.state[b] is Residency.IN_FLIGHT:\n                self.need(b)\n            slots.copy_in",
+     "            if slots.state[b] is Residency.IN_FLIGHT:\n                slots.set_state(b, Residency.DEVICE)\n"
+     "            slots.copy_in"),
+    ("R16", "departing the plan moves grad slots without waiting for the copies", "offload/runtime/executor.py",
+     "            self.ctx.backend.synchronize()\n            for move_out in self._leaving:",
+     "            for move_out in self._leaving:"),
+    ("R17", "load_state_dict writes host masters while copies read them", "offload/runtime/weights.py",
+     "                self.ctx.backend.synchronize()\n                self.slots.hosted().write_master(p, value)",
+     "                self.slots.hosted().write_master(p, value)"),
+    ("P1", "the traced step reads a parameter before its H2D (copy->compute)", "offload/runtime/warmup.py",
+     "        ctx.backend.wait(ctx.backend.h2d(view, src, [boundary]))",
+     "        ctx.backend.h2d(view, src, [boundary])"),
+    ("P2", "the traced step's H2D does not wait for the compute boundary", "offload/runtime/warmup.py",
+     "        ctx.backend.wait(ctx.backend.h2d(view, src, [boundary]))",
+     "        ctx.backend.wait(ctx.backend.h2d(view, src, []))"),
     ("G1", "a grad slot is refilled before its previous occupant's copy/compute (slot reuse)", "offload/runtime/grads.py",
-     "            for j in x.after:\n                if j in self.done:\n                    self.backend.wait(self.done[j])",
+     "            for j in x.after:\n                if j in slots.done:\n                    ctx.backend.wait(slots.done[j])",
      "            for j in x.after:\n                pass"),
     ("G2", "a grad slot is used without waiting for the boundary", "offload/runtime/grads.py",
-     "            self.backend.wait(self.boundary)\n            view = self.arena",
-     "            view = self.arena"),
+     "            ctx.backend.wait(slots.boundary)\n            view = executor.arena_view",
+     "            view = executor.arena_view"),
     ("G3", "a grad D2H does not wait for the compute that wrote the slot (compute->D2H)", "offload/runtime/grads.py",
-     "        waits = [self.backend.record()] + [e for e in (self.adam_event.get(b),) if e is not None]",
-     "        waits = [e for e in (self.adam_event.get(b),) if e is not None]"),
+     "        waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]",
+     "        waits = [e for e in (slots.adam_event.get(b),) if e is not None]"),
     ("G4", "a grad D2H does not wait for the previous AdamW reading the host grad", "offload/runtime/grads.py",
-     "        waits = [self.backend.record()] + [e for e in (self.adam_event.get(b),) if e is not None]",
-     "        waits = [self.backend.record()]"),
+     "        waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]",
+     "        waits = [ctx.backend.record()]"),
     ("G5", "a grad slot's reuse does not wait for its D2H (slot reuse)", "offload/runtime/grads.py",
-     "        if k is not None:\n            self.done[k] = d2h", "        if k is not None:\n            pass"),
+     "        if k is not None:\n            slots.done[k] = d2h", "        if k is not None:\n            pass"),
     ("G6", "accumulation adds the staged grads before their D2H (D2H->CPU)", "offload/runtime/grads.py",
-     "[d2h, earlier[1]]", "[earlier[1]]"),
+     "[d2h, earlier.ready]", "[earlier.ready]"),
     ("G7", "AdamW reads the host grads before their D2H (D2H->CPU AdamW)", "offload/runtime/grads.py",
-     "        waits = [ready] + [e for e in (self.h2d_event.get(b),) if e is not None]",
-     "        waits = [e for e in (self.h2d_event.get(b),) if e is not None]"),
+     "        waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]",
+     "        waits = [e for e in (slots.h2d_event.get(b),) if e is not None]"),
     ("G8", "AdamW rewrites a bucket's host copy while its H2D may read it", "offload/runtime/grads.py",
-     "        waits = [ready] + [e for e in (self.h2d_event.get(b),) if e is not None]",
+     "        waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]",
      "        waits = [ready]"),
     ("G9", "step() frees grad slots without waiting for their D2H", "offload/runtime/grads.py",
-     "        self._reclaim(block=True)  # every update", "        self._reclaim()  # every update"),
+     "        self.slots.reclaim(block=True)  # every update", "        self.slots.reclaim()  # every update"),
     ("G10", "a grad D2H into the staging copy does not wait for the previous pass's add (it reads that copy)",
      "offload/runtime/grads.py",
-     "            waits.append(earlier[1])  # the previous pass's sum",
+     "            waits.append(earlier.ready)  # the previous pass's sum",
      "            pass  # the previous pass's sum"),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("B6+R7", "on-demand fetch: neither empty()'s wait nor the boundary orders the H2D after compute", "+",
@@ -178,6 +182,18 @@ def edits(mutation) -> list[tuple[str, str, str]]:
     return [(path, old, new)]
 
 
+def missing_patterns(mutations) -> list[str]:
+    """Mutations whose old text does not occur exactly once in this checkout (the code moved on: update the
+    pattern, never skip the mutation)."""
+    bad = []
+    for mutation in mutations:
+        for path, old, _ in edits(mutation):
+            found = (ROOT / path).read_text().count(old) if (ROOT / path).exists() else 0
+            if found != 1:
+                bad.append(f"{mutation[0]}: {path} has its text {found} time(s), not once: {old!r}")
+    return bad
+
+
 def run_one(mutation, timeout: int) -> tuple[str, float, str]:
     ident = mutation[0]
     with tempfile.TemporaryDirectory(prefix=f"mut-{ident}-") as tmp:
@@ -186,7 +202,7 @@ def run_one(mutation, timeout: int) -> tuple[str, float, str]:
         for path, old, new in edits(mutation):
             text = (dest / path).read_text()
             if text.count(old) != 1:
-                return "NOT APPLIED (text not found once)", 0.0, ""
+                raise SystemExit(f"{ident}: its text is not found once in {path} (checked at start: a file changed?)")
             (dest / path).write_text(text.replace(old, new))
         (dest / "launch.py").write_text(LAUNCH.format(copy=str(dest)))
         t0 = time.time()
@@ -213,11 +229,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="")
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--check", action="store_true", help="only check that every mutation's text is found once")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
-    for mutation in MUTATIONS:
-        if only and mutation[0] not in only:
-            continue
+    unknown = only - {m[0] for m in MUTATIONS}
+    if unknown:
+        raise SystemExit(f"no such mutation: {sorted(unknown)}")
+    selected = [m for m in MUTATIONS if not only or m[0] in only]
+    bad = missing_patterns(selected)
+    if bad:  # fail loudly: a mutation that does not apply would otherwise look like one that was not caught
+        raise SystemExit("mutations that do not apply to this checkout:\n  " + "\n  ".join(bad))
+    if args.check:
+        print(f"all {len(selected)} mutations apply")
+        return
+    for mutation in selected:
         verdict, seconds, reason = run_one(mutation, args.timeout)
         files = ", ".join(sorted({f"`{path}`" for path, _, _ in edits(mutation)}))
         print(f"| {mutation[0]} | {mutation[1]} | {files} | {verdict} | {reason} | {seconds:.0f} s |", flush=True)

@@ -18,6 +18,8 @@ class DeviceMemory:
     [Note: headroom] in backend/cuda.py), held from the start.
     """
 
+    SAMPLES = 1 << 14  # device-byte samples kept (per step)
+
     def __init__(self, headroom: int = 0) -> None:
         self.parts: dict[str, int] = {"arena": 0, "slots": 0, "buffers": 0, "activations": 0, "grads": 0,
                                       "headroom": 0}
@@ -25,15 +27,20 @@ class DeviceMemory:
         self.peak = 0
         self.activation_peak = 0  # of the current step
         # Largest storage saved for backward (or that a checkpointed block would save) since wrap: off plan,
-        # the room kept free for the next one to land in (see Runtime._cache_limit).
+        # the room kept free for the next one to land in (see SlotTable.cache_limit).
         self.largest_saved = 0
         self._held: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         # Called after saved activations grew: off plan, the runtime evicts cached buckets to stay in budget.
         self.on_activations: Callable[[], None] | None = None
         # (time.perf_counter(), current) after every change since the last step() (offload/tools/timeline.py's
-        # LaneLog.step_done takes them for Engine.export_timeline's counter and starts a new deque)
-        self.samples: deque[tuple[float, int]] = deque(maxlen=1 << 14)
+        # LaneLog.step_done takes them for Engine.export_timeline's counter: take_samples)
+        self.samples: deque[tuple[float, int]] = deque(maxlen=self.SAMPLES)
         self.add("headroom", headroom)
+
+    def take_samples(self) -> deque[tuple[float, int]]:
+        """The samples since the previous call; sampling goes on into a new deque."""
+        samples, self.samples = self.samples, deque(maxlen=self.SAMPLES)
+        return samples
 
     def add(self, part: str, n: int) -> None:
         self.parts[part] += n
@@ -85,5 +92,5 @@ class SavedActivation:
         self.key = storage.data_ptr()
         memory.hold(self.key, storage.nbytes())
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.memory.drop(self.key)

@@ -22,81 +22,53 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch import nn
 
 from ..errors import OffloadError, OffloadWarning
+
+if TYPE_CHECKING:
+    from .core import Runtime
 
 
 def _describe(error: BaseException | None) -> str:
     return "did not finish" if error is None else f"raised {type(error).__name__}: {error}"
 
 
-def abort_forward(rt, error: BaseException | None) -> None:
-    """The forward of ``rt`` (a :class:`offload.runtime.core.Runtime`) raised ``error`` (None: it was noticed
-    later that a forward never finished): release what it fetched and warn."""
-    streamed = sum(1 for b, slot in rt.slot.items() if not rt._is_resident(b, slot))
-    tracing = rt.original is not None
-    streamed += len(rt.trace_views)
-    under_way = bool(rt.recorder.stack)
-    rt.abort_forward()
-    if not (under_way or streamed):
+def abort_forward(rt: Runtime, error: BaseException | None) -> None:
+    """The forward of ``rt`` raised ``error`` (None: it was noticed later that a forward never finished):
+    release what it fetched and warn."""
+    found = rt.abort_forward()
+    if not (found.under_way or found.streamed):
         return  # it failed before it began (e.g. a check at its start): nothing to discard
     what = "its saved activations"
-    if streamed:
-        what = f"{streamed} parameter bucket(s) it had brought to the device (released), and {what}"
-    if tracing:
+    if found.streamed:
+        what = f"{found.streamed} parameter bucket(s) it had brought to the device (released), and {what}"
+    if found.tracing:
         what += "; the first step is traced again by the next forward"
     _warn(f"offload: the forward {_describe(error)}. Discarded: {what}. The engine is ready for the next forward.",
           error)
 
 
-def watch_root(rt) -> None:
-    """Notice an exception leaving the wrapped module's forward when it is called directly (not through the
-    engine): a forward hook with ``always_call`` runs even then (not for KeyboardInterrupt, which torch
-    lets through; that one is noticed by the next forward)."""
-    def hook(module, args, output):
-        if rt.recorder.stack and not rt.engine_call:  # it did not reach its end (through the engine: see there)
+def root_watcher(rt: Runtime) -> Callable[[nn.Module, Any, Any], None]:
+    """A forward hook (registered with ``always_call``) that notices an exception leaving the wrapped
+    module's forward when it is called directly (not through the engine): it runs even then (not for
+    KeyboardInterrupt, which torch lets through; that one is noticed by the next forward)."""
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if rt.forward_under_way() and not rt.engine_call:  # it did not reach its end (through the engine: see there)
             abort_forward(rt, sys.exc_info()[1])
+    return hook
 
-    rt._handles.append(rt.module.register_forward_hook(hook, always_call=True))
 
-
-def abort_backward(rt, error: BaseException | None) -> None:
+def abort_backward(rt: Runtime, error: BaseException | None) -> None:
     """The backward of ``rt`` raised ``error`` (None: noticed later): see [Note: what a fault discards]."""
-    if not rt.in_backward:  # it raised before reaching anything of the engine's: nothing was gathered
-        with torch.no_grad():
-            rt._release_all()  # what the forward streamed in (as the next forward would)
-        rt.pos = 0
+    found = rt.abort_backward()
+    if found is None:  # it raised before reaching anything of the engine's: nothing was gathered
         return
-    problems = []
-    with torch.no_grad():
-        try:
-            rt.cpu.drain()  # AdamW already submitted reads grads and writes masters: let it finish
-        except OffloadError as e:
-            problems.append(str(e))
-        rt.backend.synchronize()
-        for b, (view, k) in list(rt.grad_slots.items()):
-            if k is None:  # an on-demand slot (planned ones are bytes of the arena)
-                rt.memory.add("slots", -view.numel() * rt.itemsize)
-        rt.grad_slots.clear()
-        rt._reclaim(block=True)
-        rt.grad_copies = []
-        arrived = sum(len(ps) for ps in rt.received.values())
-        if rt.deferred:
-            updated, dropped = [], sorted(rt.pending)
-        else:  # overlap: every bucket in pending had its update submitted (and now run)
-            updated, dropped = sorted(rt.pending), []
-        for p in rt.params:
-            p.grad = None
-        rt._clear_grads()
-        rt.next_backward_scale = None
-        rt._release_all()
-        rt._refresh_resident(set(updated))  # updated before the fault and resident: bring the new weights
-        rt._reset_step()
-        rt.backward_seen = False  # the failed backward does not count for step()
-
-    what = [f"the gradients of {arrived} parameter(s) that had reached the engine in this backward"]
+    updated, dropped = found.updated, found.dropped
+    what = [f"the gradients of {found.arrived} parameter(s) that had reached the engine in this backward"]
     if dropped:
         what.append(f"every gradient gathered since the last step() ({len(dropped)} bucket(s)), as zero_grad() "
                     "would")
@@ -107,8 +79,8 @@ def abort_backward(rt, error: BaseException | None) -> None:
                 "gradients are in. Wrap with overlap_optimizer=False for all-or-nothing steps.")
     else:
         msg += " No weight was changed."
-    if problems:
-        msg += " Background work also failed: " + "; ".join(problems)
+    if found.problems:
+        msg += " Background work also failed: " + "; ".join(found.problems)
     msg += " Call zero_grad() and go on with the next step."
     _warn(msg, error)
 
@@ -121,12 +93,16 @@ def _warn(message: str, error: BaseException | None) -> None:
     except OffloadWarning:
         if error is None:
             raise
-        error.add_note(message)
+        if sys.version_info >= (3, 11):
+            error.add_note(message)
+        else:  # PEP 678 notes by hand: Python 3.10's traceback does not print them, the attribute is there
+            error.__notes__ = [*getattr(error, "__notes__", ()), message]  # type: ignore[attr-defined]
 
 
 def _ranges(xs: list[int]) -> str:
     """[0, 1, 2, 5] -> 'buckets 0-2, 5'."""
-    out, start = [], None
+    out: list[str] = []
+    start: int | None = None
     for i, x in enumerate(xs):
         if start is None:
             start = x
@@ -136,7 +112,7 @@ def _ranges(xs: list[int]) -> str:
     return "buckets " + ", ".join(out)
 
 
-def check_backward_finished(rt, what: str | None) -> None:
+def check_backward_finished(rt: Runtime, what: str | None) -> None:
     """Called by forward, ``step()``, ``zero_grad()`` and ``clip_grad_norm_()``: a backward that began but
     never reached its end either is running now or raised; clean up after one that raised. ``what`` names
     the caller, which may not run during backward (None: it may, e.g. a forward recomputed in backward)."""

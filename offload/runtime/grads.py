@@ -1,33 +1,95 @@
-"""The runtime's backward and optimizer side: gradients gathered per bucket in a device grad slot, copied to
-the host as soon as the bucket's grads are final, summed over backward passes (accumulation), their norms
-for clipping, and the AdamW updates they feed (overlapped with backward, or deferred to ``step()``).
+"""The grad pipeline: gradients gathered per bucket in a device grad slot, copied to the host as soon as the
+bucket's grads are final, summed over backward passes (accumulation), their norms for clipping, the loss
+scale, and the AdamW updates they feed on the CPU lane (overlapped with backward, or deferred to ``step()``).
 
-A part of :class:`offload.runtime.core.Runtime`, split out by concern; its state is set up in
-``Runtime.__init__`` and ``Runtime._reset_step``. Like the rest of the runtime it executes the plan
-(``plan.grad_buffer``) and touches streams only through the backend."""
+It owns every record of grads in flight: the slots being filled (:class:`GradSlot`), the device-to-host
+copies not yet waited for, and per bucket the grads gathered since the last ``step()`` (:class:`PendingGrads`).
+Like the rest of the runtime it executes the plan (``plan.grad_buffer``) and touches streams only through
+the backend.
+
+Where grads would be exposed to the user (issue 19): ``backward_done`` runs once per backward, after every
+bucket's copy was issued (expose them there); ``clear`` runs when gathered grads are consumed or dropped
+(``step()``, deferred ``zero_grad()``, a failed backward), and ``wait_for_copies`` at the start of every
+forward (collect or clear them there).
+"""
 
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
-from ..errors import OffloadError
-from ..planning.trace import EventKind
-from . import faults, guards
+from ..errors import InvariantError, NonFiniteNormError, OffloadError
+from .scaler import LossScaler
+
+if TYPE_CHECKING:
+    from ..backend.base import Event
+    from .context import RuntimeContext
+    from .executor import PlanExecutor
+    from .slots import SlotTable
 
 
-class GradientsMixin:
-    """Backward hooks, gradient transfer and accumulation, clipping and the optimizer step of the runtime."""
+HParams = list[tuple[float, float, float, float, float]]  # AdamW.hparams(): per param group
 
-    # ---------------------------------------------------------------------------------------------------
-    # backward: grads
 
-    def _begin_backward(self) -> None:
-        if self.in_backward:
-            return
+class GradSlot(NamedTuple):
+    """Where a bucket's grads are gathered on the device during a backward."""
+
+    view: torch.Tensor  # typed, the bucket's trainable prefix
+    buffer: int | None  # plan buffer, None when allocated on demand
+
+
+class PendingGrads(NamedTuple):
+    """A bucket's grads gathered since the last ``step()``: what its next update covers, and what
+    accumulation adds to."""
+
+    params: frozenset[int]  # parameters whose grads were gathered
+    ready: Event  # after it, the host grad buffer holds them
+
+
+class BackwardDiscard(NamedTuple):
+    """What :meth:`GradPipeline.abort` dropped or kept (for the warning of offload/runtime/faults.py)."""
+
+    arrived: int  # parameters whose grads had reached the engine in this backward
+    updated: list[int]  # buckets already updated (overlap): kept
+    dropped: list[int]  # buckets whose gathered grads were dropped
+    problems: list[str]  # background work that failed too
+
+
+class GradPipeline:
+    """Backward's grads: slots, copies to the host, accumulation, norms, clipping, updates."""
+
+    def __init__(self, ctx: RuntimeContext, slots: SlotTable, executor: PlanExecutor) -> None:
+        self.ctx = ctx
+        self.slots = slots
+        self.executor = executor
+        config = ctx.config
+        self.deferred = not config.overlap_optimizer  # updates run in step(), after every grad is in
+        self.scaler = LossScaler(config.loss_scale) if config.loss_scale is not None else None
+        self.gathering: dict[int, GradSlot] = {}  # bucket -> its grad slot, while this backward fills it
+        self.copies: list[Event] = []  # device-to-host grad copies of the last backward, not yet waited for
+        self.pending: dict[int, PendingGrads] = {}  # bucket -> its grads gathered since the last step()
+        self.norms: dict[int, torch.Tensor] = {}  # param -> 2-norm of its gathered grad (deferred mode)
+        self.clip_factor = 1.0  # set by clip_grad_norm_, applied by the next step()
+        self.next_backward_scale: float | None = None  # set by Engine.backward just before loss.backward()
+        self.step_scale: float | None = None  # the loss scale of this step's backward passes
+        self.awaiting_step = False  # a backward's grads wait for step()
+        self.backward_seen = False  # a backward ran since the last step() (guards.check_step_has_grads)
+        self.last_step_skipped = False
+        self._warned = False
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        self.received: dict[int, set[int]] = {}  # bucket -> params whose grads arrived this backward
+        self.finished: set[int] = set()  # buckets whose grads went to the host this backward
+        self.hparams: HParams | None = None  # overlapped updates: hyperparameters read as backward begins
+
+    # -- backward --------------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """A backward reaches the engine: check it may run, take its loss scale and hyperparameters."""
         if self.awaiting_step and not self.deferred:
             raise OffloadError(
                 "a second backward ran before optimizer.step(), but this engine applies each bucket's AdamW "
@@ -35,7 +97,7 @@ class GradientsMixin:
                 "applied. To accumulate gradients over several backward passes, wrap with "
                 "overlap_optimizer=False; otherwise call step() after each backward.")
         scaled = self.next_backward_scale is not None
-        scale = self.next_backward_scale if scaled else 1.0
+        scale = self.next_backward_scale if self.next_backward_scale is not None else 1.0
         self.next_backward_scale = None
         if self.step_scale is not None and scale != self.step_scale:
             raise OffloadError(
@@ -45,184 +107,196 @@ class GradientsMixin:
         if self.scaler is not None and not scaled and not self._warned:
             self._warned = True
             warnings.warn("offload: with float16, call engine.backward(loss) rather than loss.backward(), so "
-                          "that the loss is scaled and small gradients do not underflow to zero", stacklevel=3)
-        self.in_backward = True
+                          "that the loss is scaled and small gradients do not underflow to zero", stacklevel=4)
         self.backward_seen = True
-        self.stats["backwards"] += 1
-        self.hparams = self.optimizer.hparams()  # overlapped updates: hyperparameters read as backward begins
-        if self.on_plan and self.pos != self.plan.trace.num_forward:
-            self._leave_plan()
-        Variable._execution_engine.queue_callback(self._end_backward)
+        self.ctx.stats["backwards"] += 1
+        self.hparams = self.ctx.optimizer.hparams()
 
-    def _on_grad(self, param: nn.Parameter) -> None:
-        p = self.param_index[id(param)]
-        grad = param.grad
-        nbytes = grad.numel() * grad.element_size()
-        self.memory.add("grads", nbytes)  # autograd has materialised it; it dies below
-        self._begin_backward()
-        self.node_buckets = set()
-        self.recorder.grad(p, nbytes)
-        self._advance(EventKind.GRAD, p)
-        b = self.bucket_of[p]
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Engine.backward: the loss multiplied by the loss scale (float16), which the backward records."""
+        if self.scaler is None:
+            return loss
+        self.next_backward_scale = self.scaler.scale
+        return loss * self.scaler.scale
+
+    def forget_scale(self) -> None:
+        """Engine.backward returned (or raised): the scale it set is not for a later backward."""
+        self.next_backward_scale = None
+
+    def gather(self, p: int, param: nn.Parameter, nbytes: int) -> None:
+        """Parameter ``p``'s grad is accumulated: move it into its bucket's grad slot; send the bucket to
+        the host once all of its grads are in."""
+        b = self.slots.bucket_of[p]
         slot = self._grad_slot(b)
-        off = self.host.offset[p]
+        off = self.slots.hosted().offset[p]
+        grad = param.grad
+        if grad is None:
+            raise InvariantError(f"parameter {p}: its post-accumulate-grad hook ran without a grad")
         with torch.no_grad():
             slot[off: off + param.numel()].copy_(grad.reshape(-1))
         param.grad = None
         del grad
-        self.memory.add("grads", -nbytes)
+        self.ctx.memory.add("grads", -nbytes)
         got = self.received.setdefault(b, set())
         got.add(p)
         if got >= self._expected(b):
-            self._finish_grads(b)
+            self.finish(b)
 
     def _expected(self, b: int) -> set[int]:
-        touched = self.recorder.touched
-        return {p for run in self.buckets[b].runs for p in run.params if p in touched}
+        touched = self.executor.recorder.touched
+        return {p for run in self.slots.buckets[b].runs for p in run.params if p in touched}
 
     def _grad_slot(self, b: int) -> torch.Tensor:
         """The device slot bucket ``b``'s grads are gathered in (typed, trainable prefix only)."""
-        have = self.grad_slots.get(b)
+        have = self.gathering.get(b)
         if have is not None:
-            return have[0]
-        n = self.buckets[b].trainable_numel
-        k = self.plan.grad_buffer[b] if self.on_plan else None
-        if k is not None:
-            x = self.plan.buffers[k]
+            return have.view
+        ctx, slots, executor = self.ctx, self.slots, self.executor
+        n = slots.buckets[b].trainable_numel
+        plan = executor.plan
+        k = plan.grad_buffer[b] if executor.on_plan and plan is not None else None
+        if k is not None and plan is not None:
+            x = plan.buffers[k]
             for j in x.after:
-                if j in self.done:
-                    self.backend.wait(self.done[j])
-            self.backend.wait(self.boundary)
-            view = self.arena[x.offset: x.offset + n * self.itemsize].view(self.dtype)
+                if j in slots.done:
+                    ctx.backend.wait(slots.done[j])
+            ctx.backend.wait(slots.boundary)
+            view = executor.arena_view(x.offset, n)
         else:
-            self._make_room(n * self.itemsize)
-            view = self.backend.empty(n * self.itemsize).view(self.dtype)
-            self.memory.add("slots", n * self.itemsize)
+            slots.make_room(n * ctx.itemsize)
+            view = ctx.backend.empty(n * ctx.itemsize).view(ctx.dtype)
+            ctx.memory.add("slots", n * ctx.itemsize)
         with torch.no_grad():
             # Cleared once (one fill on the compute stream, after the waits above): the padding between
             # parameters ([Note: parameter alignment] in buckets.py) and any parameter without a grad this
             # pass (an unused branch) send zeros, not the bytes of the slot's previous occupant.
             view.zero_()
-        self.grad_slots[b] = (view, k)
+        self.gathering[b] = GradSlot(view, k)
         return view
 
-    def _finish_grads(self, b: int) -> None:
+    def finish(self, b: int) -> None:
         """All of bucket ``b``'s grads are in its slot: copy them to the host, then update on the CPU."""
         if b in self.finished:
             return
         self.finished.add(b)
-        view, k = self.grad_slots.pop(b)
+        ctx, slots = self.ctx, self.slots
+        view, k = self.gathering.pop(b)
         got = frozenset(self.received[b])  # the slot was cleared when taken: the others send zeros
-        host = self.host
+        host = slots.hosted()
         earlier = self.pending.get(b)
+        nbytes = view.numel() * ctx.itemsize
         with torch.no_grad():
             if self.deferred and earlier is None:  # the norms clipping needs, where the grads are
                 self.norms.update(self._slot_norms(view, got))
-        waits = [self.backend.record()] + [e for e in (self.adam_event.get(b),) if e is not None]
-        self.stats["d2h_bytes"] += view.numel() * self.itemsize
+        waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]
+        ctx.stats["d2h_bytes"] += nbytes
         # The copy never converts: it lands in pinned host memory of the slot's dtype ([Note: host grads]
         # in buckets.py), the grad the update reads or the bucket's staging copy.
         dst = host.landing(b, first=earlier is None)
         if earlier is not None:
-            waits.append(earlier[1])  # the previous pass's sum (which read the staging copy) is done
-        d2h = self.backend.d2h(dst, view, waits)
+            waits.append(earlier.ready)  # the previous pass's sum (which read the staging copy) is done
+        d2h = ctx.backend.d2h(dst, view, waits)
         if dst is host.grad[b]:
             ready = d2h
         elif earlier is None:  # the step's first grads, in 16 bits: widened into the fp32 sum
-            ready = self.cpu.submit(lambda: host.take_staged(b, first=True), [d2h],
-                                    f"gradient widening of bucket {b}")
+            ready = ctx.cpu.submit(lambda: host.take_staged(b, first=True), [d2h], f"gradient widening of bucket {b}")
         else:  # accumulate: added into the sum on the CPU lane (which also owns the sum's norms)
-            ready = self.cpu.submit(lambda: self._accumulate(b, got), [d2h, earlier[1]],
-                                    f"gradient accumulation of bucket {b}")
-        self.lane_log.add("d2h", b, view.numel() * self.itemsize, d2h)
-        self.grad_copies.append(d2h)
+            ready = ctx.cpu.submit(lambda: self._accumulate(b, got), [d2h, earlier.ready],
+                                   f"gradient accumulation of bucket {b}")
+        ctx.lane_log.add("d2h", b, nbytes, d2h)
+        self.copies.append(d2h)
         if k is not None:
-            self.done[k] = d2h
-        else:  # (tensor, event): the slot is kept until the copy has read it
-            self.freeing.append((d2h, view.numel() * self.itemsize, view))
-        self.pending[b] = ((earlier[0] if earlier else frozenset()) | got, ready)
+            slots.done[k] = d2h
+        else:
+            slots.free_after(d2h, nbytes, view)
+        self.pending[b] = PendingGrads((earlier.params if earlier else frozenset()) | got, ready)
         if not self.deferred:
             self._submit_update(b, got, ready)
 
-    def _slot_norms(self, view: torch.Tensor, params) -> dict[int, torch.Tensor]:
-        dtype = None if self.dtype == torch.float32 else torch.float32
-        off = self.host.offset
-        return {p: torch.linalg.vector_norm(view[off[p]: off[p] + self.specs[p].numel], dtype=dtype)
-                for p in params}
+    def _slot_norms(self, view: torch.Tensor, params: Iterable[int]) -> dict[int, torch.Tensor]:
+        dtype = None if self.ctx.dtype == torch.float32 else torch.float32
+        off = self.slots.hosted().offset
+        specs = self.ctx.specs
+        return {p: torch.linalg.vector_norm(view[off[p]: off[p] + specs[p].numel], dtype=dtype) for p in params}
 
-    def _accumulate(self, b: int, got) -> None:
+    def _accumulate(self, b: int, got: frozenset[int]) -> None:
         """CPU lane: add one more backward's grads of bucket ``b`` (staged) into the fp32 sum, renew their norms."""
-        self.host.take_staged(b, first=False)
-        self.norms.update(self.host.grad_norms(b, got))
+        host = self.slots.hosted()
+        host.take_staged(b, first=False)
+        self.norms.update(host.grad_norms(b, got))
 
-    def _submit_update(self, b: int, params, ready, hparams=None, factors: tuple[float, ...] = ()) -> None:
-        hparams = hparams or self.hparams
-        params = frozenset(params)
-        waits = [ready] + [e for e in (self.h2d_event.get(b),) if e is not None]
-        self.adam_event[b] = self.cpu.submit(lambda: self.host.update(b, params, hparams, factors), waits,
-                                             f"AdamW of bucket {b}")
-        self.lane_log.add("cpu_adam", b, 0, self.adam_event[b])
+    def _submit_update(self, b: int, params: Iterable[int], ready: Event, hparams: HParams | None = None,
+                       factors: tuple[float, ...] = ()) -> None:
+        slots = self.slots
+        hp = hparams or self.hparams
+        ps = frozenset(params)
+        host = slots.hosted()
+        waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]
+        slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors), waits,
+                                                  f"AdamW of bucket {b}")
+        self.ctx.lane_log.add("cpu_adam", b, 0, slots.adam_event[b])
 
-    def _end_backward(self) -> None:
-        """Queued on the autograd engine: runs once the whole backward has finished."""
-        with torch.no_grad():
-            for b in list(self.received):
-                if b not in self.finished:
-                    self._finish_grads(b)  # some grad of it never came (an unused branch): flush
-            if self.on_plan and self.pos != len(self.plan.trace.events):
-                self._leave_plan()
-            for region in set(self.recompute_event) | set(self.recompute_holds) | set(self.held):
-                self.region_done(region)  # a call whose inputs need no grad: its backward is over now
-            self.recorder.activation_peak = self.memory.activation_peak
-            if self.plan is not None and self.memory.activation_peak > self.plan.activation_bytes:
-                self.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
-            self.trace = self.recorder.finish()
-            self.profile = self._profile(self.memory.activation_peak)
-            self._release_all()
-            self._reclaim()
+    def flush(self) -> None:
+        """The end of backward: buckets some of whose grads never came (an unused branch) go now."""
+        for b in list(self.received):
+            if b not in self.finished:
+                self.finish(b)
+
+    def move_out_of_arena(self) -> None:
+        """The step leaves its plan (the arena goes): grads gathered in plan buffers move to on-demand
+        slots. Called after the backend synchronized."""
+        ctx = self.ctx
+        for b, (view, k) in list(self.gathering.items()):
+            if k is not None:
+                moved = ctx.backend.empty(view.numel() * ctx.itemsize).view(ctx.dtype)
+                ctx.memory.add("slots", moved.numel() * ctx.itemsize)
+                moved.copy_(view)
+                self.gathering[b] = GradSlot(moved, None)
+
+    def backward_done(self) -> None:
+        """Every grad of this backward is on its way to the host (grads would be exposed from here)."""
         self.awaiting_step = bool(self.pending)
-        self.in_backward = False
-        self.pos = 0
 
-    # ---------------------------------------------------------------------------------------------------
-    # optimizer step
+    def wait_for_copies(self) -> None:
+        """A forward starts: grad copies of an earlier backward of this step (accumulation) may still be
+        reading their slots, and the plan reuses those bytes: everything this pass issues comes after them."""
+        for event in self.copies:
+            self.ctx.backend.wait(event)
+        self.copies = []
 
-    def wait_for_updates(self) -> None:
-        self.cpu.drain()
+    # -- the optimizer step ------------------------------------------------------------------------------
 
-    def step(self) -> None:
-        faults.check_backward_finished(self, "optimizer.step()")
-        guards.check_step_has_grads(self)
+    def consume_backward(self) -> bool:
+        """Whether a backward ran since the last ``step()`` (and from now on: not)."""
+        seen, self.backward_seen = self.backward_seen, False
+        return seen
+
+    def run_step(self) -> set[int]:
+        """Run (deferred) or join (overlapped) the updates; return the buckets updated."""
         skipped = False
         if self.deferred and self.pending:
             skipped = self._step_deferred()
-        self.cpu.drain()
-        self._reclaim(block=True)  # every update waited for its grads' copy: all grad slots are free
+        self.ctx.cpu.drain()
+        self.slots.reclaim(block=True)  # every update waited for its grads' copy: all grad slots are free
         updated = set() if skipped else set(self.pending)
-        self._clear_grads()
+        self.clear()
         self.last_step_skipped = skipped
         if updated:
-            self.stats["steps"] += 1
-        with torch.no_grad():
-            if (self.train_plan is None or self.stale) and self.trace is not None and self.trace.complete:
-                self._replan(self.trace)  # brings every resident bucket in afresh
-            else:
-                self._refresh_resident(updated)
-        self.stale = False
-        self.lane_log.step_done(self.recorder, self.memory)
+            self.ctx.stats["steps"] += 1
+        return updated
 
     def _step_deferred(self) -> bool:
         """Run the gathered updates (loss scale and clipping applied); return True if the step is skipped."""
-        hparams = self.optimizer.hparams()  # read now, as torch.optim does
+        hparams = self.ctx.optimizer.hparams()  # read now, as torch.optim does
         factors = []
         if self.scaler is not None:
-            self.cpu.drain()  # the norms of accumulated grads are computed on the CPU lane
-            norms = [self.norms[p] for ps, _ in self.pending.values() for p in ps]
+            self.ctx.cpu.drain()  # the norms of accumulated grads are computed on the CPU lane
+            norms = [self.norms[p] for pending in self.pending.values() for p in pending.params]
             found_inf = bool(norms) and not bool(torch.isfinite(_norms_on_host(norms)).all())
             inv_scale = 1.0 / self.step_scale if self.step_scale else 1.0
             self.scaler.update(found_inf)
             if found_inf:
-                self.stats["skipped_steps"] += 1
+                self.ctx.stats["skipped_steps"] += 1
                 return True
             factors.append(inv_scale)
         factors.append(self.clip_factor)
@@ -231,28 +305,30 @@ class GradientsMixin:
             self._submit_update(b, params, ready, hparams, tuple(factors))
         return False
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
-        """``torch.nn.utils.clip_grad_norm_`` over every grad gathered since the last step, applied by the
-        next ``step()``. Returns the total norm (of the unscaled grads, with float16 loss scaling)."""
+    def check_can_clip(self) -> None:
         if not self.deferred:
             raise OffloadError(
                 "clip_grad_norm_ needs every grad before any update, but this engine applies each bucket's "
                 "AdamW while backward runs (overlap_optimizer=True). Wrap with overlap_optimizer=False to clip.")
-        faults.check_backward_finished(self, "clip_grad_norm_")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every grad gathered since the last step, applied by the
+        next ``step()``. Returns the total norm (of the unscaled grads, with float16 loss scaling)."""
         max_norm, norm_type = float(max_norm), float(norm_type)
-        params = sorted(p for ps, _ in self.pending.values() for p in ps)
+        params = sorted(p for pending in self.pending.values() for p in pending.params)
         if not params:
             return torch.tensor(0.0)
-        self.cpu.drain()  # grads (and the norms of accumulated ones) are final
+        self.ctx.cpu.drain()  # grads (and the norms of accumulated ones) are final
         if norm_type == 2.0:
             norms = _norms_on_host([self.norms[p] for p in params])
         else:
             by_bucket: dict[int, list[int]] = {}
             for p in params:
-                by_bucket.setdefault(self.bucket_of[p], []).append(p)
+                by_bucket.setdefault(self.slots.bucket_of[p], []).append(p)
             found = {}
             for b, ps in by_bucket.items():
-                found.update(self.host.grad_norms(b, ps, norm_type))
+                found.update(self.slots.hosted().grad_norms(b, ps, norm_type))
             norms = torch.stack([found[p] for p in params])
         total = torch.linalg.vector_norm(norms, norm_type)
         if self.step_scale is not None and self.step_scale != 1.0:
@@ -260,8 +336,8 @@ class GradientsMixin:
         if self.clip_factor != 1.0:
             total = total * self.clip_factor
         if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-                               "cannot be clipped. Pass error_if_nonfinite=False to go on anyway")
+            raise NonFiniteNormError(f"the total norm of order {norm_type} of the gradients is non-finite, so it "
+                                     "cannot be clipped. Pass error_if_nonfinite=False to go on anyway")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self.clip_factor *= float(coef)
         return total
@@ -269,21 +345,49 @@ class GradientsMixin:
     def zero_grad(self) -> None:
         """Grads are consumed by the update, so after step() there is nothing to clear; before it (deferred
         updates), the grads gathered so far are dropped, as ``optimizer.zero_grad()`` would."""
-        faults.check_backward_finished(self, "zero_grad()")
         if self.deferred and self.pending:
-            self.cpu.drain()
-            self._reclaim(block=True)
-            self._clear_grads()
+            self.ctx.cpu.drain()
+            self.slots.reclaim(block=True)
+            self.clear()
 
-    def _clear_grads(self) -> None:
+    def clear(self) -> None:
+        """Gathered grads are consumed (step) or dropped (zero_grad, a failed backward)."""
         self.pending = {}
         self.norms = {}
         self.clip_factor = 1.0
         self.step_scale = None
         self.awaiting_step = False
 
+    def abort(self) -> BackwardDiscard:
+        """A backward failed: finish what is in flight (nothing is freed under a copy), free every grad
+        slot, drop the grads gathered since the last step() (see [Note: what a fault discards])."""
+        ctx = self.ctx
+        problems = []
+        try:
+            ctx.cpu.drain()  # AdamW already submitted reads grads and writes masters: let it finish
+        except OffloadError as e:
+            problems.append(str(e))
+        ctx.backend.synchronize()
+        for view, k in self.gathering.values():
+            if k is None:  # an on-demand slot (planned ones are bytes of the arena)
+                ctx.memory.add("slots", -view.numel() * ctx.itemsize)
+        self.gathering.clear()
+        self.slots.reclaim(block=True)
+        self.copies = []
+        arrived = sum(len(ps) for ps in self.received.values())
+        if self.deferred:
+            updated, dropped = [], sorted(self.pending)
+        else:  # overlap: every bucket in pending had its update submitted (and now run)
+            updated, dropped = sorted(self.pending), []
+        for p in ctx.params:
+            p.grad = None
+        self.clear()
+        self.next_backward_scale = None
+        self.backward_seen = False  # the failed backward does not count for step()
+        return BackwardDiscard(arrived, updated, dropped, problems)
 
-def _norms_on_host(norms) -> torch.Tensor:
+
+def _norms_on_host(norms: list[torch.Tensor]) -> torch.Tensor:
     """Per-parameter norms (0-d tensors) as one fp32 CPU tensor, in order, read with one device-to-host copy
     per device they are on instead of one per parameter (each a sync on CUDA): the norms of grads gathered
     on the device live there, those of accumulated grads (summed by the CPU lane) on the host."""

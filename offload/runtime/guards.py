@@ -9,11 +9,19 @@ of every forward, in one pass over the parameters (pointer and version-counter c
 
 from __future__ import annotations
 
-import psutil
+from typing import TYPE_CHECKING
+
 import torch
+from torch import nn
 
 from ..config import format_bytes
 from ..errors import BudgetTooSmallError, OffloadError
+
+if TYPE_CHECKING:
+    from .context import Backend, RuntimeContext
+    from .executor import PlanExecutor
+    from .slots import SlotTable
+    from .warmup import TracedWarmup
 
 _HOW_TO_SET = ("To change weights of a wrapped model, use engine.load_state_dict(...) or engine.load(path); to "
                "change the model itself, engine.close() it, change it, and wrap it again")
@@ -22,25 +30,25 @@ _HOW_TO_SET = ("To change weights of a wrapped model, use engine.load_state_dict
 class ParamGuard:
     """Start-of-forward checks of one runtime's parameters (see the module docstring)."""
 
-    def __init__(self, rt) -> None:
-        self.rt = rt
+    def __init__(self, ctx: RuntimeContext, slots: SlotTable, executor: PlanExecutor, warmup: TracedWarmup) -> None:
+        self.ctx, self.slots, self.executor, self.warmup = ctx, slots, executor, warmup
         self.versions: list[int] | None = None  # version counters, once the engine owns the storage
-        self.names = [f"parameter {p}" for p in range(len(rt.params))]  # as named when wrapped
-        for name, param in rt.module.named_parameters():
-            self.names[rt.param_index[id(param)]] = name
+        self.names = [f"parameter {p}" for p in range(len(ctx.params))]  # as named when wrapped
+        for name, param in ctx.module.named_parameters():
+            self.names[ctx.param_index[id(param)]] = name
 
     def check(self) -> None:
-        rt = self.rt
-        current = list(rt.module.parameters())
-        if len(current) != len(rt.params) or any(id(p) not in rt.param_index for p in current):
+        ctx = self.ctx
+        current = list(ctx.module.parameters())
+        if len(current) != len(ctx.params) or any(id(p) not in ctx.param_index for p in current):
             self._changed_set(current)
-        moved = [p for p, param in enumerate(rt.params) if param.numel() and param.data_ptr() not in _expected(rt, p)]
+        moved = [p for p, param in enumerate(ctx.params) if param.numel() and param.data_ptr() not in self._expected(p)]
         written = []
         if self.versions is not None:
-            written = [p for p, param in enumerate(rt.params) if param._version != self.versions[p] and p not in moved]
+            written = [p for p, param in enumerate(ctx.params) if param._version != self.versions[p] and p not in moved]
         if moved or written:
             self._restore(moved, written)
-            names = self._names()
+            names = self.names
             parts = []
             if moved:
                 parts.append(f"had .data reassigned: {', '.join(names[p] for p in moved[:8])}"
@@ -57,64 +65,50 @@ class ParamGuard:
     def snapshot(self) -> None:
         """Remember the parameters' version counters (from the first step on; before it the user's writes go
         to the original tensors, which the traced first forward reads)."""
-        if self.rt.host is not None:
-            self.versions = [param._version for param in self.rt.params]
+        if self.slots.host is not None:
+            self.versions = [param._version for param in self.ctx.params]
 
-    def _changed_set(self, current) -> None:
-        rt = self.rt
+    def _changed_set(self, current: list[nn.Parameter]) -> None:
+        ctx = self.ctx
         ours = set(map(id, current))
-        added = [n for n, p in rt.module.named_parameters() if id(p) not in rt.param_index]
-        names = self._names()
-        gone = [names[p] for p, param in enumerate(rt.params) if id(param) not in ours]
+        added = [n for n, p in ctx.module.named_parameters() if id(p) not in ctx.param_index]
+        gone = [self.names[p] for p, param in enumerate(ctx.params) if id(param) not in ours]
         raise OffloadError(f"the wrapped model's parameters changed after wrapping (new: {added or 'none'}; no longer "
                            f"in the model: {gone or 'none'}). A parameter replaced or added after offload.wrap is not "
                            f"offloaded or trained by the engine. {_HOW_TO_SET}.")
 
-    def _names(self) -> list[str]:
-        return self.names
-
     def _restore(self, moved: list[int], written: list[int]) -> None:
         """Point reassigned parameters back at what the engine gave them; copy the buckets written in place
         on the device afresh from their host masters."""
-        rt = self.rt
+        ctx = self.ctx
         with torch.no_grad():
-            rt._refresh_resident({rt.bucket_of[p] for p in written})
+            self.executor.refresh({self.slots.bucket_of[p] for p in written})
+        original = self.warmup.original
         for p in moved:
-            param = rt.params[p]
-            if rt.original is not None:
-                param.data = rt.original[p]
-                continue
-            b = rt.bucket_of[p]
-            slot = rt.slot.get(b)
-            if slot is None:
-                param.data = rt.placeholders[p]
+            if original is not None:
+                ctx.params[p].data = original[p]
             else:
-                rt._bind_params(b, slot)
-        self.versions = [param._version for param in rt.params] if rt.host is not None else None
+                self.slots.rebind(p)
+        self.versions = [param._version for param in ctx.params] if self.slots.host is not None else None
+
+    def _expected(self, p: int) -> tuple[int, ...]:
+        """Where parameter ``p``'s data may point right now: its slot, its placeholder, or (before the first
+        forward is traced) its original tensor."""
+        original = self.warmup.original
+        if original is not None:
+            return original[p].data_ptr(), self.ctx.placeholders[p].data_ptr()
+        return (self.slots.address(p),)
 
 
-def _expected(rt, p: int) -> tuple[int, ...]:
-    """Where parameter ``p``'s data may point right now: its slot, its placeholder, or (before the first
-    forward is traced) its original tensor."""
-    if rt.original is not None:
-        return rt.original[p].data_ptr(), rt.placeholders[p].data_ptr()
-    slot = rt.slot.get(rt.bucket_of[p])
-    if slot is None:
-        return (rt.placeholders[p].data_ptr(),)
-    return (slot.storage.data_ptr() + slot.offset + rt.host.offset[p] * rt.itemsize,)
-
-
-def check_step_has_grads(rt) -> None:
+def check_step_has_grads(backward_seen: bool) -> None:
     """``step()`` needs a backward since the last ``step()``: without one it has no gradients to apply."""
-    if not rt.backward_seen:
+    if not backward_seen:
         raise OffloadError("step() was called but no backward ran since the last step() (or since wrapping), so "
                            "there are no gradients to apply. Call loss.backward() (or engine.backward(loss)) "
                            "before optimizer.step()")
-    rt.backward_seen = False
-    rt.guard.snapshot()
 
 
-def check_budget(budget: int, backend) -> None:
+def check_budget(budget: int, backend: Backend) -> None:
     """The budget cannot exceed the device's memory, and must leave room for a plan beside the backend's
     runtime headroom (cuBLAS workspaces and allocator rounding on CUDA; [Note: headroom] in backend/cuda.py)."""
     total = backend.total_bytes()
@@ -135,12 +129,6 @@ def check_budget(budget: int, backend) -> None:
 def _suggest(total: int) -> str:
     gib = int(total * 0.9 / 2**30)
     return f"{gib}GiB" if gib >= 1 else f"{int(total * 0.9 / 2**20)}MiB"
-
-
-def host_total_bytes() -> int:
-    """The CPU backend's device is host RAM."""
-    return psutil.virtual_memory().total
-
 
 
 def refuse_compile() -> None:

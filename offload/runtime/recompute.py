@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable
+from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -45,7 +45,11 @@ from torch import nn
 # forward pre-hook enters and a forward hook finishes (what torch.distributed._composable.checkpoint does).
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
+from ..errors import InvariantError
 from ..planning.activations import AUTO
+
+# activation_checkpointing other than None: "auto", module names, or a predicate of (name, module)
+CheckpointSpec = Union[str, Sequence[str], Callable[[str, nn.Module], bool]]
 
 
 def find_blocks(model: nn.Module) -> dict[int, str]:
@@ -66,7 +70,7 @@ def find_blocks(model: nn.Module) -> dict[int, str]:
     return _outermost(model, found)
 
 
-def resolve(spec, model: nn.Module) -> dict[int, str]:
+def resolve(spec: CheckpointSpec, model: nn.Module) -> dict[int, str]:
     """The modules a non-auto ``activation_checkpointing`` names, by module index -> name."""
     named = list(model.named_modules())
     chosen: dict[int, str] = {}
@@ -93,7 +97,7 @@ def resolve(spec, model: nn.Module) -> dict[int, str]:
     return kept
 
 
-def candidates(spec, model: nn.Module) -> dict[int, str]:
+def candidates(spec: CheckpointSpec | None, model: nn.Module) -> dict[int, str]:
     """Blocks that may be checkpointed under ``spec`` (None: the auto blocks, for error hints only)."""
     if spec is None or spec == AUTO:
         return find_blocks(model)
@@ -112,12 +116,12 @@ class _RegionEnd(torch.autograd.Function):
     runs first), so it reports that the call's backward is over."""
 
     @staticmethod
-    def forward(ctx, done, *xs):
+    def forward(ctx: Any, done: Callable[[], None], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.done = done
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.done()
         return (None, *grads)
 
@@ -128,41 +132,61 @@ class _AboveCheckpoint:
     and checkpoint's own unpack, its result passed through ``unpacked`` if given."""
 
     def __init__(self, seen: Callable[[torch.Tensor], torch.Tensor | None],
-                 unpacked: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 unpacked: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.seen = seen
         self.unpacked = unpacked
-        self.ctx = None
+        self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         below = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        assert below is not None, "entered outside torch.utils.checkpoint's saved-tensor hooks"
+        if below is None:
+            raise InvariantError("entered outside torch.utils.checkpoint's saved-tensor hooks")
         pack_below, unpack_below = below
         seen, unpacked = self.seen, self.unpacked
 
-        def pack(x):
+        def pack(x: torch.Tensor) -> Any:
             y = seen(x)
             return pack_below(x if y is None else y)
 
-        def unpack(h):
-            return unpacked(unpack_below(h))
+        if unpacked is None:
+            self.ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack_below)
+        else:
+            after = unpacked
 
-        self.ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack_below if unpacked is None else unpack)
+            def unpack(h: Any) -> torch.Tensor:
+                return after(unpack_below(h))
+
+            self.ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self.ctx.__enter__()
 
-    def __exit__(self, *exc):
-        self.ctx.__exit__(*exc)
+    def __exit__(self, *exc: Any) -> Literal[False]:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
         return False
+
+
+class RecomputeCallbacks(Protocol):
+    """What the Checkpointer calls back into (offload/runtime/recompute_hooks.py's RecomputeCoordinator)."""
+
+    def recompute_begin(self, region: int, module: int) -> list: ...
+    def recompute_saved(self, region: int, t: torch.Tensor) -> torch.Tensor | None: ...
+    def recompute_end(self, region: int) -> None: ...
+    def recomputed_unpacked(self, x: torch.Tensor) -> torch.Tensor: ...
+    def region_saved(self, block: int, region: int, t: torch.Tensor) -> None: ...
+    def region_done(self, region: int) -> None: ...
 
 
 class Checkpointer:
     """Runs the chosen modules checkpointed and measures, per block, what its forward saves.
 
-    The runtime owns it; it calls back into the runtime at the four moments the runtime must know of:
-    ``region_begin`` (a checkpointed call starts), ``recompute_begin``/``recompute_end`` (backward
-    recomputes it) and ``region_done`` (its backward is over).
+    The recompute coordinator owns it; it calls back into it (held weakly) at the moments the runtime must
+    know of: ``region_saved`` (a checkpointed call's forward saves a tensor: measured, not kept),
+    ``recompute_begin``/``recompute_saved``/``recompute_end`` (backward recomputes the call),
+    ``recomputed_unpacked`` (the call's backward unpacks what the recompute saved) and ``region_done``
+    (its backward is over).
     """
 
-    def __init__(self, model: nn.Module, runtime, blocks: dict[int, str]):
+    def __init__(self, model: nn.Module, runtime: RecomputeCallbacks, blocks: dict[int, str]):
         self.modules = list(model.modules())
         self.blocks = dict(blocks)  # module index -> name: what is measured (and may be checkpointed)
         self.block_of: dict[int, int] = {}  # module index -> the block containing it (itself included)
@@ -188,17 +212,17 @@ class Checkpointer:
         self.region_bytes: dict[int, int] = {}  # region -> bytes its forward saved (what recompute makes)
         self._seen: dict[int, dict[int, weakref.ref]] = {}  # region -> address -> tensor counted there
 
-    def set_active(self, modules) -> None:
+    def set_active(self, modules: Iterable[int]) -> None:
         """Checkpoint exactly ``modules`` (module indices) from the next forward on."""
-        modules = frozenset(modules)
-        for i in self.active - modules:
+        chosen = frozenset(modules)
+        for i in self.active - chosen:
             for h in self.handles.pop(i):
                 h.remove()
-        for i in sorted(modules - self.active):
+        for i in sorted(chosen - self.active):
             m = self.modules[i]
             self.handles[i] = [m.register_forward_pre_hook(self._pre(i), with_kwargs=True),
                                m.register_forward_hook(self._post, prepend=True, always_call=True)]
-        self.active = modules
+        self.active = chosen
 
     def close(self) -> None:
         self.set_active(())
@@ -224,8 +248,8 @@ class Checkpointer:
 
     # -- the hooks --------------------------------------------------------------------------------------
 
-    def _pre(self, index: int):
-        def hook(module, args, kwargs):
+    def _pre(self, index: int) -> Callable[[nn.Module, tuple, dict], tuple[tuple, dict] | None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             rt = self.rt()
             if rt is None or self.recomputing is not None or not torch.is_grad_enabled():
                 self.gens.append(None)
@@ -243,7 +267,7 @@ class Checkpointer:
             return args, kwargs
         return hook
 
-    def _post(self, module, args, output):
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         gen = self.gens.pop() if self.gens else None
         if gen is None:
             return None
@@ -253,7 +277,7 @@ class Checkpointer:
             return None
         raise RuntimeError("the checkpoint generator did not finish with its forward")
 
-    def _contexts(self, rt, region: int, index: int):
+    def _contexts(self, rt: RecomputeCallbacks, region: int, index: int) -> tuple[_AboveCheckpoint, _RecomputeScope]:
         forward = _AboveCheckpoint(lambda x: rt.region_saved(index, region, x), rt.recomputed_unpacked)
         return forward, _RecomputeScope(self, rt, region, index)
 
@@ -261,11 +285,11 @@ class Checkpointer:
 class _RecomputeScope:
     """Entered by checkpoint around the recomputed forward of one call (in backward)."""
 
-    def __init__(self, owner: Checkpointer, rt, region: int, index: int):
+    def __init__(self, owner: Checkpointer, rt: RecomputeCallbacks, region: int, index: int) -> None:
         self.owner, self.rt, self.region, self.index = owner, rt, region, index
         self.stack = contextlib.ExitStack()
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self.owner.recomputing = self.region
         try:
             for ctx in self.rt.recompute_begin(self.region, self.index):
@@ -275,7 +299,7 @@ class _RecomputeScope:
             self.__exit__(None, None, None)
             raise
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> Literal[False]:
         try:
             self.stack.close()  # also when checkpoint stops the recompute early (_StopRecomputationError)
         finally:
@@ -287,7 +311,7 @@ class _RecomputeScope:
 class _Done:
     """Callback of ``_RegionEnd``; holds the runtime weakly (the autograd graph may outlive it)."""
 
-    def __init__(self, rt, region: int):
+    def __init__(self, rt: RecomputeCallbacks, region: int) -> None:
         self.rt, self.region = weakref.ref(rt), region
 
     def __call__(self) -> None:
@@ -302,14 +326,14 @@ def _mark_inputs(args: tuple, kwargs: dict, done: _Done) -> tuple[tuple, dict]:
     keys += [("k", k) for k, x in kwargs.items() if isinstance(x, torch.Tensor) and x.requires_grad]
     if not keys:
         return args, kwargs
-    args, kwargs = list(args), dict(kwargs)
-    outs = _RegionEnd.apply(done, *[args[k] if kind == "a" else kwargs[k] for kind, k in keys])
+    new_args, new_kwargs = list(args), dict(kwargs)
+    outs = _RegionEnd.apply(done, *[new_args[k] if kind == "a" else new_kwargs[k] for kind, k in keys])
     for (kind, k), y in zip(keys, outs):
         if kind == "a":
-            args[k] = y
+            new_args[k] = y
         else:
-            kwargs[k] = y
-    return tuple(args), kwargs
+            new_kwargs[k] = y
+    return tuple(new_args), new_kwargs
 
 
 def _nbytes(x: torch.Tensor) -> int:

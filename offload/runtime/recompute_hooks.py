@@ -1,17 +1,17 @@
-"""The runtime's side of activation checkpointing: what offload/runtime/recompute.py's ``Checkpointer`` calls back
-into while backward recomputes a checkpointed call (see its [Note: recompute and the parameter buckets]),
-and how "auto" chooses the blocks to checkpoint from the activations measured in the warm-up step.
-
-A part of :class:`offload.runtime.core.Runtime`, split out by concern; its state (``ckpt``, ``profile``,
-``checkpoint_choice``, ``warmup``, ``recompute_*``, ``held``, ``reserve``) is set up in ``Runtime.__init__`` and
-``Runtime._reset_step``."""
+"""The recompute coordinator: the runtime's side of activation checkpointing. It is what
+offload/runtime/recompute.py's ``Checkpointer`` calls back into while backward recomputes a checkpointed
+call (see its [Note: recompute and the parameter buckets]), and it chooses the blocks "auto" checkpoints
+from the activations measured in the warm-up step.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Collection
 
 import torch
 
 from ..config import format_bytes
-from ..errors import BudgetTooSmallError
+from ..errors import BudgetTooSmallError, InvariantError
 from ..planning.activations import (
     AUTO,
     ActivationProfile,
@@ -24,13 +24,23 @@ from ..planning.activations import (
     recompute_seconds,
 )
 from ..planning.schedule import budget_error, min_arena_bytes
-from ..planning.trace import EventKind, Trace
-from .param_access import _Busy, _UseDetector
+from ..planning.trace import EventKind, Recorder, Trace
+from .phases import Pass
+from .recompute import Checkpointer, candidates
+from .residency import ParamRef
 
-_STANDIN = "_offload_weight"  # attribute of a stand-in tensor: the weight view it stands for (a _ParamRef)
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from .context import RuntimeContext
+    from .executor import PlanExecutor
+    from .param_access import ParamAccess
+    from .slots import SlotTable
+
+_STANDIN = "_offload_weight"  # attribute of a stand-in tensor: the weight view it stands for (a ParamRef)
 
 
-def _standin(t: torch.Tensor, ref) -> torch.Tensor:
+def _standin(t: torch.Tensor, ref: ParamRef) -> torch.Tensor:
     """A one-element tensor with ``t``'s shape, dtype and device (what checkpoint checks a recomputed tensor
     against) that names the weight view ``ref`` it stands for."""
     s = torch.empty((), dtype=t.dtype, device=t.device).expand(t.shape)
@@ -38,52 +48,95 @@ def _standin(t: torch.Tensor, ref) -> torch.Tensor:
     return s
 
 
-class RecomputeMixin:
-    """Recompute callbacks, the activation profile and the "auto" checkpoint choice of the runtime."""
+class RecomputeCoordinator:
+    """Recompute callbacks, the activation profile and the "auto" checkpoint choice."""
 
-    def recompute_begin(self, region: int, module: int) -> list:
+    def __init__(self, ctx: RuntimeContext, slots: SlotTable, executor: PlanExecutor, access: ParamAccess,
+                 begin_backward: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self.slots = slots
+        self.executor = executor
+        self.access = access
+        self._begin_backward = begin_backward
+        spec = ctx.config.activation_checkpointing
+        self.auto = spec == AUTO
+        self.blocks = candidates(spec, ctx.module)
+        if self.auto and not self.blocks:
+            raise ValueError('activation_checkpointing="auto" found no repeated blocks (children of an '
+                             "nn.ModuleList or nn.Sequential with submodules) to checkpoint in this model; "
+                             "name the modules instead: activation_checkpointing=[\"layers.0\", ...]")
+        self.ckpt = Checkpointer(ctx.module, self, self.blocks)
+        self.choice: CheckpointChoice | None = None  # what "auto" decided after the warm-up
+        # "auto" runs with no block checkpointed where the warm-up says that may fit: the warm-up's (trace,
+        # profile), to choose blocks from if that step's plan does not fit
+        self.warmup: tuple[Trace, ActivationProfile] | None = None
+        self.profile: ActivationProfile | None = None  # activation bytes per block, of the last step
+        self.reset_step()
+
+    def start(self) -> None:
+        """Checkpoint the configured modules ("auto": every block in the warm-up step, then it chooses)."""
+        if self.ctx.config.activation_checkpointing is not None:
+            self.ckpt.set_active(self.blocks)
+
+    def reset_step(self) -> None:
+        self.ckpt.reset()
+        self.forward_end_activations = 0  # saved bytes held when this step's forward ended
+        self.event: dict[int, int] = {}  # checkpointed call (region) -> its RECOMPUTE event
+        self.standin_regions: set[int] = set()  # regions recomputed off plan: weight views saved as stand-ins
+        self.holds: dict[int, list[int]] = {}  # region -> storages of its recomputed tensors
+        self.slots.reserve = 0
+
+    # -- callbacks of the Checkpointer (offload/runtime/recompute.py) ------------------------------------
+
+    def recompute_begin(self, region: int, module: int) -> list[AbstractContextManager[object]]:
         """Backward is about to recompute checkpointed call ``region`` of ``module``: record it as one
         RECOMPUTE event, follow the plan, and return the contexts to run the recompute under."""
-        with _Busy(self):
+        ctx, executor = self.ctx, self.executor
+        with ctx.busy:
             self._begin_backward()
-            self.node_buckets = set()
-            self.recompute_event[region] = self.recorder.recompute_begin(module)
-            self._advance(EventKind.RECOMPUTE, module)
+            self.access.new_node()
+            self.event[region] = executor.recorder.recompute_begin(module)
+            executor.advance(EventKind.RECOMPUTE, module)
             # On demand, fetches keep room for what the recompute will save (as measured in forward).
-            self.reserve = self.ckpt.region_bytes.get(region, 0)
-            if not self.on_plan:
-                self._make_room(0)
+            self.slots.reserve = self.ckpt.region_bytes.get(region, 0)
+            if not executor.on_plan:
+                self.slots.make_room(0)
                 self.standin_regions.add(region)  # see [Note: recomputed weights off plan]
-            self.recompute_region = region
-        return [_UseDetector(self)]  # the weights it reads are fetched (and held) like forward's
+            self.access.begin_recompute(region)
+            ctx.phases.enter(Pass.RECOMPUTE)
+        return [self.access.detector()]  # the weights it reads are fetched (and held) like forward's
 
     def recompute_saved(self, region: int, t: torch.Tensor) -> torch.Tensor | None:
         """A tensor the recompute saves for the call's backward: device memory until the call is done. A
         weight view into a slot: on plan, that bucket stays put until then; off plan, a stand-in is saved
         instead (returned), resolved when the call's backward unpacks it (``recomputed_unpacked``)."""
-        with _Busy(self):
-            if t.device != self.backend.device or t.layout != torch.strided:
+        ctx = self.ctx
+        with ctx.busy:
+            if t.device != ctx.backend.device or t.layout != torch.strided:
                 return None
-            ref = self._locate(t)
+            ref = self.access.locate(t)
             if ref is not None:
                 if region in self.standin_regions:
                     return _standin(t, ref)
-                self.held.setdefault(region, set()).add(self.bucket_of[ref.param])
+                self.access.hold(region, self.slots.bucket_of[ref.param])
                 return None
             storage = t.untyped_storage()
-            if self.memory.hold(storage.data_ptr(), storage.nbytes()):
-                self.reserve = max(0, self.reserve - storage.nbytes())
-            self.recompute_holds.setdefault(region, []).append(storage.data_ptr())
+            if ctx.memory.hold(storage.data_ptr(), storage.nbytes()):
+                self.slots.reserve = max(0, self.slots.reserve - storage.nbytes())
+            self.holds.setdefault(region, []).append(storage.data_ptr())
             return None
 
     def recompute_end(self, region: int) -> None:
-        self.recorder.recompute_end()
-        self.recompute_region = None
-        self.reserve = 0
+        phases = self.ctx.phases
+        if phases.current is Pass.RECOMPUTE:
+            phases.enter(Pass.BACKWARD)
+        self.executor.recorder.recompute_end()
+        self.access.end_recompute()
+        self.slots.reserve = 0
         if region in self.standin_regions:  # no saved tensor points into its buckets: they may go
-            self.held.pop(region, None)
-            with _Busy(self):
-                self._evict_to_fit(0)  # back within the cache's limit before the call's backward runs
+            self.access.unhold(region)
+            with self.ctx.busy:
+                self.slots.evict_to_fit(0)  # back within the cache's limit before the call's backward runs
 
     def recomputed_unpacked(self, x: torch.Tensor) -> torch.Tensor:
         """What checkpoint hands back for a tensor a checkpointed call saved: a stand-in for a weight view
@@ -91,118 +144,146 @@ class RecomputeMixin:
         the unpack hook of a call that is not checkpointed does, [Note: saved parameters]), protected
         while the node runs; any other tensor is returned as it is."""
         ref = getattr(x, _STANDIN, None)
-        return x if ref is None else self._param_view(ref)
+        return x if ref is None else self.access.param_view(ref)
 
     def region_saved(self, block: int, region: int, t: torch.Tensor) -> None:
         """Forward of a checkpointed call: ``t`` is what it would have saved (measured, not kept)."""
-        with _Busy(self):
-            if t.device == self.backend.device and t.layout == torch.strided and self._locate(t) is None:
+        ctx = self.ctx
+        with ctx.busy:
+            if t.device == ctx.backend.device and t.layout == torch.strided and self.access.locate(t) is None:
                 self.ckpt.count(block, region, t)
-                self.memory.saw_saved(t.untyped_storage().nbytes())  # saved for real once "auto" un-checkpoints it
+                ctx.memory.saw_saved(t.untyped_storage().nbytes())  # saved for real once "auto" un-checkpoints it
 
     def region_done(self, region: int) -> None:
         """The backward of checkpointed call ``region`` is over: its buckets and recomputed tensors go."""
-        with _Busy(self):
-            i = self.recompute_event.pop(region, None)
+        with self.ctx.busy:
+            i = self.event.pop(region, None)
             if i is not None:
-                self.recorder.region_done(i)
-            self.held.pop(region, None)
-            for key in self.recompute_holds.pop(region, ()):
-                self.memory.drop(key)
+                self.executor.recorder.region_done(i)
+            self.access.unhold(region)
+            for key in self.holds.pop(region, ()):
+                self.ctx.memory.drop(key)
 
-    def _profile(self, peak: int) -> ActivationProfile:
-        rec = self.recorder
-        return profile_of(self.ckpt.blocks, self.ckpt.saved, self.ckpt.inputs,
-                          rec.calls(self.ckpt.blocks), self.ckpt.active,
-                          self.forward_end_activations or self.memory.parts["activations"], peak)
+    # -- what the runtime tells it -------------------------------------------------------------------------
 
-    def _drop_plan(self) -> None:
-        """Run the next step on demand (its calls will differ from the plan's) and plan it at its step()."""
-        self.on_plan = False
-        self._deactivate()  # every bucket back to the host: nothing resident keeps pre-update weights
-        self.plan = self.train_plan = None
+    def count_saved(self, block: int, t: torch.Tensor) -> None:
+        """The pack hook saw ``t`` saved inside ``block`` (what checkpointing it would spare)."""
+        with self.ctx.busy:
+            self.ckpt.count(block, None, t)
 
-    def _choose_checkpoints(self, trace: Trace) -> bool:
+    def forward_ended(self) -> None:
+        self.forward_end_activations = self.ctx.memory.parts["activations"]
+
+    def backward_ended(self) -> None:
+        """Calls whose inputs need no grad never report the end of their backward: it is over now."""
+        for region in set(self.event) | set(self.holds) | set(self.access.held):
+            self.region_done(region)
+
+    def measure(self, recorder: Recorder, peak: int) -> None:
+        """The activation profile of this step (per block, from what ``recorder`` saw)."""
+        ckpt = self.ckpt
+        self.profile = profile_of(ckpt.blocks, ckpt.saved, ckpt.inputs, recorder.calls(ckpt.blocks), ckpt.active,
+                                  self.forward_end_activations or self.ctx.memory.parts["activations"], peak)
+
+    def decided(self) -> None:
+        """A plan was built: from now on "auto" only ever checkpoints more."""
+        self.warmup = None
+
+    # -- "auto" ------------------------------------------------------------------------------------------------
+
+    def choose(self, trace: Trace) -> bool:
         """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
         budget from now on, none if nothing needs it (see [Note: auto and no checkpointing] in
-        offload/planning/activations.py); later, when a plan does not fit: more blocks. True when that changes what
-        is checkpointed."""
-        if self.checkpoint_choice is None:  # after the warm-up
-            plain = activation_bytes(self.profile, ())
-            held = (plain + self.memory.parts["buffers"] + self.memory.parts["headroom"]
-                    + on_demand_bytes(trace, self.buckets, self.itemsize))
-            if held <= self.config.budget and self.memory.peak <= self.config.budget:  # the warm-up's did too
-                self.warmup = (trace, self.profile)  # to choose from if that gives no plan that fits
-                return self._checkpoint(CheckpointChoice((), (), plain, 0.0, True))
-            try:
-                return self._checkpoint(self._fitting_choice(trace, self.profile, ()))
-            except BudgetTooSmallError as e:
-                if held > self.config.budget:
-                    raise
-                raise BudgetTooSmallError(  # the warm-up alone went over: what it costs, and what would not
-                    f'{e} The warm-up step of "auto" checkpoints every block, and each recompute needs its block\'s '
-                    f"weights on the device at once: it peaked at "
-                    f"{format_bytes(self.memory.peak)}. With no block checkpointed a step holds at most about "
-                    f"{format_bytes(held)}: activation_checkpointing=None may fit this budget.",
-                    min_budget_bytes=e.min_budget_bytes, budget_bytes=e.budget_bytes, breakdown=e.breakdown) from None
+        offload/planning/activations.py); later, when a plan does not fit: more blocks. True when that changes
+        what is checkpointed."""
+        profile = self._profile()
+        if self.choice is None:  # after the warm-up
+            return self._after_warmup(trace, profile)
         warmup, self.warmup = self.warmup, None
         if warmup is not None:  # no checkpointing gave no plan that fits: choose as if it had not been tried
             choice = self._fitting_choice(*warmup, ())
             if choice.modules:
                 return self._checkpoint(choice)
-        return self._checkpoint(self._fitting_choice(trace, self.profile, self.ckpt.active))  # only ever more
+        return self._checkpoint(self._fitting_choice(trace, profile, self.ckpt.active))  # only ever more
 
-    def _fitting_choice(self, trace: Trace, profile: ActivationProfile, base) -> CheckpointChoice:
+    def _after_warmup(self, trace: Trace, profile: ActivationProfile) -> bool:
+        ctx = self.ctx
+        memory, budget = ctx.memory, ctx.budget
+        plain = activation_bytes(profile, ())
+        held = (plain + memory.parts["buffers"] + memory.parts["headroom"]
+                + on_demand_bytes(trace, self.slots.buckets, ctx.itemsize))
+        if held <= budget and memory.peak <= budget:  # the warm-up's did too
+            self.warmup = (trace, profile)  # to choose from if that gives no plan that fits
+            return self._checkpoint(CheckpointChoice((), (), plain, 0.0, True))
+        try:
+            return self._checkpoint(self._fitting_choice(trace, profile, ()))
+        except BudgetTooSmallError as e:
+            if held > budget:
+                raise
+            raise BudgetTooSmallError(  # the warm-up alone went over: what it costs, and what would not
+                f'{e} The warm-up step of "auto" checkpoints every block, and each recompute needs its block\'s '
+                f"weights on the device at once: it peaked at "
+                f"{format_bytes(memory.peak)}. With no block checkpointed a step holds at most about "
+                f"{format_bytes(held)}: activation_checkpointing=None may fit this budget.",
+                min_budget_bytes=e.min_budget_bytes, budget_bytes=e.budget_bytes, breakdown=e.breakdown) from None
+
+    def _profile(self) -> ActivationProfile:
+        if self.profile is None:
+            raise InvariantError("checkpoints are chosen before any step measured its activations")
+        return self.profile
+
+    def _fitting_choice(self, trace: Trace, profile: ActivationProfile, base: Collection[int]) -> CheckpointChoice:
         """The fewest blocks besides ``base`` whose activations (estimated from ``profile``) fit the budget
         beside the leanest arena ``trace`` needs; BudgetTooSmallError if even every block does not."""
-        arena = min_arena_bytes(trace, self.buckets, self.itemsize)
-        headroom = self.memory.parts["headroom"]
-        capacity = self.config.budget - self.memory.parts["buffers"] - trace.max_grad_bytes - arena - headroom
+        ctx = self.ctx
+        parts = ctx.memory.parts
+        arena = min_arena_bytes(trace, self.slots.buckets, ctx.itemsize)
+        headroom = parts["headroom"]
+        capacity = ctx.budget - parts["buffers"] - trace.max_grad_bytes - arena - headroom
         choice = choose_checkpoints(profile, capacity, base)
         if not choice.fits:
-            need = dict(arena=arena, activations=choice.activation_bytes, fixed=self.memory.parts["buffers"],
+            need = dict(arena=arena, activations=choice.activation_bytes, fixed=parts["buffers"],
                         grad=trace.max_grad_bytes, headroom=headroom)
-            raise self._activation_hint(budget_error(self.config.budget, **need), capacity, profile)
+            raise self.activation_hint(budget_error(ctx.budget, **need), capacity, profile)
         return choice
 
     def _checkpoint(self, choice: CheckpointChoice) -> bool:
         """Checkpoint what ``choice`` says from the next forward on; True if that changes anything."""
-        self.checkpoint_choice = choice
+        self.choice = choice
         if frozenset(choice.modules) == self.ckpt.active:
             return False
         self.ckpt.set_active(choice.modules)
         return True
 
-    def _activation_hint(self, err: BudgetTooSmallError, capacity: int,
-                         profile: ActivationProfile | None = None) -> BudgetTooSmallError:
+    def activation_hint(self, err: BudgetTooSmallError, capacity: int,
+                        profile: ActivationProfile | None = None) -> BudgetTooSmallError:
         """``err`` with what activation checkpointing would (or could not) do about it, when activations
         are part of the problem (measured in ``profile``, by default the last step's)."""
         if not err.breakdown.get("activations"):
             return err
-        hint = checkpoint_hint(profile or self.profile, capacity, self.checkpoint_mode)
+        hint = checkpoint_hint(profile or self.profile, capacity, self.mode)
         if not hint:
             return err
         return BudgetTooSmallError(f"{err} Activations: {hint}.", min_budget_bytes=err.min_budget_bytes,
                                    budget_bytes=err.budget_bytes, breakdown=err.breakdown)
 
     @property
-    def checkpoint_mode(self) -> str:
-        spec = self.config.activation_checkpointing
+    def mode(self) -> str:
+        spec = self.ctx.config.activation_checkpointing
         return "off" if spec is None else ("auto" if spec == AUTO else "modules")
 
-    def checkpoint_stats(self) -> dict:
+    def stats(self) -> dict:
         """What is checkpointed and what the activations measured, for ``memory_stats()``."""
         names = self.ckpt.blocks
-        choice = self.checkpoint_choice
+        choice, profile = self.choice, self.profile
         return {
-            "mode": self.checkpoint_mode,
+            "mode": self.mode,
             "checkpointed": [names[m] for m in sorted(self.ckpt.active)],
             "blocks": len(names),
             "estimated_activation_bytes": choice.activation_bytes if choice is not None else None,
             # forward seconds of the checkpointed blocks, as measured: what recomputing adds to backward
             # (the trace's RECOMPUTE events carry the measured time into the scheduler's cost model)
-            "recompute_s": (recompute_seconds(self.profile, self.ckpt.active & {b.module for b in self.profile.blocks})
-                            if self.profile is not None else None),
-            "saved_bytes_per_block": ({b.name: b.saved for b in self.profile.blocks}
-                                      if self.profile is not None else {}),
+            "recompute_s": (recompute_seconds(profile, self.ckpt.active & {b.module for b in profile.blocks})
+                            if profile is not None else None),
+            "saved_bytes_per_block": {b.name: b.saved for b in profile.blocks} if profile is not None else {},
         }

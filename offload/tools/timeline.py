@@ -29,11 +29,14 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import OffloadError
 from ..planning.schedule import program_of
 from ..planning.simulate import simulate_reference
+
+if TYPE_CHECKING:
+    from ..runtime.core import Runtime
 
 LANES = ("compute", "h2d", "d2h", "cpu_adam")
 _TRACK = {"compute": (1, "compute"), "stall": (1, "compute"), "h2d": (2, "H2D (host to device)"),
@@ -141,24 +144,24 @@ class LaneLog:
     def step_done(self, recorder, memory) -> None:
         """``step()`` ended: the step to show is ``recorder``'s forward and backward and what was issued up to
         now (a later evaluation forward records into a new Recorder and is not part of it)."""
-        self.last_step = (recorder, time.perf_counter(), self.entries, memory.samples)
+        self.last_step = (recorder, time.perf_counter(), self.entries, memory.take_samples())
         self.entries = deque(maxlen=self.MAXLEN)
-        memory.samples = deque(maxlen=self.MAXLEN)
 
 
-def measured(runtime, names: Sequence[str]) -> Timeline:
+def measured(runtime: Runtime, names: Sequence[str]) -> Timeline:
     """The last recorded step of ``runtime`` (see the module docstring). ``names``: module names in
     ``module.named_modules()`` order, which is the order the runtime numbers modules in."""
-    if runtime.lane_log.last_step is None:
+    ctx = runtime.ctx
+    if ctx.lane_log.last_step is None:
         raise OffloadError("no training step to show: export_timeline shows the last completed step (forward, "
                            "backward and step()), so call it after at least one optimizer step")
-    rec, t_end, entries, samples = runtime.lane_log.last_step
+    rec, t_end, entries, samples = ctx.lane_log.last_step
     runtime.wait_for_updates()
-    runtime.backend.synchronize()  # the refresh copies step() issued may still be running: wait for their times
+    ctx.backend.synchronize()  # the refresh copies step() issued may still be running: wait for their times
     t0 = rec.times[0]
     starts = [t - t0 for t in rec.times]
     stops = starts[1:] + starts[-1:]  # an event lasts until the next one; the last one has no measured end
-    spans = _event_spans(rec.events, rec.ends, starts, stops, names, runtime.bucket_of)
+    spans = _event_spans(rec.events, rec.ends, starts, stops, names, runtime.slots.bucket_of)
     no_times = set()
     for lane, bucket, nbytes, issued, event in list(entries):
         if not t0 <= issued <= t_end:
@@ -172,7 +175,7 @@ def measured(runtime, names: Sequence[str]) -> Timeline:
         spans.append(Span(lane, f"{what} bucket {bucket}", start - t0, end - t0, args))
     memory = tuple((t - t0, n) for t, n in list(samples) if t0 <= t <= t_end)
     other = {"lanes_without_times": sorted(no_times)} if no_times else {}
-    return Timeline("measured", tuple(spans), memory, runtime.config.budget, other)
+    return Timeline("measured", tuple(spans), memory, ctx.config.budget, other)
 
 
 def _event_spans(events, event_ends, starts, stops, names, bucket_of) -> list[Span]:

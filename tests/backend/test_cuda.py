@@ -31,13 +31,13 @@ def test_wrap_on_cuda_pins_the_host_arena_and_unpins_it_at_close():
     opt = offload.AdamW(model.parameters(), lr=1e-3)
     engine = offload.wrap(model, opt, budget=with_headroom(0.6 * 6 * 65 * 64 * 4, "cuda"), device="cuda", bucket_bytes=16 * 1024)
     rt = engine._runtime
-    assert isinstance(rt.backend, CUDABackend) and rt.backend.device.index is not None
+    assert isinstance(rt.ctx.backend, CUDABackend) and rt.ctx.backend.device.index is not None
     engine(torch.randn(2, 64, device="cuda")).sum().backward()
     opt.step()
-    master = rt.host.master[0]  # a view: keeps the arena's memory mapped after close
-    assert master.is_pinned() and rt.host.grad[0].is_pinned()
-    assert rt.backend.pinned_bytes == rt.host.nbytes == rt.host.arena.size_bytes
-    assert rt.arena.device.type == "cuda"
+    master = rt.slots.host.master[0]  # a view: keeps the arena's memory mapped after close
+    assert master.is_pinned() and rt.slots.host.grad[0].is_pinned()
+    assert rt.ctx.backend.pinned_bytes == rt.slots.host.nbytes == rt.slots.host.arena.size_bytes
+    assert rt.executor.arena.device.type == "cuda"
     engine.close()
     assert not master.is_pinned()
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -275,11 +275,11 @@ def test_memory_is_flat_over_200_steps():
                 "reserved": torch.cuda.memory_reserved(),
                 "allocated": torch.cuda.memory_allocated(),
                 "cudaMalloc calls": device_allocs,
-                "arena": (rt.arena.data_ptr(), rt.arena.numel()),
-                "host arena": (rt.host.arena.data_ptr, rt.host.arena.size_bytes),
-                "pinned": rt.backend.pinned_bytes,
-                "on-demand fetches": rt.stats["on_demand_fetches"],
-                "replans": rt.stats["replans"],
+                "arena": (rt.executor.arena.data_ptr(), rt.executor.arena.numel()),
+                "host arena": (rt.slots.host.arena.data_ptr, rt.slots.host.arena.size_bytes),
+                "pinned": rt.ctx.backend.pinned_bytes,
+                "on-demand fetches": rt.ctx.stats["on_demand_fetches"],
+                "replans": rt.ctx.stats["replans"],
             })
         stats = engine.memory_stats()
     finally:

@@ -89,7 +89,7 @@ def test_host_bytes_per_trainable_parameter(dtype, per_param):
         engine(torch.randn(2, 64)).float().sum().backward()
         opt.step()
         host = engine.memory_stats()["host_pinned_bytes"]
-        buckets = engine._runtime.buckets
+        buckets = engine._runtime.slots.buckets
         assert per_param * n <= host <= per_param * n + len(buckets) * 6 * 64 + len(list(model.parameters())) * 16 * 5
     finally:
         engine.close()
@@ -149,8 +149,8 @@ def test_parameters_are_16_byte_aligned_on_device_and_host(dtype):
         rt = engine._runtime
         assert seen and set(seen) == {0}, seen
         assert engine.memory_stats()["plan"]["streamed_buckets"] > 0
-        host = rt.host
-        for p in range(len(rt.params)):
+        host = rt.slots.host
+        for p in range(len(rt.ctx.params)):
             b, off = host.bucket_of[p], host.offset[p]
             views = [host.master[b][off:], host.exp_avg[b][off:], host.exp_avg_sq[b][off:], host.grad[b][off:]]
             if host.lowp is not None:

@@ -30,7 +30,7 @@ def test_a_forward_between_backward_and_step_reads_the_updated_weights(simulated
         nbytes = sum(p.numel() * 4 for p in case.model.parameters())
         opt = offload.AdamW(case.model.parameters(), **ADAMW)
         engine = offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cpu")
-        engine._runtime.cpu._before = lambda: time.sleep(0.05)  # read when the lane's thread starts: now
+        engine._runtime.ctx.cpu._before = lambda: time.sleep(0.05)  # read when the lane's thread starts: now
         outs = []
         with engine:
             for step in range(3):
@@ -76,7 +76,7 @@ def _lockstep_with_torch(case_fn, steps, dtype=torch.float32, budget_frac=0.6, a
     engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
                           dtype=dtype, device="cpu", **deferred)
     if lane_delay is not None:
-        engine._runtime.cpu._before = lambda: time.sleep(lane_delay)  # read when the lane's thread starts: now
+        engine._runtime.ctx.cpu._before = lambda: time.sleep(lane_delay)  # read when the lane's thread starts: now
     with engine:
         for step in range(steps):
             for i in range(accumulate):

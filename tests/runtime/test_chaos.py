@@ -35,9 +35,9 @@ def train(case, steps, chaos=None, **features) -> Trained:
 
 def _draws(engine) -> dict[str, int]:
     rt = engine._runtime
-    lanes = {"cpu-adam": rt.cpu}
-    if hasattr(rt.backend, "_h2d") and hasattr(rt.backend._h2d, "_before"):
-        lanes |= {"h2d": rt.backend._h2d, "d2h": rt.backend._d2h}
+    lanes = {"cpu-adam": rt.ctx.cpu}
+    if hasattr(rt.ctx.backend, "_h2d") and hasattr(rt.ctx.backend._h2d, "_before"):
+        lanes |= {"h2d": rt.ctx.backend._h2d, "d2h": rt.ctx.backend._d2h}
     return {name: lane._before.draws for name, lane in lanes.items() if lane._before is not None}
 
 
@@ -152,19 +152,15 @@ class _Null:
 def test_chaos_catches_a_missing_wait(monkeypatch):
     """Take one wait out of the runtime (the host-to-device copy a bucket's first use must wait for): with
     chaos on, the copies land late and the numbers change, so chaos mode does catch this class of bug."""
-    import offload.runtime.core as runtime
+    from offload.runtime.residency import Residency
+    from offload.runtime.slots import SlotTable
 
-    def no_wait(self, b):  # _wait without waiting for the copy event
-        if self.state[b] is runtime.Residency.HOST:
-            if self.on_plan:
-                self._leave_plan()
-            self._fetch_on_demand(b)
-        if self.state[b] is runtime.Residency.IN_FLIGHT:
-            self._set_state(b, runtime.Residency.DEVICE)
-        self._touch_lru(b)
+    def no_wait(self, b):  # SlotTable.land without waiting for the copy event
+        self.set_state(b, Residency.DEVICE)
+        self.touch(b)
 
     want = train(CASES["low_density"](), 3)
-    monkeypatch.setattr(runtime.Runtime, "_wait", no_wait)
+    monkeypatch.setattr(SlotTable, "land", no_wait)
     got = train(CASES["low_density"](), 3, chaos=ChaosConfig(seed=0, max_delay_ms=5))
     assert got[0] != want[0] or any(not torch.equal(got[1][k], v) for k, v in want[1].items())
 

@@ -103,13 +103,13 @@ def assert_nothing_held(engine):
     pending, no gradient gathered, no .grad on any parameter."""
     gc.collect()
     rt = engine._runtime
-    parts = rt.memory.parts
+    parts = rt.ctx.memory.parts
     assert (parts["slots"], parts["grads"], parts["activations"]) == (0, 0, 0), dict(parts)
-    assert not rt.grad_slots and not rt.freeing and not rt.pending and not rt.in_backward
-    assert not rt.trace_views and not rt.active and rt.pos == 0
+    assert not rt.grads.gathering and not rt.slots.freeing and not rt.grads.pending and not rt.in_backward
+    assert not rt.warmup.views and not rt.access.active and rt.executor.pos == 0
     assert all(p.grad is None for p in engine.module.parameters())
-    want = len(rt.plan.resident) if rt.plan is not None and rt.arena is not None else 0
-    assert len(rt.slot) == want  # only the plan's resident buckets are on the device
+    want = len(rt.executor.plan.resident) if rt.executor.plan is not None and rt.executor.arena is not None else 0
+    assert len(rt.slots.slot) == want  # only the plan's resident buckets are on the device
 
 
 def check_final(engine, ref, losses):

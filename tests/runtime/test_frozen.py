@@ -88,14 +88,14 @@ def test_frozen_bottom_matches_pytorch_and_moves_no_backward_bytes():
 
         # Which parameters does backward read? Exactly those a gradient flows through: nothing below
         # block 4 (wpe, blocks 0..3), but the tied wte (it scores the tokens: lm_head, at the top).
-        plan = rt.train_plan
+        plan = rt.executor.train_plan
         trace = plan.trace
         read_in_backward = {p for uses in trace.uses[trace.num_forward:] for p in uses}
-        names = {rt.param_index[id(p)]: n for n, p in model.named_parameters()}
+        names = {rt.ctx.param_index[id(p)]: n for n, p in model.named_parameters()}
         below = {p for p, n in names.items() if n.startswith("wpe") or
                  (n.startswith("blocks.") and int(n.split(".")[1]) < TRAIN_FROM)}
         assert not below & read_in_backward, sorted(names[p] for p in below & read_in_backward)
-        assert rt.param_index[id(model.wte.weight)] in read_in_backward
+        assert rt.ctx.param_index[id(model.wte.weight)] in read_in_backward
         assert {p for p, n in names.items() if n.startswith("blocks.4.")} <= read_in_backward
 
         # Bytes moved per step, per bucket: the runtime moves exactly what the plan says (streamed copies,
@@ -103,19 +103,19 @@ def test_frozen_bottom_matches_pytorch_and_moves_no_backward_bytes():
         # backward: each of their device buffers ends within forward.
         steps = STEPS - 2
         per_step = [(a - b) / steps for a, b in zip(after["h2d_bytes_by_bucket"], before["h2d_bytes_by_bucket"])]
-        for b in rt.buckets:
+        for b in rt.slots.buckets:
             streamed = [x for x in plan.buffers if x.kind is BufferKind.PARAM and x.bucket == b.index
                         and b.index not in plan.resident]
-            refresh = b.nbytes(rt.itemsize) if b.index in plan.resident and b.trainable_numel else 0
+            refresh = b.nbytes(rt.ctx.itemsize) if b.index in plan.resident and b.trainable_numel else 0
             assert per_step[b.index] == sum(x.size for x in streamed) + refresh, (b.index, per_step)
             if set(b.params) <= below:
                 assert all(x.end <= trace.num_forward for x in streamed), (b.index, streamed)
-        below_streamed = [b for b in rt.buckets if set(b.params) <= below and b.index not in plan.resident]
+        below_streamed = [b for b in rt.slots.buckets if set(b.params) <= below and b.index not in plan.resident]
         assert below_streamed, "the budget must make some frozen bucket below stream, or this checks nothing"
         # Buckets with trainable parameters that stream are fetched again for backward (the contrast).
         assert any(x.end > trace.num_forward for x in plan.buffers
                    if x.kind is BufferKind.PARAM and x.bucket not in plan.resident)
-        trainable_grad_bytes = sum(b.grad_nbytes(rt.itemsize) for b in rt.buckets)
+        trainable_grad_bytes = sum(b.grad_nbytes(rt.ctx.itemsize) for b in rt.slots.buckets)
         assert after["d2h_bytes"] - before["d2h_bytes"] == steps * trainable_grad_bytes
     finally:
         engine.close()
@@ -133,12 +133,12 @@ def test_frozen_above_trainable_is_refetched_for_backward():
     try:
         assert_losses_bitwise(train(engine, opt, 3), ref_losses)
         assert_bitwise(engine.state_dict()["model"], ref.state_dict())
-        trace = rt.train_plan.trace
+        trace = rt.executor.train_plan.trace
         read_in_backward = {p for uses in trace.uses[trace.num_forward:] for p in uses}
-        top = {rt.param_index[id(p)] for n, p in model.named_parameters() if n.startswith(f"blocks.{N_LAYER - 1}.")}
-        matrices = {rt.param_index[id(p)] for n, p in model.named_parameters()
+        top = {rt.ctx.param_index[id(p)] for n, p in model.named_parameters() if n.startswith(f"blocks.{N_LAYER - 1}.")}
+        matrices = {rt.ctx.param_index[id(p)] for n, p in model.named_parameters()
                     if n.startswith(f"blocks.{N_LAYER - 1}.") and p.dim() == 2}
-        assert matrices <= read_in_backward <= set(range(len(rt.params)))
+        assert matrices <= read_in_backward <= set(range(len(rt.ctx.params)))
         assert top & read_in_backward
     finally:
         engine.close()
@@ -146,10 +146,10 @@ def test_frozen_above_trainable_is_refetched_for_backward():
 
 def _expected_host_bytes(engine, frozen_bytes: int, trainable_bytes: int) -> tuple[int, int]:
     rt = engine._runtime
-    trainable = sum(b.trainable_numel for b in rt.buckets)
-    frozen = sum(b.numel - b.trainable_numel for b in rt.buckets)
+    trainable = sum(b.trainable_numel for b in rt.slots.buckets)
+    frozen = sum(b.numel - b.trainable_numel for b in rt.slots.buckets)
     exact = trainable * trainable_bytes + frozen * frozen_bytes
-    regions = 5 * len(rt.buckets)  # master, 16-bit copy, grad, m, v: each padded to HOST_ALIGN at most
+    regions = 5 * len(rt.slots.buckets)  # master, 16-bit copy, grad, m, v: each padded to HOST_ALIGN at most
     return exact, exact + regions * HOST_ALIGN
 
 

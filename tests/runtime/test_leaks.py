@@ -45,7 +45,7 @@ def _measure(engine) -> dict:
     rt = engine._runtime
     return {
         "host_arena_bytes": stats["host_pinned_bytes"],
-        "host_arena_reserved": rt.host.arena.reserved_bytes,
+        "host_arena_reserved": rt.slots.host.arena.reserved_bytes,
         "device_arena_bytes": stats["arena_bytes"],
         "device_current_bytes": stats["device_current_bytes"],
         "device_parts": stats["device_parts"],
@@ -106,9 +106,9 @@ def test_forward_without_backward_keeps_no_activations():
 
 def _engine_refs(engine):
     rt = engine._runtime
-    threads = [lane._thread for lane in (rt.cpu, getattr(rt.backend, "_h2d", None), getattr(rt.backend, "_d2h", None))
+    threads = [lane._thread for lane in (rt.ctx.cpu, getattr(rt.ctx.backend, "_h2d", None), getattr(rt.ctx.backend, "_d2h", None))
                if lane is not None and hasattr(lane, "_thread") and lane._thread is not None]
-    return threads, weakref.ref(rt.host.arena), weakref.ref(rt)
+    return threads, weakref.ref(rt.slots.host.arena), weakref.ref(rt)
 
 
 def test_close_releases_everything():

@@ -56,7 +56,7 @@ def train(model, steps=4, micro=1, clip=None, data=batch, bucket_bytes=80_000, *
             opt.zero_grad()
             stats.append(engine.memory_stats())
         weights = engine.state_dict()["model"]
-        trace = engine._runtime.trace
+        trace = engine._runtime.executor.trace
     finally:
         engine.close()
     return losses, weights, stats, trace

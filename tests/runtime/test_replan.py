@@ -180,28 +180,28 @@ def train_pattern(make, steps=12, chaos=None, budget_frac=0.6) -> Run:
         engine = offload.wrap(model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 12, device="cpu")
     rt = engine._runtime
     leaves = []
-    leave = rt._leave_plan
+    leave = rt.executor.leave
 
     def spy():  # where the runtime noticed the departure, and the plan it departed from
-        leaves.append((rt.pos, rt.plan.trace.events))
+        leaves.append((rt.executor.pos, rt.executor.plan.trace.events))
         leave()
 
-    rt._leave_plan = spy
+    rt.executor.leave = spy
     losses, ref_losses, changed, departed, detected, previous = [], [], [], [], [], None
     try:
         for step in range(steps):
             x, y = batch(step)
-            before = rt.stats["plan_departures"]
+            before = rt.ctx.stats["plan_departures"]
             leaves.clear()
             loss = (engine(x, step) - y).square().mean()
             loss.backward()
-            events = rt.trace.events  # this step, as recorded
+            events = rt.executor.trace.events  # this step, as recorded
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
             if previous is not None:
                 changed.append(events != previous)
-                departed.append(rt.stats["plan_departures"] > before)
+                departed.append(rt.ctx.stats["plan_departures"] > before)
                 detected += [(pos, _first_mismatch(planned, events)) for pos, planned in leaves]
             previous = events
             ref_loss = (ref(x, step) - y).square().mean()

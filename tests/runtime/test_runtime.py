@@ -88,7 +88,7 @@ def test_departure_from_plan_is_correct_and_replans(device, fused):
     stats = engine.memory_stats()
     assert stats["counters"]["plan_departures"] >= 3
     assert stats["plan"]["replans"] >= 3
-    validate_plan(engine._runtime.plan)
+    validate_plan(engine._runtime.executor.plan)
     assert stats["device_peak_bytes"] <= stats["budget_bytes"]
 
 
@@ -186,7 +186,7 @@ def test_close_returns_trained_weights_and_stops_threads(device):
     for step in range(3):
         x = torch.randn(2, 32, generator=torch.Generator().manual_seed(step))
         _step_both(engine, opt, ref, ref_opt, lambda out: out.sum(), x)
-    assert engine._runtime.cpu.alive and engine._runtime.backend.threads_alive() == copy_threads
+    assert engine._runtime.ctx.cpu.alive and engine._runtime.ctx.backend.threads_alive() == copy_threads
     engine.close()
     engine.close()  # idempotent
     ref = ref.cpu()
@@ -195,7 +195,7 @@ def test_close_returns_trained_weights_and_stops_threads(device):
         torch.testing.assert_close(p.detach(), q.detach(), **_tol(device), msg=lambda m: f"{name}: {m}")
     x = torch.randn(2, 32)
     torch.testing.assert_close(model(x), ref(x), **_tol(device))  # the plain module works again
-    assert not engine._runtime.cpu.alive and engine._runtime.backend.threads_alive() == 0
+    assert not engine._runtime.ctx.cpu.alive and engine._runtime.ctx.backend.threads_alive() == 0
     with pytest.raises(RuntimeError, match="closed"):
         engine(x)
     # and it can be wrapped again
@@ -322,8 +322,8 @@ def test_plan_uses_the_configured_hardware_and_the_trace_excludes_waits():
         engine(torch.randn(2, 64, generator=torch.Generator().manual_seed(step))).sum().backward()
         opt.step()
     rt = engine._runtime
-    assert rt.plan.hw_name == "pcie5" and rt.plan.simulated is not None
-    trace = rt.trace
+    assert rt.executor.plan.hw_name == "pcie5" and rt.executor.plan.simulated is not None
+    trace = rt.executor.trace
     assert len(trace.overhead) == len(trace.seconds) and sum(trace.overhead) > 0
     assert all(0 <= c <= s for c, s in zip(trace.compute_seconds, trace.seconds))
     engine.close()
@@ -391,11 +391,11 @@ def test_off_plan_steps_keep_room_for_the_largest_saved_activation(why):
             stats = engine.memory_stats()
             assert stats["device_peak_bytes"] <= budget, (step, stats["device_peak_bytes"] - budget)
         rt = engine._runtime
-        assert rt.stats["on_demand_fetches"] > 0  # buckets were cached off plan: the case this guards
+        assert rt.ctx.stats["on_demand_fetches"] > 0  # buckets were cached off plan: the case this guards
         if auto:  # a partial choice drops the plan: the next step runs on demand
             ckpt = stats["activation_checkpointing"]
             assert 0 < len(ckpt["checkpointed"]) < ckpt["blocks"]
         else:
-            assert rt.stats["plan_departures"] > 0
+            assert rt.ctx.stats["plan_departures"] > 0
     finally:
         engine.close()

@@ -83,9 +83,9 @@ def _gathered_grads(engine) -> dict[str, torch.Tensor]:
     rt.wait_for_updates()
     out = {}
     for name, param in engine.module.named_parameters():
-        p = rt.param_index[id(param)]
-        b, off = rt.host.bucket_of[p], rt.host.offset[p]
-        out[name] = rt.host.grad[b][off: off + param.numel()].view(param.shape).clone()
+        p = rt.ctx.param_index[id(param)]
+        b, off = rt.slots.host.bucket_of[p], rt.slots.host.offset[p]
+        out[name] = rt.slots.host.grad[b][off: off + param.numel()].view(param.shape).clone()
     return out
 
 
@@ -344,7 +344,7 @@ def test_fused_and_torch_updates_train_alike(dtype):
         engine = offload.wrap(case.model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cpu",
                               dtype=dtype)
         losses = _train(engine, opt, case, 6)
-        host = engine._runtime.host
+        host = engine._runtime.slots.host
         assert host.fused == fused
         for b in range(len(host.buckets)):
             assert torch.equal(host.lowp[b], host.master[b].to(dtype)), b

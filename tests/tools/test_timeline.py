@@ -62,7 +62,7 @@ def test_export_timeline_of_the_last_step(tmp_path):
         _steps(engine, opt, case, 3)
         path = tmp_path / "step.json"
         tl = engine.export_timeline(path)
-        plan = engine._runtime.train_plan
+        plan = engine._runtime.executor.train_plan
         stats = engine.memory_stats()
     finally:
         engine.close()
@@ -108,7 +108,7 @@ def test_simulated_timeline_matches_the_plan(tmp_path):
     engine, opt = _engine(case, budget_frac=0.5)
     try:
         _steps(engine, opt, case, 2)
-        plan = engine._runtime.train_plan
+        plan = engine._runtime.executor.train_plan
         names = [n for n, _ in engine.module.named_modules()]
     finally:
         engine.close()
@@ -136,7 +136,7 @@ def test_simulate_reference_record_changes_nothing():
     engine, opt = _engine(case, budget_frac=0.5)
     try:
         _steps(engine, opt, case, 2)
-        plan = engine._runtime.train_plan
+        plan = engine._runtime.executor.train_plan
     finally:
         engine.close()
     program, hw = program_of(plan), PRESETS["pcie4"]
@@ -224,7 +224,7 @@ def test_export_timeline_with_accumulation_and_deferred_updates(tmp_path):
     try:
         _steps(engine, opt, case, 2, accumulate=2)
         trace = engine.export_timeline(tmp_path / "step.json").chrome_trace()
-        plan = engine._runtime.train_plan
+        plan = engine._runtime.executor.train_plan
     finally:
         engine.close()
     trainable = sorted(b for b, bucket in enumerate(plan.buckets) if bucket.numel)

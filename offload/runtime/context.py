@@ -1,0 +1,113 @@
+"""What every component of the runtime shares, fixed when the engine is wrapped: the parameters and
+their specs, the compute dtype, the backend, the config, and the few shared holders (device-memory
+accounting, counters, the CPU lane, the phases). Components own everything else they keep.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence, TypeVar
+
+import torch
+from torch import nn
+
+from ..backend.base import Backend, Lane
+from ..config import OffloadConfig
+from ..optim import AdamW
+from ..planning.buckets import ParamSpec
+from ..planning.hw import HardwareModel
+from ..tools.timeline import LaneLog
+from .accounting import DeviceMemory
+from .phases import Phases
+
+
+T = TypeVar("T")
+
+
+class Busy:
+    """Entered while the runtime's own code runs inside a forward: the use detector ignores its tensor ops.
+    Under ``torch.inference_mode()`` that code runs outside it: the arena, slots and views it makes are used
+    by the copy threads and by later training steps, which inference tensors would refuse. Re-entrant."""
+
+    __slots__ = ("depth", "_guards")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._guards: list[Any] = []
+
+    def __enter__(self) -> None:
+        self.depth += 1
+        guard = None
+        if torch.is_inference_mode_enabled():
+            guard = torch.inference_mode(False)
+            guard.__enter__()
+        self._guards.append(guard)
+
+    def __exit__(self, *exc: object) -> None:
+        guard = self._guards.pop()
+        if guard is not None:
+            guard.__exit__(*exc)
+        self.depth -= 1
+
+
+@dataclass(frozen=True, eq=False)
+class RuntimeContext:
+    """Shared by every component of one runtime; fixed at wrap (the holders it names are mutable)."""
+
+    module: nn.Module
+    optimizer: AdamW
+    config: OffloadConfig
+    backend: Backend
+    params: tuple[nn.Parameter, ...]
+    param_index: dict[int, int]  # id(param) -> its index
+    specs: tuple[ParamSpec, ...]
+    dtype: torch.dtype  # compute dtype on the device
+    itemsize: int  # bytes per element of ``dtype``
+    placeholders: tuple[torch.Tensor, ...]  # what a parameter is bound to while its bucket is not on the device
+    budget: int  # device bytes (config.budget, resolved)
+    bucket_bytes: int  # target bucket size (config.bucket_bytes, resolved)
+    hw: HardwareModel | None  # the machine plans are made for (config.hw, resolved; None: the default)
+    memory: DeviceMemory
+    stats: dict[str, int]  # counters since wrap (memory_stats()["counters"])
+    cpu: Lane  # AdamW (and grad widening/accumulation) of each bucket, in arrival order
+    lane_log: LaneLog  # copies and updates of the latest steps, for Engine.export_timeline
+    busy: Busy
+    phases: Phases
+
+    @classmethod
+    def build(cls, module: nn.Module, optimizer: AdamW, config: OffloadConfig, backend: Backend,
+              params: Sequence[nn.Parameter], groups: Sequence[int | None]) -> RuntimeContext:
+        """``groups``: each parameter's optimizer param group, None for a frozen one."""
+        dtype = config.dtype
+        return cls(
+            module=module, optimizer=optimizer, config=config, backend=backend, params=tuple(params),
+            param_index={id(p): i for i, p in enumerate(params)},
+            specs=tuple(ParamSpec(p.numel(), g) for p, g in zip(params, groups)),
+            dtype=dtype, itemsize=torch.empty((), dtype=dtype).element_size(),
+            placeholders=tuple(backend.placeholder(p.shape, dtype) for p in params),
+            budget=int(config.budget), bucket_bytes=int(config.bucket_bytes),
+            hw=config.hw if isinstance(config.hw, HardwareModel) else None,
+            memory=DeviceMemory(headroom=backend.headroom_bytes()),  # [Note: headroom] in backend/cuda.py
+            stats=_new_stats(), cpu=backend.host_lane("cpu-adam"),
+            lane_log=LaneLog(), busy=Busy(), phases=Phases())
+
+
+def _new_stats() -> dict[str, int]:
+    return {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
+            "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0,
+            "eval_plans_built": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+
+
+def weak_hook(owner: T, method: Callable[[T, Any], object]) -> Callable[[Any], None]:
+    """``method`` of ``owner``, holding ``owner`` weakly; does nothing once it is gone. Tensor hooks are
+    held by the tensor's C++ side, where Python's gc cannot see them: a hook holding the runtime strongly
+    would make runtime -> params -> hook -> runtime an uncollectable cycle."""
+    ref = weakref.ref(owner)
+
+    def hook(arg: Any) -> None:
+        obj = ref()
+        if obj is not None:
+            method(obj, arg)
+    return hook

@@ -1,0 +1,268 @@
+"""The plan executor: follows the plan being executed event by event, runs the prefetches and releases the
+plan hangs on each event, notices when a step departs from it, and owns the arena the plan is laid out in.
+
+[Note: the plan is a cache of the trace] A plan is valid only while execution follows the traced order.
+Every hook reports its event (``advance``); the next planned event is checked cheaply against it. On a
+mismatch the step leaves the plan (``leave``): it finishes on demand, within the budget, and a new plan is
+built at ``step()`` from what this step recorded. It never hangs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import torch
+
+from ..errors import BudgetTooSmallError, InvariantError
+from ..planning.schedule import Plan, build_plan, validate_plan
+from ..planning.trace import EventKind, Recorder, Trace
+from .residency import Residency, Slot
+
+if TYPE_CHECKING:
+    from .context import RuntimeContext
+    from .forward_only import EvalPlans
+    from .recompute_hooks import RecomputeCoordinator
+    from .slots import SlotTable
+
+
+class PlanExecutor:
+    """Plan position, prefetch and release actions, leaving and re-entering a plan, the arena."""
+
+    def __init__(self, ctx: RuntimeContext, slots: SlotTable, evals: EvalPlans) -> None:
+        self.ctx = ctx
+        self.slots = slots
+        self.evals = evals
+        self.plan: Plan | None = None  # the plan being executed: train_plan or a forward-only plan
+        self.train_plan: Plan | None = None  # forward + backward, from a recorded training step
+        self.arena: torch.Tensor | None = None  # the plan's device memory, while it is executed
+        self.recorder = Recorder()  # what this step did (compared with the plan, and the next plan's input)
+        self.trace: Trace | None = None  # the latest forward + backward recorded
+        self.pos = 0  # next plan event
+        self.on_plan = False  # this step follows ``plan`` so far
+        self.stale = False  # this step departed (or outgrew the plan): plan again at step()
+        self.grad_enabled = True  # grad mode of this step's forward
+        self._leaving: list[Callable[[], None]] = []  # what must move out of the arena before it goes
+
+    def before_leaving(self, fn: Callable[[], None]) -> None:
+        self._leaving.append(fn)
+
+    def reset_step(self) -> None:
+        self.recorder = Recorder()
+        self.pos = 0
+        self.on_plan = self.plan is not None and self.arena is not None
+        self.slots.reset_step()
+
+    def choose(self, root: int, grad_enabled: bool) -> None:
+        """A forward of module ``root`` starts: a training forward follows the training plan, a no-grad one
+        a forward-only plan ([Note: forward-only plans]). Switching plans frees one arena before the other
+        is allocated."""
+        self.grad_enabled = grad_enabled
+        want = self.train_plan if grad_enabled else self.evals.plan_for(root)
+        if want is not self.plan and self.slots.host is not None:
+            self.deactivate()
+            self.plan = want
+        if self.plan is not None and self.arena is None:
+            self.activate(self.plan)  # after a departure from it, or a switch of plans
+
+    # -- following ------------------------------------------------------------------------------------------
+
+    def advance(self, kind: EventKind, key: int) -> None:
+        if not self.on_plan:
+            return
+        plan = self.plan
+        if plan is None:
+            raise InvariantError("on plan without a plan")
+        events = plan.trace.events
+        pos = self.pos
+        if pos >= len(events) or events[pos].kind != kind or events[pos].key != key:
+            self.leave()
+            return
+        actions = plan.actions[pos]
+        self.pos = pos + 1
+        for k in actions.release:
+            self._release_buffer(plan, k)
+        for k in actions.prefetch:
+            self._prefetch(plan, k)
+        for b in actions.need:
+            self.need(b)
+
+    def need(self, b: int) -> None:
+        """Make compute wait until bucket ``b`` is on the device; fetch it now if it is not coming."""
+        slots = self.slots
+        state = slots.state[b]
+        if state is Residency.DEVICE:
+            slots.touch(b)
+            return
+        rec = self.recorder
+        rec.exclude_begin()  # waiting is not compute: the cost model simulates it (trace.overhead)
+        if state is Residency.HOST:
+            if self.on_plan:
+                self.leave()
+            slots.fetch_on_demand(b)
+        slots.land(b)
+        rec.exclude_end()
+
+    def leave(self) -> None:
+        """The step departs from the plan: finish it on demand, within the budget, and plan again at
+        ``step()``. The arena goes (its layout only fits the plan); grads gathered in it move out first."""
+        self.on_plan = False
+        self.ctx.stats["plan_departures"] += 1
+        if self.grad_enabled:
+            self.stale = True
+        with torch.no_grad():
+            self.ctx.backend.synchronize()
+            for move_out in self._leaving:
+                move_out()
+            self.deactivate()
+
+    def leave_unless_followed(self) -> None:
+        """The end of backward: a step that did not reach the end of its plan departed from it."""
+        plan = self.plan
+        if self.on_plan and plan is not None and self.pos != len(plan.trace.events):
+            self.leave()
+
+    def record_step(self, activation_peak: int) -> None:
+        """The end of backward: this step's record becomes the trace the next plan is built from."""
+        rec = self.recorder
+        rec.activation_peak = activation_peak
+        if self.plan is not None and activation_peak > self.plan.activation_bytes:
+            self.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
+        self.trace = rec.finish()
+
+    def rewind(self) -> None:
+        """The pass is over: the next one starts at the plan's first event."""
+        self.pos = 0
+
+    def followed(self) -> bool:
+        """This step followed its plan to the end."""
+        return self.on_plan and self.plan is not None and self.pos == len(self.plan.trace.events)
+
+    # -- the arena ------------------------------------------------------------------------------------------
+
+    def activate(self, plan: Plan) -> None:
+        """Make ``plan`` the one executed: allocate its arena and bring in its resident buckets."""
+        ctx, slots = self.ctx, self.slots
+        self.plan = plan
+        self.arena = arena = ctx.backend.empty(plan.arena_bytes)
+        ctx.memory.add("arena", plan.arena_bytes)
+        slots.mark_boundary()
+        for b in plan.resident:
+            k = plan.resident_buffer[b]
+            if k is None:
+                raise InvariantError(f"plan: resident bucket {b} has no buffer")
+            slots.copy_in(b, Slot(arena, plan.buffers[k].offset, k), [slots.boundary])
+
+    def deactivate(self) -> None:
+        """Release every bucket and free the arena (the plan is kept)."""
+        slots = self.slots
+        self.ctx.backend.synchronize()
+        for b in list(slots.slot):
+            slots.release(b)
+        slots.mark_boundary()
+        if self.arena is not None:
+            self.ctx.memory.add("arena", -self.arena.numel())
+            self.arena = None
+
+    def arena_view(self, offset: int, numel: int) -> torch.Tensor:
+        """``numel`` elements of the compute dtype at byte ``offset`` of the arena."""
+        if self.arena is None:
+            raise InvariantError("a plan buffer is used while no plan is active")
+        itemsize = self.ctx.itemsize
+        return self.arena[offset: offset + numel * itemsize].view(self.ctx.dtype)
+
+    def _prefetch(self, plan: Plan, k: int) -> None:
+        x = plan.buffers[k]
+        b = x.bucket
+        slots = self.slots
+        if slots.state[b] is not Residency.HOST:
+            return  # already here (fetched on demand earlier in this step)
+        if self.arena is None:
+            raise InvariantError("a planned prefetch runs while no plan is active")
+        done = slots.done
+        waits = [done[j] for j in x.after if j in done] + [slots.boundary]
+        slots.copy_in(b, Slot(self.arena, x.offset, k), waits)
+        self.ctx.stats["planned_fetches"] += 1
+
+    def _release_buffer(self, plan: Plan, k: int) -> None:
+        b = plan.buffers[k].bucket
+        slot = self.slots.slot.get(b)
+        if slot is not None and slot.planned == k:
+            self.slots.release(b)
+
+    def release_all(self) -> None:
+        """Let go of every bucket that is not resident by plan."""
+        slots = self.slots
+        for b, slot in slots.items():
+            if not self.is_resident(b, slot):
+                slots.release(b)
+        slots.mark_boundary()
+
+    def is_resident(self, b: int, slot: Slot) -> bool:
+        return self.plan is not None and slot.planned is not None and slot.planned == self.plan.resident_buffer[b]
+
+    def streamed(self) -> int:
+        """Buckets on the device that the plan does not keep there."""
+        return sum(1 for b, slot in self.slots.slot.items() if not self.is_resident(b, slot))
+
+    def refresh(self, buckets: Iterable[int]) -> None:
+        """Updated buckets that stay on the device get their new weights (the next forward waits)."""
+        slots = self.slots
+        for b in sorted(set(buckets) & set(slots.slot)):
+            if slots.state[b] is Residency.IN_FLIGHT:
+                self.need(b)
+            slots.copy_in(b, slots.slot[b], [slots.boundary])
+
+    def close(self) -> None:
+        self.arena = None
+
+    # -- plans ------------------------------------------------------------------------------------------------
+
+    def end_no_grad_forward(self) -> None:
+        """No backward follows a no-grad forward (evaluation): let go of everything streamed, and make this
+        forward's path the one the next no-grad forward plans by."""
+        followed = self.followed()  # self.plan: a forward-only plan
+        self.release_all()
+        self.pos = 0
+        if self.slots.host is not None:
+            trace = self.plan.trace if followed and self.plan is not None else self.recorder.finish()
+            self.evals.record(trace, self.slots.buckets)
+
+    def after_step(self, updated: set[int], recompute: RecomputeCoordinator) -> None:
+        """``step()`` updated ``updated``: plan again if there is no plan or this one is stale, else bring
+        the new weights of the resident buckets in."""
+        trace = self.trace
+        if (self.train_plan is None or self.stale) and trace is not None and trace.complete:
+            self.replan(trace, recompute)  # brings every resident bucket in afresh
+        else:
+            self.refresh(updated)
+        self.stale = False
+
+    def replan(self, trace: Trace, recompute: RecomputeCoordinator) -> None:
+        """Plan training steps from ``trace`` (or, with "auto" checkpointing, choose other blocks first)."""
+        ctx = self.ctx
+        if recompute.auto and recompute.choice is None and recompute.choose(trace):
+            return self.drop()  # other blocks are checkpointed from now on: the next step is planned
+        parts = ctx.memory.parts
+        try:
+            plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
+                              fixed_bytes=parts["buffers"], hw=ctx.hw, headroom_bytes=parts["headroom"])
+        except BudgetTooSmallError as e:
+            if recompute.auto and recompute.choose(trace):
+                return self.drop()  # the activations grew (a longer sequence): checkpoint more blocks
+            need = e.breakdown
+            raise recompute.activation_hint(e, ctx.budget - sum(need.values()) + need["activations"]) \
+                from None
+        validate_plan(plan)
+        recompute.decided()
+        self.on_plan = False
+        self.deactivate()
+        if self.train_plan is not None:
+            ctx.stats["replans"] += 1
+        self.train_plan = plan
+        self.activate(plan)
+
+    def drop(self) -> None:
+        """Run the next step on demand (its calls will differ from the plan's) and plan it at its step()."""
+        self.on_plan = False
+        self.deactivate()  # every bucket back to the host: nothing resident keeps pre-update weights
+        self.plan = self.train_plan = None

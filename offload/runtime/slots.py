@@ -1,0 +1,283 @@
+"""The slot table: which parameter buckets are on the device, where, and since which copy.
+
+It owns, per bucket, the residency state machine (offload/runtime/residency.py), the slot a bucket on the
+device lives in, the events of its latest host-to-device copy and AdamW update, the LRU order of buckets
+fetched on demand, and the index from a device address to the bucket living there (for the saved-tensor
+pack hook). It also owns the device memory allocated on demand (bucket slots, and grad slots until their
+copy has read them), the compute ``boundary`` every new copy into a slot waits for, and the events after
+which a plan buffer may be reused (``done``).
+
+[Note: cross-stream lifetimes] The arena is ours, so the caching allocator's ``record_stream`` does not
+protect a slot: every reuse of a slot waits on the event of its last reader (``done``, ``boundary``),
+a slot is never freed while a copy still writes it (``release``) or reads it (``Freeing``), and a host
+buffer read by a copy is not written by the CPU until that copy's event completed (``adam_event``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from ..backend.base import DONE, Event
+from ..errors import InvariantError
+from .residency import Freeing, ParamRef, Residency, Slot, check_move
+
+if TYPE_CHECKING:
+    from ..host.state import HostState
+    from ..planning.buckets import Bucket
+    from .context import RuntimeContext
+
+
+class SlotTable:
+    """Residency, slots and events of every bucket; fetch, wait, release and evict."""
+
+    def __init__(self, ctx: RuntimeContext) -> None:
+        self.ctx = ctx
+        self.host: HostState | None = None  # set when the traced warm-up has made the buckets
+        self.buckets: tuple[Bucket, ...] = ()
+        self.bucket_of: Sequence[int] = ()  # param -> its bucket
+        self.state: list[Residency] = []  # per bucket
+        self.slot: dict[int, Slot] = {}  # bucket -> where it is on the device (not HOST)
+        self.index: dict[int, tuple[list[int], list[int]]] = {}  # storage ptr -> (offsets, buckets)
+        self.h2d_event: dict[int, Event] = {}  # bucket -> its latest host-to-device copy
+        self.adam_event: dict[int, Event] = {}  # bucket -> its latest AdamW (host master is written)
+        self.lru: OrderedDict[int, None] = OrderedDict()  # buckets fetched on demand, oldest first
+        self.h2d_by_bucket: list[int] = []  # host-to-device bytes per bucket since wrap
+        self.freeing: list[Freeing] = []  # on-demand grad slots until their D2H copy has read them
+        self.done: dict[int, Event] = {}  # plan buffer -> event after which its memory may be reused (this step)
+        self.boundary: Event = DONE  # compute event at the end of the previous forward/backward
+        self.reserve = 0  # bytes a recompute in progress is still expected to save (offload/runtime/recompute_hooks.py)
+        itemsize = ctx.itemsize
+        # the largest gradient autograd may materialise: room kept free off plan (cache_limit)
+        self.grad_headroom = max((s.numel * itemsize for s in ctx.specs if s.group is not None), default=0)
+        self._pinned: list[Callable[[], Iterable[int]]] = []  # who says which buckets may not be evicted now
+
+    def adopt(self, host: HostState) -> None:
+        """The traced warm-up built the buckets and their host arena: every bucket starts on the host."""
+        self.host, self.buckets, self.bucket_of = host, host.buckets, host.bucket_of
+        self.state = [Residency.HOST] * len(host.buckets)
+        self.h2d_by_bucket = [0] * len(host.buckets)
+
+    def hosted(self) -> HostState:
+        """The host side (buckets exist only once the traced warm-up has made them)."""
+        if self.host is None:
+            raise InvariantError("the host arena is used before the traced warm-up made it")
+        return self.host
+
+    def pin_with(self, pinned: Callable[[], Iterable[int]]) -> None:
+        """``pinned()`` names buckets that views in use point into: eviction skips them."""
+        self._pinned.append(pinned)
+
+    def mark_boundary(self) -> None:
+        """Copies issued from now on into a slot wait for the compute issued so far."""
+        self.boundary = self.ctx.backend.record()
+
+    def reset_step(self) -> None:
+        self.done = {}
+
+    def close(self) -> None:
+        """The engine closed: nothing is on the device any more, and the host arena goes."""
+        self.slot.clear()
+        self.host = None
+
+    def items(self) -> Iterator[tuple[int, Slot]]:
+        return iter(list(self.slot.items()))
+
+    # -- transitions --------------------------------------------------------------------------------------
+
+    def set_state(self, b: int, new: Residency) -> None:
+        check_move(b, self.state[b], new)
+        self.state[b] = new
+
+    def copy_in(self, b: int, slot: Slot, waits: Iterable[Event]) -> None:
+        """Issue the host-to-device copy of bucket ``b`` into ``slot``."""
+        ctx = self.ctx
+        n = self.buckets[b].numel
+        dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
+        waits = [w for w in (*waits, self.adam_event.get(b)) if w is not None]
+        fresh = b not in self.slot
+        ctx.stats["h2d_bytes"] += n * ctx.itemsize
+        self.h2d_by_bucket[b] += n * ctx.itemsize
+        self.set_state(b, Residency.IN_FLIGHT)
+        self.slot[b] = slot
+        self.h2d_event[b] = ctx.backend.h2d(dst, self.hosted().source(b), waits)
+        ctx.lane_log.add("h2d", b, n * ctx.itemsize, self.h2d_event[b])
+        if fresh:
+            self.bind(b, slot)
+            self._index(b, slot)
+
+    def land(self, b: int) -> None:
+        """Compute waits until bucket ``b``'s copy (issued) has landed."""
+        self.ctx.backend.wait(self.h2d_event[b])
+        self.set_state(b, Residency.DEVICE)
+        self.touch(b)
+
+    def touch(self, b: int) -> None:
+        if b in self.lru:
+            self.lru.move_to_end(b)
+
+    def fetch_on_demand(self, b: int) -> None:
+        ctx = self.ctx
+        nbytes = self.buckets[b].nbytes(ctx.itemsize)
+        self.make_room(nbytes)
+        storage = ctx.backend.empty(nbytes)
+        ctx.memory.add("slots", nbytes)
+        self.copy_in(b, Slot(storage, 0, None), [self.boundary])
+        self.lru[b] = None
+        ctx.stats["on_demand_fetches"] += 1
+
+    def release(self, b: int) -> None:
+        """Bucket ``b``'s parameters are no longer needed on the device."""
+        ctx = self.ctx
+        slot = self.slot.pop(b)
+        if self.state[b] is Residency.IN_FLIGHT:
+            ctx.backend.wait(self.h2d_event[b])  # never free memory a copy is still writing
+            self.set_state(b, Residency.DEVICE)
+        self.set_state(b, Residency.HOST)
+        self.unbind(b)
+        self._unindex(b, slot)
+        self.lru.pop(b, None)
+        if slot.planned is not None:
+            self.done[slot.planned] = ctx.backend.record()
+        else:
+            ctx.memory.add("slots", -self.buckets[b].nbytes(ctx.itemsize))
+
+    # -- parameters -----------------------------------------------------------------------------------------
+
+    def bind(self, b: int, slot: Slot) -> None:
+        ctx = self.ctx
+        typed = slot.storage.view(ctx.dtype)
+        base = slot.offset // ctx.itemsize
+        bucket = self.buckets[b]
+        for p, off in zip(bucket.params, bucket.offsets):
+            param = ctx.params[p]
+            ctx.backend.bind(param, typed[base + off: base + off + param.numel()].view(param.shape))
+
+    def unbind(self, b: int) -> None:
+        ctx = self.ctx
+        for p in self.buckets[b].params:
+            ctx.backend.bind(ctx.params[p], ctx.placeholders[p])
+
+    def address(self, p: int) -> int:
+        """Where parameter ``p``'s data points right now: its slot, or its placeholder."""
+        ctx = self.ctx
+        slot = self.slot.get(self.bucket_of[p])
+        if slot is None:
+            return ctx.placeholders[p].data_ptr()
+        return slot.storage.data_ptr() + slot.offset + self.hosted().offset[p] * ctx.itemsize
+
+    def rebind(self, p: int) -> None:
+        """Point parameter ``p`` back at what the slot table gave it (its bucket's slot or placeholder)."""
+        b = self.bucket_of[p]
+        slot = self.slot.get(b)
+        if slot is None:
+            self.ctx.params[p].data = self.ctx.placeholders[p]
+        else:
+            self.bind(b, slot)
+
+    def view(self, saved: ParamRef) -> torch.Tensor:
+        """The weight view ``saved`` names, in its bucket's slot (the bucket must be on the device)."""
+        p = saved.param
+        slot = self.slot[self.bucket_of[p]]
+        start = slot.offset + self.hosted().offset[p] * self.ctx.itemsize + saved.byte_offset
+        typed = slot.storage.view(saved.dtype)
+        itemsize = typed.element_size()
+        return typed.as_strided(saved.size, saved.stride, start // itemsize)
+
+    # -- device memory ---------------------------------------------------------------------------------------
+
+    def free_after(self, event: Event, nbytes: int, slot: torch.Tensor) -> None:
+        """(tensor, event): the on-demand grad slot is kept until the copy reading it has finished."""
+        self.freeing.append(Freeing(event, nbytes, slot))
+
+    def reclaim(self, block: bool = False) -> None:
+        """Free grad slots whose device-to-host copy has finished (all of them when ``block``)."""
+        keep = []
+        for ev, nbytes, slot in self.freeing:
+            if block or ev.query():
+                ev.synchronize()
+                self.ctx.memory.add("slots", -nbytes)
+            else:
+                keep.append(Freeing(ev, nbytes, slot))
+        self.freeing = keep
+
+    def make_room(self, nbytes: int) -> None:
+        """Evict on-demand buckets, least recently used first, until ``nbytes`` more fit the budget."""
+        if not self.evict_to_fit(nbytes):
+            self.ctx.stats["over_budget_fetches"] += 1
+
+    def evict_to_fit(self, nbytes: int) -> bool:
+        """Free finished grad slots, then evict unused on-demand buckets, least recently used first, until
+        ``nbytes`` more fit the budget; False if they still do not."""
+        memory = self.ctx.memory
+        limit = self.cache_limit()
+        self.reclaim(block=memory.current + nbytes > limit)
+        protected: set[int] = set()
+        for pinned in self._pinned:
+            protected.update(pinned())
+        for b in list(self.lru):
+            if memory.current + nbytes <= limit:
+                return True
+            if b not in protected and self.state[b] is not Residency.HOST:
+                self.release(b)
+        return memory.current + nbytes <= limit
+
+    def cache_limit(self) -> int:
+        """Device bytes that buckets fetched on demand may fill, with what else is live.
+
+        Off plan, nothing is laid out ahead: a saved activation or a parameter's gradient is allocated by
+        autograd before the engine hears of it, so evicting then does not lower the peak already reached.
+        The room for the next one is kept free instead: the largest gradient autograd may materialise
+        (backward) or the largest storage saved for backward so far, checkpointed blocks' included (forward;
+        in backward only a recompute saves, and ``reserve`` holds what it is still to save). The two never land
+        in the same phase, so the larger of them is enough. An activation larger than any seen before (a
+        longer sequence) can still overshoot, by at most its own size: eviction follows it
+        (``activations_grew``)."""
+        headroom = max(self.grad_headroom, self.ctx.memory.largest_saved)
+        return self.ctx.budget - headroom - self.reserve
+
+    def activations_grew(self) -> None:
+        """Off plan, buckets fetched on demand stay cached until room is needed; room is needed when saved
+        activations grow as much as when another bucket is fetched, so evict the same way (no-op on plan,
+        where activations are planned, and while tracing, where nothing is cached)."""
+        if self.lru and self.ctx.memory.current > self.cache_limit():
+            self.evict_to_fit(0)
+
+    # -- slot index: which bucket lives at a byte offset of a device storage (for the pack hook) ------------
+
+    def locate(self, entry: tuple[list[int], list[int]], byte: int, t: torch.Tensor) -> ParamRef | None:
+        """The parameter view ``t`` is, if it lives at ``byte`` of a slot's storage (``entry``: that
+        storage's ``index``)."""
+        starts, owners = entry
+        i = bisect.bisect_right(starts, byte) - 1
+        if i < 0:
+            return None
+        b = owners[i]
+        rel = byte - starts[i]
+        bucket = self.buckets[b]
+        itemsize = self.ctx.itemsize
+        if rel >= bucket.nbytes(itemsize):
+            return None
+        j = bisect.bisect_right(bucket.offsets, rel // itemsize) - 1
+        p = bucket.params[j]
+        return ParamRef(p, rel - bucket.offsets[j] * itemsize, tuple(t.shape), t.stride(), t.dtype)
+
+    def _index(self, b: int, slot: Slot) -> None:
+        key = slot.storage.untyped_storage().data_ptr()
+        starts, owners = self.index.setdefault(key, ([], []))
+        i = bisect.bisect_left(starts, slot.offset)
+        starts.insert(i, slot.offset)
+        owners.insert(i, b)
+
+    def _unindex(self, b: int, slot: Slot) -> None:
+        key = slot.storage.untyped_storage().data_ptr()
+        starts, owners = self.index[key]
+        i = bisect.bisect_left(starts, slot.offset)
+        if owners[i] != b:
+            raise InvariantError(f"slot index: bucket {b} is not at offset {slot.offset} of its storage")
+        del starts[i], owners[i]
+        if not starts:
+            del self.index[key]
