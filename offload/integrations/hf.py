@@ -13,9 +13,9 @@ biases and norms). Then:
   loss scaling is the engine's; accelerate's autocast and GradScaler are off: the engine computes in
   ``bf16``/``fp16`` itself);
 * clipping is ``engine.clip_grad_norm_``, which reads the per-parameter norms the engine computed as the
-  grads arrived instead of making a pass over ``p.grad`` as the Trainer's own clip does (that would work
-  too, as clipping turns ``overlap_optimizer`` off and ``p.grad`` then shows the host's sums: README,
-  *Plain PyTorch calls*);
+  grads arrived instead of making a pass over ``p.grad`` as the Trainer's own clip does (clipping turns
+  ``overlap_optimizer`` off, so ``p.grad`` does show the host's sums: README, *Plain PyTorch calls*; the
+  Trainer's own clip path through accelerate is not what runs here, and is not tested);
 * checkpoints hold ``offload.pt`` (``engine.save``: fp32 masters, AdamW state, loss scale) beside the
   Trainer's files; ``model.safetensors`` holds the real fp32 weights (``engine.state_dict()``), so
   ``from_pretrained`` on a saved folder works without offload.
