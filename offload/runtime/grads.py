@@ -7,10 +7,12 @@ copies not yet waited for, and per bucket the grads gathered since the last ``st
 Like the rest of the runtime it executes the plan (``plan.grad_buffer``) and touches streams only through
 the backend.
 
-Where grads would be exposed to the user (issue 19): ``backward_done`` runs once per backward, after every
-bucket's copy was issued (expose them there); ``clear`` runs when gathered grads are consumed or dropped
-(``step()``, deferred ``zero_grad()``, a failed backward), and ``wait_for_copies`` at the start of every
-forward (collect or clear them there).
+Grads exposed to the user in ``p.grad`` (issue 19, offload/runtime/plain_grads.py, owned here as
+``exposure``): ``backward_done`` exposes them, once per backward after every bucket's copy was issued;
+``clear`` takes them back when gathered grads are consumed or dropped (``step()``, ``zero_grad()``, a failed
+backward). The runtime has them collected (the user's edits in) at the start of a forward with grad enabled
+(before its guard, which may raise), at ``step()`` and before ``engine.clip_grad_norm_``. They change the
+sums, norms and clip factor only through this pipeline's methods (``pending_params`` ... ``refresh_norms``).
 """
 
 from __future__ import annotations
