@@ -112,9 +112,11 @@ class Engine:
         self._check_open()
         self._runtime.step()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients gathered since the last step (``set_to_none=False``: keep them, zeroed, so that
+        a ``step()`` right after updates with zero gradients, as torch's optimizers do)."""
         self._check_open()
-        self._runtime.zero_grad()
+        self._runtime.zero_grad(set_to_none)
 
     def wait_for_updates(self) -> None:
         self._runtime.wait_for_updates()

@@ -124,7 +124,7 @@ class AdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._engine is not None:
-            self._engine.zero_grad()
+            self._engine.zero_grad(set_to_none)
         else:
             super().zero_grad(set_to_none=set_to_none)
 

@@ -12,8 +12,10 @@ biases and norms). Then:
 * ``training_step`` runs ``compute_loss`` as the Trainer does and ``engine.backward`` on the loss (float16
   loss scaling is the engine's; accelerate's autocast and GradScaler are off: the engine computes in
   ``bf16``/``fp16`` itself);
-* clipping is ``engine.clip_grad_norm_``: the Trainer's own clip reads ``p.grad``, which the engine does
-  not fill (grads go to the host as they are made), so it would clip nothing and log a norm of 0;
+* clipping is ``engine.clip_grad_norm_``, which reads the per-parameter norms the engine computed as the
+  grads arrived instead of making a pass over ``p.grad`` as the Trainer's own clip does (clipping turns
+  ``overlap_optimizer`` off, so ``p.grad`` does show the host's sums: README, *Plain PyTorch calls*; the
+  Trainer's own clip path through accelerate is not what runs here, and is not tested);
 * checkpoints hold ``offload.pt`` (``engine.save``: fp32 masters, AdamW state, loss scale) beside the
   Trainer's files; ``model.safetensors`` holds the real fp32 weights (``engine.state_dict()``), so
   ``from_pretrained`` on a saved folder works without offload.

@@ -40,6 +40,7 @@ from .forward_only import EvalPlans
 from .grads import BackwardDiscard, GradPipeline
 from .param_access import ParamAccess
 from .phases import Lifecycle, Pass
+from .plain_grads import module_hooks
 from .recompute_hooks import RecomputeCoordinator
 from .residency import ParamRef
 from .slots import SlotTable
@@ -93,6 +94,8 @@ class Runtime:
             if spec.group is not None:
                 self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
         self._handles.append(module.register_forward_hook(faults.root_watcher(self), always_call=True))
+        # issue 19: module.state_dict() gives the fp32 weights, load_state_dict() after the first forward raises
+        self._handles.extend(module_hooks(self))
         # Per forward (entered by _begin_forward): autocast, the use detector, the saved-tensor hooks.
 
     def _pre_hook(self, index: int) -> Any:
@@ -181,6 +184,8 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
+        if torch.is_grad_enabled():
+            self.grads.exposure.before_forward()  # issue 19: user edits of p.grad in, p.grad = None for autograd
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
         grad_enabled = torch.is_grad_enabled()
         if ctx.phases.in_backward or executor.pos:
@@ -285,6 +290,9 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         with ctx.backend.compute():  # called outside the user's `with torch.cuda.stream(s)`, perhaps
             faults.check_backward_finished(self, "optimizer.step()")
+            # issue 19: user edits of p.grad honoured, p.grad taken back; before the check, so that a raise
+            # here (overlap: p.grad dropped after the update ran) leaves the backward counted for a retry
+            self.grads.exposure.before_step()
             guards.check_step_has_grads(self.grads.consume_backward())
             self.guard.snapshot()
             updated = self.grads.run_step()
@@ -296,11 +304,12 @@ class Runtime:
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         self.grads.check_can_clip()
         faults.check_backward_finished(self, "clip_grad_norm_")
+        self.grads.exposure.to_engine_form()  # issue 19: user edits of p.grad in, norms fresh
         return self.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         faults.check_backward_finished(self, "zero_grad()")
-        self.grads.zero_grad()
+        self.grads.zero_grad(set_to_none)
 
     def wait_for_updates(self) -> None:
         self.ctx.cpu.drain()
@@ -309,6 +318,7 @@ class Runtime:
         """Give every parameter its trained fp32 value back as an ordinary tensor, and stop the threads."""
         ctx = self.ctx
         self.remove_hooks()
+        self.grads.exposure.close()  # issue 19: exposed p.grad taken back (they would point into the freed arena)
         try:
             ctx.cpu.drain()
             ctx.backend.synchronize()

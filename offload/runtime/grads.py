@@ -7,10 +7,12 @@ copies not yet waited for, and per bucket the grads gathered since the last ``st
 Like the rest of the runtime it executes the plan (``plan.grad_buffer``) and touches streams only through
 the backend.
 
-Where grads would be exposed to the user (issue 19): ``backward_done`` runs once per backward, after every
-bucket's copy was issued (expose them there); ``clear`` runs when gathered grads are consumed or dropped
-(``step()``, deferred ``zero_grad()``, a failed backward), and ``wait_for_copies`` at the start of every
-forward (collect or clear them there).
+Grads exposed to the user in ``p.grad`` (issue 19, offload/runtime/plain_grads.py, owned here as
+``exposure``): ``backward_done`` exposes them, once per backward after every bucket's copy was issued;
+``clear`` takes them back when gathered grads are consumed or dropped (``step()``, ``zero_grad()``, a failed
+backward). The runtime has them collected (the user's edits in) at the start of a forward with grad enabled
+(before its guard, which may raise), at ``step()`` and before ``engine.clip_grad_norm_``. They change the
+sums, norms and clip factor only through this pipeline's methods (``pending_params`` ... ``refresh_norms``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import InvariantError, NonFiniteNormError, OffloadError
+from .plain_grads import Exposure
 from .scaler import LossScaler
 
 if TYPE_CHECKING:
@@ -79,6 +82,7 @@ class GradPipeline:
         self.backward_seen = False  # a backward ran since the last step() (guards.check_step_has_grads)
         self.last_step_skipped = False
         self._warned = False
+        self.exposure = Exposure(ctx, self)  # issue 19: the gathered grads in p.grad (plain_grads.py)
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -256,6 +260,7 @@ class GradPipeline:
     def backward_done(self) -> None:
         """Every grad of this backward is on its way to the host (grads would be exposed from here)."""
         self.awaiting_step = bool(self.pending)
+        self.exposure.expose()  # issue 19: the gathered grads in p.grad (offload/runtime/plain_grads.py)
 
     def wait_for_copies(self) -> None:
         """A forward starts: grad copies of an earlier backward of this step (accumulation) may still be
@@ -342,9 +347,12 @@ class GradPipeline:
         self.clip_factor *= float(coef)
         return total
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Grads are consumed by the update, so after step() there is nothing to clear; before it (deferred
-        updates), the grads gathered so far are dropped, as ``optimizer.zero_grad()`` would."""
+        updates), the grads gathered so far are dropped, as ``optimizer.zero_grad()`` would (or zeroed, with
+        ``set_to_none=False``: see offload/runtime/plain_grads.py)."""
+        if self.exposure.zero_grad(set_to_none):  # issue 19: p.grad None or zeros, as torch's zero_grad leaves it
+            return
         if self.deferred and self.pending:
             self.ctx.cpu.drain()
             self.slots.reclaim(block=True)
@@ -352,6 +360,7 @@ class GradPipeline:
 
     def clear(self) -> None:
         """Gathered grads are consumed (step) or dropped (zero_grad, a failed backward)."""
+        self.exposure.drop()  # issue 19: no exposed p.grad outlives the sums it shows
         self.pending = {}
         self.norms = {}
         self.clip_factor = 1.0
@@ -385,6 +394,73 @@ class GradPipeline:
         self.next_backward_scale = None
         self.backward_seen = False  # the failed backward does not count for step()
         return BackwardDiscard(arrived, updated, dropped, problems)
+
+    # -- the gathered sums, for grads exposed in p.grad (issue 19, offload/runtime/plain_grads.py) -----------
+
+    def pending_params(self) -> list[int]:
+        """The parameters with a gradient gathered since the last ``step()``, in order."""
+        return sorted(p for pending in self.pending.values() for p in pending.params)
+
+    def grad_sum(self, p: int) -> torch.Tensor:
+        """Parameter ``p``'s slice (flat) of its bucket's host gradient sum (writes go into the update)."""
+        host = self.slots.hosted()
+        off = host.offset[p]
+        return host.grad[host.bucket_of[p]][off: off + self.ctx.specs[p].numel]
+
+    def wait_gathered(self) -> None:
+        """Wait until every gathered sum is final: its copy to the host, or the CPU lane's widening or
+        accumulation into it, is done (each ``PendingGrads.ready``)."""
+        for pending in self.pending.values():
+            pending.ready.synchronize()
+
+    def scale_sums(self, factor: float) -> None:
+        """Multiply every gathered sum by ``factor`` (after :meth:`wait_gathered`); norms are not renewed."""
+        host = self.slots.hosted()
+        with torch.no_grad():
+            for b in self.pending:
+                host.grad[b].mul_(factor)
+
+    def zero_sums(self) -> None:
+        """Every gathered sum becomes zeros, still gathered (after :meth:`wait_gathered`): the next step
+        updates with zero grads, the next backward adds to zeros; no clipping is pending."""
+        host = self.slots.hosted()
+        with torch.no_grad():
+            for b in self.pending:
+                host.grad[b].zero_()
+        zero = torch.zeros(())
+        self.norms.update({p: zero for p in self.pending_params()})
+        self.clip_factor = 1.0
+
+    def take_clip_factor(self) -> float:
+        """The clipping coefficient the next step would apply, handed over: from now on it is 1.0 (the
+        caller applied it to the sums)."""
+        factor, self.clip_factor = self.clip_factor, 1.0
+        return factor
+
+    def drop_param(self, p: int) -> None:
+        """Parameter ``p``'s gathered grad is dropped (``p.grad = None``): the step skips it, as torch's
+        optimizers skip a parameter without a grad; its sum is zeroed (a later backward adds to zeros)."""
+        b = self.slots.bucket_of[p]
+        with torch.no_grad():
+            self.grad_sum(p).zero_()
+        params, ready = self.pending[b]
+        rest = params - {p}
+        if rest:
+            self.pending[b] = PendingGrads(rest, ready)
+        else:
+            del self.pending[b]
+        self.norms.pop(p, None)
+
+    def refresh_norms(self, params: Iterable[int]) -> None:
+        """The sums of ``params`` changed outside the pipeline: recompute the norms of those still gathered
+        (the clip and the float16 overflow check read them)."""
+        host = self.slots.hosted()
+        by_bucket: dict[int, list[int]] = {}
+        for p in params:
+            if host.bucket_of[p] in self.pending:
+                by_bucket.setdefault(host.bucket_of[p], []).append(p)
+        for b, ps in by_bucket.items():
+            self.norms.update(host.grad_norms(b, ps))
 
 
 def _norms_on_host(norms: list[torch.Tensor]) -> torch.Tensor:

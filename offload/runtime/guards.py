@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import format_bytes
 from ..errors import BudgetTooSmallError, OffloadError
+from .plain_grads import describe_conversion
 
 if TYPE_CHECKING:
     from .context import Backend, RuntimeContext
@@ -47,7 +48,11 @@ class ParamGuard:
         if self.versions is not None:
             written = [p for p, param in enumerate(ctx.params) if param._version != self.versions[p] and p not in moved]
         if moved or written:
+            # issue 19: model.to()/.half()/... named (dtype/device read before the restore rebinds)
+            conversion = describe_conversion(ctx, self.warmup.original, moved, self.names)
             self._restore(moved, written)
+            if conversion is not None:
+                raise OffloadError(conversion)
             names = self.names
             parts = []
             if moved:

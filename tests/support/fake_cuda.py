@@ -67,6 +67,20 @@ class SimulatedRace(AssertionError):
     """Two accesses to the same device bytes that no event orders (see the module docstring)."""
 
 
+def _is_wrapper(t: torch.Tensor) -> bool:
+    """A tensor subclass made by ``_make_wrapper_subclass`` (no storage of its own; its ``__torch_dispatch__``
+    runs the op on the tensors it wraps, which this simulation then sees)."""
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and _no_storage(t)
+
+
+def _no_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
 def _join(into: dict, other: dict) -> None:
     for k, v in other.items():
         if into.get(k, 0) < v:
@@ -331,8 +345,9 @@ class FakeCuda:
         with self.lock:
             if self._kinds is not None:
                 derived = self._check_devices(func, tensors)
+            # A wrapper subclass (offload's ExposedGrad) has no storage: its own ops are what touch memory.
             touched = [(t, w) for t, w in tensors if t.layout == torch.strided and t.device.type == "cpu"
-                       and t.untyped_storage().data_ptr() in self.memory]
+                       and not _is_wrapper(t) and t.untyped_storage().data_ptr() in self.memory]
             if touched:
                 stream = self.current
                 clock = stream._tick()
@@ -378,7 +393,7 @@ class FakeCuda:
     def _check_devices(self, func, tensors) -> bool:
         if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
             return False  # a cross-device copy is what moves data between them
-        kinds = {self._kind(t) for t, _ in tensors if t.layout == torch.strided and t.dim() > 0}
+        kinds = {self._kind(t) for t, _ in tensors if t.layout == torch.strided and t.dim() > 0 and not _is_wrapper(t)}
         if {"host", "device"} <= kinds:
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                f"cuda:0 and cpu! (simulated GPU, in {func})")
@@ -386,7 +401,8 @@ class FakeCuda:
 
     def _tag_device(self, out) -> None:
         for t in (out if isinstance(out, (list, tuple)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+            if (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu"
+                    and not _is_wrapper(t)):
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
                 with self.lock:

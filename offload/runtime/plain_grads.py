@@ -1,0 +1,438 @@
+"""Plain PyTorch code on a wrapped model: ``p.grad`` after backward, ``model.state_dict()`` and
+``model.load_state_dict()`` during training. Each works as in plain PyTorch or raises a clear error; none
+silently does nothing (issue 19).
+
+[Note: gradients in p.grad] Gradients never stay on the device: each bucket's go to the host as soon as
+they are final (offload/runtime/grads.py), where, with ``overlap_optimizer=False``, they are summed in a flat
+fp32 buffer per bucket until ``step()`` (``HostState.grad``). After each backward the runtime *exposes*
+them: every parameter that got a gradient gets ``param.grad = ExposedGrad(...)``, a tensor subclass
+(``_make_wrapper_subclass``, as FSDP2's DTensor grads) whose metadata are what autograd and torch expect of
+that parameter's grad (its shape, and the parameter's dtype and device: the compute dtype, on the device)
+and whose data is the parameter's slice of the host fp32 sum. Every op on it runs on that host data:
+
+* before the first op, the copies and CPU-lane additions that produce the sums are waited for, and the
+  factors the engine would apply at ``step()`` are applied to the sums (``Exposure.materialize``): the
+  inverse float16 loss scale and any ``engine.clip_grad_norm_`` coefficient. So ``p.grad`` holds the
+  gradient the update will use: unscaled, as after ``GradScaler.unscale_`` in plain PyTorch (the point
+  where a torch loop clips), and clipped if the engine clipped;
+* in-place ops (``mul_``, ``clamp_``, ``copy_``, ``torch.nn.utils.clip_grad_norm_`` and
+  ``clip_grad_value_``) write the host sum the update reads; the engine's cached norms of written
+  parameters are recomputed before the engine next uses them;
+* views (``view``, ``detach``, indexing) are ``ExposedGrad`` again, over the same host bytes;
+* anything else comes back as a plain tensor on the parameter's device, with the dtype torch would give
+  for the parameter's dtype (computed from the fp32 data, then rounded: with bf16 compute, ``p.grad.norm()``
+  is a bf16 number, as with bf16 grads in plain PyTorch; in fp32 every result is bit for bit torch's).
+
+Before the engine itself uses the sums again (``step()``, ``engine.clip_grad_norm_``, the next forward, whose
+backward adds to them), the loss scale is put back (``Exposure.to_engine_form``): loss scales are powers of
+two, so both multiplications are exact. A user's ``p.grad = None`` drops that parameter's gradient (as
+torch's optimizers skip a parameter without one: no update, no weight decay, no step count); ``p.grad = t``
+puts ``t``'s values into the sum. Both are picked up at ``step()``, ``engine.clip_grad_norm_`` and the next
+forward. Exposed grads are taken away (``param.grad = None``) at the next forward with grad enabled, at
+``step()`` and at ``zero_grad()``, so autograd's next AccumulateGrad never adds into one; an exposed grad
+still held by the user after that raises when used.
+
+With ``overlap_optimizer=True`` the grads were consumed during backward (each bucket's AdamW ran as soon as
+its grads were in): ``p.grad`` is then an ``ExposedGrad`` without data, so ``p.grad is None`` is False (code
+that checks it goes on) but any op on it raises an :class:`OffloadError` naming the supported way, before
+any silent result (``torch.nn.utils.clip_grad_norm_`` raises instead of returning 0).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+from ..errors import InvariantError, OffloadError
+
+if TYPE_CHECKING:
+    from .context import RuntimeContext
+    from .core import Runtime
+    from .grads import GradPipeline
+
+_HOW_TO_READ_GRADS = ("To read, clip or scale gradients in p.grad (torch.nn.utils.clip_grad_norm_, "
+                      "clip_grad_value_, p.grad.norm()), wrap with overlap_optimizer=False: gradients then stay "
+                      "readable in p.grad until step(); engine.clip_grad_norm_(max_norm) needs it too")
+
+
+class ExposedGrad(torch.Tensor):
+    """``param.grad`` of a wrapped model's parameter between backward and ``step()``: see [Note: gradients
+    in p.grad]. Shape, dtype and device are the parameter's; the data is a view of the host fp32 gradient
+    sum (None with overlapped updates, where every op raises)."""
+
+    _exposure: weakref.ref
+    _p: int
+    _data: torch.Tensor | None
+    _epoch: int
+
+    @staticmethod
+    def __new__(cls, exposure: "Exposure", p: int, data: torch.Tensor | None, like: torch.Tensor,
+                shape=None, strides=None):
+        shape = like.shape if shape is None else shape
+        if strides is None:
+            strides = data.stride() if data is not None else torch.empty(shape, device="meta").stride()
+        g = torch.Tensor._make_wrapper_subclass(cls, shape, strides, dtype=like.dtype, device=like.device,
+                                                requires_grad=False)
+        g._exposure = weakref.ref(exposure)  # weak: param.grad is held on the C++ side, out of gc's sight
+        g._p, g._data, g._epoch = p, data, exposure.epoch
+        return g
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        if self._data is None:  # a repr never raises (debuggers and error messages call it)
+            return (f"ExposedGrad(consumed: overlap_optimizer=True applied the update during backward; "
+                    f"shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})")
+        return f"{torch.Tensor.clone(self)!r} (offload: the host's fp32 gradient sum)"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        exposed = [a for a in leaves if isinstance(a, ExposedGrad)]
+        exposure_of = {id(g): g._usable(func) for g in exposed}
+        owners = {id(e): e for e in exposure_of.values()}
+        for owner in owners.values():
+            owner.materialize()
+        host = exposed[0]._host_data().device
+        moved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the caller's tensor, its copy on the host)
+
+        def unwrap(a):
+            if isinstance(a, ExposedGrad):
+                return a._data
+            if isinstance(a, torch.Tensor) and a.device != host:
+                m = a.to(host)
+                moved.append((a, m))
+                return m
+            return a
+
+        uargs, ukwargs = pytree.tree_map(unwrap, (args, kwargs))
+        out = func(*uargs, **ukwargs)
+        for t in _written(func, uargs, ukwargs):
+            for g in exposed:
+                if t is g._data:
+                    exposure_of[id(g)].written(g._p)
+            for orig, m in moved:
+                if t is m:
+                    orig.copy_(m)  # an in-place op on a tensor of the device: write its result back
+        back = {id(g._data): g for g in exposed} | {id(m): orig for orig, m in moved}
+        # What a view of the host sums is a view of: ``self`` for view ops (the arena is one storage, so its
+        # pointer alone cannot say which parameter's gradient a view shows).
+        base = args[0] if args and isinstance(args[0], ExposedGrad) else exposed[0]
+        arena = base._host_data().untyped_storage().data_ptr()
+        dtypes = _result_dtypes(func, args, kwargs) if any(g.dtype != g._host_data().dtype for g in exposed) else None
+        device = kwargs.get("device") if func is torch.ops.aten._to_copy.default else None
+        device = device if device is not None else exposed[0].device
+        leaves_out, spec = pytree.tree_flatten(out)
+        result = []
+        for i, t in enumerate(leaves_out):
+            if not isinstance(t, torch.Tensor):
+                result.append(t)
+            elif id(t) in back:  # an in-place op returns its argument
+                result.append(back[id(t)])
+            elif t.untyped_storage().data_ptr() == arena:  # a view of the host gradient
+                result.append(ExposedGrad(exposure_of[id(base)], base._p, t, base, shape=t.shape, strides=t.stride()))
+            else:
+                dtype = dtypes[i] if dtypes is not None and i < len(dtypes) and dtypes[i] is not None else t.dtype
+                result.append(t.to(device=device, dtype=dtype))
+        return pytree.tree_unflatten(result, spec)
+
+    def _usable(self, func) -> "Exposure":
+        """The exposure this grad belongs to, if it may be used now; else a clear error."""
+        exposure = self._exposure()
+        if exposure is None or exposure.closed:
+            raise OffloadError("this gradient belonged to an offload engine that is closed; its gradients are gone")
+        if exposure.epoch != self._epoch:
+            raise OffloadError("this gradient is no longer current: step(), zero_grad() or the next forward took "
+                               "it back (the engine sums gradients on the host). Read p.grad again after the "
+                               "next backward")
+        if self._data is None:
+            raise OffloadError(f"p.grad of a model wrapped with overlap_optimizer=True cannot be used ({func}): "
+                               "each bucket's AdamW update ran during backward and consumed its gradients, so a "
+                               "result computed from p.grad would silently not affect the update. "
+                               f"{_HOW_TO_READ_GRADS}.")
+        if exposure.ctx.phases.in_backward or torch._C._current_autograd_node() is not None:
+            raise OffloadError("a backward reached a gradient exposed in p.grad by the previous backward without a "
+                               "forward in between (e.g. backward(retain_graph=True) twice): the engine cannot add "
+                               "into it. Run a forward before each backward, or call engine.backward(loss), which "
+                               "takes exposed gradients back first")
+        return exposure
+
+    def _host_data(self) -> torch.Tensor:
+        """The host data of a grad :meth:`_usable` accepted."""
+        if self._data is None:
+            raise InvariantError("an exposed gradient without host data was used: a bug in offload, please report it")
+        return self._data
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors ``func`` writes in place (its schema's ``Tensor(a!)`` arguments)."""
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            out.extend(t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    return out
+
+
+def _result_dtypes(func, args, kwargs) -> list[torch.dtype | None] | None:
+    """The dtypes ``func`` gives for the grads' nominal dtypes (run on the meta device), per output leaf."""
+    def meta(a):
+        if isinstance(a, ExposedGrad):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        if isinstance(a, torch.Tensor):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        return a
+    try:
+        margs, mkwargs = pytree.tree_map(meta, (args, kwargs))
+        if func is torch.ops.aten._to_copy.default:
+            mkwargs = {k: v for k, v in mkwargs.items() if k != "device"}
+        out = func(*margs, **mkwargs)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return None  # no meta kernel (e.g. .item()): the result keeps the dtype computed
+    return [t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(out)]
+
+
+class Exposure:
+    """The grad pipeline's side of [Note: gradients in p.grad]: which parameters' ``grad`` it set, and the
+    state of the host sums they show. Owned by :class:`offload.runtime.grads.GradPipeline` (``grads.exposure``),
+    which owns the sums, their norms and the clip factor: it changes them only through the pipeline's methods.
+    The pipeline calls :meth:`expose` at the end of backward, :meth:`drop` when gathered grads are cleared
+    and :meth:`zero_grad`; the runtime calls :meth:`before_forward`, :meth:`before_step`,
+    :meth:`to_engine_form` (before ``engine.clip_grad_norm_``) and :meth:`close`."""
+
+    def __init__(self, ctx: RuntimeContext, grads: GradPipeline) -> None:
+        self.ctx = ctx
+        self.grads = grads
+        self.epoch = 0  # bumped whenever exposed grads are taken back: older ExposedGrads refuse to work
+        self.exposed: dict[int, ExposedGrad] = {}  # param -> the grad given to it
+        self.materialized_scale: float | None = None  # the loss scale divided out of the sums, while it is
+        self.final = False  # the sums were waited for since the last expose
+        self.dirty: set[int] = set()  # params whose sum changed since the engine computed its norm
+        self.closed = False
+
+    # -- the runtime's calls ------------------------------------------------------------------------------
+
+    def expose(self) -> None:
+        """End of backward: every parameter that has a gathered gradient gets it in ``param.grad``."""
+        grads = self.grads
+        self.final = False
+        for p in grads.pending_params():
+            param = self.ctx.params[p]
+            data = grads.grad_sum(p).view(param.shape) if grads.deferred else None
+            g = ExposedGrad(self, p, data, param)
+            param.grad = g
+            self.exposed[p] = g
+
+    def before_forward(self) -> None:
+        """A forward with grad enabled: its backward adds to the sums, and autograd must find no grad."""
+        self.sync()
+        self.take_back()
+
+    def before_step(self) -> None:
+        """``step()``: the user's changes to p.grad are in, the sums are back in the engine's form."""
+        self.sync()
+        self.take_back()
+
+    def to_engine_form(self) -> None:
+        """Before ``engine.clip_grad_norm_``: user changes in, loss scale back in, norms fresh; p.grad stays."""
+        self.sync()
+        self._unmaterialize()
+
+    def zero_grad(self, set_to_none: bool) -> bool:
+        """``zero_grad()`` between backward and step: True if handled here (zeroed in place), False if the
+        pipeline is to drop the gathered grads (p.grad is None then)."""
+        grads = self.grads
+        if not grads.deferred and grads.awaiting_step:
+            raise OffloadError("zero_grad() was called between backward and step(), but this engine applied each "
+                               "bucket's AdamW update during backward (overlap_optimizer=True): the gradients it "
+                               "would drop were already used. Call zero_grad() after step() (or before the "
+                               "forward), or wrap with overlap_optimizer=False to drop gradients before step()")
+        if set_to_none or not (grads.deferred and grads.pending):
+            self.drop()
+            return False
+        self._zero_in_place()
+        return True
+
+    def _zero_in_place(self) -> None:
+        """``set_to_none=False`` (torch zeroes each grad in place): the sums become zeros, still gathered, so a
+        ``step()`` now updates with zero gradients (weight decay and Adam's momentum), and the next backward
+        adds to zeros; p.grad shows the zeros."""
+        self.sync()
+        self.grads.wait_gathered()
+        self.final = True
+        self.grads.zero_sums()
+        self.materialized_scale = None
+        self.dirty = set()
+
+    def drop(self) -> None:
+        """The gathered grads are dropped (``zero_grad()``, a failed backward): take exposed grads back."""
+        for p in self.exposed:
+            self.ctx.params[p].grad = None
+        self.exposed = {}
+        self.materialized_scale = None
+        self.dirty = set()
+        self.final = False
+        self.epoch += 1
+
+    def close(self) -> None:
+        self.drop()
+        self.closed = True
+
+    # -- what ops on exposed grads call --------------------------------------------------------------------
+
+    def materialize(self) -> None:
+        """Make the host sums final (their copies and additions done) and what the update will use: the
+        loss scale divided out and the engine's clipping coefficient applied."""
+        grads = self.grads
+        if not self.final:
+            grads.wait_gathered()  # the D2H copy, or the CPU lane's widening / accumulation, of each bucket
+            self.final = True
+        factor = grads.take_clip_factor()
+        scale = grads.step_scale if self.materialized_scale is None else None
+        if scale is not None and scale != 1.0:
+            factor /= scale
+        if factor != 1.0:
+            grads.scale_sums(factor)
+            self.dirty |= set(grads.pending_params())
+        if scale is not None and scale != 1.0:
+            self.materialized_scale = scale
+
+    def written(self, p: int) -> None:
+        self.dirty.add(p)
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Honour what the user did to ``param.grad`` since :meth:`expose`: None drops that parameter's
+        gradient; another tensor replaces it."""
+        grads = self.grads
+        dropped, replaced = [], []
+        for p, g in self.exposed.items():
+            now = self.ctx.params[p].grad
+            if now is None:
+                dropped.append(p)
+            elif now is not g:
+                replaced.append((p, now))
+        if not (dropped or replaced):
+            return
+        if not grads.deferred:
+            names = _names(self.ctx, dropped + [p for p, _ in replaced])
+            self.take_back()  # raised once: a retried step() goes on (the updates already ran)
+            raise OffloadError(f"p.grad was set to None or replaced ({', '.join(names)}) between backward and "
+                               "step(), but this engine applied each bucket's AdamW update during backward "
+                               "(overlap_optimizer=True), so the change cannot be honoured. Wrap with "
+                               "overlap_optimizer=False to drop or change gradients before step()")
+        self.materialize()
+        with torch.no_grad():
+            for p, t in replaced:
+                src = t.detach()
+                if isinstance(src, ExposedGrad):
+                    src._usable("p.grad = ...")
+                    src = src._host_data()
+                grads.grad_sum(p).copy_(src.reshape(-1))
+                self.dirty.add(p)
+        for p in dropped:
+            grads.drop_param(p)
+            self.dirty.discard(p)
+            del self.exposed[p]
+
+    def take_back(self) -> None:
+        """Set every exposed grad to None (autograd must not add into one) and put the sums back in the
+        engine's form."""
+        self._unmaterialize()
+        for p in self.exposed:
+            self.ctx.params[p].grad = None
+        self.exposed = {}
+        self.epoch += 1
+
+    def _unmaterialize(self) -> None:
+        """Multiply the loss scale back into the sums (exact: a power of two), refresh the norms of changed
+        sums (the engine's clip_grad_norm_ and float16 overflow check read them)."""
+        if self.materialized_scale is not None:
+            self.grads.scale_sums(self.materialized_scale)
+            self.materialized_scale = None
+        if self.dirty:
+            self.grads.refresh_norms(self.dirty)
+            self.dirty = set()
+
+
+def _names(ctx: RuntimeContext, params: list[int], most: int = 4) -> list[str]:
+    """The names of (the first ``most`` of) ``params`` in the wrapped module (for error messages)."""
+    name = {ctx.param_index.get(id(param)): n for n, param in ctx.module.named_parameters()}
+    return [name.get(p, f"parameter {p}") for p in params[:most]]
+
+
+# -- state dicts ------------------------------------------------------------------------------------------------
+
+def module_hooks(rt: Runtime) -> list[RemovableHandle]:
+    """``module.state_dict()`` (of the wrapped model or any submodule) returns the real fp32 weights (the
+    parameters themselves are placeholders outside forward), and ``module.load_state_dict()`` after the first
+    forward raises, naming the engine's way. The runtime registers them (``Runtime._register_hooks``) and
+    removes them at close; they hold it weakly (an engine dropped without close() must still be freed)."""
+    ref = weakref.ref(rt)
+    handles = []
+    for module in rt.ctx.module.modules():
+        handles.append(module.register_state_dict_post_hook(_state_dict_hook(ref)))
+        handles.append(module.register_load_state_dict_pre_hook(_load_hook(ref)))
+    return handles
+
+
+def _state_dict_hook(ref: weakref.ref[Runtime]) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        rt = ref()
+        if rt is None or rt.slots.host is None:  # before the first forward the parameters hold their values
+            return
+        rt.wait_for_updates()
+        ctx = rt.ctx
+        with torch.no_grad(), ctx.backend.compute():
+            for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+                key = prefix + name
+                p = ctx.param_index.get(id(param))
+                if p is not None and key in state_dict and state_dict[key] is not param:  # not keep_vars=True
+                    state_dict[key] = rt.weights.read(p)
+            for name, buf in module.named_buffers(recurse=False, remove_duplicate=False):
+                key = prefix + name
+                if key in state_dict and state_dict[key] is not buf:
+                    state_dict[key] = buf.detach().to("cpu", copy=True)  # as engine.state_dict()["model"]
+    return hook
+
+
+def _load_hook(ref: weakref.ref[Runtime]) -> Callable[..., None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        rt = ref()
+        if rt is None or rt.slots.host is None:  # before the first forward: loads into the parameters as usual
+            return
+        raise OffloadError(
+            "load_state_dict on a module wrapped by offload after its first step: its parameters are "
+            "placeholders and the weights live in the engine's host memory, so a plain load would not reach "
+            "them. Use engine.load_state_dict({\"model\": state_dict, \"optimizer\": optimizer.state_dict()}) "
+            "(names as in model.state_dict()), or engine.load(path) for a checkpoint written by engine.save")
+    return hook
+
+
+def describe_conversion(ctx: RuntimeContext, original: Sequence[torch.Tensor] | None, moved: list[int],
+                        names: Sequence[str]) -> str | None:
+    """For the guard: a message when reassigned parameters changed dtype or device, as ``model.to(...)``,
+    ``.cuda()``, ``.half()``, ``.float()`` or ``.double()`` after wrapping do; None otherwise. ``original``:
+    the parameters' own tensors while the first forward is not yet traced (``TracedWarmup.original``)."""
+    def before(p: int) -> tuple[torch.dtype, torch.device]:  # what the engine gave the parameter
+        if original is not None:  # before the first forward: its own (fp32, CPU) tensor
+            return original[p].dtype, original[p].device
+        return ctx.placeholders[p].dtype, ctx.placeholders[p].device  # a slot view's or its placeholder's
+
+    changed = [p for p in moved if (ctx.params[p].dtype, ctx.params[p].device) != before(p)]
+    if not changed:
+        return None
+    param = ctx.params[changed[0]]
+    dtype, device = before(changed[0])
+    return (f"the wrapped model was converted after offload.wrap (e.g. model.to(...), .cuda(), .half(), "
+            f".float(), .double()): parameter {names[changed[0]]} is now {param.dtype} on "
+            f"{param.device}, where the engine keeps it as {dtype} on {device}. The engine owns where "
+            f"and in what precision the model runs (fp32 masters on the host): pass dtype=/device= to "
+            f"offload.wrap instead (engine.close(), convert, wrap again). The conversion was undone.")
