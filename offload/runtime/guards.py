@@ -9,7 +9,7 @@ of every forward, in one pass over the parameters (pointer and version-counter c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -144,8 +144,14 @@ def refuse_compile() -> None:
 def _in_compile_region() -> bool:
     """True inside a call of a ``torch.compile``d function, also where dynamo fell back to running Python (as
     torch's own ``set_stance`` checks it): the frame-evaluation callback is installed then."""
-    try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    except ImportError:  # a torch without dynamo cannot compile
+    if _eval_frame_callback is None:  # a torch without dynamo cannot compile
         return False
-    return get_eval_frame_callback() not in (None, False)
+    return _eval_frame_callback() not in (None, False)
+
+
+# Imported once: an import statement in _in_compile_region, which runs for every module call, cost ~6 us a call
+_eval_frame_callback: Callable[[], object] | None
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:
+    _eval_frame_callback = None
