@@ -96,35 +96,58 @@ class Runtime:
         # Per forward (entered by _begin_forward): autocast, the use detector, the saved-tensor hooks.
 
     def _pre_hook(self, index: int) -> Any:
-        busy, executor, ckpt = self.ctx.busy, self.executor, self.recompute.ckpt
+        busy, ckpt, on_pre = self.ctx.busy, self.recompute.ckpt, self._on_pre
 
         def hook(module: nn.Module, args: Any) -> None:
             guards.refuse_compile()
             if ckpt.recomputing is not None:
                 return  # backward recomputes a checkpointed call: its RECOMPUTE event stands for it
-            with busy:
-                if index == 0 and executor.recorder.stack:
-                    faults.abort_forward(self, None)  # the previous call of the root module raised
-                if not executor.recorder.stack:
-                    self._begin_forward(index)
-                executor.recorder.pre(index)
-                self.access.call_begins()
-                executor.advance(EventKind.PRE, index)
+            if torch.is_inference_mode_enabled():
+                with busy:
+                    on_pre(index)
+                return
+            # What entering Busy does outside inference mode, without the calls: this runs for every module call
+            busy.depth += 1
+            try:
+                on_pre(index)
+            finally:
+                busy.depth -= 1
         return hook
 
+    def _on_pre(self, index: int) -> None:
+        executor = self.executor
+        if index == 0 and executor.recorder.stack:
+            faults.abort_forward(self, None)  # the previous call of the root module raised
+        if not executor.recorder.stack:
+            self._begin_forward(index)
+        executor.recorder.pre(index)
+        self.access.call_begins()
+        executor.advance(EventKind.PRE, index)
+
     def _post_hook(self, index: int) -> Any:
-        busy, executor, ckpt = self.ctx.busy, self.executor, self.recompute.ckpt
+        busy, ckpt, on_post = self.ctx.busy, self.recompute.ckpt, self._on_post
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if ckpt.recomputing is not None:
                 return
-            with busy:
-                executor.advance(EventKind.POST, index)
-                self.access.call_ends()
-                executor.recorder.post(index)
-                if not executor.recorder.stack:
-                    self._end_forward()
+            if torch.is_inference_mode_enabled():
+                with busy:
+                    on_post(index)
+                return
+            busy.depth += 1
+            try:
+                on_post(index)
+            finally:
+                busy.depth -= 1
         return hook
+
+    def _on_post(self, index: int) -> None:
+        executor = self.executor
+        executor.advance(EventKind.POST, index)
+        self.access.call_ends()
+        executor.recorder.post(index)
+        if not executor.recorder.stack:
+            self._end_forward()
 
     def _pack(self, t: torch.Tensor) -> ParamRef | SavedActivation:
         ref = self.access.locate(t)
