@@ -150,16 +150,23 @@ class Runtime:
             self._end_forward()
 
     def _pack(self, t: torch.Tensor) -> ParamRef | SavedActivation:
-        ref = self.access.locate(t)
-        if ref is not None:
-            return ref
+        # One storage lookup serves both the parameter check and the activation's accounting: a storage that
+        # is neither a traced copy nor an indexed slot holds no parameter (locate would return None)
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        local = t.device == self.ctx.backend.device and t.layout == torch.strided
+        if local and (key in self.slots.index or key in self.warmup.storage):
+            ref = self.access.locate(t)
+            if ref is not None:
+                return ref
         rec = self.executor.recorder
         stack = rec.stack
-        if stack and t.device == self.ctx.backend.device and t.layout == torch.strided:
-            block = self.recompute.ckpt.block_of.get(rec.events[stack[-1]].key)
+        block_of = self.recompute.ckpt.block_of
+        if stack and local and block_of:
+            block = block_of.get(rec.events[stack[-1]].key)
             if block is not None:  # what this block saves: what checkpointing it would spare
                 self.recompute.count_saved(block, t)
-        return SavedActivation(t, self.ctx.memory)
+        return SavedActivation(t, self.ctx.memory, storage)
 
     def _unpack(self, saved: ParamRef | SavedActivation) -> torch.Tensor:
         if isinstance(saved, SavedActivation):
