@@ -42,7 +42,7 @@ class ParamGuard:
         current = list(ctx.module.parameters())
         if len(current) != len(ctx.params) or any(id(p) not in ctx.param_index for p in current):
             self._changed_set(current)
-        moved = [p for p, param in enumerate(ctx.params) if param.numel() and param.data_ptr() not in self._expected(p)]
+        moved = self._moved()
         written = []
         if self.versions is not None:
             written = [p for p, param in enumerate(ctx.params) if param._version != self.versions[p] and p not in moved]
@@ -90,6 +90,31 @@ class ParamGuard:
             else:
                 self.slots.rebind(p)
         self.versions = [param._version for param in ctx.params] if self.slots.host is not None else None
+
+    def _moved(self) -> list[int]:
+        """Parameters whose data no longer points where the engine put it (``_expected``; once the buckets
+        exist, each bucket's slot base is computed once instead of once per parameter: this runs at every
+        forward)."""
+        ctx = self.ctx
+        if self.warmup.original is not None:
+            return [p for p, param in enumerate(ctx.params)
+                    if param.numel() and param.data_ptr() not in self._expected(p)]
+        slots = self.slots
+        slot_of, bucket_of, offset, itemsize = slots.slot, slots.bucket_of, slots.hosted().offset, ctx.itemsize
+        placeholders = ctx.placeholders
+        bases: dict[int, int | None] = {}
+        out = []
+        for p, param in enumerate(ctx.params):
+            b = bucket_of[p]
+            if b in bases:
+                base = bases[b]
+            else:
+                slot = slot_of.get(b)
+                base = bases[b] = None if slot is None else slot.storage.data_ptr() + slot.offset
+            want = placeholders[p].data_ptr() if base is None else base + offset[p] * itemsize
+            if param.data_ptr() != want and param.numel():
+                out.append(p)
+        return out
 
     def _expected(self, p: int) -> tuple[int, ...]:
         """Where parameter ``p``'s data may point right now: its slot, its placeholder, or (before the first
