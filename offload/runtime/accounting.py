@@ -44,9 +44,10 @@ class DeviceMemory:
 
     def add(self, part: str, n: int) -> None:
         self.parts[part] += n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        self.samples.append((time.perf_counter(), self.current))
+        current = self.current = self.current + n
+        if current > self.peak:
+            self.peak = current
+        self.samples.append((time.perf_counter(), current))
 
     def hold(self, key: int, nbytes: int) -> bool:
         """Count storage ``key`` as activations (once, however often it is held); True if it is new."""

@@ -133,7 +133,10 @@ class GradPipeline:
         grad = param.grad
         if grad is None:
             raise InvariantError(f"parameter {p}: its post-accumulate-grad hook ran without a grad")
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # backward(create_graph=True); otherwise no context to enter per grad
+            with torch.no_grad():
+                slot[off: off + param.numel()].copy_(grad.reshape(-1))
+        else:
             slot[off: off + param.numel()].copy_(grad.reshape(-1))
         param.grad = None
         del grad
