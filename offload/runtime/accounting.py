@@ -44,9 +44,10 @@ class DeviceMemory:
 
     def add(self, part: str, n: int) -> None:
         self.parts[part] += n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        self.samples.append((time.perf_counter(), self.current))
+        current = self.current = self.current + n
+        if current > self.peak:
+            self.peak = current
+        self.samples.append((time.perf_counter(), current))
 
     def hold(self, key: int, nbytes: int) -> bool:
         """Count storage ``key`` as activations (once, however often it is held); True if it is new."""
@@ -81,14 +82,15 @@ class SavedActivation:
 
     __slots__ = ("tensor", "key", "memory", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, memory: DeviceMemory):
+    def __init__(self, tensor: torch.Tensor, memory: DeviceMemory, storage: torch.UntypedStorage | None = None):
         # Detached (same storage and version counter): an op that saves its own output (tanh, sigmoid, exp)
         # would otherwise close a cycle output -> grad_fn -> this -> output through C++, which Python's gc
         # cannot see, so a graph dropped without backward (a fault, a forward with grad and no backward)
         # would keep its activations for good. Autograd rebuilds the grad_fn edge itself when unpacking.
         self.tensor = tensor.detach()
         self.memory = memory
-        storage = tensor.untyped_storage()
+        if storage is None:  # the pack hook passes the tensor's untyped storage when it has it already
+            storage = tensor.untyped_storage()
         self.key = storage.data_ptr()
         memory.hold(self.key, storage.nbytes())
 

@@ -99,47 +99,77 @@ class Runtime:
         # Per forward (entered by _begin_forward): autocast, the use detector, the saved-tensor hooks.
 
     def _pre_hook(self, index: int) -> Any:
-        busy, executor, ckpt = self.ctx.busy, self.executor, self.recompute.ckpt
+        busy, ckpt, on_pre = self.ctx.busy, self.recompute.ckpt, self._on_pre
 
         def hook(module: nn.Module, args: Any) -> None:
             guards.refuse_compile()
             if ckpt.recomputing is not None:
                 return  # backward recomputes a checkpointed call: its RECOMPUTE event stands for it
-            with busy:
-                if index == 0 and executor.recorder.stack:
-                    faults.abort_forward(self, None)  # the previous call of the root module raised
-                if not executor.recorder.stack:
-                    self._begin_forward(index)
-                executor.recorder.pre(index)
-                self.access.call_begins()
-                executor.advance(EventKind.PRE, index)
+            if torch.is_inference_mode_enabled():
+                with busy:
+                    on_pre(index)
+                return
+            # What entering Busy does outside inference mode, without the calls: this runs for every module call
+            busy.depth += 1
+            try:
+                on_pre(index)
+            finally:
+                busy.depth -= 1
         return hook
 
+    def _on_pre(self, index: int) -> None:
+        executor = self.executor
+        if index == 0 and executor.recorder.stack:
+            faults.abort_forward(self, None)  # the previous call of the root module raised
+        if not executor.recorder.stack:
+            self._begin_forward(index)
+        executor.recorder.pre(index)
+        self.access.call_begins()
+        executor.advance(EventKind.PRE, index)
+
     def _post_hook(self, index: int) -> Any:
-        busy, executor, ckpt = self.ctx.busy, self.executor, self.recompute.ckpt
+        busy, ckpt, on_post = self.ctx.busy, self.recompute.ckpt, self._on_post
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if ckpt.recomputing is not None:
                 return
-            with busy:
-                executor.advance(EventKind.POST, index)
-                self.access.call_ends()
-                executor.recorder.post(index)
-                if not executor.recorder.stack:
-                    self._end_forward()
+            if torch.is_inference_mode_enabled():
+                with busy:
+                    on_post(index)
+                return
+            busy.depth += 1
+            try:
+                on_post(index)
+            finally:
+                busy.depth -= 1
         return hook
 
+    def _on_post(self, index: int) -> None:
+        executor = self.executor
+        executor.advance(EventKind.POST, index)
+        self.access.call_ends()
+        executor.recorder.post(index)
+        if not executor.recorder.stack:
+            self._end_forward()
+
     def _pack(self, t: torch.Tensor) -> ParamRef | SavedActivation:
-        ref = self.access.locate(t)
-        if ref is not None:
-            return ref
+        # One storage lookup serves both the parameter check and the activation's accounting: a storage that
+        # is neither a traced copy nor an indexed slot holds no parameter (locate would return None)
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        local = t.device == self.ctx.backend.device and t.layout == torch.strided
+        if local and (key in self.slots.index or key in self.warmup.storage):
+            ref = self.access.locate(t)
+            if ref is not None:
+                return ref
         rec = self.executor.recorder
         stack = rec.stack
-        if stack and t.device == self.ctx.backend.device and t.layout == torch.strided:
-            block = self.recompute.ckpt.block_of.get(rec.events[stack[-1]].key)
+        block_of = self.recompute.ckpt.block_of
+        if stack and local and block_of:
+            block = block_of.get(rec.events[stack[-1]].key)
             if block is not None:  # what this block saves: what checkpointing it would spare
                 self.recompute.count_saved(block, t)
-        return SavedActivation(t, self.ctx.memory)
+        return SavedActivation(t, self.ctx.memory, storage)
 
     def _unpack(self, saved: ParamRef | SavedActivation) -> torch.Tensor:
         if isinstance(saved, SavedActivation):

@@ -74,17 +74,24 @@ class PlanExecutor:
             raise InvariantError("on plan without a plan")
         events = plan.trace.events
         pos = self.pos
-        if pos >= len(events) or events[pos].kind != kind or events[pos].key != key:
+        if pos >= len(events):
+            self.leave()
+            return
+        event = events[pos]
+        if event.kind != kind or event.key != key:
             self.leave()
             return
         actions = plan.actions[pos]
         self.pos = pos + 1
-        for k in actions.release:
-            self._release_buffer(plan, k)
-        for k in actions.prefetch:
-            self._prefetch(plan, k)
-        for b in actions.need:
-            self.need(b)
+        if actions.release:
+            for k in actions.release:
+                self._release_buffer(plan, k)
+        if actions.prefetch:
+            for k in actions.prefetch:
+                self._prefetch(plan, k)
+        if actions.need:
+            for b in actions.need:
+                self.need(b)
 
     def need(self, b: int) -> None:
         """Make compute wait until bucket ``b`` is on the device; fetch it now if it is not coming."""

@@ -89,6 +89,7 @@ class GradPipeline:
         self.received: dict[int, set[int]] = {}  # bucket -> params whose grads arrived this backward
         self.finished: set[int] = set()  # buckets whose grads went to the host this backward
         self.hparams: HParams | None = None  # overlapped updates: hyperparameters read as backward begins
+        self._expected_cache: dict[int, tuple[dict[int, None], int, frozenset[int]]] = {}  # bucket -> _expected
 
     # -- backward --------------------------------------------------------------------------------------------
 
@@ -136,7 +137,10 @@ class GradPipeline:
         grad = param.grad
         if grad is None:
             raise InvariantError(f"parameter {p}: its post-accumulate-grad hook ran without a grad")
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # backward(create_graph=True); otherwise no context to enter per grad
+            with torch.no_grad():
+                slot[off: off + param.numel()].copy_(grad.reshape(-1))
+        else:
             slot[off: off + param.numel()].copy_(grad.reshape(-1))
         param.grad = None
         del grad
@@ -146,9 +150,17 @@ class GradPipeline:
         if got >= self._expected(b):
             self.finish(b)
 
-    def _expected(self, b: int) -> set[int]:
+    def _expected(self, b: int) -> frozenset[int]:
+        """Bucket ``b``'s parameters this step touched: the grads to wait for. Cached per bucket while the
+        step's touched set is unchanged (it only grows, and a new step has a new recorder), since every
+        gradient asks (rebuilding it cost O(bucket size) per gradient)."""
         touched = self.executor.recorder.touched
-        return {p for run in self.slots.buckets[b].runs for p in run.params if p in touched}
+        hit = self._expected_cache.get(b)
+        if hit is not None and hit[0] is touched and hit[1] == len(touched):
+            return hit[2]
+        got = frozenset(p for run in self.slots.buckets[b].runs for p in run.params if p in touched)
+        self._expected_cache[b] = (touched, len(touched), got)
+        return got
 
     def _grad_slot(self, b: int) -> torch.Tensor:
         """The device slot bucket ``b``'s grads are gathered in (typed, trainable prefix only)."""

@@ -9,7 +9,7 @@ of every forward, in one pass over the parameters (pointer and version-counter c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ class ParamGuard:
         current = list(ctx.module.parameters())
         if len(current) != len(ctx.params) or any(id(p) not in ctx.param_index for p in current):
             self._changed_set(current)
-        moved = [p for p, param in enumerate(ctx.params) if param.numel() and param.data_ptr() not in self._expected(p)]
+        moved = self._moved()
         written = []
         if self.versions is not None:
             written = [p for p, param in enumerate(ctx.params) if param._version != self.versions[p] and p not in moved]
@@ -95,6 +95,31 @@ class ParamGuard:
             else:
                 self.slots.rebind(p)
         self.versions = [param._version for param in ctx.params] if self.slots.host is not None else None
+
+    def _moved(self) -> list[int]:
+        """Parameters whose data no longer points where the engine put it (``_expected``; once the buckets
+        exist, each bucket's slot base is computed once instead of once per parameter: this runs at every
+        forward)."""
+        ctx = self.ctx
+        if self.warmup.original is not None:
+            return [p for p, param in enumerate(ctx.params)
+                    if param.numel() and param.data_ptr() not in self._expected(p)]
+        slots = self.slots
+        slot_of, bucket_of, offset, itemsize = slots.slot, slots.bucket_of, slots.hosted().offset, ctx.itemsize
+        placeholders = ctx.placeholders
+        bases: dict[int, int | None] = {}
+        out = []
+        for p, param in enumerate(ctx.params):
+            b = bucket_of[p]
+            if b in bases:
+                base = bases[b]
+            else:
+                slot = slot_of.get(b)
+                base = bases[b] = None if slot is None else slot.storage.data_ptr() + slot.offset
+            want = placeholders[p].data_ptr() if base is None else base + offset[p] * itemsize
+            if param.data_ptr() != want and param.numel():
+                out.append(p)
+        return out
 
     def _expected(self, p: int) -> tuple[int, ...]:
         """Where parameter ``p``'s data may point right now: its slot, its placeholder, or (before the first
@@ -149,8 +174,14 @@ def refuse_compile() -> None:
 def _in_compile_region() -> bool:
     """True inside a call of a ``torch.compile``d function, also where dynamo fell back to running Python (as
     torch's own ``set_stance`` checks it): the frame-evaluation callback is installed then."""
-    try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    except ImportError:  # a torch without dynamo cannot compile
+    if _eval_frame_callback is None:  # a torch without dynamo cannot compile
         return False
-    return get_eval_frame_callback() not in (None, False)
+    return _eval_frame_callback() not in (None, False)
+
+
+# Imported once: an import statement in _in_compile_region, which runs for every module call, cost ~6 us a call
+_eval_frame_callback: Callable[[], object] | None
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:
+    _eval_frame_callback = None

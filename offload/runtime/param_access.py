@@ -58,22 +58,30 @@ class UseDetector(TorchFunctionMode):
         self._touch: Callable[[], Callable[[int], None] | None] = weakref.WeakMethod(access.on_touch)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
         touch = self._touch()
         if touch is not None and not self._busy.depth:
             index = self._index
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.Tensor):
-                    p = index.get(id(a))
-                    if p is not None:
-                        touch(p)
-                elif isinstance(a, (list, tuple)):
-                    for t in a:
-                        if isinstance(t, torch.Tensor):
-                            p = index.get(id(t))
-                            if p is not None:
-                                touch(p)
-        return func(*args, **kwargs)
+            for a in args:
+                _scan(touch, index, a)
+            if kwargs:
+                for a in kwargs.values():
+                    _scan(touch, index, a)
+        if kwargs:
+            return func(*args, **kwargs)
+        return func(*args)
+
+
+def _scan(touch: Callable[[int], None], index: dict[int, int], a: Any) -> None:
+    """Report ``a`` (or the tensors in a list or tuple ``a``) if it is a parameter. A live non-tensor's id() is
+    never a live parameter's (the runtime holds them), so the lookup needs no isinstance check first."""
+    p = index.get(id(a))
+    if p is not None:
+        touch(p)
+    elif isinstance(a, (list, tuple)):
+        for t in a:
+            p = index.get(id(t))
+            if p is not None:
+                touch(p)
 
 
 class ParamAccess:
@@ -109,23 +117,25 @@ class ParamAccess:
     # -- forward: uses ------------------------------------------------------------------------------------
 
     def on_touch(self, p: int) -> None:
-        """A tensor op of the forward reads parameter ``p`` (called by the use detector)."""
-        with self._busy:
-            executor = self.executor
-            executor.recorder.touch(p)
-            if self._phases.lifecycle is Lifecycle.TRACING:
+        """A tensor op of the forward reads parameter ``p`` (called by the use detector). Only fetching or
+        waiting runs tensor ops (and needs ``Busy``); a bucket already on the device is bookkeeping only."""
+        executor = self.executor
+        executor.recorder.touch(p)
+        if self._phases.lifecycle is Lifecycle.TRACING:
+            with self._busy:
                 self.warmup.fetch(p, executor.recorder, self.slots.boundary)
-                key = p
-            else:
-                key = self.slots.bucket_of[p]
-                if self.slots.state[key] is not Residency.DEVICE:
+            key = p
+        else:
+            key = self.slots.bucket_of[p]
+            if self.slots.state[key] is not Residency.DEVICE:
+                with self._busy:
                     executor.need(key)
-            users = self.users
-            if users and key not in users[-1]:
-                users[-1][key] = None
-                self.active[key] = self.active.get(key, 0) + 1
-            if self.recompute_region is not None:
-                self.held.setdefault(self.recompute_region, set()).add(key)
+        users = self.users
+        if users and key not in users[-1]:
+            users[-1][key] = None
+            self.active[key] = self.active.get(key, 0) + 1
+        if self.recompute_region is not None:
+            self.held.setdefault(self.recompute_region, set()).add(key)
 
     def call_begins(self) -> None:
         self.users.append({})
