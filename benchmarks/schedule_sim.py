@@ -35,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -48,8 +49,9 @@ from offload.planning.schedule import build_plan, least_traffic
 from offload.planning.simulate import physical_bound
 from offload.planning.trace import EventKind, Recorder
 from offload.tools.baselines import POLICIES, Case
-from offload.tools.metatrace import trace_meta
-from offload.tools.presets import MODELS, preset_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import trace_preset  # noqa: E402
 
 CASES = (("gpt2-xl", 1, 1024), ("gpt3-6.7b", 1, 2048), ("bert-large", 8, 512), ("llama-7b", 1, 2048),
          ("llama-13b", 1, 2048))
@@ -195,14 +197,8 @@ def main() -> int:
     for col in ("model", "hw", "budget", "bound", "bound (placement)", *POLICIES, "greedy/bound_p"):
         table.add_column(col, justify="right" if col not in ("model", "hw") else "left")
     for name, batch, seq in (c for c in CASES if c[0] in wanted):
-        shape = MODELS[name]
-        t0 = time.perf_counter()
-        with console.status(f"tracing {name} on the meta device"):
-            mt = trace_meta(shape.build(dtype=torch.bfloat16), preset_inputs(shape, batch, seq), PRESETS["pcie4"])
-        out["timings_s"][f"trace {name}"] = time.perf_counter() - t0
-        buckets = make_buckets(list(mt.specs), list(mt.order), bucket_bytes, ITEMSIZE)
-        param_bytes = sum(b.nbytes(ITEMSIZE) for b in buckets)
-        extra = mt.trace.activation_peak_bytes + mt.trace.max_grad_bytes + mt.buffer_bytes
+        mt, buckets, param_bytes, extra, seconds = trace_preset(console, name, batch, seq, bucket_bytes, ITEMSIZE)
+        out["timings_s"][f"trace {name}"] = seconds
         budgets = [(f"{frac:.0%}", extra + int(frac * param_bytes), frac) for frac in FRACTIONS
                    if name in FRACTION_MODELS]
         budgets += [(f"{gib} GiB", gib << 30, None) for gib in GIB_BUDGETS.get(name, ())]
