@@ -1,6 +1,6 @@
 """What every benchmark script shares: a description of the machine it ran on (load average included, taken
-before and after), timing helpers, the rich table, the ``--json`` output, and a preset model traced on the meta device (the
-simulated benchmarks)."""
+before and after), timing helpers, the rich table, the ``--json`` output, and a preset model traced on the
+meta device (the simulated benchmarks)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -50,6 +51,13 @@ def machine() -> dict:
         "cuda": torch.cuda.is_available(),
         "load_average": list(os.getloadavg()),
     }
+
+
+def brief_machine() -> dict:
+    """The platform, versions, CPU count and 1-minute load: what the simulated benchmarks record (only their
+    tracing and planning times depend on the machine)."""
+    return {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
+            "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
 def time_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:

@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -43,7 +40,7 @@ from offload.tools.baselines_dp import POLICIES
 from offload.tools.presets import MODELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import trace_preset  # noqa: E402
+from common import brief_machine, trace_preset  # noqa: E402
 
 # model:batch:seq per rank. Sequences whose ZeRO-Offload budget fits an 80 GB card (no activation
 # checkpointing here); gpt2-xl at batch 8 is the case where compute, not the CPU AdamW, is the longest lane.
@@ -55,11 +52,6 @@ BUCKET_BYTES = 32 << 20
 FRACTION = 0.25
 GOAL_EFFICIENCY_8 = 0.90
 SHORT = {"zero-offload": "ZO-min"}  # the table's name of a budget
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
-            "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
 def parse_case(spec: str) -> tuple[str, int, int]:
@@ -94,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if configs[0] != (1, 1):
         configs.insert(0, (1, 1))  # the efficiency's reference
     out: dict = {
-        "benchmark": "scaling", "label": "SIMULATED: a cost model, not a measurement", "machine": machine(),
+        "benchmark": "scaling", "label": "SIMULATED: a cost model, not a measurement", "machine": brief_machine(),
         "itemsize": ITEMSIZE, "bucket_bytes": BUCKET_BYTES, "weak_scaling": "every rank runs batch x seq tokens",
         "efficiency": "tokens/s at N / (N x tokens/s at 1)",
         "budgets": {"zero-offload": "the smallest per-GPU budget ZeRO-Offload's rule fits in",
