@@ -24,24 +24,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
+from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from offload.config import format_bytes
-from offload.planning.buckets import make_buckets
 from offload.planning.collectives import INTER, INTRA, cluster_of
 from offload.planning.data_parallel import host_bytes_per_node, host_bytes_per_rank
 from offload.planning.hw import PRESETS
 from offload.tools.baselines import Case, zero_offload
 from offload.tools.baselines_dp import POLICIES
-from offload.tools.metatrace import trace_meta
-from offload.tools.presets import MODELS, preset_inputs
+from offload.tools.presets import MODELS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import brief_machine, trace_preset  # noqa: E402
 
 # model:batch:seq per rank. Sequences whose ZeRO-Offload budget fits an 80 GB card (no activation
 # checkpointing here); gpt2-xl at batch 8 is the case where compute, not the CPU AdamW, is the longest lane.
@@ -53,11 +52,6 @@ BUCKET_BYTES = 32 << 20
 FRACTION = 0.25
 GOAL_EFFICIENCY_8 = 0.90
 SHORT = {"zero-offload": "ZO-min"}  # the table's name of a budget
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
-            "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
 def parse_case(spec: str) -> tuple[str, int, int]:
@@ -92,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if configs[0] != (1, 1):
         configs.insert(0, (1, 1))  # the efficiency's reference
     out: dict = {
-        "benchmark": "scaling", "label": "SIMULATED: a cost model, not a measurement", "machine": machine(),
+        "benchmark": "scaling", "label": "SIMULATED: a cost model, not a measurement", "machine": brief_machine(),
         "itemsize": ITEMSIZE, "bucket_bytes": BUCKET_BYTES, "weak_scaling": "every rank runs batch x seq tokens",
         "efficiency": "tokens/s at N / (N x tokens/s at 1)",
         "budgets": {"zero-offload": "the smallest per-GPU budget ZeRO-Offload's rule fits in",
@@ -106,14 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.models.split(","):
         name, batch, seq = parse_case(spec)
         label = f"{name} {batch}x{seq}"
-        shape = MODELS[name]
-        t0 = time.perf_counter()
-        with console.status(f"tracing {name} on the meta device"):
-            mt = trace_meta(shape.build(dtype=torch.bfloat16), preset_inputs(shape, batch, seq), PRESETS["pcie4"])
-        out["timings_s"][f"trace {label}"] = time.perf_counter() - t0
-        buckets = make_buckets(list(mt.specs), list(mt.order), BUCKET_BYTES, ITEMSIZE)
-        param_bytes = sum(b.nbytes(ITEMSIZE) for b in buckets)
-        extra = mt.trace.activation_peak_bytes + mt.trace.max_grad_bytes + mt.buffer_bytes
+        mt, buckets, param_bytes, extra, seconds = trace_preset(console, name, batch, seq, BUCKET_BYTES, ITEMSIZE)
+        out["timings_s"][f"trace {label}"] = seconds
         for hw_name in args.hw.split(","):
             hw = PRESETS[hw_name]
             out["hw"][hw_name] = hw.notes

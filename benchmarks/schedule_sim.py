@@ -31,12 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -48,8 +47,9 @@ from offload.planning.schedule import build_plan, least_traffic
 from offload.planning.simulate import physical_bound
 from offload.planning.trace import EventKind, Recorder
 from offload.tools.baselines import POLICIES, Case
-from offload.tools.metatrace import trace_meta
-from offload.tools.presets import MODELS, preset_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import brief_machine, trace_preset  # noqa: E402
 
 CASES = (("gpt2-xl", 1, 1024), ("gpt3-6.7b", 1, 2048), ("bert-large", 8, 512), ("llama-7b", 1, 2048),
          ("llama-13b", 1, 2048))
@@ -59,11 +59,6 @@ GIB_BUDGETS = {"gpt2-xl": (8, 24), "gpt3-6.7b": (40,), "llama-7b": (24, 80), "ll
 GOALS = {"zero-offload": 1.5, "twin-flow": 1.25, "gemini-cpu": 2.13, "zero3-offload": 2.2}  # median speedup
 BOUND_GOAL = 1.15  # median greedy / bound_placement_s at most
 ITEMSIZE = 2  # bf16 on the device
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
-            "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]}
 
 
 def chain(n: int, numel: int = 256):
@@ -182,7 +177,7 @@ def main() -> int:
     args = ap.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 200)
     bucket_bytes = parse_bytes(args.bucket_bytes)
-    out = {"machine": machine(), "bucket_bytes": bucket_bytes, "itemsize": ITEMSIZE,
+    out = {"machine": brief_machine(), "bucket_bytes": bucket_bytes, "itemsize": ITEMSIZE,
            "simulated": "every step time here is SIMULATED on nominal hardware presets (offload/planning/hw.py), "
                         "not measured; the device AdamW rate is a model (memory-bound, 28 B/param)",
            "budget_rule": "fraction cases: activations + largest grad + buffers + fraction x bf16 parameter bytes; "
@@ -195,14 +190,8 @@ def main() -> int:
     for col in ("model", "hw", "budget", "bound", "bound (placement)", *POLICIES, "greedy/bound_p"):
         table.add_column(col, justify="right" if col not in ("model", "hw") else "left")
     for name, batch, seq in (c for c in CASES if c[0] in wanted):
-        shape = MODELS[name]
-        t0 = time.perf_counter()
-        with console.status(f"tracing {name} on the meta device"):
-            mt = trace_meta(shape.build(dtype=torch.bfloat16), preset_inputs(shape, batch, seq), PRESETS["pcie4"])
-        out["timings_s"][f"trace {name}"] = time.perf_counter() - t0
-        buckets = make_buckets(list(mt.specs), list(mt.order), bucket_bytes, ITEMSIZE)
-        param_bytes = sum(b.nbytes(ITEMSIZE) for b in buckets)
-        extra = mt.trace.activation_peak_bytes + mt.trace.max_grad_bytes + mt.buffer_bytes
+        mt, buckets, param_bytes, extra, seconds = trace_preset(console, name, batch, seq, bucket_bytes, ITEMSIZE)
+        out["timings_s"][f"trace {name}"] = seconds
         budgets = [(f"{frac:.0%}", extra + int(frac * param_bytes), frac) for frac in FRACTIONS
                    if name in FRACTION_MODELS]
         budgets += [(f"{gib} GiB", gib << 30, None) for gib in GIB_BUDGETS.get(name, ())]

@@ -56,7 +56,7 @@ from .greedy import compute_times
 from .hw import PROBE_SIZES, HardwareModel
 from .plan import Plan
 from .schedule import build_plan, program_of
-from .simulate import STEP_START, Program, SimResult
+from .simulate import Lanes, Program, SimResult
 from .trace import Trace
 
 
@@ -87,152 +87,83 @@ def simulate_data_parallel(program: Program, hw: HardwareModel, cluster: Cluster
                            record: list | None = None) -> DataParallelResult:
     """One rank's step of ``program`` (a single-GPU lane program, e.g. ``schedule.program_of(plan)``) under
     [Note: the data-parallel step]: the lanes of :func:`~offload.planning.simulate.simulate_reference`
-    (the same arithmetic in the same order) with a collective lane: an all-gather after each host-to-device
-    copy, a reduce-scatter before each device-to-host copy. ``record`` gets ``(lane, index, start, end)`` as
-    the reference's does, with lanes ``"all_gather"``, ``"reduce_scatter"`` and ``"node_copy"`` added."""
-    n_world, g, m = cluster.world, cluster.gpus_per_node, cluster.nodes
-    cpu = hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g)
-    shares = cluster.intra.shares_host_link and n_world > 1
-    n = len(program.compute_s)
-    updated = set(program.d2h_bucket)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for k, b in enumerate(program.h2d_bucket):
-        first.setdefault(b, k)
-        last[b] = k
-    full = [b in updated and first[b] == k for k, b in enumerate(program.h2d_bucket)]
-    h2d_bytes = [shard(x, n_world if f else g) for x, f in zip(program.h2d_bytes, full)]
-    h2d_solo = [hw.h2d_seconds(x) for x in h2d_bytes]
-    ag_solo = [all_gather_seconds(x, cluster) if f else intra_seconds(x, cluster)
-               for x, f in zip(program.h2d_bytes, full)]
-    node_copy = [shard(x, g) if f and m > 1 and last[b] > k else 0
-                 for k, (x, f, b) in enumerate(zip(program.h2d_bytes, full, program.h2d_bucket))]
-    d2h_bytes = [shard(x, n_world) for x in program.d2h_bytes]
-    rs_solo = [reduce_scatter_seconds(x, cluster) for x in program.d2h_bytes]
-    adam_numel = [shard(x, n_world) for x in program.adam_numel]
+    (:class:`~offload.planning.simulate.Lanes`: the same arithmetic in the same order) with a collective
+    lane: an all-gather after each host-to-device copy, a reduce-scatter before each device-to-host copy.
+    ``record`` gets ``(lane, index, start, end)`` as the reference's does, with lanes ``"all_gather"``,
+    ``"reduce_scatter"`` and ``"node_copy"`` added."""
+    lanes = _RankLanes(program, hw, cluster, record)
+    compute_end = lanes.run(program.compute_s)
+    sim = lanes.result(lanes.idle_at(compute_end), sum(program.compute_s), sum(lanes.h2d_bytes),
+                       sum(lanes.d2h_bytes) + sum(lanes.node_copy))
+    n_world = cluster.world
+    return DataParallelResult(sim, n_world, lanes.ag_busy, lanes.rs_busy,
+                              sum(program.h2d_bytes) if n_world > 1 else 0,
+                              sum(program.d2h_bytes) if n_world > 1 else 0, sum(lanes.node_copy))
 
-    h2d_done = [0.0] * len(h2d_solo)
-    ag_done = [0.0] * len(h2d_solo)
-    h2d_dur = [0.0] * len(h2d_solo)
-    period_of = [0] * len(h2d_solo)
-    stall_at = [0.0] * len(h2d_solo)
-    cum = [0.0] * len(h2d_solo)
-    duplex = hw.duplex_factor
-    by_event: dict[int, list[int]] = {}
-    for k, e in enumerate(program.h2d_event):
-        by_event.setdefault(e, []).append(k)
-    d2h_by_event: dict[int, list[int]] = {}
-    for k, e in enumerate(program.d2h_event):
-        d2h_by_event.setdefault(e, []).append(k)
 
-    h2d_free = d2h_free = cpu_free = coll_free = 0.0
-    h2d_busy = d2h_busy = adam_total = ag_busy = rs_busy = 0.0
-    period_start, period_len = 0, 0.0
-    pending_adam: list[tuple[int, float, float]] = []
-    stall = [0.0] * n
-    t = 0.0
+class _RankLanes(Lanes):
+    """One rank's lanes: the single-GPU lanes on sharded copies and AdamW, plus the collective lane."""
 
-    def collective(solo: float, start: float) -> float:
+    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None):
+        n_world, g, m = cluster.world, cluster.gpus_per_node, cluster.nodes
+        updated = set(program.d2h_bucket)
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for k, b in enumerate(program.h2d_bucket):
+            first.setdefault(b, k)
+            last[b] = k
+        full = [b in updated and first[b] == k for k, b in enumerate(program.h2d_bucket)]
+        self.h2d_bytes = [shard(x, n_world if f else g) for x, f in zip(program.h2d_bytes, full)]
+        super().__init__(program, [hw.h2d_seconds(x) for x in self.h2d_bytes],
+                         [shard(x, n_world) for x in program.d2h_bytes],
+                         [shard(x, n_world) for x in program.adam_numel],
+                         hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g), record)
+        self.n_world = n_world
+        self.shares = cluster.intra.shares_host_link and n_world > 1
+        self.ag_solo = [all_gather_seconds(x, cluster) if f else intra_seconds(x, cluster)
+                        for x, f in zip(program.h2d_bytes, full)]
+        self.node_copy = [shard(x, g) if f and m > 1 and last[b] > k else 0
+                          for k, (x, f, b) in enumerate(zip(program.h2d_bytes, full, program.h2d_bucket))]
+        self.rs_solo = [reduce_scatter_seconds(x, cluster) for x in program.d2h_bytes]
+        if n_world > 1:  # compute waits for the all-gather, not the copy
+            self.arrival = [0.0] * len(self.h2d_solo)
+        self.coll_free = self.ag_busy = self.rs_busy = 0.0
+
+    def collective(self, solo: float, start: float) -> float:
         """A collective's seconds: slowed by the duplex factor where it shares a busy PCIe link."""
-        return solo / duplex if shares and (h2d_free > start or d2h_free > start) else solo
+        return solo / self.duplex if self.shares and (self.h2d_free > start or self.d2h_free > start) else solo
 
-    def to_host(nbytes: int, ready: float) -> float:
-        nonlocal d2h_free, d2h_busy
-        start = max(ready, d2h_free)
-        solo = hw.d2h_seconds(nbytes)
-        dur = solo / duplex if h2d_free > start else solo
-        d2h_free = start + dur
-        d2h_busy += dur
-        return start
-
-    def issue_h2d(k: int, now: float) -> None:
-        nonlocal h2d_free, h2d_busy, period_start, period_len, coll_free, ag_busy
-        start = max(now, h2d_free)
-        if start > h2d_free or k == 0:
-            period_start, period_len = k, 0.0
-        dur = h2d_solo[k] / duplex if d2h_free > start else h2d_solo[k]
-        h2d_free = start + dur
-        h2d_dur[k] = dur
-        h2d_done[k] = h2d_free
-        h2d_busy += dur
-        period_len += dur
-        if record is not None:
-            record.append(("h2d", k, start, h2d_free))
-        period_of[k] = period_start
-        cum[k] = period_len
-        if n_world == 1:  # no collective: the copy is the bucket
-            ag_done[k] = h2d_done[k]
+    def issue_h2d(self, k: int, now: float) -> None:
+        super().issue_h2d(k, now)
+        if self.n_world == 1:  # no collective: the copy is the bucket
             return
+        record = self.record
         # the bucket's all-gather: queued at issue, starts once this rank's shard has landed
-        a_start = max(now, coll_free, h2d_done[k])
-        a_dur = collective(ag_solo[k], a_start)
-        coll_free = a_start + a_dur
-        ag_done[k] = coll_free
-        ag_busy += a_dur
+        a_start = max(now, self.coll_free, self.h2d_done[k])
+        a_dur = self.collective(self.ag_solo[k], a_start)
+        self.coll_free = a_start + a_dur
+        self.arrival[k] = self.coll_free
+        self.ag_busy += a_dur
         if record is not None:
-            record.append(("all_gather", k, a_start, coll_free))
-        if node_copy[k]:
-            s = to_host(node_copy[k], ag_done[k])
+            record.append(("all_gather", k, a_start, self.coll_free))
+        if self.node_copy[k]:
+            s = self.to_host(self.node_copy[k], self.arrival[k])
             if record is not None:
-                record.append(("node_copy", k, s, d2h_free))
+                record.append(("node_copy", k, s, self.d2h_free))
 
-    def issue_d2h(k: int, now: float) -> None:
-        nonlocal cpu_free, adam_total, coll_free, rs_busy
+    def issue_d2h(self, k: int, now: float) -> None:
         ready = now
-        if n_world > 1:  # the grads' reduce-scatter first, behind the collectives issued before it
-            r_start = max(now, coll_free)
-            r_dur = collective(rs_solo[k], r_start)
-            coll_free = ready = r_start + r_dur
-            rs_busy += r_dur
-            if record is not None:
-                record.append(("reduce_scatter", k, r_start, coll_free))
-        start = to_host(d2h_bytes[k], ready)
-        adam = cpu.adam_seconds(adam_numel[k])
-        adam_total += adam
-        if record is not None:
-            record.append(("d2h", k, start, d2h_free))
-        if program.adam_after_backward:
-            pending_adam.append((k, d2h_free, adam))
-        else:
-            cpu_free = max(cpu_free, d2h_free) + adam
-            if record is not None:
-                record.append(("adam", k, cpu_free - adam, cpu_free))
+        if self.n_world > 1:  # the grads' reduce-scatter first, behind the collectives issued before it
+            r_start = max(now, self.coll_free)
+            r_dur = self.collective(self.rs_solo[k], r_start)
+            self.coll_free = ready = r_start + r_dur
+            self.rs_busy += r_dur
+            if self.record is not None:
+                self.record.append(("reduce_scatter", k, r_start, self.coll_free))
+        super().issue_d2h(k, ready)
 
-    for k in by_event.get(STEP_START, ()):
-        issue_h2d(k, 0.0)
-    for i in range(n):
-        for k in by_event.get(i, ()):
-            issue_h2d(k, t)
-        reached = t
-        for k in program.waits[i]:
-            done = ag_done[k]
-            if done > t:
-                s = done - t
-                stall[i] += s
-                stall_at[k] += s / cum[k]
-                t = done
-        if record is not None:
-            if t > reached:
-                record.append(("stall", i, reached, t))
-            record.append(("compute", i, t, t + program.compute_s[i]))
-        for k in d2h_by_event.get(i, ()):
-            issue_d2h(k, t)
-        t += program.compute_s[i]
-    compute_end = t
-    for k in d2h_by_event.get(n, ()):
-        issue_d2h(k, t)
-    for k, ready, adam in pending_adam:
-        cpu_free = max(cpu_free, ready, compute_end) + adam
-        if record is not None:
-            record.append(("adam", k, cpu_free - adam, cpu_free))
-    step = max(compute_end, h2d_free, d2h_free, cpu_free, coll_free)
-    sim = SimResult(
-        step_s=step, compute_s=sum(program.compute_s), stall_s=sum(stall), stall_per_event=tuple(stall),
-        h2d_bytes=sum(h2d_bytes), d2h_bytes=sum(d2h_bytes) + sum(node_copy), h2d_busy_s=h2d_busy,
-        d2h_busy_s=d2h_busy, adam_s=adam_total, tail_s=step - compute_end,
-        copy_credit=_credit(h2d_dur, period_of, stall_at))
-    return DataParallelResult(sim, n_world, ag_busy, rs_busy, sum(program.h2d_bytes) if n_world > 1 else 0,
-                              sum(program.d2h_bytes) if n_world > 1 else 0, sum(node_copy))
+    def idle_at(self, compute_end: float) -> float:
+        return max(super().idle_at(compute_end), self.coll_free)
 
 
 def planning_hw(hw: HardwareModel, cluster: Cluster) -> HardwareModel:
@@ -292,19 +223,6 @@ def host_bytes_per_node(buckets: Sequence[Bucket], lowp_itemsize: int, cluster: 
                         accumulate: bool = False) -> int:
     """The node's ranks together: ``G x`` :func:`host_bytes_per_rank`."""
     return cluster.gpus_per_node * host_bytes_per_rank(buckets, lowp_itemsize, cluster, accumulate)
-
-
-def _credit(dur: Sequence[float], period_of: Sequence[int], stall_at: Sequence[float]) -> tuple[float, ...]:
-    """Per host-to-device copy, its share of the stall: ``simulate.py``'s attribution (the same reverse scan,
-    the same arithmetic: one rank's result is the single-GPU one bit for bit)."""
-    out = [0.0] * len(dur)
-    acc = 0.0
-    for j in reversed(range(len(dur))):
-        if j + 1 < len(dur) and period_of[j + 1] != period_of[j]:
-            acc = 0.0
-        acc += stall_at[j]
-        out[j] = dur[j] * acc
-    return tuple(out)
 
 
 def _host_align(n: int) -> int:

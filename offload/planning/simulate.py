@@ -230,110 +230,153 @@ def seconds_each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
 
 
 def simulate_reference(program: Program, hw: HardwareModel, record: list | None = None) -> SimResult:
-    """Run the four lanes over one step, in Python (the reference :func:`simulate` is tested against).
-
-    Stall attribution (``copy_credit``): when compute waits ``s`` seconds for copy ``k``, every copy of the
-    host-to-device lane's current busy period up to ``k`` shares ``s`` in proportion to its duration: had
-    any of them not been queued, ``k`` would have arrived that much earlier. The scheduler uses the credit
-    to rank which bucket to keep on the device.
+    """Run the four lanes over one step, in Python (the reference :func:`simulate` is tested against), on
+    :class:`Lanes`.
 
     ``record``: a list that gets one ``(lane, index, start, end)`` per piece of work (lanes ``"compute"``,
     ``"stall"``: event index; ``"h2d"``, ``"d2h"``, ``"adam"``: copy index), for a timeline of the step
     (offload/tools/timeline.py). The result does not depend on it.
     """
     compute_s, device_tail, device_adam = with_device_adam(program, hw)
-    n = len(compute_s)
-    h2d_solo = [hw.h2d_seconds(x) for x in program.h2d_bytes]
-    h2d_done = [0.0] * len(h2d_solo)
-    h2d_dur = [0.0] * len(h2d_solo)
-    period_of = [0] * len(h2d_solo)  # first copy of the busy period each copy belongs to
-    stall_at = [0.0] * len(h2d_solo)  # per copy: stall / (busy-period duration up to it), summed
-    duplex = hw.duplex_factor
-    by_event: dict[int, list[int]] = {}
-    for k, e in enumerate(program.h2d_event):
-        by_event.setdefault(e, []).append(k)
-    d2h_by_event: dict[int, list[int]] = {}
-    for k, e in enumerate(program.d2h_event):
-        d2h_by_event.setdefault(e, []).append(k)
-
-    h2d_free = d2h_free = cpu_free = 0.0
-    h2d_busy = d2h_busy = adam_total = 0.0
-    period_start, period_len = 0, 0.0
-    pending_adam: list[tuple[int, float, float]] = []  # (copy, grads on host at, AdamW seconds), after backward
-    stall = [0.0] * n
-    cum = [0.0] * len(h2d_solo)  # busy-period duration up to and including each copy
-    t = 0.0
-
-    def issue_h2d(k: int, now: float) -> None:
-        nonlocal h2d_free, h2d_busy, period_start, period_len
-        start = max(now, h2d_free)
-        if start > h2d_free or k == 0:  # the lane was idle: a new busy period
-            period_start, period_len = k, 0.0
-        dur = h2d_solo[k] / duplex if d2h_free > start else h2d_solo[k]
-        h2d_free = start + dur
-        h2d_dur[k] = dur
-        h2d_done[k] = h2d_free
-        h2d_busy += dur
-        period_len += dur
-        if record is not None:
-            record.append(("h2d", k, start, h2d_free))
-        period_of[k] = period_start
-        cum[k] = period_len
-
-    def issue_d2h(k: int, now: float) -> None:
-        nonlocal d2h_free, d2h_busy, cpu_free, adam_total
-        start = max(now, d2h_free)
-        solo = hw.d2h_seconds(program.d2h_bytes[k])
-        dur = solo / duplex if h2d_free > start else solo
-        d2h_free = start + dur
-        d2h_busy += dur
-        adam = hw.adam_seconds(program.adam_numel[k])
-        adam_total += adam
-        if record is not None:
-            record.append(("d2h", k, start, d2h_free))
-        if program.adam_after_backward:
-            pending_adam.append((k, d2h_free, adam))
-        else:
-            cpu_free = max(cpu_free, d2h_free) + adam
-            if record is not None:
-                record.append(("adam", k, cpu_free - adam, cpu_free))
-
-    for k in by_event.get(STEP_START, ()):
-        issue_h2d(k, 0.0)
-    for i in range(n):
-        for k in by_event.get(i, ()):
-            issue_h2d(k, t)
-        reached = t
-        for k in program.waits[i]:
-            done = h2d_done[k]
-            if done > t:
-                s = done - t
-                stall[i] += s
-                stall_at[k] += s / cum[k]
-                t = done
-        if record is not None:
-            if t > reached:
-                record.append(("stall", i, reached, t))
-            record.append(("compute", i, t, t + compute_s[i]))
-        for k in d2h_by_event.get(i, ()):
-            issue_d2h(k, t)
-        t += compute_s[i]
-    compute_end = t
-    for k in d2h_by_event.get(n, ()):
-        issue_d2h(k, t)
-    for k, ready, adam in pending_adam:
-        cpu_free = max(cpu_free, ready, compute_end) + adam
-        if record is not None:
-            record.append(("adam", k, cpu_free - adam, cpu_free))
+    lanes = Lanes(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
+                  program.adam_numel, hw, hw, record)
+    compute_end = lanes.run(compute_s)
     if device_tail:  # (not recorded: a timeline's compute spans are per event)
-        step = max(compute_end + device_tail, max(compute_end, h2d_free, d2h_free, cpu_free))
+        step = max(compute_end + device_tail, lanes.idle_at(compute_end))
     else:
-        step = max(compute_end, h2d_free, d2h_free, cpu_free)
-    return SimResult(
-        step_s=step, compute_s=sum(compute_s) + device_tail if device_tail else sum(compute_s), stall_s=sum(stall), stall_per_event=tuple(stall),
-        h2d_bytes=sum(program.h2d_bytes), d2h_bytes=sum(program.d2h_bytes), h2d_busy_s=h2d_busy,
-        d2h_busy_s=d2h_busy, adam_s=adam_total, tail_s=step - compute_end,
-        copy_credit=_credit(h2d_dur, period_of, stall_at), device_adam_s=device_adam)
+        step = lanes.idle_at(compute_end)
+    return lanes.result(step, sum(compute_s) + device_tail if device_tail else sum(compute_s),
+                        sum(program.h2d_bytes), sum(program.d2h_bytes), device_adam)
+
+
+class Lanes:
+    """The lanes of one step as :func:`simulate_reference` runs them (the rules of this module's docstring),
+    in the arithmetic the C++ lanes repeat in the same order (bitwise the same result). One object per
+    simulated step; ``offload/planning/data_parallel.py`` extends it with a collective lane.
+
+    Given per copy: ``h2d_solo`` (a host-to-device copy's seconds alone on the link), ``d2h_bytes`` and
+    ``adam_numel`` (a device-to-host copy's bytes and the parameters its AdamW updates); ``hw`` prices the
+    device-to-host copies and the duplex factor, ``cpu`` the AdamW.
+
+    Stall attribution (``copy_credit``): when compute waits ``s`` seconds for copy ``k``, every copy of the
+    host-to-device lane's current busy period up to ``k`` shares ``s`` in proportion to its duration: had
+    any of them not been queued, ``k`` would have arrived that much earlier. The scheduler uses the credit
+    to rank which bucket to keep on the device.
+    """
+
+    def __init__(self, program: Program, h2d_solo: Sequence[float], d2h_bytes: Sequence[int],
+                 adam_numel: Sequence[int], hw: HardwareModel, cpu: HardwareModel, record: list | None):
+        self.program, self.hw, self.cpu, self.record = program, hw, cpu, record
+        self.h2d_solo, self.d2h_bytes, self.adam_numel = h2d_solo, d2h_bytes, adam_numel
+        self.duplex = hw.duplex_factor
+        n_copies = len(h2d_solo)
+        self.h2d_done = [0.0] * n_copies
+        self.arrival = self.h2d_done  # per copy: when compute may use its bucket (a subclass may set later)
+        self.h2d_dur = [0.0] * n_copies
+        self.period_of = [0] * n_copies  # first copy of the busy period each copy belongs to
+        self.stall_at = [0.0] * n_copies  # per copy: stall / (busy-period duration up to it), summed
+        self.cum = [0.0] * n_copies  # busy-period duration up to and including each copy
+        self.h2d_free = self.d2h_free = self.cpu_free = 0.0
+        self.h2d_busy = self.d2h_busy = self.adam_total = 0.0
+        self.period_start, self.period_len = 0, 0.0
+        self.pending_adam: list[tuple[int, float, float]] = []  # (copy, grads on host at, AdamW s), after backward
+        self.stall: list[float] = []
+        self.compute_end = 0.0
+
+    def issue_h2d(self, k: int, now: float) -> None:
+        """Queue host-to-device copy ``k`` at ``now``."""
+        start = max(now, self.h2d_free)
+        if start > self.h2d_free or k == 0:  # the lane was idle: a new busy period
+            self.period_start, self.period_len = k, 0.0
+        dur = self.h2d_solo[k] / self.duplex if self.d2h_free > start else self.h2d_solo[k]
+        self.h2d_free = start + dur
+        self.h2d_dur[k] = dur
+        self.h2d_done[k] = self.h2d_free
+        self.h2d_busy += dur
+        self.period_len += dur
+        if self.record is not None:
+            self.record.append(("h2d", k, start, self.h2d_free))
+        self.period_of[k] = self.period_start
+        self.cum[k] = self.period_len
+
+    def to_host(self, nbytes: int, ready: float) -> float:
+        """Queue ``nbytes`` on the device-to-host lane once ``ready``; returns when the copy starts."""
+        start = max(ready, self.d2h_free)
+        solo = self.hw.d2h_seconds(nbytes)
+        dur = solo / self.duplex if self.h2d_free > start else solo
+        self.d2h_free = start + dur
+        self.d2h_busy += dur
+        return start
+
+    def issue_d2h(self, k: int, now: float) -> None:
+        """Queue device-to-host copy ``k`` at ``now``, and its AdamW on the CPU lane after it."""
+        record = self.record
+        start = self.to_host(self.d2h_bytes[k], now)
+        adam = self.cpu.adam_seconds(self.adam_numel[k])
+        self.adam_total += adam
+        if record is not None:
+            record.append(("d2h", k, start, self.d2h_free))
+        if self.program.adam_after_backward:
+            self.pending_adam.append((k, self.d2h_free, adam))
+        else:
+            self.cpu_free = max(self.cpu_free, self.d2h_free) + adam
+            if record is not None:
+                record.append(("adam", k, self.cpu_free - adam, self.cpu_free))
+
+    def run(self, compute_s: Sequence[float]) -> float:
+        """The step's events on the compute lane (``compute_s`` seconds each), the copies and AdamW they
+        issue, the grads flushed after backward and the AdamW that waited for it; returns compute end."""
+        program, record, arrival, stall_at, cum = self.program, self.record, self.arrival, self.stall_at, self.cum
+        by_event: dict[int, list[int]] = {}
+        for k, e in enumerate(program.h2d_event):
+            by_event.setdefault(e, []).append(k)
+        d2h_by_event: dict[int, list[int]] = {}
+        for k, e in enumerate(program.d2h_event):
+            d2h_by_event.setdefault(e, []).append(k)
+        n = len(compute_s)
+        stall = self.stall = [0.0] * n
+        t = 0.0
+        for k in by_event.get(STEP_START, ()):
+            self.issue_h2d(k, 0.0)
+        for i in range(n):
+            for k in by_event.get(i, ()):
+                self.issue_h2d(k, t)
+            reached = t
+            for k in program.waits[i]:
+                done = arrival[k]
+                if done > t:
+                    s = done - t
+                    stall[i] += s
+                    stall_at[k] += s / cum[k]
+                    t = done
+            if record is not None:
+                if t > reached:
+                    record.append(("stall", i, reached, t))
+                record.append(("compute", i, t, t + compute_s[i]))
+            for k in d2h_by_event.get(i, ()):
+                self.issue_d2h(k, t)
+            t += compute_s[i]
+        compute_end = self.compute_end = t
+        for k in d2h_by_event.get(n, ()):
+            self.issue_d2h(k, t)
+        for k, ready, adam in self.pending_adam:
+            self.cpu_free = max(self.cpu_free, ready, compute_end) + adam
+            if record is not None:
+                record.append(("adam", k, self.cpu_free - adam, self.cpu_free))
+        return compute_end
+
+    def idle_at(self, compute_end: float) -> float:
+        """When every lane is idle (the step's end) after compute ends at ``compute_end``."""
+        return max(compute_end, self.h2d_free, self.d2h_free, self.cpu_free)
+
+    def result(self, step: float, compute_s: float, h2d_bytes: int, d2h_bytes: int,
+               device_adam_s: float = 0.0) -> SimResult:
+        """The step as a :class:`SimResult`, after :meth:`run` (``step``: its end; the rest: totals)."""
+        return SimResult(
+            step_s=step, compute_s=compute_s, stall_s=sum(self.stall), stall_per_event=tuple(self.stall),
+            h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, h2d_busy_s=self.h2d_busy, d2h_busy_s=self.d2h_busy,
+            adam_s=self.adam_total, tail_s=step - self.compute_end,
+            copy_credit=_credit(self.h2d_dur, self.period_of, self.stall_at), device_adam_s=device_adam_s)
 
 
 def _credit(dur: Sequence[float], period_of: Sequence[int], stall_at: Sequence[float]) -> tuple[float, ...]:

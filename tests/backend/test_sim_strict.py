@@ -96,15 +96,18 @@ def test_tied_gpt_fp32_keeps_one_accumulator_per_weight(simulated_gpu):
     host and device while autograd holds its accumulator: the hook would fire twice, the trace would have two
     GRAD events for it, and the planned steps would depart and plan again."""
     simulated_gpu()
-    state, want, stats = _lockstep_with_torch(CASES["gpt"], 4)
-    assert stats["counters"]["plan_departures"] == 0 and stats["counters"]["replans"] == 0
-    for key, value in want.items():
-        assert torch.equal(state[key], value), key
+    _assert_one_plan_and_torchs_weights("gpt")
 
 
 def test_reused_module_fp32_keeps_one_accumulator_per_weight(simulated_gpu):
     simulated_gpu()
-    state, want, stats = _lockstep_with_torch(CASES["reused_module"], 4)
+    _assert_one_plan_and_torchs_weights("reused_module")
+
+
+def _assert_one_plan_and_torchs_weights(case):
+    """Four fp32 steps of ``case``: the plan is never departed from nor made again, and every weight is
+    PyTorch's, bitwise."""
+    state, want, stats = _lockstep_with_torch(CASES[case], 4)
     assert stats["counters"]["plan_departures"] == 0 and stats["counters"]["replans"] == 0
     for key, value in want.items():
         assert torch.equal(state[key], value), key

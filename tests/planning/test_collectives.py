@@ -8,7 +8,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload import BudgetTooSmallError
 from offload.planning.buckets import ParamSpec, host_layout, make_buckets
 from offload.planning.collectives import (
     INTER,
@@ -28,12 +27,12 @@ from offload.planning.data_parallel import (
     planning_hw,
     simulate_data_parallel,
 )
-from offload.planning.hw import PRESETS, HardwareModel
-from offload.planning.schedule import build_plan, program_of
-from offload.planning.simulate import STEP_START, Program, simulate, simulate_reference
+from offload.planning.hw import PRESETS
+from offload.planning.schedule import program_of
+from offload.planning.simulate import STEP_START, simulate, simulate_reference
 from offload.tools.baselines import Case, zero_offload
 from offload.tools.baselines_dp import zero_offload_data_parallel, zero_offload_program
-from tests.planning.test_schedule import _compute, machines, traces
+from tests.support.planning import draw_compute, flat_hw, lane_program, machines, plan_that_fits, traces
 
 # -- the ring model ---------------------------------------------------------------------------------------
 
@@ -83,28 +82,15 @@ def test_presets_state_their_sources_and_clusters_are_checked():
 # -- one rank's step, by hand -----------------------------------------------------------------------------
 
 
-def _hw(bw=1000.0, duplex=1.0, adam=100.0):
-    curve = ((1, bw), (10**9, bw))  # flat: a copy of n bytes takes n / bw seconds
-    return HardwareModel("test", curve, curve, duplex_factor=duplex, adam_params_per_s=adam, host_bytes_per_s=1e9,
-                         device_flops_per_s=1e12, device_bytes_per_s=1e11)
-
-
-def _program(**kw):
-    base = dict(compute_s=(1.0, 1.0, 1.0), h2d_event=(), h2d_bucket=(), h2d_bytes=(), waits=((), (), ()),
-                d2h_event=(), d2h_bucket=(), d2h_bytes=(), adam_numel=())
-    base.update(kw)
-    return Program(**base)
-
-
 def test_two_ranks_on_one_node_by_hand():
     # bucket 0 (1000 B, 100 params) refreshed at the start, needed at event 0; its grads final at event 2
-    p = _program(h2d_event=(STEP_START,), h2d_bucket=(0,), h2d_bytes=(1000,), waits=((0,), (), ()),
+    p = lane_program(h2d_event=(STEP_START,), h2d_bucket=(0,), h2d_bytes=(1000,), waits=((0,), (), ()),
                  d2h_event=(2,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(100,))
     # one GPU: copy 1 s, compute 1..4, grads 3..4, AdamW 4..5
-    assert simulate(p, _hw()).step_s == pytest.approx(5.0)
+    assert simulate(p, flat_hw()).step_s == pytest.approx(5.0)
     c = Cluster(2, 1, intra=Link("gpu", 500.0, 0.0))
     rec = []
-    r = simulate_data_parallel(p, _hw(), c, record=rec)
+    r = simulate_data_parallel(p, flat_hw(), c, record=rec)
     # two ranks: the 500 B shard 0..0.5, the all-gather of 1000 B (1/2 x 1000 / 500 = 1 s) 0.5..1.5; compute
     # 1.5..4.5; reduce-scatter at 3.5 (1 s) to 4.5; the 500 B shard to the host 4.5..5; AdamW of 50 params
     # at half the node's CPU (50/s) 5..6
@@ -121,12 +107,12 @@ def test_two_ranks_on_one_node_by_hand():
 def test_two_nodes_gather_once_then_inside_the_node_by_hand():
     # 2 nodes x 2 GPUs; bucket 0 (1000 B, updated) copied at the start for event 0 and again at event 2
     # for event 3, its grads final at event 3
-    p = _program(compute_s=(1.0, 1.0, 1.0, 1.0), h2d_event=(STEP_START, 2), h2d_bucket=(0, 0),
+    p = lane_program(compute_s=(1.0, 1.0, 1.0, 1.0), h2d_event=(STEP_START, 2), h2d_bucket=(0, 0),
                  h2d_bytes=(1000, 1000), waits=((0,), (), (), (1,)), d2h_event=(3,), d2h_bucket=(0,),
                  d2h_bytes=(1000,), adam_numel=(100,))
     c = Cluster(2, 2, intra=Link("gpu", 500.0, 0.0), inter=Link("net", 250.0, 0.0))
     rec = []
-    r = simulate_data_parallel(p, _hw(), c, record=rec)
+    r = simulate_data_parallel(p, flat_hw(), c, record=rec)
     got = {(lane, k): (s, e) for lane, k, s, e in rec}
     # first copy: the rank's 1/4 (250 B, 0.25 s), then the full gather: inter 1/2 x 1000/250 = 2 s + intra
     # 1/2 x 1000/500 = 1 s; then the node's half of the new weights (500 B) back to the host
@@ -150,10 +136,10 @@ def test_a_collective_on_a_busy_pcie_link_is_slowed():
     # Bucket 1 (200 B) copied at event 1: its 100 B shard (at half speed: the other direction is busy) 1..1.2 s, then
     # its all-gather (1/2 x 200 / 4000 = 0.025 s alone) while the grads still copy: over NVLink not slowed,
     # over PCIe (shares_host_link) at the duplex factor
-    p = _program(h2d_event=(1,), h2d_bucket=(1,), h2d_bytes=(200,), waits=((), (), (0,)),
+    p = lane_program(h2d_event=(1,), h2d_bucket=(1,), h2d_bytes=(200,), waits=((), (), (0,)),
                  d2h_event=(0,), d2h_bucket=(0,), d2h_bytes=(8000,), adam_numel=(0,))
-    fast = simulate_data_parallel(p, _hw(duplex=0.5), Cluster(2, 1, intra=Link("nv", 4000.0, 0.0)))
-    slow = simulate_data_parallel(p, _hw(duplex=0.5), Cluster(2, 1, intra=Link("pcie", 4000.0, 0.0, True)))
+    fast = simulate_data_parallel(p, flat_hw(duplex=0.5), Cluster(2, 1, intra=Link("nv", 4000.0, 0.0)))
+    slow = simulate_data_parallel(p, flat_hw(duplex=0.5), Cluster(2, 1, intra=Link("pcie", 4000.0, 0.0, True)))
     assert fast.reduce_scatter_busy_s == pytest.approx(1.0) and slow.reduce_scatter_busy_s == pytest.approx(1.0)
     assert fast.sim.h2d_busy_s == pytest.approx(0.2)
     assert fast.all_gather_busy_s == pytest.approx(0.025)
@@ -163,20 +149,12 @@ def test_a_collective_on_a_busy_pcie_link_is_slowed():
 # -- one rank is one GPU ----------------------------------------------------------------------------------
 
 
-def _plan(trace, buckets, hw, compute, budget):
-    try:
-        return build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute)
-    except BudgetTooSmallError as e:
-        return build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
-                          compute_s=compute)
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), machines(), st.data())
 def test_one_rank_is_the_single_gpu_simulation_bit_for_bit(case, hw, data):
     trace, buckets = case
-    compute = _compute(data.draw, trace)
-    plan = _plan(trace, buckets, hw, compute, data.draw(st.integers(0, 60000)))
+    compute = draw_compute(data.draw, trace)
+    plan = plan_that_fits(trace, buckets, data.draw(st.integers(0, 60000)), hw, compute)
     program = program_of(plan, compute)
     after = data.draw(st.booleans())
     if after:
@@ -194,7 +172,7 @@ def test_one_rank_is_the_single_gpu_simulation_bit_for_bit(case, hw, data):
 
 def test_zero_offload_on_one_rank_is_the_single_gpu_baseline():
     trace, buckets = _chain(6, 1000)
-    hw = _hw(bw=1e6, adam=1e5)
+    hw = flat_hw(bw=1e6, adam=1e5)
     case = Case(trace, buckets, 4, hw, tuple(1e-3 for _ in trace.events), budget_bytes=10**9)
     single = zero_offload(case)
     got = zero_offload_data_parallel(case, Cluster())
@@ -204,8 +182,8 @@ def test_zero_offload_on_one_rank_is_the_single_gpu_baseline():
 
 
 def _chain(n_layers, numel):
-    from tests.planning.test_schedule import _chain_trace
-    return _chain_trace(n_layers, numel)
+    from tests.support.planning import chain_trace
+    return chain_trace(n_layers, numel)
 
 
 # -- host memory ------------------------------------------------------------------------------------------
@@ -256,8 +234,8 @@ def _lanes(rec):
 @given(traces(), machines(), clusters(), st.data())
 def test_collectives_follow_the_grads_and_precede_every_use(case, hw, cluster, data):
     trace, buckets = case
-    compute = _compute(data.draw, trace)
-    plan = _plan(trace, buckets, hw, compute, data.draw(st.integers(0, 60000)))
+    compute = draw_compute(data.draw, trace)
+    plan = plan_that_fits(trace, buckets, data.draw(st.integers(0, 60000)), hw, compute)
     program = program_of(plan, compute)
     rec = []
     r = simulate_data_parallel(program, hw, cluster, record=rec)
@@ -301,8 +279,8 @@ def test_step_is_non_increasing_in_inter_node_bandwidth(case, hw, cluster, faste
     which is not monotone by construction; those runs are not claimed here.)"""
     trace, buckets = case
     hw = hw.with_(duplex_factor=1.0)
-    compute = _compute(data.draw, trace)
-    plan = _plan(trace, buckets, hw, compute, data.draw(st.integers(0, 60000)))
+    compute = draw_compute(data.draw, trace)
+    plan = plan_that_fits(trace, buckets, data.draw(st.integers(0, 60000)), hw, compute)
     program = program_of(plan, compute)
     if data.draw(st.booleans()):
         program = dataclasses.replace(program, adam_after_backward=True)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from offload.planning.greedy import MODES, Greedy, compute_times
 from offload.planning.hw import PRESETS
-from tests.planning.test_schedule import _chain_trace, _compute, machines, traces
+from tests.support.planning import chain_trace, draw_compute, machines, traces
 
 try:
     from offload import _C
@@ -58,7 +58,7 @@ def _compare(g, capacity):
 @given(traces(), machines(), st.data())
 def test_cpp_points_equal_the_python_loop_on_random_machines(case, hw, data):
     trace, buckets = case
-    g = Greedy.of(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
+    g = Greedy.of(trace, buckets, 4, hw, tuple(draw_compute(data.draw, trace)))
     everything = _compare(g, 10**12)
     peaks = sorted({p.peak for p in everything})
     # capacities that cut each sequence somewhere (the point at the capacity is in, the next one out)
@@ -77,7 +77,7 @@ def test_cpp_points_equal_the_python_loop_with_the_default_machine(case):
 @pytest.mark.parametrize("n_layers", [1, 40, 300])
 @pytest.mark.parametrize("hw", ["pcie4", "pcie5"])
 def test_cpp_points_equal_the_python_loop_on_chains(n_layers, hw):
-    trace, buckets = _chain_trace(n_layers, 1000)
+    trace, buckets = chain_trace(n_layers, 1000)
     g = Greedy.of(trace, buckets, 4, PRESETS[hw], compute_times(trace, [1e-5] * len(trace.events)))
     points = _compare(g, 10**12)
     assert {p.mode for p in points} == set(MODES) and len(points) > 3
@@ -87,7 +87,7 @@ def test_cpp_points_equal_the_python_loop_on_chains(n_layers, hw):
 def test_a_zero_score_denominator_runs_the_reference_which_raises():
     """Where a score would divide by zero (numpy raises FloatingPointError), the C++ loop hands over to the
     Python one, which raises it: the same error as without the extension."""
-    trace, buckets = _chain_trace(20, 1000)
+    trace, buckets = chain_trace(20, 1000)
     g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, [1e-6] * len(trace.events)))
     size = g.inputs.size.copy()
     size[5] = 0  # a zero-byte bucket: no cost and no size to divide by
@@ -100,7 +100,7 @@ def test_a_zero_score_denominator_runs_the_reference_which_raises():
 
 
 def test_inconsistent_constants_are_refused():
-    trace, buckets = _chain_trace(5, 1000)
+    trace, buckets = chain_trace(5, 1000)
     g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, None))
     assert g._candidates_cpp(10**12) is not None
     with pytest.raises(ValueError, match="mode"):

@@ -12,7 +12,7 @@ from offload import BudgetTooSmallError
 from offload.errors import InvariantError
 from offload.planning.device_optimizer import restrict
 from offload.planning.greedy import Greedy, compute_times
-from offload.planning.hw import PRESETS, HardwareModel, latency_curve
+from offload.planning.hw import PRESETS, HardwareModel
 from offload.planning.placement import Placement, placement_bound, placement_bytes, state_nbytes
 from offload.planning.schedule import (
     BufferKind,
@@ -22,17 +22,11 @@ from offload.planning.schedule import (
     program_of,
     validate_plan,
 )
-from offload.planning.simulate import Program, physical_bound, simulate, simulate_reference
+from offload.planning.simulate import physical_bound, simulate, simulate_reference
 from offload.tools.baselines import Case, twin_flow, zero_offload
 
 from .test_greedy_kernel import _C, _compare
-from .test_schedule import _chain_trace, _compute, machines, traces
-
-
-def _hw(bw=1000.0, adam=100.0, device_adam=1000.0):
-    curve = ((1, bw), (10**9, bw))  # flat: a copy of n bytes takes n / bw seconds
-    return HardwareModel("test", curve, curve, duplex_factor=1.0, adam_params_per_s=adam, host_bytes_per_s=1e9,
-                         device_flops_per_s=1e12, device_bytes_per_s=1e11, device_adam_params_per_s=device_adam)
+from tests.support.planning import chain_trace, draw_compute, flat_hw, lane_program, machines, plan_that_fits, traces
 
 
 def test_presets_model_the_device_adamw_from_memory_bandwidth():
@@ -50,8 +44,8 @@ def test_bound_by_hand():
     compute 1 s; each bucket: H2D and D2H 0.4 s (1000 B/s), CPU AdamW 1 s (100/s), device AdamW 0.1 s.
     All on the CPU: 10 s of CPU AdamW. With k buckets on the device: max(1 + 0.1 k, 4 - 0.4 k, 10 - k), least
     where 1 + 0.1 k = 10 - k: k = 9/1.1, 1.818... s; that needs 9/1.1 * 1200 B of capacity."""
-    trace, buckets = _chain_trace(10, 100)
-    hw = _hw()
+    trace, buckets = chain_trace(10, 100)
+    hw = flat_hw(device_adam=1000.0)
     compute = 1.0
     nothing = placement_bound(trace, buckets, 4, 0, compute, hw)
     assert nothing.limit == "cpu_adam" and nothing.seconds == pytest.approx(10.0)
@@ -66,7 +60,7 @@ def test_bound_by_hand():
 @given(traces(), machines(), st.data())
 def test_bound_without_room_is_the_cpu_bound_and_more_room_never_raises_it(case, hw, data):
     trace, buckets = case
-    compute = sum(_compute(data.draw, trace))
+    compute = sum(draw_compute(data.draw, trace))
     least = least_traffic(trace, buckets, 4, 0)
     cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
     assert placement_bound(trace, buckets, 4, 0, compute, hw).seconds == pytest.approx(cpu.seconds, rel=1e-12)
@@ -83,7 +77,7 @@ def test_bound_without_room_is_the_cpu_bound_and_more_room_never_raises_it(case,
 @given(traces(), machines(), st.data())
 def test_bound_is_below_the_greedy_plan(case, hw, data):
     trace, buckets = case
-    compute = _compute(data.draw, trace)
+    compute = draw_compute(data.draw, trace)
     budget = data.draw(st.integers(0, 60000))
     try:
         plan = build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute)
@@ -100,7 +94,7 @@ def test_bound_is_below_the_greedy_plan(case, hw, data):
 def test_bound_is_below_every_twin_flow_ratio_that_fits(case, hw, data):
     """Twin-Flow plans put optimizer state on the device: the bound must hold for them too."""
     trace, buckets = case
-    compute = tuple(_compute(data.draw, trace))
+    compute = tuple(draw_compute(data.draw, trace))
     params = sum(b.nbytes(4) for b in buckets)
     budget = data.draw(st.integers(0, 4 * params + 20000))
     c = Case(trace, tuple(buckets), 4, hw, compute, budget)
@@ -114,17 +108,10 @@ def test_bound_is_below_every_twin_flow_ratio_that_fits(case, hw, data):
 # --- the simulator's device AdamW lane -------------------------------------------------------------------
 
 
-def _program(**kw):
-    base = dict(compute_s=(1.0, 1.0, 1.0), h2d_event=(), h2d_bucket=(), h2d_bytes=(), waits=((), (), ()),
-                d2h_event=(), d2h_bucket=(), d2h_bytes=(), adam_numel=())
-    base.update(kw)
-    return Program(**base)
-
-
 def test_device_adamw_runs_on_the_compute_lane():
-    hw = _hw(device_adam=100.0)
+    hw = flat_hw(device_adam=100.0)
     # 50 params at event 1 (0.5 s, delays event 2), 200 after backward (2 s, beside a 1 s CPU AdamW)
-    p = _program(device_adam_numel=(0, 50, 0, 200), d2h_event=(3,), d2h_bucket=(0,), d2h_bytes=(0,),
+    p = lane_program(device_adam_numel=(0, 50, 0, 200), d2h_event=(3,), d2h_bucket=(0,), d2h_bytes=(0,),
                  adam_numel=(100,))
     for sim in (simulate, simulate_reference):
         r = sim(p, hw)
@@ -134,7 +121,7 @@ def test_device_adamw_runs_on_the_compute_lane():
         assert r.adam_s == pytest.approx(1.0)
     assert simulate(p, hw) == simulate_reference(p, hw)
     with pytest.raises(ValueError, match="events \\+ 1"):
-        simulate(_program(device_adam_numel=(1, 2, 3)), hw)
+        simulate(lane_program(device_adam_numel=(1, 2, 3)), hw)
 
 
 # --- Twin-Flow -------------------------------------------------------------------------------------------
@@ -143,8 +130,8 @@ def test_device_adamw_runs_on_the_compute_lane():
 def test_twin_flow_sweep():
     """Ratio 0 is ZeRO-Offload; the sweep's best is never slower than it; the device share costs its
     optimizer state in device memory; with no room for state it falls back to ratio 0."""
-    trace, buckets = _chain_trace(10, 100)
-    hw = _hw()
+    trace, buckets = chain_trace(10, 100)
+    hw = flat_hw(device_adam=1000.0)
     compute = tuple(0.1 for _ in trace.events)
     zo = zero_offload(Case(trace, buckets, 4, hw, compute, 10**9))
     state = -(-state_nbytes(buckets[0], 4) // 256) * 256  # each bucket's state, arena-aligned
@@ -162,15 +149,6 @@ def test_twin_flow_sweep():
 
 
 # --- device-optimizer placements in the planner ------------------------------------------------------------
-
-
-def _plan(trace, buckets, budget, hw, compute, device_optimizer=True):
-    try:
-        return build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute,
-                          device_optimizer=device_optimizer)
-    except BudgetTooSmallError as e:
-        return build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
-                          compute_s=compute, device_optimizer=device_optimizer)
 
 
 def _check_device_placement(plan, hw, compute):
@@ -203,16 +181,16 @@ def _check_device_placement(plan, hw, compute):
 @given(traces(), machines(), st.data())
 def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, data):
     trace, buckets = case
-    compute = _compute(data.draw, trace)
+    compute = draw_compute(data.draw, trace)
     if data.draw(st.booleans()):  # a slow CPU: where device optimizer state pays
         hw = hw.with_(adam_params_per_s=data.draw(st.floats(1e2, 1e5)))
     params = sum(b.nbytes(4) for b in buckets)
-    least = _plan(trace, buckets, 0, hw, compute, device_optimizer=False).budget_bytes
+    least = plan_that_fits(trace, buckets, 0, hw, compute, device_optimizer=False).budget_bytes
     budget = least + data.draw(st.integers(0, 5 * params + 20000))
-    plan = _plan(trace, buckets, budget, hw, compute)
+    plan = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True)
     _check_device_placement(plan, hw, compute)
     # the search includes today's plan (no device state): never slower than it at the same budget
-    today = _plan(trace, buckets, plan.budget_bytes, hw, compute, device_optimizer=False)
+    today = plan_that_fits(trace, buckets, plan.budget_bytes, hw, compute, device_optimizer=False)
     assert not today.device_optimizer
     assert plan.simulated.step_s <= today.simulated.step_s * (1 + 1e-9) + 1e-15
     # both placement bounds hold for it
@@ -223,8 +201,8 @@ def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, dat
 
 
 def _cpu_bound_chain(n=12, numel=1000):
-    trace, buckets = _chain_trace(n, numel)
-    hw = _hw(bw=1e6, adam=1e4, device_adam=1e7)  # CPU AdamW 0.1 s per bucket; copies 4 ms; device AdamW 0.1 ms
+    trace, buckets = chain_trace(n, numel)
+    hw = flat_hw(bw=1e6, adam=1e4, device_adam=1e7)  # CPU AdamW 0.1 s per bucket; copies 4 ms; device AdamW 0.1 ms
     compute = [1e-3] * len(trace.events)
     return trace, buckets, hw, compute
 
@@ -232,19 +210,19 @@ def _cpu_bound_chain(n=12, numel=1000):
 def test_where_the_cpu_adamw_is_the_wall_the_first_layers_keep_their_optimizer_on_the_device():
     trace, buckets, hw, compute = _cpu_bound_chain()
     budget = 10**7
-    plan = _plan(trace, buckets, budget, hw, compute)
+    plan = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True)
     _check_device_placement(plan, hw, compute)
-    today = _plan(trace, buckets, budget, hw, compute, device_optimizer=False)
+    today = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=False)
     assert len(plan.device_optimizer) == len(buckets)  # room for all: every update leaves the CPU
     assert plan.simulated.adam_s == 0 and plan.simulated.step_s < today.simulated.step_s / 10
     # room for a third of them (weights 4 kB + state 8 kB, aligned, per bucket; plus the grad slot and the
     # streamed ones): it takes the first layers, whose grads complete last
-    streamed = _plan(trace, buckets, 0, hw, compute, device_optimizer=False)
-    small = _plan(trace, buckets, streamed.peak_bytes + 4 * 12288, hw, compute)
+    streamed = plan_that_fits(trace, buckets, 0, hw, compute, device_optimizer=False)
+    small = plan_that_fits(trace, buckets, streamed.peak_bytes + 4 * 12288, hw, compute, device_optimizer=True)
     _check_device_placement(small, hw, compute)
     assert 0 < len(small.device_optimizer) <= 4 and 0 in small.device_optimizer
     assert set(small.device_optimizer) == set(range(len(small.device_optimizer)))
-    assert small.simulated.step_s < _plan(trace, buckets, small.budget_bytes, hw, compute,
+    assert small.simulated.step_s < plan_that_fits(trace, buckets, small.budget_bytes, hw, compute,
                                           device_optimizer=False).simulated.step_s
 
 
@@ -272,7 +250,7 @@ def test_device_optimizer_is_off_by_default_and_validate_plan_checks_placements(
 
 def test_placement_bytes_per_tier():
     trace, buckets, hw, compute = _cpu_bound_chain()
-    plan = _plan(trace, buckets, 10**7, hw, compute)
+    plan = plan_that_fits(trace, buckets, 10**7, hw, compute, device_optimizer=True)
     tiers = placement_bytes(plan.buckets, 4, plan.placement)
     assert tiers["device-optimizer"] == 12 * 4000 and tiers["device_optimizer_state"] == 12 * 8000
     assert tiers["streamed"] == tiers["resident"] == 0
@@ -286,7 +264,7 @@ def test_restricted_greedy_cpp_equals_its_python_loop(case, hw, data):
     if _C is None:
         pytest.skip("needs the built extension (offload._C)")
     trace, buckets = case
-    compute = compute_times(trace, _compute(data.draw, trace))
+    compute = compute_times(trace, draw_compute(data.draw, trace))
     g = Greedy.of(trace, buckets, 4, hw, compute)
     updated = sorted(g.inputs.grad_issue)
     device = data.draw(st.lists(st.sampled_from(updated), unique=True) if updated else st.just([]))

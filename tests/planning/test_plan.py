@@ -9,11 +9,11 @@ from offload.errors import InvariantError
 from offload.planning.layout import frozen_maker
 from offload.planning.plan import BufferKind, validate_plan
 from offload.planning.schedule import build_plan
-from tests.planning.test_schedule import _chain_trace
+from tests.support.planning import chain_trace
 
 
 def _plan():
-    trace, buckets = _chain_trace(6, 1000)
+    trace, buckets = chain_trace(6, 1000)
     return build_plan(trace, buckets, itemsize=4, budget_bytes=4 * 4096, fixed_bytes=0)
 
 

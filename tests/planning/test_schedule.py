@@ -9,8 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import BudgetTooSmallError
-from offload.planning.buckets import ParamSpec, make_buckets
-from offload.planning.hw import PRESETS, HardwareModel, latency_curve
+from offload.planning.hw import PRESETS
 from offload.planning.schedule import (
     BufferKind,
     build_plan,
@@ -18,65 +17,9 @@ from offload.planning.schedule import (
     simulate_plan,
     validate_plan,
 )
-from offload.planning.trace import EventKind, Recorder
+from offload.planning.trace import EventKind
 from offload.tools.baselines import Case, double_buffer
-
-
-@st.composite
-def traces(draw):
-    """A random model step: nested module calls touching parameters, then a backward that reads them in
-    reverse (one node per call, sometimes reading two buckets' worth) and accumulates each grad once."""
-    n_params = draw(st.integers(1, 24))
-    specs = [ParamSpec(draw(st.integers(1, 400)), draw(st.sampled_from([0, 0, 1, None])))
-             for _ in range(n_params)]
-    rec = Recorder()
-    calls = []  # (module, params touched) in forward order
-
-    def call(module, depth):
-        rec.pre(module)
-        touched = draw(st.lists(st.integers(0, n_params - 1), max_size=3))
-        for p in touched:
-            rec.touch(p)
-        calls.append(touched)
-        if depth < 2:
-            for child in range(draw(st.integers(0, 3))):
-                call(module * 4 + child + 1, depth + 1)
-        rec.post(module)
-
-    call(0, 0)
-    rec.activation_peak = draw(st.integers(0, 5000))
-    seen_grad = set()
-    first_call = {}
-    for c, touched in enumerate(calls):
-        for p in touched:
-            first_call.setdefault(p, c)
-    for c in reversed(range(len(calls))):
-        node = object()
-        for p in calls[c]:
-            rec.unpack(p, node)
-        for p in calls[c]:
-            if first_call[p] == c and specs[p].group is not None and p not in seen_grad and draw(st.booleans()):
-                seen_grad.add(p)
-                rec.grad(p, specs[p].numel * 4)
-    trace = rec.finish()
-    order = list(dict.fromkeys(list(trace.touched) + list(range(n_params))))
-    buckets = make_buckets(specs, order, draw(st.integers(64, 4000)), itemsize=4)
-    return trace, buckets
-
-
-@st.composite
-def machines(draw):
-    """A random link and CPU, and random compute seconds for each event of a trace."""
-    bw = draw(st.floats(1e5, 1e8))
-    curve = latency_curve(bw, draw(st.floats(0, 1e-3)))
-    d2h = latency_curve(draw(st.floats(1e5, 1e8)), draw(st.floats(0, 1e-3)))
-    return HardwareModel("random", curve, d2h, duplex_factor=draw(st.floats(0.3, 1.0)),
-                         adam_params_per_s=draw(st.floats(1e4, 1e8)), host_bytes_per_s=1e9,
-                         device_flops_per_s=1e12, device_bytes_per_s=1e11)
-
-
-def _compute(draw, trace):
-    return [draw(st.floats(0, 1e-3)) for _ in trace.events]
+from tests.support.planning import chain_trace, draw_compute, machines, plan_that_fits, traces
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -128,13 +71,9 @@ def _assert_waits_cover_every_earlier_occupant(plan):
 @given(traces(), machines(), st.data())
 def test_simulated_step_respects_the_physical_bound(case, hw, data):
     trace, buckets = case
-    compute = _compute(data.draw, trace)
+    compute = draw_compute(data.draw, trace)
     budget = data.draw(st.integers(0, 60000))
-    try:
-        plan = build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute)
-    except BudgetTooSmallError as e:
-        plan = build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
-                          compute_s=compute)
+    plan = plan_that_fits(trace, buckets, budget, hw, compute)
     validate_plan(plan)
     bound = plan_bound(plan, hw, compute)
     assert plan.simulated.step_s >= bound.seconds * (1 - 1e-9)
@@ -147,13 +86,8 @@ def test_simulated_step_respects_the_physical_bound(case, hw, data):
 @given(traces(), machines(), st.data())
 def test_larger_budget_is_never_slower(case, hw, data):
     trace, buckets = case
-    compute = _compute(data.draw, trace)
-    try:
-        small = build_plan(trace, buckets, itemsize=4, budget_bytes=data.draw(st.integers(0, 30000)), fixed_bytes=0,
-                           hw=hw, compute_s=compute)
-    except BudgetTooSmallError as e:
-        small = build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
-                           compute_s=compute)
+    compute = draw_compute(data.draw, trace)
+    small = plan_that_fits(trace, buckets, data.draw(st.integers(0, 30000)), hw, compute)
     larger = small.budget_bytes + data.draw(st.integers(1, 30000))
     big = build_plan(trace, buckets, itemsize=4, budget_bytes=larger, fixed_bytes=0, hw=hw, compute_s=compute)
     assert big.simulated.step_s <= small.simulated.step_s * (1 + 1e-9) + 1e-15
@@ -163,32 +97,15 @@ def test_larger_budget_is_never_slower(case, hw, data):
 @given(traces(), machines(), st.data())
 def test_greedy_is_never_slower_than_streaming_everything(case, hw, data):
     trace, buckets = case
-    compute = _compute(data.draw, trace)
+    compute = draw_compute(data.draw, trace)
     streamed = double_buffer(Case(trace, tuple(buckets), 4, hw, tuple(compute), budget_bytes=10**9))
     budget = streamed.peak_bytes + data.draw(st.integers(0, 20000))
     plan = build_plan(trace, buckets, itemsize=4, budget_bytes=budget, fixed_bytes=0, hw=hw, compute_s=compute)
     assert plan.simulated.step_s <= streamed.step_s * (1 + 1e-9) + 1e-15
 
 
-def _chain_trace(n_layers, numel):
-    """A plain stack of layers, one parameter each: forward 0..n-1, backward n-1..0."""
-    rec = Recorder()
-    rec.pre(100)
-    for i in range(n_layers):
-        rec.pre(i)
-        rec.touch(i)
-        rec.post(i)
-    rec.post(100)
-    for i in reversed(range(n_layers)):
-        rec.unpack(i, object())
-        rec.grad(i, numel * 4)
-    trace = rec.finish()
-    buckets = make_buckets([ParamSpec(numel, 0)] * n_layers, list(range(n_layers)), numel * 4, 4)
-    return trace, buckets
-
-
 def test_big_budget_keeps_everything_resident():
-    trace, buckets = _chain_trace(8, 1000)
+    trace, buckets = chain_trace(8, 1000)
     plan = build_plan(trace, buckets, itemsize=4, budget_bytes=10**7, fixed_bytes=0)
     validate_plan(plan)
     assert plan.summary()["streamed_buckets"] == 0
@@ -198,7 +115,7 @@ def test_big_budget_keeps_everything_resident():
 def test_planning_pauses_the_garbage_collector_and_restores_it():
     """build_plan pauses the cyclic collector while it runs (a speed measure) and leaves it as it found
     it, also when it raises."""
-    trace, buckets = _chain_trace(8, 1000)
+    trace, buckets = chain_trace(8, 1000)
     seen = []
     from offload.planning.greedy import Greedy
     real = Greedy.candidates
@@ -225,7 +142,7 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
 
 
 def test_tight_budget_streams_and_prefetches():
-    trace, buckets = _chain_trace(8, 1000)
+    trace, buckets = chain_trace(8, 1000)
     hw = PRESETS["pcie4"]
     b = 4096  # one bucket of 1000 fp32 rounded to the 256-byte arena alignment
     copy = hw.h2d_seconds(4000)
@@ -262,7 +179,7 @@ def test_tight_budget_streams_and_prefetches():
 def test_last_layers_are_kept_between_forward_and_backward():
     """The last layer's forward and backward uses are adjacent: with one bucket of spare memory the plan
     keeps it instead of fetching it twice."""
-    trace, buckets = _chain_trace(8, 1000)
+    trace, buckets = chain_trace(8, 1000)
     hw = PRESETS["pcie4"]
     compute = [hw.h2d_seconds(4000) / 4 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0
                for ev in trace.events]  # copy-bound: every copy saved shortens the step
@@ -279,7 +196,7 @@ def test_last_layers_are_kept_between_forward_and_backward():
 def test_many_buckets_plan_is_valid_and_deterministic():
     """A 300-bucket chain: the plan is valid, fits, and is the same plan when built twice (the planner is a
     pure function). Its speed is measured by benchmarks/schedule_sim.py --chain, not here."""
-    trace, buckets = _chain_trace(300, 256)
+    trace, buckets = chain_trace(300, 256)
     compute = [1e-5 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0 for ev in trace.events]
     plans = [build_plan(trace, buckets, itemsize=4, budget_bytes=300 * 1024 // 4, fixed_bytes=0,
                         hw=PRESETS["pcie4"], compute_s=compute) for _ in range(2)]
@@ -307,7 +224,7 @@ def test_chain_plans_are_the_ones_recorded_before_the_speed_work(n, digest):
     """Chain plans (the benchmark's planner-speed case, smaller) are exactly the plans the planner made
     before session 4 made it faster (C++ sweeps, arrays, the arena placer's index): digests recorded from
     that code. A change here means the plans changed, not just their speed."""
-    trace, buckets = _chain_trace(n, 256)
+    trace, buckets = chain_trace(n, 256)
     compute = [1e-5 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0 for ev in trace.events]
     plan = build_plan(trace, buckets, itemsize=4, budget_bytes=n * 1024 // 4, fixed_bytes=0, hw=PRESETS["pcie4"],
                       compute_s=compute)
@@ -387,7 +304,7 @@ def test_layout_from_arrays_is_the_layout_from_intervals(case, hw, data):
     from offload.planning.greedy import Greedy
     from offload.planning.layout import layout_buffers
     trace, buckets = case
-    g = Greedy.of(trace, buckets, 4, hw, tuple(_compute(data.draw, trace)))
+    g = Greedy.of(trace, buckets, 4, hw, tuple(draw_compute(data.draw, trace)))
     for point in g.candidates(10**9):
         assert g.layout(point.resident, point.flat) == layout_buffers(trace, buckets, 4, point.resident,
                                                                (point.streamed, g.inputs.grads))
@@ -423,7 +340,7 @@ def test_need_interval_arrays_are_the_merged_need_intervals(case):
 
 @pytest.mark.parametrize("bad", [-1e-6, float("nan")])
 def test_negative_or_nan_compute_seconds_are_refused(bad):
-    trace, buckets = _chain_trace(3, 100)
+    trace, buckets = chain_trace(3, 100)
     compute = [0.0] * len(trace.events)
     compute[1] = bad
     with pytest.raises(ValueError, match="non-negative seconds"):
@@ -460,7 +377,7 @@ def test_a_need_without_a_live_buffer_is_an_invariant_error():
 
     from offload.errors import InvariantError
     from offload.planning.greedy import Greedy
-    trace, buckets = _chain_trace(4, 1000)
+    trace, buckets = chain_trace(4, 1000)
     g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], tuple(trace.compute_seconds))
     flat = g.placed("just in time", frozenset(), frozenset())
     g.copies(frozenset(), flat)  # the point as placed: every need served

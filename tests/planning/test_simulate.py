@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.planning import simulate as simulate_module
-from offload.planning.hw import PRESETS, HardwareModel, latency_curve, load_hw
+from offload.planning.hw import PRESETS, latency_curve, load_hw
 from offload.planning.simulate import (
     STEP_START,
     FlatWaits,
@@ -16,31 +16,19 @@ from offload.planning.simulate import (
     physical_bound,
     simulate,
 )
-
-
-def _hw(bw=1000.0, duplex=1.0, adam=100.0):
-    curve = ((1, bw), (10**9, bw))  # flat: a copy of n bytes takes n / bw seconds
-    return HardwareModel("test", curve, curve, duplex_factor=duplex, adam_params_per_s=adam, host_bytes_per_s=1e9,
-                         device_flops_per_s=1e12, device_bytes_per_s=1e11)
-
-
-def _program(**kw):
-    base = dict(compute_s=(1.0, 1.0, 1.0), h2d_event=(), h2d_bucket=(), h2d_bytes=(), waits=((), (), ()),
-                d2h_event=(), d2h_bucket=(), d2h_bytes=(), adam_numel=())
-    base.update(kw)
-    return Program(**base)
+from tests.support.planning import flat_hw, lane_program
 
 
 def test_compute_only():
-    r = simulate(_program(), _hw())
+    r = simulate(lane_program(), flat_hw())
     assert r.step_s == 3.0 and r.stall_s == 0.0
 
 
 def test_a_prefetch_hides_behind_compute_and_a_late_one_stalls():
     # copy 0 (500 B = 0.5 s) issued at event 0 and needed at event 1: hidden. Copy 1 (2000 B = 2 s) issued
     # at event 1, needed at event 2: it arrives at 1 + 2 = 3 s, compute reaches event 2 at 2 s: 1 s stall.
-    p = _program(h2d_event=(0, 1), h2d_bucket=(0, 1), h2d_bytes=(500, 2000), waits=((), (0,), (1,)))
-    r = simulate(p, _hw())
+    p = lane_program(h2d_event=(0, 1), h2d_bucket=(0, 1), h2d_bytes=(500, 2000), waits=((), (0,), (1,)))
+    r = simulate(p, flat_hw())
     assert r.stall_s == pytest.approx(1.0)
     assert r.stall_per_event == pytest.approx((0.0, 0.0, 1.0))
     assert r.step_s == pytest.approx(4.0)
@@ -52,9 +40,9 @@ def test_a_prefetch_hides_behind_compute_and_a_late_one_stalls():
 
 def test_fifo_queue_and_credit_sharing():
     # both copies issued at the start; compute needs copy 1 at event 0: it waits for copy 0 then copy 1
-    p = _program(h2d_event=(STEP_START, STEP_START), h2d_bucket=(0, 1), h2d_bytes=(1000, 3000),
+    p = lane_program(h2d_event=(STEP_START, STEP_START), h2d_bucket=(0, 1), h2d_bytes=(1000, 3000),
                  waits=((1,), (), ()))
-    r = simulate(p, _hw())
+    r = simulate(p, flat_hw())
     assert r.stall_s == pytest.approx(4.0)
     assert r.copy_credit == pytest.approx((1.0, 3.0))  # 4 s shared 1:3 by duration
     assert r.step_s == pytest.approx(7.0)
@@ -62,21 +50,21 @@ def test_fifo_queue_and_credit_sharing():
 
 def test_grads_adam_and_duplex():
     # grads of 1000 B go to the host at event 1 (1 s), then AdamW of 100 params (1 s): done at 1 + 1 + 1 = 3 s
-    p = _program(d2h_event=(1,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(100,))
-    assert simulate(p, _hw()).step_s == pytest.approx(3.0)
+    p = lane_program(d2h_event=(1,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(100,))
+    assert simulate(p, flat_hw()).step_s == pytest.approx(3.0)
     # after backward (the baselines' rule): AdamW starts at 3 s, ends at 4 s
-    late = _program(d2h_event=(1,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(100,), adam_after_backward=True)
-    assert simulate(late, _hw()).step_s == pytest.approx(4.0)
+    late = lane_program(d2h_event=(1,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(100,), adam_after_backward=True)
+    assert simulate(late, flat_hw()).step_s == pytest.approx(4.0)
     # a host-to-device copy that starts while the grads are copying runs at half speed
-    both = _program(h2d_event=(1,), h2d_bucket=(1,), h2d_bytes=(1000,), waits=((), (), (0,)),
+    both = lane_program(h2d_event=(1,), h2d_bucket=(1,), h2d_bytes=(1000,), waits=((), (), (0,)),
                     d2h_event=(0,), d2h_bucket=(0,), d2h_bytes=(2000,), adam_numel=(0,))
-    r = simulate(both, _hw(duplex=0.5))
+    r = simulate(both, flat_hw(duplex=0.5))
     assert r.h2d_busy_s == pytest.approx(2.0)
     assert r.stall_s == pytest.approx(1.0)  # issued at 1 s, done at 3 s, needed at 2 s
 
 
 def test_physical_bound_names_its_limit():
-    b = physical_bound(1.0, 5000, 0, 10, _hw())
+    b = physical_bound(1.0, 5000, 0, 10, flat_hw())
     assert b.limit == "h2d" and b.seconds == pytest.approx(5.0)
 
 
@@ -104,7 +92,7 @@ def test_load_hw(tmp_path):
     with pytest.raises(ValueError, match="offload probe"):
         load_hw(bad)
     with pytest.raises(ValueError, match="duplex"):
-        _hw(duplex=0)
+        flat_hw(duplex=0)
 
 
 @st.composite
@@ -130,7 +118,7 @@ def _programs(draw):
 @settings(max_examples=300, deadline=None)
 @given(program=_programs(), duplex=st.sampled_from([1.0, 0.7]), hw_name=st.sampled_from(["flat", "pcie4"]))
 def test_cpp_lanes_equal_the_python_reference_bitwise(program, duplex, hw_name):
-    hw = _hw(duplex=duplex) if hw_name == "flat" else PRESETS["pcie4"]
+    hw = flat_hw(duplex=duplex) if hw_name == "flat" else PRESETS["pcie4"]
     assert simulate(program, hw) == simulate_module.simulate_reference(program, hw)
 
 
