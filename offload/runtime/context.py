@@ -39,15 +39,17 @@ class Busy:
 
     def __enter__(self) -> None:
         self.depth += 1
-        guard = None
+        guards: tuple[Any, ...] = ()
         if torch.is_inference_mode_enabled():
-            guard = torch.inference_mode(False)
-            guard.__enter__()
-        self._guards.append(guard)
+            # inference_mode(False) also turns grad mode on; the caller's is off (inference mode implies it),
+            # and the runtime reads it to tell a no-grad forward (forward-only plan, p.grad kept) from training
+            guards = (torch.inference_mode(False), torch.no_grad())
+            for guard in guards:
+                guard.__enter__()
+        self._guards.append(guards)
 
     def __exit__(self, *exc: object) -> None:
-        guard = self._guards.pop()
-        if guard is not None:
+        for guard in reversed(self._guards.pop()):
             guard.__exit__(*exc)
         self.depth -= 1
 

@@ -272,7 +272,9 @@ class GradPipeline:
     def backward_done(self) -> None:
         """Every grad of this backward is on its way to the host (grads would be exposed from here)."""
         self.awaiting_step = bool(self.pending)
-        self.exposure.expose()  # issue 19: the gathered grads in p.grad (offload/runtime/plain_grads.py)
+        if self.received:  # not after torch.autograd.grad(...) (a gradient penalty), which accumulates nothing:
+            # the real backward that follows must find p.grad None, as the forward left it
+            self.exposure.expose()  # issue 19: the gathered grads in p.grad (offload/runtime/plain_grads.py)
 
     def wait_for_copies(self) -> None:
         """A forward starts: grad copies of an earlier backward of this step (accumulation) may still be

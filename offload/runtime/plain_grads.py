@@ -159,8 +159,8 @@ class ExposedGrad(torch.Tensor):
         if exposure.ctx.phases.in_backward or torch._C._current_autograd_node() is not None:
             raise OffloadError("a backward reached a gradient exposed in p.grad by the previous backward without a "
                                "forward in between (e.g. backward(retain_graph=True) twice): the engine cannot add "
-                               "into it. Run a forward before each backward, or call engine.backward(loss), which "
-                               "takes exposed gradients back first")
+                               "into it. Run a forward before each backward (the engine gathers one backward's "
+                               "gradients per forward)")
         return exposure
 
     def _host_data(self) -> torch.Tensor:

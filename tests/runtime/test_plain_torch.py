@@ -325,6 +325,69 @@ def test_retained_graph_backward_without_a_forward_raises():
     engine.close()
 
 
+def test_engine_backward_twice_on_a_retained_graph_raises_too():
+    """``engine.backward(loss, retain_graph=True)`` then ``engine.backward(loss)`` raises like ``loss.backward()``
+    does: the engine gathers one backward's grads per forward, and a second backward of the same forward's
+    graph would find its buckets' grads already sent (they would be dropped, silently, without the error:
+    that is what happened before issue 19 exposed p.grad)."""
+    case, engine, opt, _, _ = _pair("mlp", overlap_optimizer=False)
+    model = engine.module
+    b = case.make_batch(0)
+    loss = case.loss_fn(run(model, b), b)
+    engine.backward(loss, retain_graph=True)
+    with pytest.warns(offload.OffloadWarning), pytest.raises(offload.OffloadError, match="forward before each backward"):
+        engine.backward(loss)
+    engine.close()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_gradient_penalty_before_backward_is_plain_torch_bit_for_bit(accumulate):
+    """``torch.autograd.grad`` between forward and backward (a gradient penalty) reaches the engine's end of
+    backward but accumulates nothing: p.grad stays None for the backward that follows (it raised before). All
+    resident: with streamed buckets the double backward through the penalty's graph meets a weight slot fetched
+    again (a version-counter error; a known limitation)."""
+    case, engine, opt, ref, ref_opt = _pair("mlp", budget_frac=4.0, overlap_optimizer=False)
+    model = engine.module
+
+    def micro(m, i):
+        b = case.make_batch(i)
+        x = b.args[0].clone().requires_grad_(True)
+        out = m(x).sum()
+        g, = torch.autograd.grad(out, x, create_graph=True)
+        (out + (g.norm() - 1) ** 2).backward()
+
+    for step in range(3):
+        for i in range(accumulate):
+            micro(model, step * accumulate + i)
+            micro(ref, step * accumulate + i)
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) == \
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    _same_state(engine, ref)
+    engine.close()
+
+
+def test_an_inference_mode_forward_between_backward_and_clip_keeps_p_grad():
+    """A forward under ``torch.inference_mode()`` is a no-grad forward: it leaves p.grad alone (the runtime's
+    own code leaves inference mode inside the forward, which turned grad mode on and took p.grad back, so a
+    torch clip after it clipped nothing: silently wrong weights), and it follows a forward-only plan."""
+    case, engine, opt, ref, ref_opt = _pair("mlp", overlap_optimizer=False)
+
+    def user(m, step):
+        b = case.make_batch(100 + step)
+        with torch.inference_mode():
+            run(m, b)
+        return float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01))
+
+    _lockstep(case, engine, opt, ref, ref_opt, 3, user)
+    _same_state(engine, ref)
+    assert engine.memory_stats()["counters"]["eval_plans_built"] >= 1
+    engine.close()
+
+
 # -- 16-bit compute ------------------------------------------------------------------------------------------
 
 def test_bf16_p_grad_is_the_host_sum_in_the_parameters_dtype():
