@@ -135,22 +135,22 @@ class Runtime:
                 return
             if torch.is_inference_mode_enabled():
                 with busy:
-                    on_post(index)
+                    on_post(index, output)
                 return
             busy.depth += 1
             try:
-                on_post(index)
+                on_post(index, output)
             finally:
                 busy.depth -= 1
         return hook
 
-    def _on_post(self, index: int) -> None:
+    def _on_post(self, index: int, output: Any) -> None:
         executor = self.executor
         executor.advance(EventKind.POST, index)
         self.access.call_ends()
         executor.recorder.post(index)
         if not executor.recorder.stack:
-            self._end_forward()
+            self._end_forward(output)
 
     def _pack(self, t: torch.Tensor) -> ParamRef | SavedActivation:
         # One storage lookup serves both the parameter check and the activation's accounting: a storage that
@@ -214,8 +214,6 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
-        if torch.is_grad_enabled():
-            self.grads.exposure.before_forward()  # issue 19: user edits of p.grad in, p.grad = None for autograd
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
         grad_enabled = torch.is_grad_enabled()
         if ctx.phases.in_backward or executor.pos:
@@ -242,8 +240,10 @@ class Runtime:
             c.__exit__(None, None, None)
         self._contexts = []
 
-    def _end_forward(self) -> None:
+    def _end_forward(self, output: Any) -> None:
         self._exit_contexts()
+        if self.executor.grad_enabled:  # issue 19: exposed p.grad taken back when its backward begins
+            self.grads.exposure.before_backward_of(output)
         self.ctx.phases.enter(Pass.IDLE)
         self.recompute.forward_ended()
         if self.ctx.phases.tracing:

@@ -27,10 +27,15 @@ Before the engine itself uses the sums again (``step()``, ``engine.clip_grad_nor
 backward adds to them), the loss scale is put back (``Exposure.to_engine_form``): loss scales are powers of
 two, so both multiplications are exact. A user's ``p.grad = None`` drops that parameter's gradient (as
 torch's optimizers skip a parameter without one: no update, no weight decay, no step count); ``p.grad = t``
-puts ``t``'s values into the sum. Both are picked up at ``step()``, ``engine.clip_grad_norm_`` and the next
-forward. Exposed grads are taken away (``param.grad = None``) at the next forward with grad enabled, at
-``step()`` and at ``zero_grad()``, so autograd's next AccumulateGrad never adds into one; an exposed grad
-still held by the user after that raises when used.
+puts ``t``'s values into the sum. Both are picked up at ``step()``, ``engine.clip_grad_norm_`` and when the
+next backward begins. Exposed grads are taken away (``param.grad = None``) at ``step()``, at ``zero_grad()``
+and when the backward of the next forward with grad enabled reaches that forward's outputs: a hook on each
+output tensor that requires grad (FSDP2's pre-backward hook) fires before autograd accumulates into any
+parameter of the module, so AccumulateGrad never adds into an exposed grad, while a forward with no backward
+after it (a validation loss computed with grad enabled) leaves ``p.grad`` as it was, as in plain PyTorch. The
+hook acts once per forward: a second backward of a graph kept with ``retain_graph=True`` meets the grads the
+first exposed and raises (its grads would otherwise be lost). An exposed grad still held by the user after it
+was taken away raises when used.
 
 With ``overlap_optimizer=True`` the grads were consumed during backward (each bucket's AdamW ran as soon as
 its grads were in): ``p.grad`` is then an ``ExposedGrad`` without data, so ``p.grad is None`` is False (code
@@ -203,7 +208,7 @@ class Exposure:
     state of the host sums they show. Owned by :class:`offload.runtime.grads.GradPipeline` (``grads.exposure``),
     which owns the sums, their norms and the clip factor: it changes them only through the pipeline's methods.
     The pipeline calls :meth:`expose` at the end of backward, :meth:`drop` when gathered grads are cleared
-    and :meth:`zero_grad`; the runtime calls :meth:`before_forward`, :meth:`before_step`,
+    and :meth:`zero_grad`; the runtime calls :meth:`before_backward_of`, :meth:`before_step`,
     :meth:`to_engine_form` (before ``engine.clip_grad_norm_``) and :meth:`close`."""
 
     def __init__(self, ctx: RuntimeContext, grads: GradPipeline) -> None:
@@ -229,10 +234,25 @@ class Exposure:
             param.grad = g
             self.exposed[p] = g
 
-    def before_forward(self) -> None:
-        """A forward with grad enabled: its backward adds to the sums, and autograd must find no grad."""
-        self.sync()
-        self.take_back()
+    def before_backward_of(self, output: object) -> None:
+        """A forward with grad enabled ended while grads are exposed: when its backward reaches its outputs
+        (before autograd adds into any parameter's grad), take them back; the user's edits of p.grad go into
+        the sums first. Once per forward (see [Note: gradients in p.grad])."""
+        if not self.exposed:
+            return
+        me = weakref.ref(self)  # the graph may outlive the engine
+        pending = [True]  # shared by this forward's output hooks: the first to fire acts
+
+        def hook(grad: torch.Tensor) -> None:
+            exposure = me()
+            if pending[0] and exposure is not None:
+                pending[0] = False
+                exposure.sync()
+                exposure.take_back()
+
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
 
     def before_step(self) -> None:
         """``step()``: the user's changes to p.grad are in, the sums are back in the engine's form."""

@@ -285,10 +285,29 @@ def test_a_grad_held_after_step_or_the_next_forward_raises():
     _backward(case, model, 1)
     g = next(model.parameters()).grad
     b = case.make_batch(2)
-    run(model, b)  # a forward: its backward will add to the sums; p.grad is taken back
-    assert next(model.parameters()).grad is None
+    loss = case.loss_fn(run(model, b), b)  # a forward: p.grad stays until its backward begins
+    assert next(model.parameters()).grad is g
+    g.sum()
+    loss.backward()  # adds to the sums; p.grad was taken back as it began, then exposed anew
+    assert next(model.parameters()).grad is not g
     with pytest.raises(offload.OffloadError, match="no longer current"):
         g.sum()
+    engine.close()
+
+
+def test_a_forward_with_grad_and_no_backward_between_backward_and_clip_keeps_p_grad():
+    """A validation loss computed with grad enabled (no backward after it) between backward and a torch clip:
+    p.grad is left as it was, as in plain PyTorch (it was taken back at that forward, so the clip clipped
+    nothing: silently wrong weights)."""
+    case, engine, opt, ref, ref_opt = _pair("mlp", overlap_optimizer=False)
+
+    def user(m, step):
+        b = case.make_batch(100 + step)
+        case.loss_fn(run(m, b), b)  # with grad enabled; dropped without a backward
+        return float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01))
+
+    _lockstep(case, engine, opt, ref, ref_opt, 3, user, accumulate=2)
+    _same_state(engine, ref)
     engine.close()
 
 
