@@ -250,9 +250,14 @@ class Exposure:
                 exposure.sync()
                 exposure.take_back()
 
+        hooked = False
         for t in pytree.tree_leaves(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
+                hooked = True
+        if not hooked:  # outputs pytree cannot see into (an unregistered class): take them back now, as a
+            self.sync()  # backward of this forward must not meet them
+            self.take_back()
 
     def before_step(self) -> None:
         """``step()``: the user's changes to p.grad are in, the sums are back in the engine's form."""

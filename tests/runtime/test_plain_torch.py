@@ -748,3 +748,41 @@ def test_cuda_p_grad_lives_on_the_host_but_looks_like_the_parameters(device):
         for name, w in want.items():
             torch.testing.assert_close(got[name], w.cpu(), rtol=1e-4, atol=1e-5)
     engine.close()
+
+
+def test_accumulation_with_an_output_class_pytree_cannot_see_into():
+    """A model returning an object torch's pytree does not know: no output hook can be placed, so exposed grads
+    are taken back when the forward ends and accumulation is still plain torch bit for bit (without that, the
+    second micro-batch's backward met the first's exposed grads and raised)."""
+
+    class Out:  # not a pytree node
+        def __init__(self, y):
+            self.y = y
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return Out(self.b(torch.tanh(self.a(x))))
+
+    torch.manual_seed(0)
+    model = Model()
+    ref = copy.deepcopy(model)
+    opt = offload.AdamW(model.parameters(), fused=False, **ADAMW)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    engine = offload.wrap(model, opt, budget=1 << 20, device="cpu", overlap_optimizer=False)
+    for step in range(3):
+        for i in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i))
+            model(x).y.sum().backward()
+            ref(x).y.sum().backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1) == \
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    _same_state(engine, ref)
+    engine.close()
