@@ -10,8 +10,9 @@ the backend.
 Grads exposed to the user in ``p.grad`` (issue 19, offload/runtime/plain_grads.py, owned here as
 ``exposure``): ``backward_done`` exposes them, once per backward after every bucket's copy was issued;
 ``clear`` takes them back when gathered grads are consumed or dropped (``step()``, ``zero_grad()``, a failed
-backward). The runtime has them collected (the user's edits in) at the start of a forward with grad enabled
-(before its guard, which may raise), at ``step()`` and before ``engine.clip_grad_norm_``. They change the
+backward). The runtime has them collected (the user's edits in) when the backward of a forward with grad
+enabled reaches that forward's outputs (``Exposure.before_backward_of``), at ``step()`` and before
+``engine.clip_grad_norm_``. They change the
 sums, norms and clip factor only through this pipeline's methods (``pending_params`` ... ``refresh_norms``).
 """
 

@@ -68,6 +68,22 @@ def _lockstep(case, engine, opt, ref, ref_opt, steps, user, accumulate=1):
         ref_opt.zero_grad()
 
 
+def _micro_steps_with_torch_clip(model, opt, ref, ref_opt, steps, accumulate, micro, max_norm):
+    """``steps`` steps of ``accumulate`` micro-batches (``micro(m, i)`` runs one's backward on ``m``) on the
+    wrapped model and the reference side by side, torch's clip_grad_norm_ on each before its step; the norms
+    must agree."""
+    for step in range(steps):
+        for i in range(accumulate):
+            micro(model, step * accumulate + i)
+            micro(ref, step * accumulate + i)
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) == \
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
 def _same_state(engine, ref):
     assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "weights")
 
@@ -375,16 +391,7 @@ def test_a_gradient_penalty_before_backward_is_plain_torch_bit_for_bit(accumulat
         g, = torch.autograd.grad(out, x, create_graph=True)
         (out + (g.norm() - 1) ** 2).backward()
 
-    for step in range(3):
-        for i in range(accumulate):
-            micro(model, step * accumulate + i)
-            micro(ref, step * accumulate + i)
-        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) == \
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    _micro_steps_with_torch_clip(model, opt, ref, ref_opt, 3, accumulate, micro, 0.5)
     _same_state(engine, ref)
     engine.close()
 
@@ -773,16 +780,11 @@ def test_accumulation_with_an_output_class_pytree_cannot_see_into():
     opt = offload.AdamW(model.parameters(), fused=False, **ADAMW)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
     engine = offload.wrap(model, opt, budget=1 << 20, device="cpu", overlap_optimizer=False)
-    for step in range(3):
-        for i in range(2):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i))
-            model(x).y.sum().backward()
-            ref(x).y.sum().backward()
-        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1) == \
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+
+    def micro(m, i):  # micro-batch i = 2 * step + k: the seeds 10 * step + k
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * (i // 2) + i % 2))
+        m(x).y.sum().backward()
+
+    _micro_steps_with_torch_clip(model, opt, ref, ref_opt, 3, 2, micro, 0.1)
     _same_state(engine, ref)
     engine.close()
