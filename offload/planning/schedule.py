@@ -22,7 +22,7 @@ import dataclasses
 import gc
 from typing import Sequence
 
-from .budget import budget_error, forward_min_budget, min_arena_bytes
+from .budget import budget_error, forward_min_budget, leanest_arena_bytes, min_arena_bytes
 from .buckets import Bucket, locate
 from .device_optimizer import choose_device_optimizer, restrict
 from .greedy import Greedy, compute_times
@@ -100,7 +100,8 @@ def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute
             return dataclasses.replace(plan, headroom_bytes=headroom_bytes) if headroom_bytes else plan
     jit = {b: [list(iv) for iv in ivs] for b, ivs in g.uses.items()}
     _, layout = layout_buffers(trace, buckets, itemsize, frozenset(), (jit, g.inputs.grads))
-    raise budget_error(budget_bytes, arena=max(layout.total_bytes, budget_bytes - extra + 1),
+    # the least budget that gives a plan, exactly: [Note: the tight minimum budget] in budget.py
+    raise budget_error(budget_bytes, arena=leanest_arena_bytes(g, layout.total_bytes),
                        activations=trace.activation_peak_bytes, fixed=fixed_bytes, grad=trace.max_grad_bytes,
                        headroom=headroom_bytes)
 

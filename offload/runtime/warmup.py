@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import InvariantError
+from ..errors import BudgetTooSmallError, InvariantError
 from ..host.state import HostState
 from ..planning.buckets import make_buckets
-from ..planning.schedule import budget_error, forward_min_budget
+from ..planning.budget import mirrored_step
+from ..planning.schedule import budget_error, build_plan, forward_min_budget
 from .phases import Lifecycle
 from .residency import ParamRef
 
@@ -85,6 +86,22 @@ class TracedWarmup:
             for p, param in enumerate(self.ctx.params):
                 self.ctx.backend.bind(param, self.original[p])
 
+    def _estimated_minimum(self, recorder: Recorder, buckets) -> dict[str, int]:
+        """The parts of the least budget the planner would accept for this forward with the backward it
+        implies (:func:`offload.planning.budget.mirrored_step`): the minimum the first plan would name, where
+        the real backward reads what the forward did (issue 18: not a sum of worst cases)."""
+        ctx = self.ctx
+        forward = recorder.finish()
+        step = mirrored_step(forward.events, forward.uses, forward.ends, buckets, list(ctx.specs), ctx.itemsize,
+                             activations=ctx.memory.activation_peak, seconds=forward.compute_seconds)
+        parts = ctx.memory.parts
+        try:
+            build_plan(step, buckets, itemsize=ctx.itemsize, budget_bytes=0, fixed_bytes=parts["buffers"],
+                       hw=ctx.hw, headroom_bytes=parts["headroom"])
+        except BudgetTooSmallError as e:
+            return e.breakdown
+        raise InvariantError("a step with parameters planned in a device budget of 0 bytes")
+
     def finish(self, recorder: Recorder, recompute: RecomputeCoordinator, accumulate: bool) -> None:
         """First forward done: pack buckets in first-use order, check the budget, build the host side."""
         ctx = self.ctx
@@ -93,11 +110,12 @@ class TracedWarmup:
         seen = set(touched)
         order = touched + [p for p in range(len(ctx.params)) if p not in seen]
         buckets = make_buckets(list(ctx.specs), order, ctx.bucket_bytes, ctx.itemsize)
-        need = forward_min_budget(recorder.events, recorder.uses, recorder.ends, buckets, list(ctx.specs),
-                                  ctx.itemsize, activations=memory.activation_peak, fixed=memory.parts["buffers"],
-                                  headroom=memory.parts["headroom"])
-        if sum(need.values()) > budget:
+        floor = forward_min_budget(recorder.events, recorder.uses, recorder.ends, buckets, list(ctx.specs),
+                                   ctx.itemsize, activations=memory.activation_peak, fixed=memory.parts["buffers"],
+                                   headroom=memory.parts["headroom"])
+        if sum(floor.values()) > budget:  # too small for sure; above the floor, the first plan decides
             recompute.measure(recorder, memory.activation_peak)
+            need = self._estimated_minimum(recorder, buckets)
             capacity = budget - sum(need.values()) + need["activations"]
             raise recompute.activation_hint(budget_error(budget, **need), capacity)
         lowp = ctx.dtype if ctx.dtype != torch.float32 else None

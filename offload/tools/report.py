@@ -228,9 +228,10 @@ def _trace(model: nn.Module, run, request: Request) -> MetaTrace:
 
 
 def min_budget_bytes(mt: MetaTrace, buckets, itemsize: int, fixed: int) -> int:
-    """The least device budget the engine accepts: the larger of its two checks, the one at the end of the
-    warm-up forward (:func:`offload.planning.schedule.forward_min_budget`) and the planner's (every bucket streamed
-    just in time: what :func:`build_plan` reports when asked for a plan that cannot fit)."""
+    """The least device budget the engine accepts: the planner's exact minimum (what :func:`build_plan` names
+    when asked for a plan that cannot fit: [Note: the tight minimum budget] in ``planning/budget.py``). The
+    warm-up forward's check (:func:`offload.planning.schedule.forward_min_budget`) is a floor under it (tested on
+    random traces); the max keeps the two consistent should that ever break."""
     t = mt.trace
     first = sum(forward_min_budget(t.events, t.uses, t.ends, buckets, mt.specs, itemsize,
                                    activations=t.activation_peak_bytes, fixed=fixed).values())

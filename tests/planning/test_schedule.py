@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import BudgetTooSmallError
+from offload.planning.budget import forward_min_budget, mirrored_step
+from offload.planning.buckets import ParamSpec
 from offload.planning.hw import PRESETS
 from offload.planning.schedule import (
     BufferKind,
@@ -48,6 +50,51 @@ def test_plans_are_valid_and_errors_are_true(case, budget, fixed):
         spans.sort()
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     _assert_waits_cover_every_earlier_occupant(plan)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.integers(0, 3000), st.integers(0, 500), st.data())
+def test_the_minimum_budget_an_error_names_is_the_least_that_plans(case, hw, fixed, headroom, data):
+    """Issue 18: ``min_budget_bytes`` is where ``build_plan`` starts to accept, not a sum of worst cases."""
+    trace, buckets = case
+    kw = dict(itemsize=4, fixed_bytes=fixed, hw=hw, compute_s=draw_compute(data.draw, trace),
+              headroom_bytes=headroom)
+    try:
+        build_plan(trace, buckets, budget_bytes=0, **kw)
+        return  # a step that needs no device memory at all
+    except BudgetTooSmallError as e:
+        need = e.min_budget_bytes
+        assert need == sum(e.breakdown.values())
+    plan = build_plan(trace, buckets, budget_bytes=need, **kw)
+    assert plan.peak_bytes == need  # nothing else fits, so what fits fills it
+    with pytest.raises(BudgetTooSmallError) as below:
+        build_plan(trace, buckets, budget_bytes=need - 1, **kw)
+    assert below.value.min_budget_bytes == need
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), st.integers(0, 3000), st.integers(0, 500))
+def test_the_forward_floor_never_refuses_a_budget_the_planner_accepts(case, fixed, headroom):
+    """The warm-up's check (forward only) is a floor under the planner's minimum, never above it (issue 18: it
+    refused budgets that train); the mirrored step it estimates with plans at or above that floor too."""
+    trace, buckets = case
+    specs = [ParamSpec(1, 0)] * sum(len(b.params) for b in buckets)  # only the mirrored step's grads read them
+    f = trace.num_forward
+    floor = sum(forward_min_budget(trace.events[:f], trace.uses[:f], trace.ends[:f], buckets, specs, 4,
+                                   activations=trace.activation_peak_bytes, fixed=fixed, headroom=headroom).values())
+    kw = dict(itemsize=4, fixed_bytes=fixed, headroom_bytes=headroom)
+
+    def minimum(t):
+        try:
+            build_plan(t, buckets, budget_bytes=0, **kw)
+            return 0
+        except BudgetTooSmallError as e:
+            return e.min_budget_bytes
+
+    assert floor <= minimum(trace)
+    mirrored = mirrored_step(trace.events[:f], trace.uses[:f], trace.ends[:f], buckets, specs, 4,
+                             activations=trace.activation_peak_bytes)
+    assert floor <= minimum(mirrored)
 
 
 def _assert_waits_cover_every_earlier_occupant(plan):
@@ -138,7 +185,8 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
     finally:
         gc.enable()
         Greedy.candidates = real
-    assert seen == [False, False, False]
+    # four calls: the failing plan asks the sequences again for its exact minimum (leanest_arena_bytes)
+    assert seen == [False, False, False, False]
 
 
 def test_tight_budget_streams_and_prefetches():
