@@ -35,7 +35,7 @@ def wrap(model: nn.Module, optimizer: AdamW, config: OffloadConfig | None = None
     """Offload ``model``'s parameters and ``optimizer``'s state; return the engine that trains it.
 
     Pass either a whole ``config=OffloadConfig(...)`` or its fields as keywords
-    (``budget="8GiB", dtype=torch.float32, device="cpu", bucket_bytes="32MiB"``).
+    (``budget="8GiB", dtype=torch.float32, device="cpu", bucket_bytes="auto"``).
     """
     if config is not None and fields:
         raise TypeError("pass either config=OffloadConfig(...) or its fields as keywords, not both")
@@ -136,7 +136,7 @@ class Engine:
         measured = ctx.backend.peak_bytes()
         summary = None
         if plan is not None:
-            summary = plan.summary() | {"bucket_bytes": self.config.bucket_bytes, "replans": stats["replans"]}
+            summary = plan.summary() | {"bucket_bytes": ctx.bucket_bytes, "replans": stats["replans"]}
         return {
             "budget_bytes": self.config.budget,
             "device_peak_bytes": memory.peak if measured is None else measured,
@@ -145,6 +145,9 @@ class Engine:
             "device_parts": dict(memory.parts),
             "arena_bytes": plan.arena_bytes if plan is not None else 0,
             "host_pinned_bytes": host.nbytes if host is not None else 0,
+            # the host arena's bytes (as allocated: every region and its alignment) over the model's parameters
+            "host_bytes_per_param": (host.nbytes / sum(s.numel for s in ctx.specs)
+                                     if host is not None and ctx.specs else None),
             "plan": summary,
             "eval_plan": eval_plan.summary() if eval_plan is not None else None,
             "transfers": {"h2d_bytes": stats["h2d_bytes"], "d2h_bytes": stats["d2h_bytes"],

@@ -102,8 +102,10 @@ class OffloadConfig:
     """Compute dtype on the device. Masters and Adam state are always fp32 on the host."""
     device: str | torch.device | None = None
     """``None`` picks cuda when present, else cpu (the CPU backend: a real, asynchronous stand-in)."""
-    bucket_bytes: int | str = "32MiB"
-    """Target size of a parameter bucket, the unit that moves between host and device."""
+    bucket_bytes: int | str = "auto"
+    """Target size of a parameter bucket, the unit that moves between host and device. ``"auto"``: the
+    smallest copy that reaches 90 % of the link's peak bandwidth on ``hw``'s curve, at most 1/8 of the
+    model's weights (:func:`offload.planning.buckets.auto_bucket_bytes`)."""
     overlap_optimizer: bool | None = None
     """True: run a bucket's AdamW on the CPU as soon as its grads reach the host, while backward goes on.
     That needs one backward per step and no look at the grads in between, so gradient accumulation and
@@ -126,7 +128,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
         set_(self, "budget", parse_bytes(self.budget, "budget"))
-        set_(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
+        if self.bucket_bytes != "auto":
+            set_(self, "bucket_bytes", parse_bytes(self.bucket_bytes, "bucket_bytes"))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype such as torch.float32; got {self.dtype!r}")
         if self.dtype not in SUPPORTED_DTYPES:

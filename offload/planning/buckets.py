@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .hw import HardwareModel
+
 HOST_ALIGN = 64  # bytes: a cache line, and the widest SIMD load the CPU AdamW uses
 PARAM_ALIGN = 16  # bytes: where every parameter starts inside a bucket, see [Note: parameter alignment]
 
@@ -84,6 +86,35 @@ def make_buckets(specs: Sequence[ParamSpec], order: Sequence[int], bucket_bytes:
             groups.append([p])
             padded = numel
     return tuple(_bucket(i, members, specs, align) for i, members in enumerate(groups))
+
+
+AUTO_LINK_FRACTION = 0.9
+"""``bucket_bytes="auto"``: a bucket is the smallest copy that reaches this share of the link's peak bandwidth..."""
+AUTO_MAX_SHARE = 8
+"""...and at most 1/8 of the model's weights, so that the least budget (a streamed bucket or two, its grad
+slot, activations) is not a bucket's size several times over (issue 18: with a fixed 32 MiB, a model under
+~64 MiB was one or two buckets, which cannot stream)."""
+
+
+def auto_bucket_bytes(specs: Sequence[ParamSpec], itemsize: int, hw: HardwareModel) -> int:
+    """The bucket size ``bucket_bytes="auto"`` picks: the smallest copy reaching :data:`AUTO_LINK_FRACTION`
+    of ``hw``'s host-to-device peak (:meth:`HardwareModel.bytes_reaching`), capped at 1/:data:`AUTO_MAX_SHARE`
+    of the weights in the device dtype (a parameter larger than that still gets a bucket of its own)."""
+    if itemsize <= 0:
+        raise ValueError("itemsize must be positive")
+    align = param_align(itemsize)
+    weights = sum(_align(s.numel, align) for s in specs) * itemsize
+    return max(PARAM_ALIGN, min(hw.bytes_reaching(AUTO_LINK_FRACTION), weights // AUTO_MAX_SHARE))
+
+
+def resolve_bucket_bytes(bucket_bytes: int | str, specs: Sequence[ParamSpec], itemsize: int,
+                         hw: HardwareModel) -> int:
+    """``bucket_bytes`` as given (bytes), or :func:`auto_bucket_bytes` for ``"auto"``."""
+    if bucket_bytes == "auto":
+        return auto_bucket_bytes(specs, itemsize, hw)
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+        raise TypeError(f'bucket_bytes must be an int number of bytes or "auto"; got {bucket_bytes!r}')
+    return bucket_bytes
 
 
 def param_align(itemsize: int) -> int:

@@ -111,6 +111,24 @@ class HardwareModel:
     def device_adam_seconds(self, numel: int) -> float:
         return numel / self.device_adam_rate
 
+    def bytes_reaching(self, fraction: float = 0.9) -> int:
+        """The smallest copy size whose host-to-device bandwidth reaches ``fraction`` of the peak *on the
+        curve* (interpolated between its points as :meth:`h2d_seconds` does, not only at measured sizes)."""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1]; got {fraction!r}")
+        target = fraction * self.peak_h2d
+        k = next(i for i, (_, bw) in enumerate(self.h2d) if bw >= target)
+        if k == 0:
+            return self.h2d[0][0]  # below the first point a copy costs at least that point's time
+        (n0, bw0), (n1, bw1) = self.h2d[k - 1], self.h2d[k]
+        w = (target - bw0) / (bw1 - bw0)  # bandwidth is linear in log(size) between two points
+        n = min(n1, max(n0 + 1, math.ceil(math.exp(math.log(n0) + w * (math.log(n1) - math.log(n0))))))
+        while n > n0 + 1 and (n - 1) / self.h2d_seconds(n - 1) >= target:  # float rounding: step down
+            n -= 1
+        while n < n1 and n / self.h2d_seconds(n) < target:  # or up
+            n += 1
+        return n
+
     def bucket_bytes_hint(self, fraction: float = 0.9) -> int:
         """The smallest measured copy size reaching ``fraction`` of peak host-to-device bandwidth."""
         peak = self.peak_h2d

@@ -16,8 +16,9 @@ from torch import nn
 from ..backend.base import Backend, Lane
 from ..config import OffloadConfig
 from ..optim import AdamW
-from ..planning.buckets import ParamSpec
+from ..planning.buckets import ParamSpec, resolve_bucket_bytes
 from ..planning.hw import HardwareModel
+from ..planning.schedule import DEFAULT_HW
 from ..tools.timeline import LaneLog
 from .accounting import DeviceMemory
 from .phases import Phases
@@ -83,14 +84,16 @@ class RuntimeContext:
               params: Sequence[nn.Parameter], groups: Sequence[int | None]) -> RuntimeContext:
         """``groups``: each parameter's optimizer param group, None for a frozen one."""
         dtype = config.dtype
+        specs = tuple(ParamSpec(p.numel(), g) for p, g in zip(params, groups))
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        hw = config.hw if isinstance(config.hw, HardwareModel) else None
         return cls(
             module=module, optimizer=optimizer, config=config, backend=backend, params=tuple(params),
-            param_index={id(p): i for i, p in enumerate(params)},
-            specs=tuple(ParamSpec(p.numel(), g) for p, g in zip(params, groups)),
-            dtype=dtype, itemsize=torch.empty((), dtype=dtype).element_size(),
+            param_index={id(p): i for i, p in enumerate(params)}, specs=specs, dtype=dtype, itemsize=itemsize,
             placeholders=tuple(backend.placeholder(p.shape, dtype) for p in params),
-            budget=int(config.budget), bucket_bytes=int(config.bucket_bytes),
-            hw=config.hw if isinstance(config.hw, HardwareModel) else None,
+            budget=int(config.budget),
+            bucket_bytes=resolve_bucket_bytes(config.bucket_bytes, specs, itemsize, hw or DEFAULT_HW),
+            hw=hw,
             memory=DeviceMemory(headroom=backend.headroom_bytes()),  # [Note: headroom] in backend/cuda.py
             stats=_new_stats(), cpu=backend.host_lane("cpu-adam"),
             lane_log=LaneLog(), busy=Busy(), phases=Phases())

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--hw", default="pcie4", help="pcie3, pcie4, pcie5 (nominal presets) or a JSON file written "
                    "by `offload probe --json` (default pcie4)")
     r.add_argument("--host-ram", help="host RAM to plan for, e.g. 256GiB (default: available on this machine)")
-    r.add_argument("--bucket-bytes", default=None, help="bucket size (default: the engine's, 32MiB)")
+    r.add_argument("--bucket-bytes", default=None, help='bucket size, or "auto" (default: the engine\'s, "auto")')
     r.add_argument("--json", action="store_true", help="print JSON (keys documented in the README) instead")
     r.add_argument("--timeline", metavar="PATH", help="write the simulated step as Chrome-trace JSON (open it in "
                    "https://ui.perfetto.dev or chrome://tracing): a track per lane, a slice per copy/update/call")
@@ -140,7 +140,7 @@ def _request(args):
     bucket = args.bucket_bytes or OffloadConfig.__dataclass_fields__["bucket_bytes"].default
     return Request(model=args.model, budget_bytes=size(args.budget, "--budget"), batch=args.batch, seq=args.seq,
                    dtype=DTYPES[args.dtype], hw=hw, host_ram_bytes=host_ram, host_ram_source=source,
-                   bucket_bytes=size(bucket, "--bucket-bytes"), config=args.config)
+                   bucket_bytes="auto" if bucket == "auto" else size(bucket, "--bucket-bytes"), config=args.config)
 
 
 def _report(args, console: Console) -> int:
@@ -262,7 +262,7 @@ def _render(report, console: Console) -> None:
 
     s = report.plan.summary()
     console.print(f"[bold]plan[/bold] ({s['strategy']}): {s['num_buckets']} buckets of up to "
-                  f"{format_bytes(r.bucket_bytes)}, {s['resident_buckets']} resident, {s['streamed_buckets']} "
+                  f"{format_bytes(report.bucket_bytes)}, {s['resident_buckets']} resident, {s['streamed_buckets']} "
                   f"streamed ({s['fetches_per_step']} fetches per step); arena {format_bytes(s['arena_bytes'])} "
                   f"vs lower bound {format_bytes(s['arena_lower_bound_bytes'])}")
     if report.fits:
@@ -288,7 +288,8 @@ def _render(report, console: Console) -> None:
                       f'activation_checkpointing="auto"): {format_bytes(ckpt)}')
     host_ok = "[green]fits[/green]" if report.host_fits else "[red]does not fit[/red]"
     console.print(f"[bold]host RAM[/bold]: needs {format_bytes(report.host_needed_bytes)} (host arena + 5 % "
-                  f"headroom), {format_bytes(r.host_ram_bytes)} {r.host_ram_source}: {host_ok}")
+                  f"headroom), {format_bytes(r.host_ram_bytes)} {r.host_ram_source}: {host_ok}; host arena "
+                  f"{report.host_bytes['total'] / report.params:.2f} bytes per parameter")
 
     b = Table(title=f"the same model under other systems' memory rules (budget {format_bytes(r.budget_bytes)})")
     for col in ("system", "GPU peak", "fits", "step (s)", "host bytes (rule)"):

@@ -27,7 +27,7 @@ import torch
 from ..errors import BudgetTooSmallError, InvariantError, ReportError
 from ..host.state import HOST_RAM_HEADROOM
 from ..planning.activations import ActivationProfile, activation_bytes, choose_checkpoints
-from ..planning.buckets import host_layout, make_buckets
+from ..planning.buckets import host_layout, make_buckets, resolve_bucket_bytes
 from ..planning.placement import placement_bound, placement_bytes
 from ..planning.plan import BufferKind, Plan, align
 from ..planning.schedule import build_plan, forward_min_budget, plan_bound
@@ -95,6 +95,7 @@ class Report:
     # the planner's plan with optimizer state allowed on the device (issue 18): predicted step and bytes per
     # placement tier. The runtime cannot execute such a plan yet; ``plan`` is what it runs
     device_optimizer_plan: dict | None = None
+    bucket_bytes: int = 0  # the bucket size used (``request.bucket_bytes``, "auto" resolved as the engine does)
 
     @property
     def checkpointed_activation_bytes(self) -> int | None:
@@ -127,10 +128,11 @@ class Report:
             "model": r.model, "source": self.source, "batch": r.batch, "seq": r.seq,
             "dtype": next(k for k, v in DTYPES.items() if v == r.dtype),
             "hw": r.hw.name, "hw_measured": r.hw.measured, "budget_bytes": r.budget_bytes,
-            "bucket_bytes": r.bucket_bytes,
+            "bucket_bytes": self.bucket_bytes,
             "params": self.params, "trainable_params": self.trainable_params,
             "gpu_bytes": dict(self.gpu_bytes), "host_bytes": dict(self.host_bytes),
             "fits": self.fits, "min_budget_bytes": self.min_budget_bytes, "overflow": self.overflow,
+            "host_bytes_per_param": self.host_bytes["total"] / self.params,
             "host_ram_bytes": r.host_ram_bytes, "host_ram_source": r.host_ram_source,
             "host_needed_bytes": self.host_needed_bytes, "host_fits": self.host_fits,
             "plan": summary if self.fits else None,
@@ -171,7 +173,8 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         progress(f"the meta device cannot run {request.model}: using the analytic estimate")
         mt = analytic_trace(model, analytic, request)
     itemsize = request.dtype.itemsize
-    buckets = make_buckets(list(mt.specs), list(mt.order), request.bucket_bytes, itemsize)
+    bucket_bytes = resolve_bucket_bytes(request.bucket_bytes, mt.specs, itemsize, request.hw)
+    buckets = make_buckets(list(mt.specs), list(mt.order), bucket_bytes, itemsize)
     compute = mt.compute_s(request.hw)
     progress("planning")
     min_budget = min_budget_bytes(mt, buckets, itemsize, fixed)
@@ -214,7 +217,7 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
                                           request.hw).seconds,
         activations_source="meta trace" if analytic is None else f"analytic estimate ({analytic.describe()})",
         compute_s=tuple(compute), module_names=tuple(name for name, _ in model.named_modules()),
-        device_optimizer_plan=device_plan)
+        device_optimizer_plan=device_plan, bucket_bytes=bucket_bytes)
 
 
 def _trace(model: nn.Module, run, request: Request) -> MetaTrace:

@@ -32,7 +32,7 @@ class Request:
     hw: HardwareModel
     host_ram_bytes: int
     host_ram_source: str  # "given" or "available on this machine"
-    bucket_bytes: int
+    bucket_bytes: int | str  # bytes, or "auto" (resolved by the report as the engine does)
     config: str | None = None
 
     def __post_init__(self) -> None:

@@ -135,3 +135,25 @@ def test_host_layout_16bit_keeps_no_master_for_frozen():
     assert (bf16.grad_itemsize, bf16.staging_itemsize) == (2, 0)
     assert (bf16_acc.grad_itemsize, bf16_acc.staging_itemsize) == (4, 2)
     assert (fp32_acc.grad_itemsize, fp32_acc.staging_itemsize) == (4, 4)
+
+
+def test_auto_bucket_size_reaches_90_percent_of_the_link_and_stays_small_next_to_the_weights():
+    """Issue 18: ``bucket_bytes="auto"`` is the smallest copy at 90 % of the link's peak on the curve (the
+    byte before it is under), capped at 1/8 of the weights so a small model still streams."""
+    from offload.planning.buckets import auto_bucket_bytes, resolve_bucket_bytes
+    from offload.planning.hw import PRESETS
+    for hw in PRESETS.values():
+        n = hw.bytes_reaching(0.9)
+        assert n / hw.h2d_seconds(n) >= 0.9 * hw.peak_h2d > (n - 1) / hw.h2d_seconds(n - 1)
+        assert n <= hw.bucket_bytes_hint(0.9)  # on the curve, not only at its measured sizes
+        big = [ParamSpec(2**30, 0)] * 4  # 8 GiB in bf16: the link decides
+        assert auto_bucket_bytes(big, 2, hw) == n
+    hw = PRESETS["pcie4"]
+    small = [ParamSpec(1000 * 1000, 0)] * 3  # 6 MB in bf16: 1/8 of it
+    size = auto_bucket_bytes(small, 2, hw)
+    assert size == 6_000_000 // 8 < hw.bytes_reaching(0.9)
+    buckets = make_buckets(small, range(3), size, 2)
+    assert len(buckets) == 3  # a parameter over the cap gets its own bucket; the model streams
+    assert resolve_bucket_bytes("auto", small, 2, hw) == size and resolve_bucket_bytes(4096, small, 2, hw) == 4096
+    with pytest.raises(TypeError):
+        resolve_bucket_bytes("32MiB", small, 2, hw)  # OffloadConfig parses sizes; here only ints or "auto"

@@ -96,3 +96,25 @@ def test_the_warmup_estimate_trains_and_the_traced_minimum_is_exact():
         _train(_gpt, _gpt_step, exact - 1, **kw)
     assert below.value.min_budget_bytes == exact
 
+
+def test_auto_buckets_by_default_stream_a_small_model_and_stats_show_host_bytes_per_parameter():
+    """Issue 18: with the default ``bucket_bytes="auto"`` a 0.8 MB model is several buckets (a fixed 32 MiB made it
+    one, which cannot stream: its minimum was twice the weights), so it trains under its weights' size.
+    ``memory_stats()`` shows the host arena's bytes per parameter, as allocated."""
+    weights = sum(p.numel() * 4 for p in _mlp().parameters())
+    assert offload.OffloadConfig(budget=1).bucket_bytes == "auto"
+    need = _named_minimum(_mlp, _mlp_step)
+    assert need < weights
+    model = _mlp()
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    with offload.wrap(model, opt, budget=need, device="cpu") as engine:
+        for _ in range(2):
+            _mlp_step(engine).backward()
+            opt.step()
+            opt.zero_grad()
+        stats = engine.memory_stats()
+    assert stats["plan"]["num_buckets"] >= 3 and stats["plan"]["streamed_buckets"] > 0
+    assert stats["plan"]["bucket_bytes"] == weights // 8
+    params = weights // 4
+    assert stats["host_bytes_per_param"] == stats["host_pinned_bytes"] / params
+    assert 16 <= stats["host_bytes_per_param"] < 16.1  # fp32 master, m, v and the grad; alignment on top

@@ -1,5 +1,6 @@
 """``offload report``: driven as a subprocess (table text, JSON, errors), and checked against the engine."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -297,8 +298,26 @@ def test_host_bytes_with_frozen_parameters_match_the_engine(factories, monkeypat
     engine = offload.wrap(model, opt, budget="64MiB", dtype=torch.bfloat16, device="cpu", bucket_bytes="256KiB")
     engine(torch.zeros(1, 16, dtype=torch.long)).backward()
     opt.step()
-    assert report.host_bytes["total"] == engine.memory_stats()["host_pinned_bytes"]
+    stats = engine.memory_stats()
+    assert report.host_bytes["total"] == stats["host_pinned_bytes"]
+    # bytes per parameter, from the host arena: the engine's measured, the report's laid out, the same
+    assert report.to_json()["host_bytes_per_param"] == stats["host_bytes_per_param"] > 14
     engine.close()
+
+
+def test_auto_bucket_size_is_the_engines(factories, monkeypatch):
+    """``bucket_bytes="auto"`` (the default of both): the report resolves it as the engine does, and says the size."""
+    monkeypatch.syspath_prepend(factories)
+    request = dataclasses.replace(_request("64MiB", 1, 16), bucket_bytes="auto")
+    report = make_report(request)
+    model = SMALL.build("cpu")
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    with offload.wrap(model, opt, budget="64MiB", dtype=torch.float32, device="cpu") as engine:
+        engine(torch.zeros(1, 16, dtype=torch.long)).backward()
+        opt.step()
+        stats = engine.memory_stats()
+    assert report.to_json()["bucket_bytes"] == report.bucket_bytes == stats["plan"]["bucket_bytes"]
+    assert report.plan.summary()["num_buckets"] == stats["plan"]["num_buckets"] > 1
 
 
 def test_min_budget_is_where_the_planner_starts_to_accept(factories, monkeypatch):
