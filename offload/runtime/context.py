@@ -20,6 +20,7 @@ from ..planning.buckets import ParamSpec
 from ..planning.hw import HardwareModel
 from ..tools.timeline import LaneLog
 from .accounting import DeviceMemory
+from .distributed import DataParallel
 from .phases import Phases
 
 
@@ -77,12 +78,14 @@ class RuntimeContext:
     lane_log: LaneLog  # copies and updates of the latest steps, for Engine.export_timeline
     busy: Busy
     phases: Phases
+    dp: DataParallel | None  # issue 20: the collectives of a data-parallel engine (runtime/distributed.py)
 
     @classmethod
     def build(cls, module: nn.Module, optimizer: AdamW, config: OffloadConfig, backend: Backend,
               params: Sequence[nn.Parameter], groups: Sequence[int | None]) -> RuntimeContext:
         """``groups``: each parameter's optimizer param group, None for a frozen one."""
         dtype = config.dtype
+        cpu = backend.host_lane("cpu-adam")
         return cls(
             module=module, optimizer=optimizer, config=config, backend=backend, params=tuple(params),
             param_index={id(p): i for i, p in enumerate(params)},
@@ -92,8 +95,8 @@ class RuntimeContext:
             budget=int(config.budget), bucket_bytes=int(config.bucket_bytes),
             hw=config.hw if isinstance(config.hw, HardwareModel) else None,
             memory=DeviceMemory(headroom=backend.headroom_bytes()),  # [Note: headroom] in backend/cuda.py
-            stats=_new_stats(), cpu=backend.host_lane("cpu-adam"),
-            lane_log=LaneLog(), busy=Busy(), phases=Phases())
+            stats=_new_stats(), cpu=cpu, lane_log=LaneLog(), busy=Busy(), phases=Phases(),
+            dp=DataParallel.resolve(config.process_group, cpu))
 
 
 def _new_stats() -> dict[str, int]:
