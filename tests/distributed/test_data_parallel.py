@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.workers import Case, run_ranks, reference
+from tests.distributed.workers import Case, make_model, reference, run_ranks
 
 # the concatenated batch vs per-rank slices: the same maths, grads summed in another order; Adam (lr 1e-2,
 # 3 steps) moves each weight by ~3e-2, and a last-bit difference of a grad moves it by far less than this
@@ -24,6 +24,23 @@ def _ok(results: list[dict]) -> list[dict]:
         assert not r.get("hung"), f"rank {r['rank']} hung"
         assert "error" not in r, f"rank {r['rank']}: {r.get('traceback', r['error'])}"
     return results
+
+
+def _assert_host_bytes(r: dict, world: int, accumulate: bool) -> None:
+    """[Note: host shards] (fp32): every rank keeps the whole fp32 copy (the weights themselves) and the grad
+    the device-to-host copy lands in (padded to a multiple of the ranks), and 1/N of Adam m and v and of the
+    summed grad; with accumulation also the staging copy. Checked against that count made by hand from the
+    buckets, up to the 64-byte alignment of each region, and against the unsharded host state."""
+    expected, regions = 0, 0
+    for numel, trainable in r["buckets"]:
+        c = -(-trainable // world)
+        c = -(-c // 16) * 16  # shards start 16-element aligned
+        expected += numel * 4 + c * world * 4 + c * 4 + 2 * c * 4  # copy, grad, grad shard, m, v
+        expected += trainable * 4 if accumulate else 0
+        regions += 7
+    assert expected <= r["host_bytes"] <= expected + 64 * regions, (world, r["host_bytes"], expected)
+    unsharded = sum((20 if accumulate else 16) * numel for numel, _ in r["buckets"])  # master, grad, m, v (+ staging)
+    assert r["host_bytes"] < unsharded
 
 
 def _assert_weights(got: dict, want: dict, atol: float = 0.0) -> None:
@@ -44,3 +61,47 @@ def test_two_ranks_equal_one_process(tmp_path):
         _assert_weights(r["weights"], exact["weights"])  # bit for bit
         _assert_weights(r["after_close"], exact["weights"])  # close() gives every rank the whole fp32 model
         _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
+        _assert_host_bytes(r, case.world, accumulate=False)
+
+
+@pytest.mark.slow
+def test_four_ranks_accumulate_and_clip(tmp_path):
+    """Deferred updates: two micro-batches summed per rank with no communication, then the sum over ranks, the
+    global norm (every rank clips by the same coefficient), the update of each shard."""
+    case = Case(world=4, overlap=False, micro=2, clip=0.05)
+    results = _ok(run_ranks(case, tmp_path))
+    exact = reference(case, emulate_ranks=True)
+    concat = reference(case, emulate_ranks=False)
+    for r in results:
+        # gloo sums four addends in its own order: within a few roundings of the rank-ordered sum
+        _assert_weights(r["weights"], exact["weights"], 1e-6)
+        _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
+        torch.testing.assert_close(r["norms"], exact["norms"], rtol=1e-5, atol=0)
+        assert r["norms"][0] > case.clip  # the clip really scaled the grads
+        _assert_weights(r["weights"], results[0]["weights"])  # every rank holds the same model, bit for bit
+        _assert_host_bytes(r, case.world, accumulate=True)
+
+
+@pytest.mark.slow
+def test_float16_overflow_on_one_rank_skips_the_step_on_all(tmp_path):
+    """Rank 1's grads overflow in the first step: every rank skips that step and halves its loss scale,
+    and the ranks stay bit for bit the same model."""
+    case = Case(world=2, dtype=torch.float16, overlap=False, inf_rank=1, steps=2, fused=True)
+    results = _ok(run_ranks(case, tmp_path))
+    for r in results:
+        assert r["optimizer"]["skipped_steps"] == 1, r["optimizer"]
+        assert not r["optimizer"]["last_step_skipped"]
+        assert r["optimizer"]["loss_scale"] == results[0]["optimizer"]["loss_scale"]
+        _assert_weights(r["weights"], results[0]["weights"])
+    assert results[0]["weights"]["0.weight"].ne(make_model().state_dict()["0.weight"]).any()  # step 2 updated
+
+
+def test_a_rank_raising_in_backward_makes_every_rank_error(tmp_path):
+    """Rank 1 raises in its second backward: it reports that error, and rank 0, waiting in a collective,
+    fails with a DistributedError naming itself, well within the test's timeout (never a hang)."""
+    case = Case(world=2, fail_rank=1, timeout_s=10.0)
+    results = run_ranks(case, tmp_path, timeout_s=90.0)
+    assert not any(r.get("hung") for r in results), results
+    assert "injected fault in backward" in results[1]["error"]
+    # raised by step(), where the CPU lane's failure surfaces (wrapped by the lane, which names the work)
+    assert "DistributedError" in results[0]["error"] and "rank 0 of 2" in results[0]["error"], results[0]

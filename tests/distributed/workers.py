@@ -31,6 +31,7 @@ class Case:
     clip: float | None = None
     lr: float = 1e-2
     fail_rank: int | None = None  # this rank raises in its second step's backward
+    inf_rank: int | None = None  # this rank's first loss is multiplied by 1e30: its float16 grads overflow
     timeout_s: float = 30.0  # the process group's: a collective waits at most this long
     save: str | None = None  # a checkpoint path written after the last step (every rank calls save)
     load: str | None = None  # a checkpoint loaded after the first forward
@@ -84,6 +85,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 if case.fail_rank == rank and step == 1:
                     h = _FailInBackward.apply(h)
                 loss = nn.functional.mse_loss(h.float(), y) / case.micro
+                if case.inf_rank == rank and step == 0:
+                    loss = loss * 1e30
                 engine.backward(loss)
                 losses.append(loss.item())
             if case.clip is not None:
@@ -92,6 +95,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             engine.zero_grad()
         stats = engine.memory_stats()
         result["host_bytes"] = stats["host_pinned_bytes"]
+        result["optimizer"] = stats["optimizer"]
+        result["buckets"] = [(b.numel, b.trainable_numel) for b in engine._runtime.slots.hosted().buckets]
         if case.save is not None:
             engine.save(case.save)
         result["losses"] = losses
@@ -115,7 +120,7 @@ def run_ranks(case: Case, tmp: Path, timeout_s: float = 120.0) -> list[dict]:
     killed and reported as hung (never a hang of the test itself)."""
     ctx = mp.get_context("spawn")
     out = tmp / "out"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     init = tmp / "init"
     procs = [ctx.Process(target=rank_main, args=(r, case, str(init), str(out)), daemon=True)
              for r in range(case.world)]
