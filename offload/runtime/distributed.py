@@ -141,6 +141,23 @@ class DataParallel:
         self._call("all-gather of host state", _all_gather, full, shard, group=self.group)
         return full
 
+    def on_rank0(self, fn: Callable[[], None], what: str) -> None:
+        """Run ``fn`` on rank 0 (a checkpoint's write); every rank returns once it is done, or raises if it
+        failed there."""
+        self.check_usable()
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others were told
+                error = e
+        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+        self._call(f"broadcast of the outcome of {what}", dist.broadcast, ok, group_src=0, group=self.group)
+        if error is not None:
+            raise error
+        if not int(ok):
+            raise DistributedError(f"rank {self.rank} of {self.world}: {what} failed on rank 0 (its error says why)")
+
     # -- faults --------------------------------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.workers import Case, make_model, reference, run_ranks
+import offload
+from tests.distributed.workers import Case, batch, make_model, reference, run_ranks
 
 # the concatenated batch vs per-rank slices: the same maths, grads summed in another order; Adam (lr 1e-2,
 # 3 steps) moves each weight by ~3e-2, and a last-bit difference of a grad moves it by far less than this
@@ -52,8 +53,34 @@ def _assert_weights(got: dict, want: dict, atol: float = 0.0) -> None:
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=k)
 
 
+def _assert_checkpoint(path, weights: dict, optimizer: dict) -> dict:
+    """The file ``Engine.save`` wrote holds these weights and this torch AdamW state, bit for bit."""
+    ck = torch.load(path, weights_only=True)
+    _assert_weights(ck["model"], weights)
+    for i, state in optimizer.items():
+        for k, v in state.items():
+            assert torch.equal(ck["optimizer"]["state"][i][k].reshape(v.shape), v), (i, k)
+    return ck
+
+
+def _resume_in_one_process(path, case: Case) -> dict:
+    """Load a checkpoint written by N ranks into one process (no group) and train on."""
+    model = make_model()
+    opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=False)
+    engine = offload.wrap(model, opt, budget="64MiB", device="cpu", bucket_bytes="4KiB", process_group=False)
+    engine.load(path)
+    for step in range(case.start_step, case.start_step + case.steps):
+        x, y = batch(step, 0)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    weights = engine.state_dict()["model"]
+    engine.close()
+    return weights
+
+
 def test_two_ranks_equal_one_process(tmp_path):
-    case = Case(world=2)
+    """Two ranks, each on its half of the batch, then a checkpoint they save resumed in one process."""
+    case = Case(world=2, save=str(tmp_path / "ck.pt"))
     results = _ok(run_ranks(case, tmp_path))
     exact = reference(case, emulate_ranks=True)
     concat = reference(case, emulate_ranks=False)
@@ -62,6 +89,10 @@ def test_two_ranks_equal_one_process(tmp_path):
         _assert_weights(r["after_close"], exact["weights"])  # close() gives every rank the whole fp32 model
         _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
         _assert_host_bytes(r, case.world, accumulate=False)
+    # the ranks' shards of masters, m and v, gathered into one file: torch's AdamW state, bit for bit
+    ck = _assert_checkpoint(case.save, exact["weights"], exact["optimizer"])
+    resume = Case(world=1, start_step=case.steps, steps=1)
+    _assert_weights(_resume_in_one_process(case.save, resume), reference(resume, False, start=ck)["weights"])
 
 
 @pytest.mark.slow
@@ -105,3 +136,27 @@ def test_a_rank_raising_in_backward_makes_every_rank_error(tmp_path):
     assert "injected fault in backward" in results[1]["error"]
     # raised by step(), where the CPU lane's failure surfaces (wrapped by the lane, which names the work)
     assert "DistributedError" in results[0]["error"] and "rank 0 of 2" in results[0]["error"], results[0]
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_by_four_ranks_resumes_on_two_and_on_one(tmp_path):
+    """World-size independent checkpoints: 4 ranks save; 2 ranks load it (each keeps its shard of it: the
+    state they gather back is the file's, bit for bit) and train on exactly as plain torch resumed from the
+    file with the same per-rank grads; one process does the same with the whole batch."""
+    path = str(tmp_path / "ck.pt")
+    case = Case(world=4, steps=2, save=path)
+    _ok(run_ranks(case, tmp_path / "save"))
+    exact = reference(case, emulate_ranks=True)
+    ck = torch.load(path, weights_only=True)
+    _assert_weights(ck["model"], exact["weights"], 1e-6)  # four addends: gloo's order
+    on_two = Case(world=2, load=path, start_step=2, steps=1)
+    results = _ok(run_ranks(on_two, tmp_path / "load"))
+    want = reference(on_two, emulate_ranks=True, start=ck)
+    for r in results:
+        _assert_weights(r["loaded"]["model"], ck["model"])
+        for i, state in ck["optimizer"]["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(r["loaded"]["optimizer"]["state"][i][k], state[k]), (i, k)
+        _assert_weights(r["weights"], want["weights"])  # two addends: bit for bit
+    on_one = Case(world=1, start_step=2, steps=1)
+    _assert_weights(_resume_in_one_process(path, on_one), reference(on_one, False, start=ck)["weights"])

@@ -34,7 +34,8 @@ class Case:
     inf_rank: int | None = None  # this rank's first loss is multiplied by 1e30: its float16 grads overflow
     timeout_s: float = 30.0  # the process group's: a collective waits at most this long
     save: str | None = None  # a checkpoint path written after the last step (every rank calls save)
-    load: str | None = None  # a checkpoint loaded after the first forward
+    load: str | None = None  # a checkpoint loaded at wrap; after one no-grad forward, the state_dict is recorded
+    start_step: int = 0  # the first step's batches (a resumed run goes on with the next ones)
     extra: dict = field(default_factory=dict)
 
 
@@ -77,8 +78,13 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
         engine = offload.wrap(model, opt, budget="64MiB", dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
                               overlap_optimizer=case.overlap)
+        if case.load is not None:
+            engine.load(case.load)
+            with torch.no_grad():
+                engine(rank_slice(batch(0, 0)[0], rank, case.world))  # the host state is built: shards taken
+            result["loaded"] = engine.state_dict()
         losses = []
-        for step in range(case.steps):
+        for step in range(case.start_step, case.start_step + case.steps):
             for micro in range(case.micro):
                 x, y = (rank_slice(t, rank, case.world) for t in batch(step, micro))
                 h = engine(x)
@@ -142,15 +148,20 @@ def run_ranks(case: Case, tmp: Path, timeout_s: float = 120.0) -> list[dict]:
     return results
 
 
-def reference(case: Case, emulate_ranks: bool) -> dict:
+def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dict:
     """Plain PyTorch + ``torch.optim.AdamW(foreach=False)`` in one process, fp32. ``emulate_ranks``: each
     rank's grads computed apart on its slice (micro-batches summed first, as the engine's host sum), the
     ranks' sums added in rank order and scaled by ``1 / world``: what the engine's reduce-scatter computes,
     bit for bit where gloo adds in the same order (two ranks: a + b either way). Otherwise the grads of the
-    concatenated batch, as one process training on the whole global batch."""
+    concatenated batch, as one process training on the whole global batch. ``start``: a checkpoint written
+    by ``Engine.save`` to resume from (its weights, m, v and step counts), at ``case.start_step``."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, foreach=False)
     params = list(model.parameters())
+    if start is not None:
+        model.load_state_dict(start["model"])
+        for i, p in enumerate(params):  # by hand: offload.AdamW's param groups carry fewer keys than torch's
+            opt.state[p] = {k: v.clone() for k, v in start["optimizer"]["state"][i].items()}
     norms = []
 
     def grads_of(step: int, rank: int | None) -> list[torch.Tensor]:
@@ -166,7 +177,7 @@ def reference(case: Case, emulate_ranks: bool) -> dict:
         assert total is not None
         return total
 
-    for step in range(case.steps):
+    for step in range(case.start_step, case.start_step + case.steps):
         if emulate_ranks:
             sums = [grads_of(step, r) for r in range(case.world)]
             total = sums[0]
@@ -180,4 +191,6 @@ def reference(case: Case, emulate_ranks: bool) -> dict:
         if case.clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, case.clip, foreach=False)))
         opt.step()
-    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms}
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms,
+            "optimizer": state}
