@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from .planning.hw import HardwareModel, load_hw
 
@@ -154,8 +155,8 @@ class OffloadConfig:
             if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
                 raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
             set_(self, "hw", load_hw(self.hw))  # ValueError naming the presets for an unknown name or file
-        if self.process_group is True or (self.process_group is not None and self.process_group is not False
-                                          and type(self.process_group).__name__ != "ProcessGroup"):
+        if not (self.process_group is None or self.process_group is False
+                or (dist.is_available() and isinstance(self.process_group, dist.ProcessGroup))):
             raise TypeError("process_group must be None (the default group, when torch.distributed is "
                             "initialised), False (no data parallel) or a torch.distributed.ProcessGroup; got "
                             f"{self.process_group!r}")

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError, OffloadError
+from ..errors import DistributedError, InvariantError, OffloadError
 from ..host.shard import ShardedHostState
+from ..host.state import HostState
 
 # torch 2.13 names the single-tensor collectives *_single (the *_tensor names warn); older torch has only those
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -71,6 +72,11 @@ class DataParallel:
         group = dist.group.WORLD if process_group is None else process_group
         if dist.get_world_size(group) == 1:
             return None
+        if str(dist.get_backend(group)) == "nccl":
+            raise OffloadError(
+                "data parallel runs its collectives on the host (grads and weights in the host arena), which NCCL "
+                "cannot move; this group is NCCL only. Initialise with backend=\"cpu:gloo,cuda:nccl\", or pass "
+                "process_group=torch.distributed.new_group(backend=\"gloo\") (or process_group=False to opt out)")
         return cls(group, lane)
 
     def host_state(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
@@ -80,11 +86,12 @@ class DataParallel:
 
     # -- per bucket, on the CPU lane ---------------------------------------------------------------------
 
-    def submit_update(self, host: ShardedHostState, b: int, ready: Event, update: Callable[[], None],
+    def submit_update(self, host: HostState, b: int, ready: Event, update: Callable[[], None],
                       waits: Sequence[Event]) -> Event:
         """Reduce-scatter bucket ``b``'s grads (unless :meth:`reduce_pending` did), run ``update`` on the
         shard, all-gather the new copy; return the event after which the copy is whole."""
         self.check_usable()
+        host = _sharded(host, self.rank)
         reduced = self._reduced.pop(b, None)
         if reduced is not None and reduced[0] is ready:
             reduce = reduced[1]
@@ -115,10 +122,7 @@ class DataParallel:
         if norm_type != 2.0:
             raise OffloadError(f"clip_grad_norm_ with norm_type={norm_type:g} is not supported data parallel (the "
                                "2-norm is, computed over every rank); use norm_type=2.0")
-        host = grads.slots.hosted()
-        if not isinstance(host, ShardedHostState):
-            raise DistributedError(f"rank {self.rank}: a data-parallel engine without sharded host state: a bug in "
-                                   "offload, please report it")
+        host = _sharded(grads.slots.hosted(), self.rank)
         for b in sorted(grads.pending):
             ready = grads.pending[b].ready
             have = self._reduced.get(b)
@@ -179,3 +183,10 @@ class DataParallel:
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {self.failed}, so this data-parallel engine is out of step "
                 "with the other ranks and cannot train on. Restart every rank from the last checkpoint")
+
+
+def _sharded(host: HostState, rank: int) -> ShardedHostState:
+    if not isinstance(host, ShardedHostState):
+        raise InvariantError(f"rank {rank}: a data-parallel engine without sharded host state: a bug in offload, "
+                             "please report it")
+    return host

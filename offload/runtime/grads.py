@@ -253,7 +253,7 @@ class GradPipeline:
         waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]
         dp = self.ctx.dp
         if dp is not None:  # issue 20: reduce-scatter, AdamW of this rank's shard, all-gather (runtime/distributed.py)
-            slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors), waits)  # type: ignore[arg-type]
+            slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors), waits)
         else:
             slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors), waits,
                                                       f"AdamW of bucket {b}")

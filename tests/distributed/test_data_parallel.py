@@ -79,9 +79,11 @@ def _resume_in_one_process(path, case: Case) -> dict:
 
 
 def test_two_ranks_equal_one_process(tmp_path):
-    """Two ranks, each on its half of the batch, then a checkpoint they save resumed in one process."""
-    case = Case(world=2, save=str(tmp_path / "ck.pt"))
+    """Two ranks, each on its half of the batch, with chaos delays on every lane (collectives included: still
+    bit for bit), then a checkpoint they save resumed in one process."""
+    case = Case(world=2, save=str(tmp_path / "ck.pt"), chaos=True)
     results = _ok(run_ranks(case, tmp_path))
+    assert all(r["chaos_draws"] > 0 for r in results)
     exact = reference(case, emulate_ranks=True)
     concat = reference(case, emulate_ranks=False)
     for r in results:
@@ -160,3 +162,14 @@ def test_checkpoint_saved_by_four_ranks_resumes_on_two_and_on_one(tmp_path):
         _assert_weights(r["weights"], want["weights"])  # two addends: bit for bit
     on_one = Case(world=1, start_step=2, steps=1)
     _assert_weights(_resume_in_one_process(path, on_one), reference(on_one, False, start=ck)["weights"])
+
+
+def test_process_group_option():
+    """``process_group``: None or False without a group is one process; anything but a group is refused."""
+    for value in (True, "gloo", 1):
+        with pytest.raises(TypeError, match="process_group must be None"):
+            offload.OffloadConfig(budget="1MiB", process_group=value)
+    model = make_model()
+    engine = offload.wrap(model, offload.AdamW(model.parameters()), budget="64MiB", device="cpu")
+    assert engine._runtime.ctx.dp is None  # torch.distributed is not initialised here
+    engine.close()

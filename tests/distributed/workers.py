@@ -36,6 +36,7 @@ class Case:
     save: str | None = None  # a checkpoint path written after the last step (every rank calls save)
     load: str | None = None  # a checkpoint loaded at wrap; after one no-grad forward, the state_dict is recorded
     start_step: int = 0  # the first step's batches (a resumed run goes on with the next ones)
+    chaos: bool = False  # random delays on every lane (offload.testing.chaos), seeded per rank
     extra: dict = field(default_factory=dict)
 
 
@@ -76,8 +77,12 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                                 timeout=datetime.timedelta(seconds=case.timeout_s))
         model = make_model()
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
-        engine = offload.wrap(model, opt, budget="64MiB", dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
-                              overlap_optimizer=case.overlap)
+        from offload.testing.chaos import ChaosConfig
+        from tests.support.fake_cuda import with_chaos
+        with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
+            engine = offload.wrap(model, opt, budget="64MiB", dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
+                                  overlap_optimizer=case.overlap)
+        lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
         if case.load is not None:
             engine.load(case.load)
             with torch.no_grad():
@@ -100,6 +105,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             engine.step()
             engine.zero_grad()
         stats = engine.memory_stats()
+        result["chaos_draws"] = lane._before.draws if lane._before is not None else 0
         result["host_bytes"] = stats["host_pinned_bytes"]
         result["optimizer"] = stats["optimizer"]
         result["buckets"] = [(b.numel, b.trainable_numel) for b in engine._runtime.slots.hosted().buckets]
