@@ -57,6 +57,7 @@ class DataParallel:
         self.lane = lane
         self._reduced: dict[int, tuple[Event, Event]] = {}  # bucket -> (the grads' ready event, its reduce)
         self.failed: str | None = None  # why this rank can no longer train in step with the others
+        self._reduces = 0  # reduce-scatters issued since wrap (the same on every rank in step)
 
     @classmethod
     def resolve(cls, process_group: Any, lane: Lane) -> DataParallel | None:
@@ -104,8 +105,25 @@ class DataParallel:
         return self.lane.submit(lambda: self._reduce(host, b), [ready], f"reduce-scatter of bucket {b}'s grads")
 
     def _reduce(self, host: ShardedHostState, b: int) -> None:
+        self._check_same_bucket(b)
         self._call(f"reduce-scatter of bucket {b}'s grads", _reduce_scatter, host.grad_shard[b],
                    host.grad_padded[b], group=self.group)
+
+    def _check_same_bucket(self, b: int) -> None:
+        """[Note: collectives on one thread]: collectives pair by order, so a rank whose grads completed
+        another bucket (a data-dependent branch taken on one rank only) would sum another bucket's bytes,
+        silently where the sizes agree. One small all-gather of (bucket, count so far) first makes it loud."""
+        tag = torch.tensor([b, self._reduces], dtype=torch.int64)
+        tags = tag.new_empty(2 * self.world)
+        self._call(f"check of bucket {b}'s reduce-scatter", _all_gather, tags, tag, group=self.group)
+        self._reduces += 1
+        others = tags.view(self.world, 2)
+        if not bool((others == tag).all()):
+            self.failed = f"ranks reduced different buckets ({others.tolist()})"
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}: the ranks are about to sum different buckets' grads "
+                f"((bucket, reduce-scatters so far) per rank: {others.tolist()}): every rank must run the same "
+                "model calls, so that the same parameters get grads in the same order")
 
     def _gather_copy(self, host: ShardedHostState, b: int) -> None:
         mine = host.shard_of_copy(b)

@@ -190,3 +190,24 @@ def test_bfloat16_overlapped_two_ranks(tmp_path):
         _assert_weights(r["weights"], results[0]["weights"])
         for k, w in want["weights"].items():
             assert (r["weights"][k] - w).abs().mean() < 1e-3 < (w - init[k]).abs().mean(), k
+
+
+@pytest.mark.slow
+def test_a_rank_hanging_in_backward_makes_the_other_error_within_the_timeout(tmp_path):
+    """Rank 1 hangs midway through its second backward (then dies): rank 0 fails with a DistributedError
+    naming itself once the group's 8 s timeout has passed, not after the hang ends."""
+    case = Case(world=2, hang_rank=1, timeout_s=8.0)
+    results = run_ranks(case, tmp_path, timeout_s=90.0)
+    assert "DistributedError" in results[0]["error"] and "rank 0 of 2" in results[0]["error"], results[0]
+    assert results[1].get("exitcode") == 3  # it hung, then exited without a result
+
+
+@pytest.mark.slow
+def test_ranks_whose_grads_reach_other_buckets_fail_loudly(tmp_path):
+    """Rank 1's second backward stops above the lower layers (a branch one rank takes): the ranks would sum
+    different buckets' grads; they raise instead (never a silent mix, never a hang)."""
+    case = Case(world=2, branch_rank=1, timeout_s=10.0)
+    results = run_ranks(case, tmp_path, timeout_s=90.0)
+    assert not any(r.get("hung") for r in results), results
+    for r in results:
+        assert "DistributedError" in r.get("error", ""), r

@@ -30,7 +30,9 @@ class Case:
     micro: int = 1  # micro-batches per step (accumulation: overlap must be False)
     clip: float | None = None
     lr: float = 1e-2
-    fail_rank: int | None = None  # this rank raises in its second step's backward
+    fail_rank: int | None = None  # this rank raises in its second step's backward, midway (below the last layers)
+    hang_rank: int | None = None  # this rank sleeps 30 s midway through its second step's backward, then exits
+    branch_rank: int | None = None  # in its second step no grads reach this rank's layers below the last
     inf_rank: int | None = None  # this rank's first loss is multiplied by 1e30: its float16 grads overflow
     timeout_s: float = 30.0  # the process group's: a collective waits at most this long
     save: str | None = None  # a checkpoint path written after the last step (every rank calls save)
@@ -67,6 +69,18 @@ class _FailInBackward(torch.autograd.Function):
         raise RuntimeError("injected fault in backward")
 
 
+class _HangInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+        time.sleep(30)
+        os._exit(3)  # a rank that hung, then died
+
+
 def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -92,9 +106,15 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         for step in range(case.start_step, case.start_step + case.steps):
             for micro in range(case.micro):
                 x, y = (rank_slice(t, rank, case.world) for t in batch(step, micro))
+                hook = None
+                if step == 1 and rank in (case.fail_rank, case.hang_rank):
+                    fn = _FailInBackward.apply if rank == case.fail_rank else _HangInBackward.apply
+                    hook = model[1].register_forward_hook(lambda m, i, o: fn(o))
+                if step == 1 and rank == case.branch_rank:  # no grads reach the layers below the last
+                    hook = model[3].register_forward_hook(lambda m, i, o: o.detach())
                 h = engine(x)
-                if case.fail_rank == rank and step == 1:
-                    h = _FailInBackward.apply(h)
+                if hook is not None:
+                    hook.remove()
                 loss = nn.functional.mse_loss(h.float(), y) / case.micro
                 if case.inf_rank == rank and step == 0:
                     loss = loss * 1e30
