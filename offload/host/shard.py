@@ -101,7 +101,7 @@ def shard_layout(buckets: Sequence[Bucket], shards: Sequence[Shard], world: int,
 class ShardedHostState(HostState):
     """One rank's host state: :class:`offload.host.state.HostState`'s interface over sharded buckets. It builds
     its own arena (HostState's ``__init__`` is not called) and overrides every method that reads or writes
-    a sharded region; what it inherits (``_inf_error``, ``_count``) touches none."""
+    a region; what it inherits (``_inf_error``, ``_count``) touches none."""
 
     def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
                  device_dtype: torch.dtype, rank: int, world: int, gather: Gather,
@@ -153,6 +153,12 @@ class ShardedHostState(HostState):
 
     def source(self, b: int) -> torch.Tensor:
         return self.lowp[b]
+
+    def refresh_lowp(self, b: int, start: int = 0, end: int | None = None) -> None:
+        """HostState's rounding of whole-bucket masters: a rank holds only its shard (update and write_master
+        write the copy themselves)."""
+        raise InvariantError("refresh_lowp on a sharded host state (each rank holds only its shard of the "
+                             "masters): a bug in offload, please report it")
 
     # -- reads and writes of whole parameters (collective where another rank owns part: see the Note) ----------
 
