@@ -186,6 +186,8 @@ class Engine:
             for name, value in self.module.state_dict(keep_vars=True).items():
                 p = rt.ctx.param_index.get(id(value))
                 weights[name] = rt.weights.read(p) if p is not None else value.detach().to("cpu", copy=True)
+        if rt.ctx.dp is not None:  # issue 20: m and v gathered from every rank's shard (a collective call)
+            return {"model": weights, "optimizer": persist.optimizer_state(self, rt)}
         return {"model": weights, "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

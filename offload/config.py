@@ -6,9 +6,10 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from .planning.hw import HardwareModel, load_hw
 
@@ -124,6 +125,10 @@ class OffloadConfig:
     """The machine the scheduler plans for: a :class:`offload.planning.hw.HardwareModel`, a preset name (``"pcie3"``,
     ``"pcie4"``, ``"pcie5"``: nominal figures) or the path of the JSON that ``offload probe --json`` wrote
     (measured). Resolved once, here, with :func:`offload.planning.hw.load_hw`. ``None``: the ``pcie4`` preset."""
+    process_group: Any = None
+    """Data parallel (issue 20, ``offload/runtime/distributed.py``): ``None`` (default) trains data parallel over
+    the default group when ``torch.distributed`` is initialised at wrap, each rank holding 1/N of the optimizer
+    state; a ``torch.distributed.ProcessGroup`` picks that group; ``False`` opts out (one engine per process)."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -153,6 +158,11 @@ class OffloadConfig:
             if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
                 raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
             set_(self, "hw", load_hw(self.hw))  # ValueError naming the presets for an unknown name or file
+        if not (self.process_group is None or self.process_group is False
+                or (dist.is_available() and isinstance(self.process_group, dist.ProcessGroup))):
+            raise TypeError("process_group must be None (the default group, when torch.distributed is "
+                            "initialised), False (no data parallel) or a torch.distributed.ProcessGroup; got "
+                            f"{self.process_group!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -72,5 +72,10 @@ class InvariantError(OffloadError):
     ``python -O`` strips) where continuing would compute wrong numbers; please report it with the message."""
 
 
+class DistributedError(OffloadError):
+    """Data parallel (issue 20): a collective failed, or this rank left the sequence of collectives the other
+    ranks follow (its backward raised); the message names the rank. The ranks are out of step: restart them."""
+
+
 class OffloadWarning(UserWarning):
     """Something was discarded or cannot be done as asked, and training goes on (e.g. a fault mid-step)."""

@@ -9,6 +9,10 @@ The file is a ``torch.save`` zip (loadable with ``weights_only=True``)::
 
 Weights and AdamW state are written straight from the host arena: each tensor handed to ``torch.save``
 aliases exactly its bytes of the arena, so saving copies nothing and writes nothing else of the arena.
+
+Data parallel (issue 20): the file is the same, whatever the number of ranks. ``save`` is collective (every
+rank calls it; each gathers the other ranks' shards of masters, m and v, and rank 0 alone writes), and
+``load`` on any number of ranks (or one process) reads the whole file and keeps its shard.
 """
 
 from __future__ import annotations
@@ -43,11 +47,18 @@ def save(engine: "Engine", rt: "Runtime", path: str | os.PathLike, extra: Any = 
         "format": FORMAT,
         "version": VERSION,
         "model": _model_tensors(engine, rt),
-        "optimizer": _optimizer_state(engine, rt),
+        "optimizer": optimizer_state(engine, rt),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": _rng_state(),
         "extra": extra,
     }
+    if rt.ctx.dp is not None:  # issue 20: every rank gathered the shards above; rank 0 writes the one file
+        rt.ctx.dp.on_rank0(lambda: _write(directory, name, path, content), f"writing the checkpoint {path}")
+    else:
+        _write(directory, name, path, content)
+
+
+def _write(directory: str, name: str, path: str, content: dict) -> None:
     _remove_stale_temporaries(directory, name)
     tmp = os.path.join(directory, _TMP.format(name=name, pid=os.getpid(), tag=uuid.uuid4().hex[:8]))
     try:
@@ -113,7 +124,7 @@ def _param_tensor(rt: "Runtime", p: int) -> torch.Tensor:
     return host.exact("master", host.bucket_of[p], host.offset[p], rt.ctx.specs[p].numel).view(shape)
 
 
-def _optimizer_state(engine: "Engine", rt: "Runtime") -> dict:
+def optimizer_state(engine: "Engine", rt: "Runtime") -> dict:
     """``optimizer.state_dict()``, with m and v as exact aliases of the arena instead of views of it."""
     sd = engine.optimizer.state_dict()
     host = rt.slots.host
@@ -124,8 +135,10 @@ def _optimizer_state(engine: "Engine", rt: "Runtime") -> dict:
         for param in group["params"]:
             state = sd["state"].get(index)
             p = rt.ctx.param_index.get(id(param))
-            if state is not None and p is not None and "exp_avg" in state:
+            # data parallel (issue 20): optimizer.state holds only the step; m and v are gathered from the shards
+            if state is not None and p is not None and ("exp_avg" in state or rt.ctx.dp is not None):
                 b, off, n = host.bucket_of[p], host.offset[p], rt.ctx.specs[p].numel
+                state = sd["state"][index] = dict(state)  # a copy: torch's state_dict() shares optimizer.state's dicts
                 state["exp_avg"] = host.exact("exp_avg", b, off, n).view(param.shape)
                 state["exp_avg_sq"] = host.exact("exp_avg_sq", b, off, n).view(param.shape)
             index += 1

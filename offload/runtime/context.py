@@ -21,6 +21,7 @@ from ..planning.hw import HardwareModel
 from ..planning.schedule import DEFAULT_HW
 from ..tools.timeline import LaneLog
 from .accounting import DeviceMemory
+from .distributed import DataParallel
 from .phases import Phases
 
 
@@ -78,6 +79,7 @@ class RuntimeContext:
     lane_log: LaneLog  # copies and updates of the latest steps, for Engine.export_timeline
     busy: Busy
     phases: Phases
+    dp: DataParallel | None  # issue 20: the collectives of a data-parallel engine (runtime/distributed.py)
 
     @classmethod
     def build(cls, module: nn.Module, optimizer: AdamW, config: OffloadConfig, backend: Backend,
@@ -87,6 +89,7 @@ class RuntimeContext:
         specs = tuple(ParamSpec(p.numel(), g) for p, g in zip(params, groups))
         itemsize = torch.empty((), dtype=dtype).element_size()
         hw = config.hw if isinstance(config.hw, HardwareModel) else None
+        cpu = backend.host_lane("cpu-adam")
         return cls(
             module=module, optimizer=optimizer, config=config, backend=backend, params=tuple(params),
             param_index={id(p): i for i, p in enumerate(params)}, specs=specs, dtype=dtype, itemsize=itemsize,
@@ -95,8 +98,8 @@ class RuntimeContext:
             bucket_bytes=resolve_bucket_bytes(config.bucket_bytes, specs, itemsize, hw or DEFAULT_HW),
             hw=hw,
             memory=DeviceMemory(headroom=backend.headroom_bytes()),  # [Note: headroom] in backend/cuda.py
-            stats=_new_stats(), cpu=backend.host_lane("cpu-adam"),
-            lane_log=LaneLog(), busy=Busy(), phases=Phases())
+            stats=_new_stats(), cpu=cpu, lane_log=LaneLog(), busy=Busy(), phases=Phases(),
+            dp=DataParallel.resolve(config.process_group, cpu))
 
 
 def _new_stats() -> dict[str, int]:

@@ -114,6 +114,8 @@ class GradPipeline:
             self._warned = True
             warnings.warn("offload: with float16, call engine.backward(loss) rather than loss.backward(), so "
                           "that the loss is scaled and small gradients do not underflow to zero", stacklevel=4)
+        if self.ctx.dp is not None:  # issue 20: not after a fault left this rank out of step
+            self.ctx.dp.check_usable()
         self.backward_seen = True
         self.ctx.stats["backwards"] += 1
         self.hparams = self.ctx.optimizer.hparams()
@@ -249,8 +251,12 @@ class GradPipeline:
         ps = frozenset(params)
         host = slots.hosted()
         waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]
-        slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors), waits,
-                                                  f"AdamW of bucket {b}")
+        dp = self.ctx.dp
+        if dp is not None:  # issue 20: reduce-scatter, AdamW of this rank's shard, all-gather (runtime/distributed.py)
+            slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors), waits)
+        else:
+            slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors), waits,
+                                                      f"AdamW of bucket {b}")
         self.ctx.lane_log.add("cpu_adam", b, 0, slots.adam_event[b])
 
     def flush(self) -> None:
@@ -309,6 +315,8 @@ class GradPipeline:
         """Run the gathered updates (loss scale and clipping applied); return True if the step is skipped."""
         hparams = self.ctx.optimizer.hparams()  # read now, as torch.optim does
         factors = []
+        if self.ctx.dp is not None:  # issue 20: grads summed over ranks now; norms (overflow check) over all ranks
+            self.ctx.dp.reduce_pending(self, norms=self.scaler is not None)
         if self.scaler is not None:
             self.ctx.cpu.drain()  # the norms of accumulated grads are computed on the CPU lane
             norms = [self.norms[p] for pending in self.pending.values() for p in pending.params]
@@ -340,6 +348,8 @@ class GradPipeline:
         if not params:
             return torch.tensor(0.0)
         self.ctx.cpu.drain()  # grads (and the norms of accumulated ones) are final
+        if self.ctx.dp is not None:  # issue 20: grads summed over ranks now, their norms over all ranks
+            self.ctx.dp.reduce_pending(self, norms=True, norm_type=norm_type)
         if norm_type == 2.0:
             norms = _norms_on_host([self.norms[p] for p in params])
         else:
@@ -387,6 +397,8 @@ class GradPipeline:
         slot, drop the grads gathered since the last step() (see [Note: what a fault discards])."""
         ctx = self.ctx
         problems = []
+        if ctx.dp is not None:  # issue 20: this rank left the other ranks' sequence of collectives
+            ctx.dp.backward_failed("see the error this backward raised")
         try:
             ctx.cpu.drain()  # AdamW already submitted reads grads and writes masters: let it finish
         except OffloadError as e:

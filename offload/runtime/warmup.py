@@ -119,8 +119,12 @@ class TracedWarmup:
             capacity = budget - sum(need.values()) + need["activations"]
             raise recompute.activation_hint(budget_error(budget, **need), capacity)
         lowp = ctx.dtype if ctx.dtype != torch.float32 else None
-        host = HostState(buckets, list(ctx.specs), [p.shape for p in ctx.params], lowp,  # may raise HostMemoryError
-                         fused=ctx.optimizer.fused, accumulate=accumulate)
+        shapes = [p.shape for p in ctx.params]
+        host: HostState  # may raise HostMemoryError
+        if ctx.dp is None:
+            host = HostState(buckets, list(ctx.specs), shapes, lowp, fused=ctx.optimizer.fused, accumulate=accumulate)
+        else:  # issue 20: this rank's shard of the optimizer state (offload/host/shard.py)
+            host = ctx.dp.host_state(buckets, list(ctx.specs), shapes, ctx.dtype, ctx.optimizer.fused, accumulate)
         ctx.backend.pin_host(host.arena)  # page-locked once, after first touch (CUDA; no-op on the CPU backend)
         original = self.originals()
         with torch.no_grad():

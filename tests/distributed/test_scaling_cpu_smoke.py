@@ -1,0 +1,25 @@
+"""benchmarks/scaling_cpu.py in a tiny configuration (1 and 2 gloo ranks): the harness runs, labels its numbers
+measured, and its figures agree with each other (samples/s from the step time, a rank's host arena smaller
+with two ranks). It checks the harness, not the machine's speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import scaling_cpu  # benchmarks/ is on sys.path (pyproject's pytest `pythonpath`)
+
+
+@pytest.mark.slow
+def test_scaling_cpu_smoke(tmp_path):
+    path = tmp_path / "scaling_cpu.json"
+    rc = scaling_cpu.main(["--ranks", "1,2", "--width", "64", "--depth", "2", "--batch", "4", "--steps", "2",
+                           "--warmup", "1", "--budget", "1MiB", "--bucket", "8KiB", "--json", str(path)])
+    assert rc == 0
+    result = json.loads(path.read_text())
+    assert result["kind"] == "measured" and result["machine_before"]["logical_cpus"]
+    one, two = result["rows"]
+    for r in (one, two):
+        assert r["samples_per_s"] == pytest.approx(r["ranks"] * 4 / r["median_step_s"])
+        assert len(r["step_s"]) == 2
+    assert two["host_bytes_per_rank"] < one["host_bytes_per_rank"]

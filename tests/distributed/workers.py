@@ -1,0 +1,222 @@
+"""What each spawned rank of tests/distributed runs (helpers, not tests), and the spawning itself.
+
+Ranks are separate processes (``multiprocessing`` spawn) joined over gloo with ``init_method=file://``; each
+writes what it saw to ``<out>/rank<r>.pt``. Every wait has a timeout, so a bug cannot hang the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+IN, HIDDEN, OUT = 12, 40, 6
+GLOBAL_BATCH = 8  # split evenly over the ranks
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    dtype: torch.dtype = torch.float32
+    fused: bool = False
+    overlap: bool = True  # overlap_optimizer
+    steps: int = 3
+    micro: int = 1  # micro-batches per step (accumulation: overlap must be False)
+    clip: float | None = None
+    lr: float = 1e-2
+    fail_rank: int | None = None  # this rank raises in its second step's backward, midway (below the last layers)
+    hang_rank: int | None = None  # this rank sleeps 30 s midway through its second step's backward, then exits
+    branch_rank: int | None = None  # in its second step no grads reach this rank's layers below the last
+    inf_rank: int | None = None  # this rank's first loss is multiplied by 1e30: its float16 grads overflow
+    timeout_s: float = 30.0  # the process group's: a collective waits at most this long
+    save: str | None = None  # a checkpoint path written after the last step (every rank calls save)
+    load: str | None = None  # a checkpoint loaded at wrap; after one no-grad forward, the state_dict is recorded
+    start_step: int = 0  # the first step's batches (a resumed run goes on with the next ones)
+    chaos: bool = False  # random delays on every lane (offload.testing.chaos), seeded per rank
+    extra: dict = field(default_factory=dict)
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, OUT))
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of one micro-step (every rank takes its contiguous slice)."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+
+
+def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    n = t.shape[0] // world
+    return t[rank * n: (rank + 1) * n]
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("injected fault in backward")
+
+
+class _HangInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import time
+        time.sleep(30)
+        os._exit(3)  # a rank that hung, then died
+
+
+def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import offload
+    result: dict = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.world,
+                                timeout=datetime.timedelta(seconds=case.timeout_s))
+        model = make_model()
+        opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
+        from offload.testing.chaos import ChaosConfig
+        from tests.support.fake_cuda import with_chaos
+        with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
+            engine = offload.wrap(model, opt, budget="64MiB", dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
+                                  overlap_optimizer=case.overlap)
+        lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
+        if case.load is not None:
+            engine.load(case.load)
+            with torch.no_grad():
+                engine(rank_slice(batch(0, 0)[0], rank, case.world))  # the host state is built: shards taken
+            result["loaded"] = engine.state_dict()
+        losses = []
+        for step in range(case.start_step, case.start_step + case.steps):
+            for micro in range(case.micro):
+                x, y = (rank_slice(t, rank, case.world) for t in batch(step, micro))
+                hook = None
+                if step == 1 and rank in (case.fail_rank, case.hang_rank):
+                    fn = _FailInBackward.apply if rank == case.fail_rank else _HangInBackward.apply
+                    hook = model[1].register_forward_hook(lambda m, i, o: fn(o))
+                if step == 1 and rank == case.branch_rank:  # no grads reach the layers below the last
+                    hook = model[3].register_forward_hook(lambda m, i, o: o.detach())
+                h = engine(x)
+                if hook is not None:
+                    hook.remove()
+                loss = nn.functional.mse_loss(h.float(), y) / case.micro
+                if case.inf_rank == rank and step == 0:
+                    loss = loss * 1e30
+                engine.backward(loss)
+                losses.append(loss.item())
+            if case.clip is not None:
+                result.setdefault("norms", []).append(float(engine.clip_grad_norm_(case.clip)))
+            engine.step()
+            engine.zero_grad()
+        stats = engine.memory_stats()
+        result["chaos_draws"] = lane._before.draws if lane._before is not None else 0
+        result["host_bytes"] = stats["host_pinned_bytes"]
+        result["optimizer"] = stats["optimizer"]
+        result["buckets"] = [(b.numel, b.trainable_numel) for b in engine._runtime.slots.hosted().buckets]
+        if case.save is not None:
+            engine.save(case.save)
+        result["losses"] = losses
+        result["weights"] = {k: v.clone() for k, v in engine.state_dict()["model"].items()}
+        engine.close()
+        result["after_close"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    finally:
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a failed group may not tear down cleanly
+                pass
+
+
+def run_ranks(case: Case, tmp: Path, timeout_s: float = 120.0) -> list[dict]:
+    """Spawn ``case.world`` ranks; return each rank's result. A rank still running after ``timeout_s`` is
+    killed and reported as hung (never a hang of the test itself)."""
+    ctx = mp.get_context("spawn")
+    out = tmp / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    init = tmp / "init"
+    procs = [ctx.Process(target=rank_main, args=(r, case, str(init), str(out)), daemon=True)
+             for r in range(case.world)]
+    for p in procs:
+        p.start()
+    import time
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    results = []
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+            results.append({"rank": r, "hung": True})
+            continue
+        path = out / f"rank{r}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else {"rank": r, "exitcode": p.exitcode})
+    return results
+
+
+def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dict:
+    """Plain PyTorch + ``torch.optim.AdamW(foreach=False)`` in one process, fp32. ``emulate_ranks``: each
+    rank's grads computed apart on its slice (micro-batches summed first, as the engine's host sum), the
+    ranks' sums added in rank order and scaled by ``1 / world``: what the engine's reduce-scatter computes,
+    bit for bit where gloo adds in the same order (two ranks: a + b either way). Otherwise the grads of the
+    concatenated batch, as one process training on the whole global batch. ``start``: a checkpoint written
+    by ``Engine.save`` to resume from (its weights, m, v and step counts), at ``case.start_step``."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, foreach=False)
+    params = list(model.parameters())
+    if start is not None:
+        model.load_state_dict(start["model"])
+        for i, p in enumerate(params):  # by hand: offload.AdamW's param groups carry fewer keys than torch's
+            opt.state[p] = {k: v.clone() for k, v in start["optimizer"]["state"][i].items()}
+    norms = []
+
+    def grads_of(step: int, rank: int | None) -> list[torch.Tensor]:
+        total: list[torch.Tensor] | None = None
+        for micro in range(case.micro):
+            x, y = batch(step, micro)
+            if rank is not None:
+                x, y = rank_slice(x, rank, case.world), rank_slice(y, rank, case.world)
+            model.zero_grad(set_to_none=True)
+            (nn.functional.mse_loss(model(x), y) / case.micro).backward()
+            g = [p.grad.clone() for p in params]
+            total = g if total is None else [t + gi for t, gi in zip(total, g)]
+        assert total is not None
+        return total
+
+    for step in range(case.start_step, case.start_step + case.steps):
+        if emulate_ranks:
+            sums = [grads_of(step, r) for r in range(case.world)]
+            total = sums[0]
+            for s in sums[1:]:
+                total = [t + si for t, si in zip(total, s)]
+            grads = [t * (1.0 / case.world) for t in total]
+        else:
+            grads = grads_of(step, None)
+        for p, g in zip(params, grads):
+            p.grad = g
+        if case.clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, case.clip, foreach=False)))
+        opt.step()
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms,
+            "optimizer": state}
