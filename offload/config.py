@@ -122,6 +122,12 @@ class OffloadConfig:
     """The machine the scheduler plans for: a :class:`offload.planning.hw.HardwareModel`, a preset name (``"pcie3"``,
     ``"pcie4"``, ``"pcie5"``: nominal figures) or the path of the JSON that ``offload probe --json`` wrote
     (measured). Resolved once, here, with :func:`offload.planning.hw.load_hw`. ``None``: the ``pcie4`` preset."""
+    device_optimizer: bool = False
+    """Let the planner keep some buckets' optimizer on the device (issue 18): their fp32 master, Adam m and v
+    live in the device arena and are updated there as soon as the bucket's grads are complete (no grad copy,
+    no CPU AdamW, no weight copy for them). The planner chooses which buckets, from the cost model and the
+    budget (possibly none). Needs ``overlap_optimizer=True`` (so not float16, accumulation or clipping, for
+    now). False (default): every update runs on the CPU, as before."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -146,6 +152,7 @@ class OffloadConfig:
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
         set_(self, "activation_checkpointing", _checkpointing(self.activation_checkpointing))
+        _check_device_optimizer(self.device_optimizer, self.overlap_optimizer)
         if self.hw is not None:
             if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
                 raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
@@ -154,6 +161,17 @@ class OffloadConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def _check_device_optimizer(value, overlap: bool) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"device_optimizer must be a bool; got {value!r}")
+    if value and not overlap:
+        raise ValueError("device_optimizer=True needs overlap_optimizer=True for now: the device update runs as "
+                         "soon as a bucket's grads are complete, so gradient accumulation, clip_grad_norm_ and "
+                         "float16 loss scaling (which need every grad before any update) are not supported with "
+                         "it yet. Use device_optimizer=False, or compute in torch.float32/bfloat16 without "
+                         "overlap_optimizer=False")
 
 
 def _checkpointing(value):

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import InvariantError, NonFiniteNormError, OffloadError
+from .device_optim import DeviceOptimizer
 from .plain_grads import Exposure
 from .scaler import LossScaler
 
@@ -84,6 +85,7 @@ class GradPipeline:
         self.last_step_skipped = False
         self._warned = False
         self.exposure = Exposure(ctx, self)  # issue 19: the gathered grads in p.grad (plain_grads.py)
+        self.device = DeviceOptimizer(ctx, slots, executor)  # issue 18: updates on the device (device_optim.py)
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -199,6 +201,9 @@ class GradPipeline:
         ctx, slots = self.ctx, self.slots
         view, k = self.gathering.pop(b)
         got = frozenset(self.received[b])  # the slot was cleared when taken: the others send zeros
+        if self.device.owns(b):  # issue 18: its optimizer lives on the device: updated there, from the slot
+            self.pending[b] = PendingGrads(got, self.device.update(b, view, k, got, self.hparams))
+            return
         host = slots.hosted()
         earlier = self.pending.get(b)
         nbytes = view.numel() * ctx.itemsize
