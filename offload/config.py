@@ -126,8 +126,9 @@ class OffloadConfig:
     """Let the planner keep some buckets' optimizer on the device (issue 18): their fp32 master, Adam m and v
     live in the device arena and are updated there as soon as the bucket's grads are complete (no grad copy,
     no CPU AdamW, no weight copy for them). The planner chooses which buckets, from the cost model and the
-    budget (possibly none). Needs ``overlap_optimizer=True`` (so not float16, accumulation or clipping, for
-    now). False (default): every update runs on the CPU, as before."""
+    budget (possibly none). With ``overlap_optimizer=False`` (accumulation, clipping, float16) their grads
+    are still summed on the host, and come back to the device for the update in ``step()``. False (default):
+    every update runs on the CPU, as before."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -152,7 +153,7 @@ class OffloadConfig:
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
         set_(self, "activation_checkpointing", _checkpointing(self.activation_checkpointing))
-        _check_device_optimizer(self.device_optimizer, self.overlap_optimizer)
+        _check_device_optimizer(self.device_optimizer)
         if self.hw is not None:
             if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
                 raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
@@ -163,15 +164,9 @@ class OffloadConfig:
         return tuple(f.name for f in fields(cls))
 
 
-def _check_device_optimizer(value, overlap: bool) -> None:
+def _check_device_optimizer(value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"device_optimizer must be a bool; got {value!r}")
-    if value and not overlap:
-        raise ValueError("device_optimizer=True needs overlap_optimizer=True for now: the device update runs as "
-                         "soon as a bucket's grads are complete, so gradient accumulation, clip_grad_norm_ and "
-                         "float16 loss scaling (which need every grad before any update) are not supported with "
-                         "it yet. Use device_optimizer=False, or compute in torch.float32/bfloat16 without "
-                         "overlap_optimizer=False")
 
 
 def _checkpointing(value):

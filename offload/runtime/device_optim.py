@@ -72,7 +72,7 @@ class DeviceOptimizer:
         self.state: dict[int, DeviceState] = {}  # bucket -> its views, while the arena lives
         self.filled: dict[int, Event] = {}  # bucket -> copy of its state from the host, not yet waited for
         self.stale = False  # the device holds updates the host copy has not seen
-        self.counters = {"updates": 0, "state_h2d_bytes": 0, "state_d2h_bytes": 0}
+        self.counters = {"updates": 0, "state_h2d_bytes": 0, "state_d2h_bytes": 0, "grad_h2d_bytes": 0}
         self.demoted = 0  # device-optimizer buckets of the active plan run with the host optimizer instead
 
     def owns(self, b: int) -> bool:
@@ -159,39 +159,108 @@ class DeviceOptimizer:
                hparams: HParams | None) -> Event:
         """Bucket ``b``'s grads are complete in its slot ``grad`` (plan buffer ``buffer``): AdamW on the
         device for ``params``, then the slot is free. Returns the event after which the update is done."""
-        ctx, slots, host = self.ctx, self.slots, self.slots.hosted()
+        ctx = self.ctx
         if hparams is None:
             raise InvariantError("a device update runs outside a backward")
-        state = self.state[b]
+        state = self._ready(b)
+        step = self._step_fn()
+        chunk = self._widen_chunk(grad)
+        for s, e, count, hp in self._segments(b, params, hparams):
+            self._chunked(step, state, grad, s, e, count, hp, chunk)
+        event = self._updated(b, state)
+        if buffer is not None:
+            self.slots.done[buffer] = event  # the grad slot may be reused after the update read it
+        else:
+            ctx.memory.add("slots", -grad.numel() * grad.element_size())
+        return event
+
+    @torch.no_grad()
+    def update_summed(self, b: int, params: frozenset[int], ready: Event, hparams: HParams,
+                      factors: tuple[float, ...]) -> Event:
+        """``step()`` with ``overlap_optimizer=False``: bucket ``b``'s grads were summed on the host like any
+        bucket's (accumulation, norms, clipping, the float16 overflow check); they come back a piece at a
+        time (see [Note: deferred device updates]) and AdamW runs on the device, each piece's grads
+        multiplied by ``factors`` first (the loss-scale inverse, then the clipping coefficient), as the host
+        update does."""
+        ctx, host = self.ctx, self.slots.hosted()
+        ready.synchronize()  # the host sum is final (its copy, or the CPU lane's widening or adding)
+        state = self._ready(b)
+        step = self._step_fn()
+        summed = host.grad[b]
+        chunk = self._step_chunk(summed.numel())
+        piece = ctx.backend.empty(chunk * 4).view(torch.float32)
+        ctx.memory.add("slots", chunk * 4)
+        fused = step is self._fused
+        scale = 1.0
+        for f in factors:
+            scale *= f
+        try:
+            for s, e, count, hp in self._segments(b, params, hparams):
+                for lo in range(s, e, chunk):
+                    hi = min(e, lo + chunk)
+                    g = piece[: hi - lo]
+                    # the piece is rewritten only after the compute that read the previous one
+                    ctx.backend.wait(ctx.backend.h2d(g, summed[lo:hi], [ctx.backend.record()]))
+                    if fused and scale != 1.0:  # as the host kernel: one multiply by the product
+                        g.mul_(scale)
+                    elif not fused:  # as the host's torch path: one factor after the other
+                        for f in factors:
+                            if f != 1.0:
+                                g.mul_(f)
+                    step(state, g, 0, hi - lo, lo, hi, count, hp)
+                    self.counters["grad_h2d_bytes"] += (hi - lo) * 4
+        finally:
+            ctx.memory.add("slots", -chunk * 4)
+        return self._updated(b, state)
+
+    def _ready(self, b: int) -> DeviceState:
+        """Bucket ``b``'s state, once its copy from the host has landed."""
         fill = self.filled.pop(b, None)
         if fill is not None:
-            ctx.backend.wait(fill)
-        step = self._fused if ctx.optimizer.fused and FUSED_AVAILABLE else self._plain
-        chunk = self._widen_chunk(grad)
-        bucket = self.slots.buckets[b]
-        done: list[int] = []
-        for run in bucket.runs:
+            self.ctx.backend.wait(fill)
+        return self.state[b]
+
+    def _step_fn(self):
+        return self._fused if self.ctx.optimizer.fused and FUSED_AVAILABLE else self._plain
+
+    def _segments(self, b: int, params: frozenset[int], hparams: HParams):
+        """(start, end, step count after it, hyperparameters) of each piece of bucket ``b`` one AdamW call
+        updates: a run of same-group parameters all stepped the same number of times, else one parameter
+        (as ``HostState.update`` splits them); the step counts go up as they are handed out."""
+        ctx, host = self.ctx, self.slots.hosted()
+        for run in self.slots.buckets[b].runs:
             hp = hparams[run.group]
             steps = {host.steps[p] for p in run.params}
             if params.issuperset(run.params) and len(steps) == 1:
-                self._chunked(step, state, grad, run.start, run.end, steps.pop() + 1, hp, chunk)
-                done.extend(run.params)
+                yield run.start, run.end, steps.pop() + 1, hp
+                host.count_steps(run.params)
                 continue
             for p in run.params:
                 if p in params:
                     off = host.offset[p]
-                    self._chunked(step, state, grad, off, off + ctx.specs[p].numel, host.steps[p] + 1, hp, chunk)
-                    done.append(p)
-        if state.weights is not state.master:  # the new 16-bit weights, rounded to nearest even
-            n = state.master.numel()
-            state.weights[:n].copy_(state.master)
-        host.count_steps(done)
+                    yield off, off + ctx.specs[p].numel, host.steps[p] + 1, hp
+                    host.count_steps((p,))
+
+    def _updated(self, b: int, state: DeviceState) -> Event:
+        """After bucket ``b``'s AdamW: the 16-bit weights from the new master; the host copy is stale."""
+        if state.weights is not state.master:  # rounded to nearest even, as the host's 16-bit copy is
+            state.weights[: state.master.numel()].copy_(state.master)
         self.stale = True
         self.counters["updates"] += 1
-        event = ctx.backend.record()
-        if buffer is not None:
-            slots.done[buffer] = event  # the grad slot may be reused after the update read it
-        return event
+        return self.ctx.backend.record()
+
+    def _step_chunk(self, numel: int) -> int:
+        """[Note: deferred device updates] With ``overlap_optimizer=False`` the grads are summed on the host
+        (as every bucket's are: accumulation, clipping and the float16 overflow check need no second
+        mechanism) and the plan has no device buffer for them at ``step()``. There, no activation and no
+        autograd grad is alive, so the room the plan keeps for them (``activation_peak_bytes +
+        max_grad_bytes``) is free: the summed grads come back through a temporary of at most that size,
+        a piece at a time. That costs 4 bytes per parameter of host-to-device traffic the cost model does
+        not count (it plans device updates at the grads' completion); the CPU AdamW is still spared."""
+        plan = self.executor.plan
+        trace = plan.trace if plan is not None else None
+        room = trace.activation_peak_bytes + trace.max_grad_bytes if trace is not None else 0
+        return max(1, min(numel, room // 4))
 
     def _widen_chunk(self, grad: torch.Tensor) -> int:
         """Elements of 16-bit grads widened to fp32 at a time (0: fp32 grads, used as they are).

@@ -201,7 +201,7 @@ class GradPipeline:
         ctx, slots = self.ctx, self.slots
         view, k = self.gathering.pop(b)
         got = frozenset(self.received[b])  # the slot was cleared when taken: the others send zeros
-        if self.device.owns(b):  # issue 18: its optimizer lives on the device: updated there, from the slot
+        if self.device.owns(b) and not self.deferred:  # issue 18: optimizer on the device: updated from the slot
             self.pending[b] = PendingGrads(got, self.device.update(b, view, k, got, self.hparams))
             return
         host = slots.hosted()
@@ -327,6 +327,9 @@ class GradPipeline:
         factors.append(self.clip_factor)
         for b in sorted(self.pending):  # first-use order: the next forward's first buckets are done first
             params, ready = self.pending[b]
+            if self.device.owns(b):  # issue 18: summed on the host, updated on the device (device_optim.py)
+                self.device.update_summed(b, params, ready, hparams, tuple(factors))
+                continue
             self._submit_update(b, params, ready, hparams, tuple(factors))
         return False
 

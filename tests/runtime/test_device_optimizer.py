@@ -23,6 +23,7 @@ from offload.planning.hw import PRESETS
 from offload.planning.placement import Placement, placement_bytes
 from offload.runtime.device_optim import read_after_update
 from tests.support.compare import FusedStepChecker, assert_bitwise, assert_losses_bitwise
+from tests.support.loops import lockstep
 from tests.support.models import CASES, run
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
@@ -85,10 +86,7 @@ def test_config_validates_device_optimizer():
     assert offload.OffloadConfig(budget="1MiB").device_optimizer is False
     with pytest.raises(TypeError, match="device_optimizer must be a bool"):
         offload.OffloadConfig(budget="1MiB", device_optimizer="auto")
-    with pytest.raises(ValueError, match="needs overlap_optimizer=True"):
-        offload.OffloadConfig(budget="1MiB", device_optimizer=True, overlap_optimizer=False)
-    with pytest.raises(ValueError, match="needs overlap_optimizer=True"):
-        offload.OffloadConfig(budget="1MiB", device_optimizer=True, dtype=torch.float16)
+    assert offload.OffloadConfig(budget="1MiB", device_optimizer=True, dtype=torch.float16).device_optimizer
 
 
 def test_off_by_default_every_update_runs_on_the_host():
@@ -184,6 +182,87 @@ def test_fused_default_steps_within_the_kernel_bound():
         assert engine.memory_stats()["device_optimizer"]["updates"] > 0
     finally:
         engine.close()
+
+
+# -- updates in step(): accumulation, clipping, loss scaling ----------------------------------------------
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulate", "accumulate-clip"])
+def test_accumulation_and_clipping_with_device_buckets_are_torch_bit_for_bit(clip):
+    """overlap_optimizer=False: three backward passes per step, grads summed on the host for every bucket,
+    one global norm over both tiers; the device buckets' update runs in step() (from the host sums)."""
+    case = CASES["gpt"]()
+    ref, ref_opt = reference(case.model)
+    engine, opt = wrap(case.model, overlap_optimizer=False)
+    rt = engine._runtime
+    accum, norms = 3, []
+
+    def micro(i):
+        def loss(forward, batch=case.make_batch(i)):
+            return case.loss_fn(run(forward, batch), batch) / accum
+        return loss
+
+    def before_step(i):
+        if clip is not None:
+            got = engine.clip_grad_norm_(clip)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, foreach=False)
+            norms.append((float(got), float(want)))
+
+    try:
+        lockstep(engine, opt, ref, ref_opt, STEPS, lambda step: [micro(step * accum + j) for j in range(accum)],
+                 before_step)
+        assert_mixed(engine)
+        device = rt.executor.train_plan.device_optimizer
+        assert rt.grads.device.counters["updates"] >= (STEPS - 2) * len(device)
+        assert rt.grads.device.counters["grad_h2d_bytes"] > 0
+        if clip is not None:
+            assert all(a == b for a, b in norms), norms
+            assert all(want > clip for _, want in norms)  # the clip did clip
+        assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "weights")
+        assert_optimizer_state_bitwise(opt.state_dict(), ref_opt.state_dict())
+        stats = engine.memory_stats()
+        assert stats["device_peak_bytes"] <= stats["budget_bytes"]
+    finally:
+        engine.close()
+
+
+def test_float16_loss_scaling_and_overflow_skip_across_both_tiers():
+    """float16: a step whose grads overflow is skipped in both tiers (device state untouched too) and the
+    scale halves; otherwise device updates equal the host path's bit for bit."""
+    runs = {}
+    for device_optimizer in (True, False):
+        case = CASES["gpt"]()
+        engine, opt = wrap(case.model, frac=MIXED_BF16, dtype=torch.float16, device_optimizer=device_optimizer,
+                           loss_scale=offload.LossScaleConfig(init_scale=1024.0, growth_interval=1000))
+        losses = []
+        try:
+            for i in range(STEPS):
+                batch = case.make_batch(i)
+                loss = case.loss_fn(run(engine, batch), batch)
+                if i == 3:
+                    before = engine.state_dict()
+                    engine.backward(loss * float("inf"))  # injected overflow
+                else:
+                    engine.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                if i == 3:
+                    assert engine.memory_stats()["optimizer"]["last_step_skipped"]
+                    after = engine.state_dict()
+                    assert_bitwise(after["model"], before["model"], "skipped step: weights")
+                    assert_optimizer_state_bitwise(after["optimizer"], before["optimizer"])
+                losses.append(loss.item())
+            if device_optimizer:
+                assert_mixed(engine)
+                assert engine.memory_stats()["device_optimizer"]["updates"] > 0
+            stats = engine.memory_stats()
+            assert stats["optimizer"]["skipped_steps"] == 1 and stats["optimizer"]["loss_scale"] == 512.0
+            runs[device_optimizer] = losses, engine.state_dict()
+        finally:
+            engine.close()
+    assert_losses_bitwise(runs[True][0], runs[False][0])
+    assert_bitwise(runs[True][1]["model"], runs[False][1]["model"], "fp16 weights")
+    assert_optimizer_state_bitwise(runs[True][1]["optimizer"], runs[False][1]["optimizer"])
 
 
 # -- state leaves and comes back ----------------------------------------------------------------------------
