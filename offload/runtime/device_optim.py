@@ -108,7 +108,7 @@ class DeviceOptimizer:
             copies = [(state.exp_avg, host.exp_avg[b]), (state.exp_avg_sq, host.exp_avg_sq[b])]
             if lowp:
                 copies.insert(0, (state.master, host.master[b][:n]))
-            for dst, src in copies:
+            for dst, src in copies:  # one copy queue, in order: the last one's event covers all three
                 self.filled[b] = ctx.backend.h2d(dst, src, waits)
                 self.counters["state_h2d_bytes"] += dst.numel() * 4
             self.state[b] = state

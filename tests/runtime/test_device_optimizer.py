@@ -23,6 +23,8 @@ from offload.planning.hw import PRESETS
 from offload.planning.placement import Placement, placement_bytes
 from offload.runtime.device_optim import read_after_update
 from tests.support.compare import FusedStepChecker, assert_bitwise, assert_losses_bitwise
+from tests.runtime.test_replan import Branch, Swap
+from tests.runtime.test_replan import batch as replan_batch
 from tests.support.loops import lockstep
 from tests.support.models import CASES, run
 
@@ -31,6 +33,7 @@ SLOW_CPU = dataclasses.replace(PRESETS["pcie4"], name="pcie4-slow-cpu-adam", ada
 MIXED = 1.5  # budget / fp32 parameter bytes at which the tiny GPT's plan has all three placements
 MIXED_BF16 = 1.0  # the same in bfloat16 (half the weight bytes, twice as large buckets in elements)
 STEPS = 6
+PATTERNS = {"branch": Branch, "swap": Swap}
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -41,7 +44,8 @@ def wrap(model: nn.Module, *, frac: float = MIXED, dtype=torch.float32, fused=Fa
          **config):
     nbytes = param_bytes(model)
     opt = offload.AdamW(model.parameters(), fused=fused, **ADAMW)
-    engine = offload.wrap(model, opt, budget=int(frac * nbytes), bucket_bytes=nbytes // 10, dtype=dtype,
+    config.setdefault("bucket_bytes", nbytes // 10)
+    engine = offload.wrap(model, opt, budget=int(frac * nbytes), dtype=dtype,
                           device="cpu", hw=SLOW_CPU, device_optimizer=device_optimizer, **config)
     return engine, opt
 
@@ -453,6 +457,42 @@ def test_memory_stats_report_bytes_per_placement():
         assert got["buckets"] == len(plan.device_optimizer) > 0
         assert got["bytes"]["device_optimizer_state"] == 8 * sum(plan.buckets[b].trainable_numel
                                                                  for b in plan.device_optimizer)
+        assert stats["device_peak_bytes"] <= stats["budget_bytes"]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ["branch", "swap"])
+def test_replanning_moves_device_state_through_the_host(name):
+    """An execution order that changes from step to step (tests/runtime/test_replan.py's patterns): each
+    departure hands the device state back to the host, the new plan (with its own placement) takes it in
+    again; numbers stay torch's bit for bit."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = PATTERNS[name]()
+    ref, ref_opt = reference(model)
+    engine, opt = wrap(model, frac=2.0, bucket_bytes=param_bytes(model) // 12)
+    rt = engine._runtime
+    placements_seen = set()
+    losses, ref_losses = [], []
+    try:
+        for i in range(12):
+            x, y = replan_batch(i)
+            for forward, o, out in ((engine, opt, losses), (ref, ref_opt, ref_losses)):
+                loss = (forward(x, i) - y).square().mean()
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                out.append(loss.item())
+            plan = rt.executor.train_plan
+            if plan is not None:
+                placements_seen.add(plan.device_optimizer)
+        stats = engine.memory_stats()
+        assert stats["counters"]["plan_departures"] > 0 and stats["counters"]["replans"] > 0
+        assert any(placements_seen) and stats["device_optimizer"]["updates"] > 0
+        assert stats["device_optimizer"]["state_d2h_bytes"] > 0  # states went back to the host on departures
+        assert_losses_bitwise(losses, ref_losses)
+        assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "weights")
         assert stats["device_peak_bytes"] <= stats["budget_bytes"]
     finally:
         engine.close()
