@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 
 FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_")  # else torch's single-tensor ops (the bitwise path)
+MAX_PIECE_BYTES = 64 << 20  # the most a summed-grad piece takes on the device ([Note: deferred device updates])
 HParams = list[tuple[float, float, float, float, float]]  # AdamW.hparams(): per param group
 
 
@@ -260,7 +261,7 @@ class DeviceOptimizer:
         plan = self.executor.plan
         trace = plan.trace if plan is not None else None
         room = trace.activation_peak_bytes + trace.max_grad_bytes if trace is not None else 0
-        return max(1, min(numel, room // 4))
+        return max(1, min(numel, min(room, MAX_PIECE_BYTES) // 4))
 
     def _widen_chunk(self, grad: torch.Tensor) -> int:
         """Elements of 16-bit grads widened to fp32 at a time (0: fp32 grads, used as they are).
