@@ -11,6 +11,13 @@ hardware model (``OffloadConfig.hw``), as a user passing ``offload probe``'s JSO
 the engine's trace and plan (``engine._runtime``): the public API exposes only their summary.
 
     python benchmarks/sim_vs_runtime.py --json benchmarks/results/sim_vs_runtime_cpu.json
+
+``--device-optimizer`` checks plans with mixed placement (issue 18): the engine runs with
+``OffloadConfig(device_optimizer=True)``, and the device AdamW rate (torch's ``_fused_adamw_`` on CPU tensors,
+on the compute thread, as the CPU backend runs it) is measured too. On this backend the compute thread is
+the wall, so an honest plan keeps every optimizer on the host; to get a plan with device-optimizer buckets
+the engine plans for a CPU AdamW ``--plan-cpu-slowdown`` times slower than measured. The prediction
+simulates the plan it then ran with the measured rates.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from unittest import mock
 
 import torch
@@ -42,13 +50,26 @@ def mlp(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*(m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())))
 
 
-def run(budget, width, depth, batch, steps, bandwidth=None, hw=None):
+def device_adam_params_per_s(numel: int = 1 << 22, repeats: int = 5) -> float:
+    """Parameters per second of torch's fused AdamW on fp32 CPU tensors (the CPU backend's device update)."""
+    p, g, m, v = (torch.randn(numel) for _ in range(4))
+    v.abs_()
+    best = float("inf")
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        torch._fused_adamw_([p], [g], [m], [v], [], [torch.tensor(float(i + 1))], lr=1e-4, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+        best = min(best, time.perf_counter() - t0)
+    return numel / best
+
+
+def run(budget, width, depth, batch, steps, bandwidth=None, hw=None, device_optimizer=False):
     model = mlp(width, depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
     throttled = None if bandwidth is None else (lambda device: CPUBackend(bandwidth, bandwidth))
     with mock.patch.object(offload.api, "make_backend", throttled or offload.api.make_backend):
         engine = offload.wrap(model, opt, budget=budget, device="cpu", bucket_bytes=width * width * 4 + width * 4,
-                              hw=hw)
+                              hw=hw, device_optimizer=device_optimizer)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     times = []
     for _ in range(steps):
@@ -73,6 +94,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--bandwidth", type=float, default=1.0e9, help="throttled link, bytes/s")
     ap.add_argument("--budget-fraction", type=float, default=0.4, help="of the parameter bytes")
+    ap.add_argument("--device-optimizer", action="store_true", help="mixed placement (see the docstring)")
+    ap.add_argument("--plan-cpu-slowdown", type=float, default=50.0,
+                    help="with --device-optimizer: plan for a CPU AdamW this many times slower than measured")
     args = ap.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 140)
     torch.set_num_threads(1)  # compute on one core; the other runs the AdamW lane
@@ -87,12 +111,19 @@ def main() -> int:
     curve = latency_curve(args.bandwidth, 0.0)
     hw = HardwareModel("cpu backend, throttled", curve, curve, duplex_factor=1.0, adam_params_per_s=adam,
                        host_bytes_per_s=1e10, device_flops_per_s=1e11, device_bytes_per_s=1e10, measured=True)
+    plan_hw = hw
+    if args.device_optimizer:
+        with console.status("measuring the device AdamW (torch._fused_adamw_ on CPU tensors)"):
+            hw = replace(hw, device_adam_params_per_s=device_adam_params_per_s())
+        plan_hw = replace(hw, name="cpu backend, throttled, slow CPU AdamW for planning",
+                          adam_params_per_s=adam / args.plan_cpu_slowdown)
     for frac in (args.budget_fraction, 4.0):
         extra = clean.activation_peak_bytes + clean.max_grad_bytes + (1 << 20)  # + 1 MiB slack for the arena
         budget = int(param_bytes * frac) + extra if frac < 1 else param_bytes * 4
         load = os.getloadavg()[0]
         with console.status(f"training at budget {frac:.0%} of the parameters, throttled"):
-            times, trace, plan, stats = run(budget, args.width, args.depth, args.batch, args.steps, args.bandwidth, hw)
+            times, trace, plan, stats = run(budget, args.width, args.depth, args.batch, args.steps, args.bandwidth,
+                                            plan_hw, args.device_optimizer)
         if [e for e in trace.events] != [e for e in clean.events]:
             console.print("[red]the traced events differ between runs; cannot compare[/red]")
             return 1
@@ -102,19 +133,24 @@ def main() -> int:
         case = {"budget_bytes": budget, "resident": len(plan.resident), "buckets": len(plan.buckets),
                 "measured_step_s": measured, "all_steps_s": times, "predicted_step_s": sim.step_s,
                 "predicted_stall_s": sim.stall_s, "compute_s": sim.compute_s, "relative_error": err,
-                "load_avg_1m": load, "device_peak_bytes": stats["device_peak_bytes"]}
+                "load_avg_1m": load, "device_peak_bytes": stats["device_peak_bytes"],
+                "device_optimizer_buckets": len(plan.device_optimizer),
+                "placement_bytes": stats["device_optimizer"]["bytes"]}
         out["cases"].append(case)
         rows.append(case)
     table = Table(title=f"simulated vs measured step, CPU backend, link {args.bandwidth / 1e9:.1f} GB/s")
-    for col in ("budget", "resident/buckets", "measured s", "predicted s", "error", "load"):
+    for col in ("budget", "resident/buckets", "device optimizer", "measured s", "predicted s", "error", "load"):
         table.add_column(col, justify="right")
     for c in rows:
         table.add_row(offload.format_bytes(c["budget_bytes"]), f"{c['resident']}/{c['buckets']}",
+                      str(c["device_optimizer_buckets"]),
                       f"{c['measured_step_s']:.3f}", f"{c['predicted_step_s']:.3f}", f"{c['relative_error']:+.0%}",
                       f"{c['load_avg_1m']:.1f}")
     console.print(table)
     out["machine"]["load_avg_1m_after"] = os.getloadavg()[0]
     out["cpu_adam_params_per_s"] = adam
+    out["device_adam_params_per_s"] = hw.device_adam_params_per_s or None
+    out["plan_cpu_adam_params_per_s"] = plan_hw.adam_params_per_s
     console.print(out["machine"], f"CPU AdamW {adam / 1e6:.0f} M params/s")
     if args.json:
         with open(args.json, "w") as f:

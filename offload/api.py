@@ -159,6 +159,7 @@ class Engine:
                 "last_step_skipped": grads.last_step_skipped,
             },
             "activation_checkpointing": rt.recompute.stats(),
+            "device_optimizer": rt.grads.device.stats(plan),  # issue 18: bytes per placement, counters
             "counters": dict(stats),
         }
 
@@ -233,7 +234,7 @@ class Engine:
         return persist.load(self, self._runtime, path)
 
     def _adopt_optimizer_state(self) -> None:
-        self._runtime.weights.adopt_optimizer_state()
+        self._runtime.adopt_optimizer_state()
 
     # -- lifetime -------------------------------------------------------------------------------------
 

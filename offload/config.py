@@ -129,6 +129,13 @@ class OffloadConfig:
     """Data parallel (issue 20, ``offload/runtime/distributed.py``): ``None`` (default) trains data parallel over
     the default group when ``torch.distributed`` is initialised at wrap, each rank holding 1/N of the optimizer
     state; a ``torch.distributed.ProcessGroup`` picks that group; ``False`` opts out (one engine per process)."""
+    device_optimizer: bool = False
+    """Let the planner keep some buckets' optimizer on the device (issue 18): their fp32 master, Adam m and v
+    live in the device arena and are updated there as soon as the bucket's grads are complete (no grad copy,
+    no CPU AdamW, no weight copy for them). The planner chooses which buckets, from the cost model and the
+    budget (possibly none). With ``overlap_optimizer=False`` (accumulation, clipping, float16) their grads
+    are still summed on the host, and come back to the device for the update in ``step()``. False (default):
+    every update runs on the CPU, as before."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -154,6 +161,7 @@ class OffloadConfig:
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
         set_(self, "activation_checkpointing", _checkpointing(self.activation_checkpointing))
+        _check_device_optimizer(self.device_optimizer)
         if self.hw is not None:
             if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
                 raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
@@ -167,6 +175,11 @@ class OffloadConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def _check_device_optimizer(value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"device_optimizer must be a bool; got {value!r}")
 
 
 def _checkpointing(value):

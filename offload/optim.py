@@ -143,6 +143,11 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("optimizer state does not match the parameters: " + "; ".join(wrong[:8])
                              + (f" (and {len(wrong) - 8} more)" if len(wrong) > 8 else ""))
 
+    def state_dict(self) -> dict:
+        if self._engine is not None:  # the host state is final (issue 18: device-optimizer state copied back)
+            self._engine.wait_for_updates()
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
         self.check_state_shapes(state_dict)
         if self._engine is not None:

@@ -205,6 +205,10 @@ class HostState:
         else:
             self.grad[b].add_(self.staging[b])
 
+    def count_steps(self, params) -> None:
+        """One more AdamW step for each of ``params``, taken elsewhere (on the device: issue 18)."""
+        self._count(params)
+
     def _count(self, params) -> None:
         for p in params:
             self.steps[p] += 1

@@ -72,6 +72,7 @@ class Runtime:
         self.guard = guards.ParamGuard(ctx, self.slots, self.executor, self.warmup)
         self.weights = Weights(ctx, self.slots, self.executor, self.warmup)
         self.executor.before_leaving(self.grads.move_out_of_arena)
+        self.executor.device_state = self.grads.device  # issue 18: optimizer state in the arena
         self.slots.pin_with(self.access.pinned)
         ctx.memory.on_activations = self.slots.activations_grew
         self.engine_call = False  # a forward called through Engine.__call__, which handles its faults
@@ -342,7 +343,17 @@ class Runtime:
         self.grads.zero_grad(set_to_none)
 
     def wait_for_updates(self) -> None:
+        """Every update is done and the host holds its result (for a reader of the host arena)."""
         self.ctx.cpu.drain()
+        with self.ctx.backend.compute(), torch.no_grad():
+            self.grads.device.sync_to_host()  # issue 18: device-optimizer state, if the host copy is stale
+
+    def adopt_optimizer_state(self) -> None:
+        """``optimizer.load_state_dict`` wrote the host's Adam state: point the optimizer at it, and copy it
+        to the device where the plan keeps it there."""
+        self.weights.adopt_optimizer_state()
+        with self.ctx.backend.compute(), torch.no_grad():
+            self.grads.device.reload()
 
     def close(self) -> None:
         """Give every parameter its trained fp32 value back as an ordinary tensor, and stop the threads."""
@@ -350,7 +361,7 @@ class Runtime:
         self.remove_hooks()
         self.grads.exposure.close()  # issue 19: exposed p.grad taken back (they would point into the freed arena)
         try:
-            ctx.cpu.drain()
+            self.wait_for_updates()
             ctx.backend.synchronize()
         finally:
             self.weights.restore()

@@ -20,6 +20,7 @@ from .residency import Residency, Slot
 
 if TYPE_CHECKING:
     from .context import RuntimeContext
+    from .device_optim import DeviceOptimizer
     from .forward_only import EvalPlans
     from .recompute_hooks import RecomputeCoordinator
     from .slots import SlotTable
@@ -42,6 +43,7 @@ class PlanExecutor:
         self.stale = False  # this step departed (or outgrew the plan): plan again at step()
         self.grad_enabled = True  # grad mode of this step's forward
         self._leaving: list[Callable[[], None]] = []  # what must move out of the arena before it goes
+        self.device_state: DeviceOptimizer | None = None  # issue 18: optimizer state kept in the arena
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
@@ -158,11 +160,15 @@ class PlanExecutor:
             if k is None:
                 raise InvariantError(f"plan: resident bucket {b} has no buffer")
             slots.copy_in(b, Slot(arena, plan.buffers[k].offset, k), [slots.boundary])
+        if self.device_state is not None:
+            self.device_state.activate(plan, arena)  # issue 18: device-optimizer state in from the host
 
     def deactivate(self) -> None:
         """Release every bucket and free the arena (the plan is kept)."""
         slots = self.slots
         self.ctx.backend.synchronize()
+        if self.device_state is not None:
+            self.device_state.deactivate()  # issue 18: device-optimizer state back to the host first
         for b in list(slots.slot):
             slots.release(b)
         slots.mark_boundary()
@@ -215,6 +221,8 @@ class PlanExecutor:
         """Updated buckets that stay on the device get their new weights (the next forward waits)."""
         slots = self.slots
         for b in sorted(set(buckets) & set(slots.slot)):
+            if self.device_state is not None and self.device_state.owns(b):
+                continue  # issue 18: updated in place on the device; the host copy is stale
             if slots.state[b] is Residency.IN_FLIGHT:
                 self.need(b)
             slots.copy_in(b, slots.slot[b], [slots.boundary])
@@ -252,7 +260,8 @@ class PlanExecutor:
         parts = ctx.memory.parts
         try:
             plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
-                              fixed_bytes=parts["buffers"], hw=ctx.hw, headroom_bytes=parts["headroom"])
+                              fixed_bytes=parts["buffers"], hw=ctx.hw, headroom_bytes=parts["headroom"],
+                              device_optimizer=ctx.config.device_optimizer)
         except BudgetTooSmallError as e:
             if recompute.auto and recompute.choose(trace):
                 return self.drop()  # the activations grew (a longer sequence): checkpoint more blocks

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import InvariantError, NonFiniteNormError, OffloadError
+from .device_optim import DeviceOptimizer
 from .plain_grads import Exposure
 from .scaler import LossScaler
 
@@ -84,6 +85,7 @@ class GradPipeline:
         self.last_step_skipped = False
         self._warned = False
         self.exposure = Exposure(ctx, self)  # issue 19: the gathered grads in p.grad (plain_grads.py)
+        self.device = DeviceOptimizer(ctx, slots, executor)  # issue 18: updates on the device (device_optim.py)
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -201,6 +203,9 @@ class GradPipeline:
         ctx, slots = self.ctx, self.slots
         view, k = self.gathering.pop(b)
         got = frozenset(self.received[b])  # the slot was cleared when taken: the others send zeros
+        if self.device.owns(b) and not self.deferred:  # issue 18: optimizer on the device: updated from the slot
+            self.pending[b] = PendingGrads(got, self.device.update(b, view, k, got, self.hparams))
+            return
         host = slots.hosted()
         earlier = self.pending.get(b)
         nbytes = view.numel() * ctx.itemsize
@@ -330,6 +335,9 @@ class GradPipeline:
         factors.append(self.clip_factor)
         for b in sorted(self.pending):  # first-use order: the next forward's first buckets are done first
             params, ready = self.pending[b]
+            if self.device.owns(b):  # issue 18: summed on the host, updated on the device (device_optim.py)
+                self.device.update_summed(b, params, ready, hparams, tuple(factors))
+                continue
             self._submit_update(b, params, ready, hparams, tuple(factors))
         return False
 

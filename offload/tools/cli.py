@@ -278,7 +278,7 @@ def _render(report, console: Console) -> None:
         if dev is not None:
             tiers = dev["placement_bytes"]
             console.print(
-                f"[bold]with optimizer state on the device[/bold] (planner only; the runtime cannot run it yet): "
+                f"[bold]with optimizer state on the device[/bold] (what OffloadConfig(device_optimizer=True) runs): "
                 f"{dev['predicted_step_s']:.3f} s; weights streamed {format_bytes(tiers['streamed'])}, resident "
                 f"{format_bytes(tiers['resident'])}, with device optimizer {format_bytes(tiers['device-optimizer'])} "
                 f"(+ {format_bytes(tiers['device_optimizer_state'])} of fp32 master, m, v)")

@@ -93,7 +93,7 @@ class Report:
     compute_s: tuple[float, ...] = ()  # per trace event: the estimated compute seconds the plan was simulated with
     module_names: tuple[str, ...] = ()  # model.named_modules() order: the trace's module keys (for timelines)
     # the planner's plan with optimizer state allowed on the device (issue 18): predicted step and bytes per
-    # placement tier. The runtime cannot execute such a plan yet; ``plan`` is what it runs
+    # placement tier: what the engine runs with ``OffloadConfig(device_optimizer=True)`` (``plan``: without)
     device_optimizer_plan: dict | None = None
     bucket_bytes: int = 0  # the bucket size used (``request.bucket_bytes``, "auto" resolved as the engine does)
 
@@ -184,12 +184,12 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
     weights_side = min_budget - mt.trace.activation_peak_bytes
     overflow = None if fits else ("weights" if weights_side > request.budget_bytes else "activations")
     device_plan = None
-    if fits:  # where the budget leaves room, optimizer state on the device (planner only, issue 18)
+    if fits:  # where the budget leaves room, optimizer state on the device (issue 18)
         dev = build_plan(mt.trace, buckets, itemsize=itemsize, budget_bytes=request.budget_bytes, fixed_bytes=fixed,
                          hw=request.hw, compute_s=compute, device_optimizer=True)
         device_plan = {"predicted_step_s": dev.simulated.step_s, "device_optimizer_buckets": len(dev.device_optimizer),
                        "placement_bytes": placement_bytes(dev.buckets, itemsize, dev.placement),
-                       "runtime": "not executable yet (issue 18): the runtime runs `plan`"}
+                       "runtime": "what the engine runs with OffloadConfig(device_optimizer=True); `plan` without"}
     acts = None
     if overflow == "activations":  # what per-block checkpointing would save: one more forward, per block
         progress("counting activations per block")

@@ -1,0 +1,348 @@
+"""The device tier of the optimizer (issue 18): buckets whose plan places their optimizer on the device
+(``Placement.DEVICE_OPTIMIZER``) keep their fp32 master, Adam m and v in the arena's STATE buffer and are
+updated there, from their grad slot, as soon as their grads are complete: no grad copy to the host, no
+CPU AdamW, no weight copy back.
+
+[Note: two tiers of optimizer state] The host arena is laid out and allocated by the traced warm-up,
+before any plan exists, and keeps every bucket's region (fp32 master, m, v, grads, 16-bit copy). A plan
+that places bucket ``b`` on the device makes the device the owner of its state while that plan's arena
+lives:
+
+* ``activate`` (the executor brings the plan's arena in): the bucket's weights come in like any resident
+  bucket's (the executor's copy of its 16-bit copy, or of its master in fp32), and its state (the master
+  where the weights are 16-bit, m, v) is copied from the host arena into its STATE buffer;
+* while the arena lives, ``update`` runs AdamW on the device for each bucket whose grads are complete (torch's
+  ``_fused_adamw_`` where this torch has it, else its single-tensor ops; with ``offload.AdamW(fused=False)``
+  torch's single-tensor ops, bit for bit ``torch.optim.AdamW(foreach=False)``), then writes the 16-bit
+  weights from the new master in place (with fp32 compute the resident weights *are* the master). The host
+  copy of that state is left stale (``stale``); its host memory stays allocated (freeing parts of the one
+  exact-size host region is not done);
+* ``sync_to_host`` copies the state back (master, m, v and the device weights, device to host, in the
+  host region's dtype): before anything reads the host (``Runtime.wait_for_updates``: ``state_dict``,
+  ``save``, ``module.state_dict()``, ``optimizer.state_dict()``/``load_state_dict``; ``close``) and
+  before the arena goes (``deactivate``: a re-plan, a departure from the plan, a switch to a forward-only
+  plan). A departure in the middle of a backward therefore hands the buckets updated so far to the host,
+  and the rest of the step updates on the CPU;
+* after the host was written from outside (``load_state_dict``, ``optimizer.load_state_dict``),
+  ``reload`` copies it in again.
+
+The step counts are host metadata both tiers share (``HostState.steps``, the tensors
+``optimizer.state[p]["step"]`` shows).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from ..backend.base import Event
+from ..errors import InvariantError
+from ..optim import adamw_
+from ..planning.buckets import locate
+from ..planning.placement import placement_bytes
+from ..planning.trace import EventKind
+
+if TYPE_CHECKING:
+    from ..planning.plan import Plan
+    from .context import RuntimeContext
+    from .executor import PlanExecutor
+    from .slots import SlotTable
+
+
+FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_")  # else torch's single-tensor ops (the bitwise path)
+MAX_PIECE_BYTES = 64 << 20  # the most a summed-grad piece takes on the device ([Note: deferred device updates])
+HParams = list[tuple[float, float, float, float, float]]  # AdamW.hparams(): per param group
+
+
+class DeviceState(NamedTuple):
+    """One device-optimizer bucket's views into the arena."""
+
+    weights: torch.Tensor  # the resident weights, compute dtype, the whole bucket
+    master: torch.Tensor  # fp32, the trainable prefix (``weights`` itself with fp32 compute)
+    exp_avg: torch.Tensor  # fp32, the trainable prefix
+    exp_avg_sq: torch.Tensor
+
+
+class DeviceOptimizer:
+    """The device-optimizer buckets of the plan being executed: their state, their updates, its sync with
+    the host (see [Note: two tiers of optimizer state])."""
+
+    def __init__(self, ctx: RuntimeContext, slots: SlotTable, executor: PlanExecutor) -> None:
+        self.ctx, self.slots, self.executor = ctx, slots, executor
+        self.state: dict[int, DeviceState] = {}  # bucket -> its views, while the arena lives
+        self.filled: dict[int, Event] = {}  # bucket -> copy of its state from the host, not yet waited for
+        self.stale = False  # the device holds updates the host copy has not seen
+        self.counters = {"updates": 0, "state_h2d_bytes": 0, "state_d2h_bytes": 0, "grad_h2d_bytes": 0}
+        self.demoted = 0  # device-optimizer buckets of the active plan run with the host optimizer instead
+
+    def owns(self, b: int) -> bool:
+        """Bucket ``b``'s optimizer is on the device now (its update belongs here, not to the CPU lane)."""
+        return b in self.state
+
+    # -- the arena comes and goes ------------------------------------------------------------------------
+
+    def activate(self, plan: Plan, arena: torch.Tensor) -> None:
+        """The executor allocated ``plan``'s arena and issued its resident copies: bring the state of its
+        device-optimizer buckets in from the host."""
+        if self.state:
+            raise InvariantError("device optimizer state activated twice")
+        ctx, host = self.ctx, self.slots.hosted()
+        lowp = ctx.dtype != torch.float32
+        read_after = read_after_update(plan)
+        self.demoted = len(read_after)
+        for b in plan.device_optimizer:
+            if b in read_after:
+                continue  # run as a resident bucket with the host optimizer: [Note: read after the update]
+            bucket = plan.buckets[b]
+            n, k_w, k_s = bucket.trainable_numel, plan.resident_buffer[b], plan.state_buffer[b]
+            if k_w is None or k_s is None:
+                raise InvariantError(f"plan: device-optimizer bucket {b} lacks its weights or state buffer")
+            w_off, s_off = plan.buffers[k_w].offset, plan.buffers[k_s].offset
+            weights = arena[w_off: w_off + bucket.numel * ctx.itemsize].view(ctx.dtype)
+            fp32 = arena[s_off: s_off + plan.buffers[k_s].size].view(torch.float32)
+            if lowp:
+                state = DeviceState(weights, fp32[:n], fp32[n: 2 * n], fp32[2 * n: 3 * n])
+            else:
+                state = DeviceState(weights, weights, fp32[:n], fp32[n: 2 * n])
+            waits = [self.slots.boundary] + [e for e in (self.slots.adam_event.get(b),) if e is not None]
+            copies = [(state.exp_avg, host.exp_avg[b]), (state.exp_avg_sq, host.exp_avg_sq[b])]
+            if lowp:
+                copies.insert(0, (state.master, host.master[b][:n]))
+            for dst, src in copies:  # one copy queue, in order: the last one's event covers all three
+                self.filled[b] = ctx.backend.h2d(dst, src, waits)
+                self.counters["state_h2d_bytes"] += dst.numel() * 4
+            self.state[b] = state
+
+    def deactivate(self) -> None:
+        """The arena goes (the backend synchronized): hand the state back to the host first."""
+        self.sync_to_host()
+        self.state.clear()
+        self.filled.clear()
+
+    def sync_to_host(self) -> None:
+        """Bring the host copy of every device-optimizer bucket up to date (no-op when it is)."""
+        if not self.stale:
+            return
+        ctx, host = self.ctx, self.slots.hosted()
+        lowp = ctx.dtype != torch.float32
+        start = [ctx.backend.record()]  # after the updates issued so far on the compute stream
+        copies = []
+        for b, state in self.state.items():
+            n = state.exp_avg.numel()
+            pairs = [(host.exp_avg[b], state.exp_avg), (host.exp_avg_sq[b], state.exp_avg_sq)]
+            if lowp:
+                pairs += [(host.master[b][:n], state.master), (host.source(b), state.weights)]
+            else:
+                pairs.append((host.master[b], state.weights))
+            for dst, src in pairs:
+                copies.append(ctx.backend.d2h(dst, src, start))
+                self.counters["state_d2h_bytes"] += src.numel() * src.element_size()
+        for event in copies:
+            event.synchronize()
+        self.stale = False
+
+    def reload(self) -> None:
+        """The host state was written from outside (a loaded checkpoint): copy it in again."""
+        plan, arena = self.executor.plan, self.executor.arena
+        if not self.state or plan is None or arena is None:
+            return
+        self.ctx.backend.synchronize()
+        self.state.clear()
+        self.filled.clear()
+        self.stale = False
+        self.activate(plan, arena)
+
+    # -- the update ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update(self, b: int, grad: torch.Tensor, buffer: int | None, params: frozenset[int],
+               hparams: HParams | None) -> Event:
+        """Bucket ``b``'s grads are complete in its slot ``grad`` (plan buffer ``buffer``): AdamW on the
+        device for ``params``, then the slot is free. Returns the event after which the update is done."""
+        ctx = self.ctx
+        if hparams is None:
+            raise InvariantError("a device update runs outside a backward")
+        state = self._ready(b)
+        step = self._step_fn()
+        chunk = self._widen_chunk(grad)
+        for s, e, count, hp in self._segments(b, params, hparams):
+            self._chunked(step, state, grad, s, e, count, hp, chunk)
+        event = self._updated(b, state)
+        if buffer is not None:
+            self.slots.done[buffer] = event  # the grad slot may be reused after the update read it
+        else:
+            ctx.memory.add("slots", -grad.numel() * grad.element_size())
+        return event
+
+    @torch.no_grad()
+    def update_summed(self, b: int, params: frozenset[int], ready: Event, hparams: HParams,
+                      factors: tuple[float, ...]) -> Event:
+        """``step()`` with ``overlap_optimizer=False``: bucket ``b``'s grads were summed on the host like any
+        bucket's (accumulation, norms, clipping, the float16 overflow check); they come back a piece at a
+        time (see [Note: deferred device updates]) and AdamW runs on the device, each piece's grads
+        multiplied by ``factors`` first (the loss-scale inverse, then the clipping coefficient), as the host
+        update does."""
+        ctx, host = self.ctx, self.slots.hosted()
+        ready.synchronize()  # the host sum is final (its copy, or the CPU lane's widening or adding)
+        state = self._ready(b)
+        step = self._step_fn()
+        summed = host.grad[b]
+        chunk = self._step_chunk(summed.numel())
+        piece = ctx.backend.empty(chunk * 4).view(torch.float32)
+        ctx.memory.add("slots", chunk * 4)
+        fused = step is self._fused
+        scale = 1.0
+        for f in factors:
+            scale *= f
+        try:
+            for s, e, count, hp in self._segments(b, params, hparams):
+                for lo in range(s, e, chunk):
+                    hi = min(e, lo + chunk)
+                    g = piece[: hi - lo]
+                    # the piece is rewritten only after the compute that read the previous one
+                    ctx.backend.wait(ctx.backend.h2d(g, summed[lo:hi], [ctx.backend.record()]))
+                    if fused and scale != 1.0:  # as the host kernel: one multiply by the product
+                        g.mul_(scale)
+                    elif not fused:  # as the host's torch path: one factor after the other
+                        for f in factors:
+                            if f != 1.0:
+                                g.mul_(f)
+                    step(state, g, 0, hi - lo, lo, hi, count, hp)
+                    self.counters["grad_h2d_bytes"] += (hi - lo) * 4
+        finally:
+            ctx.memory.add("slots", -chunk * 4)
+        return self._updated(b, state)
+
+    def _ready(self, b: int) -> DeviceState:
+        """Bucket ``b``'s state, once its copy from the host has landed."""
+        fill = self.filled.pop(b, None)
+        if fill is not None:
+            self.ctx.backend.wait(fill)
+        return self.state[b]
+
+    def _step_fn(self):
+        return self._fused if self.ctx.optimizer.fused and FUSED_AVAILABLE else self._plain
+
+    def _segments(self, b: int, params: frozenset[int], hparams: HParams):
+        """(start, end, step count after it, hyperparameters) of each piece of bucket ``b`` one AdamW call
+        updates: a run of same-group parameters all stepped the same number of times, else one parameter
+        (as ``HostState.update`` splits them); the step counts go up as they are handed out."""
+        ctx, host = self.ctx, self.slots.hosted()
+        for run in self.slots.buckets[b].runs:
+            hp = hparams[run.group]
+            steps = {host.steps[p] for p in run.params}
+            if params.issuperset(run.params) and len(steps) == 1:
+                yield run.start, run.end, steps.pop() + 1, hp
+                host.count_steps(run.params)
+                continue
+            for p in run.params:
+                if p in params:
+                    off = host.offset[p]
+                    yield off, off + ctx.specs[p].numel, host.steps[p] + 1, hp
+                    host.count_steps((p,))
+
+    def _updated(self, b: int, state: DeviceState) -> Event:
+        """After bucket ``b``'s AdamW: the 16-bit weights from the new master; the host copy is stale."""
+        if state.weights is not state.master:  # rounded to nearest even, as the host's 16-bit copy is
+            state.weights[: state.master.numel()].copy_(state.master)
+        self.stale = True
+        self.counters["updates"] += 1
+        return self.ctx.backend.record()
+
+    def _step_chunk(self, numel: int) -> int:
+        """[Note: deferred device updates] With ``overlap_optimizer=False`` the grads are summed on the host
+        (as every bucket's are: accumulation, clipping and the float16 overflow check need no second
+        mechanism) and the plan has no device buffer for them at ``step()``. There, no activation and no
+        autograd grad is alive, so the room the plan keeps for them (``activation_peak_bytes +
+        max_grad_bytes``) is free: the summed grads come back through a temporary of at most that size,
+        a piece at a time. That costs 4 bytes per parameter of host-to-device traffic the cost model does
+        not count (it plans device updates at the grads' completion); the CPU AdamW is still spared."""
+        plan = self.executor.plan
+        trace = plan.trace if plan is not None else None
+        room = trace.activation_peak_bytes + trace.max_grad_bytes if trace is not None else 0
+        return max(1, min(numel, min(room, MAX_PIECE_BYTES) // 4))
+
+    def _widen_chunk(self, grad: torch.Tensor) -> int:
+        """Elements of 16-bit grads widened to fp32 at a time (0: fp32 grads, used as they are).
+
+        [Note: widening 16-bit grads] Both tiers widen 16-bit grads (exactly) before an fp32 update. On the
+        device that needs a temporary the plan has no buffer for, so it is made a piece at a time, no larger
+        than the plan's room for the largest grad autograd materialises (``Trace.max_grad_bytes``): when a
+        bucket's grads are complete its last grad has already moved into the grad slot, so that room is
+        free. AdamW is elementwise, so the pieces change no number. (A one-pass kernel reading the 16-bit
+        grad directly, e.g. cupy's, would need none: not done.)"""
+        if grad.dtype == torch.float32:
+            return 0
+        plan = self.executor.plan
+        room = plan.trace.max_grad_bytes if plan is not None else 0
+        return max(1, room // 4)
+
+    def _chunked(self, step, state: DeviceState, grad: torch.Tensor, s: int, e: int, count: int,
+                 hp: tuple[float, float, float, float, float], chunk: int) -> None:
+        if not chunk:
+            step(state, grad, s, e, s, e, count, hp)
+            return
+        memory = self.ctx.memory
+        for lo in range(s, e, chunk):
+            hi = min(e, lo + chunk)
+            memory.add("slots", (hi - lo) * 4)
+            try:
+                step(state, grad[lo:hi].float(), 0, hi - lo, lo, hi, count, hp)
+            finally:
+                memory.add("slots", -(hi - lo) * 4)
+
+    @staticmethod
+    def _plain(state: DeviceState, grad: torch.Tensor, gs: int, ge: int, s: int, e: int, step: int,
+               hp: tuple[float, float, float, float, float]) -> None:
+        """torch's single-tensor AdamW ops (``offload.AdamW(fused=False)``): bit for bit torch's. Elements
+        ``[s, e)`` of the state, ``[gs, ge)`` of ``grad``."""
+        lr, b1, b2, eps, wd = hp
+        adamw_(state.master[s:e], grad[gs:ge], state.exp_avg[s:e], state.exp_avg_sq[s:e], step, lr=lr, beta1=b1,
+               beta2=b2, eps=eps, weight_decay=wd)
+
+    @staticmethod
+    def _fused(state: DeviceState, grad: torch.Tensor, gs: int, ge: int, s: int, e: int, step: int,
+               hp: tuple[float, float, float, float, float]) -> None:
+        """torch's fused AdamW kernel on the device (``offload.AdamW``'s default)."""
+        lr, b1, b2, eps, wd = hp
+        master, m, v = state.master[s:e], state.exp_avg[s:e], state.exp_avg_sq[s:e]
+        steps = [torch.full((), float(step), dtype=torch.float32, device=master.device)]
+        torch._fused_adamw_([master], [grad[gs:ge]], [m], [v], [], steps, lr=lr, beta1=b1, beta2=b2,
+                            weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+
+    # -- reporting -------------------------------------------------------------------------------------
+
+    def stats(self, plan: Plan | None) -> dict:
+        """Bytes per placement of ``plan`` (the training plan) and this tier's counters."""
+        out: dict = {"enabled": self.ctx.config.device_optimizer, "buckets": 0, "bytes": None,
+                     "demoted_buckets": self.demoted, **self.counters}
+        if plan is not None and plan.placement:
+            out["buckets"] = len(plan.device_optimizer)
+            out["bytes"] = placement_bytes(plan.buckets, plan.itemsize, plan.placement)
+        return out
+
+
+
+def read_after_update(plan: Plan) -> set[int]:
+    """Device-optimizer buckets of ``plan`` whose weights an event after their last grad still reads.
+
+    [Note: read after the update] The device update writes the bucket's weights in place the moment its
+    grads are complete. Autograd reads a weight only in the nodes that produce its grad, so normally nothing
+    reads it after; but a node may read a weight it sends no grad to (``x @ w.detach()``), and torch's
+    AdamW would not have moved it yet. Such a bucket runs as what its buffers also make it, a resident
+    bucket with the host optimizer (its grads to the host, the CPU AdamW, its new weights in after
+    ``step()``): numbers stay torch's; only the plan's timing for it is off (``stats()["demoted_buckets"]``)."""
+    device = set(plan.device_optimizer)
+    if not device:
+        return set()
+    bucket_of = locate(plan.buckets)[0]
+    last_grad: dict[int, int] = {}
+    last_use: dict[int, int] = {}
+    for i, (event, uses) in enumerate(zip(plan.trace.events, plan.trace.uses)):
+        if event.kind is EventKind.GRAD and bucket_of[event.key] in device:
+            last_grad[bucket_of[event.key]] = i
+        for p in uses:
+            if bucket_of[p] in device:
+                last_use[bucket_of[p]] = i
+    return {b for b in device if last_use.get(b, -1) > last_grad.get(b, len(plan.trace.events))}
