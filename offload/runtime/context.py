@@ -15,6 +15,7 @@ from torch import nn
 
 from ..backend.base import Backend, Lane
 from ..config import OffloadConfig
+from ..errors import OffloadError
 from ..optim import AdamW
 from ..planning.buckets import ParamSpec, resolve_bucket_bytes
 from ..planning.hw import HardwareModel
@@ -99,7 +100,18 @@ class RuntimeContext:
             hw=hw,
             memory=DeviceMemory(headroom=backend.headroom_bytes()),  # [Note: headroom] in backend/cuda.py
             stats=_new_stats(), cpu=cpu, lane_log=LaneLog(), busy=Busy(), phases=Phases(),
-            dp=DataParallel.resolve(config.process_group, cpu))
+            dp=_data_parallel(config, cpu))
+
+
+def _data_parallel(config: OffloadConfig, lane: Lane) -> DataParallel | None:
+    dp = DataParallel.resolve(config.process_group, lane)
+    if dp is not None and config.device_optimizer:
+        # A device-optimizer bucket is updated from its local grad slot, before any reduce-scatter: under data
+        # parallel every rank would step on its own grads and the replicas would drift apart, silently.
+        raise OffloadError("device_optimizer=True is not supported with data parallel yet (the device update "
+                          "would use this rank's grads only); use device_optimizer=False, or "
+                          "process_group=False for one engine per process")
+    return dp
 
 
 def _new_stats() -> dict[str, int]:

@@ -211,3 +211,17 @@ def test_ranks_whose_grads_reach_other_buckets_fail_loudly(tmp_path):
     assert not any(r.get("hung") for r in results), results
     for r in results:
         assert "DistributedError" in r.get("error", ""), r
+
+
+def test_device_optimizer_is_refused_under_data_parallel(monkeypatch):
+    """A device-optimizer bucket is updated from this rank's own grads (no reduce-scatter on that path), so the
+    combination is refused when a group is in use, and allowed without one."""
+    from offload.runtime import context
+    from offload.runtime.distributed import DataParallel
+
+    config = offload.OffloadConfig(budget="64MiB", device="cpu", device_optimizer=True)
+    assert context._data_parallel(config, lane=None) is None  # no group: nothing to refuse
+    monkeypatch.setattr(DataParallel, "resolve", classmethod(lambda cls, group, lane: object()))
+    with pytest.raises(offload.OffloadError, match="device_optimizer=True is not supported with data parallel"):
+        context._data_parallel(config, lane=None)
+    assert context._data_parallel(offload.OffloadConfig(budget="64MiB", device="cpu"), lane=None) is not None
