@@ -33,7 +33,10 @@ for the first step that is not fast), no use detector and no saved-tensor hooks.
   marks the plan stale, and ``PlanExecutor.record_step`` is not called;
 * what the fast path cannot see: a forward with the verified signature whose module calls differ but whose
   grads come in the planned order (a data-dependent loop count) keeps its resident weights correct but its
-  activations are not measured; it is noticed only if its grads differ.
+  activations are not measured; it is noticed only if its grads differ. Nor does it count activations at
+  all: on the CPU backend (no allocator to ask) ``memory_stats()``'s accounted current bytes and parts leave
+  a fast step's activations out (the peak keeps what full steps measured), and ``export_timeline`` shows a
+  fast step's root call only.
 """
 
 from __future__ import annotations
