@@ -11,7 +11,9 @@ step, so saved weight views stay valid as they are. A step runs the fast path wh
 * follows ``train_plan``, and that plan keeps every bucket resident, checkpoints nothing, and gave every
   trainable parameter a grad in the step it was planned from (``allows``);
 * has the *signature* (shapes, dtypes, devices of the tensors in its arguments, the other arguments' values,
-  the root's training flag) of a full step that followed this same plan to its end (``verify``).
+  the root's training flag, the caller's autocast) of a full step that followed this same plan to its end
+  (``verify``; up to ``_MAX_VERIFIED`` signatures per plan: a full step with larger activations would have
+  made the plan stale, so each one verified fits the plan).
 
 Such a step runs with the hooks of every module below the root removed (they are put back, by the Runtime,
 for the first step that is not fast), no use detector and no saved-tensor hooks. What they did is done so:
@@ -67,11 +69,15 @@ class _Unknown(Exception):
     """An argument the signature cannot describe: the step takes the full path."""
 
 
-def call_signature(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature | None:
-    """What decides a forward's path and activation sizes, as far as the root call shows it; None for an
-    argument it cannot describe (then the full path runs)."""
+def call_signature(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   device_type: str) -> Signature | None:
+    """What decides a forward's path and activation sizes, as far as the root call shows it (with the
+    caller's autocast, which changes activations' dtypes); None for an argument it cannot describe (then
+    the full path runs)."""
+    autocast = torch.is_autocast_enabled(device_type)
     try:
-        return (module.training, _describe(args), _describe(kwargs))
+        return (module.training, autocast, torch.get_autocast_dtype(device_type) if autocast else None,
+                _describe(args), _describe(kwargs))
     except _Unknown:
         return None
 
@@ -148,7 +154,7 @@ class FastPath:
         fast = False
         if (self.ctx.phases.lifecycle is Lifecycle.RUNNING and torch.is_grad_enabled()
                 and not torch.is_inference_mode_enabled()):
-            sig = call_signature(module, args, kwargs)
+            sig = call_signature(module, args, kwargs, self.ctx.backend.device.type)
             self.candidate = sig
             plan = self.executor.train_plan
             fast = (sig is not None and plan is not None and plan is self.verified_plan and sig in self.verified
