@@ -61,7 +61,7 @@ from offload.errors import BudgetTooSmallError  # noqa: E402
 HP = dict(lr=1e-3, weight_decay=0.1)
 GOALS = {"mlp": 1.15, "gpt": 1.10}  # resident, engine step / torch step
 COUNTERS = ("plan_departures", "replans", "on_demand_fetches", "planned_fetches", "over_budget_fetches",
-            "h2d_bytes")
+            "h2d_bytes", "fast_steps")  # fast_steps: steps without per-call hooks (offload/runtime/fast_path.py)
 
 
 class Model:
@@ -151,7 +151,7 @@ class EngineRun:
 
     def counters(self) -> dict:
         c = self.engine.memory_stats()["counters"]
-        return {k: c[k] for k in COUNTERS}
+        return {k: c.get(k, 0) for k in COUNTERS}  # .get: an engine from before a counter existed
 
     def close(self) -> None:
         self.engine.close()

@@ -36,6 +36,7 @@ from . import faults, guards
 from .accounting import SavedActivation
 from .context import Backend, RuntimeContext, weak_hook
 from .executor import PlanExecutor
+from .fast_path import FastPath
 from .forward_only import EvalPlans
 from .grads import BackwardDiscard, GradPipeline
 from .param_access import ParamAccess
@@ -71,12 +72,17 @@ class Runtime:
         self.recompute = RecomputeCoordinator(ctx, self.slots, self.executor, self.access, self._begin_backward)
         self.guard = guards.ParamGuard(ctx, self.slots, self.executor, self.warmup)
         self.weights = Weights(ctx, self.slots, self.executor, self.warmup)
+        self.fast = FastPath(ctx, self.slots, self.executor, self.grads, self._remove_module_hooks,
+                             self._add_module_hooks)
         self.executor.before_leaving(self.grads.move_out_of_arena)
         self.executor.device_state = self.grads.device  # issue 18: optimizer state in the arena
+        self.executor.after_copying_in(self.fast.settle)
         self.slots.pin_with(self.access.pinned)
         ctx.memory.on_activations = self.slots.activations_grew
         self.engine_call = False  # a forward called through Engine.__call__, which handles its faults
         self._handles: list[RemovableHandle] = []
+        self._module_handles: list[RemovableHandle] = []  # hooks of the modules below the root (the fast path)
+        self._module_hooks: list[tuple[nn.Module, Any, Any]] = []  # (module, pre hook, post hook), fixed at wrap
         self._contexts: list[Any] = []  # entered at the start of a forward, exited at its end
         self._reset_step()
         self._register_hooks()
@@ -87,8 +93,12 @@ class Runtime:
     def _register_hooks(self) -> None:
         module = self.ctx.module
         for i, m in enumerate(module.modules()):
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook(i)))
-            self._handles.append(m.register_forward_hook(self._post_hook(i)))
+            if i == 0:  # the root's: with its arguments, whose signature decides the fast path
+                self._handles.append(m.register_forward_pre_hook(self._root_pre_hook(), with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._post_hook(i)))
+            else:
+                self._module_hooks.append((m, self._pre_hook(i), self._post_hook(i)))
+        self._add_module_hooks()
         # Weak: see context.weak_hook (an engine dropped without close() must still be freed).
         on_grad = weak_hook(self, Runtime._on_grad)
         for p, spec in zip(self.ctx.params, self.ctx.specs):
@@ -98,6 +108,30 @@ class Runtime:
         # issue 19: module.state_dict() gives the fp32 weights, load_state_dict() after the first forward raises
         self._handles.extend(module_hooks(self))
         # Per forward (entered by _begin_forward): autocast, the use detector, the saved-tensor hooks.
+
+    def _add_module_hooks(self) -> None:
+        """Hooks of every module below the root (removed while steps run the fast path: fast_path.py).
+        Put back after user hooks registered since wrap, which then run first: they may read a weight
+        before this hook waits for it, which the use detector sees (a fetch, at most a departure)."""
+        for m, pre, post in self._module_hooks:
+            self._module_handles.append(m.register_forward_pre_hook(pre))
+            self._module_handles.append(m.register_forward_hook(post))
+
+    def _remove_module_hooks(self) -> None:
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles.clear()
+
+    def _root_pre_hook(self) -> Any:
+        busy, ckpt, on_pre = self.ctx.busy, self.recompute.ckpt, self._on_pre
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            guards.refuse_compile()
+            if ckpt.recomputing is not None:
+                return
+            with busy:
+                on_pre(0, module, args, kwargs)
+        return hook
 
     def _pre_hook(self, index: int) -> Any:
         busy, ckpt, on_pre = self.ctx.busy, self.recompute.ckpt, self._on_pre
@@ -118,12 +152,21 @@ class Runtime:
                 busy.depth -= 1
         return hook
 
-    def _on_pre(self, index: int) -> None:
+    def _on_pre(self, index: int, module: nn.Module | None = None, args: Any = (), kwargs: Any = None) -> None:
         executor = self.executor
         if index == 0 and executor.recorder.stack:
             faults.abort_forward(self, None)  # the previous call of the root module raised
         if not executor.recorder.stack:
+            if module is not None:
+                faults.check_backward_finished(self, None)  # before deciding: cleaning up drops the fast path
+            if module is not None and self.fast.wants(module, args, kwargs or {}):
+                self._begin_forward(index, fast=True)  # [Note: the fast path]
+                executor.recorder.pre(index)
+                return
             self._begin_forward(index)
+        elif self.fast.on:
+            executor.recorder.pre(index)  # the root called inside its own forward
+            return
         executor.recorder.pre(index)
         self.access.call_begins()
         executor.advance(EventKind.PRE, index)
@@ -147,6 +190,12 @@ class Runtime:
 
     def _on_post(self, index: int, output: Any) -> None:
         executor = self.executor
+        if self.fast.on and executor.recorder.stack:  # only the root's hooks run: [Note: the fast path]
+            executor.recorder.post(index)
+            if not executor.recorder.stack:
+                self._end_forward(output)
+                self.fast.forward_ended()
+            return
         executor.advance(EventKind.POST, index)
         self.access.call_ends()
         executor.recorder.post(index)
@@ -188,6 +237,12 @@ class Runtime:
         nbytes = 0 if grad is None else grad.numel() * grad.element_size()
         del grad
         ctx.memory.add("grads", nbytes)  # autograd has materialised it; the grad pipeline lets it go
+        fast = self.fast
+        if fast.on or fast.hooks_removed:  # [Note: the fast path]: no plan position, no record to plan from
+            fast.grad(p)
+            self._begin_backward()
+            self.grads.gather(p, param, nbytes)
+            return
         self._begin_backward()
         self.access.new_node()
         self.executor.recorder.grad(p, nbytes)
@@ -198,6 +253,8 @@ class Runtime:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._remove_module_hooks()
+        self.fast.hooks_removed = False
         self.recompute.ckpt.close()
 
     # -- passes ---------------------------------------------------------------------------------------------
@@ -211,7 +268,7 @@ class Runtime:
         self.recompute.reset_step()
         self.ctx.phases.enter(Pass.IDLE)
 
-    def _begin_forward(self, root: int) -> None:
+    def _begin_forward(self, root: int, fast: bool = False) -> None:
         ctx, executor = self.ctx, self.executor
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
@@ -230,11 +287,14 @@ class Runtime:
             # Ops autocast keeps in fp32 (softmax, norms, losses) upcast the 16-bit weights and activations;
             # matmuls read the 16-bit weights as they are. No cast cache: it would hold weight views.
             contexts.append(torch.autocast(ctx.backend.device.type, dtype=ctx.dtype, cache_enabled=False))
-        contexts.append(self.access.detector())
-        contexts.append(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        if not fast:  # the fast path needs neither: every weight stays where it is ([Note: the fast path])
+            contexts.append(self.access.detector())
+            contexts.append(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
         for c in contexts:
             c.__enter__()
         self._contexts = contexts[::-1]
+        if fast:
+            self.fast.begin()
 
     def _exit_contexts(self) -> None:
         for c in self._contexts:  # exit in reverse order of entry
@@ -259,6 +319,7 @@ class Runtime:
                                bool(executor.recorder.stack))
         with self.ctx.busy:
             self._exit_contexts()
+            self.fast.drop()
             self.warmup.abort()
             executor.release_all()
             self._reset_step()
@@ -271,7 +332,8 @@ class Runtime:
         self.grads.begin()
         phases.enter(Pass.BACKWARD)
         executor = self.executor
-        if executor.on_plan and executor.plan is not None and executor.pos != executor.plan.trace.num_forward:
+        if (not self.fast.on and executor.on_plan and executor.plan is not None
+                and executor.pos != executor.plan.trace.num_forward):
             executor.leave()
         Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -282,11 +344,15 @@ class Runtime:
         memory = ctx.memory
         with ctx.backend.compute(), torch.no_grad():
             self.grads.flush()
-            executor.leave_unless_followed()
-            self.recompute.backward_ended()
-            executor.record_step(memory.activation_peak)
-            self.recompute.measure(executor.recorder, memory.activation_peak)
-            executor.release_all()
+            if self.fast.on:  # no record to plan from, nothing streamed ([Note: the fast path])
+                self.fast.backward_ended()
+            else:
+                executor.leave_unless_followed()
+                self.recompute.backward_ended()
+                executor.record_step(memory.activation_peak)
+                self.recompute.measure(executor.recorder, memory.activation_peak)
+                self.fast.verify()
+                executor.release_all()
             self.slots.reclaim()
         self.grads.backward_done()
         ctx.phases.enter(Pass.IDLE)
@@ -297,6 +363,7 @@ class Runtime:
         the engine (nothing was gathered: only what the forward streamed in is let go of)."""
         executor = self.executor
         with torch.no_grad():
+            self.fast.drop()
             if not self.ctx.phases.in_backward:
                 executor.release_all()
                 executor.rewind()

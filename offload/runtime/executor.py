@@ -44,9 +44,14 @@ class PlanExecutor:
         self.grad_enabled = True  # grad mode of this step's forward
         self._leaving: list[Callable[[], None]] = []  # what must move out of the arena before it goes
         self.device_state: DeviceOptimizer | None = None  # issue 18: optimizer state kept in the arena
+        self._copied_in: list[Callable[[], None]] = []  # told when copies into slots were issued between passes
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
+
+    def after_copying_in(self, fn: Callable[[], None]) -> None:
+        """``fn`` runs after ``activate`` and ``refresh`` issued their copies (the fast path waits for them)."""
+        self._copied_in.append(fn)
 
     def reset_step(self) -> None:
         self.recorder = Recorder()
@@ -124,6 +129,18 @@ class PlanExecutor:
                 move_out()
             self.deactivate()
 
+    def leave_keeping_weights(self) -> None:
+        """A fast step departs from its all-resident plan ([Note: the fast path] in fast_path.py): grads
+        gathered in plan buffers move out and the rest are gathered on demand, since the plan's buffer
+        lifetimes no longer hold; the resident weights stay where saved views point. No re-plan: a fast
+        step's record is too thin to plan from, the next (full) step is planned from if it departs too."""
+        self.on_plan = False
+        self.ctx.stats["plan_departures"] += 1
+        with torch.no_grad():
+            self.ctx.backend.synchronize()
+            for move_out in self._leaving:
+                move_out()
+
     def leave_unless_followed(self) -> None:
         """The end of backward: a step that did not reach the end of its plan departed from it."""
         plan = self.plan
@@ -162,6 +179,8 @@ class PlanExecutor:
             slots.copy_in(b, Slot(arena, plan.buffers[k].offset, k), [slots.boundary])
         if self.device_state is not None:
             self.device_state.activate(plan, arena)  # issue 18: device-optimizer state in from the host
+        for fn in self._copied_in:
+            fn()
 
     def deactivate(self) -> None:
         """Release every bucket and free the arena (the plan is kept)."""
@@ -226,6 +245,8 @@ class PlanExecutor:
             if slots.state[b] is Residency.IN_FLIGHT:
                 self.need(b)
             slots.copy_in(b, slots.slot[b], [slots.boundary])
+        for fn in self._copied_in:
+            fn()
 
     def close(self) -> None:
         self.arena = None

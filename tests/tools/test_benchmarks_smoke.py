@@ -229,4 +229,8 @@ def test_overhead_smoke(tmp_path):
     streamed = cases[("gpt", "streamed")]
     assert streamed["streamed"] and streamed["counters_timed"]["planned_fetches"] > 0
     assert not cases[("gpt", "resident")]["streamed"]
+    # all resident: every timed step ran the fast path (offload/runtime/fast_path.py); a plan that streams: none
+    for c in cases.values():
+        fast = c["counters_timed"]["fast_steps"]
+        assert fast == (0 if c["streamed"] else len(c["engine_block_ms"]) * c["steps_per_block"]), c
     assert cases[("gpt", "streamed")]["budget_bytes"] < cases[("gpt", "resident")]["budget_bytes"]

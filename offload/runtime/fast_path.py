@@ -1,0 +1,262 @@
+"""The fast path: a training step that provably needs none of the per-call machinery runs without it.
+
+[Note: the fast path] (issue 17, "The hot path") Per module call the full path runs a forward pre- and
+post-hook, the use detector (a ``TorchFunctionMode``) on every tensor op and the saved-tensor pack/unpack
+hooks; their mechanisms alone cost ~20 us per call on our CPU (benchmarks/results/cpu-2026-11-26/
+overhead-profile.md, 1a). On a plan where every bucket is resident for the whole step and nothing is
+checkpointed they decide nothing: every weight is on the device, in a slot nothing else writes during the
+step, so saved weight views stay valid as they are. A step runs the fast path when its root call
+
+* is a training forward (grad enabled, not inference mode) of the root module, with no other forward open;
+* follows ``train_plan``, and that plan keeps every bucket resident, checkpoints nothing, and gave every
+  trainable parameter a grad in the step it was planned from (``allows``);
+* has the *signature* (shapes, dtypes, devices of the tensors in its arguments, the other arguments' values,
+  the root's training flag, the caller's autocast) of a full step that followed this same plan to its end
+  (``verify``; up to ``_MAX_VERIFIED`` signatures per plan: a full step with larger activations would have
+  made the plan stale, so each one verified fits the plan).
+
+Such a step runs with the hooks of every module below the root removed (they are put back, by the Runtime,
+for the first step that is not fast), no use detector and no saved-tensor hooks. What they did is done so:
+
+* waits: a bucket whose copy is in flight (the new weights after ``step()``) is waited for at the root, and,
+  while the hooks are removed, already when the copy is issued (``settle``): a submodule called directly
+  (no hook sees it) reads landed weights. On a GPU that wait is a stream wait, but the first layers' compute
+  no longer overlaps the upload of the last ones;
+* grads: a bucket is complete when every trainable parameter of it has its grad (the step's ``touched`` is
+  every trainable parameter, see ``begin``); one whose parameters did not all get a grad (a data-dependent
+  branch skipped a module) is sent at the end of backward (``GradPipeline.flush``), with the grads that came,
+  as plain torch gives the others none. No grad can be missed: no bucket goes before all of its grads came;
+* departures: the fast forward cannot see module calls, so a different path is noticed where it matters, in
+  backward: grads arrive in the plan's order (its GRAD events) or the step departs (``grad``). A departure
+  moves grads gathered in plan buffers out of the arena and gathers the rest on demand (the plan's buffer
+  lifetimes no longer hold), keeps every resident weight in place (saved views point there), counts a
+  departure and drops the verification: the next step runs the full path, which departs and re-plans as it
+  always did. A fast step's record (no uses, no saved-weight reads) is never planned from: nothing in it
+  marks the plan stale, and ``PlanExecutor.record_step`` is not called;
+* what the fast path cannot see: a forward with the verified signature whose module calls differ but whose
+  grads come in the planned order (a data-dependent loop count) keeps its resident weights correct but its
+  activations are not measured; it is noticed only if its grads differ. Nor does it count activations at
+  all: on the CPU backend (no allocator to ask) ``memory_stats()``'s accounted current bytes and parts leave
+  a fast step's activations out (the peak keeps what full steps measured), and ``export_timeline`` shows a
+  fast step's root call only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Hashable
+
+import torch
+
+from ..errors import InvariantError
+from ..planning.placement import Placement
+from ..planning.trace import EventKind
+from .phases import Lifecycle, Pass
+from .residency import Residency
+
+if TYPE_CHECKING:
+    from ..planning.plan import Plan
+    from .context import RuntimeContext
+    from .executor import PlanExecutor
+    from .grads import GradPipeline
+    from .slots import SlotTable
+
+Signature = tuple[Hashable, ...]
+_MAX_VERIFIED = 8  # root-call signatures kept per plan (a short last batch, a few sequence lengths)
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+class _Unknown(Exception):
+    """An argument the signature cannot describe: the step takes the full path."""
+
+
+def call_signature(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   device_type: str) -> Signature | None:
+    """What decides a forward's path and activation sizes, as far as the root call shows it (with the
+    caller's autocast, which changes activations' dtypes); None for an argument it cannot describe (then
+    the full path runs)."""
+    autocast = torch.is_autocast_enabled(device_type)
+    try:
+        return (module.training, autocast, torch.get_autocast_dtype(device_type) if autocast else None,
+                _describe(args), _describe(kwargs))
+    except _Unknown:
+        return None
+
+
+def _describe(a: Any, depth: int = 0) -> Hashable:
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), a.dtype, a.device, a.requires_grad, a.layout)
+    if isinstance(a, _SCALARS):
+        return (type(a), a)
+    if depth < 4 and isinstance(a, (tuple, list)):
+        return (type(a), tuple(_describe(x, depth + 1) for x in a))
+    if depth < 4 and isinstance(a, dict):
+        return (dict, tuple((k, _describe(v, depth + 1)) for k, v in a.items()))
+    raise _Unknown
+
+
+class _Allowed:
+    """What ``FastPath.allows`` found for one plan (computed once per plan)."""
+
+    __slots__ = ("plan", "ok", "grad_keys")
+
+    def __init__(self, plan: Plan, ok: bool, grad_keys: tuple[int, ...]) -> None:
+        self.plan, self.ok, self.grad_keys = plan, ok, grad_keys
+
+
+class FastPath:
+    """Decides which steps run the fast path and keeps track of one such step (see [Note: the fast path])."""
+
+    def __init__(self, ctx: RuntimeContext, slots: SlotTable, executor: PlanExecutor, grads: GradPipeline,
+                 remove_hooks: Callable[[], None], restore_hooks: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self.slots = slots
+        self.executor = executor
+        self.grads = grads
+        self._remove_hooks = remove_hooks  # the Runtime's: hooks of modules below the root off / back on
+        self._restore_hooks = restore_hooks
+        self.hooks_removed = False
+        # root calls (signatures) with which a full step followed ``verified_plan`` to its end
+        self.verified_plan: Plan | None = None
+        self.verified: set[Signature] = set()
+        self.candidate: Signature | None = None  # this full step's root call, verified if it follows its plan
+        self.on = False  # this step (root forward .. end of its backward) runs the fast path
+        self.forward_open = False  # a fast forward ended and its backward has not
+        self._allowed: _Allowed | None = None
+        self._trainable: dict[int, None] = {i: None for i, s in enumerate(ctx.specs) if s.group is not None}
+        self._grad_keys: tuple[int, ...] = ()
+        self._pos = 0  # next GRAD event of the plan
+        self.departed = False
+
+    # -- which steps ---------------------------------------------------------------------------------------
+
+    def allows(self, plan: Plan) -> _Allowed:
+        """Whether ``plan`` can run fast at all (cached per plan): every bucket resident, no recompute, every
+        trainable parameter touched and given a grad by the step it was planned from."""
+        hit = self._allowed
+        if hit is not None and hit.plan is plan:
+            return hit
+        trace = plan.trace
+        grads = tuple(e.key for e in trace.events[trace.num_forward:] if e.kind is EventKind.GRAD)
+        ok = (self.ctx.config.activation_checkpointing is None
+              and len(plan.resident) == len(plan.buckets)
+              and all(plan.placement_of(b) is Placement.RESIDENT for b in range(len(plan.buckets)))
+              and all(e.kind is not EventKind.RECOMPUTE for e in trace.events)
+              and len(set(grads)) == len(grads) and set(grads) == set(self._trainable)
+              and set(self._trainable) <= set(trace.touched))
+        self._allowed = _Allowed(plan, ok, grads)
+        return self._allowed
+
+    def wants(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """The root module's forward begins (no forward open): run it fast? If not, the hooks are back on
+        before any submodule runs, and a training call's signature is kept to be verified."""
+        self.candidate = None
+        self.on = False
+        fast = False
+        if (self.ctx.phases.lifecycle is Lifecycle.RUNNING and torch.is_grad_enabled()
+                and not torch.is_inference_mode_enabled()):
+            sig = call_signature(module, args, kwargs, self.ctx.backend.device.type)
+            self.candidate = sig
+            plan = self.executor.train_plan
+            fast = (sig is not None and plan is not None and plan is self.verified_plan and sig in self.verified
+                    and not self.forward_open and not self.ctx.phases.in_backward and self.allows(plan).ok)
+        self.forward_open = False
+        if fast:
+            if not self.hooks_removed:
+                self._remove_hooks()
+                self.hooks_removed = True
+        else:
+            self.restore()
+        return fast
+
+    def verify(self) -> None:
+        """The end of a full step's backward: it followed ``train_plan`` to its end, and that plan was not
+        found stale: steps with the same root call may run fast."""
+        executor = self.executor
+        plan = executor.train_plan
+        sig, self.candidate = self.candidate, None
+        if (sig is not None and plan is not None and executor.plan is plan and executor.followed()
+                and not executor.stale and self.allows(plan).ok):
+            if plan is not self.verified_plan:
+                self.verified_plan, self.verified = plan, set()
+            if len(self.verified) < _MAX_VERIFIED:
+                self.verified.add(sig)
+
+    def restore(self) -> None:
+        """Hooks below the root back on (the next step takes the full path unless it is verified)."""
+        if self.hooks_removed:
+            self._restore_hooks()
+            self.hooks_removed = False
+
+    def drop(self) -> None:
+        """In doubt (a departure, a fault, other weights): no step runs fast before a full one verifies."""
+        self.verified_plan, self.verified = None, set()
+        self.on = False
+        self.forward_open = False
+        self.restore()
+
+    # -- one fast step --------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """The fast forward begins (after ``Runtime._begin_forward``): its touched set is every trainable
+        parameter (what the grad pipeline waits for per bucket), and it waits for copies in flight."""
+        executor = self.executor
+        plan = executor.plan
+        if plan is None or plan is not executor.train_plan or not executor.on_plan:
+            raise InvariantError("a fast step began off its plan")
+        self.on = True
+        self.departed = False
+        self._pos = 0
+        self._grad_keys = self.allows(plan).grad_keys
+        executor.recorder.touched = self._trainable
+        self.ctx.stats["fast_steps"] += 1
+        self.settle()
+
+    def forward_ended(self) -> None:
+        self.forward_open = True
+
+    def grad(self, p: int) -> None:
+        """Parameter ``p``'s grad arrives (before it is gathered): in the plan's order, or the step departs."""
+        if not self.on:
+            self._unseen_forward()
+        pos = self._pos
+        keys = self._grad_keys
+        if pos < len(keys) and keys[pos] == p:
+            self._pos = pos + 1
+        elif not self.departed:
+            self._depart()
+
+    def _unseen_forward(self) -> None:
+        """A backward whose forward no hook saw (a submodule called directly while the hooks are removed):
+        its grads are gathered as a departed fast step's."""
+        if self.ctx.phases.current is not Pass.IDLE:
+            raise InvariantError("a grad arrived outside backward")
+        self.grads.reset_step()  # the previous backward's received / finished buckets are not this one's
+        self.executor.recorder.touched = self._trainable
+        self.on = True
+        self.departed = False
+        self._pos = 0
+        self._depart()
+
+    def _depart(self) -> None:
+        self.departed = True
+        self.executor.leave_keeping_weights()
+
+    def backward_ended(self) -> None:
+        """The end of a fast step's backward: a missing grad is a departure too (their buckets were flushed)."""
+        if not self.departed and self._pos != len(self._grad_keys):
+            self.departed = True
+            self.ctx.stats["plan_departures"] += 1
+        self.on = False
+        self.forward_open = False
+        if self.departed:
+            self.drop()
+
+    def settle(self) -> None:
+        """Copies into slots were issued: while the hooks are removed (or in a fast step) compute waits for
+        them now, as nothing else would make it wait before a weight is read."""
+        if not (self.hooks_removed or self.on):
+            return
+        slots = self.slots
+        for b, state in enumerate(slots.state):
+            if state is Residency.IN_FLIGHT:
+                self.executor.need(b)

@@ -1,0 +1,330 @@
+"""The fast path (offload/runtime/fast_path.py, [Note: the fast path]): a step on a verified plan whose buckets
+are all resident, with nothing checkpointed, runs with no hook on module calls below the root, no use
+detector and no saved-tensor hooks. Every test trains the engine and plain PyTorch + torch.optim.AdamW
+(foreach=False; the engine's AdamW with fused=False: torch's arithmetic) side by side, bit for bit, through
+the cases the previous attempt broke (benchmarks/results/cpu-2026-11-26/overhead-profile.md, section 5):
+a data-dependent branch that skips a module (its grads must not be lost, nor waited for forever), a step
+that departs from the plan mid-forward (the fast forward cannot see it: it is caught in backward), a step
+with other input shapes (caught at the root: the full path runs it), and the record of a fast step (too
+thin to plan from: a plan is only ever built from a full step's record). Each test also checks the fast path
+really ran (``counters["fast_steps"]``), so that none passes by running the full path only."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.planning.schedule import validate_plan
+from offload.planning.trace import EventKind
+from offload.testing.chaos import ChaosConfig
+from tests.support.compare import assert_bitwise, assert_losses_bitwise
+from tests.support.fake_cuda import with_chaos
+
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def _pair(model, budget_frac=4.0, bucket_frac=0.1, chaos=None, **kw):
+    """(engine, opt, ref, ref_opt): the engine all resident (budget ``budget_frac`` x the weights); ``chaos``:
+    random delays on the copy and AdamW lanes (a missing wait shows up as wrong numbers)."""
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    opt = offload.AdamW(model.parameters(), fused=False, **ADAMW)
+    with with_chaos(chaos):
+        engine = offload.wrap(model, opt, budget=int(budget_frac * nbytes),
+                              bucket_bytes=max(256, int(nbytes * bucket_frac)), dtype=torch.float32, device="cpu", **kw)
+    return engine, opt, ref, ref_opt
+
+
+def _step(forward, opt, loss_fn, *inputs) -> float:
+    loss = loss_fn(forward(*inputs))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _counters(engine) -> dict:
+    return dict(engine.memory_stats()["counters"])
+
+
+def _assert_same(engine, ref) -> None:
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "model")
+
+
+def _x(step: int, batch: int = 8, width: int = 32) -> torch.Tensor:
+    return torch.randn(batch, width, generator=torch.Generator().manual_seed(step))
+
+
+def _mse(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _mlp(depth=12, width=32) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("chaos", [None, ChaosConfig(seed=3)], ids=["plain", "chaos"])
+def test_resident_steps_take_the_fast_path_bit_for_bit(chaos):
+    engine, opt, ref, ref_opt = _pair(_mlp(), chaos=chaos)
+    rt = engine._runtime
+    try:
+        losses, ref_losses = [], []
+        for step in range(8):
+            losses.append(_step(engine, opt, _mse, _x(step)))
+            ref_losses.append(_step(ref, ref_opt, _mse, _x(step)))
+            if step >= 2:  # the traced step, then one full step on the plan verifies it
+                assert rt.fast.hooks_removed
+        assert_losses_bitwise(losses, ref_losses)
+        _assert_same(engine, ref)
+        c = _counters(engine)
+        assert c["fast_steps"] == 6, c
+        assert c["plan_departures"] == 0 and c["replans"] == 0, c
+        assert engine.memory_stats()["plan"]["streamed_buckets"] == 0
+    finally:
+        engine.close()
+
+
+def test_streamed_plan_never_takes_the_fast_path():
+    engine, opt, ref, ref_opt = _pair(_mlp(width=64), budget_frac=0.6)
+    try:
+        for step in range(5):
+            _step(engine, opt, _mse, _x(step, 4, 64))
+            _step(ref, ref_opt, _mse, _x(step, 4, 64))
+        _assert_same(engine, ref)
+        assert engine.memory_stats()["plan"]["streamed_buckets"] > 0
+        assert _counters(engine)["fast_steps"] == 0
+        assert not engine._runtime.fast.hooks_removed
+    finally:
+        engine.close()
+
+
+class Gated(nn.Module):
+    """``extra`` runs only where the batch says so (data-dependent): a step that skips it gives its
+    parameters no grad (torch's AdamW then skips them, no weight decay either). ``extra`` shares its bucket
+    with neighbours, so that bucket cannot be completed by counting grads: it must go at the end of backward."""
+
+    def __init__(self, width=32, depth=6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.extra = nn.Linear(width, width)
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x):
+        h = self.inp(x).tanh()
+        for i, layer in enumerate(self.layers):
+            if i == 3 and bool(x[0, 0] > 0):
+                h = self.extra(h).tanh()
+            h = layer(h).tanh()
+        return self.out(h)
+
+
+def _gated_x(step: int, take: bool) -> torch.Tensor:
+    x = _x(step)
+    x[0, 0] = 1.0 if take else -1.0
+    return x
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "deferred"])
+def test_branch_that_skips_a_module_loses_no_grad(overlap):
+    """Planned (and verified) with the branch taken; later steps skip it now and then. Same input shapes, so
+    the root cannot tell: the fast step runs, the skipped grads are noticed in backward."""
+    engine, opt, ref, ref_opt = _pair(Gated(), bucket_frac=0.12, overlap_optimizer=overlap)
+    try:
+        takes = [True, True, True, False, True, True, False, False, True, True, True]
+        losses, ref_losses = [], []
+        for step, take in enumerate(takes):
+            losses.append(_step(engine, opt, _mse, _gated_x(step, take)))
+            ref_losses.append(_step(ref, ref_opt, _mse, _gated_x(step, take)))
+        assert_losses_bitwise(losses, ref_losses)
+        _assert_same(engine, ref)
+        c = _counters(engine)
+        assert c["fast_steps"] >= 4, c  # steps 2, 3 (skips: departs in backward), 5, 9, ...
+        assert c["plan_departures"] >= 1, c  # the skipped branch was noticed
+    finally:
+        engine.close()
+
+
+def test_branch_first_skipped_then_taken_gets_its_grads():
+    """Planned with the branch skipped: its parameters never had a grad in the plan's step. A step that
+    takes it must not lose their grads (a fast path trusting the plan's grads would finish their bucket
+    early); the fast path does not take such a plan, the full path departs and re-plans as before."""
+    engine, opt, ref, ref_opt = _pair(Gated(), bucket_frac=0.12)
+    try:
+        takes = [False, False, False, True, False, False, True, True, False]
+        losses, ref_losses = [], []
+        for step, take in enumerate(takes):
+            losses.append(_step(engine, opt, _mse, _gated_x(step, take)))
+            ref_losses.append(_step(ref, ref_opt, _mse, _gated_x(step, take)))
+        assert_losses_bitwise(losses, ref_losses)
+        _assert_same(engine, ref)
+    finally:
+        engine.close()
+
+
+class Swappable(nn.Module):
+    """Two blocks called in either order, by a flag set between steps (same input shapes): a changed model."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(width, width)
+        self.a = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+        self.b = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+        self.out = nn.Linear(width, 4)
+        self.swap = False
+
+    def forward(self, x):
+        h = self.inp(x).tanh()
+        first, second = (self.b, self.a) if self.swap else (self.a, self.b)
+        return self.out(second(first(h).tanh()).tanh())
+
+
+def test_departure_mid_forward_is_caught_and_the_next_step_runs_the_full_path():
+    engine, opt, ref, ref_opt = _pair(Swappable(), bucket_frac=0.15)
+    rt = engine._runtime
+    try:
+        losses, ref_losses = [], []
+        for step in range(10):
+            swap = step in (4, 7, 8)
+            engine.module.swap = ref.swap = swap
+            before = _counters(engine)
+            losses.append(_step(engine, opt, _mse, _x(step)))
+            ref_losses.append(_step(ref, ref_opt, _mse, _x(step)))
+            after = _counters(engine)
+            if step == 4:  # fast (the root cannot see the order), departs in backward: grads order differs
+                assert after["fast_steps"] == before["fast_steps"] + 1
+                assert after["plan_departures"] == before["plan_departures"] + 1
+                assert after["replans"] == before["replans"]  # never planned from a fast step's record
+                assert not rt.fast.hooks_removed  # the next step runs the full path
+            if step == 5:  # the full path: departs (back to the planned order) ... as it always did
+                assert after["fast_steps"] == before["fast_steps"]
+        assert_losses_bitwise(losses, ref_losses)
+        _assert_same(engine, ref)
+        validate_plan(rt.executor.train_plan)
+    finally:
+        engine.close()
+
+
+def test_other_input_shapes_run_the_full_path():
+    engine, opt, ref, ref_opt = _pair(_mlp())
+    try:
+        losses, ref_losses = [], []
+        for step in range(9):
+            batch = 5 if step in (5, 6) else 8  # a short last batch, say
+            before = _counters(engine)
+            losses.append(_step(engine, opt, _mse, _x(step, batch)))
+            ref_losses.append(_step(ref, ref_opt, _mse, _x(step, batch)))
+            fast = _counters(engine)["fast_steps"] > before["fast_steps"]
+            # other shapes: the full path, which follows the plan (smaller activations), so the next step with
+            # those shapes runs fast, and the plan's own shapes stay verified
+            assert fast == (step not in (0, 1, 5)), step
+        assert_losses_bitwise(losses, ref_losses)
+        _assert_same(engine, ref)
+        assert _counters(engine)["fast_steps"] >= 4
+    finally:
+        engine.close()
+
+
+def test_a_plan_is_only_built_from_a_full_steps_record():
+    """A fast step records no uses, no saved-weight reads: the next plan must come from a full step."""
+    engine, opt, ref, ref_opt = _pair(Gated(), bucket_frac=0.12)
+    rt = engine._runtime
+    try:
+        takes = [True, True, True, True, False, False, False, False, False]
+        for step, take in enumerate(takes):
+            _step(engine, opt, _mse, _gated_x(step, take))
+            _step(ref, ref_opt, _mse, _gated_x(step, take))
+            plan = rt.executor.train_plan
+            trace = plan.trace
+            # a full step's record: every forward call has its uses, backward reads saved weights (UNPACK)
+            assert any(e.kind is EventKind.UNPACK for e in trace.events)
+            assert trace.touched and {q for u in trace.uses[:trace.num_forward] for q in u} == set(trace.touched)
+        _assert_same(engine, ref)
+        c = _counters(engine)
+        assert c["replans"] >= 1 and c["fast_steps"] >= 3, c  # re-planned for the skipping path, then fast on it
+    finally:
+        engine.close()
+
+
+def test_submodule_called_directly_between_fast_steps():
+    """With the hooks below the root removed, a direct call of a submodule is not seen by any hook: it must
+    still read the updated weights, and its backward must lose no grad."""
+    engine, opt, ref, ref_opt = _pair(_mlp(), chaos=ChaosConfig(seed=5, max_delay_ms=5.0))
+    try:
+        for step in range(8):
+            for f, o, m in ((engine, opt, engine.module), (ref, ref_opt, ref)):
+                _mse(f(_x(step))).backward()
+                o.step()  # the new weights are being copied in (the engine's copy lane, delayed)
+                with torch.no_grad():  # read at once, by a module no hook sees
+                    out = m[2](_x(50)), m[22](_x(51))
+                o.zero_grad()
+                if f is engine:
+                    got = out
+            assert torch.equal(got[0], out[0]) and torch.equal(got[1], out[1]), step
+        assert engine._runtime.fast.hooks_removed
+        for step in range(8, 10):  # train through a submodule alone, then the whole model again
+            _step(engine.module[2], opt, _mse, _x(step))
+            _step(ref[2], ref_opt, _mse, _x(step))
+            _step(engine, opt, _mse, _x(step))
+            _step(ref, ref_opt, _mse, _x(step))
+        _assert_same(engine, ref)
+    finally:
+        engine.close()
+
+
+def test_accumulation_and_eval_between_fast_steps():
+    engine, opt, ref, ref_opt = _pair(_mlp(), overlap_optimizer=False)
+    try:
+        for step in range(7):
+            for f, o in ((engine, opt), (ref, ref_opt)):
+                for micro in range(2):
+                    _mse(f(_x(10 * step + micro))).backward()
+                torch.nn.utils.clip_grad_norm_(engine.module.parameters() if f is engine else ref.parameters(), 0.05)
+                o.step()
+                o.zero_grad()
+            if step == 3:
+                with torch.no_grad():
+                    assert torch.equal(engine(_x(99)), ref(_x(99)))
+        _assert_same(engine, ref)
+        assert _counters(engine)["fast_steps"] >= 8
+    finally:
+        engine.close()
+
+
+class Faulty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _mlp(6)
+        self.fail = False
+
+    def forward(self, x):
+        h = self.body[:5](x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return self.body[5:](h)
+
+
+def test_forward_that_raises_on_the_fast_path():
+    engine, opt, ref, ref_opt = _pair(Faulty())
+    try:
+        for step in range(7):
+            if step == 4:
+                engine.module.fail = True
+                with pytest.raises(RuntimeError, match="boom"), pytest.warns(offload.errors.OffloadWarning):
+                    engine(_x(step))
+                engine.module.fail = False
+            _step(engine, opt, _mse, _x(step))
+            _step(ref, ref_opt, _mse, _x(step))
+        _assert_same(engine, ref)
+        assert _counters(engine)["fast_steps"] >= 3
+    finally:
+        engine.close()
