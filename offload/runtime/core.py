@@ -178,7 +178,10 @@ class Runtime:
         if self.executor.recorder.unpack(saved.param, torch._C._current_autograd_node()):
             self.access.new_node()
             self.executor.advance(EventKind.UNPACK, saved.param)
-        return self.access.param_view(saved)
+        view = self.access.param_view(saved)
+        if torch.is_grad_enabled():  # issue 19: backward(create_graph=True), torch.autograd.grad(create_graph=True)
+            return view.clone()  # the graph it builds saves what this returns: a copy, not a slot reused later
+        return view
 
     def _on_grad(self, param: nn.Parameter) -> None:
         ctx = self.ctx
@@ -212,6 +215,7 @@ class Runtime:
 
     def _begin_forward(self, root: int) -> None:
         ctx, executor = self.ctx, self.executor
+        guards.refuse_forward_in_backward(ctx, root)  # issue 19: a user's torch.utils.checkpoint recompute
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage

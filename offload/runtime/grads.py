@@ -62,6 +62,15 @@ class BackwardDiscard(NamedTuple):
     problems: list[str]  # background work that failed too
 
 
+# A second backward through the graph of one forward: the engine gathers one backward's grads per forward
+_SECOND_BACKWARD = (
+    "a second backward ran through the graph of a forward whose gradients an earlier backward already gathered "
+    "(e.g. loss.backward(retain_graph=True), then loss.backward() again, with or without optimizer.step() "
+    "between): offload gathers one backward's gradients per forward, so this one's would be lost. Run the forward "
+    "again before each backward, or add the losses and call backward once (torch.autograd.grad(..., "
+    "create_graph=True) before the backward, as for a gradient penalty, is fine: it accumulates nothing)")
+
+
 class GradPipeline:
     """Backward's grads: slots, copies to the host, accumulation, norms, clipping, updates."""
 
@@ -133,6 +142,8 @@ class GradPipeline:
         """Parameter ``p``'s grad is accumulated: move it into its bucket's grad slot; send the bucket to
         the host once all of its grads are in."""
         b = self.slots.bucket_of[p]
+        if b in self.finished:  # issue 19: its grads were sent, this backward's would be lost (silently)
+            raise OffloadError(_SECOND_BACKWARD)
         slot = self._grad_slot(b)
         off = self.slots.hosted().offset[p]
         grad = param.grad

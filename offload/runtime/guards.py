@@ -105,7 +105,7 @@ class ParamGuard:
             return [p for p, param in enumerate(ctx.params)
                     if param.numel() and param.data_ptr() not in self._expected(p)]
         slots = self.slots
-        slot_of, bucket_of, offset, itemsize = slots.slot, slots.bucket_of, slots.hosted().offset, ctx.itemsize
+        shown, bucket_of, offset, itemsize = slots.shown, slots.bucket_of, slots.hosted().offset, ctx.itemsize
         placeholders = ctx.placeholders
         bases: dict[int, int | None] = {}
         out = []
@@ -114,7 +114,7 @@ class ParamGuard:
             if b in bases:
                 base = bases[b]
             else:
-                slot = slot_of.get(b)
+                slot = shown(b)  # [Note: parameters show landed slots] in slots.py
                 base = bases[b] = None if slot is None else slot.storage.data_ptr() + slot.offset
             want = placeholders[p].data_ptr() if base is None else base + offset[p] * itemsize
             if param.data_ptr() != want and param.numel():
@@ -128,6 +128,30 @@ class ParamGuard:
         if original is not None:
             return original[p].data_ptr(), self.ctx.placeholders[p].data_ptr()
         return (self.slots.address(p),)
+
+
+def refuse_forward_in_backward(ctx: RuntimeContext, module: int) -> None:
+    """A forward of the wrapped model (or of one of its modules) that begins inside a backward is refused
+    (issue 19). That is ``torch.utils.checkpoint`` recomputing a checkpointed call of the user's own (either
+    ``use_reentrant``), or a forward called from a backward hook. The engine cannot follow it: a forward
+    beginning there started a new step in the middle of the backward, resetting that step's bookkeeping
+    (``use_reentrant=True`` trained silently wrong: ~4e-3 off plain torch after 4 steps), and pushed the
+    engine's saved-tensor hooks over checkpoint's recompute hooks (``use_reentrant=False``: torch's
+    CheckpointError, "0 tensors saved during recomputation"). The engine's own activation checkpointing runs
+    the same recompute inside the step (offload/runtime/recompute.py), so the error names it."""
+    if torch._C._current_autograd_node() is None:
+        return
+    name = next((n for i, (n, _) in enumerate(ctx.module.named_modules()) if i == module), "")
+    what = f"module {name!r} of the wrapped model" if name else "the wrapped model"
+    raise OffloadError(
+        f"a forward of {what} ran inside a backward: that is torch.utils.checkpoint.checkpoint(...) "
+        "(use_reentrant=True or False) recomputing a call during backward, or a forward called from a backward "
+        "hook. offload cannot follow a forward inside a backward (the weights it reads live in device slots the "
+        "backward is reusing; with use_reentrant=True training would be silently wrong). Remove the "
+        "torch.utils.checkpoint call from the model and let the engine checkpoint those modules: "
+        "offload.wrap(..., activation_checkpointing=[\"blocks.0\", \"blocks.1\", ...]) (names as in "
+        "model.named_modules()) or activation_checkpointing=\"auto\"; it recomputes them in backward the same way "
+        "(non-reentrant), with the same numbers")
 
 
 def check_step_has_grads(backward_seen: bool) -> None:
