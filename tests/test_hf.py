@@ -193,3 +193,27 @@ def test_off_plan_step_evicts_cached_buckets_as_activations_grow():
         assert 0 < len(ckpt["checkpointed"]) < ckpt["blocks"]  # the case this guards: a partial choice, then off plan
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_activation_checkpointing_enable_raises_naming_the_engines_checkpointing(reentrant):
+    """transformers' own ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable``) runs ``torch.utils.checkpoint`` inside the model;
+    its recompute (a forward inside backward) is refused at the first backward, naming the engine's
+    ``activation_checkpointing`` (before: ``use_reentrant=True`` trained silently wrong). Without it, the same
+    model goes on training as plain PyTorch, bit for bit."""
+    case = CASES["gpt2"]()
+    ref = copy.deepcopy(case.model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    case.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    case.model.train()
+    engine, opt = wrap(case.model, overlap_optimizer=False)
+    with pytest.raises(offload.OffloadError, match=r"ran inside a backward.*torch\.utils\.checkpoint.*"
+                                                   r"activation_checkpointing="):
+        case.model(**case.make_batch(0)).loss.backward()
+    with pytest.warns(offload.OffloadWarning, match="backward"):  # the fault, noticed at the next call
+        opt.zero_grad()
+    case.model.activation_checkpointing_disable()
+    losses = train(case.model, opt, case, 2)
+    assert_losses_bitwise(losses, train(ref, ref_opt, case, 2))
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "after the refused step")
+    engine.close()
