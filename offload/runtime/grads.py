@@ -110,7 +110,9 @@ class GradPipeline:
                 "a second backward ran before optimizer.step(), but this engine applies each bucket's AdamW "
                 "while backward runs (overlap_optimizer=True), so the previous backward's update is already "
                 "applied. To accumulate gradients over several backward passes, wrap with "
-                "overlap_optimizer=False; otherwise call step() after each backward.")
+                "overlap_optimizer=False; otherwise call step() after each backward. (A second backward through "
+                "the same forward's graph, backward(retain_graph=True) twice, is refused in either mode: run the "
+                "forward again before each backward.)")
         scaled = self.next_backward_scale is not None
         scale = self.next_backward_scale if self.next_backward_scale is not None else 1.0
         self.next_backward_scale = None

@@ -144,7 +144,11 @@ class RecomputeCoordinator:
         the unpack hook of a call that is not checkpointed does, [Note: saved parameters]), protected
         while the node runs; any other tensor is returned as it is."""
         ref = getattr(x, _STANDIN, None)
-        return x if ref is None else self.access.param_view(ref)
+        if ref is not None:
+            x = self.access.param_view(ref)
+        if torch.is_grad_enabled() and (ref is not None or self.access.locate(x) is not None):
+            return x.clone()  # issue 19: create_graph=True saves it in the graph it builds (core.Runtime._unpack)
+        return x
 
     def region_saved(self, block: int, region: int, t: torch.Tensor) -> None:
         """Forward of a checkpointed call: ``t`` is what it would have saved (measured, not kept)."""
