@@ -122,16 +122,20 @@ class Runtime:
         if index == 0 and executor.recorder.stack:
             faults.abort_forward(self, None)  # the previous call of the root module raised
         if not executor.recorder.stack:
+            if torch._C._current_autograd_node() is not None:  # issue 19: a forward inside backward
+                self.recompute.user_recompute_begins(index, self._pack, self._unpack)
+                return
             self._begin_forward(index)
         executor.recorder.pre(index)
         self.access.call_begins()
         executor.advance(EventKind.PRE, index)
 
     def _post_hook(self, index: int) -> Any:
-        busy, ckpt, on_post = self.ctx.busy, self.recompute.ckpt, self._on_post
+        busy, ckpt, on_post, recompute = self.ctx.busy, self.recompute.ckpt, self._on_post, self.recompute
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if ckpt.recomputing is not None:
+                recompute.user_recompute_ends(index)  # issue 19: a user's reentrant checkpoint
                 return
             if torch.is_inference_mode_enabled():
                 with busy:
@@ -215,7 +219,6 @@ class Runtime:
 
     def _begin_forward(self, root: int) -> None:
         ctx, executor = self.ctx, self.executor
-        guards.refuse_forward_in_backward(ctx, root)  # issue 19: a user's torch.utils.checkpoint recompute
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage

@@ -131,27 +131,23 @@ class ParamGuard:
 
 
 def refuse_forward_in_backward(ctx: RuntimeContext, module: int) -> None:
-    """A forward of the wrapped model (or of one of its modules) that begins inside a backward is refused
-    (issue 19). That is ``torch.utils.checkpoint`` recomputing a checkpointed call of the user's own (either
-    ``use_reentrant``), or a forward called from a backward hook. The engine cannot follow it: a forward
-    beginning there started a new step in the middle of the backward, resetting that step's bookkeeping
-    (``use_reentrant=True`` trained silently wrong: ~4e-3 off plain torch after 4 steps), and pushed the
-    engine's saved-tensor hooks over checkpoint's recompute hooks (``use_reentrant=False``: torch's
-    CheckpointError, "0 tensors saved during recomputation"). The engine's own activation checkpointing runs
-    the same recompute inside the step (offload/runtime/recompute.py), so the error names it."""
-    if torch._C._current_autograd_node() is None:
-        return
+    """A forward of the wrapped model (or of one of its modules) that begins inside a backward under
+    saved-tensor hooks of someone else's is refused (issue 19): ``torch.utils.checkpoint(..., use_reentrant=
+    False)`` recomputing a checkpointed call of the user's. Its recompute runs under checkpoint's own hooks,
+    which the engine's would hide (torch's CheckpointError: "0 tensors saved during recomputation"), and may
+    stop early inside the call. A reentrant one is followed ([Note: a user's reentrant checkpoint] in
+    recompute_hooks.py); the engine's own activation checkpointing runs the non-reentrant recompute for it."""
     name = next((n for i, (n, _) in enumerate(ctx.module.named_modules()) if i == module), "")
     what = f"module {name!r} of the wrapped model" if name else "the wrapped model"
     raise OffloadError(
-        f"a forward of {what} ran inside a backward: that is torch.utils.checkpoint.checkpoint(...) "
-        "(use_reentrant=True or False) recomputing a call during backward, or a forward called from a backward "
-        "hook. offload cannot follow a forward inside a backward (the weights it reads live in device slots the "
-        "backward is reusing; with use_reentrant=True training would be silently wrong). Remove the "
-        "torch.utils.checkpoint call from the model and let the engine checkpoint those modules: "
-        "offload.wrap(..., activation_checkpointing=[\"blocks.0\", \"blocks.1\", ...]) (names as in "
-        "model.named_modules()) or activation_checkpointing=\"auto\"; it recomputes them in backward the same way "
-        "(non-reentrant), with the same numbers")
+        f"a forward of {what} ran inside a backward under other saved-tensor hooks: that is "
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) recomputing a call during backward, which "
+        "offload cannot follow (the recompute must run under checkpoint's own saved-tensor hooks, above the "
+        "engine's, and may stop early inside the call). Let the engine checkpoint those modules instead: remove "
+        "the torch.utils.checkpoint call and wrap with activation_checkpointing=[\"blocks.0\", \"blocks.1\", "
+        "...] (names as in model.named_modules()) or activation_checkpointing=\"auto\", which recompute them "
+        "the same way (non-reentrant), with the same numbers and within the plan; or pass use_reentrant=True, "
+        "which offload follows")
 
 
 def check_step_has_grads(backward_seen: bool) -> None:
