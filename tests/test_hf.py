@@ -193,3 +193,43 @@ def test_off_plan_step_evicts_cached_buckets_as_activations_grow():
         assert 0 < len(ckpt["checkpointed"]) < ckpt["blocks"]  # the case this guards: a partial choice, then off plan
     finally:
         engine.close()
+
+
+def test_activation_checkpointing_enable_reentrant_trains_like_pytorch():
+    """transformers' own ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable``) with
+    ``use_reentrant=True`` runs ``torch.utils.checkpoint`` inside the model; the engine follows its recompute
+    ([Note: a user's reentrant checkpoint]): losses and weights bit for bit plain PyTorch with the same
+    checkpointing (before: silently wrong)."""
+    case = CASES["gpt2"]()
+    ref = copy.deepcopy(case.model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    for m in (case.model, ref):
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        m.train()
+    engine, opt = wrap(case.model)
+    assert_losses_bitwise(train(case.model, opt, case, STEPS), train(ref, ref_opt, case, STEPS))
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "reentrant checkpointing")
+    assert engine.memory_stats()["counters"]["plan_departures"] == 0
+    engine.close()
+
+
+def test_activation_checkpointing_enable_non_reentrant_raises_naming_the_engines_checkpointing():
+    """With ``use_reentrant=False`` the recompute is refused at the first backward, naming the engine's
+    ``activation_checkpointing`` (before: torch's CheckpointError). Without it, the same model goes on training
+    as plain PyTorch, bit for bit."""
+    case = CASES["gpt2"]()
+    ref = copy.deepcopy(case.model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    case.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    case.model.train()
+    engine, opt = wrap(case.model, overlap_optimizer=False)
+    with pytest.raises(offload.OffloadError, match=r"ran inside a backward.*use_reentrant=False.*"
+                                                   r"activation_checkpointing="):
+        case.model(**case.make_batch(0)).loss.backward()
+    with pytest.warns(offload.OffloadWarning, match="backward"):  # the fault, noticed at the next call
+        opt.zero_grad()
+    case.model.activation_checkpointing_disable()
+    losses = train(case.model, opt, case, 2)
+    assert_losses_bitwise(losses, train(ref, ref_opt, case, 2))
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "after the refused step")
+    engine.close()

@@ -73,7 +73,7 @@ def _train(cls, factory, args, *, resume=None, eval_batches=0, **offload_kw):
     AcceleratorState._reset_state()
     case = factory()
     logs = Logs()
-    extra = {"offload_config": _config(case.model, **offload_kw)} if cls is OffloadTrainer else {}
+    extra = {"offload_config": _config(case.model, **offload_kw)} if issubclass(cls, OffloadTrainer) else {}
     eval_ds = Rows(case, eval_batches, first=1000) if eval_batches else None
     trainer = cls(model=case.model, args=args, train_dataset=Rows(case, 8), eval_dataset=eval_ds,
                   callbacks=[logs], **extra)
@@ -109,6 +109,33 @@ def test_equals_plain_trainer_with_accumulation_and_clipping(tmp_path, factory):
     assert stats["plan"]["streamed_buckets"] > 0
     assert stats["device_peak_bytes"] <= stats["budget_bytes"]
     assert not stats["optimizer"]["overlap"]  # accumulation and clipping need the deferred updates
+
+
+class _TrainersOwnClip(OffloadTrainer):
+    """OffloadTrainer with the Trainer's own clipping and norm instead of ``engine.clip_grad_norm_``: accelerate's
+    ``clip_grad_norm_`` -> ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)`` on ``p.grad``
+    (what a Trainer subclass with its own clipping, or a callback reading p.grad, meets)."""
+
+    _clip_grad_norm = transformers.Trainer._clip_grad_norm
+    _get_grad_norm = transformers.Trainer._get_grad_norm
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_trainers_own_clip_on_p_grad_clips_like_plain_trainer(tmp_path, accumulate):
+    """max_grad_norm far below the grads' norm through the Trainer's own path on p.grad (issue 19: before p.grad
+    showed the gradients it returned 0.0 and clipped nothing): every logged loss and grad norm and the weights
+    equal the plain Trainer's bit for bit, and they differ from a run that does not clip."""
+    args = _args(tmp_path, gradient_accumulation_steps=accumulate, max_grad_norm=0.05)
+    plain, ref = _train(transformers.Trainer, hf_models.gpt2, args)
+    ours, got = _train(_TrainersOwnClip, hf_models.gpt2, args)
+    assert len(ref.train) == 4 and all(n > 0.5 for _, _, n in ref.train)  # ten times the max norm and more
+    assert got.train == ref.train
+    _assert_same_weights(_weights(ours), _weights(plain))
+    assert ours.engine.memory_stats()["plan"]["streamed_buckets"] > 0
+    unclipped, _ = _train(OffloadTrainer, hf_models.gpt2, _args(tmp_path, gradient_accumulation_steps=accumulate,
+                                                               max_grad_norm=1e9))
+    differ = [k for k, v in _weights(unclipped).items() if not torch.equal(v, _weights(ours)[k])]
+    assert differ, "clipping at 0.05 must change the weights"
 
 
 def test_overlapped_optimizer_without_accumulation_or_clipping(tmp_path):

@@ -15,7 +15,8 @@ biases and norms). Then:
 * clipping is ``engine.clip_grad_norm_``, which reads the per-parameter norms the engine computed as the
   grads arrived instead of making a pass over ``p.grad`` as the Trainer's own clip does (clipping turns
   ``overlap_optimizer`` off, so ``p.grad`` does show the host's sums: README, *Plain PyTorch calls*; the
-  Trainer's own clip path through accelerate is not what runs here, and is not tested);
+  Trainer's own clip through accelerate and ``torch.nn.utils.clip_grad_norm_`` on ``p.grad``, for a subclass
+  that puts it back, gives the same numbers bit for bit: tests/test_integrations_hf.py);
 * checkpoints hold ``offload.pt`` (``engine.save``: fp32 masters, AdamW state, loss scale) beside the
   Trainer's files; ``model.safetensors`` holds the real fp32 weights (``engine.state_dict()``), so
   ``from_pretrained`` on a saved folder works without offload.

@@ -157,6 +157,9 @@ class Runtime:
         if index == 0 and executor.recorder.stack:
             faults.abort_forward(self, None)  # the previous call of the root module raised
         if not executor.recorder.stack:
+            if torch._C._current_autograd_node() is not None:  # issue 19: a forward inside backward
+                self.recompute.user_recompute_begins(index, self._pack, self._unpack)
+                return
             if module is not None:
                 faults.check_backward_finished(self, None)  # before deciding: cleaning up drops the fast path
             if module is not None and self.fast.wants(module, args, kwargs or {}):
@@ -172,10 +175,11 @@ class Runtime:
         executor.advance(EventKind.PRE, index)
 
     def _post_hook(self, index: int) -> Any:
-        busy, ckpt, on_post = self.ctx.busy, self.recompute.ckpt, self._on_post
+        busy, ckpt, on_post, recompute = self.ctx.busy, self.recompute.ckpt, self._on_post, self.recompute
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if ckpt.recomputing is not None:
+                recompute.user_recompute_ends(index)  # issue 19: a user's reentrant checkpoint
                 return
             if torch.is_inference_mode_enabled():
                 with busy:
@@ -228,7 +232,10 @@ class Runtime:
         if self.executor.recorder.unpack(saved.param, torch._C._current_autograd_node()):
             self.access.new_node()
             self.executor.advance(EventKind.UNPACK, saved.param)
-        return self.access.param_view(saved)
+        view = self.access.param_view(saved)
+        if torch.is_grad_enabled():  # issue 19: backward(create_graph=True), torch.autograd.grad(create_graph=True)
+            return view.clone()  # the graph it builds saves what this returns: a copy, not a slot reused later
+        return view
 
     def _on_grad(self, param: nn.Parameter) -> None:
         ctx = self.ctx

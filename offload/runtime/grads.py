@@ -63,6 +63,15 @@ class BackwardDiscard(NamedTuple):
     problems: list[str]  # background work that failed too
 
 
+# A second backward through the graph of one forward: the engine gathers one backward's grads per forward
+_SECOND_BACKWARD = (
+    "a second backward ran through the graph of a forward whose gradients an earlier backward already gathered "
+    "(e.g. loss.backward(retain_graph=True), then loss.backward() again, with or without optimizer.step() "
+    "between): offload gathers one backward's gradients per forward, so this one's would be lost. Run the forward "
+    "again before each backward, or add the losses and call backward once (torch.autograd.grad(..., "
+    "create_graph=True) before the backward, as for a gradient penalty, is fine: it accumulates nothing)")
+
+
 class GradPipeline:
     """Backward's grads: slots, copies to the host, accumulation, norms, clipping, updates."""
 
@@ -103,7 +112,9 @@ class GradPipeline:
                 "a second backward ran before optimizer.step(), but this engine applies each bucket's AdamW "
                 "while backward runs (overlap_optimizer=True), so the previous backward's update is already "
                 "applied. To accumulate gradients over several backward passes, wrap with "
-                "overlap_optimizer=False; otherwise call step() after each backward.")
+                "overlap_optimizer=False; otherwise call step() after each backward. (A second backward through "
+                "the same forward's graph, backward(retain_graph=True) twice, is refused in either mode: run the "
+                "forward again before each backward.)")
         scaled = self.next_backward_scale is not None
         scale = self.next_backward_scale if self.next_backward_scale is not None else 1.0
         self.next_backward_scale = None
@@ -137,6 +148,8 @@ class GradPipeline:
         """Parameter ``p``'s grad is accumulated: move it into its bucket's grad slot; send the bucket to
         the host once all of its grads are in."""
         b = self.slots.bucket_of[p]
+        if b in self.finished:  # issue 19: its grads were sent, this backward's would be lost (silently)
+            raise OffloadError(_SECOND_BACKWARD)
         slot = self._grad_slot(b)
         off = self.slots.hosted().offset[p]
         grad = param.grad

@@ -105,7 +105,7 @@ class ParamGuard:
             return [p for p, param in enumerate(ctx.params)
                     if param.numel() and param.data_ptr() not in self._expected(p)]
         slots = self.slots
-        slot_of, bucket_of, offset, itemsize = slots.slot, slots.bucket_of, slots.hosted().offset, ctx.itemsize
+        shown, bucket_of, offset, itemsize = slots.shown, slots.bucket_of, slots.hosted().offset, ctx.itemsize
         placeholders = ctx.placeholders
         bases: dict[int, int | None] = {}
         out = []
@@ -114,7 +114,7 @@ class ParamGuard:
             if b in bases:
                 base = bases[b]
             else:
-                slot = slot_of.get(b)
+                slot = shown(b)  # [Note: parameters show landed slots] in slots.py
                 base = bases[b] = None if slot is None else slot.storage.data_ptr() + slot.offset
             want = placeholders[p].data_ptr() if base is None else base + offset[p] * itemsize
             if param.data_ptr() != want and param.numel():
@@ -128,6 +128,26 @@ class ParamGuard:
         if original is not None:
             return original[p].data_ptr(), self.ctx.placeholders[p].data_ptr()
         return (self.slots.address(p),)
+
+
+def refuse_forward_in_backward(ctx: RuntimeContext, module: int) -> None:
+    """A forward of the wrapped model (or of one of its modules) that begins inside a backward under
+    saved-tensor hooks of someone else's is refused (issue 19): ``torch.utils.checkpoint(..., use_reentrant=
+    False)`` recomputing a checkpointed call of the user's. Its recompute runs under checkpoint's own hooks,
+    which the engine's would hide (torch's CheckpointError: "0 tensors saved during recomputation"), and may
+    stop early inside the call. A reentrant one is followed ([Note: a user's reentrant checkpoint] in
+    recompute_hooks.py); the engine's own activation checkpointing runs the non-reentrant recompute for it."""
+    name = next((n for i, (n, _) in enumerate(ctx.module.named_modules()) if i == module), "")
+    what = f"module {name!r} of the wrapped model" if name else "the wrapped model"
+    raise OffloadError(
+        f"a forward of {what} ran inside a backward under other saved-tensor hooks: that is "
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) recomputing a call during backward, which "
+        "offload cannot follow (the recompute must run under checkpoint's own saved-tensor hooks, above the "
+        "engine's, and may stop early inside the call). Let the engine checkpoint those modules instead: remove "
+        "the torch.utils.checkpoint call and wrap with activation_checkpointing=[\"blocks.0\", \"blocks.1\", "
+        "...] (names as in model.named_modules()) or activation_checkpointing=\"auto\", which recompute them "
+        "the same way (non-reentrant), with the same numbers and within the plan; or pass use_reentrant=True, "
+        "which offload follows")
 
 
 def check_step_has_grads(backward_seen: bool) -> None:

@@ -34,7 +34,8 @@ output tensor that requires grad (FSDP2's pre-backward hook) fires before autogr
 parameter of the module, so AccumulateGrad never adds into an exposed grad, while a forward with no backward
 after it (a validation loss computed with grad enabled) leaves ``p.grad`` as it was, as in plain PyTorch. The
 hook acts once per forward: a second backward of a graph kept with ``retain_graph=True`` meets the grads the
-first exposed and raises (its grads would otherwise be lost). An exposed grad still held by the user after it
+first exposed and raises (its grads would otherwise be lost); after a ``step()`` (nothing exposed) the grad
+pipeline raises instead, when it meets a bucket whose grads this forward's backward already sent (grads.py). An exposed grad still held by the user after it
 was taken away raises when used.
 
 With ``overlap_optimizer=True`` the grads were consumed during backward (each bucket's AdamW ran as soon as
@@ -163,9 +164,10 @@ class ExposedGrad(torch.Tensor):
                                f"{_HOW_TO_READ_GRADS}.")
         if exposure.ctx.phases.in_backward or torch._C._current_autograd_node() is not None:
             raise OffloadError("a backward reached a gradient exposed in p.grad by the previous backward without a "
-                               "forward in between (e.g. backward(retain_graph=True) twice): the engine cannot add "
-                               "into it. Run a forward before each backward (the engine gathers one backward's "
-                               "gradients per forward)")
+                               "forward in between (e.g. loss.backward(retain_graph=True), then loss.backward() "
+                               "again): the engine cannot add into it. Run a forward before each backward (the "
+                               "engine gathers one backward's gradients per forward), or add the losses and call "
+                               "backward once")
         return exposure
 
     def _host_data(self) -> torch.Tensor:
@@ -398,19 +400,42 @@ def _names(ctx: RuntimeContext, params: list[int], most: int = 4) -> list[str]:
 def module_hooks(rt: Runtime) -> list[RemovableHandle]:
     """``module.state_dict()`` (of the wrapped model or any submodule) returns the real fp32 weights (the
     parameters themselves are placeholders outside forward), and ``module.load_state_dict()`` after the first
-    forward raises, naming the engine's way. The runtime registers them (``Runtime._register_hooks``) and
+    forward raises, naming the engine's way; ``copy.deepcopy(module)`` and pickling raise (``_StateDictHook``).
+    The runtime registers them (``Runtime._register_hooks``) and
     removes them at close; they hold it weakly (an engine dropped without close() must still be freed)."""
     ref = weakref.ref(rt)
     handles = []
     for module in rt.ctx.module.modules():
-        handles.append(module.register_state_dict_post_hook(_state_dict_hook(ref)))
+        handles.append(module.register_state_dict_post_hook(_StateDictHook(ref)))
         handles.append(module.register_load_state_dict_pre_hook(_load_hook(ref)))
     return handles
 
 
-def _state_dict_hook(ref: weakref.ref[Runtime]) -> Callable[..., None]:
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        rt = ref()
+_HOW_TO_COPY = (
+    "copy.deepcopy (or pickling, e.g. torch.save(model)) of a module wrapped by offload is refused: outside a "
+    "forward its parameters are placeholders (NaN; the weights live in the engine's host memory) and its hooks "
+    "belong to this engine, so the copy would hold NaN weights and drive this engine's hooks. Copy the weights "
+    "instead: build a new model and new.load_state_dict(model.state_dict()) (model.state_dict() and "
+    "engine.state_dict()[\"model\"] give the real fp32 weights), or engine.close() first (the module gets its "
+    "trained weights back, unwrapped). Save with engine.save(path) or torch.save(model.state_dict(), path)")
+
+
+class _StateDictHook:
+    """``module.state_dict()``'s post-hook (see :func:`module_hooks`). It sits in every wrapped module's
+    hooks, so it also turns ``copy.deepcopy(module)`` and pickling, which copy a module's hooks with its
+    placeholder parameters, into a clear error (issue 19) rather than a copy with NaN weights."""
+
+    def __init__(self, ref: weakref.ref[Runtime]) -> None:
+        self.ref = ref
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise OffloadError(_HOW_TO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise OffloadError(_HOW_TO_COPY)
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        rt = self.ref()
         if rt is None or rt.slots.host is None:  # before the first forward the parameters hold their values
             return
         rt.wait_for_updates()
@@ -425,7 +450,6 @@ def _state_dict_hook(ref: weakref.ref[Runtime]) -> Callable[..., None]:
                 key = prefix + name
                 if key in state_dict and state_dict[key] is not buf:
                     state_dict[key] = buf.detach().to("cpu", copy=True)  # as engine.state_dict()["model"]
-    return hook
 
 
 def _load_hook(ref: weakref.ref[Runtime]) -> Callable[..., None]:

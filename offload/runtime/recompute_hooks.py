@@ -6,7 +6,7 @@ from the activations measured in the warm-up step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 import torch
 
@@ -25,6 +25,7 @@ from ..planning.activations import (
 )
 from ..planning.schedule import budget_error, min_arena_bytes
 from ..planning.trace import EventKind, Recorder, Trace
+from .guards import refuse_forward_in_backward
 from .phases import Pass
 from .recompute import Checkpointer, candidates
 from .residency import ParamRef
@@ -71,6 +72,8 @@ class RecomputeCoordinator:
         # profile), to choose blocks from if that step's plan does not fit
         self.warmup: tuple[Trace, ActivationProfile] | None = None
         self.profile: ActivationProfile | None = None  # activation bytes per block, of the last step
+        # a user's reentrant recompute running: (module, region, the contexts it entered)
+        self.user: tuple[int, int, list[AbstractContextManager[object]]] | None = None
         self.reset_step()
 
     def start(self) -> None:
@@ -79,6 +82,11 @@ class RecomputeCoordinator:
             self.ckpt.set_active(self.blocks)
 
     def reset_step(self) -> None:
+        user, self.user = self.user, None
+        if user is not None:  # it raised (the backward failed): leave its contexts, which are on top
+            self.ckpt.recomputing = None
+            for c in reversed(user[2]):
+                c.__exit__(None, None, None)
         self.ckpt.reset()
         self.forward_end_activations = 0  # saved bytes held when this step's forward ended
         self.event: dict[int, int] = {}  # checkpointed call (region) -> its RECOMPUTE event
@@ -144,7 +152,11 @@ class RecomputeCoordinator:
         the unpack hook of a call that is not checkpointed does, [Note: saved parameters]), protected
         while the node runs; any other tensor is returned as it is."""
         ref = getattr(x, _STANDIN, None)
-        return x if ref is None else self.access.param_view(ref)
+        if ref is not None:
+            x = self.access.param_view(ref)
+        if torch.is_grad_enabled() and (ref is not None or self.access.locate(x) is not None):
+            return x.clone()  # issue 19: create_graph=True saves it in the graph it builds (core.Runtime._unpack)
+        return x
 
     def region_saved(self, block: int, region: int, t: torch.Tensor) -> None:
         """Forward of a checkpointed call: ``t`` is what it would have saved (measured, not kept)."""
@@ -163,6 +175,58 @@ class RecomputeCoordinator:
             self.access.unhold(region)
             for key in self.holds.pop(region, ()):
                 self.ctx.memory.drop(key)
+
+    # -- a user's own torch.utils.checkpoint(..., use_reentrant=True) (issue 19) ---------------------------
+    # [Note: a user's reentrant checkpoint] torch.utils.checkpoint(fn, x, use_reentrant=True) runs ``fn`` under
+    # no_grad in forward (the engine sees ordinary module calls that save nothing) and, in backward, runs it
+    # again with grad inside its node's backward, then a nested backward through what it made. The engine
+    # treats that forward inside backward as a recompute of its own: one RECOMPUTE event (so the plan keeps
+    # its weights' fetches), the use detector fetching what it reads, the modules it calls standing aside,
+    # and the engine's own saved-tensor hooks, so the weight views it saves are references resolved when the
+    # nested backward unpacks them ([Note: saved parameters]): the region is over when the call returns.
+    # (Before, such a forward began a new step in the middle of the backward: silently wrong numbers.)
+    # A non-reentrant one recomputes under checkpoint's own saved-tensor hooks, which the engine's would
+    # hide, and may stop early, inside the call: refused, naming the alternatives.
+
+    def user_recompute_begins(self, module: int, pack: Callable[[torch.Tensor], Any],
+                              unpack: Callable[[Any], torch.Tensor]) -> None:
+        """A forward of ``module`` begins inside a backward: torch.utils.checkpoint with ``use_reentrant=True``
+        recomputing a checkpointed call of the user's (or a forward called from a backward hook). It runs as a
+        recompute of the engine's own does (see [Note: a user's reentrant checkpoint]); one under other
+        saved-tensor hooks (``use_reentrant=False``) is refused (``guards.refuse_forward_in_backward``)."""
+        if self.user is not None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            refuse_forward_in_backward(self.ctx, module)
+        region = len(self.ckpt.regions)
+        self.ckpt.regions.append(module)
+        contexts = [*self.recompute_begin(region, module),  # the use detector: weights fetched and held
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack)]  # weight views saved as references
+        entered: list[AbstractContextManager[object]] = []
+        try:
+            for c in contexts:
+                c.__enter__()
+                entered.append(c)
+        except BaseException:
+            for c in reversed(entered):
+                c.__exit__(None, None, None)
+            self.recompute_end(region)
+            raise
+        self.user = (module, region, entered)
+        self.ckpt.recomputing = region  # the hooks of the modules it calls stand aside, as in a recompute
+
+    def user_recompute_ends(self, module: int) -> bool:
+        """A module's forward ended during a user's recompute: if it is the one that began it, the recompute
+        is over (True)."""
+        user = self.user
+        if user is None or user[0] != module:
+            return False
+        self.user = None
+        _, region, entered = user
+        self.ckpt.recomputing = None
+        for c in reversed(entered):
+            c.__exit__(None, None, None)
+        self.recompute_end(region)
+        self.region_done(region)  # its weight views are references: nothing need stay on the device
+        return True
 
     # -- what the runtime tells it -------------------------------------------------------------------------
 

@@ -7,6 +7,14 @@ pack hook). It also owns the device memory allocated on demand (bucket slots, an
 copy has read them), the compute ``boundary`` every new copy into a slot waits for, and the events after
 which a plan buffer may be reused (``done``).
 
+[Note: parameters show landed slots] A parameter points into its bucket's slot only once compute has
+waited for the copy that fills it (``land``); while a copy is in flight (a prefetch, the first plan's
+resident buckets, a resident bucket refreshed with its new weights after ``step()``) it points at its
+placeholder. Every use in forward lands the bucket first (the use detector and the plan's waits), so
+nothing changes there; what it prevents is a read outside forward (``p.norm()`` for logging, an EMA of
+weights, right after ``step()``) racing the copy: it read the slot's previous bytes (another bucket's, or
+the weights before the step) as plausible numbers; now it reads NaN (issue 19).
+
 [Note: cross-stream lifetimes] The arena is ours, so the caching allocator's ``record_stream`` does not
 protect a slot: every reuse of a slot waits on the event of its last reader (``done``, ``boundary``),
 a slot is never freed while a copy still writes it (``release``) or reads it (``Freeing``), and a host
@@ -106,13 +114,15 @@ class SlotTable:
         self.h2d_event[b] = ctx.backend.h2d(dst, self.hosted().source(b), waits)
         ctx.lane_log.add("h2d", b, n * ctx.itemsize, self.h2d_event[b])
         if fresh:
-            self.bind(b, slot)
             self._index(b, slot)
+        else:  # refreshed in place (new weights after step()): see [Note: parameters show landed slots]
+            self.unbind(b)
 
     def land(self, b: int) -> None:
-        """Compute waits until bucket ``b``'s copy (issued) has landed."""
+        """Compute waits until bucket ``b``'s copy (issued) has landed; its parameters show the slot from now."""
         self.ctx.backend.wait(self.h2d_event[b])
         self.set_state(b, Residency.DEVICE)
+        self.bind(b, self.slot[b])
         self.touch(b)
 
     def touch(self, b: int) -> None:
@@ -161,10 +171,14 @@ class SlotTable:
         for p in self.buckets[b].params:
             ctx.backend.bind(ctx.params[p], ctx.placeholders[p])
 
+    def shown(self, b: int) -> Slot | None:
+        """The slot bucket ``b``'s parameters point into now: None (their placeholders) unless it landed."""
+        return self.slot.get(b) if self.state[b] is Residency.DEVICE else None
+
     def address(self, p: int) -> int:
         """Where parameter ``p``'s data points right now: its slot, or its placeholder."""
         ctx = self.ctx
-        slot = self.slot.get(self.bucket_of[p])
+        slot = self.shown(self.bucket_of[p])
         if slot is None:
             return ctx.placeholders[p].data_ptr()
         return slot.storage.data_ptr() + slot.offset + self.hosted().offset[p] * ctx.itemsize
@@ -172,7 +186,7 @@ class SlotTable:
     def rebind(self, p: int) -> None:
         """Point parameter ``p`` back at what the slot table gave it (its bucket's slot or placeholder)."""
         b = self.bucket_of[p]
-        slot = self.slot.get(b)
+        slot = self.shown(b)
         if slot is None:
             self.ctx.params[p].data = self.ctx.placeholders[p]
         else:
