@@ -45,6 +45,9 @@ class PlanExecutor:
         self._leaving: list[Callable[[], None]] = []  # what must move out of the arena before it goes
         self.device_state: DeviceOptimizer | None = None  # issue 18: optimizer state kept in the arena
         self._copied_in: list[Callable[[], None]] = []  # told when copies into slots were issued between passes
+        # Views into the arena built once per arena (the grad pipeline's per-parameter grad views): dropped with
+        # it, so no cached view keeps a freed arena's memory alive (issue 17, the hot path)
+        self._arena_views: dict[object, dict[int, torch.Tensor]] = {}
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
@@ -170,6 +173,7 @@ class PlanExecutor:
         ctx, slots = self.ctx, self.slots
         self.plan = plan
         self.arena = arena = ctx.backend.empty(plan.arena_bytes)
+        self._arena_views = {}
         ctx.memory.add("arena", plan.arena_bytes)
         slots.mark_boundary()
         for b in plan.resident:
@@ -194,6 +198,7 @@ class PlanExecutor:
         if self.arena is not None:
             self.ctx.memory.add("arena", -self.arena.numel())
             self.arena = None
+            self._arena_views = {}
 
     def arena_view(self, offset: int, numel: int) -> torch.Tensor:
         """``numel`` elements of the compute dtype at byte ``offset`` of the arena."""
@@ -201,6 +206,16 @@ class PlanExecutor:
             raise InvariantError("a plan buffer is used while no plan is active")
         itemsize = self.ctx.itemsize
         return self.arena[offset: offset + numel * itemsize].view(self.ctx.dtype)
+
+    def arena_views(self, key: object, build: Callable[[], dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """``build()`` (views into the current arena), built once per arena under ``key``: every deactivation
+        drops them with the arena."""
+        if self.arena is None:
+            raise InvariantError("a plan buffer is used while no plan is active")
+        views = self._arena_views.get(key)
+        if views is None:
+            views = self._arena_views[key] = build()
+        return views
 
     def _prefetch(self, plan: Plan, k: int) -> None:
         x = plan.buffers[k]
@@ -250,6 +265,7 @@ class PlanExecutor:
 
     def close(self) -> None:
         self.arena = None
+        self._arena_views = {}
 
     # -- plans ------------------------------------------------------------------------------------------------
 

@@ -83,6 +83,8 @@ class GradPipeline:
         self.deferred = not config.overlap_optimizer  # updates run in step(), after every grad is in
         self.scaler = LossScaler(config.loss_scale) if config.loss_scale is not None else None
         self.gathering: dict[int, GradSlot] = {}  # bucket -> its grad slot, while this backward fills it
+        # bucket -> its parameters' views in its gathering slot, when that is a plan buffer (built once per arena)
+        self.param_views: dict[int, dict[int, torch.Tensor]] = {}
         self.copies: list[Event] = []  # device-to-host grad copies of the last backward, not yet waited for
         self.pending: dict[int, PendingGrads] = {}  # bucket -> its grads gathered since the last step()
         self.norms: dict[int, torch.Tensor] = {}  # param -> 2-norm of its gathered grad (deferred mode)
@@ -150,22 +152,36 @@ class GradPipeline:
         b = self.slots.bucket_of[p]
         if b in self.finished:  # issue 19: its grads were sent, this backward's would be lost (silently)
             raise OffloadError(_SECOND_BACKWARD)
-        slot = self._grad_slot(b)
-        off = self.slots.hosted().offset[p]
+        views = self.param_views.get(b)
+        if views is None:
+            slot = self._grad_slot(b)
+            views = self.param_views.get(b)
         grad = param.grad
         if grad is None:
             raise InvariantError(f"parameter {p}: its post-accumulate-grad hook ran without a grad")
+        # A plan buffer's slot has a cached view per parameter (its shape: no slice or reshape per grad);
+        # an on-demand slot is sliced per grad. Either way the same elements get the same values.
+        if views is not None:
+            dst = views[p]
+            src = grad
+        else:
+            off = self.slots.hosted().offset[p]
+            dst = slot[off: off + param.numel()]
+            src = grad.reshape(-1)
         if torch.is_grad_enabled():  # backward(create_graph=True); otherwise no context to enter per grad
             with torch.no_grad():
-                slot[off: off + param.numel()].copy_(grad.reshape(-1))
+                dst.copy_(src)
         else:
-            slot[off: off + param.numel()].copy_(grad.reshape(-1))
+            dst.copy_(src)
         param.grad = None
-        del grad
+        del grad, src
         self.ctx.memory.add("grads", -nbytes)
-        got = self.received.setdefault(b, set())
+        got = self.received.get(b)
+        if got is None:
+            got = self.received[b] = set()
         got.add(p)
-        if got >= self._expected(b):
+        expected = self._expected(b)
+        if len(got) >= len(expected) and got >= expected:
             self.finish(b)
 
     def _expected(self, b: int) -> frozenset[int]:
@@ -196,6 +212,7 @@ class GradPipeline:
                     ctx.backend.wait(slots.done[j])
             ctx.backend.wait(slots.boundary)
             view = executor.arena_view(x.offset, n)
+            self.param_views[b] = executor.arena_views(("grads", b, k), lambda: self._views_of(b, view))
         else:
             slots.make_room(n * ctx.itemsize)
             view = ctx.backend.empty(n * ctx.itemsize).view(ctx.dtype)
@@ -208,6 +225,12 @@ class GradPipeline:
         self.gathering[b] = GradSlot(view, k)
         return view
 
+    def _views_of(self, b: int, view: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Bucket ``b``'s parameters in its grad slot ``view`` (a plan buffer), each shaped as the parameter."""
+        off, specs, params = self.slots.hosted().offset, self.ctx.specs, self.ctx.params
+        return {p: view[off[p]: off[p] + specs[p].numel].view(params[p].shape)
+                for run in self.slots.buckets[b].runs for p in run.params}
+
     def finish(self, b: int) -> None:
         """All of bucket ``b``'s grads are in its slot: copy them to the host, then update on the CPU."""
         if b in self.finished:
@@ -215,6 +238,7 @@ class GradPipeline:
         self.finished.add(b)
         ctx, slots = self.ctx, self.slots
         view, k = self.gathering.pop(b)
+        self.param_views.pop(b, None)
         got = frozenset(self.received[b])  # the slot was cleared when taken: the others send zeros
         if self.device.owns(b) and not self.deferred:  # issue 18: optimizer on the device: updated from the slot
             self.pending[b] = PendingGrads(got, self.device.update(b, view, k, got, self.hparams))
@@ -293,6 +317,7 @@ class GradPipeline:
                 ctx.memory.add("slots", moved.numel() * ctx.itemsize)
                 moved.copy_(view)
                 self.gathering[b] = GradSlot(moved, None)
+                self.param_views.pop(b, None)
 
     def backward_done(self) -> None:
         """Every grad of this backward is on its way to the host (grads would be exposed from here)."""
@@ -429,6 +454,7 @@ class GradPipeline:
             if k is None:  # an on-demand slot (planned ones are bytes of the arena)
                 ctx.memory.add("slots", -view.numel() * ctx.itemsize)
         self.gathering.clear()
+        self.param_views.clear()
         self.slots.reclaim(block=True)
         self.copies = []
         arrived = sum(len(ps) for ps in self.received.values())

@@ -222,6 +222,7 @@ class Exposure:
         self.final = False  # the sums were waited for since the last expose
         self.dirty: set[int] = set()  # params whose sum changed since the engine computed its norm
         self.closed = False
+        self._stride_cache: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}  # param -> (shape, its strides)
 
     # -- the runtime's calls ------------------------------------------------------------------------------
 
@@ -229,12 +230,23 @@ class Exposure:
         """End of backward: every parameter that has a gathered gradient gets it in ``param.grad``."""
         grads = self.grads
         self.final = False
+        params, exposed = self.ctx.params, self.exposed
         for p in grads.pending_params():
-            param = self.ctx.params[p]
-            data = grads.grad_sum(p).view(param.shape) if grads.deferred else None
-            g = ExposedGrad(self, p, data, param)
+            param = params[p]
+            if grads.deferred:
+                g = ExposedGrad(self, p, grads.grad_sum(p).view(param.shape), param)
+            else:
+                g = ExposedGrad(self, p, None, param, strides=self._strides(p, param.shape))
             param.grad = g
-            self.exposed[p] = g
+            exposed[p] = g
+
+    def _strides(self, p: int, shape: torch.Size) -> tuple[int, ...]:
+        """The contiguous strides of ``shape``, a data-less grad's (cached per parameter: the meta tensor that
+        computes them cost most of an expose)."""
+        hit = self._stride_cache.get(p)
+        if hit is None or hit[0] != shape:
+            hit = self._stride_cache[p] = (shape, torch.empty(shape, device="meta").stride())
+        return hit[1]
 
     def before_backward_of(self, output: object) -> None:
         """A forward with grad enabled ended while grads are exposed: when its backward reaches its outputs
