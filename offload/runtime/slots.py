@@ -62,6 +62,8 @@ class SlotTable:
         # the largest gradient autograd may materialise: room kept free off plan (cache_limit)
         self.grad_headroom = max((s.numel * itemsize for s in ctx.specs if s.group is not None), default=0)
         self._pinned: list[Callable[[], Iterable[int]]] = []  # who says which buckets may not be evicted now
+        # bucket -> (the slot it holds, its parameters' views into it): built once per slot (issue 17, hot path)
+        self._param_views: dict[int, tuple[Slot, list[torch.Tensor]]] = {}
 
     def adopt(self, host: HostState) -> None:
         """The traced warm-up built the buckets and their host arena: every bucket starts on the host."""
@@ -89,6 +91,7 @@ class SlotTable:
     def close(self) -> None:
         """The engine closed: nothing is on the device any more, and the host arena goes."""
         self.slot.clear()
+        self._param_views.clear()
         self.host = None
 
     def items(self) -> Iterator[tuple[int, Slot]]:
@@ -143,6 +146,7 @@ class SlotTable:
         """Bucket ``b``'s parameters are no longer needed on the device."""
         ctx = self.ctx
         slot = self.slot.pop(b)
+        self._param_views.pop(b, None)
         if self.state[b] is Residency.IN_FLIGHT:
             ctx.backend.wait(self.h2d_event[b])  # never free memory a copy is still writing
             self.set_state(b, Residency.DEVICE)
@@ -158,13 +162,20 @@ class SlotTable:
     # -- parameters -----------------------------------------------------------------------------------------
 
     def bind(self, b: int, slot: Slot) -> None:
+        """Point bucket ``b``'s parameters at their bytes of ``slot``. The views are built once per slot the
+        bucket holds (refreshed weights land in the same slot after every ``step()``) and dropped at release."""
         ctx = self.ctx
-        typed = slot.storage.view(ctx.dtype)
-        base = slot.offset // ctx.itemsize
         bucket = self.buckets[b]
-        for p, off in zip(bucket.params, bucket.offsets):
-            param = ctx.params[p]
-            ctx.backend.bind(param, typed[base + off: base + off + param.numel()].view(param.shape))
+        hit = self._param_views.get(b)
+        if hit is None or hit[0] is not slot:
+            typed = slot.storage.view(ctx.dtype)
+            base = slot.offset // ctx.itemsize
+            views = [typed[base + off: base + off + ctx.params[p].numel()].view(ctx.params[p].shape)
+                     for p, off in zip(bucket.params, bucket.offsets)]
+            hit = self._param_views[b] = (slot, views)
+        bind, params = ctx.backend.bind, ctx.params
+        for p, view in zip(bucket.params, hit[1]):
+            bind(params[p], view)
 
     def unbind(self, b: int) -> None:
         ctx = self.ctx
