@@ -292,10 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     goals = {}
     for c in cases:
         if c["mode"] == "resident" and c["name"] in GOALS and not args.smoke:
-            met = c["ratio"] <= GOALS[c["name"]]
-            goals[c["name"]] = {"ratio_goal": GOALS[c["name"]], "ratio": c["ratio"], "met": met}
-            console.print(f"{c['name']} resident: {c['ratio']:.3f}x torch (goal <= {GOALS[c['name']]}x: "
-                          f"{'met' if met else 'MISSED'}), {c['us_per_module_call']:.1f} us per module call")
+            # judged on both clocks: under load the wall-clock ratio swings either way (it has read 0.41x),
+            # the CPU-time ratio far less; the goal is met only where both are within it
+            met = max(c["ratio"], c["ratio_cpu"]) <= GOALS[c["name"]]
+            goals[c["name"]] = {"ratio_goal": GOALS[c["name"]], "ratio": c["ratio"], "ratio_cpu": c["ratio_cpu"],
+                                "met": met}
+            console.print(f"{c['name']} resident: {c['ratio']:.3f}x torch by wall clock, {c['ratio_cpu']:.3f}x by "
+                          f"CPU time (goal <= {GOALS[c['name']]}x on both: {'met' if met else 'MISSED'}), "
+                          f"{c['us_per_module_call_cpu']:.1f} us per module call by CPU time")
     console.print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
                   f"({os.cpu_count()} logical CPUs; other processes share this machine); "
                   f"{time.perf_counter() - t_start:.0f} s")
