@@ -70,6 +70,8 @@ class Runtime:
         self.access = ParamAccess(ctx, self.slots, self.executor, self.warmup)
         self.grads = GradPipeline(ctx, self.slots, self.executor)
         self.recompute = RecomputeCoordinator(ctx, self.slots, self.executor, self.access, self._begin_backward)
+        self.warmup.guard_first_step(self.executor, self.recompute, self.grads, self.abort_backward)  # issue 18
+        self.slots.over_budget = self.warmup.over_budget  # issue 18: [Note: refusing the first step whole]
         self.guard = guards.ParamGuard(ctx, self.slots, self.executor, self.warmup)
         self.weights = Weights(ctx, self.slots, self.executor, self.warmup)
         self.fast = FastPath(ctx, self.slots, self.executor, self.grads, self._remove_module_hooks,
@@ -358,9 +360,11 @@ class Runtime:
                 self.recompute.backward_ended()
                 executor.record_step(memory.activation_peak)
                 self.recompute.measure(executor.recorder, memory.activation_peak)
+                self.warmup.check_first_plan()  # issue 18: may refuse ([Note: refusing the first step whole])
                 self.fast.verify()
                 executor.release_all()
             self.slots.reclaim()
+            self.grads.release_held()  # issue 18: the first step's overlapped updates, now that its plan fits
         self.grads.backward_done()
         ctx.phases.enter(Pass.IDLE)
         executor.rewind()

@@ -48,6 +48,7 @@ class PlanExecutor:
         # Views into the arena built once per arena (the grad pipeline's per-parameter grad views): dropped with
         # it, so no cached view keeps a freed arena's memory alive (issue 17, the hot path)
         self._arena_views: dict[object, dict[int, torch.Tensor]] = {}
+        self.ahead: tuple[Trace, Plan] | None = None  # issue 18: the first plan, built as its backward ended
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
@@ -292,20 +293,18 @@ class PlanExecutor:
     def replan(self, trace: Trace, recompute: RecomputeCoordinator) -> None:
         """Plan training steps from ``trace`` (or, with "auto" checkpointing, choose other blocks first)."""
         ctx = self.ctx
-        if recompute.auto and recompute.choice is None and recompute.choose(trace):
-            return self.drop()  # other blocks are checkpointed from now on: the next step is planned
-        parts = ctx.memory.parts
-        try:
-            plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
-                              fixed_bytes=parts["buffers"], hw=ctx.hw, headroom_bytes=parts["headroom"],
-                              device_optimizer=ctx.config.device_optimizer)
-        except BudgetTooSmallError as e:
-            if recompute.auto and recompute.choose(trace):
-                return self.drop()  # the activations grew (a longer sequence): checkpoint more blocks
-            need = e.breakdown
-            raise recompute.activation_hint(e, ctx.budget - sum(need.values()) + need["activations"]) \
-                from None
-        validate_plan(plan)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] is trace:
+            plan = ahead[1]  # built and validated at the end of this step's backward (check_ahead)
+        else:
+            if recompute.auto and recompute.choice is None and recompute.choose(trace):
+                return self.drop()  # other blocks are checkpointed from now on: the next step is planned
+            try:
+                plan = self._build(trace)
+            except BudgetTooSmallError as e:
+                if recompute.auto and recompute.choose(trace):
+                    return self.drop()  # the activations grew (a longer sequence): checkpoint more blocks
+                raise self._hinted(e, recompute) from None
         recompute.decided()
         self.on_plan = False
         self.deactivate()
@@ -313,6 +312,34 @@ class PlanExecutor:
             ctx.stats["replans"] += 1
         self.train_plan = plan
         self.activate(plan)
+
+    def check_ahead(self, recompute: RecomputeCoordinator) -> None:
+        """The end of a backward whose step has no training plan yet (the first): build the plan ``step()``
+        will execute now, while no update of this step has been applied (overlapped ones are held until
+        this returns: ``GradPipeline.release_held``), so that a budget under the exact minimum is refused
+        with nothing to undo (issue 18). Raises :class:`BudgetTooSmallError`; "auto" checkpointing, which
+        answers a budget too small by checkpointing more, is left to ``step()``."""
+        trace = self.trace
+        if self.train_plan is not None or recompute.auto or trace is None or not trace.complete:
+            return
+        try:
+            self.ahead = (trace, self._build(trace))
+        except BudgetTooSmallError as e:
+            raise self._hinted(e, recompute) from None
+
+    def _build(self, trace: Trace) -> Plan:
+        """The training plan for ``trace`` at the budget, validated (raises :class:`BudgetTooSmallError`)."""
+        ctx = self.ctx
+        parts = ctx.memory.parts
+        plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
+                          fixed_bytes=parts["buffers"], hw=ctx.hw, headroom_bytes=parts["headroom"],
+                          device_optimizer=ctx.config.device_optimizer)
+        validate_plan(plan)
+        return plan
+
+    def _hinted(self, e: BudgetTooSmallError, recompute: RecomputeCoordinator) -> BudgetTooSmallError:
+        need = e.breakdown
+        return recompute.activation_hint(e, self.ctx.budget - sum(need.values()) + need["activations"])
 
     def drop(self) -> None:
         """Run the next step on demand (its calls will differ from the plan's) and plan it at its step()."""

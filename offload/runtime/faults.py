@@ -9,7 +9,8 @@ usable, with nothing leaked, and a warning that says what was discarded.
   gradient slot is freed and the gradients gathered since the last ``step()`` are dropped, as
   ``zero_grad()`` would drop them. With ``overlap_optimizer=True`` a bucket whose gradients were all in
   before the fault has already been updated by AdamW (that is what the overlap is); such updates are
-  kept (they are correct updates from complete gradients) and the warning names them. With
+  kept (they are correct updates from complete gradients) and the warning names them; in the first step,
+  whose updates wait for its plan ([Note: refusing the first step whole] in warmup.py), none ran. With
   ``overlap_optimizer=False`` a failed backward changes no weight: ``zero_grad()`` and the next step give
   exactly what plain PyTorch gives.
 

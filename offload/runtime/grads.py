@@ -103,6 +103,9 @@ class GradPipeline:
         self.received: dict[int, set[int]] = {}  # bucket -> params whose grads arrived this backward
         self.finished: set[int] = set()  # buckets whose grads went to the host this backward
         self.hparams: HParams | None = None  # overlapped updates: hyperparameters read as backward begins
+        # issue 18: overlapped updates of a step with no training plan yet, submitted once its backward ended
+        # and the plan was built (release_held): a budget too small is refused before any update is applied
+        self.held: list[tuple[int, frozenset[int], Event]] | None = None
         self._expected_cache: dict[int, tuple[dict[int, None], int, frozenset[int]]] = {}  # bucket -> _expected
 
     # -- backward --------------------------------------------------------------------------------------------
@@ -134,6 +137,7 @@ class GradPipeline:
         self.backward_seen = True
         self.ctx.stats["backwards"] += 1
         self.hparams = self.ctx.optimizer.hparams()
+        self.held = [] if not self.deferred and self.executor.train_plan is None else None  # issue 18
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Engine.backward: the loss multiplied by the loss scale (float16), which the backward records."""
@@ -214,7 +218,7 @@ class GradPipeline:
             view = executor.arena_view(x.offset, n)
             self.param_views[b] = executor.arena_views(("grads", b, k), lambda: self._views_of(b, view))
         else:
-            slots.make_room(n * ctx.itemsize)
+            slots.make_room(n * ctx.itemsize, b)
             view = ctx.backend.empty(n * ctx.itemsize).view(ctx.dtype)
             ctx.memory.add("slots", n * ctx.itemsize)
         with torch.no_grad():
@@ -271,7 +275,9 @@ class GradPipeline:
         else:
             slots.free_after(d2h, nbytes, view)
         self.pending[b] = PendingGrads((earlier.params if earlier else frozenset()) | got, ready)
-        if not self.deferred:
+        if self.held is not None:  # issue 18: the first step's updates wait for its plan (release_held)
+            self.held.append((b, got, ready))
+        elif not self.deferred:
             self._submit_update(b, got, ready)
 
     def _slot_norms(self, view: torch.Tensor, params: Iterable[int]) -> dict[int, torch.Tensor]:
@@ -300,6 +306,13 @@ class GradPipeline:
             slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors), waits,
                                                       f"AdamW of bucket {b}")
         self.ctx.lane_log.add("cpu_adam", b, 0, slots.adam_event[b])
+
+    def release_held(self) -> None:
+        """The end of backward, its plan checked: submit the updates held back (in the order their grads
+        were complete; the hyperparameters read as backward began)."""
+        held, self.held = self.held, None
+        for b, got, ready in held or ():
+            self._submit_update(b, got, ready)
 
     def flush(self) -> None:
         """The end of backward: buckets some of whose grads never came (an unused branch) go now."""
@@ -460,10 +473,13 @@ class GradPipeline:
         arrived = sum(len(ps) for ps in self.received.values())
         if self.deferred:
             updated, dropped = [], sorted(self.pending)
-        else:  # overlap: every bucket in pending had its update submitted (and now run)
-            updated, dropped = sorted(self.pending), []
+        else:  # overlap: every bucket in pending had its update submitted (and now run), unless held (issue 18)
+            held = {b for b, _, _ in self.held or ()}
+            updated, dropped = sorted(set(self.pending) - held), sorted(held)
+            self.held = None
         for p in ctx.params:
             p.grad = None
+        ctx.memory.add("grads", -ctx.memory.parts["grads"])  # counted as autograd made them; none is left now
         self.clear()
         self.next_backward_scale = None
         self.backward_seen = False  # the failed backward does not count for step()

@@ -64,6 +64,8 @@ class SlotTable:
         self._pinned: list[Callable[[], Iterable[int]]] = []  # who says which buckets may not be evicted now
         # bucket -> (the slot it holds, its parameters' views into it): built once per slot (issue 17, hot path)
         self._param_views: dict[int, tuple[Slot, list[torch.Tensor]]] = {}
+        # issue 18: told (bytes, bucket) when an on-demand allocation cannot fit the budget; may raise (warmup.py)
+        self.over_budget: Callable[[int, int | None], None] | None = None
 
     def adopt(self, host: HostState) -> None:
         """The traced warm-up built the buckets and their host arena: every bucket starts on the host."""
@@ -135,7 +137,7 @@ class SlotTable:
     def fetch_on_demand(self, b: int) -> None:
         ctx = self.ctx
         nbytes = self.buckets[b].nbytes(ctx.itemsize)
-        self.make_room(nbytes)
+        self.make_room(nbytes, b)
         storage = ctx.backend.empty(nbytes)
         ctx.memory.add("slots", nbytes)
         self.copy_in(b, Slot(storage, 0, None), [self.boundary])
@@ -229,9 +231,12 @@ class SlotTable:
                 keep.append(Freeing(ev, nbytes, slot))
         self.freeing = keep
 
-    def make_room(self, nbytes: int) -> None:
-        """Evict on-demand buckets, least recently used first, until ``nbytes`` more fit the budget."""
+    def make_room(self, nbytes: int, bucket: int | None = None) -> None:
+        """Evict on-demand buckets, least recently used first, until ``nbytes`` more (for ``bucket``'s weights
+        or grads, if given) fit the budget."""
         if not self.evict_to_fit(nbytes):
+            if self.over_budget is not None:  # the room kept for autograd's next allocation is taken
+                self.over_budget(nbytes, bucket)  # issue 18: the first step may be refused here, before going over
             self.ctx.stats["over_budget_fetches"] += 1
 
     def evict_to_fit(self, nbytes: int) -> bool:

@@ -2,12 +2,36 @@
 (host, fp32) tensor, is copied to a device tensor of its own while a module call uses it, and is recorded;
 when that forward ends, the parameters are packed into buckets in first-use order, the budget is checked,
 and the host arena is built (``finish``). Its backward then fetches buckets on demand; the first plan is
-built at the first ``step()`` from what the step recorded.
+built at the end of that backward from what the step recorded (``check_first_plan``), before any update.
+
+[Note: refusing the first step whole] (issue 18) The floor checked when the first forward ends refuses only
+budgets too small for sure; above it, the exact minimum exists only once a backward was seen. Two checks make
+a budget between the two fail with no update applied and, where it can be known, nothing over the budget:
+* in the first step's backward, an on-demand allocation (a bucket, a grad slot) that does not fit the budget
+  after eviction beside the largest gradient autograd may make (``SlotTable.make_room``) calls
+  ``over_budget``. If it would go over the budget with the gradients of its bucket that autograd has still to
+  make (the node that needs a bucket makes them next) and the minimum the forward implies
+  (:func:`mirrored_step`, what the warm-up names under the floor) is above the budget, it refuses at once,
+  naming that minimum (not while a checkpointed block is recomputed); otherwise it goes ahead (counted in ``over_budget_fetches``) and the next check decides.
+* when that backward ends, the plan ``step()`` would execute is built (``PlanExecutor.check_ahead``): under
+  the exact minimum it refuses there. Overlapped updates of the first step are held until then
+  (``GradPipeline.release_held``); deferred ones run in ``step()``. So no weight and no AdamW state changed.
+A refusal drops the step's gradients (``Runtime.abort_backward``, as a failed backward, without a warning):
+the engine stays usable, and another step at the same budget is refused the same way.
+
+Not guaranteed: the implied minimum is an estimate (exact for a stack of layers), so a budget at or above the
+exact minimum is refused by the first check where its on-demand backward is about to go over (the allocation
+with its bucket's gradients to come; at the exact minimum of the tests' models it is not, and trains); the
+on-demand step may still go over where the first check lets
+it (the implied minimum at or under the budget: the plan fits where fetching on demand does not, or a gradient
+of another bucket lands beside it); the first forward of a budget under its floor may go over before the
+floor refuses it; ``activation_checkpointing="auto"`` keeps refusing at ``step()`` (it answers a budget too
+small by checkpointing more blocks there); a later re-plan (a step that departs) still fails at ``step()``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -16,13 +40,15 @@ from ..host.state import HostState
 from ..planning.buckets import make_buckets
 from ..planning.budget import mirrored_step
 from ..planning.schedule import budget_error, build_plan, forward_min_budget
-from .phases import Lifecycle
+from .phases import Lifecycle, Pass
 from .residency import ParamRef
 
 if TYPE_CHECKING:
     from ..backend.base import Event
-    from ..planning.trace import Recorder
+    from ..planning.trace import Recorder, Trace
     from .context import RuntimeContext
+    from .executor import PlanExecutor
+    from .grads import GradPipeline
     from .recompute_hooks import RecomputeCoordinator
     from .slots import SlotTable
 
@@ -37,6 +63,20 @@ class TracedWarmup:
         self.original: list[torch.Tensor] | None = [p.data for p in ctx.params]
         self.views: dict[int, torch.Tensor] = {}  # param -> its own device copy while tracing
         self.storage: dict[int, int] = {}  # storage ptr -> param, for those copies
+        # issue 18 ([Note: refusing the first step whole]): the first forward and its activation peak, until
+        # the first plan is built; the minimum they imply, once asked for; what checks and refuses
+        self.forward: tuple[Trace, int] | None = None
+        self.implied: dict[str, int] | None = None
+        self._executor: PlanExecutor | None = None
+        self._recompute: RecomputeCoordinator | None = None
+        self._grads: GradPipeline | None = None
+        self._abort_backward: Callable[[], Any] = lambda: None
+
+    def guard_first_step(self, executor: PlanExecutor, recompute: RecomputeCoordinator, grads: GradPipeline,
+                         abort_backward: Callable[[], Any]) -> None:
+        """Wire the checks of [Note: refusing the first step whole]: ``abort_backward`` drops a step's grads."""
+        self._executor, self._recompute, self._grads = executor, recompute, grads
+        self._abort_backward = abort_backward
 
     def originals(self) -> list[torch.Tensor]:
         if self.original is None:
@@ -86,14 +126,13 @@ class TracedWarmup:
             for p, param in enumerate(self.ctx.params):
                 self.ctx.backend.bind(param, self.original[p])
 
-    def _estimated_minimum(self, recorder: Recorder, buckets) -> dict[str, int]:
+    def _estimated_minimum(self, forward: Trace, activations: int, buckets) -> dict[str, int]:
         """The parts of the least budget the planner would accept for this forward with the backward it
         implies (:func:`offload.planning.budget.mirrored_step`): the minimum the first plan would name, where
         the real backward reads what the forward did (issue 18: not a sum of worst cases)."""
         ctx = self.ctx
-        forward = recorder.finish()
         step = mirrored_step(forward.events, forward.uses, forward.ends, buckets, list(ctx.specs), ctx.itemsize,
-                             activations=ctx.memory.activation_peak, seconds=forward.compute_seconds)
+                             activations=activations, seconds=forward.compute_seconds)
         parts = ctx.memory.parts
         try:
             build_plan(step, buckets, itemsize=ctx.itemsize, budget_bytes=0, fixed_bytes=parts["buffers"],
@@ -113,9 +152,10 @@ class TracedWarmup:
         floor = forward_min_budget(recorder.events, recorder.uses, recorder.ends, buckets, list(ctx.specs),
                                    ctx.itemsize, activations=memory.activation_peak, fixed=memory.parts["buffers"],
                                    headroom=memory.parts["headroom"])
+        forward = recorder.finish()
         if sum(floor.values()) > budget:  # too small for sure; above the floor, the first plan decides
             recompute.measure(recorder, memory.activation_peak)
-            need = self._estimated_minimum(recorder, buckets)
+            need = self._estimated_minimum(forward, memory.activation_peak, buckets)
             capacity = budget - sum(need.values()) + need["activations"]
             raise recompute.activation_hint(budget_error(budget, **need), capacity)
         lowp = ctx.dtype if ctx.dtype != torch.float32 else None
@@ -139,3 +179,54 @@ class TracedWarmup:
         # Saved references from this forward point at per-parameter copies; from now on they resolve
         # through buckets (backward fetches on demand: there is no plan until this step is recorded).
         self.storage.clear()
+        if not recompute.auto:  # "auto" answers a budget too small by checkpointing (at step())
+            self.forward = (forward, memory.activation_peak)
+
+    # -- [Note: refusing the first step whole] (issue 18) ---------------------------------------------------
+
+    def over_budget(self, nbytes: int, bucket: int | None) -> None:
+        """Off plan, ``nbytes`` more (for ``bucket``) cannot fit the budget even after eviction, with room kept
+        for the largest gradient autograd may make (``SlotTable.make_room``, ``cache_limit``). In the first
+        step's backward, refuse now, before allocating, if with the gradients of ``bucket`` still to come it
+        would go over the budget and the forward's implied minimum is above the budget."""
+        ctx, executor = self.ctx, self._executor
+        if (self.forward is None or executor is None or executor.train_plan is not None
+                or ctx.phases.current is not Pass.BACKWARD):
+            return  # not while a checkpointed block is recomputed (its coordinator's state): the end decides
+        if self.implied is None:
+            forward, activations = self.forward
+            self.implied = self._estimated_minimum(forward, activations, self.slots.buckets)
+        need = self.implied
+        if ctx.memory.current + nbytes + self._largest_grad_to_come(bucket) <= ctx.budget:
+            return  # in backward only a gradient autograd makes lands unplanned: there is room for it
+        if sum(need.values()) <= ctx.budget:
+            return  # the plan may fit where fetching on demand does not: the end of backward decides
+        self._abort_backward()
+        error = budget_error(ctx.budget, **need)
+        if self._recompute is not None:
+            error = self._recompute.activation_hint(error, ctx.budget - sum(need.values()) + need["activations"])
+        raise error
+
+    def _largest_grad_to_come(self, bucket: int | None) -> int:
+        """Bytes of the largest gradient of ``bucket`` autograd has still to make in this backward: the node
+        that needs a bucket's weights (or sends its first gradient) makes its gradients next, beside them."""
+        if bucket is None or self._grads is None:
+            return 0
+        ctx = self.ctx
+        arrived = self._grads.received.get(bucket, set())  # gathered; one autograd has just made is counted
+        return max((ctx.specs[p].numel * ctx.itemsize for p in self.slots.buckets[bucket].params
+                    if ctx.specs[p].group is not None and p not in arrived and ctx.params[p].grad is None),
+                   default=0)
+
+    def check_first_plan(self) -> None:
+        """The end of a backward: with no training plan yet, build it now (the exact minimum), and refuse
+        with the step's grads dropped if the budget is under it."""
+        executor, recompute = self._executor, self._recompute
+        if executor is None or recompute is None or executor.train_plan is not None:
+            return
+        try:
+            executor.check_ahead(recompute)
+        except BudgetTooSmallError:
+            self._abort_backward()
+            raise
+        self.forward = self.implied = None  # the plan fits: the estimate is not needed any more

@@ -44,6 +44,7 @@ def _probe(args, console: Console) -> int:
                           f"H2D {up / 1e9:.1f} / D2H {down / 1e9:.1f} GB/s (both at once: {upd / 1e9:.1f} / "
                           f"{downd / 1e9:.1f})")
     table.add_row("default bucket size", format_bytes(result["bucket_bytes_hint"])
+                  + ' (bucket_bytes="auto"; at most 1/8 of a model\'s weights)'
                   + ("" if pcie is not None else " (from the pcie4 preset, not measured)"))
     console.print(table)
     if pcie is None:

@@ -19,6 +19,7 @@ import torch
 from ..errors import KernelUnavailableError
 from ..host.cpu_adam import KERNEL_AVAILABLE, adamw_step, kernel_info
 from ..optim import adamw_
+from ..planning.buckets import AUTO_LINK_FRACTION
 from ..planning.hw import PRESETS, PROBE_SIZES, HardwareModel
 
 
@@ -126,8 +127,15 @@ def probe(progress: Callable[[str], None] = lambda msg: None) -> dict:
         model = replace(base, name="probe (no CUDA)", adam_params_per_s=adam, host_bytes_per_s=host, measured=False,
                         notes="no CUDA: PCIe NOT measured (pcie4 preset link); CPU AdamW and host bandwidth measured")
     result["hardware_model"] = model.to_dict()
-    result["bucket_bytes_hint"] = model.bucket_bytes_hint()
+    result["bucket_bytes_hint"] = suggested_bucket_bytes(model)
     return result
+
+
+def suggested_bucket_bytes(model: HardwareModel) -> int:
+    """The bucket size ``bucket_bytes="auto"`` picks with this hardware model for a model large enough that
+    its cap (1/8 of the weights) does not bind: the smallest copy reaching 90 % of the host-to-device peak on
+    the curve (issue 18: the same point, not the nearest measured size above it)."""
+    return model.bytes_reaching(AUTO_LINK_FRACTION)
 
 
 def hardware_from_probe(result: dict) -> HardwareModel:

@@ -118,3 +118,86 @@ def test_auto_buckets_by_default_stream_a_small_model_and_stats_show_host_bytes_
     params = weights // 4
     assert stats["host_bytes_per_param"] == stats["host_pinned_bytes"] / params
     assert 16 <= stats["host_bytes_per_param"] < 16.1  # fp32 master, m, v and the grad; alignment on top
+
+
+# -- a budget between the warm-up's floor and the exact minimum: the first step is refused whole ------------------
+# (offload/runtime/warmup.py, [Note: refusing the first step whole]). Two MLPs: one bucket per layer, batch 8, refused
+# in backward as soon as a bucket cannot be fetched within the budget (the forward's implied minimum is above it);
+# one bucket for all three layers, batch 512, whose on-demand first step fits, refused when backward ends (the plan's
+# exact minimum). Both at a budget above the floor (the forward is not refused) and under the named minimum.
+
+CASES = {"in backward": dict(per_bucket=1, batch=8, frac=0.8, where="over_budget"),
+         "at the end of backward": dict(per_bucket=3, batch=512, frac=0.9, where="check_first_plan")}
+
+
+def _wide_step(batch):
+    def step(engine):
+        x = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(1))
+        return engine(x).float().square().mean()
+    return step
+
+
+def _refused_by(error: BaseException) -> set[str]:
+    import traceback
+    return {frame.f_code.co_name for frame, _ in traceback.walk_tb(error.__traceback__)}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_budget_under_the_minimum_refuses_the_first_step_whole(case, overlap):
+    """Refused in the first backward, before any update (overlap_optimizer=True holds the first step's updates
+    until its plan was built) and within the budget (CPU backend's accounting); weights and optimizer state as
+    before, bit for bit; the same engine refuses the next step the same way; closed, the model re-wrapped at
+    the named minimum trains bit for bit as plain PyTorch + torch.optim.AdamW."""
+    c = CASES[case]
+    step = _wide_step(c["batch"])
+    layer = (WIDTH * WIDTH + WIDTH) * 4
+    kw = dict(bucket_bytes=c["per_bucket"] * layer, overlap_optimizer=overlap)
+    named = _named_minimum(_mlp, step, **kw)
+    budget = int(c["frac"] * named)
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = offload.AdamW(model.parameters(), lr=1e-3, fused=False)
+    engine = offload.wrap(model, opt, budget=budget, device="cpu", **kw)
+    errors = []
+    for attempt in range(2):
+        loss = step(engine)  # the floor is under the budget: the forward is not refused
+        with pytest.raises(offload.BudgetTooSmallError) as e:
+            if attempt == 0:
+                loss.backward()
+            else:
+                engine.backward(loss)
+            opt.step()  # not reached
+        del loss
+        errors.append(e.value)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        states = list(opt.state_dict()["state"].values())
+        assert len(states) == 6  # AdamW state of every parameter, made when the first forward ended
+        assert all(int(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in states)
+        assert engine.memory_stats()["counters"]["steps"] == 0
+        assert engine.memory_stats()["device_peak_bytes"] <= budget
+        assert c["where"] in _refused_by(e.value)
+    assert errors[0].min_budget_bytes == errors[1].min_budget_bytes > budget
+    assert str(errors[0]) == str(errors[1])
+    with pytest.raises(offload.OffloadError, match="no backward ran"):
+        opt.step()  # the refused backward's grads were dropped: nothing to apply
+    engine.close()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    # re-wrapped at the minimum named: trains, bit for bit as plain PyTorch
+    ref = _mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    opt = offload.AdamW(model.parameters(), lr=1e-3, fused=False)
+    with offload.wrap(model, opt, budget=errors[0].min_budget_bytes, device="cpu", **kw) as engine:
+        for _ in range(2):
+            step(engine).backward()
+            opt.step()
+            opt.zero_grad()
+            step(ref).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert engine.memory_stats()["device_peak_bytes"] <= errors[0].min_budget_bytes
+    for (k, v), w in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(v, w), k

@@ -53,3 +53,22 @@ def test_probe_refuses_fused_without_the_kernel(monkeypatch):
     monkeypatch.setattr(offload.tools.probe, "KERNEL_AVAILABLE", False)
     with pytest.raises(KernelUnavailableError, match="fused=False"):
         offload.tools.probe.cpu_adam_params_per_s(1 << 14, repeat=1, fused=True)
+
+
+def test_probe_suggests_the_bucket_size_auto_picks_with_its_hardware_model(monkeypatch):
+    """Issue 18: the probe's suggested bucket size is the one ``bucket_bytes="auto"`` picks from the hardware model
+    the probe writes (a model large enough that the 1/8-of-the-weights cap does not bind), on the curve, not the
+    nearest measured size above it (which the pcie4 preset's 4 MiB point was, for 2.54 MiB)."""
+    import offload.tools.probe as probe
+    from offload.planning.buckets import ParamSpec, auto_bucket_bytes
+    from offload.planning.hw import PRESETS
+    monkeypatch.setattr(probe, "cpu_adam_params_per_s", lambda: 1e9)  # the measurements play no part here
+    monkeypatch.setattr(probe, "host_bytes_per_s", lambda: 1e10)
+    result = probe.probe()
+    hw = probe.hardware_from_probe(result)
+    big = [ParamSpec(2**30, 0)] * 4
+    assert result["bucket_bytes_hint"] == auto_bucket_bytes(big, 2, hw) == auto_bucket_bytes(big, 4, hw)
+    for preset in PRESETS.values():
+        assert probe.suggested_bucket_bytes(preset) == auto_bucket_bytes(big, 2, preset)
+    if not result["cuda"]:
+        assert result["bucket_bytes_hint"] < PRESETS["pcie4"].bucket_bytes_hint()
