@@ -119,7 +119,9 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
     if rank == 0:
         rt = engine._runtime  # the plan it executed and its last trace: the public API has only their summary
         plan, trace = rt.executor.plan, rt.executor.trace
-        predicted = simulate(plan, trace.compute_seconds, world, args, link) if plan is not None and trace is not None else {}
+        predicted = {}
+        if plan is not None and trace is not None:
+            predicted = simulate(plan, trace.compute_seconds, world, args, link)
         Path(out).write_text(json.dumps({"step_s": times, "host_bytes_per_rank": stats["host_pinned_bytes"],
                                          "params": sum(p.numel() for p in model.parameters()),
                                          "resident": len(plan.resident) if plan else None,

@@ -1,6 +1,7 @@
 """benchmarks/scaling_cpu.py in a tiny configuration (1 and 2 gloo ranks): the harness runs, labels its numbers
-measured, simulates the same runs beside them, and its figures agree with each other (samples/s from the step time, a rank's host arena smaller
-with two ranks). It checks the harness, not the machine's speed."""
+measured, simulates the same runs beside them, and its figures agree with each other (samples/s from the step
+time, the error from both steps, a rank's host arena smaller with two ranks). It checks the harness, not the
+machine's speed."""
 
 from __future__ import annotations
 
