@@ -7,8 +7,16 @@ than ranks x threads this measures contention as much as the engine; the load av
 after. The step time of a step is the slowest rank's (an all-reduce of each rank's time, outside the timed
 region). Per-rank host arena bytes come from ``engine.memory_stats()``.
 
-Not done here: the simulation of these same runs beside the measurement (it needs a HardwareModel probed on
-this CPU and a link model of gloo over loopback; ``benchmarks/scaling.py`` simulates GPU clusters on presets).
+Beside each measurement, the simulation of the same run (``offload.planning.data_parallel``: the plan rank 0
+executed, simulated as one rank of N with a collective lane), and its relative error. Its inputs, all measured
+in this run: the compute seconds per event of rank 0's own last traced step (``Trace.compute_seconds``: the
+runtime's waits and fetches excluded), the CPU AdamW rate (``offload probe``'s measurement of the engine's
+update, divided by the ranks: they share this machine's cores as the simulator's G ranks of a node share its
+CPU), the copy rate of the CPU backend's lanes (a host memcpy), and gloo's all-gather over loopback between
+these ranks (two sizes timed in the spawned group: bandwidth and latency of the ring model of
+``offload/planning/collectives.py``). The simulator models what issue 20 plans, not what the runtime does
+today (README "Data parallel": grads reduce-scattered on the device and only a shard copied to the host, the
+collectives on their own lane): the error measures that gap as well as the cost model's.
 
     python benchmarks/scaling_cpu.py --json benchmarks/results/scaling_cpu.json
 """
@@ -41,6 +49,46 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def _gloo_link(world: int, sizes: tuple[int, int] = (1 << 12, 1 << 23), repeat: int = 5) -> tuple[float, float]:
+    """(bytes/s, seconds per ring step) of an all-gather over this group, from the median time of a small and
+    a large one: ``AG(S) = (p - 1) a + (p - 1) / p * S / B`` (collectives.py's ring model) solved for a, B."""
+    import torch.distributed as dist
+    if world == 1:
+        return 1e12, 0.0
+    took = []
+    for nbytes in sizes:
+        mine = torch.zeros(nbytes // world // 4)
+        full = mine.new_empty(mine.numel() * world)
+        times = []
+        for _ in range(repeat):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_gather_into_tensor(full, mine)
+            times.append(time.perf_counter() - t0)
+        took.append(statistics.median(times))
+    steps = world - 1
+    big, small = sizes[1] * steps / world, sizes[0] * steps / world
+    bandwidth = (big - small) / max(took[1] - took[0], 1e-9)
+    latency = max(0.0, (took[0] - small / bandwidth) / steps)
+    return bandwidth, latency
+
+
+def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[float, float]) -> dict:
+    """The simulated step of one rank of ``world`` running ``plan`` (see the module docstring)."""
+    from offload.planning.collectives import Cluster, Link
+    from offload.planning.data_parallel import simulate_rank_plan
+    from offload.planning.hw import HardwareModel, latency_curve
+    curve = latency_curve(args.copy_bytes_per_s, 0.0)
+    hw = HardwareModel("cpu backend (measured here)", curve, curve, duplex_factor=1.0,
+                       adam_params_per_s=args.adam_params_per_s / world, host_bytes_per_s=args.copy_bytes_per_s,
+                       device_flops_per_s=1e11, device_bytes_per_s=args.copy_bytes_per_s, measured=True)
+    gloo = Link("gloo-loopback", link[0], link[1], source="measured in this run (all-gather, two sizes)")
+    sim = simulate_rank_plan(plan, hw, Cluster(gpus_per_node=world, intra=gloo), compute_s)
+    return {"predicted_step_s": sim.step_s, "predicted_compute_s": sim.sim.compute_s,
+            "predicted_all_gather_s": sim.all_gather_busy_s, "predicted_reduce_scatter_s": sim.reduce_scatter_busy_s,
+            "gloo_bytes_per_s": link[0] if world > 1 else None, "gloo_latency_s": link[1] if world > 1 else None}
+
+
 def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
 
@@ -48,6 +96,7 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
     torch.set_num_threads(max(1, args.threads))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    link = _gloo_link(world)
     model = _model(args.width, args.depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
     engine = offload.wrap(model, opt, budget=args.budget, dtype=torch.bfloat16, device="cpu",
@@ -68,8 +117,15 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
             times.append(float(dt))
     stats = engine.memory_stats()
     if rank == 0:
+        rt = engine._runtime  # the plan it executed and its last trace: the public API has only their summary
+        plan, trace = rt.executor.plan, rt.executor.trace
+        predicted = {}
+        if plan is not None and trace is not None:
+            predicted = simulate(plan, trace.compute_seconds, world, args, link)
         Path(out).write_text(json.dumps({"step_s": times, "host_bytes_per_rank": stats["host_pinned_bytes"],
-                                         "params": sum(p.numel() for p in model.parameters())}))
+                                         "params": sum(p.numel() for p in model.parameters()),
+                                         "resident": len(plan.resident) if plan else None,
+                                         "buckets": len(plan.buckets) if plan else None, **predicted}))
     engine.close()
     dist.destroy_process_group()
 
@@ -90,7 +146,10 @@ def run(world: int, args: argparse.Namespace) -> dict:
             raise SystemExit(f"{world} ranks: a rank failed ({[p.exitcode for p in procs]})")
         result = json.loads(Path(out).read_text())
     step = statistics.median(result["step_s"])
-    return {"ranks": world, "median_step_s": step, "samples_per_s": world * args.batch / step, **result}
+    row = {"ranks": world, "median_step_s": step, "samples_per_s": world * args.batch / step, **result}
+    if "predicted_step_s" in row:
+        row["relative_error"] = (row["predicted_step_s"] - step) / step
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,15 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket", default="2MiB")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    from offload.tools.probe import cpu_adam_params_per_s, host_bytes_per_s
+    torch.set_num_threads(max(1, args.threads))  # as each rank runs
+    args.adam_params_per_s = cpu_adam_params_per_s()
+    args.copy_bytes_per_s = host_bytes_per_s(1 << 26) / 2  # it counts the read and the write
     before = machine()
     rows = [run(int(n), args) for n in args.ranks.split(",")]
     base = rows[0]["samples_per_s"] / rows[0]["ranks"]
     for r in rows:
         r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * base)
+        sim = (f"  simulated {r['predicted_step_s'] * 1e3:8.1f} ms (error {r['relative_error']:+.0%})"
+               if "predicted_step_s" in r else "  simulated: no plan")
         print(f"{r['ranks']} rank(s): step {r['median_step_s'] * 1e3:8.1f} ms  {r['samples_per_s']:9.1f} samples/s  "
-              f"efficiency {r['scaling_efficiency']:.2f}  host arena/rank {r['host_bytes_per_rank'] / 2**20:.1f} MiB")
+              f"efficiency {r['scaling_efficiency']:.2f}  host arena/rank {r['host_bytes_per_rank'] / 2**20:.1f} MiB"
+              + sim)
     if args.json:
-        Path(args.json).write_text(json.dumps({"kind": "measured", "config": vars(args), "machine_before": before,
+        Path(args.json).write_text(json.dumps({"kind": "measured", "simulated_beside": True, "config": vars(args),
+                                               "machine_before": before,
                                                "machine_after": machine(), "rows": rows}, indent=1))
     return 0
 

@@ -30,6 +30,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from ..config import OffloadConfig
+from ..errors import OffloadError
 from ..optim import AdamW
 from ..planning.trace import EventKind
 from . import faults, guards
@@ -438,13 +439,26 @@ class Runtime:
         ctx = self.ctx
         self.remove_hooks()
         self.grads.exposure.close()  # issue 19: exposed p.grad taken back (they would point into the freed arena)
+        # Every part is released even where one raises (issue 20: after a data-parallel fault the lane's
+        # error, or a gather the other ranks no longer answer, must not leave threads and arenas behind);
+        # the first error is raised at the end.
+        errors: list[BaseException] = []
+        for release in (self._finish_updates, self.weights.restore, ctx.cpu.close, ctx.backend.close,
+                        self.slots.close, self.executor.close):
+            try:
+                release()
+            except BaseException as e:  # noqa: BLE001 - raised below, once everything is released
+                errors.append(e)
+        ctx.phases.become(Lifecycle.CLOSED)
+        if errors:
+            raise errors[0]
+        if ctx.dp is not None:  # issue 20: closed cleanly, but the weights may be this rank's alone
+            ctx.dp.after_close()
+
+    def _finish_updates(self) -> None:
         try:
             self.wait_for_updates()
-            ctx.backend.synchronize()
-        finally:
-            self.weights.restore()
-            ctx.cpu.close()
-            ctx.backend.close()
-            self.slots.close()
-            self.executor.close()
-            ctx.phases.become(Lifecycle.CLOSED)
+            self.ctx.backend.synchronize()
+        except OffloadError:
+            if self.ctx.dp is None or self.ctx.dp.failed is None:
+                raise  # else: the data-parallel fault this rank already raised (its lane's copy of it)

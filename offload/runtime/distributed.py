@@ -24,10 +24,43 @@ that read values other ranks own) are issued only after the lane drained. A coll
 raised, hung past the group's timeout, or died) raises :class:`DistributedError` naming this rank, and the
 engine refuses to go on: its ranks are no longer in step, and a later collective could pair with the wrong
 one on another rank. So does a rank whose backward raised after a collective was issued.
+
+[Note: averaged p.grad]
+DDP users expect ``p.grad`` after backward to be the average over the ranks (``clip_grad_norm_`` on
+``model.parameters()``, ``clip_grad_value_``, ``p.grad.norm()``, in-place scaling). With deferred updates the
+end of every backward (a point every rank reaches) therefore all-reduces each gathered bucket's landing grad
+(after a check that every rank gathered the same buckets) and divides it by ``world`` (exact for a power of
+two): every rank then holds the same average, which is what plain_grads.py exposes, and the norms are
+recomputed from it, so the engine's clip and float16 overflow check agree on every rank without a further
+collective. An accumulating backward adds its local grads to that average, and the next average gives
+``avg(a) + avg(b)``: still the average of the sums. When the bucket is updated, the rank's shard of the sum
+is taken from its own copy (times ``world``, as the reduce-scatter would give it), after any change the user
+made to ``p.grad``. The price: an all-reduce (about twice a reduce-scatter's bytes) per backward instead of
+one reduce-scatter per step. With ``overlap_optimizer=True`` the grads are consumed during backward and
+``p.grad`` raises on use (plain_grads.py), as in one process.
+
+[Note: a fault named]
+A rank whose backward raises waits for the collectives it issued before the fault, then joins the next one
+the others will issue (always the all-gather of a check, which precedes every sum) with a fault tag: they
+raise a :class:`DistributedError` naming it, at once rather than after the group's timeout. A rank that hangs
+or dies cannot tell; the others then fail after the group's timeout, naming themselves.
+
+[Note: a read on one rank]
+With a 16-bit dtype the fp32 masters and Adam state are spread over the ranks, so ``model.state_dict()``,
+``engine.state_dict()``, ``engine.save`` and ``close()`` gather them: every rank must call them. The common
+``if rank == 0: torch.save(model.state_dict(), ...)`` would wait for the group's timeout (30 min by default)
+in a gather the other ranks never join. So the first gather since the last training collective is preceded
+by a small all-gather (a join tag, in the checks' format) waited for at most ``JOIN_WINDOW_S``: if the other
+ranks are already in their next training collective it pairs with their check at once, and both sides raise
+(the reader explaining that the call is collective and naming ``engine.save``; the others naming the reader);
+if they are not there yet the reader raises when the window has passed, and its posted tag makes the others'
+next check fail, naming it. The reader's engine is out of step after that (its tag stays posted): restart
+from the last checkpoint. In fp32 every rank holds the whole weights and ``model.state_dict()`` is local.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -41,6 +74,10 @@ from ..host.state import HostState
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+# The tags of the checks before a sum ([Note: a fault named]): (kind, two values, checks so far)
+_TAG = 4
+_ONE_BUCKET, _BUCKET_SET, _FAULT, _JOIN = 0, 1, -1, -2
+
 if TYPE_CHECKING:
     from ..backend.base import Event, Lane
     from ..planning.buckets import Bucket, ParamSpec
@@ -50,6 +87,10 @@ if TYPE_CHECKING:
 class DataParallel:
     """The collectives of one rank's engine, on its CPU lane (see the module docstring)."""
 
+    # How long a collective read of the host state (model.state_dict(), engine.save, close() with a 16-bit
+    # dtype) waits for the other ranks to join it before it raises: [Note: a read on one rank]
+    JOIN_WINDOW_S = 60.0
+
     def __init__(self, group: Any, lane: Lane) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -57,7 +98,13 @@ class DataParallel:
         self.lane = lane
         self._reduced: dict[int, tuple[Event, Event]] = {}  # bucket -> (the grads' ready event, its reduce)
         self.failed: str | None = None  # why this rank can no longer train in step with the others
+        self.error: DistributedError | None = None  # the first collective failure (raised cleanly by step())
+        self.closed_with_local = False  # close() gave the module the 16-bit copy (the masters could not be gathered)
         self._reduces = 0  # reduce-scatters issued since wrap (the same on every rank in step)
+        self._joined = -1  # _reduces when the ranks last joined a collective read (see join_reads)
+        # bucket -> its grads' ready event when :meth:`average_gathered` averaged its landing grad over the
+        # ranks (then its shard of the sum is taken locally, no reduce-scatter: [Note: averaged p.grad])
+        self._averaged: dict[int, Event] = {}
 
     @classmethod
     def resolve(cls, process_group: Any, lane: Lane) -> DataParallel | None:
@@ -98,11 +145,21 @@ class DataParallel:
             reduce = reduced[1]
         else:
             reduce = self._submit_reduce(host, b, ready)
+        self._averaged.pop(b, None)
         updated = self.lane.submit(update, [reduce, *waits], f"AdamW of bucket {b}'s shard")
         return self.lane.submit(lambda: self._gather_copy(host, b), [updated], f"all-gather of bucket {b}")
 
     def _submit_reduce(self, host: ShardedHostState, b: int, ready: Event) -> Event:
+        if self._averaged.get(b) is ready:  # [Note: averaged p.grad]: the average is already on every rank
+            return self.lane.submit(lambda: self._take_shard(host, b), [ready], f"shard of bucket {b}'s averaged grads")
         return self.lane.submit(lambda: self._reduce(host, b), [ready], f"reduce-scatter of bucket {b}'s grads")
+
+    def _take_shard(self, host: ShardedHostState, b: int) -> None:
+        """The reduce-scatter's result from the averaged landing grad, without a collective: the shard of the
+        sum over ranks (``update`` scales by ``1 / world``; times ``world`` is exact for a power of two)."""
+        s = host.shards[b]
+        host.grad_shard[b].copy_(host.grad_padded[b][self.rank * s.size: (self.rank + 1) * s.size])
+        host.grad_shard[b].mul_(self.world)
 
     def _reduce(self, host: ShardedHostState, b: int) -> None:
         self._check_same_bucket(b)
@@ -113,17 +170,40 @@ class DataParallel:
         """[Note: collectives on one thread]: collectives pair by order, so a rank whose grads completed
         another bucket (a data-dependent branch taken on one rank only) would sum another bucket's bytes,
         silently where the sizes agree. One small all-gather of (bucket, count so far) first makes it loud."""
-        tag = torch.tensor([b, self._reduces], dtype=torch.int64)
-        tags = tag.new_empty(2 * self.world)
-        self._call(f"check of bucket {b}'s reduce-scatter", _all_gather, tags, tag, group=self.group)
-        self._reduces += 1
-        others = tags.view(self.world, 2)
+        tag = torch.tensor([_ONE_BUCKET, b, 0, self._reduces], dtype=torch.int64)
+        others = self._check(tag, f"check of bucket {b}'s reduce-scatter")
         if not bool((others == tag).all()):
             self.failed = f"ranks reduced different buckets ({others.tolist()})"
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: the ranks are about to sum different buckets' grads "
                 f"((bucket, reduce-scatters so far) per rank: {others.tolist()}): every rank must run the same "
                 "model calls, so that the same parameters get grads in the same order")
+
+    def _check(self, tag: torch.Tensor, what: str) -> torch.Tensor:
+        """All-gather every rank's ``tag`` (the checks before a sum: [Note: a fault named]); raise naming the
+        ranks that sent a fault instead."""
+        tags = tag.new_empty(_TAG * self.world)
+        self._call(what, _all_gather, tags, tag, group=self.group)
+        self._reduces += 1
+        others = tags.view(self.world, _TAG)
+        alone = [r for r in range(self.world) if int(others[r, 0]) == _JOIN]
+        if alone:
+            names = ", ".join(str(r) for r in alone)
+            self.failed = f"rank {names} read the sharded state alone"
+            raise self._first(DistributedError(
+                f"rank {self.rank} of {self.world}: rank {names} called a collective read of the weights alone "
+                f"(model.state_dict(), engine.state_dict(), engine.save or close(), with a 16-bit dtype) while this "
+                f"rank trained on, so the ranks' collectives no longer pair. {_COLLECTIVE_READS} Restart every "
+                "rank from the last checkpoint"))
+        faulty = [r for r in range(self.world) if int(others[r, 0]) == _FAULT]
+        if faulty:
+            names = ", ".join(str(r) for r in faulty)
+            self.failed = f"the backward raised on rank {names}"
+            raise self._first(DistributedError(
+                f"rank {self.rank} of {self.world}: the backward raised on rank {names} (its own error says why), "
+                "which then left the collectives: this engine cannot go on in step with it. Restart every rank "
+                "from the last checkpoint"))
+        return others
 
     def _gather_copy(self, host: ShardedHostState, b: int) -> None:
         mine = host.shard_of_copy(b)
@@ -133,22 +213,59 @@ class DataParallel:
 
     # -- on the main thread, the lane drained ([Note: collectives on one thread]) -------------------------
 
+    def average_gathered(self, grads: GradPipeline) -> None:
+        """[Note: averaged p.grad]: the end of a backward with deferred updates, before the grads are exposed
+        in ``p.grad``: every rank's landing grad of every gathered bucket becomes the average over the ranks
+        (one all-reduce per bucket), and the norms are those of the average. Collective: every rank ends a
+        backward here."""
+        self.check_usable()
+        self.lane.drain()  # the accumulation into the sums runs on the lane
+        grads.wait_gathered()
+        host = _sharded(grads.slots.hosted(), self.rank)
+        buckets = sorted(grads.pending)
+        self._check_same_buckets(buckets)
+        for b in buckets:
+            self._call(f"all-reduce of bucket {b}'s grads", dist.all_reduce, host.grad_padded[b], group=self.group)
+            host.grad_padded[b].div_(self.world)  # exact for a power of two
+            self._averaged[b] = grads.pending[b].ready
+        grads.refresh_norms(grads.pending_params())
+
+    def _check_same_buckets(self, buckets: list[int]) -> None:
+        """As :meth:`_check_same_bucket`, for the set of buckets :meth:`average_gathered` is about to sum:
+        one all-gather of (count, a checksum of the set, collectives so far)."""
+        checksum = sum((b + 1) * (2 * b + 3) for b in buckets)
+        tag = torch.tensor([_BUCKET_SET, len(buckets), checksum, self._reduces], dtype=torch.int64)
+        others = self._check(tag, "check of the buckets to average")
+        if not bool((others == tag).all()):
+            self.failed = f"ranks gathered grads of different buckets ({others.tolist()})"
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}: the ranks' backward passes reached different parameters "
+                f"((buckets, checksum, collectives so far) per rank: {others.tolist()}): every rank must run the "
+                "same model calls, so that the same parameters get grads")
+
     def reduce_pending(self, grads: GradPipeline, norms: bool, norm_type: float = 2.0) -> None:
         """Deferred updates: reduce-scatter every bucket gathered since the last step (once), and with
-        ``norms`` replace ``grads.norms`` by the norms of the averaged grads over every rank."""
+        ``norms`` replace ``grads.norms`` by the norms of the averaged grads over every rank (already there
+        where :meth:`average_gathered` averaged every bucket)."""
         self.check_usable()
         if norm_type != 2.0:
             raise OffloadError(f"clip_grad_norm_ with norm_type={norm_type:g} is not supported data parallel (the "
                                "2-norm is, computed over every rank); use norm_type=2.0")
         host = _sharded(grads.slots.hosted(), self.rank)
+        averaged = all(self._averaged.get(b) is grads.pending[b].ready for b in grads.pending)
         for b in sorted(grads.pending):
             ready = grads.pending[b].ready
             have = self._reduced.get(b)
+            if self._averaged.get(b) is ready:
+                continue  # its shard is taken when it is updated (after any change the user makes to p.grad)
             if have is None or have[0] is not ready:
                 self._reduced[b] = (ready, self._submit_reduce(host, b, ready))
         self.lane.drain()
-        if not norms:
+        if not norms or averaged:  # averaged: grads.norms are the average's, the same on every rank
             return
+        for b in sorted(grads.pending):
+            if self._averaged.get(b) is grads.pending[b].ready:  # mixed: its shard for the norms' all-reduce
+                self._take_shard(host, b)
         params = grads.pending_params()
         sq = host.shard_sq_norms(params)
         self._call("all-reduce of the grad norms", dist.all_reduce, sq, group=self.group)
@@ -159,9 +276,40 @@ class DataParallel:
         """Every rank's ``shard`` (same size on all), concatenated: for reads of values other ranks own."""
         self.check_usable()
         self.lane.drain()
+        self._join_reads()
         full = shard.new_empty(shard.numel() * self.world)
         self._call("all-gather of host state", _all_gather, full, shard, group=self.group)
         return full
+
+    def _join_reads(self) -> None:
+        """[Note: a read on one rank]: before the first gather since the last training collective, every rank
+        joins one small all-gather, waited for at most ``JOIN_WINDOW_S``."""
+        if self._joined == self._reduces:
+            return
+        tag = torch.tensor([_JOIN, 0, 0, self._reduces], dtype=torch.int64)
+        tags = tag.new_empty(_TAG * self.world)
+        try:
+            work = _all_gather(tags, tag, group=self.group, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=self.JOIN_WINDOW_S))
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a timeout
+            raise self._read_alone(f"the other ranks did not join within {self.JOIN_WINDOW_S:g} s ({e}); the read "
+                                   "this rank began is still posted") from e
+        self._reduces += 1
+        self._joined = self._reduces
+        others = tags.view(self.world, _TAG)
+        if not bool((others == tag).all()):
+            trained = [r for r in range(self.world) if int(others[r, 0]) != _JOIN]
+            raise self._read_alone(f"rank {', '.join(map(str, trained))} issued a training collective instead "
+                                   f"(tags per rank: {others.tolist()})")
+
+    def _read_alone(self, why: str) -> DistributedError:
+        self.failed = f"a read of the sharded state on rank {self.rank} was not joined by the other ranks"
+        return self._first(DistributedError(
+            f"rank {self.rank} of {self.world}: reading the fp32 weights or Adam state (model.state_dict(), "
+            f"engine.state_dict(), engine.save, close()) needs every rank: with a 16-bit dtype the fp32 masters "
+            f"and Adam state are spread over the ranks, but {why}. {_COLLECTIVE_READS} This engine is now out of "
+            "step with the others (their collectives fail, naming this rank): restart every rank from the last "
+            "checkpoint"))
 
     def on_rank0(self, fn: Callable[[], None], what: str) -> None:
         """Run ``fn`` on rank 0 (a checkpoint's write); every rank returns once it is done, or raises if it
@@ -187,20 +335,64 @@ class DataParallel:
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError, DistBackendError, ...
             self.failed = f"the {what} failed on rank {self.rank}"
-            raise DistributedError(
+            raise self._first(DistributedError(
                 f"rank {self.rank} of {self.world}: the {what} failed: {e}. Another rank of the process group "
                 "raised, hung past the group's timeout or exited (its own error says why); this engine cannot "
-                "go on in step with the others") from e
+                "go on in step with the others")) from e
+
+    def _first(self, error: DistributedError) -> DistributedError:
+        if self.error is None:
+            self.error = error
+        return error
+
+    def raise_failure(self, error: BaseException) -> None:
+        """``error`` came out of the lane (wrapped once per item that waited on the failed one): raise the
+        :class:`DistributedError` it began with instead, if a collective failed."""
+        if self.error is not None:
+            raise DistributedError(str(self.error)) from error
+
+    def local_weight(self, host: HostState, p: int) -> torch.Tensor:
+        """Parameter ``p``'s value from what this rank holds alone (``close()`` after a fault, when the other
+        ranks' shards can no longer be gathered): the whole device-dtype copy, in fp32 (in fp32 it is the
+        master itself)."""
+        sharded = _sharded(host, self.rank)
+        b, off, numel = sharded.bucket_of[p], sharded.offset[p], sharded.specs[p].numel
+        self.closed_with_local = self.closed_with_local or sharded.device_dtype != torch.float32
+        return sharded.source(b)[off: off + numel].float().view(sharded.shapes[p])
+
+    def after_close(self) -> None:
+        """``close()`` released everything; say so if the module got this rank's 16-bit copy, not the masters."""
+        if self.closed_with_local:
+            raise DistributedError(
+                f"rank {self.rank} of {self.world}: the engine is closed (threads and memory released), but after "
+                f"the data-parallel failure ({self.failed}) the fp32 masters, spread over the ranks, could not be "
+                "gathered: the module holds this rank's last 16-bit copy of the weights, in fp32. Restart every "
+                "rank from the last checkpoint (engine.save) to get exact weights")
 
     def backward_failed(self, error: str) -> None:
-        """This rank's backward raised: it has left the collective sequence the other ranks follow."""
-        self.failed = f"a backward raised on rank {self.rank} ({error})"
+        """This rank's backward raised: it has left the collective sequence the other ranks follow. Unless a
+        collective failed already, it tells them ([Note: a fault named])."""
+        in_step, self.failed = self.failed is None, f"a backward raised on rank {self.rank} ({error})"
+        if not in_step:
+            return
+        try:
+            self.lane.drain()  # the collectives this rank issued before the fault: the others are in them too
+            tag = torch.tensor([_FAULT, self.rank, 0, self._reduces], dtype=torch.int64)
+            _all_gather(tag.new_empty(_TAG * self.world), tag, group=self.group)
+        except Exception:  # noqa: BLE001 - a peer gone or timed out: it errs on its own; this rank's error stands
+            pass
 
     def check_usable(self) -> None:
+        if self.error is not None:  # a collective failed: its error says who and why
+            raise DistributedError(str(self.error))
         if self.failed is not None:
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {self.failed}, so this data-parallel engine is out of step "
                 "with the other ranks and cannot train on. Restart every rank from the last checkpoint")
+
+
+_COLLECTIVE_READS = ("Call model.state_dict() on every rank (sd = model.state_dict(); if rank == 0: torch.save(sd, "
+                     "path)), or engine.save(path) on every rank (rank 0 writes the file).")
 
 
 def _sharded(host: HostState, rank: int) -> ShardedHostState:

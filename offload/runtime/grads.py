@@ -337,6 +337,8 @@ class GradPipeline:
         self.awaiting_step = bool(self.pending)
         if self.received:  # not after torch.autograd.grad(...) (a gradient penalty), which accumulates nothing:
             # the real backward that follows must find p.grad None, as the forward left it
+            if self.ctx.dp is not None and self.deferred:  # issue 20: p.grad shows the average over ranks, as DDP's
+                self.ctx.dp.average_gathered(self)
             self.exposure.expose()  # issue 19: the gathered grads in p.grad (offload/runtime/plain_grads.py)
 
     def wait_for_copies(self) -> None:
@@ -358,7 +360,12 @@ class GradPipeline:
         skipped = False
         if self.deferred and self.pending:
             skipped = self._step_deferred()
-        self.ctx.cpu.drain()
+        try:
+            self.ctx.cpu.drain()
+        except OffloadError as e:
+            if self.ctx.dp is not None:  # issue 20: the collective's DistributedError, not the lane's wrappings
+                self.ctx.dp.raise_failure(e)
+            raise
         self.slots.reclaim(block=True)  # every update waited for its grads' copy: all grad slots are free
         updated = set() if skipped else set(self.pending)
         self.clear()

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import DistributedError
+
 if TYPE_CHECKING:
     from .context import RuntimeContext
     from .executor import PlanExecutor
@@ -50,12 +52,23 @@ class Weights:
         if self.slots.host is not None:
             self.slots.host.adopt_optimizer_state(self.ctx.optimizer, list(self.ctx.params))
 
+    def _restored(self, p: int) -> torch.Tensor:
+        """Issue 20: after a data-parallel fault the other ranks no longer answer a gather: this rank's own copy
+        (``close()`` then says so)."""
+        dp = self.ctx.dp
+        if dp is not None and dp.failed is None:
+            try:
+                return self.read(p)
+            except DistributedError:
+                pass
+        return self.read(p) if dp is None else dp.local_weight(self.slots.hosted(), p)
+
     def restore(self) -> None:
         """Every parameter gets its fp32 value back as an ordinary tensor (as when wrapped)."""
         ctx = self.ctx
         if self.slots.host is not None:
             for p, param in enumerate(ctx.params):
-                ctx.backend.bind(param, self.read(p))
+                ctx.backend.bind(param, self._restored(p))
         elif self.warmup.original is not None:
             for param, value in zip(ctx.params, self.warmup.original):
                 ctx.backend.bind(param, value)

@@ -1,6 +1,7 @@
 """benchmarks/scaling_cpu.py in a tiny configuration (1 and 2 gloo ranks): the harness runs, labels its numbers
-measured, and its figures agree with each other (samples/s from the step time, a rank's host arena smaller
-with two ranks). It checks the harness, not the machine's speed."""
+measured, simulates the same runs beside them, and its figures agree with each other (samples/s from the step
+time, the error from both steps, a rank's host arena smaller with two ranks). It checks the harness, not the
+machine's speed."""
 
 from __future__ import annotations
 
@@ -22,4 +23,9 @@ def test_scaling_cpu_smoke(tmp_path):
     for r in (one, two):
         assert r["samples_per_s"] == pytest.approx(r["ranks"] * 4 / r["median_step_s"])
         assert len(r["step_s"]) == 2
+        # the simulation of the same run beside it (rank 0's plan), its error computed from the two
+        assert r["predicted_step_s"] > 0 and r["buckets"] >= 1
+        assert r["relative_error"] == pytest.approx((r["predicted_step_s"] - r["median_step_s"]) / r["median_step_s"])
+    assert one["predicted_all_gather_s"] == 0 and two["predicted_all_gather_s"] > 0  # one rank: no collective
+    assert two["gloo_bytes_per_s"] > 0 and one["gloo_bytes_per_s"] is None
     assert two["host_bytes_per_rank"] < one["host_bytes_per_rank"]

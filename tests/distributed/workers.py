@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,9 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.world,
                                 timeout=datetime.timedelta(seconds=case.timeout_s))
+        if "join_window_s" in case.extra:
+            from offload.runtime.distributed import DataParallel
+            DataParallel.JOIN_WINDOW_S = case.extra["join_window_s"]  # this spawned process only
         model = make_model()
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
         from offload.testing.chaos import ChaosConfig
@@ -120,10 +124,22 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                     loss = loss * 1e30
                 engine.backward(loss)
                 losses.append(loss.item())
-            if case.clip is not None:
+            if case.clip is not None and case.extra.get("torch_clip"):  # plain torch on p.grad (the average)
+                total = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip, foreach=False)
+                result.setdefault("norms", []).append(float(total))
+                result.setdefault("grad_norms", []).append([float(p.grad.norm()) for p in model.parameters()])
+            elif case.clip is not None:
                 result.setdefault("norms", []).append(float(engine.clip_grad_norm_(case.clip)))
             engine.step()
             engine.zero_grad()
+            if step == 0 and rank != 0 and case.extra.get("others_sleep_s"):  # rank 0 is in a read meanwhile
+                time.sleep(case.extra["others_sleep_s"])
+            if step == 0 and rank == 0 and case.extra.get("rank0_state_dict"):  # the usual rank-0-only save
+                t0 = time.monotonic()
+                try:
+                    model.state_dict()
+                finally:
+                    result["state_dict_s"] = time.monotonic() - t0
         stats = engine.memory_stats()
         result["chaos_draws"] = lane._before.draws if lane._before is not None else 0
         result["host_bytes"] = stats["host_pinned_bytes"]
@@ -132,12 +148,16 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         if case.save is not None:
             engine.save(case.save)
         result["losses"] = losses
+        if case.extra.get("every_rank_state_dict"):
+            result["model_state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
         result["weights"] = {k: v.clone() for k, v in engine.state_dict()["model"].items()}
         engine.close()
         result["after_close"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
+        if case.extra.get("close_after_error") and "engine" in locals():
+            _close_after_error(engine, model, result)
     finally:
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         if dist.is_initialized():
@@ -145,6 +165,21 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a failed group may not tear down cleanly
                 pass
+
+
+def _close_after_error(engine, model: nn.Module, result: dict) -> None:
+    """After a fault: close() must stop every thread the engine started and free its arena, raising (if at
+    all) only after that. Records the threads alive before and after, and close's error."""
+    import threading
+    result["threads_before_close"] = sorted(t.name for t in threading.enumerate())
+    try:
+        engine.close()
+    except BaseException as e:  # noqa: BLE001 - recorded for the parent
+        result["close_error"] = f"{type(e).__name__}: {e}"
+    result["threads_after_close"] = sorted(t.name for t in threading.enumerate() if t.is_alive())
+    result["host_after_close"] = engine._runtime.slots.host is None
+    result["params_after_close"] = {k: (tuple(v.shape), v.dtype, bool(torch.isfinite(v).all()))
+                                    for k, v in model.state_dict().items()}
 
 
 def run_ranks(case: Case, tmp: Path, timeout_s: float = 120.0) -> list[dict]:
