@@ -24,6 +24,10 @@ from .hw import HardwareModel
 
 HOST_ALIGN = 64  # bytes: a cache line, and the widest SIMD load the CPU AdamW uses
 PARAM_ALIGN = 16  # bytes: where every parameter starts inside a bucket, see [Note: parameter alignment]
+# Grad staging slots on the host ([Note: grad staging ring] at HostLayout): while the CPU AdamW reads one
+# bucket's grads, the next one's copy has landed and a third may be landing, so the lane never waits for a
+# copy; a fourth would only let backward run further ahead of a CPU lane that is the wall anyway.
+GRAD_RING_SLOTS = 3
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,17 @@ class HostLayout:
     lands in ``staging`` (device dtype) instead, except the first of a step in fp32, which lands in the sum
     itself; the CPU lane widens or adds staging into the sum. Trainable bytes per parameter: 16 (fp32 or
     16-bit, no accumulation: 4 master + 4 m + 4 v + grad 4, or 2 + the 2-byte copy) and 20 with
-    accumulation (a 4-byte sum + the staging in the device dtype)."""
+    accumulation (a 4-byte sum + the staging in the device dtype).
+
+    [Note: grad staging ring] (issue 18) With ``ring`` slots the copies land in a ring instead: ``ring``
+    buffers of the largest bucket's trainable prefix in the device dtype, shared by every bucket, reused in
+    turn once the CPU lane has read what the previous occupant brought (its AdamW, or the widening or adding
+    into the fp32 sum). Grads are consumed as they arrive, so only the buckets in flight need room: no
+    per-bucket grad at all with the optimizer overlapped (14 bytes per trainable parameter in 16 bits: 4 master
+    + 4 m + 4 v + the 2-byte copy; 12 in fp32, where the master is the copy), and the fp32 sum (``grad``, 4)
+    only with accumulation, which must keep every bucket's grads until ``step()`` (18 in 16 bits, 16 in fp32,
+    whose step's first copy lands in the sum itself). ``ring=0`` keeps the per-bucket layout above (data
+    parallel ranks: their reduce-scatter reads a padded per-bucket grad, offload/host/shard.py)."""
 
     master: tuple[int, ...]
     lowp: tuple[int, ...]
@@ -187,15 +201,25 @@ class HostLayout:
     total_bytes: int
     grad_itemsize: int = 4  # bytes per element of ``grad``: 4 (fp32) or the 16-bit dtype's
     staging_itemsize: int = 0  # bytes per element of ``staging``: the device dtype's, 0 without accumulation
+    ring: tuple[int, ...] = ()  # offsets of the grad staging ring's slots ([Note: grad staging ring]); () without
+    ring_numel: int = 0  # elements of each ring slot (the largest trainable prefix), in the device dtype
 
 
-def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: bool = False) -> HostLayout:
+def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: bool = False,
+                ring: int = 0) -> HostLayout:
     """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none.
-    ``accumulate``: room for gradient accumulation (an fp32 sum and a staging copy, see [Note: host grads])."""
+    ``accumulate``: room for gradient accumulation (an fp32 sum and a staging copy, see [Note: host grads]).
+    ``ring``: grads land in that many shared staging slots instead of per-bucket buffers ([Note: grad staging
+    ring]; 0: per-bucket, as data parallel ranks keep them). A model without trainable parameters gets none."""
+    if ring < 0:
+        raise ValueError(f"ring must be >= 0, got {ring}")
     device_itemsize = lowp_itemsize or 4
-    grad_itemsize = 4 if accumulate else device_itemsize
-    staging_itemsize = device_itemsize if accumulate else 0
-    fields: dict[str, list[int]] = {k: [] for k in ("master", "lowp", "grad", "staging", "exp_avg", "exp_avg_sq")}
+    ring = min(ring, sum(1 for b in buckets if b.trainable_numel))  # more slots than buckets stay empty
+    ring_numel = max((b.trainable_numel for b in buckets), default=0) if ring else 0
+    grad_itemsize = 4 if accumulate else (0 if ring else device_itemsize)
+    staging_itemsize = device_itemsize if accumulate and not ring else 0
+    fields: dict[str, list[int]] = {k: [] for k in ("master", "lowp", "grad", "staging", "exp_avg", "exp_avg_sq",
+                                                     "ring")}
     off = 0
 
     def take(nbytes: int) -> int:
@@ -211,8 +235,10 @@ def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: b
         fields["staging"].append(take(b.trainable_numel * staging_itemsize))
         for name in ("exp_avg", "exp_avg_sq"):
             fields[name].append(take(b.trainable_numel * 4))
+    for _ in range(ring):
+        fields["ring"].append(take(ring_numel * device_itemsize))
     return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off, grad_itemsize=grad_itemsize,
-                      staging_itemsize=staging_itemsize)
+                      staging_itemsize=staging_itemsize, ring_numel=ring_numel)
 
 
 def _align(n: int, a: int) -> int:
