@@ -197,12 +197,12 @@ def main(argv=None) -> int:
 def report(rt, stats, below, per_step, losses, trainable, total, dtype) -> bool:
     itemsize = torch.empty((), dtype=dtype).element_size()
     host = stats["host_pinned_bytes"]
-    # grads: a few staging slots of the largest bucket in the device dtype (the grad ring), + an fp32 sum per
+    # grads: the grad staging ring (room for the few largest buckets in the device dtype), + an fp32 sum per
     # trainable parameter where updates are deferred (accumulation)
     layout = rt.slots.host.layout
     per_trainable = 12 + layout.grad_itemsize + layout.staging_itemsize + (itemsize if itemsize < 4 else 0)
     frozen_b = itemsize if itemsize < 4 else 4
-    ring = len(layout.ring) * layout.ring_numel * itemsize
+    ring = layout.ring_bytes
     all_trainable = per_trainable * total + ring
     formula = per_trainable * trainable + frozen_b * (total - trainable) + ring
     table = Table(title="host memory (engine.memory_stats()['host_pinned_bytes'])")
@@ -214,7 +214,7 @@ def report(rt, stats, below, per_step, losses, trainable, total, dtype) -> bool:
     console.print(table)
     checks = []
     checks.append(("host arena holds no optimizer state for frozen weights",
-                   formula <= host <= formula + 6 * 64 * len(rt.slots.buckets) + 64 * len(layout.ring)))
+                   formula <= host <= formula + 6 * 64 * len(rt.slots.buckets) + 64))
     summary, plan = stats["plan"], rt.executor.train_plan
     below_buckets = classify(rt, below)["frozen, below the lowest trainable"]
     no_backward = all(planned_bytes(plan, b.index)[1] == 0 for b in below_buckets)

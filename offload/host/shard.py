@@ -314,11 +314,11 @@ class ShardedHostState(HostState):
         """The bucket's own padded grad (the reduce-scatter's input) or staging copy: a rank keeps no grad
         ring ([Note: grad staging ring] in ``buckets.py``: ``ring=0``), so no slot is lent."""
         if first and self.grad[b].dtype == self.device_dtype:
-            return Landing(self.grad[b], None, None)
+            return Landing(self.grad[b], None, ())
         if self.staging is None:
             raise InvariantError("gradient accumulation needs the host's fp32 sum and staging copy, which this "
                                  "engine was not built with: a bug in offload, please report it")
-        return Landing(self.staging[b], None, None)
+        return Landing(self.staging[b], None, ())
 
     def reset_staging(self) -> None:
         """No ring to forget (see :meth:`landing`)."""

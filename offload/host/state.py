@@ -12,7 +12,7 @@ import torch
 from ..config import format_bytes
 from ..errors import HostMemoryError, InvariantError, KernelUnavailableError
 from ..optim import adamw_
-from ..planning.buckets import GRAD_RING_SLOTS, Bucket, HostLayout, ParamSpec, host_layout, locate
+from ..planning.buckets import GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec, host_layout, locate
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step
 
@@ -26,41 +26,52 @@ class Landing(NamedTuple):
     """Where one device-to-host grad copy goes (:meth:`HostState.landing`)."""
 
     view: torch.Tensor  # the bucket's trainable prefix, in the device dtype (or the fp32 sum itself)
-    slot: int | None  # the grad ring's slot it borrows (hand it back with HostState.staged_read_by), or None
-    after: Event | None  # the copy may overwrite ``view`` only after this: the slot's previous reader
+    lent: Lent | None  # the bytes of the grad ring it borrows (hand them back with HostState.staged_read_by)
+    after: tuple[Event, ...]  # the copy may overwrite ``view`` only after these: those bytes' previous readers
+
+
+class Lent:
+    """Bytes ``[start, end)`` of the grad ring and the CPU-lane work that reads the grads they hold (None while
+    the runtime has not named it yet)."""
+
+    __slots__ = ("start", "end", "reader")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.reader: Event | None = None
 
 
 class GradRing:
-    """[Note: grad staging ring] in ``buckets.py``: slots taken in turn, each lent to one bucket's copy until
-    the reader of what it brought is known (``read_by``); the next borrower of that slot waits for that reader.
-    Holds events but never waits: the runtime puts ``after`` among the copy's waits."""
+    """[Note: grad staging ring] in ``buckets.py``: bucket after bucket in one byte region, starting again at
+    the beginning when a bucket does not fit before the end; each piece is lent to one copy, and the copy that
+    next covers any of its bytes waits for its reader. Holds events but never waits: the runtime puts them
+    among the copy's waits."""
 
-    def __init__(self, views: list[torch.Tensor]) -> None:
-        self.views = views
-        self.next = 0
-        self.readers: list[Event | None] = [None] * len(views)  # last reader of each slot's grads
-        self.lent = [False] * len(views)  # taken, its reader not known yet
+    def __init__(self, region: torch.Tensor, dtype: torch.dtype) -> None:
+        self.region, self.dtype = region, dtype  # region: uint8
+        self.head = 0
+        self.live: list[Lent] = []  # pieces whose bytes no later piece has covered yet
 
-    def take(self, numel: int) -> tuple[int, torch.Tensor, Event | None]:
-        if not self.views:
-            raise InvariantError("a grad copy needs the host's staging ring, which this engine has none of (no "
-                                 "trainable parameters): a bug in offload, please report it")
-        i = self.next
-        if self.lent[i]:  # its grads' reader was never named: nothing would keep the copy off them
-            raise InvariantError(f"grad staging slot {i} is lent out again before the reader of its grads was "
-                                 "recorded: a bug in offload, please report it")
-        self.next = (i + 1) % len(self.views)
-        self.lent[i] = True
-        return i, self.views[i][:numel], self.readers[i]
-
-    def read_by(self, i: int, event: Event) -> None:
-        self.readers[i] = event
-        self.lent[i] = False
+    def take(self, numel: int) -> tuple[Lent, torch.Tensor, tuple[Event, ...]]:
+        size, capacity = numel * self.dtype.itemsize, self.region.numel()
+        if size > capacity:
+            raise InvariantError(f"a grad copy of {size} bytes does not fit the host's grad staging ring of "
+                                 f"{capacity} bytes (sized by the largest buckets): a bug in offload, please report it")
+        start = self.head if self.head + size <= capacity else 0
+        end = start + size
+        covered = [x for x in self.live if x.start < end and start < x.end]
+        if any(x.reader is None for x in covered):  # nothing would keep this copy off grads not read yet
+            raise InvariantError("host grad staging bytes are lent out again before the reader of the grads they "
+                                 "hold was recorded: a bug in offload, please report it")
+        self.live = [x for x in self.live if x not in covered] + [piece := Lent(start, end)]
+        self.head = -(-end // HOST_ALIGN) * HOST_ALIGN
+        view = self.region[start:end].view(self.dtype)
+        return piece, view, tuple(x.reader for x in covered if x.reader is not None)
 
     def reset(self) -> None:
         """Every copy and reader is done (the runtime drained and synchronized): forget them."""
-        self.readers = [None] * len(self.views)
-        self.lent = [False] * len(self.views)
+        self.head = 0
+        self.live = []
 
 
 class HostState:
@@ -72,8 +83,8 @@ class HostState:
         ``fused``: updates run on the C++ kernel (``offload.AdamW.fused``); False: torch ops.
         ``accumulate``: grads may be summed over several backward passes (updates deferred to ``step()``):
         an fp32 sum per bucket (see [Note: host grads] in ``buckets.py``).
-        ``ring_slots``: the grad copies land in that many shared staging slots ([Note: grad staging ring]);
-        None: ``GRAD_RING_SLOTS``."""
+        ``ring_slots``: the grad copies land in a ring with room for that many of the largest buckets ([Note:
+        grad staging ring]); None: ``GRAD_RING_SLOTS``."""
         if fused and not KERNEL_AVAILABLE:
             raise KernelUnavailableError("fused=True needs the C++ AdamW kernel, which this build of offload._C lacks "
                                          "(offload.host.cpu_adam.KERNEL_AVAILABLE is False): rebuild offload "
@@ -105,8 +116,8 @@ class HostState:
                     self.arena.reserve(layout.grad[b.index], b.trainable_numel * layout.grad_itemsize)
                 for region in (layout.exp_avg, layout.exp_avg_sq):
                     self.arena.reserve(region[b.index], b.trainable_numel * 4)
-        for offset in layout.ring:
-            self.arena.reserve(offset, layout.ring_numel * self.device_dtype.itemsize)
+        if layout.ring_bytes:
+            self.arena.reserve(layout.ring, layout.ring_bytes)
         view = self.arena.view
         self.master = [view(layout.master[b.index], self.master_numel[b.index], torch.float32) for b in buckets]
         self.lowp = [view(layout.lowp[b.index], b.numel, lowp_dtype) for b in buckets] if lowp_dtype else None
@@ -115,7 +126,7 @@ class HostState:
         # whose update reads the ring slot its grads landed in), and the ring: [Note: grad staging ring].
         self.grad = ([view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
                      if accumulate else [])
-        self.ring = GradRing([view(off, layout.ring_numel, device_dtype) for off in layout.ring])
+        self.ring = GradRing(view(layout.ring, layout.ring_bytes, torch.uint8), device_dtype)
         self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg_sq = [view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.bucket_of, self.offset = locate(buckets)  # offset: element offset inside the bucket
@@ -252,15 +263,15 @@ class HostState:
         ``first`` fp32 grads with accumulation, else a slot of the grad ring, lent until
         :meth:`staged_read_by` names its reader. See [Note: grad staging ring] in ``buckets.py``."""
         if first and self.grad and self.device_dtype == torch.float32:
-            return Landing(self.grad[b], None, None)
-        slot, view, after = self.ring.take(self.buckets[b].trainable_numel)
-        return Landing(view, slot, after)
+            return Landing(self.grad[b], None, ())
+        lent, view, after = self.ring.take(self.buckets[b].trainable_numel)
+        return Landing(view, lent, after)
 
-    def staged_read_by(self, slot: int | None, event: Event) -> None:
-        """The grads in ring slot ``slot`` (a :class:`Landing`'s) are read by the CPU-lane work ending with
-        ``event``: the slot's next copy waits for it. ``None`` (no slot borrowed): nothing to do."""
-        if slot is not None:
-            self.ring.read_by(slot, event)
+    def staged_read_by(self, lent: Lent | None, event: Event) -> None:
+        """The grads in the ring bytes ``lent`` (a :class:`Landing`'s) are read by the CPU-lane work ending with
+        ``event``: the next copy over those bytes waits for it. ``None`` (nothing borrowed): nothing to do."""
+        if lent is not None:
+            lent.reader = event
 
     def reset_staging(self) -> None:
         """After a failed backward, every copy and reader finished: the ring forgets them."""
@@ -307,6 +318,6 @@ def check_host_ram(nbytes: int, layout: HostLayout, lowp_itemsize: int = 0) -> N
         raise HostMemoryError(
             f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grad sums: "
             f"{trainable} bytes per trainable parameter, {lowp_itemsize or 4} per frozen one; grad staging "
-            f"{format_bytes(len(layout.ring) * layout.ring_numel * (lowp_itemsize or 4))}) but only "
+            f"{format_bytes(layout.ring_bytes)}) but only "
             f"{format_bytes(available)} is available. Free host memory, freeze more parameters, or use a "
             "machine with more RAM.")

@@ -219,16 +219,16 @@ class GradPipeline:
         # itself ([Note: grad staging ring]); it waits for the slot's previous reader.
         first = earlier is None
         dst = host.landing(b, first=first)
-        waits += [e for e in (dst.after,) if e is not None]
+        waits += dst.after
         if earlier is not None:
             waits.append(earlier.ready)  # the previous pass's sum is done
         d2h = ctx.backend.d2h(dst.view, view, waits)
-        if not self.deferred or dst.slot is None:  # the update reads the landed grads (or they are the sum)
+        if not self.deferred or dst.lent is None:  # the update reads the landed grads (or they are the sum)
             ready = d2h
         else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane
             ready = ctx.cpu.submit(lambda: self._accumulate(b, got, first, dst.view), [d2h, *(
                 [earlier.ready] if earlier is not None else [])], f"gradient accumulation of bucket {b}")
-            host.staged_read_by(dst.slot, ready)
+            host.staged_read_by(dst.lent, ready)
         ctx.lane_log.add("d2h", b, nbytes, d2h)
         self.copies.append(d2h)
         if k is not None:
@@ -238,7 +238,7 @@ class GradPipeline:
         self.pending[b] = PendingGrads((earlier.params if earlier else frozenset()) | got, ready)
         if not self.deferred:
             self._submit_update(b, got, ready, grads=dst.view)
-            host.staged_read_by(dst.slot, slots.adam_event[b])
+            host.staged_read_by(dst.lent, slots.adam_event[b])
 
     def _slot_norms(self, view: torch.Tensor, params: Iterable[int]) -> dict[int, torch.Tensor]:
         dtype = None if self.ctx.dtype == torch.float32 else torch.float32

@@ -273,7 +273,7 @@ def gpu_breakdown(plan: Plan) -> dict[str, int]:
 
 def host_breakdown(buckets, lowp_itemsize: int, accumulate: bool = False) -> dict[str, int]:
     """The engine's host arena by part (the layout ``HostState`` allocates); alignment padding is
-    ``workspace``. Grads are the grad staging ring (a few slots of the largest bucket in the device dtype) plus
+    ``workspace``. Grads are the grad staging ring (room for the few largest buckets in the device dtype) plus
     an fp32 sum per bucket with ``accumulate`` (deferred updates; see [Note: grad staging ring] in
     ``buckets.py``)."""
     numel = sum(b.numel for b in buckets)
@@ -281,7 +281,7 @@ def host_breakdown(buckets, lowp_itemsize: int, accumulate: bool = False) -> dic
     layout = host_layout(buckets, lowp_itemsize, accumulate, ring=GRAD_RING_SLOTS)
     out = dict.fromkeys(BREAKDOWN, 0)
     master = trainable if lowp_itemsize else numel  # with a 16-bit copy, frozen parameters have no fp32 master
-    ring = len(layout.ring) * layout.ring_numel * (lowp_itemsize or 4)
+    ring = layout.ring_bytes
     out.update(master_weights=4 * master, lowp_staging=lowp_itemsize * numel,
                grads=(layout.grad_itemsize + layout.staging_itemsize) * trainable + ring,
                adam_m=4 * trainable, adam_v=4 * trainable)

@@ -125,48 +125,63 @@ def test_accumulation_lands_in_the_ring_and_sums_in_fp32(lowp):
     for b in range(len(host.buckets)):
         first = host.landing(b, first=True)
         assert first.view.dtype == device and (first.view is host.grad[b]) == (lowp is None)
-        assert (first.slot is None) == (lowp is None)
+        assert (first.lent is None) == (lowp is None)
         grads = [(torch.randn(first.view.numel(), generator=gen) * 3).to(device) for _ in range(3)]
         first.view.copy_(grads[0])
-        if first.slot is not None:
+        if first.lent is not None:
             host.take_staged(b, True, first.view)
-            host.staged_read_by(first.slot, DONE)
+            host.staged_read_by(first.lent, DONE)
         for g in grads[1:]:
             later = host.landing(b, first=False)
-            assert later.slot is not None and later.view.numel() == host.buckets[b].trainable_numel
+            assert later.lent is not None and later.view.numel() == host.buckets[b].trainable_numel
             later.view.copy_(g)
             host.take_staged(b, False, later.view)
-            host.staged_read_by(later.slot, DONE)
+            host.staged_read_by(later.lent, DONE)
         want = grads[0].float()
         for g in grads[1:]:
             want = want + g.float()
         assert torch.equal(host.grad[b], want)
 
 
-def test_the_ring_lends_slots_in_turn_and_names_their_last_reader():
-    """[Note: grad staging ring]: slots go round; a copy into a slot must wait for the reader of the slot's
-    previous grads (``after``); a slot lent again before its reader was named is a loud bug; no per-bucket
-    grads are kept without accumulation (the arena holds master, copy, m, v and the ring only)."""
-    host, _ = _host(torch.bfloat16, False, ring_slots=2)
-    assert host.grad == [] and len(host.layout.ring) == 2
-    n = max(b.trainable_numel for b in host.buckets)
-    a, b = host.landing(0, first=True), host.landing(1, first=True)
-    assert (a.slot, b.slot, a.after, b.after) == (0, 1, None, None)
-    assert a.view.data_ptr() != b.view.data_ptr() and a.view.dtype == torch.bfloat16
-    readers = [object(), object()]
-    host.staged_read_by(a.slot, readers[0])
-    again = host.landing(0, first=True)
-    assert again.slot == 0 and again.after is readers[0] and again.view.data_ptr() == a.view.data_ptr()
-    with pytest.raises(InvariantError, match="reader"):  # slot 1 was never handed back
-        host.landing(1, first=True)
+def test_the_ring_lends_bytes_in_turn_and_names_their_last_reader():
+    """[Note: grad staging ring]: buckets land one after the other in the ring, starting again at its beginning
+    when one does not fit; a copy must wait for the readers of every earlier piece it covers (``after``), and
+    only for those; bytes lent again before their reader was named are a loud bug; no per-bucket grads are kept
+    without accumulation (the arena holds master, copy, m, v and the ring only)."""
+    buckets = make_buckets(SPECS, range(len(SPECS)), bucket_bytes=4 * 1000, itemsize=4)  # one parameter each
+    host = HostState(buckets, SPECS, [torch.Size([s.numel]) for s in SPECS], torch.bfloat16, fused=False,
+                     ring_slots=2)
+    sizes = [b.trainable_numel for b in host.buckets]
+    assert host.grad == [] and len(sizes) >= 3 and sizes[0] == max(sizes) and min(sizes[:3]) > 0
+    two = sorted(sizes, reverse=True)[:2]
+    assert sum(2 * n for n in two) <= host.layout.ring_bytes < sum(2 * n for n in two) + 128
+    readers = [object() for _ in range(8)]
+    lent = []
+    for i, b in enumerate([0, 1, 2, 0, 1, 2, 0]):
+        got = host.landing(b, first=True)
+        assert got.view.dtype == torch.bfloat16 and got.view.numel() == sizes[b] and got.view.data_ptr() % 64 == 0
+        lo = got.view.data_ptr() - host.ring.region.data_ptr()
+        for j, (other, olo) in enumerate(lent):  # waits for exactly the earlier pieces it overlaps, latest ones
+            overlaps = olo < lo + 2 * sizes[b] and lo < olo + 2 * sizes[other]
+            if overlaps and all(not (l2 < olo + 2 * sizes[other] and olo < l2 + 2 * sizes[o2])
+                                for o2, l2 in lent[j + 1:]):
+                assert readers[j] in got.after, (i, j)
+        assert len(got.after) <= len(lent) and None not in got.after
+        assert lo + 2 * sizes[b] <= host.layout.ring_bytes
+        host.staged_read_by(got.lent, readers[i])
+        lent.append((b, lo))
+    assert lent[1][1] > lent[0][1] and any(lo == 0 for _, lo in lent[1:])  # after the end, the beginning again
+    host.landing(0, first=True)  # lent, its reader not named
+    with pytest.raises(InvariantError, match="reader"):
+        host.landing(0, first=True)
     host.reset_staging()
-    assert host.landing(1, first=True).after is None
+    assert host.landing(0, first=True).after == ()
     with pytest.raises(InvariantError, match="fp32 grad sums"):
         host.grad_sum(0)
     trainable = sum(bk.trainable_numel for bk in host.buckets)
     frozen = sum(bk.numel for bk in host.buckets) - trainable
-    exact = 14 * trainable + 2 * frozen + 2 * 2 * n  # master, m, v, copy; frozen copy; two bf16 slots
-    assert exact <= host.nbytes < exact + 64 * 6 * (len(host.buckets) + 2)  # + 64-byte alignment per region
+    exact = 14 * trainable + 2 * frozen + host.layout.ring_bytes  # master, m, v, copy; frozen copy; the ring
+    assert exact <= host.nbytes < exact + 64 * 6 * (len(host.buckets) + 1)  # + 64-byte alignment per region
 
 
 @pytest.mark.parametrize("fused", PATHS)

@@ -149,10 +149,9 @@ def _expected_host_bytes(engine, frozen_bytes: int, trainable_bytes: int) -> tup
     trainable = sum(b.trainable_numel for b in rt.slots.buckets)
     frozen = sum(b.numel - b.trainable_numel for b in rt.slots.buckets)
     # grads: the staging ring only ([Note: grad staging ring]), a few slots of the largest trainable prefix
-    ring = rt.slots.hosted().layout.ring
-    ring_bytes = len(ring) * max(b.trainable_numel for b in rt.slots.buckets) * rt.ctx.itemsize
+    ring_bytes = rt.slots.hosted().layout.ring_bytes  # room for the largest buckets' grads in the device dtype
     exact = trainable * trainable_bytes + frozen * frozen_bytes + ring_bytes
-    regions = 5 * len(rt.slots.buckets) + len(ring)  # master, 16-bit copy, grad, m, v: each padded to HOST_ALIGN
+    regions = 5 * len(rt.slots.buckets) + 4  # ring: its pieces and itself aligned; master, 16-bit copy, grad, m, v: each padded to HOST_ALIGN
     return exact, exact + regions * HOST_ALIGN
 
 
