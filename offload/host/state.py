@@ -123,7 +123,7 @@ class HostState:
         self.lowp = [view(layout.lowp[b.index], b.numel, lowp_dtype) for b in buckets] if lowp_dtype else None
         device_dtype = self.device_dtype
         # The fp32 sums the deferred update reads (accumulation only: none with the optimizer overlapped,
-        # whose update reads the ring slot its grads landed in), and the ring: [Note: grad staging ring].
+        # whose update reads the ring bytes its grads landed in), and the ring: [Note: grad staging ring].
         self.grad = ([view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
                      if accumulate else [])
         self.ring = GradRing(view(layout.ring, layout.ring_bytes, torch.uint8), device_dtype)
@@ -190,7 +190,7 @@ class HostState:
                grads: torch.Tensor | None = None) -> None:
         """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
         same-group, same-step parameters (runs a parameter with another step count apart). ``grads``: the
-        bucket's grads (its ring slot, overlapped); None: its fp32 sum (accumulation).
+        bucket's grads (where they landed in the grad ring, overlapped); None: its fp32 sum (accumulation).
 
         ``grad_factors`` multiply the grads first (the loss-scale inverse, then the clipping coefficient:
         the order in which torch's GradScaler.unscale_ and clip_grad_norm_ apply them). The fused kernel
@@ -251,16 +251,16 @@ class HostState:
                 for p in params}
 
     def grad_sum(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s fp32 grad sum (accumulation only: overlapped updates read their ring slot)."""
+        """Bucket ``b``'s fp32 grad sum (accumulation only: overlapped updates read the grad ring)."""
         if not self.grad:
             raise InvariantError("the host keeps fp32 grad sums only with overlap_optimizer=False (accumulation); "
-                                 "this engine updates each bucket from its staging slot: a bug in offload, please "
+                                 "this engine updates each bucket from the grad ring: a bug in offload, please "
                                  "report it")
         return self.grad[b]
 
     def landing(self, b: int, first: bool) -> Landing:
         """Where the device-to-host copy of bucket ``b``'s grads goes: the fp32 sum itself for the step's
-        ``first`` fp32 grads with accumulation, else a slot of the grad ring, lent until
+        ``first`` fp32 grads with accumulation, else bytes of the grad ring, lent until
         :meth:`staged_read_by` names its reader. See [Note: grad staging ring] in ``buckets.py``."""
         if first and self.grad and self.device_dtype == torch.float32:
             return Landing(self.grad[b], None, ())
@@ -278,8 +278,9 @@ class HostState:
         self.ring.reset()
 
     def take_staged(self, b: int, first: bool, staged: torch.Tensor) -> None:
-        """CPU lane, after the copy into ``staged`` (a ring slot): widen it into the fp32 sum (the step's
-        ``first`` grads), or add it (exactly what adding the fp32-converted grads would give: widening is exact)."""
+        """CPU lane, after the copy into ``staged`` (bytes of the grad ring): widen it into the fp32 sum (the
+        step's ``first`` grads), or add it (exactly what adding the fp32-converted grads would give: widening is
+        exact)."""
         if first:
             self.grad_sum(b).copy_(staged)
         else:

@@ -215,8 +215,8 @@ class GradPipeline:
         waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]
         ctx.stats["d2h_bytes"] += nbytes
         # The copy never converts: it lands in pinned host memory of the slot's dtype ([Note: host grads]
-        # in buckets.py): a slot of the host's grad ring, lent until the CPU lane has read it, or the fp32 sum
-        # itself ([Note: grad staging ring]); it waits for the slot's previous reader.
+        # in buckets.py): bytes of the host's grad ring, lent until the CPU lane has read them, or the fp32 sum
+        # itself ([Note: grad staging ring]); it waits for the readers of what those bytes held before.
         first = earlier is None
         dst = host.landing(b, first=first)
         waits += dst.after
@@ -247,7 +247,7 @@ class GradPipeline:
         return {p: torch.linalg.vector_norm(view[off[p]: off[p] + specs[p].numel], dtype=dtype) for p in params}
 
     def _accumulate(self, b: int, got: frozenset[int], first: bool, staged: torch.Tensor) -> None:
-        """CPU lane: fold one backward's grads of bucket ``b`` (in the ring slot ``staged``) into the fp32 sum:
+        """CPU lane: fold one backward's grads of bucket ``b`` (in the grad ring, ``staged``) into the fp32 sum:
         widen them (the step's ``first``) or add them, and renew the norms of an added sum."""
         host = self.slots.hosted()
         host.take_staged(b, first, staged)
@@ -256,7 +256,7 @@ class GradPipeline:
 
     def _submit_update(self, b: int, params: Iterable[int], ready: Event, hparams: HParams | None = None,
                        factors: tuple[float, ...] = (), grads: torch.Tensor | None = None) -> None:
-        """AdamW of bucket ``b`` on the CPU lane after ``ready``, from ``grads`` (its ring slot) or its fp32 sum."""
+        """AdamW of bucket ``b`` on the CPU lane after ``ready``, from ``grads`` (in the grad ring) or its fp32 sum."""
         slots = self.slots
         hp = hparams or self.hparams
         ps = frozenset(params)

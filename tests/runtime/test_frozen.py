@@ -148,10 +148,11 @@ def _expected_host_bytes(engine, frozen_bytes: int, trainable_bytes: int) -> tup
     rt = engine._runtime
     trainable = sum(b.trainable_numel for b in rt.slots.buckets)
     frozen = sum(b.numel - b.trainable_numel for b in rt.slots.buckets)
-    # grads: the staging ring only ([Note: grad staging ring]), a few slots of the largest trainable prefix
-    ring_bytes = rt.slots.hosted().layout.ring_bytes  # room for the largest buckets' grads in the device dtype
+    # grads: the staging ring only ([Note: grad staging ring]): room for the largest buckets in the device dtype
+    ring_bytes = rt.slots.hosted().layout.ring_bytes
     exact = trainable * trainable_bytes + frozen * frozen_bytes + ring_bytes
-    regions = 5 * len(rt.slots.buckets) + 4  # ring: its pieces and itself aligned; master, 16-bit copy, grad, m, v: each padded to HOST_ALIGN
+    # master, 16-bit copy, grad, m, v: each padded to HOST_ALIGN at most; the ring too (and its pieces)
+    regions = 5 * len(rt.slots.buckets) + 4
     return exact, exact + regions * HOST_ALIGN
 
 
