@@ -38,7 +38,7 @@ from ..optim import adamw_
 from ..planning.buckets import HOST_ALIGN, Bucket, ParamSpec, locate
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step
-from .state import HOST_RAM_HEADROOM, HostState
+from .state import HOST_RAM_HEADROOM, HostState, Landing
 
 SHARD_ALIGN = 16  # elements: every shard starts 64-byte aligned in fp32 (the SIMD loads of the CPU AdamW)
 
@@ -222,11 +222,13 @@ class ShardedHostState(HostState):
 
     # -- the update ----------------------------------------------------------------------------------------
 
-    def update(self, b: int, params: frozenset, hparams, grad_factors: Sequence[float] = ()) -> None:
+    def update(self, b: int, params: frozenset, hparams, grad_factors: Sequence[float] = (),
+               grads: torch.Tensor | None = None) -> None:
         """AdamW of this rank's shard of bucket ``b`` from ``grad_shard[b]`` (the sum over ranks: scaled by
         ``1 / world`` first, then ``grad_factors`` as HostState.update); writes the shard of the device copy,
         which the runtime then all-gathers. Step counts advance for every parameter in ``params``, owned or
-        not, so that every rank agrees on them."""
+        not, so that every rank agrees on them. ``grads`` (where the copy landed) is not read: the
+        reduce-scatter of it into ``grad_shard`` is."""
         bucket, s = self.buckets[b], self.shards[b]
         master, grad, m, v = self.master[b], self.grad_shard[b], self.exp_avg[b], self.exp_avg_sq[b]
         lowp = self.lowp[b] if self.device_dtype != torch.float32 else None
@@ -308,21 +310,27 @@ class ShardedHostState(HostState):
                                                   dtype=torch.float64) ** 2
         return out
 
-    def landing(self, b: int, first: bool) -> torch.Tensor:
+    def landing(self, b: int, first: bool) -> Landing:
+        """The bucket's own padded grad (the reduce-scatter's input) or staging copy: a rank keeps no grad
+        ring ([Note: grad staging ring] in ``buckets.py``: ``ring=0``), so no slot is lent."""
         if first and self.grad[b].dtype == self.device_dtype:
-            return self.grad[b]
+            return Landing(self.grad[b], None, ())
         if self.staging is None:
             raise InvariantError("gradient accumulation needs the host's fp32 sum and staging copy, which this "
                                  "engine was not built with: a bug in offload, please report it")
-        return self.staging[b]
+        return Landing(self.staging[b], None, ())
 
-    def take_staged(self, b: int, first: bool) -> None:
-        if self.staging is None:
-            raise InvariantError("no staging copy without accumulation: a bug in offload, please report it")
+    def reset_staging(self) -> None:
+        """No ring to forget (see :meth:`landing`)."""
+
+    def take_staged(self, b: int, first: bool, staged: torch.Tensor) -> None:
+        if self.staging is None or staged is not self.staging[b]:
+            raise InvariantError("a sharded host state folds only its own staging copy into the sum: a bug in "
+                                 "offload, please report it")
         if first:
-            self.grad[b].copy_(self.staging[b])
+            self.grad[b].copy_(staged)
         else:
-            self.grad[b].add_(self.staging[b])
+            self.grad[b].add_(staged)
 
     @torch.no_grad()
     def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:

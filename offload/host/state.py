@@ -4,7 +4,7 @@ and the bucket update."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import psutil
 import torch
@@ -12,21 +12,79 @@ import torch
 from ..config import format_bytes
 from ..errors import HostMemoryError, InvariantError, KernelUnavailableError
 from ..optim import adamw_
-from ..planning.buckets import Bucket, HostLayout, ParamSpec, host_layout, locate
+from ..planning.buckets import GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec, host_layout, locate
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step
+
+if TYPE_CHECKING:
+    from ..backend.base import Event
 
 HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when sizing the host arena
 
 
+class Landing(NamedTuple):
+    """Where one device-to-host grad copy goes (:meth:`HostState.landing`)."""
+
+    view: torch.Tensor  # the bucket's trainable prefix, in the device dtype (or the fp32 sum itself)
+    lent: Lent | None  # the bytes of the grad ring it borrows (hand them back with HostState.staged_read_by)
+    after: tuple[Event, ...]  # the copy may overwrite ``view`` only after these: those bytes' previous readers
+
+
+class Lent:
+    """Bytes ``[start, end)`` of the grad ring and the CPU-lane work that reads the grads they hold (None while
+    the runtime has not named it yet)."""
+
+    __slots__ = ("start", "end", "reader")
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        self.reader: Event | None = None
+
+
+class GradRing:
+    """[Note: grad staging ring] in ``buckets.py``: bucket after bucket in one byte region, starting again at
+    the beginning when a bucket does not fit before the end; each piece is lent to one copy, and the copy that
+    next covers any of its bytes waits for its reader. Holds events but never waits: the runtime puts them
+    among the copy's waits."""
+
+    def __init__(self, region: torch.Tensor, dtype: torch.dtype) -> None:
+        self.region, self.dtype = region, dtype  # region: uint8
+        self.head = 0
+        self.live: list[Lent] = []  # pieces whose bytes no later piece has covered yet
+
+    def take(self, numel: int) -> tuple[Lent, torch.Tensor, tuple[Event, ...]]:
+        size, capacity = numel * self.dtype.itemsize, self.region.numel()
+        if size > capacity:
+            raise InvariantError(f"a grad copy of {size} bytes does not fit the host's grad staging ring of "
+                                 f"{capacity} bytes (sized by the largest buckets): a bug in offload, please report it")
+        start = self.head if self.head + size <= capacity else 0
+        end = start + size
+        covered = [x for x in self.live if x.start < end and start < x.end]
+        if any(x.reader is None for x in covered):  # nothing would keep this copy off grads not read yet
+            raise InvariantError("host grad staging bytes are lent out again before the reader of the grads they "
+                                 "hold was recorded: a bug in offload, please report it")
+        self.live = [x for x in self.live if x not in covered] + [piece := Lent(start, end)]
+        self.head = -(-end // HOST_ALIGN) * HOST_ALIGN
+        view = self.region[start:end].view(self.dtype)
+        return piece, view, tuple(x.reader for x in covered if x.reader is not None)
+
+    def reset(self) -> None:
+        """Every copy and reader is done (the runtime drained and synchronized): forget them."""
+        self.head = 0
+        self.live = []
+
+
 class HostState:
     def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
-                 lowp_dtype: torch.dtype | None = None, fused: bool = KERNEL_AVAILABLE, accumulate: bool = False):
+                 lowp_dtype: torch.dtype | None = None, fused: bool = KERNEL_AVAILABLE, accumulate: bool = False,
+                 ring_slots: int | None = None):
         """``lowp_dtype``: the device's 16-bit compute dtype, whose copy of each bucket is kept here for the
         host-to-device copy and rewritten by every update; None when the device computes in fp32.
         ``fused``: updates run on the C++ kernel (``offload.AdamW.fused``); False: torch ops.
         ``accumulate``: grads may be summed over several backward passes (updates deferred to ``step()``):
-        an fp32 sum and a staging copy per bucket (see [Note: host grads] in ``buckets.py``)."""
+        an fp32 sum per bucket (see [Note: host grads] in ``buckets.py``).
+        ``ring_slots``: the grad copies land in a ring with room for that many of the largest buckets ([Note:
+        grad staging ring]); None: ``GRAD_RING_SLOTS``."""
         if fused and not KERNEL_AVAILABLE:
             raise KernelUnavailableError("fused=True needs the C++ AdamW kernel, which this build of offload._C lacks "
                                          "(offload.host.cpu_adam.KERNEL_AVAILABLE is False): rebuild offload "
@@ -38,7 +96,11 @@ class HostState:
         # never reach the weights.
         self.check_finite = lowp_dtype == torch.float16
         lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
-        layout = host_layout(buckets, lowp_itemsize, accumulate)
+        if ring_slots is None:
+            ring_slots = GRAD_RING_SLOTS
+        if ring_slots < 1:
+            raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
+        layout = host_layout(buckets, lowp_itemsize, accumulate, ring=ring_slots)
         check_host_ram(layout.total_bytes, layout, lowp_itemsize)
         self.arena = HostArena(layout.total_bytes)
         self.buckets, self.specs, self.shapes, self.layout = tuple(buckets), list(specs), list(shapes), layout
@@ -50,21 +112,21 @@ class HostState:
             if lowp_itemsize and b.numel:
                 self.arena.reserve(layout.lowp[b.index], b.numel * lowp_itemsize)
             if b.trainable_numel:
-                self.arena.reserve(layout.grad[b.index], b.trainable_numel * layout.grad_itemsize)
                 if accumulate:
-                    self.arena.reserve(layout.staging[b.index], b.trainable_numel * layout.staging_itemsize)
+                    self.arena.reserve(layout.grad[b.index], b.trainable_numel * layout.grad_itemsize)
                 for region in (layout.exp_avg, layout.exp_avg_sq):
                     self.arena.reserve(region[b.index], b.trainable_numel * 4)
+        if layout.ring_bytes:
+            self.arena.reserve(layout.ring, layout.ring_bytes)
         view = self.arena.view
         self.master = [view(layout.master[b.index], self.master_numel[b.index], torch.float32) for b in buckets]
         self.lowp = [view(layout.lowp[b.index], b.numel, lowp_dtype) for b in buckets] if lowp_dtype else None
         device_dtype = self.device_dtype
-        # What the update reads (the device dtype, or the fp32 sum with accumulation), and where the copies
-        # that cannot land in it are staged: [Note: host grads].
-        grad_dtype = torch.float32 if accumulate else device_dtype
-        self.grad = [view(layout.grad[b.index], b.trainable_numel, grad_dtype) for b in buckets]
-        self.staging = ([view(layout.staging[b.index], b.trainable_numel, device_dtype) for b in buckets]
-                        if accumulate else None)
+        # The fp32 sums the deferred update reads (accumulation only: none with the optimizer overlapped,
+        # whose update reads the ring bytes its grads landed in), and the ring: [Note: grad staging ring].
+        self.grad = ([view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
+                     if accumulate else [])
+        self.ring = GradRing(view(layout.ring, layout.ring_bytes, torch.uint8), device_dtype)
         self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.exp_avg_sq = [view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32) for b in buckets]
         self.bucket_of, self.offset = locate(buckets)  # offset: element offset inside the bucket
@@ -124,9 +186,11 @@ class HostState:
         flat = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[which][self.bucket_of[p]]
         return flat[off: off + self.specs[p].numel].view(self.shapes[p])
 
-    def update(self, b: int, params: frozenset, hparams, grad_factors: Sequence[float] = ()) -> None:
+    def update(self, b: int, params: frozenset, hparams, grad_factors: Sequence[float] = (),
+               grads: torch.Tensor | None = None) -> None:
         """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
-        same-group, same-step parameters (runs a parameter with another step count apart).
+        same-group, same-step parameters (runs a parameter with another step count apart). ``grads``: the
+        bucket's grads (where they landed in the grad ring, overlapped); None: its fp32 sum (accumulation).
 
         ``grad_factors`` multiply the grads first (the loss-scale inverse, then the clipping coefficient:
         the order in which torch's GradScaler.unscale_ and clip_grad_norm_ apply them). The fused kernel
@@ -135,7 +199,8 @@ class HostState:
         default power-of-two loss scales and one clipping coefficient both round the same.)
         """
         bucket = self.buckets[b]
-        master, grad, m, v = self.master[b], self.grad[b], self.exp_avg[b], self.exp_avg_sq[b]
+        grad = self.grad_sum(b) if grads is None else grads
+        master, m, v = self.master[b], self.exp_avg[b], self.exp_avg_sq[b]
         lowp = self.lowp[b] if self.lowp is not None else None
         scale = 1.0
         for f in grad_factors:
@@ -179,31 +244,47 @@ class HostState:
 
     def grad_norms(self, b: int, params, ord: float = 2.0) -> dict[int, torch.Tensor]:
         """Per-parameter norm (fp32) of the accumulated host grads of ``params`` (all in bucket ``b``)."""
-        grad = self.grad[b]
+        grad = self.grad_sum(b)
         wide = None if grad.dtype == torch.float32 else torch.float32
         return {p: torch.linalg.vector_norm(grad[self.offset[p]: self.offset[p] + self.specs[p].numel], ord,
                                             dtype=wide)
                 for p in params}
 
-    def landing(self, b: int, first: bool) -> torch.Tensor:
-        """Where the device-to-host copy of bucket ``b``'s grads goes: the grad the update reads if it is in
-        the device dtype and this is the step's ``first`` backward, else the staging copy
-        (:meth:`take_staged` then folds it in). See [Note: host grads] in ``buckets.py``."""
-        if first and self.grad[b].dtype == self.device_dtype:
-            return self.grad[b]
-        if self.staging is None:
-            raise InvariantError("gradient accumulation needs the host's fp32 sum and staging copy, which this "
-                                 "engine was not built with (overlap_optimizer=True): a bug in offload, please "
+    def grad_sum(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s fp32 grad sum (accumulation only: overlapped updates read the grad ring)."""
+        if not self.grad:
+            raise InvariantError("the host keeps fp32 grad sums only with overlap_optimizer=False (accumulation); "
+                                 "this engine updates each bucket from the grad ring: a bug in offload, please "
                                  "report it")
-        return self.staging[b]
+        return self.grad[b]
 
-    def take_staged(self, b: int, first: bool) -> None:
-        """CPU lane, after the copy into ``staging[b]``: widen it into the fp32 sum (the step's ``first``
-        grads), or add it (exactly what adding the fp32-converted grads would give: widening is exact)."""
+    def landing(self, b: int, first: bool) -> Landing:
+        """Where the device-to-host copy of bucket ``b``'s grads goes: the fp32 sum itself for the step's
+        ``first`` fp32 grads with accumulation, else bytes of the grad ring, lent until
+        :meth:`staged_read_by` names its reader. See [Note: grad staging ring] in ``buckets.py``."""
+        if first and self.grad and self.device_dtype == torch.float32:
+            return Landing(self.grad[b], None, ())
+        lent, view, after = self.ring.take(self.buckets[b].trainable_numel)
+        return Landing(view, lent, after)
+
+    def staged_read_by(self, lent: Lent | None, event: Event) -> None:
+        """The grads in the ring bytes ``lent`` (a :class:`Landing`'s) are read by the CPU-lane work ending with
+        ``event``: the next copy over those bytes waits for it. ``None`` (nothing borrowed): nothing to do."""
+        if lent is not None:
+            lent.reader = event
+
+    def reset_staging(self) -> None:
+        """After a failed backward, every copy and reader finished: the ring forgets them."""
+        self.ring.reset()
+
+    def take_staged(self, b: int, first: bool, staged: torch.Tensor) -> None:
+        """CPU lane, after the copy into ``staged`` (bytes of the grad ring): widen it into the fp32 sum (the
+        step's ``first`` grads), or add it (exactly what adding the fp32-converted grads would give: widening is
+        exact)."""
         if first:
-            self.grad[b].copy_(self.staging[b])
+            self.grad_sum(b).copy_(staged)
         else:
-            self.grad[b].add_(self.staging[b])
+            self.grad_sum(b).add_(staged)
 
     def count_steps(self, params) -> None:
         """One more AdamW step for each of ``params``, taken elsewhere (on the device: issue 18)."""
@@ -236,7 +317,8 @@ def check_host_ram(nbytes: int, layout: HostLayout, lowp_itemsize: int = 0) -> N
     if nbytes * HOST_RAM_HEADROOM > available:
         trainable = 12 + lowp_itemsize + layout.grad_itemsize + layout.staging_itemsize
         raise HostMemoryError(
-            f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grads: "
-            f"{trainable} bytes per trainable parameter, {lowp_itemsize or 4} per frozen one) but only "
+            f"the host arena needs {format_bytes(nbytes)} of RAM (fp32 masters, Adam m and v, grad sums: "
+            f"{trainable} bytes per trainable parameter, {lowp_itemsize or 4} per frozen one; grad staging "
+            f"{format_bytes(layout.ring_bytes)}) but only "
             f"{format_bytes(available)} is available. Free host memory, freeze more parameters, or use a "
             "machine with more RAM.")

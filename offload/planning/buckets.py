@@ -24,6 +24,10 @@ from .hw import HardwareModel
 
 HOST_ALIGN = 64  # bytes: a cache line, and the widest SIMD load the CPU AdamW uses
 PARAM_ALIGN = 16  # bytes: where every parameter starts inside a bucket, see [Note: parameter alignment]
+# Buckets in flight in the host's grad staging ring ([Note: grad staging ring] at HostLayout): while the CPU
+# AdamW reads one bucket's grads, the next one's copy has landed and a third may be landing, so the lane never
+# waits for a copy; more would only let backward run further ahead of a CPU lane that is the wall anyway.
+GRAD_RING_SLOTS = 3
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,20 @@ class HostLayout:
     lands in ``staging`` (device dtype) instead, except the first of a step in fp32, which lands in the sum
     itself; the CPU lane widens or adds staging into the sum. Trainable bytes per parameter: 16 (fp32 or
     16-bit, no accumulation: 4 master + 4 m + 4 v + grad 4, or 2 + the 2-byte copy) and 20 with
-    accumulation (a 4-byte sum + the staging in the device dtype)."""
+    accumulation (a 4-byte sum + the staging in the device dtype).
+
+    [Note: grad staging ring] (issue 18) With ``ring`` the copies land in a ring instead: one region shared
+    by every bucket, as large as the ``ring`` largest trainable prefixes in the device dtype, filled in turn
+    (a bucket that does not fit before the end starts again at the beginning); a copy may overwrite bytes only
+    after the CPU lane has read what they held (the AdamW of the bucket that had them, or its widening or adding
+    into the fp32 sum). Grads are consumed as they arrive, so only the buckets in flight need room: no
+    per-bucket grad at all with the optimizer overlapped (14 bytes per trainable parameter in 16 bits: 4 master
+    + 4 m + 4 v + the 2-byte copy; 12 in fp32, where the master is the copy), and the fp32 sum (``grad``, 4)
+    only with accumulation, which must keep every bucket's grads until ``step()`` (18 in 16 bits, 16 in fp32,
+    whose step's first copy lands in the sum itself). Sized by the largest prefixes, not ``ring`` times the
+    largest, so that one big bucket (a vocabulary embedding) costs its size once. ``ring=0`` keeps the
+    per-bucket layout above (data parallel ranks: their reduce-scatter reads a padded per-bucket grad,
+    offload/host/shard.py)."""
 
     master: tuple[int, ...]
     lowp: tuple[int, ...]
@@ -187,14 +204,23 @@ class HostLayout:
     total_bytes: int
     grad_itemsize: int = 4  # bytes per element of ``grad``: 4 (fp32) or the 16-bit dtype's
     staging_itemsize: int = 0  # bytes per element of ``staging``: the device dtype's, 0 without accumulation
+    ring: int = 0  # offset of the grad staging ring ([Note: grad staging ring])
+    ring_bytes: int = 0  # its size: the ``ring`` largest trainable prefixes in the device dtype; 0 without
 
 
-def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: bool = False) -> HostLayout:
+def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: bool = False,
+                ring: int = 0) -> HostLayout:
     """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none.
-    ``accumulate``: room for gradient accumulation (an fp32 sum and a staging copy, see [Note: host grads])."""
+    ``accumulate``: room for gradient accumulation (an fp32 sum and a staging copy, see [Note: host grads]).
+    ``ring``: grads land in a ring with room for that many of the largest buckets instead of per-bucket
+    buffers ([Note: grad staging ring]; 0: per-bucket, as data parallel ranks keep them)."""
+    if ring < 0:
+        raise ValueError(f"ring must be >= 0, got {ring}")
     device_itemsize = lowp_itemsize or 4
-    grad_itemsize = 4 if accumulate else device_itemsize
-    staging_itemsize = device_itemsize if accumulate else 0
+    largest = sorted((b.trainable_numel for b in buckets if b.trainable_numel), reverse=True)[:ring]
+    ring_bytes = sum(_align(n * device_itemsize, HOST_ALIGN) for n in largest)
+    grad_itemsize = 4 if accumulate else (0 if ring else device_itemsize)
+    staging_itemsize = device_itemsize if accumulate and not ring else 0
     fields: dict[str, list[int]] = {k: [] for k in ("master", "lowp", "grad", "staging", "exp_avg", "exp_avg_sq")}
     off = 0
 
@@ -211,8 +237,9 @@ def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: b
         fields["staging"].append(take(b.trainable_numel * staging_itemsize))
         for name in ("exp_avg", "exp_avg_sq"):
             fields[name].append(take(b.trainable_numel * 4))
+    ring_offset = take(ring_bytes)
     return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off, grad_itemsize=grad_itemsize,
-                      staging_itemsize=staging_itemsize)
+                      staging_itemsize=staging_itemsize, ring=ring_offset, ring_bytes=ring_bytes)
 
 
 def _align(n: int, a: int) -> int:

@@ -105,7 +105,7 @@ class GradPipeline:
         self.hparams: HParams | None = None  # overlapped updates: hyperparameters read as backward begins
         # issue 18: overlapped updates of a step with no training plan yet, submitted once its backward ended
         # and the plan was built (release_held): a budget too small is refused before any update is applied
-        self.held: list[tuple[int, frozenset[int], Event]] | None = None
+        self.held: list[tuple[int, frozenset[int], Event, torch.Tensor]] | None = None
         self._expected_cache: dict[int, tuple[dict[int, None], int, frozenset[int]]] = {}  # bucket -> _expected
 
     # -- backward --------------------------------------------------------------------------------------------
@@ -256,18 +256,20 @@ class GradPipeline:
         waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]
         ctx.stats["d2h_bytes"] += nbytes
         # The copy never converts: it lands in pinned host memory of the slot's dtype ([Note: host grads]
-        # in buckets.py), the grad the update reads or the bucket's staging copy.
-        dst = host.landing(b, first=earlier is None)
+        # in buckets.py): bytes of the host's grad ring, lent until the CPU lane has read them, or the fp32 sum
+        # itself ([Note: grad staging ring]); it waits for the readers of what those bytes held before.
+        first = earlier is None
+        dst = host.landing(b, first=first)
+        waits += dst.after
         if earlier is not None:
-            waits.append(earlier.ready)  # the previous pass's sum (which read the staging copy) is done
-        d2h = ctx.backend.d2h(dst, view, waits)
-        if dst is host.grad[b]:
+            waits.append(earlier.ready)  # the previous pass's sum is done
+        d2h = ctx.backend.d2h(dst.view, view, waits)
+        if not self.deferred or dst.lent is None:  # the update reads the landed grads (or they are the sum)
             ready = d2h
-        elif earlier is None:  # the step's first grads, in 16 bits: widened into the fp32 sum
-            ready = ctx.cpu.submit(lambda: host.take_staged(b, first=True), [d2h], f"gradient widening of bucket {b}")
-        else:  # accumulate: added into the sum on the CPU lane (which also owns the sum's norms)
-            ready = ctx.cpu.submit(lambda: self._accumulate(b, got), [d2h, earlier.ready],
-                                   f"gradient accumulation of bucket {b}")
+        else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane
+            ready = ctx.cpu.submit(lambda: self._accumulate(b, got, first, dst.view), [d2h, *(
+                [earlier.ready] if earlier is not None else [])], f"gradient accumulation of bucket {b}")
+            host.staged_read_by(dst.lent, ready)
         ctx.lane_log.add("d2h", b, nbytes, d2h)
         self.copies.append(d2h)
         if k is not None:
@@ -276,9 +278,16 @@ class GradPipeline:
             slots.free_after(d2h, nbytes, view)
         self.pending[b] = PendingGrads((earlier.params if earlier else frozenset()) | got, ready)
         if self.held is not None:  # issue 18: the first step's updates wait for its plan (release_held)
-            self.held.append((b, got, ready))
+            # The ring cannot wait with them (a later copy over these bytes would need their reader): the
+            # grads are copied out to pageable memory on the CPU lane, first step only, and the ring bytes go.
+            kept = torch.empty_like(dst.view, device="cpu")
+            src = dst.view
+            out = ctx.cpu.submit(lambda: kept.copy_(src), [ready], f"first-step grads of bucket {b} held")
+            host.staged_read_by(dst.lent, out)
+            self.held.append((b, got, out, kept))
         elif not self.deferred:
-            self._submit_update(b, got, ready)
+            self._submit_update(b, got, ready, grads=dst.view)
+            host.staged_read_by(dst.lent, slots.adam_event[b])
 
     def _slot_norms(self, view: torch.Tensor, params: Iterable[int]) -> dict[int, torch.Tensor]:
         dtype = None if self.ctx.dtype == torch.float32 else torch.float32
@@ -286,14 +295,17 @@ class GradPipeline:
         specs = self.ctx.specs
         return {p: torch.linalg.vector_norm(view[off[p]: off[p] + specs[p].numel], dtype=dtype) for p in params}
 
-    def _accumulate(self, b: int, got: frozenset[int]) -> None:
-        """CPU lane: add one more backward's grads of bucket ``b`` (staged) into the fp32 sum, renew their norms."""
+    def _accumulate(self, b: int, got: frozenset[int], first: bool, staged: torch.Tensor) -> None:
+        """CPU lane: fold one backward's grads of bucket ``b`` (in the grad ring, ``staged``) into the fp32 sum:
+        widen them (the step's ``first``) or add them, and renew the norms of an added sum."""
         host = self.slots.hosted()
-        host.take_staged(b, first=False)
-        self.norms.update(host.grad_norms(b, got))
+        host.take_staged(b, first, staged)
+        if not first:
+            self.norms.update(host.grad_norms(b, got))
 
     def _submit_update(self, b: int, params: Iterable[int], ready: Event, hparams: HParams | None = None,
-                       factors: tuple[float, ...] = ()) -> None:
+                       factors: tuple[float, ...] = (), grads: torch.Tensor | None = None) -> None:
+        """AdamW of bucket ``b`` on the CPU lane after ``ready``, from ``grads`` (in the grad ring) or its fp32 sum."""
         slots = self.slots
         hp = hparams or self.hparams
         ps = frozenset(params)
@@ -301,9 +313,10 @@ class GradPipeline:
         waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]
         dp = self.ctx.dp
         if dp is not None:  # issue 20: reduce-scatter, AdamW of this rank's shard, all-gather (runtime/distributed.py)
-            slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors), waits)
+            slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors, grads),
+                                                   waits)
         else:
-            slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors), waits,
+            slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors, grads), waits,
                                                       f"AdamW of bucket {b}")
         self.ctx.lane_log.add("cpu_adam", b, 0, slots.adam_event[b])
 
@@ -311,8 +324,8 @@ class GradPipeline:
         """The end of backward, its plan checked: submit the updates held back (in the order their grads
         were complete; the hyperparameters read as backward began)."""
         held, self.held = self.held, None
-        for b, got, ready in held or ():
-            self._submit_update(b, got, ready)
+        for b, got, ready, grads in held or ():
+            self._submit_update(b, got, ready, grads=grads)
 
     def flush(self) -> None:
         """The end of backward: buckets some of whose grads never came (an unused branch) go now."""
@@ -470,6 +483,8 @@ class GradPipeline:
         except OffloadError as e:
             problems.append(str(e))
         ctx.backend.synchronize()
+        if self.slots.host is not None:  # every copy and CPU-lane reader is done: the grad ring forgets them
+            self.slots.host.reset_staging()
         for view, k in self.gathering.values():
             if k is None:  # an on-demand slot (planned ones are bytes of the arena)
                 ctx.memory.add("slots", -view.numel() * ctx.itemsize)
@@ -481,7 +496,7 @@ class GradPipeline:
         if self.deferred:
             updated, dropped = [], sorted(self.pending)
         else:  # overlap: every bucket in pending had its update submitted (and now run), unless held (issue 18)
-            held = {b for b, _, _ in self.held or ()}
+            held = {b for b, _, _, _ in self.held or ()}
             updated, dropped = sorted(set(self.pending) - held), sorted(held)
             self.held = None
         for p in ctx.params:
@@ -502,7 +517,7 @@ class GradPipeline:
         """Parameter ``p``'s slice (flat) of its bucket's host gradient sum (writes go into the update)."""
         host = self.slots.hosted()
         off = host.offset[p]
-        return host.grad[host.bucket_of[p]][off: off + self.ctx.specs[p].numel]
+        return host.grad_sum(host.bucket_of[p])[off: off + self.ctx.specs[p].numel]
 
     def wait_gathered(self) -> None:
         """Wait until every gathered sum is final: its copy to the host, or the CPU lane's widening or
@@ -515,7 +530,7 @@ class GradPipeline:
         host = self.slots.hosted()
         with torch.no_grad():
             for b in self.pending:
-                host.grad[b].mul_(factor)
+                host.grad_sum(b).mul_(factor)
 
     def zero_sums(self) -> None:
         """Every gathered sum becomes zeros, still gathered (after :meth:`wait_gathered`): the next step
@@ -523,7 +538,7 @@ class GradPipeline:
         host = self.slots.hosted()
         with torch.no_grad():
             for b in self.pending:
-                host.grad[b].zero_()
+                host.grad_sum(b).zero_()
         zero = torch.zeros(())
         self.norms.update({p: zero for p in self.pending_params()})
         self.clip_factor = 1.0

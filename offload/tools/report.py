@@ -27,7 +27,7 @@ import torch
 from ..errors import BudgetTooSmallError, InvariantError, ReportError
 from ..host.state import HOST_RAM_HEADROOM
 from ..planning.activations import ActivationProfile, activation_bytes, choose_checkpoints
-from ..planning.buckets import host_layout, make_buckets, resolve_bucket_bytes
+from ..planning.buckets import GRAD_RING_SLOTS, host_layout, make_buckets, resolve_bucket_bytes
 from ..planning.placement import placement_bound, placement_bytes
 from ..planning.plan import BufferKind, Plan, align
 from ..planning.schedule import build_plan, forward_min_budget, plan_bound
@@ -273,15 +273,17 @@ def gpu_breakdown(plan: Plan) -> dict[str, int]:
 
 def host_breakdown(buckets, lowp_itemsize: int, accumulate: bool = False) -> dict[str, int]:
     """The engine's host arena by part (the layout ``HostState`` allocates); alignment padding is
-    ``workspace``. Grads are what the device's grad copies land in, in the device dtype, plus an fp32 sum with
-    ``accumulate`` (deferred updates; see [Note: host grads] in ``buckets.py``)."""
+    ``workspace``. Grads are the grad staging ring (room for the few largest buckets in the device dtype) plus
+    an fp32 sum per bucket with ``accumulate`` (deferred updates; see [Note: grad staging ring] in
+    ``buckets.py``)."""
     numel = sum(b.numel for b in buckets)
     trainable = sum(b.trainable_numel for b in buckets)
-    layout = host_layout(buckets, lowp_itemsize, accumulate)
+    layout = host_layout(buckets, lowp_itemsize, accumulate, ring=GRAD_RING_SLOTS)
     out = dict.fromkeys(BREAKDOWN, 0)
     master = trainable if lowp_itemsize else numel  # with a 16-bit copy, frozen parameters have no fp32 master
+    ring = layout.ring_bytes
     out.update(master_weights=4 * master, lowp_staging=lowp_itemsize * numel,
-               grads=(layout.grad_itemsize + layout.staging_itemsize) * trainable,
+               grads=(layout.grad_itemsize + layout.staging_itemsize) * trainable + ring,
                adam_m=4 * trainable, adam_v=4 * trainable)
     total = layout.total_bytes
     out["workspace"] = total - sum(out.values())

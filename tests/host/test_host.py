@@ -8,6 +8,7 @@ import torch
 
 from offload.errors import InvariantError, KernelUnavailableError
 from offload.host.cpu_adam import KERNEL_AVAILABLE, adamw_step_reference
+from offload.backend.cpu import DONE
 from offload.host.state import HostState
 from offload.optim import adamw_
 from offload.planning.buckets import ParamSpec, make_buckets
@@ -20,23 +21,32 @@ SPECS = [ParamSpec(3001, 0), ParamSpec(517, 1), ParamSpec(2048, 0), ParamSpec(77
 HPARAMS = [(1e-2, 0.9, 0.999, 1e-8, 0.1), (3e-3, 0.8, 0.99, 1e-6, 0.0)]
 
 
-def _host(lowp, fused, accumulate=False) -> HostState:
+def _host(lowp, fused, accumulate=False, ring_slots=3) -> tuple[HostState, list[torch.Tensor]]:
+    """A host state with random masters and Adam state, and per bucket the grads its update reads: the fp32
+    sums with ``accumulate``, else grads in the device dtype (what a ring slot holds when the update runs)."""
     buckets = make_buckets(SPECS, range(len(SPECS)), bucket_bytes=4 * 4000, itemsize=4)
     host = HostState(buckets, SPECS, [torch.Size([s.numel]) for s in SPECS], lowp, fused=fused,
-                     accumulate=accumulate)
+                     accumulate=accumulate, ring_slots=ring_slots)
     gen = torch.Generator().manual_seed(0)
-    for b in range(len(buckets)):
+    grads = []
+    for b, bucket in enumerate(buckets):
         host.master[b].copy_(torch.randn(host.master[b].numel(), generator=gen))
         host.refresh_lowp(b)
         host.exp_avg[b].copy_(torch.randn(host.exp_avg[b].numel(), generator=gen) * 1e-2)
         host.exp_avg_sq[b].copy_(torch.rand(host.exp_avg_sq[b].numel(), generator=gen) * 1e-4)
-        host.grad[b].copy_(torch.randn(host.grad[b].numel(), generator=gen) * 256)
-    return host
+        g = torch.randn(bucket.trainable_numel, generator=gen) * 256
+        if accumulate:
+            host.grad[b].copy_(g)
+            grads.append(host.grad[b])
+        else:
+            grads.append(g.to(lowp or torch.float32))
+    return host, grads
 
 
-def _expected(host: HostState, b: int, params, factors, fused: bool):
-    """What bucket b's buffers must hold after ``update(b, params, HPARAMS, factors)``."""
-    master, m, v, grad = (t[b].clone() for t in (host.master, host.exp_avg, host.exp_avg_sq, host.grad))
+def _expected(host: HostState, grads: list[torch.Tensor], b: int, params, factors, fused: bool):
+    """What bucket b's buffers must hold after ``update(b, params, HPARAMS, factors, grads[b])``."""
+    master, m, v = (t[b].clone() for t in (host.master, host.exp_avg, host.exp_avg_sq))
+    grad = grads[b].clone()
     lowp = host.lowp[b].clone() if host.lowp is not None else None
     scale = 1.0
     for f in factors:
@@ -66,14 +76,14 @@ def _expected(host: HostState, b: int, params, factors, fused: bool):
 @pytest.mark.parametrize("fused", PATHS)
 @pytest.mark.parametrize("factors", [(), (2.0**-8, 0.37)], ids=["unscaled", "scaled_and_clipped"])
 def test_update_matches_its_reference(fused, lowp, factors):
-    host = _host(lowp, fused)
+    host, grads = _host(lowp, fused)
     assert host.check_finite == (lowp == torch.float16)
     for b, bucket in enumerate(host.buckets):
         trainable = [p for p in bucket.params if SPECS[p].group is not None]
         for params in (frozenset(trainable), frozenset(trainable[:1])):  # whole runs, then one parameter alone
-            want = _expected(host, b, params, factors, fused)
+            want = _expected(host, grads, b, params, factors, fused)
             frozen_before = host.master[b][bucket.trainable_numel:].clone()
-            host.update(b, params, HPARAMS, factors)
+            host.update(b, params, HPARAMS, factors, grads=grads[b])
             got = (host.master[b], host.exp_avg[b], host.exp_avg_sq[b], None if lowp is None else host.lowp[b])
             for name, g, w in zip(("master", "exp_avg", "exp_avg_sq", "lowp"), got, want):
                 if w is not None:
@@ -89,60 +99,100 @@ def test_update_matches_its_reference(fused, lowp, factors):
 @pytest.mark.parametrize("fused", PATHS)
 @pytest.mark.parametrize("factors", [(), (2.0**-8, 0.37)], ids=["unscaled", "scaled_and_clipped"])
 def test_16bit_grads_update_exactly_as_the_same_grads_widened(fused, lowp, factors):
-    """Without accumulation the host keeps grads in the device's 16-bit dtype (the copy moves them as they
-    are); the update is bit for bit the one on the same grads in fp32 (what the host held before: widening
-    is exact), on both paths: the numerics of the engine do not change."""
-    narrow, wide = _host(lowp, fused), _host(lowp, fused, accumulate=True)
+    """Without accumulation the grads the update reads stay in the device's 16-bit dtype (the copy moves them
+    as they are, into a ring slot); the update is bit for bit the one on the same grads in fp32 (the sum of
+    accumulation: widening is exact), on both paths: the numerics of the engine do not change."""
+    (narrow, grads), (wide, _) = _host(lowp, fused), _host(lowp, fused, accumulate=True)
     for b in range(len(narrow.buckets)):
-        assert narrow.grad[b].dtype == lowp and wide.grad[b].dtype == torch.float32
+        assert grads[b].dtype == lowp and wide.grad[b].dtype == torch.float32
         assert torch.equal(wide.master[b], narrow.master[b]) and torch.equal(wide.exp_avg[b], narrow.exp_avg[b])
-        wide.grad[b].copy_(narrow.grad[b])
+        wide.grad[b].copy_(grads[b])
         params = frozenset(p for p in narrow.buckets[b].params if SPECS[p].group is not None)
-        narrow.update(b, params, HPARAMS, factors)
+        narrow.update(b, params, HPARAMS, factors, grads=grads[b])
         wide.update(b, params, HPARAMS, factors)
         for name in ("master", "exp_avg", "exp_avg_sq", "lowp"):
             assert torch.equal(getattr(narrow, name)[b], getattr(wide, name)[b]), (b, name)
 
 
 @pytest.mark.parametrize("lowp", LOWP)
-def test_accumulation_lands_in_staging_and_sums_in_fp32(lowp):
-    """[Note: host grads]: with accumulation the step's first copy lands in the fp32 sum when the device is
-    fp32 and in the staging copy otherwise; later copies always in staging; the sum is the fp32 sum of the
-    widened grads. Without accumulation every copy lands in the grad the update reads."""
-    host = _host(lowp, False, accumulate=True)
+def test_accumulation_lands_in_the_ring_and_sums_in_fp32(lowp):
+    """[Note: grad staging ring]: with accumulation the step's first copy lands in the fp32 sum when the device
+    is fp32 and in a ring slot otherwise; later copies always in a ring slot; the sum is the fp32 sum of the
+    widened grads."""
+    host, _ = _host(lowp, False, accumulate=True)
     device = lowp or torch.float32
     gen = torch.Generator().manual_seed(1)
     for b in range(len(host.buckets)):
         first = host.landing(b, first=True)
-        assert first.dtype == device and (first is host.grad[b]) == (lowp is None)
-        grads = [(torch.randn(first.numel(), generator=gen) * 3).to(device) for _ in range(3)]
-        first.copy_(grads[0])
-        if first is not host.grad[b]:
-            host.take_staged(b, first=True)
+        assert first.view.dtype == device and (first.view is host.grad[b]) == (lowp is None)
+        assert (first.lent is None) == (lowp is None)
+        grads = [(torch.randn(first.view.numel(), generator=gen) * 3).to(device) for _ in range(3)]
+        first.view.copy_(grads[0])
+        if first.lent is not None:
+            host.take_staged(b, True, first.view)
+            host.staged_read_by(first.lent, DONE)
         for g in grads[1:]:
             later = host.landing(b, first=False)
-            assert later is host.staging[b]
-            later.copy_(g)
-            host.take_staged(b, first=False)
+            assert later.lent is not None and later.view.numel() == host.buckets[b].trainable_numel
+            later.view.copy_(g)
+            host.take_staged(b, False, later.view)
+            host.staged_read_by(later.lent, DONE)
         want = grads[0].float()
         for g in grads[1:]:
             want = want + g.float()
         assert torch.equal(host.grad[b], want)
-    plain = _host(lowp, False)
-    assert plain.staging is None and plain.landing(0, first=True) is plain.grad[0]
-    with pytest.raises(InvariantError, match="accumulation"):
-        plain.landing(0, first=False)
+
+
+def test_the_ring_lends_bytes_in_turn_and_names_their_last_reader():
+    """[Note: grad staging ring]: buckets land one after the other in the ring, starting again at its beginning
+    when one does not fit; a copy must wait for the readers of every earlier piece it covers (``after``), and
+    only for those; bytes lent again before their reader was named are a loud bug; no per-bucket grads are kept
+    without accumulation (the arena holds master, copy, m, v and the ring only)."""
+    buckets = make_buckets(SPECS, range(len(SPECS)), bucket_bytes=4 * 1000, itemsize=4)  # one parameter each
+    host = HostState(buckets, SPECS, [torch.Size([s.numel]) for s in SPECS], torch.bfloat16, fused=False,
+                     ring_slots=2)
+    sizes = [b.trainable_numel for b in host.buckets]
+    assert host.grad == [] and len(sizes) >= 3 and sizes[0] == max(sizes) and min(sizes[:3]) > 0
+    two = sorted(sizes, reverse=True)[:2]
+    assert sum(2 * n for n in two) <= host.layout.ring_bytes < sum(2 * n for n in two) + 128
+    readers = [object() for _ in range(8)]
+    lent = []
+    for i, b in enumerate([0, 1, 2, 0, 1, 2, 0]):
+        got = host.landing(b, first=True)
+        assert got.view.dtype == torch.bfloat16 and got.view.numel() == sizes[b] and got.view.data_ptr() % 64 == 0
+        lo = got.view.data_ptr() - host.ring.region.data_ptr()
+        for j, (other, olo) in enumerate(lent):  # waits for exactly the earlier pieces it overlaps, latest ones
+            overlaps = olo < lo + 2 * sizes[b] and lo < olo + 2 * sizes[other]
+            if overlaps and all(not (l2 < olo + 2 * sizes[other] and olo < l2 + 2 * sizes[o2])
+                                for o2, l2 in lent[j + 1:]):
+                assert readers[j] in got.after, (i, j)
+        assert len(got.after) <= len(lent) and None not in got.after
+        assert lo + 2 * sizes[b] <= host.layout.ring_bytes
+        host.staged_read_by(got.lent, readers[i])
+        lent.append((b, lo))
+    assert lent[1][1] > lent[0][1] and any(lo == 0 for _, lo in lent[1:])  # after the end, the beginning again
+    host.landing(0, first=True)  # lent, its reader not named
+    with pytest.raises(InvariantError, match="reader"):
+        host.landing(0, first=True)
+    host.reset_staging()
+    assert host.landing(0, first=True).after == ()
+    with pytest.raises(InvariantError, match="fp32 grad sums"):
+        host.grad_sum(0)
+    trainable = sum(bk.trainable_numel for bk in host.buckets)
+    frozen = sum(bk.numel for bk in host.buckets) - trainable
+    exact = 14 * trainable + 2 * frozen + host.layout.ring_bytes  # master, m, v, copy; frozen copy; the ring
+    assert exact <= host.nbytes < exact + 64 * 6 * (len(host.buckets) + 1)  # + 64-byte alignment per region
 
 
 @pytest.mark.parametrize("fused", PATHS)
 def test_fp16_update_refuses_an_inf_grad_and_writes_nothing(fused):
-    host = _host(torch.float16, fused)
+    host, grads = _host(torch.float16, fused)
     bucket = host.buckets[0]
-    host.grad[0][5] = float("inf")
+    grads[0][5] = float("inf")
     before = [t[0].clone() for t in (host.master, host.exp_avg, host.exp_avg_sq, host.lowp)]
     params = frozenset(p for p in bucket.params if SPECS[p].group is not None)
     with pytest.raises(InvariantError, match="inf or NaN"):
-        host.update(0, params, HPARAMS)
+        host.update(0, params, HPARAMS, grads=grads[0])
     for t, was in zip((host.master, host.exp_avg, host.exp_avg_sq, host.lowp), before):
         assert torch.equal(t[0], was)
 

@@ -51,10 +51,9 @@ def test_shard_updates_put_together_are_the_unsharded_update(world, lowp, fused)
     for b, bucket in enumerate(buckets):
         if not bucket.trainable_numel:
             continue
-        grad = (torch.randn(bucket.trainable_numel, generator=gen) * 256).to(whole.grad[b].dtype)
-        whole.grad[b].copy_(grad)
+        grad = (torch.randn(bucket.trainable_numel, generator=gen) * 256).to(dtype)  # as the copy lands it
         params = frozenset(p for run in bucket.runs for p in run.params)
-        whole.update(b, params, HPARAMS, (0.5,))
+        whole.update(b, params, HPARAMS, (0.5,), grads=grad.clone())  # the torch path scales it in place
         for host in ranks:
             s = host.shards[b]
             host.grad_shard[b][: s.numel].copy_(grad[s.start: s.end] * world)  # the sum over ranks

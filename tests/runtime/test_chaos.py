@@ -165,6 +165,47 @@ def test_chaos_catches_a_missing_wait(monkeypatch):
     assert got[0] != want[0] or any(not torch.equal(got[1][k], v) for k, v in want[1].items())
 
 
+@pytest.mark.parametrize("features", [dict(), dict(dtype=torch.bfloat16), dict(dtype=torch.bfloat16, accumulate=2)],
+                         ids=["fp32", "bf16", "bf16-accumulate"])
+def test_one_slot_grad_ring_bitwise_equal_under_chaos(monkeypatch, features):
+    """[Note: grad staging ring] (issue 18): with room for one bucket only, every bucket's grad copy must wait for
+    the CPU lane to have read the previous bucket's (its AdamW, or its widening or adding into the fp32 sum);
+    with every lane delayed at random the numbers do not change."""
+    import offload.host.state
+    want = train(CASES["gpt"](), 4, **features)
+    monkeypatch.setattr(offload.host.state, "GRAD_RING_SLOTS", 1)
+    got = train_streamed(CASES["gpt"](), 4, chaos=ChaosConfig(seed=0, max_delay_ms=5), inspect=_ring_slots,
+                         **features)
+    assert got[0] == want[0]
+    for name, value in want[1].items():
+        assert torch.equal(got[1][name], value), name
+    assert got[3] == 1 and got[2]["plan"]["num_buckets"] > 2  # room for one bucket, shared by several
+
+
+def _ring_slots(engine) -> int:
+    host = engine._runtime.slots.hosted()
+    return host.layout.ring_bytes // (max(b.trainable_numel for b in host.buckets) * host.device_dtype.itemsize)
+
+
+def test_chaos_catches_a_grad_copy_that_does_not_wait_for_its_ring_slot(monkeypatch):
+    """Take the wait on the ring slot's previous reader out (HostState.landing forgets it): with one slot and
+    chaos on, a copy overwrites grads the CPU AdamW has not read yet, and the numbers change."""
+    import offload.host.state
+    from offload.host.state import HostState, Landing
+
+    landing = HostState.landing
+
+    def no_wait(self, b, first):
+        got = landing(self, b, first)
+        return Landing(got.view, got.lent, ())
+
+    want = train(CASES["gpt"](), 3)
+    monkeypatch.setattr(offload.host.state, "GRAD_RING_SLOTS", 1)
+    monkeypatch.setattr(HostState, "landing", no_wait)
+    got = train(CASES["gpt"](), 3, chaos=ChaosConfig(seed=0, max_delay_ms=5))
+    assert got[0] != want[0] or any(not torch.equal(got[1][k], v) for k, v in want[1].items())
+
+
 @pytest.mark.slow
 def test_chaos_soak_1000_steps():
     """1,000 steps with chaos on, every loss and the final weights bitwise equal to chaos off."""

@@ -148,14 +148,17 @@ def _expected_host_bytes(engine, frozen_bytes: int, trainable_bytes: int) -> tup
     rt = engine._runtime
     trainable = sum(b.trainable_numel for b in rt.slots.buckets)
     frozen = sum(b.numel - b.trainable_numel for b in rt.slots.buckets)
-    exact = trainable * trainable_bytes + frozen * frozen_bytes
-    regions = 5 * len(rt.slots.buckets)  # master, 16-bit copy, grad, m, v: each padded to HOST_ALIGN at most
+    # grads: the staging ring only ([Note: grad staging ring]): room for the largest buckets in the device dtype
+    ring_bytes = rt.slots.hosted().layout.ring_bytes
+    exact = trainable * trainable_bytes + frozen * frozen_bytes + ring_bytes
+    # master, 16-bit copy, grad, m, v: each padded to HOST_ALIGN at most; the ring too (and its pieces)
+    regions = 5 * len(rt.slots.buckets) + 4
     return exact, exact + regions * HOST_ALIGN
 
 
 @pytest.mark.parametrize("dtype, trainable_bytes, frozen_bytes", [
-    (torch.float32, 16, 4),  # fp32 master (also what the device gets), grad, m, v; frozen: the master only
-    (torch.bfloat16, 16, 2),  # fp32 master, m, v + the 16-bit copy and 16-bit grad; frozen: the 16-bit copy only
+    (torch.float32, 12, 4),  # fp32 master (also what the device gets), m, v; frozen: the master only
+    (torch.bfloat16, 14, 2),  # fp32 master, m, v + the 16-bit copy; frozen: the 16-bit copy only
 ])
 def test_host_memory_of_frozen_parameters(dtype, trainable_bytes, frozen_bytes):
     model = frozen_gpt()
@@ -169,8 +172,8 @@ def test_host_memory_of_frozen_parameters(dtype, trainable_bytes, frozen_bytes):
         host = engine.memory_stats()["host_pinned_bytes"]
         low, high = _expected_host_bytes(engine, frozen_bytes, trainable_bytes)
         assert low <= host <= high, (host, low, high)
-        # An all-trainable model would need trainable_bytes for every parameter.
-        assert host < 0.5 * trainable_bytes * n_total
+        # An all-trainable model would need trainable_bytes for every parameter (the grad ring aside).
+        assert host < 0.75 * trainable_bytes * n_total
         # Frozen parameters have no optimizer state.
         frozen = [p for p in model.parameters() if not p.requires_grad]
         assert not any(p in opt.state for p in frozen)

@@ -13,6 +13,7 @@ from gpt import GPT, GPTConfig  # examples/gpt.py (conftest.py puts examples/ on
 from torch import nn
 
 import offload
+from offload.planning.buckets import GRAD_RING_SLOTS
 from offload.planning.schedule import build_plan
 
 WIDTH = 256
@@ -113,11 +114,20 @@ def test_auto_buckets_by_default_stream_a_small_model_and_stats_show_host_bytes_
             opt.step()
             opt.zero_grad()
         stats = engine.memory_stats()
+        layout = engine._runtime.slots.hosted().layout
+        largest = sorted((b.trainable_numel for b in engine._runtime.slots.buckets), reverse=True)
     assert stats["plan"]["num_buckets"] >= 3 and stats["plan"]["streamed_buckets"] > 0
     assert stats["plan"]["bucket_bytes"] == weights // 8
     params = weights // 4
     assert stats["host_bytes_per_param"] == stats["host_pinned_bytes"] / params
-    assert 16 <= stats["host_bytes_per_param"] < 16.1  # fp32 master, m, v and the grad; alignment on top
+    # fp32 master (the copy the device gets), m and v; grads only in the staging ring (issue 18: [Note: grad
+    # staging ring]): a few slots of the largest bucket, not a grad per parameter; 64-byte alignment on top
+    ring = sum(largest[:GRAD_RING_SLOTS]) * 4  # room for the three largest buckets (each 64-byte aligned)
+    assert ring <= layout.ring_bytes < ring + 64 * GRAD_RING_SLOTS
+    assert 12 * params + ring <= stats["host_pinned_bytes"] < 12 * params + ring + 64 * 4 * 8
+    # the per-bucket fp32 grad (4 bytes) is gone; at this toy size the ring (its three largest buckets: most of
+    # the model) costs about as much: the ring is a fixed cost, small for real models (benchmarks/host_bytes.py)
+    assert stats["host_bytes_per_param"] < 16
 
 
 # -- a budget between the warm-up's floor and the exact minimum: the first step is refused whole ------------------
