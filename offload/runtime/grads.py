@@ -264,7 +264,7 @@ class GradPipeline:
         if earlier is not None:
             waits.append(earlier.ready)  # the previous pass's sum is done
         d2h = ctx.backend.d2h(dst.view, view, waits)
-        if not self.deferred or dst.lent is None:  # the update reads the landed grads (or they are the sum)
+        if not self.deferred or dst.view is host.grad_sum(b):  # the update reads the landed grads (or the sum)
             ready = d2h
         else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane
             ready = ctx.cpu.submit(lambda: self._accumulate(b, got, first, dst.view), [d2h, *(
