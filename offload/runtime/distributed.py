@@ -171,13 +171,9 @@ class DataParallel:
         another bucket (a data-dependent branch taken on one rank only) would sum another bucket's bytes,
         silently where the sizes agree. One small all-gather of (bucket, count so far) first makes it loud."""
         tag = torch.tensor([_ONE_BUCKET, b, 0, self._reduces], dtype=torch.int64)
-        others = self._check(tag, f"check of bucket {b}'s reduce-scatter")
-        if not bool((others == tag).all()):
-            self.failed = f"ranks reduced different buckets ({others.tolist()})"
-            raise DistributedError(
-                f"rank {self.rank} of {self.world}: the ranks are about to sum different buckets' grads "
-                f"((bucket, reduce-scatters so far) per rank: {others.tolist()}): every rank must run the same "
-                "model calls, so that the same parameters get grads in the same order")
+        self._require_same(tag, f"check of bucket {b}'s reduce-scatter", "ranks reduced different buckets",
+                           "the ranks are about to sum different buckets' grads ((bucket, reduce-scatters so far)",
+                           "so that the same parameters get grads in the same order")
 
     def _check(self, tag: torch.Tensor, what: str) -> torch.Tensor:
         """All-gather every rank's ``tag`` (the checks before a sum: [Note: a fault named]); raise naming the
@@ -235,13 +231,17 @@ class DataParallel:
         one all-gather of (count, a checksum of the set, collectives so far)."""
         checksum = sum((b + 1) * (2 * b + 3) for b in buckets)
         tag = torch.tensor([_BUCKET_SET, len(buckets), checksum, self._reduces], dtype=torch.int64)
-        others = self._check(tag, "check of the buckets to average")
+        self._require_same(tag, "check of the buckets to average", "ranks gathered grads of different buckets",
+                           "the ranks' backward passes reached different parameters ((buckets, checksum, "
+                           "collectives so far)", "so that the same parameters get grads")
+
+    def _require_same(self, tag: torch.Tensor, what: str, failed: str, differ: str, why: str) -> None:
+        """All-gather ``tag`` (:meth:`_check`); where the ranks' tags differ, this rank is out of step: raise."""
+        others = self._check(tag, what)
         if not bool((others == tag).all()):
-            self.failed = f"ranks gathered grads of different buckets ({others.tolist()})"
-            raise DistributedError(
-                f"rank {self.rank} of {self.world}: the ranks' backward passes reached different parameters "
-                f"((buckets, checksum, collectives so far) per rank: {others.tolist()}): every rank must run the "
-                "same model calls, so that the same parameters get grads")
+            self.failed = f"{failed} ({others.tolist()})"
+            raise DistributedError(f"rank {self.rank} of {self.world}: {differ} per rank: {others.tolist()}): "
+                                   f"every rank must run the same model calls, {why}")
 
     def reduce_pending(self, grads: GradPipeline, norms: bool, norm_type: float = 2.0) -> None:
         """Deferred updates: reduce-scatter every bucket gathered since the last step (once), and with

@@ -133,6 +133,16 @@ def _gated_x(step: int, take: bool) -> torch.Tensor:
     return x
 
 
+def _train_gated_alike(engine, opt, ref, ref_opt, takes) -> None:
+    """One step per entry of ``takes`` (whether the gated branch runs) on both; the same losses and weights."""
+    losses, ref_losses = [], []
+    for step, take in enumerate(takes):
+        losses.append(_step(engine, opt, _mse, _gated_x(step, take)))
+        ref_losses.append(_step(ref, ref_opt, _mse, _gated_x(step, take)))
+    assert_losses_bitwise(losses, ref_losses)
+    _assert_same(engine, ref)
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "deferred"])
 def test_branch_that_skips_a_module_loses_no_grad(overlap):
     """Planned (and verified) with the branch taken; later steps skip it now and then. Same input shapes, so
@@ -140,12 +150,7 @@ def test_branch_that_skips_a_module_loses_no_grad(overlap):
     engine, opt, ref, ref_opt = _pair(Gated(), bucket_frac=0.12, overlap_optimizer=overlap)
     try:
         takes = [True, True, True, False, True, True, False, False, True, True, True]
-        losses, ref_losses = [], []
-        for step, take in enumerate(takes):
-            losses.append(_step(engine, opt, _mse, _gated_x(step, take)))
-            ref_losses.append(_step(ref, ref_opt, _mse, _gated_x(step, take)))
-        assert_losses_bitwise(losses, ref_losses)
-        _assert_same(engine, ref)
+        _train_gated_alike(engine, opt, ref, ref_opt, takes)
         c = _counters(engine)
         assert c["fast_steps"] >= 4, c  # steps 2, 3 (skips: departs in backward), 5, 9, ...
         assert c["plan_departures"] >= 1, c  # the skipped branch was noticed
@@ -160,12 +165,7 @@ def test_branch_first_skipped_then_taken_gets_its_grads():
     engine, opt, ref, ref_opt = _pair(Gated(), bucket_frac=0.12)
     try:
         takes = [False, False, False, True, False, False, True, True, False]
-        losses, ref_losses = [], []
-        for step, take in enumerate(takes):
-            losses.append(_step(engine, opt, _mse, _gated_x(step, take)))
-            ref_losses.append(_step(ref, ref_opt, _mse, _gated_x(step, take)))
-        assert_losses_bitwise(losses, ref_losses)
-        _assert_same(engine, ref)
+        _train_gated_alike(engine, opt, ref, ref_opt, takes)
     finally:
         engine.close()
 
