@@ -187,7 +187,7 @@ class DeviceOptimizer:
         ready.synchronize()  # the host sum is final (its copy, or the CPU lane's widening or adding)
         state = self._ready(b)
         step = self._step_fn()
-        summed = host.grad[b]
+        summed = host.grad_sum(b)  # raises a clear InvariantError if there are no sums
         chunk = self._step_chunk(summed.numel())
         piece = ctx.backend.empty(chunk * 4).view(torch.float32)
         ctx.memory.add("slots", chunk * 4)
