@@ -20,6 +20,19 @@ the least device time per byte, the others the buckets that remove the most of t
 buckets may be split, alignment and grad slots are not counted, and each link runs at its peak without
 sharing. Every term is convex and piecewise linear in sigma, so the minimum lies on a knot of one term or
 where two terms cross: evaluated there exactly, not searched.
+
+[Note: what no placement escapes] Two facts hold for every plan and make the bound honest where the
+relaxation alone is too loose (issue 18: it claimed a placement for bert-large at 10 % that no plan has):
+
+* memory: at every event the buckets it needs are on the device and the grad slots open then are live,
+  whatever the placement (device-optimizer buckets are resident, so on the device too). The most of that
+  over the step, :func:`least_live_bytes` (aligned, as the arena counts), is what any plan's arena holds at
+  least; a capacity below it fits no placement, and the bound is infinite (limit ``"memory"``);
+* causality (``forward_s`` given): no grad exists before backward, and backward starts only once the
+  forward has run and every bucket it used has reached the device. At the step's start the device holds at
+  most ``capacity`` bytes, so at least (bytes the forward uses - capacity) cross the link during the
+  forward: the grad copies and the CPU AdamW start no earlier than the larger of the forward's compute and
+  that transfer at the link's peak.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ import numpy as np
 
 from .buckets import Bucket, locate
 from .hw import HardwareModel
+from .intervals import grad_intervals, need_intervals
 from .simulate import Bound
 from .trace import EventKind, Trace
 
@@ -87,10 +101,20 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     ``forward_s``: the forward's compute seconds, to count that no grad copy and no CPU AdamW can start
     before backward does (every grad is produced in backward): the D2H and CPU AdamW terms start there.
     0 gives the issue's formula, which lets the host lanes overlap the forward too; with it the bound is
-    still a lower bound of every schedule the simulator runs, and a tighter one where the CPU is the wall."""
+    still a lower bound of every schedule the simulator runs, and a tighter one where the CPU is the wall:
+    the host lanes start at :func:`backward_start` (see [Note: what no placement escapes]).
+
+    A ``capacity`` below :func:`least_live_bytes` fits no placement: the bound is ``inf``, limit
+    ``"memory"``."""
     bucket_of = locate(buckets)[0]
+    least = least_live_bytes(trace, buckets, itemsize)
+    if capacity < least:
+        return Bound(float("inf"), "memory", {"least_live_bytes": float(least), "capacity": float(capacity),
+                                               "device_bytes": 0.0})
     updated = updated_buckets(trace, buckets)
     used = {bucket_of[p] for uses in trace.uses for p in uses}
+    if forward_s:
+        forward_s = backward_start(trace, buckets, itemsize, capacity, forward_s, hw)
     others = sum(buckets[b].nbytes(itemsize) for b in used - set(updated))
     b = [buckets[x] for x in updated if buckets[x].trainable_numel > 0]
     cost = np.array([x.nbytes(itemsize) + state_nbytes(x, itemsize) for x in b], dtype=np.float64)
@@ -138,6 +162,39 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     limit = max(parts, key=lambda k: parts[k])
     parts["device_bytes"] = float(sigma[best])
     return Bound(parts[limit], limit, parts)
+
+
+def least_live_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> int:
+    """The most device bytes, over the step's events, that every plan holds at once in its arena: the
+    buckets each event needs and the grad slots open then (aligned sizes; see [Note: what no placement
+    escapes]). It is the live bytes of streaming every bucket just in time; that plan's arena
+    (:func:`~offload.planning.budget.min_arena_bytes`) is at least this much."""
+    from .plan import align  # (plan.py imports this module)
+
+    bucket_of = locate(buckets)[0]
+    n = len(trace.events)
+    diff = np.zeros(n + 1, dtype=np.int64)
+    for b, ivs in need_intervals(trace, bucket_of, merge_phase=False).items():
+        size = align(buckets[b].nbytes(itemsize))
+        for s, e in ivs:
+            diff[s] += size
+            diff[e] -= size
+    for b, (s, e) in grad_intervals(trace, buckets, bucket_of).items():
+        size = align(buckets[b].grad_nbytes(itemsize))
+        diff[s] += size
+        diff[e] -= size
+    return int(np.cumsum(diff[:-1]).max(initial=0))
+
+
+def backward_start(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capacity: int, forward_s: float,
+                   hw: HardwareModel) -> float:
+    """The earliest any plan's backward (and so any grad copy or CPU AdamW) can start: after the forward's
+    ``forward_s`` seconds of compute, and after the bytes the forward uses beyond ``capacity`` crossed the
+    link at its peak (see [Note: what no placement escapes])."""
+    bucket_of = locate(buckets)[0]
+    used = {bucket_of[p] for uses in trace.uses[:trace.num_forward] for p in uses}
+    copied = sum(buckets[b].nbytes(itemsize) for b in used) - max(0, capacity)
+    return max(forward_s, max(0, copied) / hw.peak_h2d)
 
 
 def _cheapest(cost: np.ndarray, dev: np.ndarray, base: float, top: float) -> tuple[np.ndarray, np.ndarray]:

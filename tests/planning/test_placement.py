@@ -13,7 +13,7 @@ from offload.errors import InvariantError
 from offload.planning.device_optimizer import restrict
 from offload.planning.greedy import Greedy, compute_times
 from offload.planning.hw import PRESETS, HardwareModel
-from offload.planning.placement import Placement, placement_bound, placement_bytes, state_nbytes
+from offload.planning.placement import Placement, least_live_bytes, placement_bound, placement_bytes, state_nbytes
 from offload.planning.schedule import (
     BufferKind,
     build_plan,
@@ -43,12 +43,17 @@ def test_bound_by_hand():
     """A chain of 10 buckets of 100 fp32 elements (400 B each; 8 B/param of state: 1200 B per device bucket).
     compute 1 s; each bucket: H2D and D2H 0.4 s (1000 B/s), CPU AdamW 1 s (100/s), device AdamW 0.1 s.
     All on the CPU: 10 s of CPU AdamW. With k buckets on the device: max(1 + 0.1 k, 4 - 0.4 k, 10 - k), least
-    where 1 + 0.1 k = 10 - k: k = 9/1.1, 1.818... s; that needs 9/1.1 * 1200 B of capacity."""
+    where 1 + 0.1 k = 10 - k: k = 9/1.1, 1.818... s; that needs 9/1.1 * 1200 B of capacity.
+    Every plan holds one bucket (512 B aligned) at each use, or the grad slot (512 B) it fills just after:
+    below 512 B of capacity no placement fits; at 512 B, 512/1200 of a bucket's updates can leave the CPU."""
     trace, buckets = chain_trace(10, 100)
     hw = flat_hw(device_adam=1000.0)
     compute = 1.0
-    nothing = placement_bound(trace, buckets, 4, 0, compute, hw)
-    assert nothing.limit == "cpu_adam" and nothing.seconds == pytest.approx(10.0)
+    assert least_live_bytes(trace, buckets, 4) == 512
+    nothing = placement_bound(trace, buckets, 4, 511, compute, hw)
+    assert nothing.limit == "memory" and nothing.seconds == float("inf")
+    tight = placement_bound(trace, buckets, 4, 512, compute, hw)
+    assert tight.limit == "cpu_adam" and tight.seconds == pytest.approx(10.0 - 512 / 1200)
     k = 9 / 1.1
     best = placement_bound(trace, buckets, 4, 10**9, compute, hw)
     assert best.seconds == pytest.approx(1 + 0.1 * k) and best.parts["device_bytes"] == pytest.approx(k * 1200)
@@ -56,18 +61,35 @@ def test_bound_by_hand():
     assert half.seconds == pytest.approx(7.0) and half.limit == "cpu_adam"
 
 
+def test_causal_bound_by_hand():
+    """The same chain, forward 0.5 s of compute: no grad before backward starts, and backward starts only
+    once the forward's 4000 B crossed the link beyond what the capacity held at the start (1000 B/s)."""
+    trace, buckets = chain_trace(10, 100)
+    hw = flat_hw(device_adam=1000.0)
+    # 3600 B of capacity (3 device buckets' worth): 400 B copied during the forward at least: 0.4 s < 0.5 s
+    roomy = placement_bound(trace, buckets, 4, 3 * 1200, 1.0, hw, forward_s=0.5)
+    assert roomy.seconds == pytest.approx(0.5 + 7.0)
+    # 2000 B: 2000 B copied at least, 2 s, more than the forward's compute: the CPU AdamW starts at 2 s
+    tight = placement_bound(trace, buckets, 4, 2000, 1.0, hw, forward_s=0.5)
+    assert tight.seconds == pytest.approx(2.0 + 10.0 - 2000 / 1200) and tight.limit == "cpu_adam"
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), machines(), st.data())
-def test_bound_without_room_is_the_cpu_bound_and_more_room_never_raises_it(case, hw, data):
+def test_bound_below_the_least_live_bytes_is_infinite_and_more_room_never_raises_it(case, hw, data):
     trace, buckets = case
     compute = sum(draw_compute(data.draw, trace))
-    least = least_traffic(trace, buckets, 4, 0)
-    cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
-    assert placement_bound(trace, buckets, 4, 0, compute, hw).seconds == pytest.approx(cpu.seconds, rel=1e-12)
-    caps = sorted(data.draw(st.lists(st.integers(0, 60000), min_size=2, max_size=4)))
+    least_bytes = least_live_bytes(trace, buckets, 4)
+    if least_bytes:
+        assert placement_bound(trace, buckets, 4, least_bytes - 1, compute, hw).seconds == float("inf")
+    else:  # nothing to hold: without room the bound is today's (every update on the CPU)
+        least = least_traffic(trace, buckets, 4, 0)
+        cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
+        assert placement_bound(trace, buckets, 4, 0, compute, hw).seconds == pytest.approx(cpu.seconds, rel=1e-12)
+    caps = sorted(data.draw(st.lists(st.integers(0, 60000), min_size=2, max_size=4)) + [least_bytes])
     got = [placement_bound(trace, buckets, 4, c, compute, hw).seconds for c in caps]
     assert all(b <= a * (1 + 1e-12) for a, b in zip(got, got[1:]))
-    # and it never exceeds today's bound at the same capacity
+    # and it never exceeds today's bound at the same capacity, where a placement fits
     least = least_traffic(trace, buckets, 4, caps[-1])
     cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
     assert got[-1] <= cpu.seconds * (1 + 1e-12)
