@@ -29,10 +29,12 @@ relaxation alone is too loose (issue 18: it claimed a placement for bert-large a
   over the step, :func:`least_live_bytes` (aligned, as the arena counts), is what any plan's arena holds at
   least; a capacity below it fits no placement, and the bound is infinite (limit ``"memory"``);
 * causality (``forward_s`` given): no grad exists before backward, and backward starts only once the
-  forward has run and every bucket it used has reached the device. At the step's start the device holds at
-  most ``capacity`` bytes, so at least (bytes the forward uses - capacity) cross the link during the
-  forward: the grad copies and the CPU AdamW start no earlier than the larger of the forward's compute and
-  that transfer at the link's peak.
+  forward has run and every bucket it used has reached the device. At the step's start the arena holds at
+  most ``capacity`` bytes, of which the device optimizer state takes at least phi * sigma (phi: the least
+  share of state in any bucket's device cost), so at least (bytes the forward uses - capacity + phi *
+  sigma) cross the link during the forward: the grad copies and the CPU AdamW start no earlier than the
+  larger of the forward's compute and that transfer at the link's peak. Weights
+  spent on device state are weights that must stream; this term is what makes the bound weigh that.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     before backward does (every grad is produced in backward): the D2H and CPU AdamW terms start there.
     0 gives the issue's formula, which lets the host lanes overlap the forward too; with it the bound is
     still a lower bound of every schedule the simulator runs, and a tighter one where the CPU is the wall:
-    the host lanes start at :func:`backward_start` (see [Note: what no placement escapes]).
+    the host lanes start no earlier than the forward's unavoidable transfer (see [Note: what no placement escapes]).
 
     A ``capacity`` below :func:`least_live_bytes` fits no placement: the bound is ``inf``, limit
     ``"memory"``."""
@@ -113,8 +115,6 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
                                                "device_bytes": 0.0})
     updated = updated_buckets(trace, buckets)
     used = {bucket_of[p] for uses in trace.uses for p in uses}
-    if forward_s:
-        forward_s = backward_start(trace, buckets, itemsize, capacity, forward_s, hw)
     others = sum(buckets[b].nbytes(itemsize) for b in used - set(updated))
     b = [buckets[x] for x in updated if buckets[x].trainable_numel > 0]
     cost = np.array([x.nbytes(itemsize) + state_nbytes(x, itemsize) for x in b], dtype=np.float64)
@@ -131,17 +131,33 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     terms = {
         "compute": _cheapest(cost, dev, compute_s, top),
         "h2d": _removable(cost, h2d, h2d_fixed, top),
-        "d2h": _removable(cost, d2h, forward_s if len(b) else 0.0, top),
-        "cpu_adam": _removable(cost, cpu, forward_s if len(b) else 0.0, top),
+        "d2h": _removable(cost, d2h, 0.0, top),
+        "cpu_adam": _removable(cost, cpu, 0.0, top),
     }
     # the used buckets that are not updated stream what the capacity left over cannot hold
-    kink = float(capacity - others)
+    kinks = [float(capacity - others)]
+    # the host lanes start with backward (forward_s given): convex in sigma, one kink
+    phi, fwd = 0.0, 0
+    if forward_s and len(b):
+        weights = np.array([x.nbytes(itemsize) for x in b], dtype=np.float64)
+        phi = float(((cost - weights) / np.maximum(cost, 1.0)).min())
+        fwd = forward_bytes(trace, buckets, itemsize)
+        if phi > 0:
+            kinks.append((forward_s * hw.peak_h2d - fwd + capacity) / phi)
+
+    def start(sigma: np.ndarray) -> np.ndarray:
+        if not (forward_s and len(b)):
+            return np.zeros_like(sigma)
+        return np.maximum(forward_s, (fwd - capacity + phi * sigma) / hw.peak_h2d)
+
     knots = np.unique(np.concatenate([k for k, _ in terms.values()] + [np.array([0.0, top])]
-                                     + ([np.array([kink])] if 0 < kink < top else [])))
+                                     + [np.array([k]) for k in kinks if 0 < k < top]))
 
     def values(sigma: np.ndarray) -> np.ndarray:
         rows = [np.interp(sigma, k, v) for k, v in terms.values()]
         rows[1] = rows[1] + np.maximum(0.0, others - (capacity - sigma)) / hw.peak_h2d
+        rows[2] = rows[2] + start(sigma)
+        rows[3] = rows[3] + start(sigma)
         return np.stack(rows)
 
     # candidates: every knot, and every crossing of two terms inside an interval between knots (each term
@@ -186,15 +202,12 @@ def least_live_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> 
     return int(np.cumsum(diff[:-1]).max(initial=0))
 
 
-def backward_start(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capacity: int, forward_s: float,
-                   hw: HardwareModel) -> float:
-    """The earliest any plan's backward (and so any grad copy or CPU AdamW) can start: after the forward's
-    ``forward_s`` seconds of compute, and after the bytes the forward uses beyond ``capacity`` crossed the
-    link at its peak (see [Note: what no placement escapes])."""
+def forward_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> int:
+    """Bytes of the buckets the forward uses: each is on the device before the forward ends (see [Note:
+    what no placement escapes])."""
     bucket_of = locate(buckets)[0]
     used = {bucket_of[p] for uses in trace.uses[:trace.num_forward] for p in uses}
-    copied = sum(buckets[b].nbytes(itemsize) for b in used) - max(0, capacity)
-    return max(forward_s, max(0, copied) / hw.peak_h2d)
+    return sum(buckets[b].nbytes(itemsize) for b in used)
 
 
 def _cheapest(cost: np.ndarray, dev: np.ndarray, base: float, top: float) -> tuple[np.ndarray, np.ndarray]:

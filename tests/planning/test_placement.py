@@ -63,15 +63,20 @@ def test_bound_by_hand():
 
 def test_causal_bound_by_hand():
     """The same chain, forward 0.5 s of compute: no grad before backward starts, and backward starts only
-    once the forward's 4000 B crossed the link beyond what the capacity held at the start (1000 B/s)."""
+    once the forward's 4000 B crossed the link beyond what the arena held at the start: capacity less the
+    device state, 2/3 of each device bucket's 1200 B (link 1000 B/s). So the CPU AdamW ends no earlier than
+    max(0.5, (4000 - capacity + 2/3 sigma) / 1000) + 10 - sigma / 1200."""
     trace, buckets = chain_trace(10, 100)
     hw = flat_hw(device_adam=1000.0)
-    # 3600 B of capacity (3 device buckets' worth): 400 B copied during the forward at least: 0.4 s < 0.5 s
-    roomy = placement_bound(trace, buckets, 4, 3 * 1200, 1.0, hw, forward_s=0.5)
-    assert roomy.seconds == pytest.approx(0.5 + 7.0)
-    # 2000 B: 2000 B copied at least, 2 s, more than the forward's compute: the CPU AdamW starts at 2 s
+    # 3600 B: for sigma > 150 B the transfer sets the start; the sum falls by sigma / 6000: least at 3600 B
+    roomy = placement_bound(trace, buckets, 4, 3600, 1.0, hw, forward_s=0.5)
+    assert roomy.seconds == pytest.approx(0.4 + 3600 / 1500 + 10.0 - 3) and roomy.limit == "cpu_adam"
+    assert roomy.parts["device_bytes"] == pytest.approx(3600)
+    # 2000 B: the transfer sets the start from sigma = 0
     tight = placement_bound(trace, buckets, 4, 2000, 1.0, hw, forward_s=0.5)
-    assert tight.seconds == pytest.approx(2.0 + 10.0 - 2000 / 1200) and tight.limit == "cpu_adam"
+    assert tight.seconds == pytest.approx(12.0 - 2000 / 6000) and tight.limit == "cpu_adam"
+    # without forward_s: the issue's formula, lanes free to overlap the forward
+    assert placement_bound(trace, buckets, 4, 3600, 1.0, hw).seconds == pytest.approx(7.0)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -123,8 +128,9 @@ def test_bound_is_below_every_twin_flow_ratio_that_fits(case, hw, data):
     for ratio in (0.0, 0.3, 0.7, 1.0):
         r = twin_flow(c, ratios=(ratio,))
         if r.fits:
-            bound = placement_bound(trace, buckets, 4, budget - c.extra, sum(compute), hw)
-            assert r.step_s >= bound.seconds * (1 - 1e-9)
+            for fwd in (0.0, sum(compute[:trace.num_forward])):  # the causal form too
+                bound = placement_bound(trace, buckets, 4, budget - c.extra, sum(compute), hw, forward_s=fwd)
+                assert r.step_s >= bound.seconds * (1 - 1e-9)
 
 
 # --- the simulator's device AdamW lane -------------------------------------------------------------------
