@@ -39,6 +39,7 @@ from .greedy import MODES, Greedy, Point
 from .greedy_inputs import D2HProgram, GreedyInputs
 from .placement import placement_bound, state_nbytes
 from .plan import align
+from .simulate import seconds_each
 from .trace import Trace
 
 SKIP_WITHIN = 0.01  # skip the search where the plan without device state is this close to the placement bound
@@ -48,11 +49,11 @@ QUICK_ABOVE = 4096  # need intervals above which a length is judged by one copy 
 
 
 def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, buckets: Sequence[Bucket],
-                            itemsize: int, capacity: int, compute: Sequence[float]
+                            itemsize: int, capacity: int, compute: Sequence[float], deferred: bool = False
                             ) -> tuple[Greedy, list[Point]] | None:
     """The device-optimizer buckets that make the greedy plan fastest (see [Note: choosing device-optimizer
     buckets]), as the restricted greedy and its points; None where none beats ``points`` (the greedy's
-    without device state)."""
+    without device state). ``deferred``: updates run in ``step()`` (see :func:`restrict`)."""
     base = min(p.step_s for p in points)
     x = g.inputs
     bound = placement_bound(trace, buckets, itemsize, capacity, sum(compute), x.hw,
@@ -73,7 +74,7 @@ def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, bu
     runs: dict[int, tuple[Greedy, list[Point]]] = {}  # every mode's points (kept where not quick)
 
     def evaluate(k: int) -> float:
-        g_k = Greedy(restrict(x, order[:k], buckets, itemsize))
+        g_k = Greedy(restrict(x, order[:k], buckets, itemsize, deferred))
         got = g_k.candidates(capacity, modes=modes)
         if not quick:
             runs[k] = (g_k, got)
@@ -85,17 +86,22 @@ def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, bu
     if not k:
         return None
     if k not in runs:
-        g_k = Greedy(restrict(x, order[:k], buckets, itemsize))
+        g_k = Greedy(restrict(x, order[:k], buckets, itemsize, deferred))
         runs[k] = (g_k, g_k.candidates(capacity))
     return runs[k]
 
 
-def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], itemsize: int) -> GreedyInputs:
+def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], itemsize: int,
+             deferred: bool = False) -> GreedyInputs:
     """The greedy's inputs with the buckets ``device`` placed as device-optimizer buckets (see [Note:
     choosing device-optimizer buckets]): no need intervals, waits or grad copies for them; their weights and
     optimizer state live for the whole step (a floor under the live-bytes profile); their device AdamW in
     the compute of the event where their grads complete (``d2h_program``'s ``device_adam_numel`` for the
-    Program; the lanes' ``compute`` with the same seconds added, so that both simulate the same step)."""
+    Program; the lanes' ``compute`` with the same seconds added, so that both simulate the same step).
+
+    ``deferred`` (updates in ``step()``: [Note: the deferred round trip] in simulate.py): their grads still go
+    to the host (their copies stay, with no CPU AdamW), come back as fp32 sums in ``step()``, and their
+    device AdamW runs after backward."""
     if not len(device):
         return x
     n, nb = x.n, x.nb
@@ -123,17 +129,26 @@ def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], 
     grad_profile[n] -= floor
     # grad copies and CPU AdamW: only the host-optimizer buckets'
     d2h_bucket = np.asarray(x.d2h_program["d2h_bucket"], dtype=np.int64)
-    host = ~dev[d2h_bucket]
+    host = ~dev[d2h_bucket] | deferred  # deferred: every grad copy stays (summed on the host)
     def kept(v: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(np.asarray(v, dtype=np.int64)[host].tolist())
-    # the device AdamW where its grads complete (x.grad_issue: its last grad, or n for a flushed bucket)
+    # the device AdamW where its grads complete (x.grad_issue: its last grad, or n for a flushed bucket), or
+    # after backward (deferred)
     device_numel = [0] * (n + 1)
     for b in device:
-        device_numel[x.grad_issue[b]] += buckets[b].trainable_numel
+        device_numel[n if deferred else x.grad_issue[b]] += buckets[b].trainable_numel
     p = x.d2h_program
+    cpu_numel = kept(p["adam_numel"])
+    adam_s = x.adam_s[host]
+    if deferred:  # the device buckets' copies feed no CPU AdamW
+        on_host = ~dev[d2h_bucket[host]]
+        cpu_numel = tuple(np.where(on_host, np.asarray(cpu_numel, dtype=np.int64), 0).tolist())
+        adam_s = np.where(on_host, adam_s, 0.0)
     d2h_program = D2HProgram(d2h_event=kept(p["d2h_event"]), d2h_bucket=kept(p["d2h_bucket"]),
-                             d2h_bytes=kept(p["d2h_bytes"]), adam_numel=kept(p["adam_numel"]),
+                             d2h_bytes=kept(p["d2h_bytes"]), adam_numel=cpu_numel,
                              device_adam_numel=tuple(device_numel))
+    ordered = sorted(int(b) for b in device)
+    back = tuple(4 * buckets[b].trainable_numel for b in ordered) if deferred else ()
     hw = x.hw
     compute = x.compute.copy()
     total = 0.0
@@ -146,12 +161,12 @@ def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], 
         x, use_b=use_b, use_s=x.use_s[keep_row], use_e=x.use_e[keep_row], fwd_row=fwd_row, bwd_row=bwd_row,
         fwd_at=fwd_at, bwd_at=bwd_at, keepable=keepable, tau=np.add.accumulate(np.concatenate([np.zeros(1), compute])),
         grad_profile=grad_profile, need_b=need_b, need_e=need_e, compute=compute,
-        d2h_event=x.d2h_event[host], d2h_solo=x.d2h_solo[host], adam_s=x.adam_s[host],
+        d2h_event=x.d2h_event[host], d2h_solo=x.d2h_solo[host], adam_s=adam_s,
         n_used=len(np.unique(use_b)), need_ptr=need_ptr, need_key=need_b * (n + 1) + need_e,
         d2h_program=d2h_program, d2h_total=sum(d2h_program["d2h_bytes"]),
-        device=tuple(sorted(int(b) for b in device)),
-        device_state_bytes=tuple(state_nbytes(buckets[b], itemsize) for b in sorted(int(b) for b in device)),
-        device_tail_s=tail, device_adam_s=total + tail)
+        device=tuple(ordered), device_state_bytes=tuple(state_nbytes(buckets[b], itemsize) for b in ordered),
+        device_tail_s=tail, device_adam_s=total + tail, device_return_bytes=back,
+        device_return_s=sum(seconds_each(hw.h2d_seconds, back)))
 
 
 def device_order(x: GreedyInputs, buckets: Sequence[Bucket]) -> list[int]:

@@ -152,6 +152,44 @@ def test_device_adamw_runs_on_the_compute_lane():
         simulate(lane_program(device_adam_numel=(1, 2, 3)), hw)
 
 
+def test_deferred_round_trip_on_the_lanes():
+    """[Note: the deferred round trip]: 200 params updated on the device after backward (2 s) once their
+    800 B of summed grads came back (0.8 s at 1000 B/s): the step lasts compute end + 0.8 + 2 s."""
+    hw = flat_hw(device_adam=100.0)
+    p = lane_program(device_adam_numel=(0, 0, 0, 200), device_return_bytes=(800,), d2h_event=(3,), d2h_bucket=(0,),
+                     d2h_bytes=(800,), adam_numel=(0,))
+    for sim in (simulate, simulate_reference):
+        r = sim(p, hw)
+        assert r.step_s == pytest.approx(3.0 + 0.8 + 2.0)
+        assert r.h2d_bytes == 800 and r.h2d_busy_s == pytest.approx(0.8) and r.d2h_bytes == 800
+        assert r.device_adam_s == pytest.approx(2.0) and r.adam_s == 0
+    assert simulate(p, hw) == simulate_reference(p, hw)
+
+
+def test_deferred_device_buckets_send_their_grads_to_the_host_and_get_them_back_in_step():
+    """With updates deferred to step(), a device-optimizer bucket's grads go to the host (4 ms each here)
+    and its fp32 sums come back (4 ms) before its device update after backward: the plan's simulated step
+    counts both, and the choice still puts every bucket on the device where the CPU AdamW is the wall."""
+    trace, buckets, hw, compute = _cpu_bound_chain()
+    budget = 10**7
+    over = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True)
+    plan = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True, deferred=True)
+    assert plan.deferred and not over.deferred
+    assert len(plan.device_optimizer) == len(buckets) == len(over.device_optimizer)
+    validate_plan(plan)
+    program = program_of(plan, compute)
+    numel = sum(b.trainable_numel for b in buckets)
+    assert set(program.d2h_bucket) == set(range(len(buckets))) and sum(program.adam_numel) == 0
+    assert program.device_return_bytes == tuple(4 * b.trainable_numel for b in buckets)
+    assert sum(program.device_adam_numel) == program.device_adam_numel[-1] == numel  # all after backward
+    sim = plan.simulated
+    assert sim.step_s == pytest.approx(simulate(program, hw).step_s, rel=1e-12)
+    assert sim.adam_s == 0 and sim.d2h_bytes == 4 * numel and sim.h2d_bytes == 4 * numel
+    back = len(buckets) * hw.h2d_seconds(4000)
+    assert sim.step_s == pytest.approx(sum(compute) + back + hw.device_adam_seconds(numel), rel=1e-9)
+    assert sim.step_s > over.simulated.step_s + back * 0.99  # the round trip is not free
+
+
 # --- Twin-Flow -------------------------------------------------------------------------------------------
 
 
@@ -198,7 +236,8 @@ def _check_device_placement(plan, hw, compute):
     for b in set(range(len(plan.buckets))) - device:
         assert plan.state_buffer[b] is None
     program = program_of(plan, compute)
-    assert not device & set(program.h2d_bucket) and not device & set(program.d2h_bucket)
+    assert not device & set(program.h2d_bucket)
+    assert plan.deferred or not device & set(program.d2h_bucket)  # deferred: summed on the host
     assert sum(program.device_adam_numel) == sum(plan.buckets[b].trainable_numel for b in device)
     again = simulate(program, hw)
     assert again.step_s == pytest.approx(plan.simulated.step_s, rel=1e-9, abs=1e-15)
@@ -215,7 +254,8 @@ def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, dat
     params = sum(b.nbytes(4) for b in buckets)
     least = plan_that_fits(trace, buckets, 0, hw, compute, device_optimizer=False).budget_bytes
     budget = least + data.draw(st.integers(0, 5 * params + 20000))
-    plan = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True)
+    deferred = data.draw(st.booleans())  # updates in step(): the round trip through the host
+    plan = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True, deferred=deferred)
     _check_device_placement(plan, hw, compute)
     # the search includes today's plan (no device state): never slower than it at the same budget
     today = plan_that_fits(trace, buckets, plan.budget_bytes, hw, compute, device_optimizer=False)
@@ -296,5 +336,5 @@ def test_restricted_greedy_cpp_equals_its_python_loop(case, hw, data):
     g = Greedy.of(trace, buckets, 4, hw, compute)
     updated = sorted(g.inputs.grad_issue)
     device = data.draw(st.lists(st.sampled_from(updated), unique=True) if updated else st.just([]))
-    x = restrict(g.inputs, device, buckets, 4)
+    x = restrict(g.inputs, device, buckets, 4, deferred=data.draw(st.booleans()))
     _compare(Greedy(x), data.draw(st.integers(0, 60000)))
