@@ -18,9 +18,11 @@ the most step time; where PCIe is, residency does. The search weighs both by sim
   complete), and the fastest of its points is ``k``'s step time;
 * ``k`` is searched on a coarse grid of the lengths that fit (with the length the placement bound's
   optimum spends, :func:`~offload.planning.placement.placement_bound`), then refined around the best by
-  bisection of its bracket: some ten greedy runs at most; on a large trace (more than
-  :data:`QUICK_ABOVE` need intervals) each of the one copy mode that won without device state (a third
-  of a full run), and the chosen ``k`` then runs every mode. ``k = 0`` (today's plan) is always a candidate
+  bisection of its bracket: some twenty greedy runs at most (a few hundredths of a second each on the
+  benchmark's 300-bucket traces; the step is not convex in ``k``: a denser search found up to 1 % more); on a
+  large trace (more than :data:`QUICK_ABOVE` need intervals) a coarser search, each length judged by the one
+  copy mode that won without device state (a third of a full run), and the chosen ``k`` then runs every
+  mode. ``k = 0`` (today's plan) is always a candidate
   and wins ties, so the result is never slower than the plan without device optimizer state;
 * it is skipped outright where the plan without device state is already within 1 % of the placement bound
   (its causal form, ``forward_s``: nothing left to win).
@@ -43,8 +45,9 @@ from .simulate import seconds_each
 from .trace import Trace
 
 SKIP_WITHIN = 0.01  # skip the search where the plan without device state is this close to the placement bound
-GRID = 4  # coarse grid points over the prefix lengths that fit
-REFINE = 3  # bisection steps around the best grid point
+GRID = 8  # coarse grid points over the prefix lengths that fit
+REFINE = 5  # bisection steps around the best grid point
+QUICK_GRID, QUICK_REFINE = 4, 3  # the same on a large trace (planning speed)
 QUICK_ABOVE = 4096  # need intervals above which a length is judged by one copy mode (planning speed)
 
 
@@ -62,13 +65,13 @@ def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, bu
         return None
     order = device_order(x, buckets)
     cost = [align(buckets[b].nbytes(itemsize)) + align(state_nbytes(buckets[b], itemsize)) for b in order]
-    kmax, grid = prefix_lengths(order, cost, capacity, bound.parts["device_bytes"])
+    # on a large trace each length is judged by the copy mode that won without device state (one sequence
+    # instead of three; all three where none of its points fits), on a coarser search; the chosen length then
+    # runs every mode, so its plan is at least as fast as judged
+    quick = len(x.use_b) > QUICK_ABOVE
+    kmax, grid = prefix_lengths(order, cost, capacity, bound.parts["device_bytes"], QUICK_GRID if quick else GRID)
     if not kmax:
         return None
-    # on a large trace each length is judged by the copy mode that won without device state (one sequence
-    # instead of three; all three where none of its points fits); the chosen length then runs every mode, so
-    # its plan is at least as fast as judged
-    quick = len(x.use_b) > QUICK_ABOVE
     modes = (min(points, key=lambda p: (p.step_s, MODES.index(p.mode))).mode,) if quick else MODES
 
     runs: dict[int, tuple[Greedy, list[Point]]] = {}  # every mode's points (kept where not quick)
@@ -82,7 +85,7 @@ def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, bu
             got = g_k.candidates(capacity)
         return min((p.step_s for p in got), default=float("inf"))
 
-    k = search(evaluate, kmax, grid, base)
+    k = search(evaluate, kmax, grid, base, QUICK_REFINE if quick else REFINE)
     if not k:
         return None
     if k not in runs:
@@ -176,28 +179,30 @@ def device_order(x: GreedyInputs, buckets: Sequence[Bucket]) -> list[int]:
     return sorted(cands, key=lambda b: (-x.grad_issue[b], -b))
 
 
-def prefix_lengths(order: Sequence[int], cost: Sequence[int], capacity: int, hint_bytes: float) -> tuple[int, list[int]]:
+def prefix_lengths(order: Sequence[int], cost: Sequence[int], capacity: int, hint_bytes: float,
+                   points: int = GRID) -> tuple[int, list[int]]:
     """The longest prefix whose bytes fit ``capacity``, and the coarse grid of lengths to simulate first
     (0 excluded: the caller has it), the length closest to ``hint_bytes`` among them."""
     spent = np.cumsum(np.asarray(cost, dtype=np.int64)) if len(cost) else np.zeros(0, dtype=np.int64)
     kmax = int(np.searchsorted(spent, capacity, side="right"))
     if kmax == 0:
         return 0, []
-    grid = {max(1, round(kmax * j / GRID)) for j in range(1, GRID + 1)}
+    grid = {max(1, round(kmax * j / points)) for j in range(1, points + 1)}
     hint = int(np.searchsorted(spent, hint_bytes, side="right"))
     if 0 < hint <= kmax:
         grid.add(hint)
     return kmax, sorted(grid)
 
 
-def search(evaluate: Callable[[int], float], kmax: int, grid: Sequence[int], base: float) -> int:
+def search(evaluate: Callable[[int], float], kmax: int, grid: Sequence[int], base: float,
+           refine: int = REFINE) -> int:
     """The prefix length with the least ``evaluate(k)`` (step seconds; ``base`` is k = 0's): the coarse
-    ``grid``, then ``REFINE`` rounds of bisecting both sides of the best point's bracket. Ties go to the shorter prefix,
+    ``grid``, then ``refine`` rounds of bisecting both sides of the best point's bracket. Ties go to the shorter prefix,
     and k = 0 wins unless strictly faster by more than 1e-9 relative."""
     seen = {0: base}
     for k in grid:
         seen[k] = evaluate(k)
-    for _ in range(REFINE):
+    for _ in range(refine):
         ks = sorted(seen)
         best = min(ks, key=lambda k: (seen[k], k))
         i = ks.index(best)
