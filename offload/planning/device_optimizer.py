@@ -59,8 +59,8 @@ def choose_device_optimizer(g: Greedy, points: Sequence[Point], trace: Trace, bu
     without device state). ``deferred``: updates run in ``step()`` (see :func:`restrict`)."""
     base = min(p.step_s for p in points)
     x = g.inputs
-    bound = placement_bound(trace, buckets, itemsize, capacity, sum(compute), x.hw,
-                            forward_s=sum(compute[:trace.num_forward]))  # (the tighter of the two bounds)
+    bound = placement_bound(trace, buckets, itemsize, capacity, sum(compute), x.hw,  # (the tighter of the two)
+                            forward_s=sum(compute[:trace.num_forward]), least_bytes=least_live_bytes_of(x))
     if base <= bound.seconds * (1 + SKIP_WITHIN):
         return None
     order = device_order(x, buckets)
@@ -170,6 +170,16 @@ def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], 
         device=tuple(ordered), device_state_bytes=tuple(state_nbytes(buckets[b], itemsize) for b in ordered),
         device_tail_s=tail, device_adam_s=total + tail, device_return_bytes=back,
         device_return_s=sum(seconds_each(hw.h2d_seconds, back)))
+
+
+def least_live_bytes_of(x: GreedyInputs) -> int:
+    """:func:`~offload.planning.placement.least_live_bytes` from the greedy's arrays (the inputs without
+    device buckets): the merged need intervals' aligned bytes and the grad slots', at their most."""
+    diff = x.grad_profile.copy()
+    size = x.size[x.use_b]
+    np.add.at(diff, x.use_s, size)
+    np.add.at(diff, x.use_e, -size)
+    return int(np.cumsum(diff[:-1]).max(initial=0))
 
 
 def device_order(x: GreedyInputs, buckets: Sequence[Bucket]) -> list[int]:

@@ -95,7 +95,7 @@ def placement_bytes(buckets: Sequence[Bucket], itemsize: int, placement: Sequenc
 
 
 def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capacity: int, compute_s: float,
-                    hw: HardwareModel, forward_s: float = 0.0) -> Bound:
+                    hw: HardwareModel, forward_s: float = 0.0, least_bytes: int | None = None) -> Bound:
     """The least step time over every placement that fits ``capacity`` arena bytes (see [Note: the
     placement bound]). ``parts`` holds each term at the optimum and ``device_bytes`` (sigma there: the
     device bytes the optimum spends on device-optimizer buckets).
@@ -107,9 +107,10 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     the host lanes start no earlier than the forward's unavoidable transfer (see [Note: what no placement escapes]).
 
     A ``capacity`` below :func:`least_live_bytes` fits no placement: the bound is ``inf``, limit
-    ``"memory"``."""
+    ``"memory"``. ``least_bytes``: that number where the caller has it already (the greedy's arrays give
+    it faster: ``device_optimizer.least_live_bytes_of``)."""
     bucket_of = locate(buckets)[0]
-    least = least_live_bytes(trace, buckets, itemsize)
+    least = least_live_bytes(trace, buckets, itemsize) if least_bytes is None else least_bytes
     if capacity < least:
         return Bound(float("inf"), "memory", {"least_live_bytes": float(least), "capacity": float(capacity),
                                                "device_bytes": 0.0})

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from offload import BudgetTooSmallError
 from offload.errors import InvariantError
-from offload.planning.device_optimizer import restrict
+from offload.planning.device_optimizer import least_live_bytes_of, restrict
 from offload.planning.greedy import Greedy, compute_times
 from offload.planning.hw import PRESETS, HardwareModel
 from offload.planning.placement import Placement, least_live_bytes, placement_bound, placement_bytes, state_nbytes
@@ -77,6 +77,17 @@ def test_causal_bound_by_hand():
     assert tight.seconds == pytest.approx(12.0 - 2000 / 6000) and tight.limit == "cpu_adam"
     # without forward_s: the formula, lanes free to overlap the forward
     assert placement_bound(trace, buckets, 4, 3600, 1.0, hw).seconds == pytest.approx(7.0)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces())
+def test_least_live_bytes_from_the_greedys_arrays_is_the_same_and_below_every_plan(case):
+    trace, buckets = case
+    least = least_live_bytes(trace, buckets, 4)
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, None))
+    assert least_live_bytes_of(g.inputs) == least
+    plan = plan_that_fits(trace, buckets, 0, PRESETS["pcie4"], None)  # the leanest plan there is
+    assert plan.lower_bound_bytes >= least
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
