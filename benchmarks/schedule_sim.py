@@ -29,6 +29,14 @@ the greedy loses against the bound. No block is checkpointed in these traces (th
 without activation checkpointing; the simulator has no recompute model), so a case whose activations alone
 exceed the budget fits no plan and no baseline.
 
+``--checkpointing``: the realistic GiB cases again with activation checkpointing weighed (issue 18: the
+planner must weigh streaming, device optimizer state and checkpointing): each policy runs with 0, 1/4, 1/2,
+3/4 and all of the model's blocks checkpointed (largest saving first, as ``choose_checkpoints`` orders
+them) and keeps its fastest fitting choice, as a user tuning it would; a MODEL of the checkpointed step
+([Note: the recompute model] in offload/planning/activations.py: activation bytes estimated per block on the
+meta device, each block's forward recomputed in one lump where backward reaches it). Summarised apart
+(``goals_with_checkpointing``).
+
 ``--chain N,...``: the planner's own speed on a plain stack of N one-parameter layers (N buckets, 4N trace
 events), the issue's "< 1 s for 10,000 buckets" case: wall and CPU seconds of ``build_plan``.
 """
@@ -47,6 +55,9 @@ from rich.console import Console
 from rich.table import Table
 
 from offload.config import format_bytes, parse_bytes
+import torch
+
+from offload.planning.activations import checkpointed_step
 from offload.planning.buckets import ParamSpec, make_buckets
 from offload.planning.hw import PRESETS
 from offload.planning.placement import placement_bound, placement_bytes
@@ -54,6 +65,8 @@ from offload.planning.schedule import build_plan, least_traffic
 from offload.planning.simulate import physical_bound
 from offload.planning.trace import EventKind, Recorder
 from offload.tools.baselines import POLICIES, Case
+from offload.tools.presets import MODELS, preset_inputs
+from offload.tools.report_activations import measure_activations
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import brief_machine, trace_preset  # noqa: E402
@@ -174,6 +187,49 @@ MEDIAN_NOTE = ("median_speedup: median over the cases where greedy fits of (base
                "goal; where it does not, no plan can.")
 
 
+CKPT_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # --checkpointing: shares of the blocks tried per policy
+
+
+def run_checkpointed(name: str, batch: int, seq: int, case: Case, row_base: dict, out: list) -> None:
+    """``--checkpointing``: every policy on ``case`` with each share of the blocks checkpointed (largest
+    saving first); its fastest fitting choice (or, where none fits, none checkpointed) as its row, with
+    ``checkpointed_blocks``. The bounds are the chosen step's, for the greedy's choice."""
+    shape = MODELS[name]
+    profile = measure_activations(shape.build(dtype=torch.bfloat16), preset_inputs(shape, batch, seq))
+    order = [b.module for b in sorted(profile.blocks, key=lambda b: (-(b.saved - b.inputs), b.module))
+             if b.saved > b.inputs]
+    variants = []
+    for share in CKPT_SHARES:
+        chosen = order[:round(share * len(order))]
+        trace, compute = checkpointed_step(case.trace, case.compute_s, profile, chosen)
+        variants.append((len(chosen), Case(trace, case.buckets, case.itemsize, case.hw, compute, case.budget_bytes,
+                                           case.fixed_bytes)))
+    rows: list[dict] = []
+    greedy_case = variants[0][1]
+    for pname, policy in POLICIES.items():
+        best = None
+        for k, c in variants:
+            r = policy(c)
+            if best is None or (r.fits and (not best[1].fits or r.step_s < best[1].step_s)):
+                best = (k, r, c)
+        k, r, c = best
+        if pname == "greedy":
+            greedy_case = c
+        rows.append({**row_base, "policy": pname, "step_s": r.step_s, "fits": r.fits, "peak_bytes": r.peak_bytes,
+                     "checkpointed_blocks": k, "blocks": len(order), "activation_bytes": c.trace.activation_peak_bytes,
+                     **({"placement": plan_placement(r.plan)} if pname == "greedy" else {}),
+                     **({"ratio": r.ratio} if r.ratio is not None else {})})
+    c = greedy_case
+    cap = c.budget_bytes - c.extra
+    bound_p = placement_bound(c.trace, c.buckets, ITEMSIZE, cap, sum(c.compute_s), c.hw)
+    causal = placement_bound(c.trace, c.buckets, ITEMSIZE, cap, sum(c.compute_s), c.hw,
+                             forward_s=sum(c.compute_s[:c.trace.num_forward]))
+    for row in rows:
+        row.update(bound_placement_s=finite(bound_p.seconds), bound_placement_limit=bound_p.limit,
+                   bound_placement_causal_s=finite(causal.seconds), bound_placement_causal_limit=causal.limit)
+    out.extend(rows)
+
+
 def summarise(cases: list[dict]) -> dict:
     """The issue's goals over the cases where greedy fits: median speedup over each baseline (see
     ``MEDIAN_NOTE``), beside the most any plan could gain (the same median against the placement bounds),
@@ -235,6 +291,8 @@ def main() -> int:
     ap.add_argument("--bucket-bytes", default="32MiB")
     ap.add_argument("--chain", default="", help="comma-separated bucket counts: time build_plan on a layer chain")
     ap.add_argument("--explain", action="store_true", help="print each case's greedy lanes and placements")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="the GiB cases again, each policy with its best share of blocks checkpointed (a model)")
     args = ap.parse_args()
     console = Console(width=None if sys.stdout.isatty() else 200)
     bucket_bytes = parse_bytes(args.bucket_bytes)
@@ -246,6 +304,13 @@ def main() -> int:
            "compute_times": "estimated: per-operator roofline on the preset's assumed device throughput",
            "greedy": "build_plan(..., device_optimizer=True)",
            "cases": [], "timings_s": {}}
+    if args.checkpointing:
+        out["checkpointing"] = (
+            "cases_checkpointing: the GiB cases with each policy's fastest fitting share of blocks checkpointed "
+            f"(shares {list(CKPT_SHARES)}, largest saving first); a MODEL of the checkpointed step (activation bytes "
+            "estimated per block on the meta device; each block's forward recomputed in one lump where backward "
+            "reaches it; [Note: the recompute model]); its bounds are those of the greedy's chosen share only, "
+            "not the least over every share")
     wanted = args.models.split(",")
     table = Table(title="SIMULATED step (s), nominal presets; x = over the budget")
     for col in ("model", "hw", "budget", "bound", "bound (placement)", *POLICIES, "greedy/bound_p"):
@@ -271,6 +336,11 @@ def main() -> int:
                 row, bound, bound_p = got["row"], got["bound"], got["bound_p"]
                 if args.explain:
                     explain(console, f"{name} {hw_name} {label}", case, row["greedy"], got["causal"])
+                if args.checkpointing and frac is None:
+                    with console.status(f"{name} {hw_name} {label} with checkpointing"):
+                        t1 = time.perf_counter()
+                        run_checkpointed(name, batch, seq, case, base, out.setdefault("cases_checkpointing", []))
+                        out["timings_s"][f"case {name} {hw_name} {label} checkpointing"] = time.perf_counter() - t1
                 g = row["greedy"].step_s if row["greedy"].fits else None
                 cells = [f"{r.step_s:.3f}{'' if r.fits else ' x'}" if r.step_s is not None else "-"
                          for r in row.values()]
@@ -283,6 +353,13 @@ def main() -> int:
         # the issue's realistic GPU budgets alone (the fraction cases leave little room for optimizer state)
         out["goals_realistic_budgets"] = summarise([c for c in out["cases"] if c["budget_fraction"] is None])
         console.print_json(data={"all cases": out["goals"], "realistic budgets": out["goals_realistic_budgets"]})
+    if out.get("cases_checkpointing"):
+        out["goals_with_checkpointing"] = summarise(out["cases_checkpointing"])
+        console.print_json(data={"with checkpointing (a model)": out["goals_with_checkpointing"]})
+        for c in out["cases_checkpointing"]:
+            step = "-" if c["step_s"] is None else f"{c['step_s']:.3f}"
+            console.print(f"{c['model']} {c['hw']} {c['budget_label']} {c['policy']}: {step}"
+                          f"{'' if c['fits'] else ' x'} ({c['checkpointed_blocks']}/{c['blocks']} blocks checkpointed)")
     if args.chain:
         out["chain"] = []
         speed = Table(title="build_plan speed on a chain of one-bucket layers")
