@@ -35,6 +35,7 @@ if that plan does not fit does "auto" fall back to choosing blocks from the warm
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -230,3 +231,40 @@ def profile_of(names: Mapping[int, str], saved: Mapping[int, int], inputs: Mappi
                    for m in sorted(names) if m in calls)
     return ActivationProfile(blocks, frozenset(checkpointed), forward_end, peak)
 
+
+def checkpointed_step(trace: Trace, compute: Sequence[float], profile: ActivationProfile,
+                      chosen: Iterable[int]) -> tuple[Trace, tuple[float, ...]]:
+    """A model of ``trace`` (recorded with no block checkpointed) had the blocks ``chosen`` been
+    checkpointed, for the simulator (``benchmarks/schedule_sim.py``): the activation peak of
+    :func:`activation_bytes`, and each chosen block's forward recomputed where backward first reaches it,
+    i.e. at the first backward event that reads one of the block's parameters: that event needs every
+    parameter the block's forward used and takes the block's forward compute seconds more.
+
+    [Note: the recompute model] An estimate, not the runtime's trace of a checkpointed step (which records
+    the recompute's own events): the recompute is one lump at one event, its weights all needed there (the
+    runtime also fetches them for the recompute), and the activation peak is the estimate's upper bound. A
+    block whose parameters no backward event reads (frozen, below every trainable one) is not recomputed."""
+    chosen = frozenset(chosen)
+    if not chosen:
+        return trace, tuple(compute)
+    nf, n = trace.num_forward, len(trace.events)
+    uses = list(trace.uses)
+    seconds = list(compute)
+    first_read: dict[int, int] = {}  # parameter -> first backward event reading it
+    for j in range(nf, n):
+        for p in trace.uses[j]:
+            first_read.setdefault(p, j)
+    for i in range(nf):
+        ev = trace.events[i]
+        if ev.kind is not EventKind.PRE or ev.key not in chosen:
+            continue
+        span = range(i, min(trace.ends[i], nf))
+        params = {p for j in span for p in trace.uses[j]}
+        reads = [first_read[p] for p in params if p in first_read]
+        if not reads:
+            continue
+        k = min(reads)
+        seconds[k] += sum(compute[j] for j in span)
+        uses[k] = tuple(sorted(set(uses[k]) | params))
+    peak = activation_bytes(profile, chosen)
+    return dataclasses.replace(trace, uses=tuple(uses), activation_peak_bytes=peak), tuple(seconds)

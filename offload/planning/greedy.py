@@ -189,7 +189,7 @@ class Greedy:
         return Program(
             compute_s=x.compute_s, h2d_event=(STEP_START,) * m + tuple(flat[:, 0].tolist()),
             h2d_bucket=tuple(cb.tolist()), h2d_bytes=tuple(x.nbytes[cb].tolist()),
-            waits=FlatWaits(ptr.tolist(), found.tolist()), **x.d2h_program)
+            waits=FlatWaits(ptr.tolist(), found.tolist()), device_return_bytes=x.device_return_bytes, **x.d2h_program)
 
     def simulate(self, resident: frozenset, flat: np.ndarray) -> tuple[SimResult | LaneResult, int]:
         """``simulate(self.program(resident, None, flat), hw)`` without building the Program (the same
@@ -203,7 +203,8 @@ class Greedy:
                                   False, x.duplex, int(x.nbytes[cb].sum()), x.d2h_total,
                                   lazy=True)
             if isinstance(sim, LaneResult):  # (lazy: a LaneResult, or None)
-                return sim.with_device_adam(x.device_tail_s, x.device_adam_s), m
+                return sim.with_device_adam(x.device_tail_s, x.device_adam_s, x.device_return_s,
+                                            sum(x.device_return_bytes)), m
         return simulate(self.program(resident, None, flat), x.hw), m
 
     def profile(self, resident: frozenset[int], streamed: Streamed | None,
@@ -299,7 +300,9 @@ class Greedy:
             for (res, flat, step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
                  h2d_bytes, peak, resident_bytes) in got:
                 sim = LaneResult(step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
-                                 h2d_bytes, x.d2h_total).with_device_adam(x.device_tail_s, x.device_adam_s)
+                                 h2d_bytes, x.d2h_total).with_device_adam(x.device_tail_s, x.device_adam_s,
+                                                                          x.device_return_s,
+                                                                          sum(x.device_return_bytes))
                 points.append(Point(mode, frozenset(res.tolist()), flat, sim, peak, (-h2d_bytes, resident_bytes, -m)))
         return points
 
@@ -319,7 +322,8 @@ class Greedy:
                 if peak > capacity:
                     break  # resident bytes only grow along the sequence: every later point is larger too
                 sim, refresh = self.simulate(resident, flat)
-                rank = (-sim.h2d_bytes, sum(int(x.size[b]) for b in resident), -m)
+                # (the bytes this point's copies move: the deferred round trip's, the same at every point, aside)
+                rank = (-(sim.h2d_bytes - sum(x.device_return_bytes)), sum(int(x.size[b]) for b in resident), -m)
                 points.append(Point(mode, resident, flat, sim, peak, rank))
                 moves = self.moves(keep, flat, refresh, sim, prof, peak)
                 if not moves:

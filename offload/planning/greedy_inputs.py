@@ -82,6 +82,10 @@ class GreedyInputs:
     device_state_bytes: tuple[int, ...] = ()  # per device bucket: its optimizer state's bytes
     device_tail_s: float = 0.0  # their device AdamW after compute ends (grads flushed at the end of backward)
     device_adam_s: float = 0.0  # their device AdamW in all (the rest is in ``compute``)
+    # deferred updates ([Note: the deferred round trip] in simulate.py): their grads summed on the host come
+    # back in step(), before their device AdamW (the tail)
+    device_return_bytes: tuple[int, ...] = ()  # per device bucket: the bytes of its fp32 sums copied back
+    device_return_s: float = 0.0  # those copies' seconds
 
     @classmethod
     def of(cls, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,

@@ -20,6 +20,21 @@ the least device time per byte, the others the buckets that remove the most of t
 buckets may be split, alignment and grad slots are not counted, and each link runs at its peak without
 sharing. Every term is convex and piecewise linear in sigma, so the minimum lies on a knot of one term or
 where two terms cross: evaluated there exactly, not searched.
+
+[Note: what no placement escapes] Two facts hold for every plan and make the bound honest where the
+relaxation alone is too loose (issue 18: it claimed a placement for bert-large at 10 % that no plan has):
+
+* memory: at every event the buckets it needs are on the device and the grad slots open then are live,
+  whatever the placement (device-optimizer buckets are resident, so on the device too). The most of that
+  over the step, :func:`least_live_bytes` (aligned, as the arena counts), is what any plan's arena holds at
+  least; a capacity below it fits no placement, and the bound is infinite (limit ``"memory"``);
+* causality (``forward_s`` given): no grad exists before backward, and backward starts only once the
+  forward has run and every bucket it used has reached the device. At the step's start the arena holds at
+  most ``capacity`` bytes, of which the device optimizer state takes at least phi * sigma (phi: the least
+  share of state in any bucket's device cost), so at least (bytes the forward uses - capacity + phi *
+  sigma) cross the link during the forward: the grad copies and the CPU AdamW start no earlier than the
+  larger of the forward's compute and that transfer at the link's peak. Weights
+  spent on device state are weights that must stream; this term is what makes the bound weigh that.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import numpy as np
 
 from .buckets import Bucket, locate
 from .hw import HardwareModel
+from .intervals import grad_intervals, need_intervals
 from .simulate import Bound
 from .trace import EventKind, Trace
 
@@ -79,7 +95,7 @@ def placement_bytes(buckets: Sequence[Bucket], itemsize: int, placement: Sequenc
 
 
 def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capacity: int, compute_s: float,
-                    hw: HardwareModel, forward_s: float = 0.0) -> Bound:
+                    hw: HardwareModel, forward_s: float = 0.0, least_bytes: int | None = None) -> Bound:
     """The least step time over every placement that fits ``capacity`` arena bytes (see [Note: the
     placement bound]). ``parts`` holds each term at the optimum and ``device_bytes`` (sigma there: the
     device bytes the optimum spends on device-optimizer buckets).
@@ -87,8 +103,17 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     ``forward_s``: the forward's compute seconds, to count that no grad copy and no CPU AdamW can start
     before backward does (every grad is produced in backward): the D2H and CPU AdamW terms start there.
     0 gives the issue's formula, which lets the host lanes overlap the forward too; with it the bound is
-    still a lower bound of every schedule the simulator runs, and a tighter one where the CPU is the wall."""
+    still a lower bound of every schedule the simulator runs, and a tighter one where the CPU is the wall:
+    the host lanes start no earlier than the forward's unavoidable transfer (see [Note: what no placement escapes]).
+
+    A ``capacity`` below :func:`least_live_bytes` fits no placement: the bound is ``inf``, limit
+    ``"memory"``. ``least_bytes``: that number where the caller has it already (the greedy's arrays give
+    it faster: ``device_optimizer.least_live_bytes_of``)."""
     bucket_of = locate(buckets)[0]
+    least = least_live_bytes(trace, buckets, itemsize) if least_bytes is None else least_bytes
+    if capacity < least:
+        return Bound(float("inf"), "memory", {"least_live_bytes": float(least), "capacity": float(capacity),
+                                               "device_bytes": 0.0})
     updated = updated_buckets(trace, buckets)
     used = {bucket_of[p] for uses in trace.uses for p in uses}
     others = sum(buckets[b].nbytes(itemsize) for b in used - set(updated))
@@ -107,17 +132,33 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     terms = {
         "compute": _cheapest(cost, dev, compute_s, top),
         "h2d": _removable(cost, h2d, h2d_fixed, top),
-        "d2h": _removable(cost, d2h, forward_s if len(b) else 0.0, top),
-        "cpu_adam": _removable(cost, cpu, forward_s if len(b) else 0.0, top),
+        "d2h": _removable(cost, d2h, 0.0, top),
+        "cpu_adam": _removable(cost, cpu, 0.0, top),
     }
     # the used buckets that are not updated stream what the capacity left over cannot hold
-    kink = float(capacity - others)
+    kinks = [float(capacity - others)]
+    # the host lanes start with backward (forward_s given): convex in sigma, one kink
+    phi, fwd = 0.0, 0
+    if forward_s and len(b):
+        weights = np.array([x.nbytes(itemsize) for x in b], dtype=np.float64)
+        phi = float(((cost - weights) / np.maximum(cost, 1.0)).min())
+        fwd = forward_bytes(trace, buckets, itemsize)
+        if phi > 0:
+            kinks.append((forward_s * hw.peak_h2d - fwd + capacity) / phi)
+
+    def start(sigma: np.ndarray) -> np.ndarray:
+        if not (forward_s and len(b)):
+            return np.zeros_like(sigma)
+        return np.maximum(forward_s, (fwd - capacity + phi * sigma) / hw.peak_h2d)
+
     knots = np.unique(np.concatenate([k for k, _ in terms.values()] + [np.array([0.0, top])]
-                                     + ([np.array([kink])] if 0 < kink < top else [])))
+                                     + [np.array([k]) for k in kinks if 0 < k < top]))
 
     def values(sigma: np.ndarray) -> np.ndarray:
         rows = [np.interp(sigma, k, v) for k, v in terms.values()]
         rows[1] = rows[1] + np.maximum(0.0, others - (capacity - sigma)) / hw.peak_h2d
+        rows[2] = rows[2] + start(sigma)
+        rows[3] = rows[3] + start(sigma)
         return np.stack(rows)
 
     # candidates: every knot, and every crossing of two terms inside an interval between knots (each term
@@ -138,6 +179,36 @@ def placement_bound(trace: Trace, buckets: Sequence[Bucket], itemsize: int, capa
     limit = max(parts, key=lambda k: parts[k])
     parts["device_bytes"] = float(sigma[best])
     return Bound(parts[limit], limit, parts)
+
+
+def least_live_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> int:
+    """The most device bytes, over the step's events, that every plan holds at once in its arena: the
+    buckets each event needs and the grad slots open then (aligned sizes; see [Note: what no placement
+    escapes]). It is the live bytes of streaming every bucket just in time; that plan's arena
+    (:func:`~offload.planning.budget.min_arena_bytes`) is at least this much."""
+    from .plan import align  # (plan.py imports this module)
+
+    bucket_of = locate(buckets)[0]
+    n = len(trace.events)
+    diff = np.zeros(n + 1, dtype=np.int64)
+    for b, ivs in need_intervals(trace, bucket_of, merge_phase=False).items():
+        size = align(buckets[b].nbytes(itemsize))
+        for s, e in ivs:
+            diff[s] += size
+            diff[e] -= size
+    for b, (s, e) in grad_intervals(trace, buckets, bucket_of).items():
+        size = align(buckets[b].grad_nbytes(itemsize))
+        diff[s] += size
+        diff[e] -= size
+    return int(np.cumsum(diff[:-1]).max(initial=0))
+
+
+def forward_bytes(trace: Trace, buckets: Sequence[Bucket], itemsize: int) -> int:
+    """Bytes of the buckets the forward uses: each is on the device before the forward ends (see [Note:
+    what no placement escapes])."""
+    bucket_of = locate(buckets)[0]
+    used = {bucket_of[p] for uses in trace.uses[:trace.num_forward] for p in uses}
+    return sum(buckets[b].nbytes(itemsize) for b in used)
 
 
 def _cheapest(cost: np.ndarray, dev: np.ndarray, base: float, top: float) -> tuple[np.ndarray, np.ndarray]:

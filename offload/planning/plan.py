@@ -86,6 +86,10 @@ class Plan:
     # resident/streamed by ``resident``
     placement: tuple[Placement, ...] = ()
     state_buffer: tuple[int | None, ...] = ()  # per bucket: its STATE buffer id (device-optimizer buckets)
+    # the cost model's update mode: True where updates are deferred to step() (``overlap_optimizer=False``),
+    # so device-optimizer buckets' grads make a round trip through the host ([Note: the deferred round trip]
+    # in simulate.py)
+    deferred: bool = False
 
     def placement_of(self, b: int) -> Placement:
         if self.placement:

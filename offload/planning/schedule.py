@@ -45,7 +45,7 @@ DEFAULT_HW = PRESETS["pcie4"]  # the cost model's hardware when the caller gives
 def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget_bytes: int,
                fixed_bytes: int, hw: HardwareModel | None = None,
                compute_s: Sequence[float] | None = None, headroom_bytes: int = 0,
-               device_optimizer: bool = False) -> Plan:
+               device_optimizer: bool = False, deferred: bool = False) -> Plan:
     """The greedy cost-model plan (see the module docstring) that fits ``budget_bytes``.
 
     ``hw`` defaults to :data:`DEFAULT_HW`; ``compute_s`` (seconds of compute per trace event) defaults to
@@ -57,10 +57,16 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
     (:class:`~offload.planning.placement.Placement`; [Note: choosing device-optimizer buckets] in
     ``device_optimizer.py``). Off by default: the runtime cannot execute such plans yet (issue 18), and
     without it plans are exactly what they were.
+
+    ``deferred``: the engine defers updates to ``step()`` (``overlap_optimizer=False``): a device-optimizer
+    bucket's grads then go to the host and come back summed in ``step()`` before its device update ([Note:
+    the deferred round trip] in simulate.py), which the choice of device-optimizer buckets weighs. (The
+    host buckets' CPU AdamW is modelled as overlapped with backward in both modes.)
     """
     with _gc_paused():
-        return _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes,
-                           device_optimizer)
+        plan = _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes,
+                           device_optimizer, deferred)
+        return dataclasses.replace(plan, deferred=True) if deferred else plan
 
 
 @contextlib.contextmanager
@@ -81,7 +87,7 @@ def _gc_paused():
 
 
 def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes,
-                device_optimizer) -> Plan:
+                device_optimizer, deferred) -> Plan:
     hw = hw or DEFAULT_HW
     compute = compute_times(trace, compute_s)
     g = Greedy.of(trace, buckets, itemsize, hw, compute)
@@ -90,7 +96,7 @@ def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute
     points = g.candidates(capacity)
     tried = []
     if device_optimizer and points:
-        dev = choose_device_optimizer(g, points, trace, buckets, itemsize, capacity, compute)
+        dev = choose_device_optimizer(g, points, trace, buckets, itemsize, capacity, compute, deferred)
         if dev is not None:
             tried.append(dev)  # its points first; today's (no device state) if none of them lays out
     tried.append((g, points))
@@ -126,7 +132,7 @@ def program_of(plan: Plan, compute_s: Sequence[float] | None = None) -> Program:
     g = Greedy.of(plan.trace, plan.buckets, plan.itemsize, DEFAULT_HW, compute_times(plan.trace, compute_s))
     device = plan.device_optimizer
     if device:
-        g = Greedy(restrict(g.inputs, device, plan.buckets, plan.itemsize))
+        g = Greedy(restrict(g.inputs, device, plan.buckets, plan.itemsize, plan.deferred))
     resident = frozenset(plan.resident) - frozenset(device)
     streamed: dict[int, list[list[int]]] = {}
     for x in plan.buffers:

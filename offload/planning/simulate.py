@@ -96,6 +96,9 @@ class Program:
     adam_after_backward: bool = False  # True: AdamW waits for the whole backward (DeepSpeed, Gemini)
     device_adam_numel: tuple[int, ...] = ()  # per event and one more (after backward), or empty: parameters
     # a device AdamW updates there, on the compute lane (device-optimizer buckets: [Note: device AdamW lane])
+    device_return_bytes: tuple[int, ...] = ()  # deferred updates: per device-optimizer bucket, the bytes of
+    # its grads summed on the host that come back to the device in step() before its update there ([Note:
+    # the deferred round trip])
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,21 @@ def with_device_adam(program: Program, hw: HardwareModel) -> tuple[tuple[float, 
     return tuple(compute), tail, total + tail
 
 
+def device_return_seconds(program: Program, hw: HardwareModel) -> float:
+    """Seconds of the deferred round trip's copies back to the device (see [Note: the deferred round trip]).
+
+    [Note: the deferred round trip] With updates deferred to ``step()`` (``overlap_optimizer=False``:
+    accumulation, clipping, float16) a device-optimizer bucket's grads go to the host like any bucket's
+    (summed there: its grad copy stays in the program, with no CPU AdamW), and in ``step()`` come back as fp32
+    sums, a piece at a time, each piece copied and then updated on the device (the runtime's
+    ``DeviceOptimizer.update_summed``). The simulator runs those copies and the device AdamW (entry
+    ``len(compute_s)`` of ``device_adam_numel``) one after the other after compute ends: the step lasts at
+    least compute end + the copies + the device AdamW. (It does not wait for the last grad copy to land
+    first, nor share the link with the host lanes' copies then: a slight under-estimate, where the copies
+    back are already the larger term.)"""
+    return sum(seconds_each(hw.h2d_seconds, program.device_return_bytes))
+
+
 def simulate(program: Program, hw: HardwareModel) -> SimResult:
     """Run the four lanes over one step (see :func:`simulate_reference` for the rules).
 
@@ -156,6 +174,7 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
     if _C is None:
         return simulate_reference(program, hw)
     compute, tail, device_adam = with_device_adam(program, hw)
+    back_s, back_bytes = device_return_seconds(program, hw), sum(program.device_return_bytes)
     if isinstance(program.waits, FlatWaits):
         wait_ptr, wait_copy = program.waits.ptr, program.waits.copies
     else:
@@ -168,7 +187,9 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
         program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes), lazy=True)
     if out is None:
         return simulate_reference(program, hw)
-    return out.with_device_adam(tail, device_adam).result() if isinstance(out, LaneResult) else out
+    if isinstance(out, LaneResult):
+        return out.with_device_adam(tail, device_adam, back_s, back_bytes).result()
+    return out
 
 
 def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
@@ -206,13 +227,16 @@ class LaneResult:
     d2h_bytes: int
     device_adam_s: float = 0.0  # included in compute_s (see [Note: device AdamW lane])
 
-    def with_device_adam(self, tail: float, total: float) -> "LaneResult":
+    def with_device_adam(self, tail: float, total: float, back_s: float = 0.0, back_bytes: int = 0) -> "LaneResult":
         """This result with ``tail`` seconds of device AdamW after compute end (on the compute lane,
-        beside the other lanes) and ``total`` device AdamW seconds in all (the rest already in compute)."""
-        if not total:
+        beside the other lanes) and ``total`` device AdamW seconds in all (the rest already in compute);
+        ``back_s`` seconds (``back_bytes``) of deferred grads copied back before that tail ([Note: the
+        deferred round trip])."""
+        if not total and not back_s:
             return self
-        return dataclasses.replace(self, step_s=max(self.compute_end + tail, self.step_s),
-                                   compute_s=self.compute_s + tail, device_adam_s=total)
+        return dataclasses.replace(self, step_s=max(self.compute_end + back_s + tail, self.step_s),
+                                   compute_s=self.compute_s + tail, device_adam_s=total,
+                                   h2d_busy_s=self.h2d_busy_s + back_s, h2d_bytes=self.h2d_bytes + back_bytes)
 
     def result(self) -> SimResult:
         return SimResult(
@@ -241,12 +265,15 @@ def simulate_reference(program: Program, hw: HardwareModel, record: list | None 
     lanes = Lanes(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
                   program.adam_numel, hw, hw, record)
     compute_end = lanes.run(compute_s)
-    if device_tail:  # (not recorded: a timeline's compute spans are per event)
-        step = max(compute_end + device_tail, lanes.idle_at(compute_end))
+    back_s = device_return_seconds(program, hw)
+    if device_tail or back_s:  # (not recorded: a timeline's compute spans are per event)
+        step = max(compute_end + back_s + device_tail, lanes.idle_at(compute_end))
     else:
         step = lanes.idle_at(compute_end)
-    return lanes.result(step, sum(compute_s) + device_tail if device_tail else sum(compute_s),
-                        sum(program.h2d_bytes), sum(program.d2h_bytes), device_adam)
+    out = lanes.result(step, sum(compute_s) + device_tail if device_tail else sum(compute_s),
+                       sum(program.h2d_bytes) + sum(program.device_return_bytes), sum(program.d2h_bytes),
+                       device_adam)
+    return dataclasses.replace(out, h2d_busy_s=out.h2d_busy_s + back_s) if back_s else out
 
 
 class Lanes:

@@ -72,3 +72,45 @@ def test_base_blocks_are_kept():
     # b.0 kept: 17 - 3 = 14 MiB held at the end of forward, too much for 13; b.1 added: peak 10 MiB.
     choice = choose_checkpoints(p, 13 * MB, base=[10])
     assert choice.modules == (10, 20) and choice.activation_bytes == 10 * MB
+
+
+def test_checkpointed_step_model_by_hand():
+    """[Note: the recompute model]: blocks 20 (parameter 0) and 30 (parameter 1, and 2 in its child 31) of
+    a recorded step with nothing checkpointed. Checkpointing block 30 adds its forward seconds (its events
+    from its pre-hook to its post-hook: 0.5 + 0.25 + 0.125) to the first backward event reading one of its
+    parameters (parameter 2's), which then needs both; the activation peak is the estimate's; the other
+    events are untouched."""
+    from offload.planning.activations import checkpointed_step
+    from offload.planning.trace import EventKind, Recorder
+
+    rec = Recorder()
+    rec.pre(0)
+    rec.pre(20)
+    rec.touch(0)
+    rec.post(20)
+    rec.pre(30)
+    rec.touch(1)
+    rec.pre(31)
+    rec.touch(2)
+    rec.post(31)
+    rec.post(30)
+    rec.post(0)
+    for p in (2, 1, 0):
+        rec.unpack(p, object())
+        rec.grad(p, 16)
+    trace = rec.finish()
+    compute = [0.0] * len(trace.events)
+    block = next(i for i, ev in enumerate(trace.events) if ev.kind is EventKind.PRE and ev.key == 30)
+    assert trace.ends[block] - block == 3
+    for j, s in zip(range(block, trace.ends[block] + 1), (0.5, 0.25, 0.125, 1.0)):  # (its post-hook's: not its)
+        compute[j] = s
+    first = next(j for j in range(trace.num_forward, len(trace.events)) if 2 in trace.uses[j])
+    p = profile()
+    same, same_compute = checkpointed_step(trace, compute, p, [])
+    assert same is trace and same_compute == tuple(compute)
+    got, seconds = checkpointed_step(trace, compute, p, [30])
+    assert got.activation_peak_bytes == activation_bytes(p, [30])
+    assert seconds[first] == pytest.approx(compute[first] + 0.875)
+    assert sum(seconds) == pytest.approx(sum(compute) + 0.875)
+    assert set(got.uses[first]) == {1, 2}
+    assert [u for j, u in enumerate(got.uses) if j != first] == [u for j, u in enumerate(trace.uses) if j != first]

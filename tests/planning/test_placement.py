@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from offload import BudgetTooSmallError
 from offload.errors import InvariantError
-from offload.planning.device_optimizer import restrict
+from offload.planning.device_optimizer import least_live_bytes_of, restrict
 from offload.planning.greedy import Greedy, compute_times
 from offload.planning.hw import PRESETS, HardwareModel
-from offload.planning.placement import Placement, placement_bound, placement_bytes, state_nbytes
+from offload.planning.placement import Placement, least_live_bytes, placement_bound, placement_bytes, state_nbytes
 from offload.planning.schedule import (
     BufferKind,
     build_plan,
@@ -43,12 +43,17 @@ def test_bound_by_hand():
     """A chain of 10 buckets of 100 fp32 elements (400 B each; 8 B/param of state: 1200 B per device bucket).
     compute 1 s; each bucket: H2D and D2H 0.4 s (1000 B/s), CPU AdamW 1 s (100/s), device AdamW 0.1 s.
     All on the CPU: 10 s of CPU AdamW. With k buckets on the device: max(1 + 0.1 k, 4 - 0.4 k, 10 - k), least
-    where 1 + 0.1 k = 10 - k: k = 9/1.1, 1.818... s; that needs 9/1.1 * 1200 B of capacity."""
+    where 1 + 0.1 k = 10 - k: k = 9/1.1, 1.818... s; that needs 9/1.1 * 1200 B of capacity.
+    Every plan holds one bucket (512 B aligned) at each use, or the grad slot (512 B) it fills just after:
+    below 512 B of capacity no placement fits; at 512 B, 512/1200 of a bucket's updates can leave the CPU."""
     trace, buckets = chain_trace(10, 100)
     hw = flat_hw(device_adam=1000.0)
     compute = 1.0
-    nothing = placement_bound(trace, buckets, 4, 0, compute, hw)
-    assert nothing.limit == "cpu_adam" and nothing.seconds == pytest.approx(10.0)
+    assert least_live_bytes(trace, buckets, 4) == 512
+    nothing = placement_bound(trace, buckets, 4, 511, compute, hw)
+    assert nothing.limit == "memory" and nothing.seconds == float("inf")
+    tight = placement_bound(trace, buckets, 4, 512, compute, hw)
+    assert tight.limit == "cpu_adam" and tight.seconds == pytest.approx(10.0 - 512 / 1200)
     k = 9 / 1.1
     best = placement_bound(trace, buckets, 4, 10**9, compute, hw)
     assert best.seconds == pytest.approx(1 + 0.1 * k) and best.parts["device_bytes"] == pytest.approx(k * 1200)
@@ -56,18 +61,51 @@ def test_bound_by_hand():
     assert half.seconds == pytest.approx(7.0) and half.limit == "cpu_adam"
 
 
+def test_causal_bound_by_hand():
+    """The same chain, forward 0.5 s of compute: no grad before backward starts, and backward starts only
+    once the forward's 4000 B crossed the link beyond what the arena held at the start: capacity less the
+    device state, 2/3 of each device bucket's 1200 B (link 1000 B/s). So the CPU AdamW ends no earlier than
+    max(0.5, (4000 - capacity + 2/3 sigma) / 1000) + 10 - sigma / 1200."""
+    trace, buckets = chain_trace(10, 100)
+    hw = flat_hw(device_adam=1000.0)
+    # 3600 B: for sigma > 150 B the transfer sets the start; the sum falls by sigma / 6000: least at 3600 B
+    roomy = placement_bound(trace, buckets, 4, 3600, 1.0, hw, forward_s=0.5)
+    assert roomy.seconds == pytest.approx(0.4 + 3600 / 1500 + 10.0 - 3) and roomy.limit == "cpu_adam"
+    assert roomy.parts["device_bytes"] == pytest.approx(3600)
+    # 2000 B: the transfer sets the start from sigma = 0
+    tight = placement_bound(trace, buckets, 4, 2000, 1.0, hw, forward_s=0.5)
+    assert tight.seconds == pytest.approx(12.0 - 2000 / 6000) and tight.limit == "cpu_adam"
+    # without forward_s: the issue's formula, lanes free to overlap the forward
+    assert placement_bound(trace, buckets, 4, 3600, 1.0, hw).seconds == pytest.approx(7.0)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces())
+def test_least_live_bytes_from_the_greedys_arrays_is_the_same_and_below_every_plan(case):
+    trace, buckets = case
+    least = least_live_bytes(trace, buckets, 4)
+    g = Greedy.of(trace, buckets, 4, PRESETS["pcie4"], compute_times(trace, None))
+    assert least_live_bytes_of(g.inputs) == least
+    plan = plan_that_fits(trace, buckets, 0, PRESETS["pcie4"], None)  # the leanest plan there is
+    assert plan.lower_bound_bytes >= least
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), machines(), st.data())
-def test_bound_without_room_is_the_cpu_bound_and_more_room_never_raises_it(case, hw, data):
+def test_bound_below_the_least_live_bytes_is_infinite_and_more_room_never_raises_it(case, hw, data):
     trace, buckets = case
     compute = sum(draw_compute(data.draw, trace))
-    least = least_traffic(trace, buckets, 4, 0)
-    cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
-    assert placement_bound(trace, buckets, 4, 0, compute, hw).seconds == pytest.approx(cpu.seconds, rel=1e-12)
-    caps = sorted(data.draw(st.lists(st.integers(0, 60000), min_size=2, max_size=4)))
+    least_bytes = least_live_bytes(trace, buckets, 4)
+    if least_bytes:
+        assert placement_bound(trace, buckets, 4, least_bytes - 1, compute, hw).seconds == float("inf")
+    else:  # nothing to hold: without room the bound is today's (every update on the CPU)
+        least = least_traffic(trace, buckets, 4, 0)
+        cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
+        assert placement_bound(trace, buckets, 4, 0, compute, hw).seconds == pytest.approx(cpu.seconds, rel=1e-12)
+    caps = sorted(data.draw(st.lists(st.integers(0, 60000), min_size=2, max_size=4)) + [least_bytes])
     got = [placement_bound(trace, buckets, 4, c, compute, hw).seconds for c in caps]
     assert all(b <= a * (1 + 1e-12) for a, b in zip(got, got[1:]))
-    # and it never exceeds today's bound at the same capacity
+    # and it never exceeds today's bound at the same capacity, where a placement fits
     least = least_traffic(trace, buckets, 4, caps[-1])
     cpu = physical_bound(compute, least["h2d"], least["d2h"], least["adam_numel"], hw)
     assert got[-1] <= cpu.seconds * (1 + 1e-12)
@@ -101,8 +139,9 @@ def test_bound_is_below_every_twin_flow_ratio_that_fits(case, hw, data):
     for ratio in (0.0, 0.3, 0.7, 1.0):
         r = twin_flow(c, ratios=(ratio,))
         if r.fits:
-            bound = placement_bound(trace, buckets, 4, budget - c.extra, sum(compute), hw)
-            assert r.step_s >= bound.seconds * (1 - 1e-9)
+            for fwd in (0.0, sum(compute[:trace.num_forward])):  # the causal form too
+                bound = placement_bound(trace, buckets, 4, budget - c.extra, sum(compute), hw, forward_s=fwd)
+                assert r.step_s >= bound.seconds * (1 - 1e-9)
 
 
 # --- the simulator's device AdamW lane -------------------------------------------------------------------
@@ -122,6 +161,44 @@ def test_device_adamw_runs_on_the_compute_lane():
     assert simulate(p, hw) == simulate_reference(p, hw)
     with pytest.raises(ValueError, match="events \\+ 1"):
         simulate(lane_program(device_adam_numel=(1, 2, 3)), hw)
+
+
+def test_deferred_round_trip_on_the_lanes():
+    """[Note: the deferred round trip]: 200 params updated on the device after backward (2 s) once their
+    800 B of summed grads came back (0.8 s at 1000 B/s): the step lasts compute end + 0.8 + 2 s."""
+    hw = flat_hw(device_adam=100.0)
+    p = lane_program(device_adam_numel=(0, 0, 0, 200), device_return_bytes=(800,), d2h_event=(3,), d2h_bucket=(0,),
+                     d2h_bytes=(800,), adam_numel=(0,))
+    for sim in (simulate, simulate_reference):
+        r = sim(p, hw)
+        assert r.step_s == pytest.approx(3.0 + 0.8 + 2.0)
+        assert r.h2d_bytes == 800 and r.h2d_busy_s == pytest.approx(0.8) and r.d2h_bytes == 800
+        assert r.device_adam_s == pytest.approx(2.0) and r.adam_s == 0
+    assert simulate(p, hw) == simulate_reference(p, hw)
+
+
+def test_deferred_device_buckets_send_their_grads_to_the_host_and_get_them_back_in_step():
+    """With updates deferred to step(), a device-optimizer bucket's grads go to the host (4 ms each here)
+    and its fp32 sums come back (4 ms) before its device update after backward: the plan's simulated step
+    counts both, and the choice still puts every bucket on the device where the CPU AdamW is the wall."""
+    trace, buckets, hw, compute = _cpu_bound_chain()
+    budget = 10**7
+    over = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True)
+    plan = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True, deferred=True)
+    assert plan.deferred and not over.deferred
+    assert len(plan.device_optimizer) == len(buckets) == len(over.device_optimizer)
+    validate_plan(plan)
+    program = program_of(plan, compute)
+    numel = sum(b.trainable_numel for b in buckets)
+    assert set(program.d2h_bucket) == set(range(len(buckets))) and sum(program.adam_numel) == 0
+    assert program.device_return_bytes == tuple(4 * b.trainable_numel for b in buckets)
+    assert sum(program.device_adam_numel) == program.device_adam_numel[-1] == numel  # all after backward
+    sim = plan.simulated
+    assert sim.step_s == pytest.approx(simulate(program, hw).step_s, rel=1e-12)
+    assert sim.adam_s == 0 and sim.d2h_bytes == 4 * numel and sim.h2d_bytes == 4 * numel
+    back = len(buckets) * hw.h2d_seconds(4000)
+    assert sim.step_s == pytest.approx(sum(compute) + back + hw.device_adam_seconds(numel), rel=1e-9)
+    assert sim.step_s > over.simulated.step_s + back * 0.99  # the round trip is not free
 
 
 # --- Twin-Flow -------------------------------------------------------------------------------------------
@@ -170,7 +247,8 @@ def _check_device_placement(plan, hw, compute):
     for b in set(range(len(plan.buckets))) - device:
         assert plan.state_buffer[b] is None
     program = program_of(plan, compute)
-    assert not device & set(program.h2d_bucket) and not device & set(program.d2h_bucket)
+    assert not device & set(program.h2d_bucket)
+    assert plan.deferred or not device & set(program.d2h_bucket)  # deferred: summed on the host
     assert sum(program.device_adam_numel) == sum(plan.buckets[b].trainable_numel for b in device)
     again = simulate(program, hw)
     assert again.step_s == pytest.approx(plan.simulated.step_s, rel=1e-9, abs=1e-15)
@@ -187,7 +265,8 @@ def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, dat
     params = sum(b.nbytes(4) for b in buckets)
     least = plan_that_fits(trace, buckets, 0, hw, compute, device_optimizer=False).budget_bytes
     budget = least + data.draw(st.integers(0, 5 * params + 20000))
-    plan = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True)
+    deferred = data.draw(st.booleans())  # updates in step(): the round trip through the host
+    plan = plan_that_fits(trace, buckets, budget, hw, compute, device_optimizer=True, deferred=deferred)
     _check_device_placement(plan, hw, compute)
     # the search includes today's plan (no device state): never slower than it at the same budget
     today = plan_that_fits(trace, buckets, plan.budget_bytes, hw, compute, device_optimizer=False)
@@ -268,5 +347,5 @@ def test_restricted_greedy_cpp_equals_its_python_loop(case, hw, data):
     g = Greedy.of(trace, buckets, 4, hw, compute)
     updated = sorted(g.inputs.grad_issue)
     device = data.draw(st.lists(st.sampled_from(updated), unique=True) if updated else st.just([]))
-    x = restrict(g.inputs, device, buckets, 4)
+    x = restrict(g.inputs, device, buckets, 4, deferred=data.draw(st.booleans()))
     _compare(Greedy(x), data.draw(st.integers(0, 60000)))

@@ -70,3 +70,8 @@ def test_schedule_sim_goal_summary():
     assert goals["bound_placement"]["median_greedy_over_bound"] == 1.5 and goals["bound_placement"]["max"] == 2.0
     slower = goals["never_slower_than_a_fitting_baseline"]
     assert not slower["holds"] and [v["case"][2] for v in slower["violations"]] == [3]
+    # the most any plan could gain: baseline / bound (4, 1, 0.75): in one case even the bound reaches 1.5x
+    zo = goals["zero-offload"]
+    assert zo["ceiling_causal_median"] == 1.0 and zo["ceiling_causal_median_where_it_fits"] == pytest.approx(2.375)
+    assert zo["cases_where_the_causal_bound_reaches_the_goal"] == 1
+    assert "does NOT fit" in goals["note"]  # the JSON says how a baseline over the budget is counted
