@@ -333,7 +333,8 @@ class PlanExecutor:
         parts = ctx.memory.parts
         plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
                           fixed_bytes=parts["buffers"], hw=ctx.hw, headroom_bytes=parts["headroom"],
-                          device_optimizer=ctx.config.device_optimizer)
+                          device_optimizer=ctx.config.device_optimizer,
+                          deferred=not ctx.config.overlap_optimizer)
         validate_plan(plan)
         return plan
 
