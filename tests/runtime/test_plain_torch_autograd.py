@@ -296,8 +296,11 @@ def test_reading_parameters_outside_forward_gives_real_values_or_nan_never_stale
 
     def check():
         sd = model.state_dict()  # the real fp32 weights (waits for nothing the parameters show)
+        named = dict(model.named_parameters())  # read afresh: the same objects, the same values
         for name, p in params.items():
+            assert named[name] is p
             value = p.detach().clone()
+            assert torch.equal(p.data, value) or value.isnan().all() and p.data.isnan().all()  # p.data alike
             if value.isnan().all():
                 seen["nan"] += 1
             else:

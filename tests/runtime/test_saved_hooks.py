@@ -56,7 +56,7 @@ def _wrap(model, budget, **kw):
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), fused=False, **ADAMW)
     engine = offload.wrap(model, opt, budget=int(BUDGETS[budget] * nbytes), bucket_bytes=nbytes // 8,
-                          device="cpu", overlap_optimizer=False, **kw)
+                          device="cpu", **{"overlap_optimizer": False, **kw})
     return engine, opt
 
 
@@ -87,11 +87,12 @@ class Lossy:
         return saved_tensors_hooks(pack, unpack)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
 @pytest.mark.parametrize("budget", list(BUDGETS))
-def test_lossy_hooks_around_the_call_are_plain_torch_bit_for_bit(budget):
+def test_lossy_hooks_around_the_call_are_plain_torch_bit_for_bit(budget, overlap):
     """The user's pack and unpack apply to every saved tensor, weights included, as in plain PyTorch."""
     model, ref = _net(), _net()
-    engine, opt = _wrap(model, budget)
+    engine, opt = _wrap(model, budget, overlap_optimizer=overlap)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
     ours, theirs = Lossy(), Lossy()
     for step in range(4):
