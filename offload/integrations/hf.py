@@ -27,6 +27,7 @@ See [Note: what the Trainer must not do to an offloaded model].
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from typing import Any
 
@@ -77,10 +78,11 @@ class OffloadTrainer(Trainer):
 
     Honoured: ``learning_rate``, ``weight_decay``, ``adam_beta1/2``, ``adam_epsilon``, ``lr_scheduler_type``
     and warmup, ``gradient_accumulation_steps``, ``max_grad_norm``, ``bf16``/``fp16``, ``eval_strategy``,
-    ``save_strategy``, ``logging_steps``, ``seed``, ``optim`` in ``adamw_torch`` / ``adamw_torch_fused``.
+    ``save_strategy``, ``logging_steps``, ``seed``, ``optim`` in ``adamw_torch`` / ``adamw_torch_fused``,
+    ``activation_checkpointing`` (alias ``gradient_checkpointing``; see ``_checkpointing``).
     Refused with :class:`UnsupportedTrainingArgumentError`: ``deepspeed``, ``fsdp``, ``torch_compile``,
-    another ``optim`` or ``optimizers=``, ``activation_checkpointing`` (use the engine's:
-    ``OffloadConfig(activation_checkpointing="auto")``), ``bf16_full_eval``/``fp16_full_eval``, ``model_init``,
+    another ``optim`` or ``optimizers=``, ``activation_checkpointing_kwargs`` other than ``use_reentrant`` and
+    ``every_n_layers`` (e.g. ``offload=True``), ``bf16_full_eval``/``fp16_full_eval``, ``model_init``,
     several GPUs or processes.
     """
 
@@ -93,6 +95,7 @@ class OffloadTrainer(Trainer):
             raise TypeError("OffloadTrainer needs args=TrainingArguments(output_dir=...)")
         config = _engine_config(args, offload_budget, offload_config)
         _refuse_unsupported(model, args, kwargs)
+        args, config = _checkpointing(model, args, config)
         super().__init__(model=model, args=args, **kwargs)
         decay = set(self.get_decay_parameter_names(self.model))
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -253,15 +256,71 @@ def _refuse_unsupported(model, args, kwargs: dict) -> None:
     if optimizers[0] is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
         refuse("optimizers= / optimizer_cls_and_kwargs=", "the engine makes its offload.AdamW from the arguments "
                "(learning_rate, weight_decay, adam_beta1/2, adam_epsilon)")
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-        refuse("activation_checkpointing=True", 'use the engine\'s: offload_config=OffloadConfig(budget=..., '
-               'activation_checkpointing="auto")')
     if args.bf16_full_eval or args.fp16_full_eval:
         refuse("bf16_full_eval / fp16_full_eval", "evaluation runs in the training dtype (bf16=True / fp16=True)")
     if args.n_gpu > 1 or args.world_size > 1:
         refuse(f"{max(args.n_gpu, args.world_size)} devices", "offload trains on one device; run one process on one GPU")
     if getattr(args, "use_liger_kernel", False):
         refuse("use_liger_kernel=True", "it patches the model's modules after wrapping; leave it off")
+
+
+def _checkpointing(model: nn.Module, args, config: OffloadConfig) -> tuple[Any, OffloadConfig]:
+    """``activation_checkpointing=True`` (alias ``gradient_checkpointing``; issue 19): the TrainingArguments and
+    engine config the Trainer and the engine then get.
+
+    transformers' default (``use_reentrant=False``) runs ``torch.utils.checkpoint`` non-reentrantly, whose
+    recompute the engine cannot follow (``guards.refuse_forward_in_backward``); the engine's own activation
+    checkpointing runs the same non-reentrant recompute of the same modules, within its plan. So it is mapped:
+    the engine checkpoints the model's ``GradientCheckpointingLayer`` modules that transformers would (every
+    ``every_n_layers``-th), transformers' switch is turned on with a checkpoint function that only calls the
+    layer (so the layers change their arguments as under checkpointing: no cache), and the Trainer is given a copy
+    of ``args`` with checkpointing off. Same numbers as the plain Trainer with checkpointing
+    (tests/test_integrations_hf.py).
+    ``use_reentrant=True`` is left to transformers: the engine follows a reentrant recompute ([Note: a user's
+    reentrant checkpoint] in offload/runtime/recompute_hooks.py)."""
+    if not (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)):
+        return args, config
+
+    def refuse(what: str, fix: str) -> None:
+        raise UnsupportedTrainingArgumentError(f"OffloadTrainer cannot use activation_checkpointing=True with {what}: "
+                                               f"{fix}")
+
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
+                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    every = kwargs.pop("every_n_layers", 1)
+    if kwargs.pop("offload", False):
+        refuse("offload=True (save_on_cpu inside the model's forward)", "the engine keeps weights on the host "
+               "already and cannot let a saved-tensor hook inside the forward see weight views; drop offload=True")
+    reentrant = kwargs.pop("use_reentrant", False)
+    if kwargs:
+        refuse(f"checkpoint arguments {sorted(kwargs)}", "only use_reentrant and every_n_layers are supported")
+    if reentrant:
+        return args, config
+    if config.activation_checkpointing is not None:
+        refuse(f"offload_config.activation_checkpointing={config.activation_checkpointing!r}",
+               "give one of them (the TrainingArguments' flag is mapped to the engine's checkpointing)")
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    set_checkpointing = getattr(model, "_set_gradient_checkpointing", None)
+    names: list[str] = []
+    if set_checkpointing is not None and "value" not in inspect.signature(set_checkpointing).parameters:
+        # transformers' own switch, with a checkpoint function that just calls the layer: its layers change
+        # their arguments as under checkpointing (use_cache=False, no cache: a recompute must not write a cache
+        # twice) and pick every every_n_layers-th layer; the engine checkpoints those layers
+        set_checkpointing(enable=True, gradient_checkpointing_func=_call, every_n_layers=every)
+        names = [n for n, m in model.named_modules()
+                 if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        names = [n for n in names if not any(n.startswith(o + ".") for o in names)]  # the outermost, as the engine's
+    if not names:
+        refuse(f"{type(model).__name__} (no GradientCheckpointingLayer modules)", "name the blocks to checkpoint "
+               "in offload_config=OffloadConfig(..., activation_checkpointing=[...]) (or \"auto\") and leave "
+               "activation_checkpointing off, or pass activation_checkpointing_kwargs={\"use_reentrant\": True}")
+    fields = {f: False for f in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, f)}
+    return dataclasses.replace(args, **fields), dataclasses.replace(config, activation_checkpointing=names)
+
+
+def _call(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """The checkpoint function transformers' layers get when the engine checkpoints them (``_checkpointing``)."""
+    return function(*args, **kwargs)
 
 
 def _offload_checkpoint(folder: str) -> str:

@@ -21,8 +21,9 @@ class DeviceMemory:
     SAMPLES = 1 << 14  # device-byte samples kept (per step)
 
     def __init__(self, headroom: int = 0) -> None:
+        # graph_copies: weight copies a create_graph=True backward's graph holds (ParamAccess.graph_copy)
         self.parts: dict[str, int] = {"arena": 0, "slots": 0, "buffers": 0, "activations": 0, "grads": 0,
-                                      "headroom": 0}
+                                      "graph_copies": 0, "headroom": 0}
         self.current = 0
         self.peak = 0
         self.activation_peak = 0  # of the current step

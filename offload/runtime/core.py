@@ -42,9 +42,10 @@ from .forward_only import EvalPlans
 from .grads import BackwardDiscard, GradPipeline
 from .param_access import ParamAccess
 from .phases import Lifecycle, Pass
-from .plain_grads import module_hooks
+from .plain_grads import EngineHook, module_hooks
 from .recompute_hooks import RecomputeCoordinator
 from .residency import ParamRef
+from .saved_hooks import UnderUserHooks, check_enabled, engine_hook, user_hooks
 from .slots import SlotTable
 from .warmup import TracedWarmup
 from .weights import Weights
@@ -134,7 +135,7 @@ class Runtime:
                 return
             with busy:
                 on_pre(0, module, args, kwargs)
-        return hook
+        return EngineHook(hook)  # issue 19: torch.save(model) / deepcopy raise the engine's error
 
     def _pre_hook(self, index: int) -> Any:
         busy, ckpt, on_pre = self.ctx.busy, self.recompute.ckpt, self._on_pre
@@ -153,7 +154,7 @@ class Runtime:
                 on_pre(index)
             finally:
                 busy.depth -= 1
-        return hook
+        return EngineHook(hook)
 
     def _on_pre(self, index: int, module: nn.Module | None = None, args: Any = (), kwargs: Any = None) -> None:
         executor = self.executor
@@ -193,7 +194,7 @@ class Runtime:
                 on_post(index, output)
             finally:
                 busy.depth -= 1
-        return hook
+        return EngineHook(hook)
 
     def _on_post(self, index: int, output: Any) -> None:
         executor = self.executor
@@ -209,6 +210,7 @@ class Runtime:
         if not executor.recorder.stack:
             self._end_forward(output)
 
+    @engine_hook  # issue 19: [Note: a user's saved-tensor hooks] (saved_hooks.py)
     def _pack(self, t: torch.Tensor) -> ParamRef | SavedActivation:
         # One storage lookup serves both the parameter check and the activation's accounting: a storage that
         # is neither a traced copy nor an indexed slot holds no parameter (locate would return None)
@@ -231,13 +233,17 @@ class Runtime:
     def _unpack(self, saved: ParamRef | SavedActivation) -> torch.Tensor:
         if isinstance(saved, SavedActivation):
             return saved.tensor
+        return self.unpack_saved(saved)
+
+    def unpack_saved(self, saved: ParamRef) -> torch.Tensor:
+        """The weight view ``saved`` names, for the autograd node unpacking it."""
         self._begin_backward()
         if self.executor.recorder.unpack(saved.param, torch._C._current_autograd_node()):
             self.access.new_node()
             self.executor.advance(EventKind.UNPACK, saved.param)
         view = self.access.param_view(saved)
         if torch.is_grad_enabled():  # issue 19: backward(create_graph=True), torch.autograd.grad(create_graph=True)
-            return view.clone()  # the graph it builds saves what this returns: a copy, not a slot reused later
+            return self.access.graph_copy(view)  # the graph it builds saves this: a copy, not a slot reused later
         return view
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -280,6 +286,8 @@ class Runtime:
 
     def _begin_forward(self, root: int, fast: bool = False) -> None:
         ctx, executor = self.ctx, self.executor
+        if not fast:
+            check_enabled()  # issue 19: under disable_saved_tensors_hooks, refused before anything changes
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
@@ -292,6 +300,12 @@ class Runtime:
         ctx.phases.enter(Pass.FORWARD)
         self.grads.wait_for_copies()
         self.slots.mark_boundary()
+        hooks: tuple[Any, Any] = (self._pack, self._unpack)
+        if not fast:  # issue 19: a user's saved-tensor hooks around the call ([Note: a user's saved-tensor hooks])
+            below = user_hooks()
+            if below is not None:
+                composed = UnderUserHooks(self, below)
+                hooks = (composed.pack, composed.unpack)
         contexts: list[Any] = []
         if ctx.dtype != torch.float32:
             # Ops autocast keeps in fp32 (softmax, norms, losses) upcast the 16-bit weights and activations;
@@ -299,7 +313,7 @@ class Runtime:
             contexts.append(torch.autocast(ctx.backend.device.type, dtype=ctx.dtype, cache_enabled=False))
         if not fast:  # the fast path needs neither: every weight stays where it is ([Note: the fast path])
             contexts.append(self.access.detector())
-            contexts.append(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            contexts.append(torch.autograd.graph.saved_tensors_hooks(*hooks))
         for c in contexts:
             c.__enter__()
         self._contexts = contexts[::-1]

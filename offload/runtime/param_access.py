@@ -36,10 +36,12 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from .phases import Lifecycle
 from .residency import ParamRef, Residency
+from .saved_hooks import check_on_top
 
 if TYPE_CHECKING:
     from .context import Busy, RuntimeContext
@@ -99,8 +101,11 @@ class ParamAccess:
         self.node_buckets: set[int] = set()  # buckets the current backward node reads
         self.held: dict[int, set[int]] = {}  # recomputed call (region) -> buckets its weight views point into
         self.recompute_region: int | None = None  # the region being recomputed now
+        # Weight copies handed to a graph built in backward (create_graph=True): (bytes, storage) while counted
+        self.copies: list[tuple[int, StorageWeakRef]] = []
 
     def reset_step(self) -> None:
+        self.sweep_copies()
         self.users = []
         self.active = {}
         self.node_buckets = set()
@@ -119,6 +124,8 @@ class ParamAccess:
     def on_touch(self, p: int) -> None:
         """A tensor op of the forward reads parameter ``p`` (called by the use detector). Only fetching or
         waiting runs tensor ops (and needs ``Busy``); a bucket already on the device is bookkeeping only."""
+        if torch.is_grad_enabled():
+            check_on_top()  # issue 19: [Note: a user's saved-tensor hooks] entered inside the forward
         executor = self.executor
         executor.recorder.touch(p)
         if self._phases.lifecycle is Lifecycle.TRACING:
@@ -172,6 +179,42 @@ class ParamAccess:
     def new_node(self) -> None:
         """A new autograd node runs: the buckets the previous one read may go."""
         self.node_buckets = set()
+        if self.copies:
+            self.sweep_copies()
+
+    def graph_copy(self, view: torch.Tensor) -> torch.Tensor:
+        """A copy of the weight view ``view`` for an autograd node unpacking it with grad enabled (a backward
+        with ``create_graph=True``, ``torch.autograd.grad(..., create_graph=True)``): the graph that backward
+        builds saves what the unpack returns, and a view would point into a slot that holds other weights by
+        the time that graph's backward reads it. The copy is device memory the engine is responsible for: it
+        is counted (``memory_stats()["device_parts"]["graph_copies"]``, and in the device peak) until the graph
+        frees it, and off plan, where such a step runs, buckets cached on demand are evicted to make room for
+        it as for a saved activation. A freed copy is noticed at the next autograd node, forward or copy
+        (``sweep_copies``), so the count errs high, never low. Not planned: the plan's activation estimate
+        leaves them out (issue 19; README, *Plain PyTorch calls*)."""
+        copy = view.clone()
+        self.sweep_copies()
+        nbytes = copy.untyped_storage().nbytes()
+        self.copies.append((nbytes, StorageWeakRef(copy.untyped_storage())))
+        memory = self.ctx.memory
+        memory.add("graph_copies", nbytes)
+        if memory.on_activations is not None:
+            memory.on_activations()  # off plan: evict cached buckets to make room, as for an activation
+        return copy
+
+    def sweep_copies(self) -> None:
+        """Stop counting the weight copies (``graph_copy``) whose graph freed them."""
+        if not self.copies:
+            return
+        live, freed = [], 0
+        for nbytes, ref in self.copies:
+            if ref.expired():
+                freed += nbytes
+            else:
+                live.append((nbytes, ref))
+        self.copies = live
+        if freed:
+            self.ctx.memory.add("graph_copies", -freed)
 
     def param_view(self, saved: ParamRef) -> torch.Tensor:
         """The weight view ``saved`` names, in its bucket's slot: the bucket is fetched first if it is not on

@@ -46,6 +46,7 @@ any silent result (``torch.nn.utils.clip_grad_norm_`` raises instead of returnin
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -430,6 +431,19 @@ _HOW_TO_COPY = (
     "instead: build a new model and new.load_state_dict(model.state_dict()) (model.state_dict() and "
     "engine.state_dict()[\"model\"] give the real fp32 weights), or engine.close() first (the module gets its "
     "trained weights back, unwrapped). Save with engine.save(path) or torch.save(model.state_dict(), path)")
+
+
+class EngineHook(functools.partial):
+    """A module hook of the engine's (the runtime's forward pre/post hooks): pickling it, as ``torch.save(model)``
+    or ``copy.deepcopy(model)`` of the module it is registered on do, raises the engine's error naming the way
+    (issue 19; before: pickle's "Can't pickle local object 'Runtime._post_hook.<locals>.hook'"). A partial
+    calls its function at C speed: these hooks run at every module call."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise OffloadError(_HOW_TO_COPY)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise OffloadError(_HOW_TO_COPY)
 
 
 class _StateDictHook:

@@ -47,6 +47,7 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator
 
 from ..errors import InvariantError
 from ..planning.activations import AUTO
+from .saved_hooks import engine_hook
 
 # activation_checkpointing other than None: "auto", module names, or a predicate of (name, module)
 CheckpointSpec = Union[str, Sequence[str], Callable[[str, nn.Module], bool]]
@@ -144,6 +145,7 @@ class _AboveCheckpoint:
         pack_below, unpack_below = below
         seen, unpacked = self.seen, self.unpacked
 
+        @engine_hook  # the engine's, above checkpoint's: [Note: a user's saved-tensor hooks] in saved_hooks.py
         def pack(x: torch.Tensor) -> Any:
             y = seen(x)
             return pack_below(x if y is None else y)

@@ -155,7 +155,7 @@ class RecomputeCoordinator:
         if ref is not None:
             x = self.access.param_view(ref)
         if torch.is_grad_enabled() and (ref is not None or self.access.locate(x) is not None):
-            return x.clone()  # issue 19: create_graph=True saves it in the graph it builds (core.Runtime._unpack)
+            return self.access.graph_copy(x)  # issue 19: create_graph=True saves it in the graph it builds
         return x
 
     def region_saved(self, block: int, region: int, t: torch.Tensor) -> None:

@@ -17,6 +17,8 @@ The gradient penalty with streamed buckets is in test_plain_torch.py (its existi
 """
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -165,6 +167,35 @@ def test_gradient_penalty_through_the_engines_checkpointing_is_plain_torch_bit_f
     engine.close()
 
 
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_weight_copies_for_create_graph_are_counted_until_their_graph_frees_them(budget):
+    """The weight copies a ``create_graph=True`` backward's graph holds are device memory: counted in
+    ``memory_stats()`` (``device_parts["graph_copies"]``, the device peak) from the unpack that makes them until
+    the second backward frees them (before: not counted at all). Here every Linear's input grad reads its
+    weight: one copy of each weight matrix, exactly."""
+    model = _net()
+    engine, opt = _wrap(model, BUDGETS[budget], overlap_optimizer=False)
+    _step(model, opt, 0)
+
+    def copies():
+        return engine.memory_stats()["device_parts"]["graph_copies"]
+
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    x = _x(1).requires_grad_(True)
+    out = model(x).pow(2).mean()
+    assert copies() == 0
+    g, = torch.autograd.grad(out, x, create_graph=True)
+    assert copies() == weights
+    assert engine.memory_stats()["device_peak_bytes"] >= weights
+    (out + (g.norm() - 1) ** 2).backward()
+    assert copies() == 0  # the second backward freed its graph
+    opt.step()
+    opt.zero_grad()
+    _step(model, opt, 2)
+    assert copies() == 0
+    engine.close()
+
+
 # -- a second backward through one forward's graph ----------------------------------------------------------
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
@@ -223,6 +254,33 @@ def test_deepcopy_of_a_wrapped_module_raises_naming_state_dict(what):
     assert all(torch.isfinite(p).all() for p in closed.parameters())
 
 
+@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+@pytest.mark.parametrize("what", ["model", "submodule"])
+def test_pickling_a_wrapped_module_raises_naming_engine_save(what, how):
+    """``torch.save(model)`` (pickling the module) gives the engine's error naming ``engine.save`` and
+    ``model.state_dict()``, before and after the first step, and changes nothing (before: pickle's "Can't pickle
+    local object 'Runtime._post_hook.<locals>.hook'"). After ``close()`` the module pickles as a plain one."""
+    model, ref = _net(), _net()
+    engine, opt = _wrap(model, BUDGETS["streamed"])
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    target = model if what == "model" else model.blocks[2]
+
+    def save():
+        if how == "torch.save":
+            torch.save(target, io.BytesIO())
+        else:
+            pickle.dumps(target)
+
+    for step in range(3):
+        with pytest.raises(offload.OffloadError, match=r"torch\.save\(model\).*engine\.save\(path\) or "
+                                                       r"torch\.save\(model\.state_dict\(\), path\)"):
+            save()
+        assert _step(model, opt, step) == _step(ref, ref_opt, step)
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "after refused pickling")
+    engine.close()
+    save()
+
+
 @pytest.mark.parametrize("budget", list(BUDGETS))
 def test_reading_parameters_outside_forward_gives_real_values_or_nan_never_stale(budget):
     """Outside forward a parameter shows its bucket's slot only once the bucket landed there: its real value
@@ -238,8 +296,11 @@ def test_reading_parameters_outside_forward_gives_real_values_or_nan_never_stale
 
     def check():
         sd = model.state_dict()  # the real fp32 weights (waits for nothing the parameters show)
+        named = dict(model.named_parameters())  # read afresh: the same objects, the same values
         for name, p in params.items():
+            assert named[name] is p
             value = p.detach().clone()
+            assert torch.equal(p.data, value) or value.isnan().all() and p.data.isnan().all()  # p.data alike
             if value.isnan().all():
                 seen["nan"] += 1
             else:
