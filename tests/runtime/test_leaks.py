@@ -21,7 +21,7 @@ from tests.support.fake_cuda import FakeCuda
 from tests.support.models import CASES, run
 
 RSS_TOLERANCE = 8 * 2**20  # bytes of RSS growth allowed after step 10 (allocator noise; see the note)
-OBJECT_TOLERANCE = 50  # Python objects tracked by gc, allowed to differ after step 10
+OBJECT_TOLERANCE = 50  # Python objects tracked by gc, allowed to be added after step 10
 
 
 def _wrap(case, **kw):
@@ -72,7 +72,9 @@ def check_flat(name: str, steps: int) -> dict:
     for key in exact:
         assert last[key] == first[key], (key, first[key], last[key])
     assert first["threads"] >= threading.active_count() + 3  # (the engine's lanes stopped at close)
-    assert abs(last["gc_objects"] - first["gc_objects"]) <= OBJECT_TOLERANCE, (first["gc_objects"], last["gc_objects"])
+    # growth only: a leak adds objects; a drop is an earlier test's garbage (lazily freed caches) going away,
+    # seen after test_recompute / test_plain_torch / test_chaos / test_device_optimizer in one process
+    assert last["gc_objects"] - first["gc_objects"] <= OBJECT_TOLERANCE, (first["gc_objects"], last["gc_objects"])
     assert last["rss"] - first["rss"] < RSS_TOLERANCE, (first["rss"], last["rss"])
     return {"first": first, "last": last}
 
