@@ -305,3 +305,81 @@ def test_model_state_dict_on_every_rank_is_the_fp32_model(tmp_path):
     for r in results:
         _assert_weights(r["model_state_dict"], r["weights"])
         _assert_weights(r["model_state_dict"], results[0]["model_state_dict"])
+
+
+def _micro_grads(step: int, micro: int, rank: int, case: Case) -> list[torch.Tensor]:
+    """Plain torch's grads of one rank's micro-batch (the loss divided by the micro-batches, as the ranks do)."""
+    model = make_model()
+    x, y = (t[rank * (t.shape[0] // case.world): (rank + 1) * (t.shape[0] // case.world)] for t in batch(step, micro))
+    (torch.nn.functional.mse_loss(model(x), y) / case.micro).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_no_sync_accumulates_locally_and_reduces_the_sum_once(tmp_path):
+    """DDP's no_sync ([Note: no_sync]): three micro-batches per step, the first two inside ``model.no_sync()``
+    (rank 0) / ``engine.no_sync()`` (rank 1). Inside it no collective runs at all (every process-group call of
+    the spawned ranks is counted), ``p.grad`` is the rank's own grad, and torch's ``clip_grad_norm_`` and
+    ``p.grad.norm()`` raise rather than return a local norm (and scale nothing). The last backward averages
+    the sum once; torch's clip on it then gives the global norm, and two ranks in fp32 are bit for bit plain
+    torch adding each rank's micro-batches first, then the ranks (the order no_sync gives: without it the
+    average is taken per micro-batch, test_torch_clip_grad_norm_on_p_grad_sees_the_average_over_ranks, within
+    1e-6); one process on the concatenated batch within CONCAT_ATOL."""
+    case = Case(world=2, overlap=False, micro=3, clip=0.05, steps=2, extra={"torch_clip": True, "no_sync": True})
+    results = _ok(run_ranks(case, tmp_path))
+    exact = reference(case, emulate_ranks=True)
+    concat = reference(case, emulate_ranks=False)
+    assert exact["norms"][0] > case.clip  # the clip really scales the grads
+    for r in results:
+        calls = r["collectives"]
+        assert len(calls) == case.steps * case.micro
+        for step, micro, local, issued in calls:
+            assert local == (micro < case.micro - 1)
+            if local:
+                assert issued == [], (step, micro, issued)  # no collective inside no_sync
+            else:
+                assert "all_reduce" in issued, (step, micro, issued)  # the average of the whole sum, once
+        for got, want in zip(r["local_grads"], _micro_grads(0, 0, r["rank"], case)):
+            assert torch.equal(got, want)  # p.grad inside no_sync: this rank's own sum
+        assert "inside engine.no_sync()" in r["clip_in_no_sync_error"], r
+        assert "inside engine.no_sync()" in r["norm_in_no_sync_error"], r
+        for got, want in zip(r["local_grads_after_clip"], r["local_grads"]):
+            assert torch.equal(got, want)  # the refused clip scaled nothing
+        assert r["norms"] == exact["norms"]  # the global norm, bit for bit
+        _assert_weights(r["weights"], exact["weights"])  # bit for bit
+        _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
+
+
+def test_no_sync_without_a_group_and_with_overlapped_updates():
+    """One process: ``engine.no_sync()`` and the ``model.no_sync()`` the engine adds change nothing (the
+    training is bit for bit the same as without), and close() takes ``model.no_sync`` away again."""
+    def train(use: bool) -> dict:
+        model = make_model()
+        opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=False)
+        engine = offload.wrap(model, opt, budget="64MiB", device="cpu", overlap_optimizer=False)
+        assert callable(model.no_sync)
+        for micro in range(2):
+            x, y = batch(0, micro)
+            with model.no_sync() if use and micro == 0 else engine.no_sync():
+                engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        weights = engine.state_dict()["model"]
+        engine.close()
+        assert not hasattr(model, "no_sync")
+        return weights
+
+    _assert_weights(train(True), train(False))
+
+
+def test_a_departure_on_one_rank_makes_every_rank_replan(tmp_path):
+    """[Note: re-plans agreed]: rank 1's second step calls one more module (a data-dependent branch on that
+    rank only), so it departs from its plan, and its third step, back on the old path, departs from the new
+    one. Rank 0 never departs, yet re-plans at the same two steps (the flag all-gathered in step()): both
+    ranks end with the same re-plan count and the same weights, bit for bit."""
+    case = Case(world=2, steps=4, extra={"replan_rank": 1})
+    results = _ok(run_ranks(case, tmp_path))
+    r0, r1 = (r["counters"] for r in results)
+    assert r1["plan_departures"] >= 1 and r0["plan_departures"] == 0, (r0, r1)
+    assert r0["replans"] == r1["replans"] >= 1, (r0, r1)
+    _assert_weights(results[0]["weights"], results[1]["weights"])
+    for r in results:  # overlap_optimizer=True: no_sync() cannot hold the overlapped reduce-scatters back
+        assert "overlap_optimizer=True" in r["no_sync_error"], r
