@@ -383,3 +383,42 @@ def test_a_departure_on_one_rank_makes_every_rank_replan(tmp_path):
     _assert_weights(results[0]["weights"], results[1]["weights"])
     for r in results:  # overlap_optimizer=True: no_sync() cannot hold the overlapped reduce-scatters back
         assert "overlap_optimizer=True" in r["no_sync_error"], r
+
+
+@pytest.mark.slow
+def test_step_after_backward_passes_all_inside_no_sync_reduces_the_local_sums(tmp_path):
+    """Every backward inside no_sync (even the last): no backward communicates, and step() reduce-scatters each
+    rank's local sum, so the update is still the average over the ranks: bit for bit plain torch (two ranks,
+    fp32, each rank's micro-batches added first)."""
+    case = Case(world=2, overlap=False, micro=2, steps=2, extra={"no_sync": "all"})
+    results = _ok(run_ranks(case, tmp_path))
+    exact = reference(case, emulate_ranks=True)
+    for r in results:
+        assert all(local and issued == [] for _, _, local, issued in r["collectives"]), r["collectives"]
+        _assert_weights(r["weights"], exact["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_four_ranks_torch_clip_grad_norm_on_the_averaged_p_grad(tmp_path, no_sync):
+    """Four ranks, two micro-batches, ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on ``p.grad``
+    (the average over the ranks; with ``no_sync`` the first micro-batch stays local). Every rank gets the same
+    total norm and the same p.grad norms, bit for bit (they read the same averaged values), and holds the same
+    model; gloo sums four addends in its own order, so against plain torch with the rank-ordered sum the norms
+    are within 1e-6 relative and the weights within 1e-6, and the concatenated batch within CONCAT_ATOL."""
+    case = Case(world=4, overlap=False, micro=2, clip=0.05,
+                extra={"torch_clip": True} | ({"no_sync": True} if no_sync else {}))
+    results = _ok(run_ranks(case, tmp_path, timeout_s=240.0))
+    exact = reference(case, emulate_ranks=True)
+    concat = reference(case, emulate_ranks=False)
+    assert exact["norms"][0] > case.clip  # the clip really scales the grads
+    for r in results:
+        assert r["norms"] == results[0]["norms"]
+        assert r["grad_norms"] == results[0]["grad_norms"]
+        torch.testing.assert_close(r["norms"], exact["norms"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(r["norms"], concat["norms"], rtol=1e-5, atol=0)
+        _assert_weights(r["weights"], results[0]["weights"])
+        _assert_weights(r["weights"], exact["weights"], 1e-6)
+        _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
+        if no_sync:
+            assert all(issued == [] for _, _, local, issued in r["collectives"] if local), r["collectives"]

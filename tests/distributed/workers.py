@@ -126,7 +126,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                     hook = model[3].register_forward_hook(lambda m, i, o: o.detach())
                 if step == 1 and rank == case.extra.get("replan_rank"):  # one more module call: a departure
                     hook = model[3].register_forward_hook(lambda m, i, o: model[1](o))
-                local = case.extra.get("no_sync") and micro < case.micro - 1
+                # no_sync: every micro-batch but the last inside it ("all": the last too; step() then reduces)
+                local = bool(case.extra.get("no_sync")) and (micro < case.micro - 1 or case.extra["no_sync"] == "all")
                 # rank 0 through the model's no_sync (DDP's spelling), the others through the engine's
                 with (model.no_sync() if rank == 0 else engine.no_sync()) if local else contextlib.nullcontext():
                     before = len(collectives)
