@@ -9,10 +9,15 @@ in another order than the ranks' per-slice grads).
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+
 import pytest
 import torch
 
 import offload
+from offload.tools import cli
 from tests.distributed.workers import Case, batch, make_model, reference, run_ranks
 
 # the concatenated batch vs per-rank slices: the same maths, grads summed in another order; Adam (lr 1e-2,
@@ -42,6 +47,21 @@ def _assert_host_bytes(r: dict, world: int, accumulate: bool) -> None:
     assert expected <= r["host_bytes"] <= expected + 64 * regions, (world, r["host_bytes"], expected)
     unsharded = sum((20 if accumulate else 16) * numel for numel, _ in r["buckets"])  # master, grad, m, v (+ staging)
     assert r["host_bytes"] < unsharded
+
+
+def _assert_report_host_bytes(results: list[dict], dtype: str) -> None:
+    """``offload report --gpus N`` for the ranks' model and bucket size: its per-rank host bytes are the arena
+    each rank allocated, and its per-node bytes (one node) their sum."""
+    world = len(results)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["report", "--model", "tests.distributed.workers:report_model", "--budget", "64MiB", "--batch",
+                       "4", "--seq", "1", "--dtype", dtype, "--bucket-bytes", "4KiB", "--host-ram", "1GiB",
+                       "--gpus", str(world), "--json"])
+    assert rc == 0
+    dp = json.loads(out.getvalue())["data_parallel"]
+    assert [r["host_bytes"] for r in results] == [dp["host_bytes_per_rank"]] * world
+    assert dp["host_bytes_per_node"] == sum(r["host_bytes"] for r in results)
 
 
 def _assert_weights(got: dict, want: dict, atol: float = 0.0) -> None:
@@ -80,7 +100,8 @@ def _resume_in_one_process(path, case: Case) -> dict:
 
 def test_two_ranks_equal_one_process(tmp_path):
     """Two ranks, each on its half of the batch, with chaos delays on every lane (collectives included: still
-    bit for bit), then a checkpoint they save resumed in one process."""
+    bit for bit), then a checkpoint they save resumed in one process; ``offload report --gpus 2`` gives each
+    rank's host arena bytes exactly."""
     case = Case(world=2, save=str(tmp_path / "ck.pt"), chaos=True)
     results = _ok(run_ranks(case, tmp_path))
     assert all(r["chaos_draws"] > 0 for r in results)
@@ -91,6 +112,7 @@ def test_two_ranks_equal_one_process(tmp_path):
         _assert_weights(r["after_close"], exact["weights"])  # close() gives every rank the whole fp32 model
         _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
         _assert_host_bytes(r, case.world, accumulate=False)
+    _assert_report_host_bytes(results, "fp32")
     # the ranks' shards of masters, m and v, gathered into one file: torch's AdamW state, bit for bit
     ck = _assert_checkpoint(case.save, exact["weights"], exact["optimizer"])
     resume = Case(world=1, start_step=case.steps, steps=1)
@@ -299,12 +321,14 @@ def test_model_state_dict_on_rank_0_alone_fails_fast_and_names_the_way(tmp_path,
 
 def test_model_state_dict_on_every_rank_is_the_fp32_model(tmp_path):
     """The supported form: every rank calls model.state_dict() (16-bit dtype: a collective read) and gets
-    the whole fp32 model, the same on every rank as engine.state_dict()'s."""
+    the whole fp32 model, the same on every rank as engine.state_dict()'s. ``offload report --gpus 2`` gives
+    each rank's host arena bytes exactly (bf16: the fp32 master sharded)."""
     case = Case(world=2, dtype=torch.bfloat16, fused=True, steps=2, extra={"every_rank_state_dict": True})
     results = _ok(run_ranks(case, tmp_path))
     for r in results:
         _assert_weights(r["model_state_dict"], r["weights"])
         _assert_weights(r["model_state_dict"], results[0]["model_state_dict"])
+    _assert_report_host_bytes(results, "bf16")
 
 
 def _micro_grads(step: int, micro: int, rank: int, case: Case) -> list[torch.Tensor]:

@@ -313,3 +313,8 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
     state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
     return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms,
             "optimizer": state}
+
+
+def report_model(batch: int, seq: int) -> tuple[nn.Module, torch.Tensor]:
+    """``offload report --model tests.distributed.workers:report_model``: the ranks' model and a rank's batch."""
+    return make_model(), torch.zeros(batch, IN)
