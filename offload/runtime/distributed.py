@@ -62,7 +62,13 @@ checks' format, so a fault or a lone read pairs with it and is named) and every 
 A rank whose backward raises waits for the collectives it issued before the fault, then joins the next one
 the others will issue (always the all-gather of a check, which precedes every sum) with a fault tag: they
 raise a :class:`DistributedError` naming it, at once rather than after the group's timeout. A rank that hangs
-or dies cannot tell; the others then fail after the group's timeout, naming themselves.
+or dies cannot tell, and gloo's error says neither who (a timeout names no peer; a death names an address)
+nor lets the group be used again (a timeout closes its pairs). So the group's store does (``_RollCall``):
+a rank whose collective failed writes that it saw the failure (one small key), then waits up to
+``ROLL_CALL_S`` for the others to write theirs (a death fails every peer's collective at once; a hang fails
+the others' after the same timeout). The ranks that never answer are named: they died or hang. Nothing is
+written while training goes well (a FileStore would grow with every write). Where the store cannot be read
+(its server was on the rank that died), the error says so and names no one.
 
 [Note: a read on one rank]
 With a 16-bit dtype the fp32 masters and Adam state are spread over the ranks, so ``model.state_dict()``,
@@ -81,6 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -125,6 +132,7 @@ class DataParallel:
         # bucket -> its grads' ready event when :meth:`average_gathered` averaged its landing grad over the
         # ranks (then its shard of the sum is taken locally, no reduce-scatter: [Note: averaged p.grad])
         self._averaged: dict[int, Event] = {}
+        self.roll_call = _RollCall.of(group, self.rank, self.world)  # [Note: a fault named]: hangs and deaths
         self.syncing = True  # False inside engine.no_sync(): a backward's end issues no collective ([Note: no_sync])
 
     @classmethod
@@ -393,10 +401,11 @@ class DataParallel:
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError, DistBackendError, ...
             self.failed = f"the {what} failed on rank {self.rank}"
+            who = ("Another rank of the process group raised, hung past the group's timeout or exited (its own "
+                   "error says why)" if self.roll_call is None else self.roll_call.silent())
             raise self._first(DistributedError(
-                f"rank {self.rank} of {self.world}: the {what} failed: {e}. Another rank of the process group "
-                "raised, hung past the group's timeout or exited (its own error says why); this engine cannot "
-                "go on in step with the others")) from e
+                f"rank {self.rank} of {self.world}: the {what} failed: {e}. {who}; this engine cannot go on in "
+                "step with the others")) from e
 
     def _first(self, error: DistributedError) -> DistributedError:
         if self.error is None:
@@ -447,6 +456,45 @@ class DataParallel:
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {self.failed}, so this data-parallel engine is out of step "
                 "with the other ranks and cannot train on. Restart every rank from the last checkpoint")
+
+
+class _RollCall:
+    """[Note: a fault named]: which ranks of the group say they saw a collective fail, in the group's store."""
+
+    ROLL_CALL_S = 5.0  # how long a rank whose collective failed waits for the others to say they saw it too
+
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+
+    @classmethod
+    def of(cls, group: Any, rank: int, world: int) -> _RollCall | None:
+        """None where torch gives no store for the group (the errors then name no other rank)."""
+        try:
+            from torch.distributed.distributed_c10d import _get_process_group_store
+            return cls(dist.PrefixStore("offload/failed/", _get_process_group_store(group)), rank, world)
+        except Exception:  # noqa: BLE001 - a private torch API: without it, only the naming is lost
+            return None
+
+    def silent(self) -> str:
+        """After a failed collective: the ranks that do not say they saw it fail too (dead or hung), in words."""
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            self.store.set(str(self.rank), "1")
+            deadline = time.monotonic() + self.ROLL_CALL_S
+            while True:
+                answered = [r for r in others if self.store.check([str(r)])]
+                if len(answered) == len(others) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - the store's server was on a rank that died
+            return (f"The group's store cannot be read to say which rank stopped ({type(e).__name__}: {e}): most "
+                    "likely the rank it ran on (rank 0 with torchrun) died or hangs")
+        silent = [r for r in others if r not in answered]
+        if not silent:
+            return ("Every other rank saw it fail too: another process of the group failed (its own error says "
+                    "why)")
+        return (f"Rank {', '.join(map(str, silent))} did not say it saw this collective fail within "
+                f"{self.ROLL_CALL_S:g} s: it died or hangs (its own log says why)")
 
 
 _COLLECTIVE_READS = ("Call model.state_dict() on every rank (sd = model.state_dict(); if rank == 0: torch.save(sd, "

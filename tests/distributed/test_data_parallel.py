@@ -239,12 +239,28 @@ def test_bfloat16_overlapped_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_a_rank_hanging_in_backward_makes_the_other_error_within_the_timeout(tmp_path):
     """Rank 1 hangs midway through its second backward (then dies): rank 0 fails with a DistributedError
-    naming itself once the group's 8 s timeout has passed, not after the hang ends."""
+    once the group's 8 s timeout has passed (and the 5 s roll call after it), not after the hang ends, naming
+    rank 1 as the one that did not say it saw the collective fail ([Note: a fault named]: the group's store)."""
     case = Case(world=2, hang_rank=1, timeout_s=8.0, extra={"close_after_error": True})
     results = run_ranks(case, tmp_path, timeout_s=90.0)
     assert "DistributedError" in results[0]["error"] and "rank 0 of 2" in results[0]["error"], results[0]
+    assert "Rank 1 did not say it saw this collective fail" in results[0]["error"], results[0]
     _assert_closed_after_fault(results[0], local_weights=False)
     assert results[1].get("exitcode") == 3  # it hung, then exited without a result
+
+
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_a_rank_dying_in_backward_is_named_by_the_other(tmp_path, overlap):
+    """Rank 1 exits midway through its second backward: rank 0's next collective fails at once (gloo: the
+    connection reset, naming an address only), well before the group's 60 s timeout (the test's is 50 s), and
+    its DistributedError names rank 1 (it did not say it saw the collective fail: [Note: a fault named])."""
+    case = Case(world=2, hang_rank=1, timeout_s=60.0, overlap=overlap, extra={"die": True, "close_after_error": True})
+    results = run_ranks(case, tmp_path, timeout_s=50.0)
+    assert not any(r.get("hung") for r in results), results
+    assert results[0]["error"].startswith("DistributedError: rank 0 of 2: "), results[0]
+    assert "Rank 1 did not say it saw this collective fail" in results[0]["error"], results[0]
+    _assert_closed_after_fault(results[0], local_weights=False)
+    assert results[1].get("exitcode") == 3
 
 
 @pytest.mark.slow

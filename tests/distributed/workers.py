@@ -34,6 +34,7 @@ class Case:
     lr: float = 1e-2
     fail_rank: int | None = None  # this rank raises in its second step's backward, midway (below the last layers)
     hang_rank: int | None = None  # this rank sleeps 30 s midway through its second step's backward, then exits
+    # (extra={"die": True}: exits there at once)
     branch_rank: int | None = None  # in its second step no grads reach this rank's layers below the last
     inf_rank: int | None = None  # this rank's first loss is multiplied by 1e30: its float16 grads overflow
     timeout_s: float = 30.0  # the process group's: a collective waits at most this long
@@ -83,6 +84,16 @@ class _HangInBackward(torch.autograd.Function):
         os._exit(3)  # a rank that hung, then died
 
 
+class _DieInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        os._exit(3)  # a rank that died (no error of its own reaches the others)
+
+
 def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -120,7 +131,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 x, y = (rank_slice(t, rank, case.world) for t in batch(step, micro))
                 hook = None
                 if step == 1 and rank in (case.fail_rank, case.hang_rank):
-                    fn = _FailInBackward.apply if rank == case.fail_rank else _HangInBackward.apply
+                    fn = (_FailInBackward.apply if rank == case.fail_rank
+                          else _DieInBackward.apply if case.extra.get("die") else _HangInBackward.apply)
                     hook = model[1].register_forward_hook(lambda m, i, o: fn(o))
                 if step == 1 and rank == case.branch_rank:  # no grads reach the layers below the last
                     hook = model[3].register_forward_hook(lambda m, i, o: o.detach())
