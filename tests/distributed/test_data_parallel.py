@@ -254,11 +254,12 @@ def test_a_rank_dying_in_backward_is_named_by_the_other(tmp_path, overlap):
     """Rank 1 exits midway through its second backward: rank 0's next collective fails at once (gloo: the
     connection reset, naming an address only), well before the group's 60 s timeout (the test's is 50 s), and
     its DistributedError names rank 1 (it did not say it saw the collective fail: [Note: a fault named])."""
-    case = Case(world=2, hang_rank=1, timeout_s=60.0, overlap=overlap, extra={"die": True, "close_after_error": True})
+    case = Case(world=2, hang_rank=1, timeout_s=60.0, overlap=overlap,
+                extra={"die": True, "close_after_error": True, "roll_call_s": 2.0})
     results = run_ranks(case, tmp_path, timeout_s=50.0)
     assert not any(r.get("hung") for r in results), results
     assert results[0]["error"].startswith("DistributedError: rank 0 of 2: "), results[0]
-    assert "Rank 1 did not say it saw this collective fail" in results[0]["error"], results[0]
+    assert "Rank 1 did not say it saw this collective fail within 2 s" in results[0]["error"], results[0]
     _assert_closed_after_fault(results[0], local_weights=False)
     assert results[1].get("exitcode") == 3
 

@@ -105,6 +105,9 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         if "join_window_s" in case.extra:
             from offload.runtime.distributed import DataParallel
             DataParallel.JOIN_WINDOW_S = case.extra["join_window_s"]  # this spawned process only
+        if "roll_call_s" in case.extra:
+            from offload.runtime.distributed import _RollCall
+            _RollCall.ROLL_CALL_S = case.extra["roll_call_s"]  # this spawned process only
         collectives = _count_collectives()
         model = make_model()
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
