@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         "hw": {}, "links": {}, "rows": [], "timings_s": {}, "goals": []}
     table = Table(title="SIMULATED data-parallel scaling (cost model; presets, not measurements)")
     for col in ("model", "hw", "budget/GPU", "GPUs", "links", "ours step s", "ours tok/s", "ours eff",
-                "ZeRO-Off step s", "ZeRO-Off tok/s", "ZeRO-Off eff", "ours / ZeRO-Off", "host/node (design)", "AG+RS busy s"):
+                "ZeRO-Off step s", "ZeRO-Off tok/s", "ZeRO-Off eff", "ours / ZeRO-Off", "host/node (design)",
+                "AG+RS busy s"):
         table.add_column(col, justify="left" if col in ("model", "hw", "links") else "right")
     for spec in args.models.split(","):
         name, batch, seq = parse_case(spec)
