@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -70,6 +71,10 @@ class Engine:
         for p in params:
             _WRAPPED[id(p)] = (weakref.ref(p), weakref.ref(self))
         self._closed = False
+        # issue 20: code written for DDP calls model.no_sync(); a model without one gets the engine's
+        self._added_no_sync = not hasattr(model, "no_sync")
+        if self._added_no_sync:
+            setattr(model, "no_sync", _no_sync_of(weakref.ref(self)))
 
     # -- training -------------------------------------------------------------------------------------
 
@@ -106,6 +111,15 @@ class Engine:
         ``overlap_optimizer=False``. The norms were computed as the grads were made, so this reads no grads."""
         self._check_open()
         return self._runtime.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    def no_sync(self) -> ContextManager[None]:
+        """DDP's ``no_sync()``: data parallel, a backward that ends inside it communicates nothing and its grads
+        add up on this rank (``p.grad`` shows this rank's own sum); the next backward outside it averages the
+        whole sum over the ranks (see the README's "Data parallel"). In one process it changes nothing.
+        ``model.no_sync()`` is the same, for a model that had none."""
+        self._check_open()
+        rt = self._runtime
+        return contextlib.nullcontext() if rt.ctx.dp is None else rt.ctx.dp.no_sync(rt.grads.deferred)
 
     def step(self) -> None:
         """Wait for every bucket's AdamW update; the next forward streams the new weights."""
@@ -252,6 +266,8 @@ class Engine:
             finally:
                 self._runtime.close()
         finally:
+            if self._added_no_sync:
+                self.module.__dict__.pop("no_sync", None)
             self.optimizer._unbind()
             self.optimizer.state.clear()
             for p in self._runtime.ctx.params:
@@ -271,6 +287,16 @@ class Engine:
     def __repr__(self) -> str:
         return (f"Engine({type(self.module).__name__}, budget={self.config.budget}, "
                 f"device={self.config.device}, dtype={self.config.dtype})")
+
+
+def _no_sync_of(engine: "weakref.ref[Engine]") -> Callable[[], ContextManager[None]]:
+    """``model.no_sync`` for a wrapped model without one (weak: the module must not keep the engine alive)."""
+    def no_sync() -> ContextManager[None]:
+        e = engine()
+        if e is None:
+            raise EngineClosedError("model.no_sync() of an offload engine that no longer exists")
+        return e.no_sync()
+    return no_sync
 
 
 def _buffers_to_device(model: nn.Module, backend) -> list[tuple[torch.Tensor, torch.device]]:

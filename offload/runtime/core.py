@@ -420,6 +420,8 @@ class Runtime:
             guards.check_step_has_grads(self.grads.consume_backward())
             self.guard.snapshot()
             updated = self.grads.run_step()
+            if ctx.dp is not None:  # issue 20: every rank re-plans, or none ([Note: re-plans agreed])
+                executor.stale = ctx.dp.agree_replan(executor.stale)
             with torch.no_grad():
                 executor.after_step(updated, self.recompute)
             ctx.lane_log.step_done(executor.recorder, ctx.memory)

@@ -39,11 +39,36 @@ made to ``p.grad``. The price: an all-reduce (about twice a reduce-scatter's byt
 one reduce-scatter per step. With ``overlap_optimizer=True`` the grads are consumed during backward and
 ``p.grad`` raises on use (plain_grads.py), as in one process.
 
+[Note: no_sync]
+``engine.no_sync()`` (and ``model.no_sync()``, which the engine adds to a model that has none) is DDP's:
+a backward that ends inside it issues no collective at all. Its grads are added to this rank's own sums on
+the host, and ``p.grad`` shows that local sum (plus the average an earlier, synced backward of this step
+left there); the next backward outside it all-reduces the whole sum once, so ``p.grad`` is then the average
+over the ranks of every micro-batch's grads, as with DDP, and two ranks in fp32 are bit for bit one process
+adding each rank's micro-batches first. A ``step()`` whose last backward ran inside ``no_sync`` is still right:
+it reduce-scatters the local sums (one collective per bucket, the cheapest way). Norms of ``p.grad`` inside
+``no_sync`` (``torch.nn.utils.clip_grad_norm_``, ``p.grad.norm()``) raise: they would be this rank's alone,
+and each rank would clip by another factor (plain_grads.py). ``engine.clip_grad_norm_`` is collective and
+right anywhere. ``overlap_optimizer=True`` updates (and reduce-scatters) during backward: ``no_sync`` raises.
+
+[Note: re-plans agreed]
+Each rank plans its own device side, and a step that departs from its plan (other module calls, larger
+activations) re-plans at ``step()``. A departure on one rank (a data-dependent branch, a longer batch) must
+make every rank re-plan, or none, so that the ranks' plans change at the same step: ``step()``, which every
+rank reaches with its lane drained, all-gathers one tag per rank ((kind, stale, 0, collectives so far), the
+checks' format, so a fault or a lone read pairs with it and is named) and every rank re-plans if any is stale.
+
 [Note: a fault named]
 A rank whose backward raises waits for the collectives it issued before the fault, then joins the next one
 the others will issue (always the all-gather of a check, which precedes every sum) with a fault tag: they
 raise a :class:`DistributedError` naming it, at once rather than after the group's timeout. A rank that hangs
-or dies cannot tell; the others then fail after the group's timeout, naming themselves.
+or dies cannot tell, and gloo's error says neither who (a timeout names no peer; a death names an address)
+nor lets the group be used again (a timeout closes its pairs). So the group's store does (``_RollCall``):
+a rank whose collective failed writes that it saw the failure (one small key), then waits up to
+``ROLL_CALL_S`` for the others to write theirs (a death fails every peer's collective at once; a hang fails
+the others' after the same timeout). The ranks that never answer are named: they died or hang. Nothing is
+written while training goes well (a FileStore would grow with every write). Where the store cannot be read
+(its server was on the rank that died), the error says so and names no one.
 
 [Note: a read on one rank]
 With a 16-bit dtype the fp32 masters and Adam state are spread over the ranks, so ``model.state_dict()``,
@@ -60,8 +85,10 @@ from the last checkpoint. In fp32 every rank holds the whole weights and ``model
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,7 +103,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 # The tags of the checks before a sum ([Note: a fault named]): (kind, two values, checks so far)
 _TAG = 4
-_ONE_BUCKET, _BUCKET_SET, _FAULT, _JOIN = 0, 1, -1, -2
+_ONE_BUCKET, _BUCKET_SET, _REPLAN, _FAULT, _JOIN = 0, 1, 2, -1, -2
 
 if TYPE_CHECKING:
     from ..backend.base import Event, Lane
@@ -105,6 +132,8 @@ class DataParallel:
         # bucket -> its grads' ready event when :meth:`average_gathered` averaged its landing grad over the
         # ranks (then its shard of the sum is taken locally, no reduce-scatter: [Note: averaged p.grad])
         self._averaged: dict[int, Event] = {}
+        self.roll_call = _RollCall.of(group, self.rank, self.world)  # [Note: a fault named]: hangs and deaths
+        self.syncing = True  # False inside engine.no_sync(): a backward's end issues no collective ([Note: no_sync])
 
     @classmethod
     def resolve(cls, process_group: Any, lane: Lane) -> DataParallel | None:
@@ -208,6 +237,43 @@ class DataParallel:
         host.take_gathered_copy(b, full)
 
     # -- on the main thread, the lane drained ([Note: collectives on one thread]) -------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self, deferred: bool) -> Iterator[None]:
+        """[Note: no_sync]: backward passes that end inside issue no collective; grads add up locally."""
+        if not deferred:
+            raise OffloadError(
+                "engine.no_sync() (model.no_sync()) accumulates gradients over backward passes without "
+                "communication, but this engine applies each bucket's AdamW (and its reduce-scatter) while "
+                "backward runs (overlap_optimizer=True). Wrap with overlap_optimizer=False to accumulate")
+        self.check_usable()
+        outer, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = outer
+
+    def backward_ended(self, grads: GradPipeline) -> bool:
+        """The end of a backward with deferred updates: average the gathered grads over the ranks, unless
+        inside ``no_sync``. Returns True when ``p.grad`` shows this rank's own sum ([Note: no_sync])."""
+        if not self.syncing:
+            self.check_usable()
+            return True
+        self.average_gathered(grads)
+        return False
+
+    def agree_replan(self, stale: bool) -> bool:
+        """[Note: re-plans agreed]: whether any rank's step departed from its plan (then every rank re-plans).
+        Collective: every rank calls it in ``step()``, its lane drained."""
+        self.check_usable()
+        tag = torch.tensor([_REPLAN, int(stale), 0, self._reduces], dtype=torch.int64)
+        others = self._check(tag, "agreement on re-planning")
+        if not bool((others[:, 0] == _REPLAN).all()) or not bool((others[:, 3] == tag[3]).all()):
+            self.failed = f"ranks out of step at step() ({others.tolist()})"
+            raise DistributedError(f"rank {self.rank} of {self.world}: at step() the ranks are at different "
+                                   f"collectives (kind and collectives so far per rank: {others.tolist()}): every "
+                                   "rank must run the same backward passes and steps")
+        return bool(others[:, 1].any())
 
     def average_gathered(self, grads: GradPipeline) -> None:
         """[Note: averaged p.grad]: the end of a backward with deferred updates, before the grads are exposed
@@ -335,10 +401,11 @@ class DataParallel:
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError, DistBackendError, ...
             self.failed = f"the {what} failed on rank {self.rank}"
+            who = ("Another rank of the process group raised, hung past the group's timeout or exited (its own "
+                   "error says why)" if self.roll_call is None else self.roll_call.silent())
             raise self._first(DistributedError(
-                f"rank {self.rank} of {self.world}: the {what} failed: {e}. Another rank of the process group "
-                "raised, hung past the group's timeout or exited (its own error says why); this engine cannot "
-                "go on in step with the others")) from e
+                f"rank {self.rank} of {self.world}: the {what} failed: {e}. {who}; this engine cannot go on in "
+                "step with the others")) from e
 
     def _first(self, error: DistributedError) -> DistributedError:
         if self.error is None:
@@ -389,6 +456,45 @@ class DataParallel:
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {self.failed}, so this data-parallel engine is out of step "
                 "with the other ranks and cannot train on. Restart every rank from the last checkpoint")
+
+
+class _RollCall:
+    """[Note: a fault named]: which ranks of the group say they saw a collective fail, in the group's store."""
+
+    ROLL_CALL_S = 5.0  # how long a rank whose collective failed waits for the others to say they saw it too
+
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+
+    @classmethod
+    def of(cls, group: Any, rank: int, world: int) -> _RollCall | None:
+        """None where torch gives no store for the group (the errors then name no other rank)."""
+        try:
+            from torch.distributed.distributed_c10d import _get_process_group_store
+            return cls(dist.PrefixStore("offload/failed/", _get_process_group_store(group)), rank, world)
+        except Exception:  # noqa: BLE001 - a private torch API: without it, only the naming is lost
+            return None
+
+    def silent(self) -> str:
+        """After a failed collective: the ranks that do not say they saw it fail too (dead or hung), in words."""
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            self.store.set(str(self.rank), "1")
+            deadline = time.monotonic() + self.ROLL_CALL_S
+            while True:
+                answered = [r for r in others if self.store.check([str(r)])]
+                if len(answered) == len(others) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - the store's server was on a rank that died
+            return (f"The group's store cannot be read to say which rank stopped ({type(e).__name__}: {e}): most "
+                    "likely the rank it ran on (rank 0 with torchrun) died or hangs")
+        silent = [r for r in others if r not in answered]
+        if not silent:
+            return ("Every other rank saw it fail too: another process of the group failed (its own error says "
+                    "why)")
+        return (f"Rank {', '.join(map(str, silent))} did not say it saw this collective fail within "
+                f"{self.ROLL_CALL_S:g} s: it died or hangs (its own log says why)")
 
 
 _COLLECTIVE_READS = ("Call model.state_dict() on every rank (sd = model.state_dict(); if rank == 0: torch.save(sd, "

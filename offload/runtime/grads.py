@@ -350,8 +350,9 @@ class GradPipeline:
         self.awaiting_step = bool(self.pending)
         if self.received:  # not after torch.autograd.grad(...) (a gradient penalty), which accumulates nothing:
             # the real backward that follows must find p.grad None, as the forward left it
-            if self.ctx.dp is not None and self.deferred:  # issue 20: p.grad shows the average over ranks, as DDP's
-                self.ctx.dp.average_gathered(self)
+            if self.ctx.dp is not None and self.deferred:  # issue 20: p.grad shows the average over ranks, as
+                # DDP's, or inside no_sync() this rank's own sum ([Note: no_sync] in distributed.py)
+                self.exposure.local = self.ctx.dp.backward_ended(self)
             self.exposure.expose()  # issue 19: the gathered grads in p.grad (offload/runtime/plain_grads.py)
 
     def wait_for_copies(self) -> None:

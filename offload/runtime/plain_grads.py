@@ -67,6 +67,16 @@ _HOW_TO_READ_GRADS = ("To read, clip or scale gradients in p.grad (torch.nn.util
                       "readable in p.grad until step(); engine.clip_grad_norm_(max_norm) needs it too")
 
 
+# issue 20, [Note: no_sync] in offload/runtime/distributed.py: inside no_sync() p.grad is this rank's own sum;
+# a norm of it would differ per rank (and clip each rank by another factor): refused, never silently local
+_NORMS = frozenset({"linalg_vector_norm", "norm", "_foreach_norm", "linalg_norm", "frobenius_norm"})
+_LOCAL_NORM = ("a norm of p.grad ({}) inside engine.no_sync() (model.no_sync()): there p.grad holds this rank's own "
+               "gradient sum, not the average over the ranks that the update uses, so its norm would differ per rank "
+               "and torch.nn.utils.clip_grad_norm_ would clip each rank by another factor. Clip after the last "
+               "micro-batch's backward, outside no_sync() (p.grad is then the average over the ranks, as with DDP), "
+               "or call engine.clip_grad_norm_(max_norm) before step() (collective, over every rank)")
+
+
 class ExposedGrad(torch.Tensor):
     """``param.grad`` of a wrapped model's parameter between backward and ``step()``: see [Note: gradients
     in p.grad]. Shape, dtype and device are the parameter's; the data is a view of the host fp32 gradient
@@ -169,6 +179,8 @@ class ExposedGrad(torch.Tensor):
                                "again): the engine cannot add into it. Run a forward before each backward (the "
                                "engine gathers one backward's gradients per forward), or add the losses and call "
                                "backward once")
+        if exposure.local and func.overloadpacket.__name__ in _NORMS:
+            raise OffloadError(_LOCAL_NORM.format(func))
         return exposure
 
     def _host_data(self) -> torch.Tensor:
@@ -223,6 +235,7 @@ class Exposure:
         self.final = False  # the sums were waited for since the last expose
         self.dirty: set[int] = set()  # params whose sum changed since the engine computed its norm
         self.closed = False
+        self.local = False  # issue 20: inside no_sync() the sums are this rank's own (their norms raise)
         self._stride_cache: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}  # param -> (shape, its strides)
 
     # -- the runtime's calls ------------------------------------------------------------------------------

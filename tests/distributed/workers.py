@@ -6,6 +6,7 @@ writes what it saw to ``<out>/rank<r>.pt``. Every wait has a timeout, so a bug c
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -33,6 +34,7 @@ class Case:
     lr: float = 1e-2
     fail_rank: int | None = None  # this rank raises in its second step's backward, midway (below the last layers)
     hang_rank: int | None = None  # this rank sleeps 30 s midway through its second step's backward, then exits
+    # (extra={"die": True}: exits there at once)
     branch_rank: int | None = None  # in its second step no grads reach this rank's layers below the last
     inf_rank: int | None = None  # this rank's first loss is multiplied by 1e30: its float16 grads overflow
     timeout_s: float = 30.0  # the process group's: a collective waits at most this long
@@ -82,6 +84,16 @@ class _HangInBackward(torch.autograd.Function):
         os._exit(3)  # a rank that hung, then died
 
 
+class _DieInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        os._exit(3)  # a rank that died (no error of its own reaches the others)
+
+
 def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -93,6 +105,10 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         if "join_window_s" in case.extra:
             from offload.runtime.distributed import DataParallel
             DataParallel.JOIN_WINDOW_S = case.extra["join_window_s"]  # this spawned process only
+        if "roll_call_s" in case.extra:
+            from offload.runtime.distributed import _RollCall
+            _RollCall.ROLL_CALL_S = case.extra["roll_call_s"]  # this spawned process only
+        collectives = _count_collectives()
         model = make_model()
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
         from offload.testing.chaos import ChaosConfig
@@ -101,6 +117,12 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             engine = offload.wrap(model, opt, budget="64MiB", dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
                                   overlap_optimizer=case.overlap)
         lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
+        if case.overlap:  # updates run during backward: no_sync() cannot hold their collectives back
+            try:
+                with engine.no_sync():
+                    pass
+            except offload.OffloadError as e:
+                result["no_sync_error"] = str(e)
         if case.load is not None:
             engine.load(case.load)
             with torch.no_grad():
@@ -112,17 +134,30 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 x, y = (rank_slice(t, rank, case.world) for t in batch(step, micro))
                 hook = None
                 if step == 1 and rank in (case.fail_rank, case.hang_rank):
-                    fn = _FailInBackward.apply if rank == case.fail_rank else _HangInBackward.apply
+                    fn = (_FailInBackward.apply if rank == case.fail_rank
+                          else _DieInBackward.apply if case.extra.get("die") else _HangInBackward.apply)
                     hook = model[1].register_forward_hook(lambda m, i, o: fn(o))
                 if step == 1 and rank == case.branch_rank:  # no grads reach the layers below the last
                     hook = model[3].register_forward_hook(lambda m, i, o: o.detach())
-                h = engine(x)
-                if hook is not None:
-                    hook.remove()
-                loss = nn.functional.mse_loss(h.float(), y) / case.micro
-                if case.inf_rank == rank and step == 0:
-                    loss = loss * 1e30
-                engine.backward(loss)
+                if step == 1 and rank == case.extra.get("replan_rank"):  # one more module call: a departure
+                    hook = model[3].register_forward_hook(lambda m, i, o: model[1](o))
+                # no_sync: every micro-batch but the last inside it ("all": the last too; step() then reduces)
+                local = bool(case.extra.get("no_sync")) and (micro < case.micro - 1 or case.extra["no_sync"] == "all")
+                # rank 0 through the model's no_sync (DDP's spelling), the others through the engine's
+                with (model.no_sync() if rank == 0 else engine.no_sync()) if local else contextlib.nullcontext():
+                    before = len(collectives)
+                    h = engine(x)
+                    if hook is not None:
+                        hook.remove()
+                    loss = nn.functional.mse_loss(h.float(), y) / case.micro
+                    if case.inf_rank == rank and step == 0:
+                        loss = loss * 1e30
+                    engine.backward(loss)
+                    if local and step == 0 and micro == 0:
+                        _inside_no_sync(model, result)
+                    if case.extra.get("no_sync"):
+                        lane.drain()  # anything the backward queued on the lane has run (and been counted)
+                        result.setdefault("collectives", []).append((step, micro, bool(local), collectives[before:]))
                 losses.append(loss.item())
             if case.clip is not None and case.extra.get("torch_clip"):  # plain torch on p.grad (the average)
                 total = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip, foreach=False)
@@ -141,6 +176,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 finally:
                     result["state_dict_s"] = time.monotonic() - t0
         stats = engine.memory_stats()
+        result["counters"] = stats["counters"]
         result["chaos_draws"] = lane._before.draws if lane._before is not None else 0
         result["host_bytes"] = stats["host_pinned_bytes"]
         result["optimizer"] = stats["optimizer"]
@@ -165,6 +201,43 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a failed group may not tear down cleanly
                 pass
+
+
+def _count_collectives() -> list[str]:
+    """Wrap every collective offload can issue (the process group's calls, in this spawned process only):
+    the returned list gets each one's name as it is called, on whichever thread."""
+    import torch.distributed as dist
+
+    from offload.runtime import distributed
+    calls: list[str] = []
+
+    def counted(name: str, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    for name in ("_reduce_scatter", "_all_gather"):
+        setattr(distributed, name, counted(name, getattr(distributed, name)))
+    for name in ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "reduce_scatter",
+                 "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all", "send", "recv"):
+        if hasattr(dist, name):
+            setattr(dist, name, counted(name, getattr(dist, name)))
+    return calls
+
+
+def _inside_no_sync(model: nn.Module, result: dict) -> None:
+    """The first backward inside no_sync: p.grad is this rank's own sum; torch's clip_grad_norm_ raises
+    (before it scales anything), p.grad.norm() too."""
+    import offload
+    result["local_grads"] = [p.grad.clone() for p in model.parameters()]
+    for name, fn in (("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)),
+                     ("norm", lambda: model[0].weight.grad.norm())):
+        try:
+            fn()
+        except offload.OffloadError as e:
+            result[f"{name}_in_no_sync_error"] = str(e)
+    result["local_grads_after_clip"] = [p.grad.clone() for p in model.parameters()]
 
 
 def _close_after_error(engine, model: nn.Module, result: dict) -> None:
@@ -255,3 +328,8 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
     state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
     return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms,
             "optimizer": state}
+
+
+def report_model(batch: int, seq: int) -> tuple[nn.Module, torch.Tensor]:
+    """``offload report --model tests.distributed.workers:report_model``: the ranks' model and a rank's batch."""
+    return make_model(), torch.zeros(batch, IN)
