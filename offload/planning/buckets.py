@@ -209,7 +209,7 @@ class HostLayout:
 
 
 def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: bool = False,
-                ring: int = 0) -> HostLayout:
+                ring: int = 0, away: frozenset[int] = frozenset()) -> HostLayout:
     """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none.
     ``accumulate``: room for gradient accumulation (an fp32 sum and a staging copy, see [Note: host grads]).
     ``ring``: grads land in a ring with room for that many of the largest buckets instead of per-bucket
@@ -231,12 +231,13 @@ def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: b
         return start
 
     for b in buckets:
-        fields["master"].append(take((b.trainable_numel if lowp_itemsize else b.numel) * 4))
-        fields["lowp"].append(take(b.numel * lowp_itemsize))
+        home = b.index not in away
+        fields["master"].append(take((b.trainable_numel if lowp_itemsize else b.numel) * 4 * home))
+        fields["lowp"].append(take(b.numel * lowp_itemsize * home))
         fields["grad"].append(take(b.trainable_numel * grad_itemsize))
         fields["staging"].append(take(b.trainable_numel * staging_itemsize))
         for name in ("exp_avg", "exp_avg_sq"):
-            fields[name].append(take(b.trainable_numel * 4))
+            fields[name].append(take(b.trainable_numel * 4 * home))
     ring_offset = take(ring_bytes)
     return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off, grad_itemsize=grad_itemsize,
                       staging_itemsize=staging_itemsize, ring=ring_offset, ring_bytes=ring_bytes)
