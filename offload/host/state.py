@@ -12,7 +12,8 @@ import torch
 from ..config import format_bytes
 from ..errors import HostMemoryError, InvariantError, KernelUnavailableError
 from ..optim import adamw_
-from ..planning.buckets import GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec, host_layout, locate
+from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec,
+                                chunk_numel, host_layout, locate)
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step
 
@@ -56,7 +57,7 @@ class GradRing:
         size, capacity = numel * self.dtype.itemsize, self.region.numel()
         if size > capacity:
             raise InvariantError(f"a grad copy of {size} bytes does not fit the host's grad staging ring of "
-                                 f"{capacity} bytes (sized by the largest buckets): a bug in offload, please report it")
+                                 f"{capacity} bytes (sized by the largest pieces): a bug in offload, please report it")
         start = self.head if self.head + size <= capacity else 0
         end = start + size
         covered = [x for x in self.live if x.start < end and start < x.end]
@@ -101,6 +102,9 @@ class HostState:
         if ring_slots < 1:
             raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
         self.lowp_dtype, self.accumulate, self.ring_slots = lowp_dtype, accumulate, ring_slots
+        # grads cross the ring in pieces of at most this many elements ([Note: chunked grad staging])
+        self.chunk_bytes = GRAD_RING_CHUNK_BYTES
+        self.chunk = chunk_numel(self.chunk_bytes, self.device_dtype.itemsize)
         self.buckets, self.specs, self.shapes = tuple(buckets), list(specs), list(shapes)
         # A frozen parameter has no fp32 master beside its 16-bit copy (see buckets.HostLayout).
         self.master_numel = [b.trainable_numel if lowp_dtype else b.numel for b in buckets]
@@ -130,7 +134,8 @@ class HostState:
         (device-homed buckets' views: absent, for ``rehome`` or ``park`` to fill)."""
         lowp_dtype, buckets = self.lowp_dtype, self.buckets
         lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
-        layout = host_layout(buckets, lowp_itemsize, self.accumulate, ring=self.ring_slots, away=away)
+        layout = host_layout(buckets, lowp_itemsize, self.accumulate, ring=self.ring_slots, away=away,
+                             chunk_bytes=self.chunk_bytes)
         check_host_ram(layout.total_bytes, layout, lowp_itemsize)
         arena = HostArena(layout.total_bytes)
         home = [b.index not in away for b in buckets]
@@ -306,7 +311,7 @@ class HostState:
         return flat[off: off + self.specs[p].numel].view(self.shapes[p])
 
     def update(self, b: int, params: frozenset, hparams, grad_factors: Sequence[float] = (),
-               grads: torch.Tensor | None = None) -> None:
+               grads: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> None:
         """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
         same-group, same-step parameters (runs a parameter with another step count apart). ``grads``: the
         bucket's grads (where they landed in the grad ring, overlapped); None: its fp32 sum (accumulation).
@@ -316,10 +321,16 @@ class HostState:
         takes their product as its ``grad_scale`` and writes the new 16-bit copy in the same pass; the torch
         path multiplies the grads in place one factor after the other, then rounds the copy. (With the
         default power-of-two loss scales and one clipping coefficient both round the same.)
+
+        ``span``: ``(lo, hi)``, only those elements of the bucket, whose grads ``grads`` holds (one piece of the
+        ring, [Note: chunked grad staging]); each piece updates with the step counts the bucket had, and they
+        go up with the piece that ends the bucket's trainable prefix.
         """
         self.require_copy(b)
         bucket = self.buckets[b]
         grad = self.grad_sum(b) if grads is None else grads
+        lo, hi = span if span is not None else (0, bucket.trainable_numel)
+        base = lo if grads is not None else 0  # where ``grad``'s element 0 is in the bucket
         master, m, v = self.master[b], self.exp_avg[b], self.exp_avg_sq[b]
         lowp = self.lowp[b] if self.lowp is not None else None
         scale = 1.0
@@ -327,14 +338,15 @@ class HostState:
             scale *= f
 
         def fused(s: int, e: int, step: int, hp: dict) -> None:
-            found_inf = adamw_step(master[s:e], grad[s:e], m[s:e], v[s:e], step=step, **hp, grad_scale=scale,
+            found_inf = adamw_step(master[s:e], grad[s - base:e - base], m[s:e], v[s:e], step=step, **hp,
+                                   grad_scale=scale,
                                    lowp_out=None if lowp is None else lowp[s:e], check_finite=self.check_finite)
             if found_inf:
                 self._inf_error(b)
 
         def plain(s: int, e: int, step: int, hp: dict) -> None:
             # 16-bit grads widen first (exactly), so the update is torch's on the same fp32 grads
-            g = grad[s:e] if grad.dtype == torch.float32 else grad[s:e].float()
+            g = grad[s - base:e - base] if grad.dtype == torch.float32 else grad[s - base:e - base].float()
             if self.check_finite and not bool(torch.isfinite(g).all()):
                 self._inf_error(b)
             for f in grad_factors:
@@ -344,18 +356,24 @@ class HostState:
             self.refresh_lowp(b, s, e)
 
         one = fused if self.fused else plain
+        segments = []  # (start, end, step count after it, hyperparameters, the parameters it steps)
         for run in bucket.runs:
             lr, b1, b2, eps, wd = hparams[run.group]
             hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
             steps = {self.steps[p] for p in run.params}
             if params.issuperset(run.params) and len(steps) == 1:
-                one(run.start, run.end, steps.pop() + 1, hp)
-                self._count(run.params)
+                segments.append((run.start, run.end, steps.pop() + 1, hp, run.params))
                 continue
             for p in run.params:
                 if p in params:
-                    one(self.offset[p], self.offset[p] + self.specs[p].numel, self.steps[p] + 1, hp)
-                    self._count((p,))
+                    segments.append((self.offset[p], self.offset[p] + self.specs[p].numel, self.steps[p] + 1, hp,
+                                     (p,)))
+        for s, e, step, hp, _ in segments:
+            if max(s, lo) < min(e, hi):
+                one(max(s, lo), min(e, hi), step, hp)
+        if hi >= bucket.trainable_numel:
+            for *_, counted in segments:
+                self._count(counted)
 
     @staticmethod
     def _inf_error(b: int) -> None:
@@ -378,13 +396,23 @@ class HostState:
                                  "report it")
         return self.grad[b]
 
-    def landing(self, b: int, first: bool) -> Landing:
+    def chunks(self, b: int, first: bool) -> list[tuple[int, int]]:
+        """The pieces ``(lo, hi)`` in which bucket ``b``'s grads cross ([Note: chunked grad staging]): one, the
+        whole trainable prefix, where they land in the fp32 sum itself or fit one piece."""
+        n = self.buckets[b].trainable_numel
+        if not self.chunk or n <= self.chunk or (first and self.grad and self.device_dtype == torch.float32):
+            return [(0, n)]
+        return [(lo, min(n, lo + self.chunk)) for lo in range(0, n, self.chunk)]
+
+    def landing(self, b: int, first: bool, lo: int = 0, hi: int | None = None) -> Landing:
         """Where the device-to-host copy of bucket ``b``'s grads goes: the fp32 sum itself for the step's
         ``first`` fp32 grads with accumulation, else bytes of the grad ring, lent until
-        :meth:`staged_read_by` names its reader. See [Note: grad staging ring] in ``buckets.py``."""
+        :meth:`staged_read_by` names its reader. See [Note: grad staging ring] in ``buckets.py``. ``lo``, ``hi``:
+        one of :meth:`chunks`' pieces."""
         if first and self.grad and self.device_dtype == torch.float32:
             return Landing(self.grad[b], None, ())
-        lent, view, after = self.ring.take(self.buckets[b].trainable_numel)
+        hi = self.buckets[b].trainable_numel if hi is None else hi
+        lent, view, after = self.ring.take(hi - lo)
         return Landing(view, lent, after)
 
     def staged_read_by(self, lent: Lent | None, event: Event) -> None:
@@ -397,14 +425,15 @@ class HostState:
         """After a failed backward, every copy and reader finished: the ring forgets them."""
         self.ring.reset()
 
-    def take_staged(self, b: int, first: bool, staged: torch.Tensor) -> None:
+    def take_staged(self, b: int, first: bool, staged: torch.Tensor, lo: int = 0) -> None:
         """CPU lane, after the copy into ``staged`` (bytes of the grad ring): widen it into the fp32 sum (the
         step's ``first`` grads), or add it (exactly what adding the fp32-converted grads would give: widening is
-        exact)."""
+        exact). ``lo``: where the piece ``staged`` starts in the bucket."""
+        total = self.grad_sum(b)[lo: lo + staged.numel()]
         if first:
-            self.grad_sum(b).copy_(staged)
+            total.copy_(staged)
         else:
-            self.grad_sum(b).add_(staged)
+            total.add_(staged)
 
     def count_steps(self, params) -> None:
         """One more AdamW step for each of ``params``, taken elsewhere (on the device: issue 18)."""
