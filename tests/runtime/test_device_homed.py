@@ -10,6 +10,7 @@ the hardware model), so the tiny GPT's plan has device-optimizer buckets in ever
 import pytest
 import torch
 
+import offload.host.state
 import offload.planning.trace
 import offload.runtime.executor
 from offload.planning.buckets import GRAD_RING_SLOTS, host_layout
@@ -164,3 +165,38 @@ def test_deferred_updates_keep_device_homed_grad_sums_on_the_host():
         assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "weights")
     finally:
         engine.close()
+
+
+def test_close_after_a_cpu_lane_fault_gives_device_homed_weights_back(monkeypatch):
+    """A host update that raises (the CPU lane's fault) must not keep close() from giving every parameter its
+    value back: device-homed buckets have no host copy until one is parked from the device."""
+    case = CASES["gpt"]()
+    engine, opt = wrap(case.model)
+    rt = engine._runtime
+    for i in range(3):
+        step(engine, opt, case, i)
+    away = homed(engine)
+    assert away and not rt.slots.host.parked
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected CPU-lane fault")
+
+    monkeypatch.setattr(offload.host.state.HostState, "update", broken)
+    with pytest.raises(Exception):
+        step(engine, opt, case, 3)  # the lane's error surfaces at step()
+    host, dev = rt.slots.host, rt.grads.device
+    # what the device (or, if the arena went, the host copy parked from it) holds now: close() must give it back
+    want = {b: (dev.state[b].master if b in dev.state else host.master[b]).clone() for b in away}
+    where = [(p, host.bucket_of[p], host.offset[p]) for p in range(len(rt.ctx.params))]
+    params = list(rt.ctx.params)
+    with pytest.raises(Exception):
+        engine.close()  # raises the lane's error, after releasing everything
+    assert rt.slots.host is None
+    assert all(bool(torch.isfinite(p).all()) for p in params)  # no placeholder (NaN) left behind
+    checked = 0
+    for p, b, off in where:
+        if b in want:
+            value = params[p].detach().reshape(-1)
+            assert torch.equal(value, want[b][off: off + value.numel()]), p
+            checked += 1
+    assert checked > 0
