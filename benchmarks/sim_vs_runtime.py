@@ -18,6 +18,14 @@ on the compute thread, as the CPU backend runs it) is measured too. On this back
 the wall, so an honest plan keeps every optimizer on the host; to get a plan with device-optimizer buckets
 the engine plans for a CPU AdamW ``--plan-cpu-slowdown`` times slower than measured. The prediction
 simulates the plan it then ran with the measured rates.
+
+Load (issue 18): on a shared machine the prediction's compute comes from one run and the measured step from
+another, each slowed by whatever else runs then. So right before and after every run a fixed single-thread
+probe (matrix products) measures how much longer than its own CPU time it takes (``slowdown``: 1.0 on an idle
+machine; a thread that shares its core with k others gets ~1/(k+1) of it); ``load_ratio`` = the measured run's
+slowdown over the compute run's says how differently the two runs were slowed, and the error is read against
+it (``--repeat`` runs the whole comparison that many times). Each run also records its compute thread's CPU
+time per step (``compute_thread_cpu_s``: forward, backward, device updates; it includes no waiting).
 """
 
 from __future__ import annotations
@@ -71,16 +79,18 @@ def run(budget, width, depth, batch, steps, bandwidth=None, hw=None, device_opti
         engine = offload.wrap(model, opt, budget=budget, device="cpu", bucket_bytes=width * width * 4 + width * 4,
                               hw=hw, device_optimizer=device_optimizer)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         loss = engine(x).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
     rt = engine._runtime
-    out = (times, rt.executor.trace, rt.executor.plan, engine.memory_stats())
+    stats = engine.memory_stats() | {"compute_thread_cpu_s": cpu}
+    out = (times, rt.executor.trace, rt.executor.plan, stats)
     engine.close()
     return out
 
@@ -97,7 +107,47 @@ def main() -> int:
     ap.add_argument("--device-optimizer", action="store_true", help="mixed placement (see the docstring)")
     ap.add_argument("--plan-cpu-slowdown", type=float, default=50.0,
                     help="with --device-optimizer: plan for a CPU AdamW this many times slower than measured")
+    ap.add_argument("--repeat", type=int, default=1, help="run the whole comparison this many times")
     args = ap.parse_args()
+    if args.repeat > 1:
+        runs = []
+        for i in range(args.repeat):
+            code, out = compare(args)
+            if code:
+                return code
+            runs.append(out)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"repeats": runs}, f, indent=1)
+        return 0
+    code, out = compare(args)
+    if args.json and not code:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return code
+
+
+def slowdown(seconds: float = 0.2) -> float:
+    """Wall time over thread CPU time of a fixed single-thread workload (1.0 on an idle core)."""
+    a = torch.randn(192, 192)
+    wall, cpu = 0.0, 0.0
+    while wall < seconds:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for _ in range(20):
+            a = torch.tanh(a @ a)
+        wall += time.perf_counter() - t0
+        cpu += time.thread_time() - c0
+    return wall / max(cpu, 1e-9)
+
+
+def measured_run(*args, **kwargs):
+    """:func:`run` between two :func:`slowdown` probes; their mean goes in the stats."""
+    before = slowdown()
+    times, trace, plan, stats = run(*args, **kwargs)
+    return times, trace, plan, stats | {"slowdown": (before + slowdown()) / 2}
+
+
+def compare(args) -> tuple[int, dict]:
     console = Console(width=None if sys.stdout.isatty() else 140)
     torch.set_num_threads(1)  # compute on one core; the other runs the AdamW lane
     param_bytes = args.depth * (args.width * args.width + args.width) * 4
@@ -105,7 +155,11 @@ def main() -> int:
                                  "load_avg_1m_before": os.getloadavg()[0]},
                      "args": vars(args), "cases": []}
     with console.status("measuring compute (everything resident, unthrottled)"):
-        _, clean, _, _ = run(param_bytes * 4, args.width, args.depth, args.batch, args.steps)  # warm like the runs
+        clean_times, clean, _, clean_stats = measured_run(param_bytes * 4, args.width, args.depth, args.batch,
+                                                          args.steps)  # warm like the runs
+    clean_ratio = clean_stats["slowdown"]
+    out["compute_run"] = {"all_steps_s": clean_times, "compute_thread_cpu_s": clean_stats["compute_thread_cpu_s"],
+                          "slowdown": clean_ratio}
     with console.status("measuring CPU AdamW"):
         adam = cpu_adam_params_per_s()
     curve = latency_curve(args.bandwidth, 0.0)
@@ -122,11 +176,11 @@ def main() -> int:
         budget = int(param_bytes * frac) + extra if frac < 1 else param_bytes * 4
         load = os.getloadavg()[0]
         with console.status(f"training at budget {frac:.0%} of the parameters, throttled"):
-            times, trace, plan, stats = run(budget, args.width, args.depth, args.batch, args.steps, args.bandwidth,
-                                            plan_hw, args.device_optimizer)
+            times, trace, plan, stats = measured_run(budget, args.width, args.depth, args.batch, args.steps,
+                                                     args.bandwidth, plan_hw, args.device_optimizer)
         if [e for e in trace.events] != [e for e in clean.events]:
             console.print("[red]the traced events differ between runs; cannot compare[/red]")
-            return 1
+            return 1, out
         sim = simulate_plan(plan, hw, clean.compute_seconds)
         measured = statistics.median(times[3:])
         err = (sim.step_s - measured) / measured
@@ -135,27 +189,28 @@ def main() -> int:
                 "predicted_stall_s": sim.stall_s, "compute_s": sim.compute_s, "relative_error": err,
                 "load_avg_1m": load, "device_peak_bytes": stats["device_peak_bytes"],
                 "device_optimizer_buckets": len(plan.device_optimizer),
-                "placement_bytes": stats["device_optimizer"]["bytes"]}
+                "placement_bytes": stats["device_optimizer"]["bytes"],
+                "compute_thread_cpu_s": stats["compute_thread_cpu_s"]}
+        case["slowdown"] = stats["slowdown"]
+        case["load_ratio"] = stats["slowdown"] / clean_ratio
         out["cases"].append(case)
         rows.append(case)
     table = Table(title=f"simulated vs measured step, CPU backend, link {args.bandwidth / 1e9:.1f} GB/s")
-    for col in ("budget", "resident/buckets", "device optimizer", "measured s", "predicted s", "error", "load"):
+    for col in ("budget", "resident/buckets", "device optimizer", "measured s", "predicted s", "error", "load",
+                "load ratio"):
         table.add_column(col, justify="right")
     for c in rows:
         table.add_row(offload.format_bytes(c["budget_bytes"]), f"{c['resident']}/{c['buckets']}",
                       str(c["device_optimizer_buckets"]),
                       f"{c['measured_step_s']:.3f}", f"{c['predicted_step_s']:.3f}", f"{c['relative_error']:+.0%}",
-                      f"{c['load_avg_1m']:.1f}")
+                      f"{c['load_avg_1m']:.1f}", f"{c['load_ratio']:.2f}")
     console.print(table)
     out["machine"]["load_avg_1m_after"] = os.getloadavg()[0]
     out["cpu_adam_params_per_s"] = adam
     out["device_adam_params_per_s"] = hw.device_adam_params_per_s or None
     out["plan_cpu_adam_params_per_s"] = plan_hw.adam_params_per_s
-    console.print(out["machine"], f"CPU AdamW {adam / 1e6:.0f} M params/s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
+    console.print(out["machine"], f"CPU AdamW {adam / 1e6:.0f} M params/s; compute run's slowdown {clean_ratio:.2f}")
+    return 0, out
 
 
 if __name__ == "__main__":

@@ -62,6 +62,10 @@ class Backend(Protocol):
         """Make ``arena`` copyable by DMA (page-lock it) until :meth:`close`, where the device needs it."""
         ...
 
+    def unpin_host(self, arena: HostArena) -> None:
+        """Undo :meth:`pin_host` for ``arena`` before it is freed (no copy may use it any more)."""
+        ...
+
     @property
     def pinned_bytes(self) -> int:
         """Host bytes this backend holds page-locked now."""

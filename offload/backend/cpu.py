@@ -63,6 +63,9 @@ class CPUBackend:
     def pin_host(self, arena: HostArena) -> None:
         """Nothing to pin: there is no device to copy to by DMA (the CUDA backend registers the arena)."""
 
+    def unpin_host(self, arena: HostArena) -> None:
+        """Nothing was pinned."""
+
     @property
     def pinned_bytes(self) -> int:
         """0: :meth:`pin_host` page-locks nothing on this backend (copies are ``Tensor.copy_`` between host

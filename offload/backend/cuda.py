@@ -260,6 +260,17 @@ class HostRegistry:
         self._ranges[ptr] = (nbytes, owner)
         return True
 
+    def release(self, ptr: int) -> None:
+        """Unregister the range at ``ptr`` (registered by :meth:`register`; nothing to do if it is not)."""
+        if ptr not in self._ranges:
+            return
+        cudart = self._cudart()
+        err = int(cudart.cudaHostUnregister(ptr))
+        del self._ranges[ptr]  # forgotten either way: retrying an unregister cannot help
+        if err != 0:
+            _clear_last_error(cudart)
+            raise OffloadError(f"cudaHostUnregister failed for the range at {ptr:#x} (CUDA error {err})")
+
     def release_all(self) -> None:
         """Unregister every range (all are tried; the first failure is raised after)."""
         failures = []
@@ -407,6 +418,11 @@ class CUDABackend:
         self._check_open()
         with record_function("offload::pin_host"):
             self._pinned.register(arena.data_ptr, arena.size_bytes, arena)
+
+    def unpin_host(self, arena: HostArena) -> None:
+        """Undo :meth:`pin_host` for ``arena`` (issue 18: a re-plan replaced the host arena by one of another
+        size). The caller synchronized: no copy reads or writes it any more."""
+        self._pinned.release(arena.data_ptr)
 
     @property
     def pinned_bytes(self) -> int:

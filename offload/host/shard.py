@@ -310,7 +310,11 @@ class ShardedHostState(HostState):
                                                   dtype=torch.float64) ** 2
         return out
 
-    def landing(self, b: int, first: bool) -> Landing:
+    def chunks(self, b: int, first: bool) -> list[tuple[int, int]]:
+        """One piece, the whole bucket: a rank has no ring to send pieces through."""
+        return [(0, self.buckets[b].trainable_numel)]
+
+    def landing(self, b: int, first: bool, lo: int = 0, hi: int | None = None) -> Landing:
         """The bucket's own padded grad (the reduce-scatter's input) or staging copy: a rank keeps no grad
         ring ([Note: grad staging ring] in ``buckets.py``: ``ring=0``), so no slot is lent."""
         if first and self.grad[b].dtype == self.device_dtype:
@@ -323,7 +327,7 @@ class ShardedHostState(HostState):
     def reset_staging(self) -> None:
         """No ring to forget (see :meth:`landing`)."""
 
-    def take_staged(self, b: int, first: bool, staged: torch.Tensor) -> None:
+    def take_staged(self, b: int, first: bool, staged: torch.Tensor, lo: int = 0) -> None:
         if self.staging is None or staged is not self.staging[b]:
             raise InvariantError("a sharded host state folds only its own staging copy into the sum: a bug in "
                                  "offload, please report it")

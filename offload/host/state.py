@@ -12,7 +12,8 @@ import torch
 from ..config import format_bytes
 from ..errors import HostMemoryError, InvariantError, KernelUnavailableError
 from ..optim import adamw_
-from ..planning.buckets import GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec, host_layout, locate
+from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec,
+                                chunk_numel, host_layout, locate)
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step
 
@@ -56,7 +57,7 @@ class GradRing:
         size, capacity = numel * self.dtype.itemsize, self.region.numel()
         if size > capacity:
             raise InvariantError(f"a grad copy of {size} bytes does not fit the host's grad staging ring of "
-                                 f"{capacity} bytes (sized by the largest buckets): a bug in offload, please report it")
+                                 f"{capacity} bytes (sized by the largest pieces): a bug in offload, please report it")
         start = self.head if self.head + size <= capacity else 0
         end = start + size
         covered = [x for x in self.live if x.start < end and start < x.end]
@@ -100,38 +101,152 @@ class HostState:
             ring_slots = GRAD_RING_SLOTS
         if ring_slots < 1:
             raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
-        layout = host_layout(buckets, lowp_itemsize, accumulate, ring=ring_slots)
-        check_host_ram(layout.total_bytes, layout, lowp_itemsize)
-        self.arena = HostArena(layout.total_bytes)
-        self.buckets, self.specs, self.shapes, self.layout = tuple(buckets), list(specs), list(shapes), layout
+        self.lowp_dtype, self.accumulate, self.ring_slots = lowp_dtype, accumulate, ring_slots
+        # grads cross the ring in pieces of at most this many elements ([Note: chunked grad staging])
+        self.chunk_bytes = GRAD_RING_CHUNK_BYTES
+        self.chunk = chunk_numel(self.chunk_bytes, self.device_dtype.itemsize)
+        self.buckets, self.specs, self.shapes = tuple(buckets), list(specs), list(shapes)
         # A frozen parameter has no fp32 master beside its 16-bit copy (see buckets.HostLayout).
         self.master_numel = [b.trainable_numel if lowp_dtype else b.numel for b in buckets]
-        for b in buckets:  # claim each region, so the arena's own stats account for every byte
-            if self.master_numel[b.index]:
-                self.arena.reserve(layout.master[b.index], self.master_numel[b.index] * 4)
-            if lowp_itemsize and b.numel:
-                self.arena.reserve(layout.lowp[b.index], b.numel * lowp_itemsize)
-            if b.trainable_numel:
-                if accumulate:
-                    self.arena.reserve(layout.grad[b.index], b.trainable_numel * layout.grad_itemsize)
-                for region in (layout.exp_avg, layout.exp_avg_sq):
-                    self.arena.reserve(region[b.index], b.trainable_numel * 4)
-        if layout.ring_bytes:
-            self.arena.reserve(layout.ring, layout.ring_bytes)
-        view = self.arena.view
-        self.master = [view(layout.master[b.index], self.master_numel[b.index], torch.float32) for b in buckets]
-        self.lowp = [view(layout.lowp[b.index], b.numel, lowp_dtype) for b in buckets] if lowp_dtype else None
-        device_dtype = self.device_dtype
-        # The fp32 sums the deferred update reads (accumulation only: none with the optimizer overlapped,
-        # whose update reads the ring bytes its grads landed in), and the ring: [Note: grad staging ring].
-        self.grad = ([view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
-                     if accumulate else [])
-        self.ring = GradRing(view(layout.ring, layout.ring_bytes, torch.uint8), device_dtype)
-        self.exp_avg = [view(layout.exp_avg[b.index], b.trainable_numel, torch.float32) for b in buckets]
-        self.exp_avg_sq = [view(layout.exp_avg_sq[b.index], b.trainable_numel, torch.float32) for b in buckets]
+        self.parked: set[int] = set()  # device-homed buckets whose state has a host copy now ([Note: device-homed buckets])
+        self.arena, self.layout = self._allocate(frozenset())
         self.bucket_of, self.offset = locate(buckets)  # offset: element offset inside the bucket
         self.steps = [0] * len(specs)  # AdamW step count per parameter
         self.step_tensor = [torch.tensor(0.0) for _ in specs]  # the same, as optimizer.state[p]["step"]
+
+    # -- [Note: device-homed buckets] (issue 18) -------------------------------------------------------------
+    # A bucket the training plan keeps with its optimizer on the device (``Placement.DEVICE_OPTIMIZER``) is
+    # *device-homed*: ``rehome`` lays the host arena out again without its master, 16-bit copy, m and v (its
+    # fp32 grad sum stays where grads are accumulated on the host: ``overlap_optimizer=False``). The host
+    # arena is exact-size, so a re-plan that changes which buckets are device-homed builds a new arena of the
+    # new size and copies what stays (peak: both arenas, for that moment). The state of a device-homed bucket
+    # lives in the device arena; a host copy of it exists only while the host needs one: ``park`` makes one
+    # (ordinary pageable memory, outside the arena: ``parked_bytes``) when the device state is copied back
+    # (before a read: ``state_dict``, ``save``, ``optimizer.state_dict()``; or when the device arena goes:
+    # a departure, a switch to a forward-only plan), and ``drop`` frees it once the device holds newer values
+    # (the bucket's next device update). Until then the host copy serves everything a home bucket's regions
+    # serve (reads, writes, a CPU update after a departure, the copy in at the next activation). Reading an
+    # absent copy raises :class:`InvariantError`.
+    away: frozenset[int] = frozenset()  # device-homed buckets (a class default: ShardedHostState has none)
+
+    def _allocate(self, away: frozenset[int]) -> tuple[HostArena, HostLayout]:
+        """Lay out and allocate the arena with ``away`` device-homed; point every region's view into it
+        (device-homed buckets' views: absent, for ``rehome`` or ``park`` to fill)."""
+        lowp_dtype, buckets = self.lowp_dtype, self.buckets
+        lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
+        layout = host_layout(buckets, lowp_itemsize, self.accumulate, ring=self.ring_slots, away=away,
+                             chunk_bytes=self.chunk_bytes)
+        check_host_ram(layout.total_bytes, layout, lowp_itemsize)
+        arena = HostArena(layout.total_bytes)
+        home = [b.index not in away for b in buckets]
+        for b in buckets:  # claim each region, so the arena's own stats account for every byte
+            if home[b.index] and self.master_numel[b.index]:
+                arena.reserve(layout.master[b.index], self.master_numel[b.index] * 4)
+            if home[b.index] and lowp_itemsize and b.numel:
+                arena.reserve(layout.lowp[b.index], b.numel * lowp_itemsize)
+            if b.trainable_numel:
+                if self.accumulate:
+                    arena.reserve(layout.grad[b.index], b.trainable_numel * layout.grad_itemsize)
+                for region in (layout.exp_avg, layout.exp_avg_sq):
+                    if home[b.index]:
+                        arena.reserve(region[b.index], b.trainable_numel * 4)
+        if layout.ring_bytes:
+            arena.reserve(layout.ring, layout.ring_bytes)
+        view = arena.view
+
+        def views(offsets: tuple[int, ...], numel: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+            return [view(offsets[i], numel[i], dtype) if home[i] else _absent(dtype) for i in range(len(buckets))]
+
+        trainable = [b.trainable_numel for b in buckets]
+        self.master = views(layout.master, self.master_numel, torch.float32)
+        self.lowp = views(layout.lowp, [b.numel for b in buckets], lowp_dtype) if lowp_dtype else None
+        # The fp32 sums the deferred update reads (accumulation only: none with the optimizer overlapped,
+        # whose update reads the ring bytes its grads landed in), and the ring: [Note: grad staging ring].
+        self.grad = ([view(layout.grad[b.index], b.trainable_numel, torch.float32) for b in buckets]
+                     if self.accumulate else [])
+        self.ring = GradRing(view(layout.ring, layout.ring_bytes, torch.uint8), self.device_dtype)
+        self.exp_avg = views(layout.exp_avg, trainable, torch.float32)
+        self.exp_avg_sq = views(layout.exp_avg_sq, trainable, torch.float32)
+        self.away = away
+        return arena, layout
+
+    def _state_views(self) -> dict[str, list[torch.Tensor]]:
+        out = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.lowp is not None:
+            out["lowp"] = self.lowp
+        return out
+
+    def rehome(self, away: frozenset[int]) -> HostArena:
+        """Make ``away`` the device-homed buckets: a new exact-size arena without their state; what stays home
+        is copied over, a bucket coming home gets its parked copy (it must have one), a bucket leaving gives
+        its regions up (the caller has copied its state to the device and synchronized: no copy may still
+        use the old arena). Returns the old arena (the caller unpins it, then lets it go)."""
+        away = frozenset(away)
+        coming, leaving = self.away - away, away - self.away
+        missing = sorted(b for b in coming if b not in self.parked)
+        if missing:
+            raise InvariantError(f"buckets {missing} come back to the host without a host copy of their state: "
+                                 "a bug in offload, please report it")
+        old_arena, old, old_grad = self.arena, self._state_views(), self.grad
+        self.arena, self.layout = self._allocate(away)
+        new = self._state_views()
+        for name, views in new.items():
+            for b in range(len(self.buckets)):
+                if b in away and b not in leaving:
+                    views[b] = old[name][b]  # parked or absent, as it was
+                elif b not in away:
+                    views[b].copy_(old[name][b])  # stays home, or comes home from its parked copy
+        for dst, src in zip(self.grad, old_grad):
+            dst.copy_(src)
+        self.parked -= coming
+        return old_arena
+
+    def park(self, b: int) -> None:
+        """Device-homed bucket ``b`` gets a host copy of its state (pageable; its values are the caller's to
+        write, from the device); nothing to do if it has one."""
+        if b not in self.away:
+            raise InvariantError(f"bucket {b} is not device-homed: its state has its place in the host arena")
+        if b in self.parked:
+            return
+        bucket = self.buckets[b]
+        self.master[b] = torch.empty(self.master_numel[b], dtype=torch.float32)
+        if self.lowp is not None:
+            self.lowp[b] = torch.empty(bucket.numel, dtype=self.lowp_dtype)
+        self.exp_avg[b] = torch.empty(bucket.trainable_numel, dtype=torch.float32)
+        self.exp_avg_sq[b] = torch.empty(bucket.trainable_numel, dtype=torch.float32)
+        self.parked.add(b)
+
+    def drop(self, b: int) -> None:
+        """Free device-homed bucket ``b``'s host copy: the device holds newer values."""
+        if b not in self.parked:
+            return
+        for views in self._state_views().values():
+            views[b] = _absent(views[b].dtype)
+        self.parked.discard(b)
+
+    def has_copy(self, b: int) -> bool:
+        """Bucket ``b``'s state has a host copy: home, or device-homed and parked."""
+        return b not in self.away or b in self.parked
+
+    def require_copy(self, b: int) -> None:
+        if not self.has_copy(b):
+            raise InvariantError(f"bucket {b}'s optimizer state lives on the device and has no host copy now "
+                                 "(see [Note: device-homed buckets]): a read of the host that did not wait for "
+                                 "Runtime.wait_for_updates, a bug in offload, please report it")
+
+    @property
+    def parked_bytes(self) -> int:
+        """Host bytes of the parked copies (outside the arena)."""
+        return sum(t[b].numel() * t[b].element_size() for b in self.parked for t in self._state_views().values())
+
+    def region_bytes(self, b: int) -> int:
+        """Host arena bytes of bucket ``b``'s regions (unaligned): 0 for master, copy, m and v when device-homed."""
+        bucket, layout = self.buckets[b], self.layout
+        own = 0
+        if b not in self.away:
+            lowp = self.lowp_dtype.itemsize if self.lowp_dtype is not None else 0
+            own = self.master_numel[b] * 4 + bucket.numel * lowp + bucket.trainable_numel * 8
+        return own + bucket.trainable_numel * (layout.grad_itemsize if self.accumulate else 0)
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +254,7 @@ class HostState:
 
     def source(self, b: int) -> torch.Tensor:
         """What the host-to-device copy of bucket ``b`` reads: its device-dtype host copy."""
+        self.require_copy(b)
         return self.lowp[b] if self.lowp is not None else self.master[b]
 
     def refresh_lowp(self, b: int, start: int = 0, end: int | None = None) -> None:
@@ -150,7 +266,11 @@ class HostState:
 
     def exact(self, region: str, b: int, start: int, numel: int) -> torch.Tensor:
         """A tensor over ``numel`` fp32 elements of bucket ``b``'s ``region`` whose storage is exactly those
-        bytes (no copy), so ``torch.save`` writes them and nothing else of the arena."""
+        bytes (no copy), so ``torch.save`` writes them and nothing else of the arena. A parked device-homed
+        bucket's: a copy of those elements (the parked tensor is not the arena)."""
+        self.require_copy(b)
+        if b in self.away:
+            return getattr(self, region)[b][start: start + numel].clone()
         offset = getattr(self.layout, region)[b] + start * 4
         return self.arena.exact_view(offset, numel, torch.float32)
 
@@ -161,11 +281,13 @@ class HostState:
     def param_master(self, p: int) -> torch.Tensor:
         if not self.has_master(p):
             raise KeyError(f"parameter {p} is frozen and kept only in 16 bits: it has no fp32 master")
+        self.require_copy(self.bucket_of[p])
         off = self.offset[p]
         return self.master[self.bucket_of[p]][off: off + self.specs[p].numel]
 
     def read_param(self, p: int) -> torch.Tensor:
         """Parameter ``p``'s current value in fp32, flat (a copy): its master, or its 16-bit copy widened."""
+        self.require_copy(self.bucket_of[p])
         if self.has_master(p):
             return self.param_master(p).clone()
         off = self.offset[p]
@@ -174,6 +296,7 @@ class HostState:
     def write_master(self, p: int, value: torch.Tensor) -> None:
         """Set parameter ``p``'s fp32 master (and its low-precision copy) to ``value``; a frozen parameter
         without a master gets ``value`` rounded to 16 bits."""
+        self.require_copy(self.bucket_of[p])
         off = self.offset[p]
         if not self.has_master(p):
             self.lowp[self.bucket_of[p]][off: off + self.specs[p].numel].copy_(value.reshape(-1))
@@ -182,12 +305,13 @@ class HostState:
         self.refresh_lowp(self.bucket_of[p], off, off + self.specs[p].numel)
 
     def param_state(self, p: int, which: str) -> torch.Tensor:
+        self.require_copy(self.bucket_of[p])
         off = self.offset[p]
         flat = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[which][self.bucket_of[p]]
         return flat[off: off + self.specs[p].numel].view(self.shapes[p])
 
     def update(self, b: int, params: frozenset, hparams, grad_factors: Sequence[float] = (),
-               grads: torch.Tensor | None = None) -> None:
+               grads: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> None:
         """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
         same-group, same-step parameters (runs a parameter with another step count apart). ``grads``: the
         bucket's grads (where they landed in the grad ring, overlapped); None: its fp32 sum (accumulation).
@@ -197,9 +321,16 @@ class HostState:
         takes their product as its ``grad_scale`` and writes the new 16-bit copy in the same pass; the torch
         path multiplies the grads in place one factor after the other, then rounds the copy. (With the
         default power-of-two loss scales and one clipping coefficient both round the same.)
+
+        ``span``: ``(lo, hi)``, only those elements of the bucket, whose grads ``grads`` holds (one piece of the
+        ring, [Note: chunked grad staging]); each piece updates with the step counts the bucket had, and they
+        go up with the piece that ends the bucket's trainable prefix.
         """
+        self.require_copy(b)
         bucket = self.buckets[b]
         grad = self.grad_sum(b) if grads is None else grads
+        lo, hi = span if span is not None else (0, bucket.trainable_numel)
+        base = lo if grads is not None else 0  # where ``grad``'s element 0 is in the bucket
         master, m, v = self.master[b], self.exp_avg[b], self.exp_avg_sq[b]
         lowp = self.lowp[b] if self.lowp is not None else None
         scale = 1.0
@@ -207,14 +338,15 @@ class HostState:
             scale *= f
 
         def fused(s: int, e: int, step: int, hp: dict) -> None:
-            found_inf = adamw_step(master[s:e], grad[s:e], m[s:e], v[s:e], step=step, **hp, grad_scale=scale,
+            found_inf = adamw_step(master[s:e], grad[s - base:e - base], m[s:e], v[s:e], step=step, **hp,
+                                   grad_scale=scale,
                                    lowp_out=None if lowp is None else lowp[s:e], check_finite=self.check_finite)
             if found_inf:
                 self._inf_error(b)
 
         def plain(s: int, e: int, step: int, hp: dict) -> None:
             # 16-bit grads widen first (exactly), so the update is torch's on the same fp32 grads
-            g = grad[s:e] if grad.dtype == torch.float32 else grad[s:e].float()
+            g = grad[s - base:e - base] if grad.dtype == torch.float32 else grad[s - base:e - base].float()
             if self.check_finite and not bool(torch.isfinite(g).all()):
                 self._inf_error(b)
             for f in grad_factors:
@@ -224,18 +356,24 @@ class HostState:
             self.refresh_lowp(b, s, e)
 
         one = fused if self.fused else plain
+        segments = []  # (start, end, step count after it, hyperparameters, the parameters it steps)
         for run in bucket.runs:
             lr, b1, b2, eps, wd = hparams[run.group]
             hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
             steps = {self.steps[p] for p in run.params}
             if params.issuperset(run.params) and len(steps) == 1:
-                one(run.start, run.end, steps.pop() + 1, hp)
-                self._count(run.params)
+                segments.append((run.start, run.end, steps.pop() + 1, hp, run.params))
                 continue
             for p in run.params:
                 if p in params:
-                    one(self.offset[p], self.offset[p] + self.specs[p].numel, self.steps[p] + 1, hp)
-                    self._count((p,))
+                    segments.append((self.offset[p], self.offset[p] + self.specs[p].numel, self.steps[p] + 1, hp,
+                                     (p,)))
+        for s, e, step, hp, _ in segments:
+            if max(s, lo) < min(e, hi):
+                one(max(s, lo), min(e, hi), step, hp)
+        if hi >= bucket.trainable_numel:
+            for *_, counted in segments:
+                self._count(counted)
 
     @staticmethod
     def _inf_error(b: int) -> None:
@@ -258,13 +396,23 @@ class HostState:
                                  "report it")
         return self.grad[b]
 
-    def landing(self, b: int, first: bool) -> Landing:
+    def chunks(self, b: int, first: bool) -> list[tuple[int, int]]:
+        """The pieces ``(lo, hi)`` in which bucket ``b``'s grads cross ([Note: chunked grad staging]): one, the
+        whole trainable prefix, where they land in the fp32 sum itself or fit one piece."""
+        n = self.buckets[b].trainable_numel
+        if not self.chunk or n <= self.chunk or (first and self.grad and self.device_dtype == torch.float32):
+            return [(0, n)]
+        return [(lo, min(n, lo + self.chunk)) for lo in range(0, n, self.chunk)]
+
+    def landing(self, b: int, first: bool, lo: int = 0, hi: int | None = None) -> Landing:
         """Where the device-to-host copy of bucket ``b``'s grads goes: the fp32 sum itself for the step's
         ``first`` fp32 grads with accumulation, else bytes of the grad ring, lent until
-        :meth:`staged_read_by` names its reader. See [Note: grad staging ring] in ``buckets.py``."""
+        :meth:`staged_read_by` names its reader. See [Note: grad staging ring] in ``buckets.py``. ``lo``, ``hi``:
+        one of :meth:`chunks`' pieces."""
         if first and self.grad and self.device_dtype == torch.float32:
             return Landing(self.grad[b], None, ())
-        lent, view, after = self.ring.take(self.buckets[b].trainable_numel)
+        hi = self.buckets[b].trainable_numel if hi is None else hi
+        lent, view, after = self.ring.take(hi - lo)
         return Landing(view, lent, after)
 
     def staged_read_by(self, lent: Lent | None, event: Event) -> None:
@@ -277,14 +425,15 @@ class HostState:
         """After a failed backward, every copy and reader finished: the ring forgets them."""
         self.ring.reset()
 
-    def take_staged(self, b: int, first: bool, staged: torch.Tensor) -> None:
+    def take_staged(self, b: int, first: bool, staged: torch.Tensor, lo: int = 0) -> None:
         """CPU lane, after the copy into ``staged`` (bytes of the grad ring): widen it into the fp32 sum (the
         step's ``first`` grads), or add it (exactly what adding the fp32-converted grads would give: widening is
-        exact)."""
+        exact). ``lo``: where the piece ``staged`` starts in the bucket."""
+        total = self.grad_sum(b)[lo: lo + staged.numel()]
         if first:
-            self.grad_sum(b).copy_(staged)
+            total.copy_(staged)
         else:
-            self.grad_sum(b).add_(staged)
+            total.add_(staged)
 
     def count_steps(self, params) -> None:
         """One more AdamW step for each of ``params``, taken elsewhere (on the device: issue 18)."""
@@ -297,9 +446,13 @@ class HostState:
 
     @torch.no_grad()
     def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
-        """Point ``optimizer.state`` at this arena, taking over any state loaded into it before."""
+        """Point ``optimizer.state`` at this arena, taking over any state loaded into it before. A device-homed
+        bucket without a host copy shows only its step (see :meth:`show_state`)."""
         for p, param in enumerate(params):
             if self.specs[p].group is None:
+                continue
+            if not self.has_copy(self.bucket_of[p]):
+                self.show_state(optimizer, params, (self.bucket_of[p],))
                 continue
             old = optimizer.state.get(param, {})
             m, v = self.param_state(p, "exp_avg"), self.param_state(p, "exp_avg_sq")
@@ -310,6 +463,26 @@ class HostState:
                 self.steps[p] = int(float(old["step"]))
             self.step_tensor[p].fill_(float(self.steps[p]))
             optimizer.state[param] = {"step": self.step_tensor[p], "exp_avg": m, "exp_avg_sq": v}
+
+    def show_state(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], buckets) -> None:
+        """Re-point ``optimizer.state`` of the parameters of ``buckets`` at their current host views, without
+        copying (after ``park``, ``drop`` or ``rehome`` moved them). A device-homed bucket without a host copy
+        shows only the step: its m and v are on the device, and ``optimizer.state_dict()`` (which waits for
+        the updates, and so parks them) is the way to read them; a stale value is never shown."""
+        wanted = set(buckets)
+        for p, param in enumerate(params):
+            b = self.bucket_of[p]
+            if b not in wanted or self.specs[p].group is None:
+                continue
+            entry: dict = {"step": self.step_tensor[p]}
+            if self.has_copy(b):
+                entry["exp_avg"], entry["exp_avg_sq"] = self.param_state(p, "exp_avg"), self.param_state(p, "exp_avg_sq")
+            optimizer.state[param] = entry
+
+
+def _absent(dtype: torch.dtype | None) -> torch.Tensor:
+    """The view of a region a device-homed bucket has no host copy of (:meth:`HostState.require_copy` guards reads)."""
+    return torch.empty(0, dtype=dtype)
 
 
 def check_host_ram(nbytes: int, layout: HostLayout, lowp_itemsize: int = 0) -> None:

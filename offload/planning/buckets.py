@@ -28,6 +28,11 @@ PARAM_ALIGN = 16  # bytes: where every parameter starts inside a bucket, see [No
 # AdamW reads one bucket's grads, the next one's copy has landed and a third may be landing, so the lane never
 # waits for a copy; more would only let backward run further ahead of a CPU lane that is the wall anyway.
 GRAD_RING_SLOTS = 3
+# The most bytes one grad copy puts in the ring ([Note: chunked grad staging] at HostLayout): larger buckets
+# (a vocabulary embedding) go through it in pieces of this size, so the ring no longer scales with the largest
+# bucket. 4 MiB: past the size at which a copy reaches ~90 % of the link's bandwidth on the pcie4/pcie5 curves
+# (what bucket_bytes="auto" picks, 2.5 MiB on pcie4), so the pieces cost the copy engine next to nothing.
+GRAD_RING_CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -193,7 +198,14 @@ class HostLayout:
     whose step's first copy lands in the sum itself). Sized by the largest prefixes, not ``ring`` times the
     largest, so that one big bucket (a vocabulary embedding) costs its size once. ``ring=0`` keeps the
     per-bucket layout above (data parallel ranks: their reduce-scatter reads a padded per-bucket grad,
-    offload/host/shard.py)."""
+    offload/host/shard.py).
+
+    [Note: chunked grad staging] (issue 18) Sized by whole prefixes, one big bucket still costs its size (GPT-2
+    124M's tied 38.6M-parameter embedding: 0.7 bytes a parameter in bf16). With ``chunk_bytes`` a bucket's
+    grads cross in pieces of at most that size, each its own copy into the ring, read by its own piece of the
+    bucket's update on the CPU lane (AdamW is elementwise: the same numbers; every piece updates with the step
+    count the bucket had, which goes up with its last piece) or its own widening or adding into the fp32 sum:
+    the ring holds ``ring`` pieces, not ``ring`` buckets, whatever the largest bucket."""
 
     master: tuple[int, ...]
     lowp: tuple[int, ...]
@@ -209,15 +221,24 @@ class HostLayout:
 
 
 def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: bool = False,
-                ring: int = 0) -> HostLayout:
+                ring: int = 0, away: frozenset[int] = frozenset(), chunk_bytes: int = 0) -> HostLayout:
     """``lowp_itemsize``: bytes per element of the low-precision copy (2 for bf16/fp16), 0 for none.
     ``accumulate``: room for gradient accumulation (an fp32 sum and a staging copy, see [Note: host grads]).
     ``ring``: grads land in a ring with room for that many of the largest buckets instead of per-bucket
-    buffers ([Note: grad staging ring]; 0: per-bucket, as data parallel ranks keep them)."""
+    buffers ([Note: grad staging ring]; 0: per-bucket, as data parallel ranks keep them).
+    ``away``: buckets whose optimizer state lives on the device (issue 18, [Note: device-homed buckets] in
+    ``host/state.py``): no master, 16-bit copy, m or v here; only their grad sum with ``accumulate``. The ring
+    is still sized over every bucket (a departure from the plan sends their grads through it).
+    ``chunk_bytes``: the ring holds grads in pieces of at most that many bytes ([Note: chunked grad staging]);
+    0: whole buckets."""
     if ring < 0:
         raise ValueError(f"ring must be >= 0, got {ring}")
     device_itemsize = lowp_itemsize or 4
-    largest = sorted((b.trainable_numel for b in buckets if b.trainable_numel), reverse=True)[:ring]
+    if chunk_bytes < 0:
+        raise ValueError(f"chunk_bytes must be >= 0, got {chunk_bytes}")
+    piece = chunk_numel(chunk_bytes, device_itemsize)
+    largest = sorted((min(b.trainable_numel, piece) if piece else b.trainable_numel
+                      for b in buckets if b.trainable_numel), reverse=True)[:ring]
     ring_bytes = sum(_align(n * device_itemsize, HOST_ALIGN) for n in largest)
     grad_itemsize = 4 if accumulate else (0 if ring else device_itemsize)
     staging_itemsize = device_itemsize if accumulate and not ring else 0
@@ -231,15 +252,23 @@ def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: b
         return start
 
     for b in buckets:
-        fields["master"].append(take((b.trainable_numel if lowp_itemsize else b.numel) * 4))
-        fields["lowp"].append(take(b.numel * lowp_itemsize))
+        home = b.index not in away
+        fields["master"].append(take((b.trainable_numel if lowp_itemsize else b.numel) * 4 * home))
+        fields["lowp"].append(take(b.numel * lowp_itemsize * home))
         fields["grad"].append(take(b.trainable_numel * grad_itemsize))
         fields["staging"].append(take(b.trainable_numel * staging_itemsize))
         for name in ("exp_avg", "exp_avg_sq"):
-            fields[name].append(take(b.trainable_numel * 4))
+            fields[name].append(take(b.trainable_numel * 4 * home))
     ring_offset = take(ring_bytes)
     return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off, grad_itemsize=grad_itemsize,
                       staging_itemsize=staging_itemsize, ring=ring_offset, ring_bytes=ring_bytes)
+
+
+def chunk_numel(chunk_bytes: int, itemsize: int) -> int:
+    """Elements of one ring piece of at most ``chunk_bytes`` (a multiple of ``HOST_ALIGN`` bytes; 0: no cap)."""
+    if not chunk_bytes:
+        return 0
+    return max(HOST_ALIGN, chunk_bytes // HOST_ALIGN * HOST_ALIGN) // itemsize
 
 
 def _align(n: int, a: int) -> int:

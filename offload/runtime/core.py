@@ -439,9 +439,11 @@ class Runtime:
 
     def wait_for_updates(self) -> None:
         """Every update is done and the host holds its result (for a reader of the host arena)."""
-        self.ctx.cpu.drain()
-        with self.ctx.backend.compute(), torch.no_grad():
-            self.grads.device.sync_to_host()  # issue 18: device-optimizer state, if the host copy is stale
+        try:
+            self.ctx.cpu.drain()
+        finally:  # issue 18: even after a CPU-lane fault, device-homed state gets the host copy close() restores
+            with self.ctx.backend.compute(), torch.no_grad():
+                self.grads.device.sync_to_host()  # device-optimizer state, if the host copy is stale
 
     def adopt_optimizer_state(self) -> None:
         """``optimizer.load_state_dict`` wrote the host's Adam state: point the optimizer at it, and copy it

@@ -4,9 +4,11 @@ updated there, from their grad slot, as soon as their grads are complete: no gra
 CPU AdamW, no weight copy back.
 
 [Note: two tiers of optimizer state] The host arena is laid out and allocated by the traced warm-up,
-before any plan exists, and keeps every bucket's region (fp32 master, m, v, grads, 16-bit copy). A plan
-that places bucket ``b`` on the device makes the device the owner of its state while that plan's arena
-lives:
+before any plan exists, with every bucket's region (fp32 master, m, v, grads, 16-bit copy). A training plan
+that places bucket ``b`` on the device makes the device the owner of its state, and ``b`` *device-homed*:
+the host arena is laid out again without its state when the plan is activated ([Note: device-homed
+buckets] in ``host/state.py``; a host copy of it exists only while the host needs one: ``dirty`` buckets
+have none that is current). While the plan's arena lives:
 
 * ``activate`` (the executor brings the plan's arena in): the bucket's weights come in like any resident
   bucket's (the executor's copy of its 16-bit copy, or of its master in fp32), and its state (the master
@@ -15,10 +17,9 @@ lives:
   ``_fused_adamw_`` where this torch has it, else its single-tensor ops; with ``offload.AdamW(fused=False)``
   torch's single-tensor ops, bit for bit ``torch.optim.AdamW(foreach=False)``), then writes the 16-bit
   weights from the new master in place (with fp32 compute the resident weights *are* the master). The host
-  copy of that state is left stale (``stale``); its host memory stays allocated (freeing parts of the one
-  exact-size host region is not done);
+  copy of that state is stale from then on (``dirty``), and a device-homed bucket's is freed;
 * ``sync_to_host`` copies the state back (master, m, v and the device weights, device to host, in the
-  host region's dtype): before anything reads the host (``Runtime.wait_for_updates``: ``state_dict``,
+  host region's dtype; a device-homed bucket into a host copy made for it): before anything reads the host (``Runtime.wait_for_updates``: ``state_dict``,
   ``save``, ``module.state_dict()``, ``optimizer.state_dict()``/``load_state_dict``; ``close``) and
   before the arena goes (``deactivate``: a re-plan, a departure from the plan, a switch to a forward-only
   plan). A departure in the middle of a backward therefore hands the buckets updated so far to the host,
@@ -44,6 +45,7 @@ from ..planning.placement import placement_bytes
 from ..planning.trace import EventKind
 
 if TYPE_CHECKING:
+    from ..host.state import HostState
     from ..planning.plan import Plan
     from .context import RuntimeContext
     from .executor import PlanExecutor
@@ -72,9 +74,15 @@ class DeviceOptimizer:
         self.ctx, self.slots, self.executor = ctx, slots, executor
         self.state: dict[int, DeviceState] = {}  # bucket -> its views, while the arena lives
         self.filled: dict[int, Event] = {}  # bucket -> copy of its state from the host, not yet waited for
-        self.stale = False  # the device holds updates the host copy has not seen
+        self.dirty: set[int] = set()  # buckets whose host copy is stale or absent (the device holds newer values)
+        self.fills: dict[int, tuple[Event, ...]] = {}  # bucket -> the copies that read its parked host copy
         self.counters = {"updates": 0, "state_h2d_bytes": 0, "state_d2h_bytes": 0, "grad_h2d_bytes": 0}
         self.demoted = 0  # device-optimizer buckets of the active plan run with the host optimizer instead
+
+    @property
+    def stale(self) -> bool:
+        """The device holds state the host copy has not seen (or the host has no copy of)."""
+        return bool(self.dirty)
 
     def owns(self, b: int) -> bool:
         """Bucket ``b``'s optimizer is on the device now (its update belongs here, not to the CPU lane)."""
@@ -91,9 +99,11 @@ class DeviceOptimizer:
         lowp = ctx.dtype != torch.float32
         read_after = read_after_update(plan)
         self.demoted = len(read_after)
+        homed = frozenset(plan.device_optimizer) - read_after if plan is self.executor.train_plan else host.away
         for b in plan.device_optimizer:
             if b in read_after:
                 continue  # run as a resident bucket with the host optimizer: [Note: read after the update]
+            host.require_copy(b)  # a device-homed bucket comes in from its parked copy
             bucket = plan.buckets[b]
             n, k_w, k_s = bucket.trainable_numel, plan.resident_buffer[b], plan.state_buffer[b]
             if k_w is None or k_s is None:
@@ -113,22 +123,48 @@ class DeviceOptimizer:
                 self.filled[b] = ctx.backend.h2d(dst, src, waits)
                 self.counters["state_h2d_bytes"] += dst.numel() * 4
             self.state[b] = state
+            self.fills[b] = tuple(e for e in (self.filled[b], self.slots.h2d_event.get(b)) if e is not None)
+        if homed != host.away:
+            self._rehome(homed)
+
+    def _rehome(self, homed: frozenset[int]) -> None:
+        """The training plan changed which buckets are device-homed ([Note: device-homed buckets] in
+        ``host/state.py``): once the copies in from the old host arena are done, lay it out again. A bucket
+        leaving the host has no host copy from now on (``dirty``: the next read parks one)."""
+        ctx, host = self.ctx, self.slots.hosted()
+        leaving = homed - host.away
+        ctx.cpu.drain()  # no CPU AdamW still writes the old arena (the updates of the step that re-planned)
+        ctx.backend.synchronize()  # every copy reading the old arena (weights, state) has landed
+        old = host.rehome(homed)
+        ctx.backend.unpin_host(old)
+        ctx.backend.pin_host(host.arena)
+        del old  # its last reference: the old region goes back to the system
+        self.dirty |= leaving
+        for b in leaving:
+            self.fills.pop(b, None)  # nothing parked to free
+        host.show_state(ctx.optimizer, list(ctx.params), range(len(host.buckets)))  # every view moved
 
     def deactivate(self) -> None:
         """The arena goes (the backend synchronized): hand the state back to the host first."""
         self.sync_to_host()
         self.state.clear()
         self.filled.clear()
+        self.fills.clear()
 
     def sync_to_host(self) -> None:
         """Bring the host copy of every device-optimizer bucket up to date (no-op when it is)."""
-        if not self.stale:
+        if not self.dirty:
             return
         ctx, host = self.ctx, self.slots.hosted()
         lowp = ctx.dtype != torch.float32
         start = [ctx.backend.record()]  # after the updates issued so far on the compute stream
         copies = []
-        for b, state in self.state.items():
+        parked = [b for b in sorted(self.dirty) if b in host.away]
+        for b in parked:
+            host.park(b)  # device-homed: a host copy again, until its next update
+        host.show_state(ctx.optimizer, list(ctx.params), parked)
+        for b in sorted(self.dirty):
+            state = self.state[b]
             n = state.exp_avg.numel()
             pairs = [(host.exp_avg[b], state.exp_avg), (host.exp_avg_sq[b], state.exp_avg_sq)]
             if lowp:
@@ -140,7 +176,7 @@ class DeviceOptimizer:
                 self.counters["state_d2h_bytes"] += src.numel() * src.element_size()
         for event in copies:
             event.synchronize()
-        self.stale = False
+        self.dirty.clear()
 
     def reload(self) -> None:
         """The host state was written from outside (a loaded checkpoint): copy it in again."""
@@ -150,7 +186,8 @@ class DeviceOptimizer:
         self.ctx.backend.synchronize()
         self.state.clear()
         self.filled.clear()
-        self.stale = False
+        self.fills.clear()
+        self.dirty.clear()
         self.activate(plan, arena)
 
     # -- the update ------------------------------------------------------------------------------------
@@ -246,7 +283,13 @@ class DeviceOptimizer:
         """After bucket ``b``'s AdamW: the 16-bit weights from the new master; the host copy is stale."""
         if state.weights is not state.master:  # rounded to nearest even, as the host's 16-bit copy is
             state.weights[: state.master.numel()].copy_(state.master)
-        self.stale = True
+        self.dirty.add(b)
+        host = self.slots.hosted()
+        if b in host.away and b in host.parked:  # device-homed: its host copy is stale from now on, so it goes
+            for e in self.fills.pop(b, ()):
+                e.synchronize()  # the copies in that read it (issued at activation: long done)
+            host.drop(b)
+            host.show_state(self.ctx.optimizer, list(self.ctx.params), (b,))
         self.counters["updates"] += 1
         return self.ctx.backend.record()
 
@@ -320,7 +363,37 @@ class DeviceOptimizer:
         if plan is not None and plan.placement:
             out["buckets"] = len(plan.device_optimizer)
             out["bytes"] = placement_bytes(plan.buckets, plan.itemsize, plan.placement)
+        host = self.slots.host
+        if host is not None and self.ctx.dp is None:  # a rank's sharded host state has its own layout
+            out.update(host_bytes(host, plan))
         return out
+
+
+def host_bytes(host: HostState, plan: Plan | None) -> dict:
+    """The host side of each placement ([Note: device-homed buckets] in ``host/state.py``), measured from the
+    host arena's regions (unaligned; the arena adds alignment and the shared grad ring, ``host_ring_bytes``):
+    ``host_bytes`` and ``host_bytes_per_param`` per placement of ``plan`` ("device-homed" where the plan
+    runs a device-optimizer bucket with the host optimizer, [Note: read after the update], its bytes are
+    still on the host and counted under "device-optimizer"; "host" before the first plan); the parked host
+    copies of device-homed state (pageable, outside the arena: only between a read of the state or the
+    arena's going and the bucket's next device update); the fp32 grad sums device-homed buckets keep on the
+    host with ``overlap_optimizer=False``."""
+    where: list[str] = ["host"] * len(host.buckets)
+    if plan is not None and plan.placement and len(plan.placement) == len(host.buckets):
+        where = [x.value for x in plan.placement]
+    nbytes: dict[str, int] = {}
+    params: dict[str, int] = {}
+    for b, bucket in enumerate(host.buckets):
+        nbytes[where[b]] = nbytes.get(where[b], 0) + host.region_bytes(b)
+        params[where[b]] = params.get(where[b], 0) + bucket.numel
+    away = host.away
+    grad_sums = sum(host.buckets[b].trainable_numel * 4 for b in away) if host.grad else 0
+    return {"host_bytes": nbytes,
+            "host_bytes_per_param": {k: nbytes[k] / params[k] for k in nbytes if params[k]},
+            "host_ring_bytes": host.layout.ring_bytes,
+            "host_parked_bytes": host.parked_bytes,
+            "device_homed_buckets": len(away),
+            "host_grad_sum_bytes_device_homed": grad_sums}
 
 
 

@@ -255,39 +255,54 @@ class GradPipeline:
                 self.norms.update(self._slot_norms(view, got))
         waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]
         ctx.stats["d2h_bytes"] += nbytes
-        # The copy never converts: it lands in pinned host memory of the slot's dtype ([Note: host grads]
-        # in buckets.py): bytes of the host's grad ring, lent until the CPU lane has read them, or the fp32 sum
-        # itself ([Note: grad staging ring]); it waits for the readers of what those bytes held before.
         first = earlier is None
-        dst = host.landing(b, first=first)
-        waits += dst.after
-        if earlier is not None:
-            waits.append(earlier.ready)  # the previous pass's sum is done
-        d2h = ctx.backend.d2h(dst.view, view, waits)
-        if not self.deferred or dst.view is host.grad_sum(b):  # the update reads the landed grads (or the sum)
-            ready = d2h
-        else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane
-            ready = ctx.cpu.submit(lambda: self._accumulate(b, got, first, dst.view), [d2h, *(
-                [earlier.ready] if earlier is not None else [])], f"gradient accumulation of bucket {b}")
-            host.staged_read_by(dst.lent, ready)
-        ctx.lane_log.add("d2h", b, nbytes, d2h)
-        self.copies.append(d2h)
+        # The issue-18 first step's held grads are copied out whole, whatever pieces they crossed in.
+        kept = torch.empty(view.numel(), dtype=view.dtype) if self.held is not None else None
+        spans = host.chunks(b, first)  # [Note: chunked grad staging] in buckets.py
+        for lo, hi in spans:
+            ready, d2h = self._copy_piece(b, got, view, waits, earlier, lo, hi, last=hi == spans[-1][1],
+                                          kept=kept, piecewise=len(spans) > 1)
         if k is not None:
             slots.done[k] = d2h
         else:
             slots.free_after(d2h, nbytes, view)
         self.pending[b] = PendingGrads((earlier.params if earlier else frozenset()) | got, ready)
-        if self.held is not None:  # issue 18: the first step's updates wait for its plan (release_held)
+        if kept is not None and self.held is not None:
+            self.held.append((b, got, ready, kept))
+
+    def _copy_piece(self, b: int, got: frozenset[int], view: torch.Tensor, waits: list[Event],
+                    earlier: PendingGrads | None, lo: int, hi: int, last: bool, kept: torch.Tensor | None,
+                    piecewise: bool) -> tuple[Event, Event]:
+        """Grads ``[lo, hi)`` of bucket ``b`` (its slot ``view``) to the host and, on the CPU lane, their reader:
+        the update of those elements, their widening or adding into the fp32 sum, or (first step, held) their
+        copy into ``kept``. Returns (the event after which the reader's input is ready, the copy's event)."""
+        ctx, host, slots = self.ctx, self.slots.hosted(), self.slots
+        first = earlier is None
+        # The copy never converts: it lands in pinned host memory of the slot's dtype ([Note: host grads]
+        # in buckets.py): bytes of the host's grad ring, lent until the CPU lane has read them, or the fp32 sum
+        # itself ([Note: grad staging ring]); it waits for the readers of what those bytes held before.
+        dst = host.landing(b, first, lo, hi)
+        after = [*waits, *dst.after] + ([earlier.ready] if earlier is not None else [])  # the previous sum is done
+        d2h = ctx.backend.d2h(dst.view, view[lo:hi], after)
+        if not self.deferred or dst.view is host.grad_sum(b):  # the update reads the landed grads (or the sum)
+            ready = d2h
+        else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane
+            staged = dst.view
+            ready = ctx.cpu.submit(lambda: self._accumulate(b, got, first, staged, lo, last), [d2h, *(
+                [earlier.ready] if earlier is not None else [])], f"gradient accumulation of bucket {b}")
+            host.staged_read_by(dst.lent, ready)
+        ctx.lane_log.add("d2h", b, (hi - lo) * ctx.itemsize, d2h)
+        self.copies.append(d2h)
+        if kept is not None:  # issue 18: the first step's updates wait for its plan (release_held)
             # The ring cannot wait with them (a later copy over these bytes would need their reader): the
             # grads are copied out to pageable memory on the CPU lane, first step only, and the ring bytes go.
-            kept = torch.empty_like(dst.view, device="cpu")
-            src = dst.view
-            out = ctx.cpu.submit(lambda: kept.copy_(src), [ready], f"first-step grads of bucket {b} held")
-            host.staged_read_by(dst.lent, out)
-            self.held.append((b, got, out, kept))
+            src, out_view = dst.view, kept[lo:hi]
+            ready = ctx.cpu.submit(lambda: out_view.copy_(src), [ready], f"first-step grads of bucket {b} held")
+            host.staged_read_by(dst.lent, ready)
         elif not self.deferred:
-            self._submit_update(b, got, ready, grads=dst.view)
+            self._submit_update(b, got, ready, grads=dst.view, span=(lo, hi) if piecewise else None)
             host.staged_read_by(dst.lent, slots.adam_event[b])
+        return ready, d2h
 
     def _slot_norms(self, view: torch.Tensor, params: Iterable[int]) -> dict[int, torch.Tensor]:
         dtype = None if self.ctx.dtype == torch.float32 else torch.float32
@@ -295,17 +310,21 @@ class GradPipeline:
         specs = self.ctx.specs
         return {p: torch.linalg.vector_norm(view[off[p]: off[p] + specs[p].numel], dtype=dtype) for p in params}
 
-    def _accumulate(self, b: int, got: frozenset[int], first: bool, staged: torch.Tensor) -> None:
-        """CPU lane: fold one backward's grads of bucket ``b`` (in the grad ring, ``staged``) into the fp32 sum:
-        widen them (the step's ``first``) or add them, and renew the norms of an added sum."""
+    def _accumulate(self, b: int, got: frozenset[int], first: bool, staged: torch.Tensor, lo: int = 0,
+                    last: bool = True) -> None:
+        """CPU lane: fold one backward's grads of bucket ``b`` (in the grad ring, ``staged``, from element ``lo``)
+        into the fp32 sum: widen them (the step's ``first``) or add them, and, with the ``last`` piece, renew
+        the norms of an added sum."""
         host = self.slots.hosted()
-        host.take_staged(b, first, staged)
-        if not first:
+        host.take_staged(b, first, staged, lo)
+        if not first and last:
             self.norms.update(host.grad_norms(b, got))
 
     def _submit_update(self, b: int, params: Iterable[int], ready: Event, hparams: HParams | None = None,
-                       factors: tuple[float, ...] = (), grads: torch.Tensor | None = None) -> None:
-        """AdamW of bucket ``b`` on the CPU lane after ``ready``, from ``grads`` (in the grad ring) or its fp32 sum."""
+                       factors: tuple[float, ...] = (), grads: torch.Tensor | None = None,
+                       span: tuple[int, int] | None = None) -> None:
+        """AdamW of bucket ``b`` on the CPU lane after ``ready``, from ``grads`` (in the grad ring) or its fp32 sum;
+        ``span``: only those elements (one piece of the ring: [Note: chunked grad staging] in buckets.py)."""
         slots = self.slots
         hp = hparams or self.hparams
         ps = frozenset(params)
@@ -316,7 +335,7 @@ class GradPipeline:
             slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors, grads),
                                                    waits)
         else:
-            slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors, grads), waits,
+            slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors, grads, span), waits,
                                                       f"AdamW of bucket {b}")
         self.ctx.lane_log.add("cpu_adam", b, 0, slots.adam_event[b])
 

@@ -282,7 +282,9 @@ def _render(report, console: Console) -> None:
                 f"[bold]with optimizer state on the device[/bold] (what OffloadConfig(device_optimizer=True) runs): "
                 f"{dev['predicted_step_s']:.3f} s; weights streamed {format_bytes(tiers['streamed'])}, resident "
                 f"{format_bytes(tiers['resident'])}, with device optimizer {format_bytes(tiers['device-optimizer'])} "
-                f"(+ {format_bytes(tiers['device_optimizer_state'])} of fp32 master, m, v)")
+                f"(+ {format_bytes(tiers['device_optimizer_state'])} of fp32 master, m, v); host arena "
+                f"{format_bytes(dev['host_bytes'])}, {dev['host_bytes'] / report.params:.2f} bytes per parameter "
+                "(no host state for device-optimizer buckets)")
     ckpt = report.checkpointed_activation_bytes
     if ckpt is not None:
         console.print(f'activations with every block checkpointed (estimate, the engine\'s rule for '

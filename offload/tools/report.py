@@ -27,8 +27,9 @@ import torch
 from ..errors import BudgetTooSmallError, InvariantError, ReportError
 from ..host.state import HOST_RAM_HEADROOM
 from ..planning.activations import ActivationProfile, activation_bytes, choose_checkpoints
-from ..planning.buckets import GRAD_RING_SLOTS, host_layout, make_buckets, resolve_bucket_bytes
+from ..planning.buckets import GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, host_layout, make_buckets, resolve_bucket_bytes
 from ..planning.placement import placement_bound, placement_bytes
+from ..runtime.device_optim import read_after_update
 from ..planning.plan import BufferKind, Plan, align
 from ..planning.schedule import build_plan, forward_min_budget, plan_bound
 from .baselines import Case, gemini_cpu, zero3_offload, zero_offload
@@ -190,6 +191,12 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         device_plan = {"predicted_step_s": dev.simulated.step_s, "device_optimizer_buckets": len(dev.device_optimizer),
                        "placement_bytes": placement_bytes(dev.buckets, itemsize, dev.placement),
                        "runtime": "what the engine runs with OffloadConfig(device_optimizer=True); `plan` without"}
+        # issue 18: device-homed buckets keep no master, copy, m or v on the host ([Note: device-homed buckets])
+        lowp_size = itemsize if request.dtype != torch.float32 else 0
+        away = frozenset(dev.device_optimizer) - read_after_update(dev)
+        device_plan["host_bytes"] = host_layout(buckets, lowp_size, request.dtype == torch.float16,
+                                                ring=GRAD_RING_SLOTS, away=away,
+                                                chunk_bytes=GRAD_RING_CHUNK_BYTES).total_bytes
     acts = None
     if overflow == "activations":  # what per-block checkpointing would save: one more forward, per block
         progress("counting activations per block")
@@ -278,7 +285,7 @@ def host_breakdown(buckets, lowp_itemsize: int, accumulate: bool = False) -> dic
     ``buckets.py``)."""
     numel = sum(b.numel for b in buckets)
     trainable = sum(b.trainable_numel for b in buckets)
-    layout = host_layout(buckets, lowp_itemsize, accumulate, ring=GRAD_RING_SLOTS)
+    layout = host_layout(buckets, lowp_itemsize, accumulate, ring=GRAD_RING_SLOTS, chunk_bytes=GRAD_RING_CHUNK_BYTES)
     out = dict.fromkeys(BREAKDOWN, 0)
     master = trainable if lowp_itemsize else numel  # with a 16-bit copy, frozen parameters have no fp32 master
     ring = layout.ring_bytes

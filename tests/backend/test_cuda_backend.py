@@ -184,6 +184,25 @@ def test_pin_host_registers_the_exact_arena_once_and_close_unregisters():
     assert len(sim.fake_cudart.calls) == 2
 
 
+def test_unpin_host_unregisters_that_arena_only():
+    """Issue 18: a re-plan that re-sizes the host arena unpins the old one (so its memory can go)."""
+    backend, sim = _backend()
+    old, new = HostArena(2**20), HostArena(3 * 2**20)
+    backend.pin_host(old)
+    backend.pin_host(new)
+    ref = weakref.ref(old)
+    backend.unpin_host(old)
+    assert sim.fake_cudart.calls[-1] == ("unregister", old.data_ptr)
+    assert backend.pinned_bytes == new.size_bytes
+    backend.unpin_host(old)  # not pinned any more: nothing to do
+    assert sim.fake_cudart.calls[-1] == ("unregister", old.data_ptr) and len(sim.fake_cudart.calls) == 3
+    del old
+    gc.collect()
+    assert ref() is None  # the registry no longer keeps it alive
+    backend.close()
+    assert sim.fake_cudart.registered == {}
+
+
 def test_pinned_arena_lives_until_unregistered_and_gc_unregisters():
     backend, sim = _backend()
     arena = HostArena(2**20)

@@ -203,3 +203,53 @@ def test_fused_needs_the_kernel(monkeypatch):
     with pytest.raises(KernelUnavailableError, match="kernel"):
         HostState(make_buckets(SPECS, range(len(SPECS)), 4 * 4000, 4), SPECS,
                   [torch.Size([s.numel]) for s in SPECS], None, fused=True)
+
+
+@pytest.mark.parametrize("lowp", LOWP)
+@pytest.mark.parametrize("fused", PATHS)
+def test_an_update_in_pieces_is_the_whole_update(fused, lowp):
+    """[Note: chunked grad staging]: pieces of a bucket (cut across parameters and runs), each with its own grads
+    view, give the whole update's bytes, and the step counts go up once, with the last piece."""
+    whole, grads = _host(lowp, fused)
+    pieces, _ = _host(lowp, fused)
+    for b, bucket in enumerate(whole.buckets):
+        params = frozenset(p for p in bucket.params if SPECS[p].group is not None)
+        piece_grads = grads[b].clone()  # the torch path scales grads in place
+        whole.update(b, params, HPARAMS, (0.5,), grads[b])
+        n = bucket.trainable_numel
+        cuts = [0, 1, 700, 701, n - 3, n]
+        for lo, hi in zip(cuts, cuts[1:]):
+            before = list(pieces.steps)
+            pieces.update(b, params, HPARAMS, (0.5,), piece_grads[lo:hi], span=(lo, hi))
+            assert pieces.steps == (before if hi < n else whole.steps)
+        for name in ("master", "exp_avg", "exp_avg_sq") + (("lowp",) if lowp else ()):
+            assert torch.equal(getattr(pieces, name)[b], getattr(whole, name)[b]), (b, name)
+
+
+def test_rehome_moves_every_region_exactly_and_parks_on_demand():
+    """[Note: device-homed buckets]: a bucket made device-homed loses its regions (a smaller arena), comes back
+    home from its parked copy bit for bit; the others' regions and the grad sums move with the arena."""
+    host, _ = _host(torch.bfloat16, False, accumulate=True)
+    regions = ("master", "lowp", "exp_avg", "exp_avg_sq", "grad")
+    before = {name: [t.clone() for t in getattr(host, name)] for name in regions}
+    full = host.nbytes
+    old = host.rehome(frozenset({0}))
+    assert host.nbytes < full and old.size_bytes == full and host.away == {0}
+    assert not host.has_copy(0) and host.parked_bytes == 0 and host.region_bytes(0) == 4 * host.buckets[0].trainable_numel
+    with pytest.raises(InvariantError, match="no host copy"):
+        host.read_param(0)
+    with pytest.raises(InvariantError, match="without a host copy"):
+        host.rehome(frozenset())  # bucket 0 has nothing to come home with
+    host.park(0)  # what the device optimizer does before copying the device state back
+    for name in ("master", "lowp", "exp_avg", "exp_avg_sq"):
+        getattr(host, name)[0].copy_(before[name][0])
+    assert host.parked_bytes > 0
+    host.rehome(frozenset())
+    assert host.nbytes == full and not host.parked and host.has_copy(0)
+    for name in regions:
+        for b, value in enumerate(before[name]):
+            assert torch.equal(getattr(host, name)[b], value), (name, b)
+    host.rehome(frozenset({1}))
+    host.park(1)
+    host.drop(1)
+    assert not host.has_copy(1) and host.parked_bytes == 0

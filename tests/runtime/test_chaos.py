@@ -195,8 +195,8 @@ def test_chaos_catches_a_grad_copy_that_does_not_wait_for_its_ring_slot(monkeypa
 
     landing = HostState.landing
 
-    def no_wait(self, b, first):
-        got = landing(self, b, first)
+    def no_wait(self, b, first, *piece):
+        got = landing(self, b, first, *piece)
         return Landing(got.view, got.lent, ())
 
     want = train(CASES["gpt"](), 3)

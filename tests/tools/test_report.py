@@ -456,3 +456,7 @@ def test_placement_bound_and_the_device_optimizer_plan(factories, monkeypatch):
         b.nbytes(roomy.plan.itemsize) for b in roomy.plan.buckets)
     assert dev["device_optimizer_buckets"] > 0 and tiers["device_optimizer_state"] > 0  # room for state: used
     assert not roomy.plan.device_optimizer  # the plan the runtime gets has none
+    # no host master, 16-bit copy, m or v for device-optimizer buckets: 12 bytes a parameter less in fp32 (3 a
+    # weight byte), 14 in 16 bits (7 a weight byte)
+    per_weight_byte = {4: 3, 2: 7}[roomy.plan.itemsize]
+    assert data["host_bytes"]["total"] - dev["host_bytes"] >= per_weight_byte * tiers["device-optimizer"] > 0

@@ -1,0 +1,83 @@
+"""[Note: chunked grad staging] (issue 18, offload/planning/buckets.py): grads of a bucket larger than one ring
+piece cross to the host in pieces, each read by its own piece of the bucket's update (or of its fold into the
+fp32 sum) on the CPU lane, so the ring holds ``GRAD_RING_SLOTS`` pieces, not the largest buckets. The pieces
+change no number: every test trains with pieces far smaller than the tiny models' buckets and compares with
+the same training in whole buckets (and, in fp32 through torch's arithmetic, with plain PyTorch), bit for bit.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import offload.host.state
+from offload.planning.buckets import GRAD_RING_SLOTS, HOST_ALIGN
+from offload.testing.chaos import ChaosConfig
+from tests.support.loops import ADAMW, train_streamed
+from tests.support.models import CASES, run
+
+PIECE = 4 * HOST_ALIGN  # bytes: 64 fp32 or 128 bf16 grads, far below the test GPT's buckets
+
+
+def _pieces(engine) -> dict:
+    host = engine._runtime.slots.hosted()
+    return {"ring_bytes": host.layout.ring_bytes, "chunk": host.chunk,
+            "largest": max(b.trainable_numel for b in host.buckets)}
+
+
+def assert_same(got, want) -> None:
+    assert got[0] == want[0], "losses differ"
+    assert got[1].keys() == want[1].keys()
+    for name, value in want[1].items():
+        assert torch.equal(got[1][name], value), name
+
+
+FEATURES = {
+    "fp32-torch": dict(fused=False),
+    "fp32-fused": dict(),
+    "bf16": dict(dtype=torch.bfloat16),
+    "bf16-accumulate-clip": dict(dtype=torch.bfloat16, accumulate=2, clip=0.05),
+    "fp16": dict(dtype=torch.float16),
+    "fp32-accumulate": dict(accumulate=2),
+}
+
+
+@pytest.mark.parametrize("features", FEATURES.values(), ids=FEATURES.keys())
+def test_pieces_train_as_whole_buckets_bit_for_bit(monkeypatch, features):
+    want = train_streamed(CASES["gpt"](), 3, inspect=_pieces, **features)
+    monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)
+    got = train_streamed(CASES["gpt"](), 3, inspect=_pieces, **features)
+    assert_same(got, want)
+    ring = got[3]
+    # the ring holds GRAD_RING_SLOTS pieces, each far smaller than the largest bucket (which no longer fits it)
+    assert ring["ring_bytes"] == GRAD_RING_SLOTS * PIECE < ring["largest"] * 2
+    assert ring["ring_bytes"] < want[3]["ring_bytes"] and ring["chunk"] * 8 < ring["largest"]
+
+
+def test_pieces_under_chaos_bit_for_bit(monkeypatch):
+    """Every lane delayed at random: a piece's copy must wait for the reader of the ring bytes it reuses
+    (the update of an earlier piece, of this bucket or another)."""
+    want = train_streamed(CASES["gpt"](), 4, dtype=torch.bfloat16)
+    monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)
+    got = train_streamed(CASES["gpt"](), 4, dtype=torch.bfloat16, chaos=ChaosConfig(seed=0, max_delay_ms=2))
+    assert_same(got, want)
+
+
+def test_pieces_are_plain_pytorch_bit_for_bit(monkeypatch):
+    """fp32 through offload.AdamW(fused=False): torch.optim.AdamW's numbers, one piece at a time."""
+    monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)
+    case = CASES["gpt"]()
+    ref = copy.deepcopy(case.model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    want = []
+    for step in range(4):
+        batch = case.make_batch(step)
+        loss = case.loss_fn(run(ref, batch), batch)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(loss.item())
+    got = train_streamed(case, 4, fused=False)
+    assert got[0] == want
+    for name, value in ref.state_dict().items():
+        assert torch.equal(got[1][name], value), name
