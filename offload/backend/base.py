@@ -113,6 +113,11 @@ class Backend(Protocol):
         """Worker threads of this backend still running (0 once closed)."""
         ...
 
+    def onepass_adamw(self) -> Callable[..., None] | None:
+        """The device's one-pass AdamW for device-optimizer buckets (``cupy_adamw.adamw_step_device``'s
+        signature), or None where there is none (torch's fused AdamW is used then)."""
+        ...
+
     def close(self) -> None:
         """Finish the copies and release what the backend holds (streams, threads, pinned memory). Idempotent."""
         ...

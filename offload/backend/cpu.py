@@ -122,6 +122,10 @@ class CPUBackend:
         """The copy lanes' threads still running (each starts at its first copy)."""
         return int(self._h2d.alive) + int(self._d2h.alive)
 
+    def onepass_adamw(self) -> None:
+        """None: device-optimizer buckets use torch's AdamW on the CPU backend (the tested numerics path)."""
+        return None
+
     def close(self) -> None:
         """Run the copies submitted, then stop and join the lanes' threads. Idempotent."""
         self._h2d.close()

@@ -524,6 +524,15 @@ class CUDABackend:
     def threads_alive(self) -> int:
         return 0  # CUDA streams, no threads of our own
 
+    def onepass_adamw(self) -> Callable[..., None] | None:
+        """cupy's one-pass AdamW (``backend/cupy_adamw.py``) where cupy imports and this is a real device (not
+        a simulated one); ``OFFLOAD_DEVICE_ADAMW=torch`` turns it off (torch's fused AdamW then)."""
+        if os.environ.get("OFFLOAD_DEVICE_ADAMW", "auto") == "torch" or type(self._api) is not CudaAPI:
+            return None
+        from . import cupy_adamw
+
+        return cupy_adamw.adamw_step_device if cupy_adamw.available() else None
+
     def close(self) -> None:
         """Wait for the copies, unregister pinned host memory, drop the streams. Idempotent."""
         if self._closed:

@@ -33,12 +33,13 @@ The step counts are host metadata both tiers share (``HostState.steps``, the ten
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
 from ..backend.base import Event
 from ..errors import InvariantError
+from ..host.cpu_adam import kernel_info
 from ..optim import adamw_
 from ..planning.buckets import locate
 from ..planning.placement import placement_bytes
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
 
 
 FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_")  # else torch's single-tensor ops (the bitwise path)
+# the one-pass kernel matches the host kernel's instruction set: fused multiply-adds unless it runs "baseline"
+HOST_FMA = kernel_info().get("isa") != "baseline"
 MAX_PIECE_BYTES = 64 << 20  # the most a summed-grad piece takes on the device ([Note: deferred device updates])
 HParams = list[tuple[float, float, float, float, float]]  # AdamW.hparams(): per param group
 
@@ -76,6 +79,8 @@ class DeviceOptimizer:
         self.filled: dict[int, Event] = {}  # bucket -> copy of its state from the host, not yet waited for
         self.dirty: set[int] = set()  # buckets whose host copy is stale or absent (the device holds newer values)
         self.fills: dict[int, tuple[Event, ...]] = {}  # bucket -> the copies that read its parked host copy
+        self._kernel: Callable[..., None] | None = None  # the backend's one-pass AdamW, if it has one
+        self._kernel_asked = False
         self.counters = {"updates": 0, "state_h2d_bytes": 0, "state_d2h_bytes": 0, "grad_h2d_bytes": 0}
         self.demoted = 0  # device-optimizer buckets of the active plan run with the host optimizer instead
 
@@ -202,10 +207,10 @@ class DeviceOptimizer:
             raise InvariantError("a device update runs outside a backward")
         state = self._ready(b)
         step = self._step_fn()
-        chunk = self._widen_chunk(grad)
+        chunk = 0 if step == self._onepass else self._widen_chunk(grad)
         for s, e, count, hp in self._segments(b, params, hparams):
             self._chunked(step, state, grad, s, e, count, hp, chunk)
-        event = self._updated(b, state)
+        event = self._updated(b, state, rounded=step == self._onepass)
         if buffer is not None:
             self.slots.done[buffer] = event  # the grad slot may be reused after the update read it
         else:
@@ -228,7 +233,7 @@ class DeviceOptimizer:
         chunk = self._step_chunk(summed.numel())
         piece = ctx.backend.empty(chunk * 4).view(torch.float32)
         ctx.memory.add("slots", chunk * 4)
-        fused = step is self._fused
+        fused = step is self._fused or step == self._onepass
         scale = 1.0
         for f in factors:
             scale *= f
@@ -249,7 +254,7 @@ class DeviceOptimizer:
                     self.counters["grad_h2d_bytes"] += (hi - lo) * 4
         finally:
             ctx.memory.add("slots", -chunk * 4)
-        return self._updated(b, state)
+        return self._updated(b, state, rounded=step == self._onepass)
 
     def _ready(self, b: int) -> DeviceState:
         """Bucket ``b``'s state, once its copy from the host has landed."""
@@ -259,7 +264,27 @@ class DeviceOptimizer:
         return self.state[b]
 
     def _step_fn(self):
-        return self._fused if self.ctx.optimizer.fused and FUSED_AVAILABLE else self._plain
+        """The device AdamW: with ``offload.AdamW(fused=True)`` (the default) the backend's one-pass kernel
+        where it has one (CUDA with the cupy extra: the host kernel's numbers, see ``backend/cupy_adamw.py``),
+        else torch's ``_fused_adamw_``; with ``fused=False`` torch's single-tensor ops (torch's numbers)."""
+        if not self.ctx.optimizer.fused:
+            return self._plain
+        if not self._kernel_asked:
+            self._kernel, self._kernel_asked = self.ctx.backend.onepass_adamw(), True
+        if self._kernel is not None:
+            return self._onepass
+        return self._fused if FUSED_AVAILABLE else self._plain
+
+    def _onepass(self, state: DeviceState, grad: torch.Tensor, gs: int, ge: int, s: int, e: int, step: int,
+                 hp: tuple[float, float, float, float, float]) -> None:
+        """The backend's one-pass kernel: reads the grad in its own dtype (no widened temporary) and writes
+        the 16-bit weights of ``[s, e)`` with the master, m and v (``_updated`` then copies nothing)."""
+        lr, b1, b2, eps, wd = hp
+        lowp = None if state.weights is state.master else state.weights[s:e]
+        if self._kernel is None:
+            raise InvariantError("the one-pass device AdamW ran without a kernel")
+        self._kernel(state.master[s:e], grad[gs:ge], state.exp_avg[s:e], state.exp_avg_sq[s:e], step=step, lr=lr,
+                     beta1=b1, beta2=b2, eps=eps, weight_decay=wd, lowp_out=lowp, fma=HOST_FMA)
 
     def _segments(self, b: int, params: frozenset[int], hparams: HParams):
         """(start, end, step count after it, hyperparameters) of each piece of bucket ``b`` one AdamW call
@@ -279,9 +304,10 @@ class DeviceOptimizer:
                     yield off, off + ctx.specs[p].numel, host.steps[p] + 1, hp
                     host.count_steps((p,))
 
-    def _updated(self, b: int, state: DeviceState) -> Event:
-        """After bucket ``b``'s AdamW: the 16-bit weights from the new master; the host copy is stale."""
-        if state.weights is not state.master:  # rounded to nearest even, as the host's 16-bit copy is
+    def _updated(self, b: int, state: DeviceState, rounded: bool = False) -> Event:
+        """After bucket ``b``'s AdamW: the 16-bit weights from the new master (unless the kernel wrote them:
+        ``rounded``); the host copy is stale."""
+        if state.weights is not state.master and not rounded:  # to nearest even, as the host's 16-bit copy is
             state.weights[: state.master.numel()].copy_(state.master)
         self.dirty.add(b)
         host = self.slots.hosted()
@@ -313,8 +339,8 @@ class DeviceOptimizer:
         device that needs a temporary the plan has no buffer for, so it is made a piece at a time, no larger
         than the plan's room for the largest grad autograd materialises (``Trace.max_grad_bytes``): when a
         bucket's grads are complete its last grad has already moved into the grad slot, so that room is
-        free. AdamW is elementwise, so the pieces change no number. (A one-pass kernel reading the 16-bit
-        grad directly, e.g. cupy's, would need none: not done.)"""
+        free. AdamW is elementwise, so the pieces change no number. (The backend's one-pass kernel, where it
+        has one, reads the 16-bit grad directly and needs none: ``_onepass``.)"""
         if grad.dtype == torch.float32:
             return 0
         plan = self.executor.plan
@@ -356,10 +382,19 @@ class DeviceOptimizer:
 
     # -- reporting -------------------------------------------------------------------------------------
 
+    def kernel_name(self) -> str:
+        """Which AdamW updates device-optimizer buckets: "one-pass" (the backend's, cupy), "torch-fused" or
+        "torch" (single-tensor ops); the first device update decides (before it: "unchosen")."""
+        if not self.ctx.optimizer.fused:
+            return "torch"
+        if not self._kernel_asked:
+            return "unchosen"
+        return "one-pass" if self._kernel is not None else ("torch-fused" if FUSED_AVAILABLE else "torch")
+
     def stats(self, plan: Plan | None) -> dict:
         """Bytes per placement of ``plan`` (the training plan) and this tier's counters."""
         out: dict = {"enabled": self.ctx.config.device_optimizer, "buckets": 0, "bytes": None,
-                     "demoted_buckets": self.demoted, **self.counters}
+                     "demoted_buckets": self.demoted, "kernel": self.kernel_name(), **self.counters}
         if plan is not None and plan.placement:
             out["buckets"] = len(plan.device_optimizer)
             out["bytes"] = placement_bytes(plan.buckets, plan.itemsize, plan.placement)
