@@ -188,6 +188,39 @@ class GradPipeline:
         if len(got) >= len(expected) and got >= expected:
             self.finish(b)
 
+    def gather_in_order(self, p: int, param: nn.Parameter) -> None:
+        """:meth:`gather` for a fast step's grad that came in the plan's order ([Note: the fast path] in
+        fast_path.py), once its bucket's slot is taken: the same copy into the same cached view, the same
+        completion test, with the per-grad bookkeeping that cancels out left out (the grad's bytes are counted
+        in the peak, not added and taken off again with a timeline sample each). A bucket's first grad, or a
+        slot without cached views, goes through :meth:`gather` as before."""
+        b = self.slots.bucket_of[p]
+        views = self.param_views.get(b)  # present only while ``b`` is gathered in a plan buffer: not finished
+        grad = param.grad
+        if grad is None:
+            raise InvariantError(f"parameter {p}: its post-accumulate-grad hook ran without a grad")
+        if views is None:
+            nbytes = grad.numel() * grad.element_size()
+            del grad
+            self.ctx.memory.add("grads", nbytes)  # as Runtime._on_grad does for gather
+            self.gather(p, param, nbytes)
+            return
+        self.ctx.memory.passing(grad.numel() * grad.element_size())
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            with torch.no_grad():
+                views[p].copy_(grad)
+        else:
+            views[p].copy_(grad)
+        param.grad = None
+        del grad
+        got = self.received.get(b)
+        if got is None:
+            got = self.received[b] = set()
+        got.add(p)
+        expected = self._expected(b)
+        if len(got) >= len(expected) and got >= expected:
+            self.finish(b)
+
     def _expected(self, b: int) -> frozenset[int]:
         """Bucket ``b``'s parameters this step touched: the grads to wait for. Cached per bucket while the
         step's touched set is unchanged (it only grows, and a new step has a new recorder), since every
