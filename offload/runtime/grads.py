@@ -180,20 +180,11 @@ class GradPipeline:
         param.grad = None
         del grad, src
         self.ctx.memory.add("grads", -nbytes)
-        got = self.received.get(b)
-        if got is None:
-            got = self.received[b] = set()
-        got.add(p)
-        expected = self._expected(b)
-        if len(got) >= len(expected) and got >= expected:
-            self.finish(b)
+        self._arrived(b, p)
 
     def gather_in_order(self, p: int, param: nn.Parameter) -> None:
-        """:meth:`gather` for a fast step's grad that came in the plan's order ([Note: the fast path] in
-        fast_path.py), once its bucket's slot is taken: the same copy into the same cached view, the same
-        completion test, with the per-grad bookkeeping that cancels out left out (the grad's bytes are counted
-        in the peak, not added and taken off again with a timeline sample each). A bucket's first grad, or a
-        slot without cached views, goes through :meth:`gather` as before."""
+        """:meth:`gather` for a fast step's grad in the plan's order ([Note: the fast path] in fast_path.py), less
+        the accounting that cancels out; a bucket's first grad (or a slot without cached views) goes to gather."""
         b = self.slots.bucket_of[p]
         views = self.param_views.get(b)  # present only while ``b`` is gathered in a plan buffer: not finished
         grad = param.grad
@@ -203,8 +194,7 @@ class GradPipeline:
             nbytes = grad.numel() * grad.element_size()
             del grad
             self.ctx.memory.add("grads", nbytes)  # as Runtime._on_grad does for gather
-            self.gather(p, param, nbytes)
-            return
+            return self.gather(p, param, nbytes)
         self.ctx.memory.passing(grad.numel() * grad.element_size())
         if torch.is_grad_enabled():  # backward(create_graph=True)
             with torch.no_grad():
@@ -213,6 +203,10 @@ class GradPipeline:
             views[p].copy_(grad)
         param.grad = None
         del grad
+        self._arrived(b, p)
+
+    def _arrived(self, b: int, p: int) -> None:
+        """Parameter ``p``'s grad is in bucket ``b``'s slot: send the bucket once all of its grads are in."""
         got = self.received.get(b)
         if got is None:
             got = self.received[b] = set()
