@@ -126,28 +126,35 @@ class Backend(Protocol):
 class HostEvent:
     """An :class:`Event` set by a lane (or born complete). Failures travel with it."""
 
-    __slots__ = ("_flag", "_error", "_what", "started", "finished")
+    __slots__ = ("_lock", "_done", "_error", "_what", "started", "finished")
 
     def __init__(self, done: bool = False, what: str = "") -> None:
-        self._flag = threading.Event()
+        # Held from birth until set(): a waiter passes through it once released. A lock, not a threading.Event
+        # (a Condition and a lock): ~0.3 us instead of ~5 us, for the ~30 made per training step (issue 17).
+        self._lock = threading.Lock()
+        self._done = done
+        if not done:
+            self._lock.acquire()
         self._error: BaseException | None = None
         self._what = what
         # time.perf_counter() when its lane began and ended the work (None: not run by a lane), for
         # Engine.export_timeline; two clock reads per item, nothing measurable beside a copy or an update.
         self.started: float | None = None
         self.finished: float | None = None
-        if done:
-            self._flag.set()
 
     def set(self, error: BaseException | None = None) -> None:
-        self._error = error
-        self._flag.set()
+        self._error = error  # before _done and the release: a waiter that gets through sees it
+        if not self._done:
+            self._done = True
+            self._lock.release()
 
     def query(self) -> bool:
-        return self._flag.is_set()
+        return self._done
 
     def synchronize(self) -> None:
-        self._flag.wait()
+        if not self._done:
+            with self._lock:  # released by set()
+                pass
         if self._error is not None:
             raise OffloadError(f"offload: {self._what or 'background work'} failed: {self._error!r}") \
                 from self._error

@@ -50,6 +50,13 @@ class DeviceMemory:
             self.peak = current
         self.samples.append((time.perf_counter(), current))
 
+    def passing(self, n: int) -> None:
+        """``n`` bytes held for an instant and let go (a fast step's gradient, copied into its slot as soon as
+        autograd made it): the peak as ``add(part, n)`` then ``add(part, -n)`` would leave it, without the two
+        timeline samples or part updates that cancel out ([Note: the fast path] in fast_path.py)."""
+        if self.current + n > self.peak:
+            self.peak = self.current + n
+
     def hold(self, key: int, nbytes: int) -> bool:
         """Count storage ``key`` as activations (once, however often it is held); True if it is new."""
         entry = self._held.get(key)

@@ -249,12 +249,17 @@ class Runtime:
     def _on_grad(self, param: nn.Parameter) -> None:
         ctx = self.ctx
         p = ctx.param_index[id(param)]
+        fast = self.fast
+        if fast.on and fast.in_order(p):  # [Note: the fast path]: the plan's next grad, nothing to decide
+            if ctx.phases.current is not Pass.BACKWARD:
+                self._begin_backward()
+            self.grads.gather_in_order(p, param)
+            return
         grad = param.grad
         nbytes = 0 if grad is None else grad.numel() * grad.element_size()
         del grad
         ctx.memory.add("grads", nbytes)  # autograd has materialised it; the grad pipeline lets it go
-        fast = self.fast
-        if fast.on or fast.hooks_removed:  # [Note: the fast path]: no plan position, no record to plan from
+        if fast.on or fast.hooks_removed:  # [Note: the fast path]: out of order, or a forward no hook saw
             fast.grad(p)
             self._begin_backward()
             self.grads.gather(p, param, nbytes)

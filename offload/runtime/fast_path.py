@@ -26,6 +26,11 @@ for the first step that is not fast), no use detector and no saved-tensor hooks.
   every trainable parameter, see ``begin``); one whose parameters did not all get a grad (a data-dependent
   branch skipped a module) is sent at the end of backward (``GradPipeline.flush``), with the grads that came,
   as plain torch gives the others none. No grad can be missed: no bucket goes before all of its grads came;
+* per grad: a grad that comes in the plan's order (``in_order``) is gathered by
+  ``GradPipeline.gather_in_order``: one ``copy_`` into its cached slot view and the completion test, as
+  ``gather`` does; its bytes count in the accounted peak (``DeviceMemory.passing``) instead of being added and
+  taken off again with a timeline sample each. The first grad of a bucket, and every grad out of order, go
+  through ``gather`` as on the full path;
 * departures: the fast forward cannot see module calls, so a different path is noticed where it matters, in
   backward: grads arrive in the plan's order (its GRAD events) or the step departs (``grad``). A departure
   moves grads gathered in plan buffers out of the arena and gathers the rest on demand (the plan's buffer
@@ -213,6 +218,16 @@ class FastPath:
 
     def forward_ended(self) -> None:
         self.forward_open = True
+
+    def in_order(self, p: int) -> bool:
+        """Parameter ``p``'s grad is the plan's next one in a step that has not departed (counted as
+        :meth:`grad` counts it); False leaves the position as it is, for :meth:`grad` to decide."""
+        pos = self._pos
+        keys = self._grad_keys
+        if not self.departed and pos < len(keys) and keys[pos] == p:
+            self._pos = pos + 1
+            return True
+        return False
 
     def grad(self, p: int) -> None:
         """Parameter ``p``'s grad arrives (before it is gathered): in the plan's order, or the step departs."""

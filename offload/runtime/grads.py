@@ -180,6 +180,33 @@ class GradPipeline:
         param.grad = None
         del grad, src
         self.ctx.memory.add("grads", -nbytes)
+        self._arrived(b, p)
+
+    def gather_in_order(self, p: int, param: nn.Parameter) -> None:
+        """:meth:`gather` for a fast step's grad in the plan's order ([Note: the fast path] in fast_path.py), less
+        the accounting that cancels out; a bucket's first grad (or a slot without cached views) goes to gather."""
+        b = self.slots.bucket_of[p]
+        views = self.param_views.get(b)  # present only while ``b`` is gathered in a plan buffer: not finished
+        grad = param.grad
+        if grad is None:
+            raise InvariantError(f"parameter {p}: its post-accumulate-grad hook ran without a grad")
+        if views is None:
+            nbytes = grad.numel() * grad.element_size()
+            del grad
+            self.ctx.memory.add("grads", nbytes)  # as Runtime._on_grad does for gather
+            return self.gather(p, param, nbytes)
+        self.ctx.memory.passing(grad.numel() * grad.element_size())
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            with torch.no_grad():
+                views[p].copy_(grad)
+        else:
+            views[p].copy_(grad)
+        param.grad = None
+        del grad
+        self._arrived(b, p)
+
+    def _arrived(self, b: int, p: int) -> None:
+        """Parameter ``p``'s grad is in bucket ``b``'s slot: send the bucket once all of its grads are in."""
         got = self.received.get(b)
         if got is None:
             got = self.received[b] = set()

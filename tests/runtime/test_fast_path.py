@@ -91,6 +91,26 @@ def test_resident_steps_take_the_fast_path_bit_for_bit(chaos):
         engine.close()
 
 
+def test_a_fast_steps_grads_count_in_the_device_peak():
+    """A fast step gathers each grad in order without adding it to the accounted bytes and taking it off again
+    (``DeviceMemory.passing``): the peak still sees the largest grad autograd held, as the full path's pair
+    of adds left it. Nothing else on the fast path changes the accounted bytes (all resident, activations not
+    counted), so from a reset peak one fast step ends at exactly the largest grad above the current bytes."""
+    engine, opt, ref, ref_opt = _pair(_mlp())
+    try:
+        for step in range(3):  # traced, planned (verifies), fast
+            _step(engine, opt, _mse, _x(step))
+        memory = engine._runtime.ctx.memory
+        base = memory.current
+        memory.peak = base
+        _step(engine, opt, _mse, _x(3))
+        assert _counters(engine)["fast_steps"] == 2
+        assert memory.current == base and memory.parts["grads"] == 0
+        assert memory.peak == base + max(p.numel() * 4 for p in engine.module.parameters())
+    finally:
+        engine.close()
+
+
 def test_streamed_plan_never_takes_the_fast_path():
     engine, opt, ref, ref_opt = _pair(_mlp(width=64), budget_frac=0.6)
     try:

@@ -138,6 +138,37 @@ def test_hostile_parameter_replaced_or_added_after_wrapping(change):
     pair.check()
 
 
+def test_parameter_check_walks_the_model_only_after_a_change(monkeypatch):
+    """[Note: the tree stamp] in guards.py: the start-of-forward check compares each module's parameter and
+    submodule dicts with those it last accepted and walks ``model.parameters()`` only when they differ; a
+    model whose class overrides the walk gets no stamp (walked every time)."""
+    from offload.runtime.guards import _Tree
+
+    pair = Pair()
+    pair.step()
+    model = pair.model
+    with monkeypatch.context() as m:
+        m.setattr(nn.Sequential, "parameters", lambda *a, **k: pytest.fail("walked an unchanged model"))
+        pair.step()
+    saved = model[1].weight
+    model[1].weight = nn.Parameter(torch.zeros(32, 32))  # a change deep in the tree is still caught
+    with pytest.raises(offload.OffloadError, match="parameters changed after wrapping"):
+        pair.engine(torch.randn(2, 32))
+    model[1].weight = saved
+    pair.step()
+    pair.check()
+
+    class Own(nn.Sequential):
+        def named_parameters(self, *args, **kwargs):
+            return super().named_parameters(*args, **kwargs)
+
+    assert _Tree.of(Own(nn.Linear(2, 2))) is None
+    plain = nn.Sequential(nn.Linear(2, 2))
+    assert _Tree.of(plain) is not None
+    plain.parameters = lambda *a, **k: iter(())  # an instance's own walk too
+    assert _Tree.of(plain) is None
+
+
 @pytest.mark.parametrize("how", ["data-assignment", "no-grad-copy", "before-first-step"])
 def test_hostile_data_assignment(how):
     """``p.data = t`` or an in-place write after wrapping would be silently lost (the engine's fp32 master is

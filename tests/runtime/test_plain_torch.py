@@ -547,6 +547,32 @@ def test_overlapped_updates_let_code_that_only_checks_for_none_train():
     engine.close()
 
 
+def test_overlapped_updates_give_a_data_less_grad_again_only_where_nobody_holds_it():
+    """[Note: reusing a data-less grad] in plain_grads.py: a data-less p.grad taken back at step() that nobody
+    else references is given to its parameter again after the next backward (no new tensor per parameter per
+    step); one the user holds goes stale, as before: it raises "no longer current" and is not given again."""
+    case, engine, opt, _, _ = _pair("mlp")  # overlap_optimizer=True (the fp32 default)
+    model = engine.module
+    exposure = engine._runtime.grads.exposure
+    params = list(model.parameters())
+    _backward(case, model, 0)
+    held = params[0].grad
+    opt.step()
+    opt.zero_grad()
+    spare = dict(exposure._spare)
+    assert set(spare) == set(range(1, len(params)))  # every grad but the one held
+    _backward(case, model, 1)
+    assert all(params[p].grad is g for p, g in spare.items())
+    assert params[0].grad is not held
+    with pytest.raises(offload.OffloadError, match="no longer current"):
+        held.norm()
+    with pytest.raises(offload.OffloadError, match="overlap_optimizer=False"):
+        params[1].grad.norm()  # the one given again is current
+    del spare, held
+    opt.step()
+    engine.close()
+
+
 @pytest.mark.parametrize("how", ["model.zero_grad", "p.grad = None", "p.grad = t", "opt.zero_grad",
                                  "opt.zero_grad(False)"])
 def test_overlapped_updates_refuse_dropping_grads_before_step(how):
