@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Iterable, NamedTuple
 import torch
 from torch import nn
 
-from ..errors import InvariantError, NonFiniteNormError, OffloadError
+from ..errors import InvariantError, OffloadError
+from .clipping import clip_gathered, norms_on_host
 from .device_optim import DeviceOptimizer
 from .plain_grads import Exposure
 from .scaler import LossScaler
@@ -443,7 +444,7 @@ class GradPipeline:
         if self.scaler is not None:
             self.ctx.cpu.drain()  # the norms of accumulated grads are computed on the CPU lane
             norms = [self.norms[p] for pending in self.pending.values() for p in pending.params]
-            found_inf = bool(norms) and not bool(torch.isfinite(_norms_on_host(norms)).all())
+            found_inf = bool(norms) and not bool(torch.isfinite(norms_on_host(norms)).all())
             inv_scale = 1.0 / self.step_scale if self.step_scale else 1.0
             self.scaler.update(found_inf)
             if found_inf:
@@ -468,35 +469,9 @@ class GradPipeline:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every grad gathered since the last step, applied by the
-        next ``step()``. Returns the total norm (of the unscaled grads, with float16 loss scaling)."""
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        params = sorted(p for pending in self.pending.values() for p in pending.params)
-        if not params:
-            return torch.tensor(0.0)
-        self.ctx.cpu.drain()  # grads (and the norms of accumulated ones) are final
-        if self.ctx.dp is not None:  # issue 20: grads summed over ranks now, their norms over all ranks
-            self.ctx.dp.reduce_pending(self, norms=True, norm_type=norm_type)
-        if norm_type == 2.0:
-            norms = _norms_on_host([self.norms[p] for p in params])
-        else:
-            by_bucket: dict[int, list[int]] = {}
-            for p in params:
-                by_bucket.setdefault(self.slots.bucket_of[p], []).append(p)
-            found = {}
-            for b, ps in by_bucket.items():
-                found.update(self.slots.hosted().grad_norms(b, ps, norm_type))
-            norms = torch.stack([found[p] for p in params])
-        total = torch.linalg.vector_norm(norms, norm_type)
-        if self.step_scale is not None and self.step_scale != 1.0:
-            total = total / self.step_scale  # exact: loss scales are powers of two
-        if self.clip_factor != 1.0:
-            total = total * self.clip_factor
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise NonFiniteNormError(f"the total norm of order {norm_type} of the gradients is non-finite, so it "
-                                     "cannot be clipped. Pass error_if_nonfinite=False to go on anyway")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self.clip_factor *= float(coef)
-        return total
+        next ``step()`` (``clipping.clip_gathered``). Returns the total norm (of the unscaled grads, with
+        float16 loss scaling)."""
+        return clip_gathered(self, max_norm, norm_type, error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Grads are consumed by the update, so after step() there is nothing to clear; before it (deferred
@@ -621,16 +596,3 @@ class GradPipeline:
         for b, ps in by_bucket.items():
             self.norms.update(host.grad_norms(b, ps))
 
-
-def _norms_on_host(norms: list[torch.Tensor]) -> torch.Tensor:
-    """Per-parameter norms (0-d tensors) as one fp32 CPU tensor, in order, read with one device-to-host copy
-    per device they are on instead of one per parameter (each a sync on CUDA): the norms of grads gathered
-    on the device live there, those of accumulated grads (summed by the CPU lane) on the host."""
-    out = torch.empty(len(norms), dtype=torch.float32)
-    where: dict[torch.device, list[int]] = {}
-    for i, n in enumerate(norms):
-        where.setdefault(n.device, []).append(i)
-    for device, at in where.items():
-        values = torch.stack([norms[i].float() for i in at])
-        out[at] = values if device.type == "cpu" else values.cpu()
-    return out
