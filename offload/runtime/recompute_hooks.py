@@ -1,7 +1,7 @@
 """The recompute coordinator: the runtime's side of activation checkpointing. It is what
 offload/runtime/recompute.py's ``Checkpointer`` calls back into while backward recomputes a checkpointed
 call (see its [Note: recompute and the parameter buckets]), and it chooses the blocks "auto" checkpoints
-from the activations measured in the warm-up step.
+from the activations measured in the warm-up step, by planned step time (offload/planning/checkpoint_choice.py).
 """
 
 from __future__ import annotations
@@ -258,10 +258,11 @@ class RecomputeCoordinator:
     # -- "auto" ------------------------------------------------------------------------------------------------
 
     def choose(self, trace: Trace) -> bool:
-        """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
-        budget from now on, none if nothing needs it (see [Note: auto and no checkpointing] in
-        offload/planning/activations.py); later, when a plan does not fit: more blocks. True when that changes
-        what is checkpointed."""
+        """After the warm-up step (every block checkpointed): from the fewest blocks that fit the budget (none
+        if nothing needs it, see [Note: auto and no checkpointing] in offload/planning/activations.py) and a few
+        sets with more, checkpoint the one whose planned step is fastest from now on (:meth:`_by_step_time`);
+        later, when a plan does not fit: more blocks, chosen the same way. True when that changes what is
+        checkpointed."""
         profile = self._profile()
         if self.choice is None:  # after the warm-up
             return self._after_warmup(trace, profile)
