@@ -88,16 +88,18 @@ def step_with_checkpoints(trace: Trace, profile: ActivationProfile, chosen: Sequ
     checkpointed instead, and the recompute seconds it carries ([Note: the candidate step model]). The
     returned trace's ``seconds`` are the modelled compute (no overhead)."""
     chosen_set = frozenset(chosen)
-    unknown = chosen_set - {b.module for b in profile.blocks}
+    blocks = {b.module for b in profile.blocks}
+    unknown = chosen_set - blocks
     if unknown:
         raise ValueError(f"modules {sorted(unknown)} were not measured as blocks in this profile")
-    compute = list(trace.compute_seconds)
+    measured = trace.compute_seconds
+    compute = list(measured)
     uses = list(trace.uses)
     nf, n = trace.num_forward, len(trace.events)
     spans: dict[int, list[range]] = {}  # block -> its forward calls' event spans
     for i in range(nf):
         ev = trace.events[i]
-        if ev.kind is EventKind.PRE and ev.key in {b.module for b in profile.blocks}:
+        if ev.kind is EventKind.PRE and ev.key in blocks:
             spans.setdefault(ev.key, []).append(range(i, min(trace.ends[i], nf)))
     per_call = {m: sum(compute[j] for s in calls for j in s) / len(calls) for m, calls in spans.items()}
     recompute = 0.0
@@ -121,7 +123,7 @@ def step_with_checkpoints(trace: Trace, profile: ActivationProfile, chosen: Sequ
             if not reads:
                 continue  # nothing of it is read in backward (frozen below every trainable block)
             k = min(reads)
-            seconds = sum(trace.compute_seconds[j] for j in span)
+            seconds = sum(measured[j] for j in span)
             compute[k] += seconds
             recompute += seconds
             uses[k] = tuple(sorted(set(uses[k]) | params))
