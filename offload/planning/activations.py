@@ -7,7 +7,8 @@ for every *block* (a module that may be checkpointed), the bytes its forward sav
 its inputs (``inputs``: a checkpointed block keeps only those), and its forward seconds (what a recompute
 costs). From that one measurement :func:`activation_bytes` tells the activation peak of any other choice
 of checkpointed blocks, and :func:`choose_checkpoints` picks the fewest blocks (largest saving first)
-that bring it under a capacity.
+that bring it under a capacity. (The engine's "auto" starts from that set and may checkpoint more where
+that plans a faster step: offload/planning/checkpoint_choice.py.)
 
 [Note: the activation estimate] Let F be the saved bytes held at the end of the measured forward, when
 the set M of blocks was checkpointed. Checkpointing a block r that was not adds its inputs and drops

@@ -327,6 +327,11 @@ class PlanExecutor:
         except BudgetTooSmallError as e:
             raise self._hinted(e, recompute) from None
 
+    def plan_for(self, trace: Trace) -> Plan:
+        """The training plan ``trace`` gets at the engine's budget ("auto" checkpointing weighs candidates
+        with it); raises :class:`BudgetTooSmallError`."""
+        return self._build(trace)
+
     def _build(self, trace: Trace) -> Plan:
         """The training plan for ``trace`` at the budget, validated (raises :class:`BudgetTooSmallError`)."""
         ctx = self.ctx

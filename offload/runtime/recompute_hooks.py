@@ -1,7 +1,7 @@
 """The recompute coordinator: the runtime's side of activation checkpointing. It is what
 offload/runtime/recompute.py's ``Checkpointer`` calls back into while backward recomputes a checkpointed
 call (see its [Note: recompute and the parameter buckets]), and it chooses the blocks "auto" checkpoints
-from the activations measured in the warm-up step.
+from the activations measured in the warm-up step, by planned step time (offload/planning/checkpoint_choice.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..planning.activations import (
     profile_of,
     recompute_seconds,
 )
+from ..planning.checkpoint_choice import TimedChoice, choose_by_step_time
 from ..planning.schedule import budget_error, min_arena_bytes
 from ..planning.trace import EventKind, Recorder, Trace
 from .guards import refuse_forward_in_backward
@@ -68,6 +69,7 @@ class RecomputeCoordinator:
                              "name the modules instead: activation_checkpointing=[\"layers.0\", ...]")
         self.ckpt = Checkpointer(ctx.module, self, self.blocks)
         self.choice: CheckpointChoice | None = None  # what "auto" decided after the warm-up
+        self.timed: TimedChoice | None = None  # the candidates "auto" weighed for it, by planned step time
         # "auto" runs with no block checkpointed where the warm-up says that may fit: the warm-up's (trace,
         # profile), to choose blocks from if that step's plan does not fit
         self.warmup: tuple[Trace, ActivationProfile] | None = None
@@ -256,10 +258,11 @@ class RecomputeCoordinator:
     # -- "auto" ------------------------------------------------------------------------------------------------
 
     def choose(self, trace: Trace) -> bool:
-        """After the warm-up step (every block checkpointed): checkpoint the fewest blocks that fit the
-        budget from now on, none if nothing needs it (see [Note: auto and no checkpointing] in
-        offload/planning/activations.py); later, when a plan does not fit: more blocks. True when that changes
-        what is checkpointed."""
+        """After the warm-up step (every block checkpointed): from the fewest blocks that fit the budget (none
+        if nothing needs it, see [Note: auto and no checkpointing] in offload/planning/activations.py) and a few
+        sets with more, checkpoint the one whose planned step is fastest from now on (:meth:`_by_step_time`);
+        later, when a plan does not fit: more blocks, chosen the same way. True when that changes what is
+        checkpointed."""
         profile = self._profile()
         if self.choice is None:  # after the warm-up
             return self._after_warmup(trace, profile)
@@ -267,8 +270,9 @@ class RecomputeCoordinator:
         if warmup is not None:  # no checkpointing gave no plan that fits: choose as if it had not been tried
             choice = self._fitting_choice(*warmup, ())
             if choice.modules:
-                return self._checkpoint(choice)
-        return self._checkpoint(self._fitting_choice(trace, profile, self.ckpt.active))  # only ever more
+                return self._checkpoint(self._by_step_time(*warmup, choice))
+        fewest = self._fitting_choice(trace, profile, self.ckpt.active)  # only ever more
+        return self._checkpoint(self._by_step_time(trace, profile, fewest))
 
     def _after_warmup(self, trace: Trace, profile: ActivationProfile) -> bool:
         ctx = self.ctx
@@ -277,10 +281,12 @@ class RecomputeCoordinator:
         held = (plain + memory.parts["buffers"] + memory.parts["headroom"]
                 + on_demand_bytes(trace, self.slots.buckets, ctx.itemsize))
         if held <= budget and memory.peak <= budget:  # the warm-up's did too
-            self.warmup = (trace, profile)  # to choose from if that gives no plan that fits
-            return self._checkpoint(CheckpointChoice((), (), plain, 0.0, True))
+            choice = self._by_step_time(trace, profile, CheckpointChoice((), (), plain, 0.0, True))
+            # none checkpointed: the warm-up's, to choose from if that gives no plan that fits
+            self.warmup = None if choice.modules else (trace, profile)
+            return self._checkpoint(choice)
         try:
-            return self._checkpoint(self._fitting_choice(trace, profile, ()))
+            return self._checkpoint(self._by_step_time(trace, profile, self._fitting_choice(trace, profile, ())))
         except BudgetTooSmallError as e:
             if held > budget:
                 raise
@@ -310,6 +316,12 @@ class RecomputeCoordinator:
                         grad=trace.max_grad_bytes, headroom=headroom)
             raise self.activation_hint(budget_error(ctx.budget, **need), capacity, profile)
         return choice
+
+    def _by_step_time(self, trace: Trace, profile: ActivationProfile, fewest: CheckpointChoice) -> CheckpointChoice:
+        """Of ``fewest`` (the fewest blocks that fit) and a few sets with more blocks, the one whose planned
+        step is fastest (issue 18; offload/planning/checkpoint_choice.py)."""
+        self.timed = choose_by_step_time(trace, profile, fewest, self.executor.plan_for)
+        return self.timed.choice
 
     def _checkpoint(self, choice: CheckpointChoice) -> bool:
         """Checkpoint what ``choice`` says from the next forward on; True if that changes anything."""
@@ -350,4 +362,17 @@ class RecomputeCoordinator:
             "recompute_s": (recompute_seconds(profile, self.ckpt.active & {b.module for b in profile.blocks})
                             if profile is not None else None),
             "saved_bytes_per_block": {b.name: b.saved for b in profile.blocks} if profile is not None else {},
+            # "auto": the fewest blocks that fit, and the candidate sets weighed by planned step (a model)
+            **self._timed_stats(names),
+        }
+
+    def _timed_stats(self, names: dict[int, str]) -> dict:
+        timed = self.timed
+        if timed is None:
+            return {"fewest_that_fit": None, "candidates": []}
+        return {
+            "fewest_that_fit": [names[m] for m in timed.fewest],
+            "candidates": [{"checkpointed": [names[m] for m in c.modules], "predicted_step_s": c.step_s,
+                            "estimated_activation_bytes": c.activation_bytes, "recompute_s": c.recompute_s,
+                            "chosen": i == timed.chosen} for i, c in enumerate(timed.candidates)],
         }

@@ -210,6 +210,8 @@ def _fix_text(fix) -> str:
     value = format_bytes(fix.value).replace(" ", "") if fix.change == "budget" else fix.value
     if fix.change == "activation_checkpointing":
         value = f"{fix.value} of {fix.of}"
+        if fix.fewest is not None and fix.fewest != fix.value:  # "auto" plans more than the fewest: faster
+            value += f"; {fix.fewest} fit, more plan a faster step"
     text = _FIX[fix.change].format(value)
     note = "; estimated" if fix.estimated else ""
     return f"{text} (needs {format_bytes(fix.min_budget_bytes)}{note})"

@@ -19,6 +19,8 @@ rules).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,7 +28,8 @@ import torch
 
 from ..errors import BudgetTooSmallError, InvariantError, ReportError
 from ..host.state import HOST_RAM_HEADROOM
-from ..planning.activations import ActivationProfile, activation_bytes, choose_checkpoints
+from ..planning.activations import ActivationProfile, CheckpointChoice, activation_bytes, choose_checkpoints
+from ..planning.checkpoint_choice import TimedChoice, choose_by_step_time
 from ..planning.buckets import GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, host_layout, make_buckets, resolve_bucket_bytes
 from ..planning.placement import placement_bound, placement_bytes
 from ..runtime.device_optim import read_after_update
@@ -61,12 +64,15 @@ class Fix:
     min_budget_bytes: int  # what the device then needs
     estimated: bool = False  # True where the activation bytes are an estimate, not traced
     of: int | None = None  # checkpointing: of how many blocks
+    fewest: int | None = None  # checkpointing: the fewest blocks that fit ("auto" may pick more: a faster plan)
 
     def to_json(self) -> dict:
         out = {"change": self.change, "value": self.value, "min_budget_bytes": self.min_budget_bytes,
                "estimated": self.estimated}
         if self.of is not None:
             out["blocks"] = self.of
+        if self.fewest is not None:
+            out["fewest_blocks"] = self.fewest
         return out
 
 
@@ -202,8 +208,16 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         progress("counting activations per block")
         acts = (measure_activations(model, run) if analytic is None
                 else analytic.profile(request.batch, request.seq, request.dtype.itemsize))
+    by_step_time = None
+    if analytic is None:  # "auto"'s choice by planned step (issue 18), on the meta trace's estimated compute
+        timed = dataclasses.replace(mt.trace, seconds=tuple(compute), overhead=())
+        plan_at = functools.partial(build_plan, buckets=buckets, itemsize=itemsize,
+                                    budget_bytes=request.budget_bytes, fixed_bytes=fixed, hw=request.hw)
+
+        def by_step_time(profile: ActivationProfile, fewest: CheckpointChoice) -> TimedChoice:
+            return choose_by_step_time(timed, profile, fewest, plan_at)
     fixes = () if fits else _fixes(request, build, acts, mt.trace.activation_peak_bytes, weights_side, progress,
-                                   analytic)
+                                   analytic, by_step_time)
     progress("simulating the baselines")
     case = Case(mt.trace, buckets, itemsize, request.hw, compute, request.budget_bytes, fixed)
     lowp = itemsize if request.dtype != torch.float32 else 0
@@ -309,10 +323,13 @@ def _baselines(case: Case, params: int) -> dict[str, dict[str, Any]]:
 
 
 def _fixes(request: Request, build: Build, acts: ActivationProfile | None, act_bytes: int, weights_side: int,
-           progress, analytic: AnalyticShape | None = None) -> tuple[Fix, ...]:
+           progress, analytic: AnalyticShape | None = None,
+           by_step_time: Callable[[ActivationProfile, CheckpointChoice], TimedChoice] | None = None
+           ) -> tuple[Fix, ...]:
     """Single changes that make the plan fit, most preferred first: when activations overflow, the engine's
-    ``activation_checkpointing="auto"`` (its own choice rule, :func:`choose_checkpoints`, on the meta
-    counts; keeps batch and sequence), then the largest batch, then the longest sequence that fit; always
+    ``activation_checkpointing="auto"`` (its own choice rules: :func:`choose_checkpoints` on the meta counts
+    for the fewest blocks that fit, then :func:`choose_by_step_time` on the meta trace; keeps batch and
+    sequence), then the largest batch, then the longest sequence that fit; always
     the budget. Batch and sequence are checked by counting the activations of a forward at that shape on
     the meta device, not by scaling."""
     budget = request.budget_bytes
@@ -320,8 +337,12 @@ def _fixes(request: Request, build: Build, acts: ActivationProfile | None, act_b
     if acts is not None:  # the activations overflow
         choice = choose_checkpoints(acts, budget - weights_side) if acts.blocks else None
         if choice is not None and choice.fits:
+            fewest = len(choice.modules)
+            if by_step_time is not None:  # as the engine's "auto" chooses: by planned step, from the fewest on
+                progress("planning the candidate sets of checkpointed blocks")
+                choice = by_step_time(acts, choice).choice
             out.append(Fix("activation_checkpointing", len(choice.modules), weights_side + choice.activation_bytes,
-                           estimated=True, of=len(acts.blocks)))
+                           estimated=True, of=len(acts.blocks), fewest=fewest))
 
         def fits_at(batch: int, seq: int) -> int | None:
             if analytic is not None:

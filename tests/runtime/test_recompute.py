@@ -311,3 +311,36 @@ def test_auto_warmup_within_a_budget_none_fits(monkeypatch, buckets_per_block):
     assert auto[2][-1]["activation_checkpointing"]["checkpointed"] == []
     assert max(s["device_peak_bytes"] for s in plain[2]) <= budget
     assert_same(auto, plain)
+
+
+def test_auto_checkpoints_more_blocks_where_that_plans_a_faster_step(monkeypatch, reference):
+    """Issue 18: with device optimizer state and a slow CPU AdamW (the wall), the bytes a third checkpointed
+    block frees buy device optimizer state, which saves more step time than its recompute costs. "auto" weighs
+    the fewest blocks that fit (two here) against more, by each candidate's planned step, and checkpoints three.
+    The trace clock is pinned (each reading 1 ms later) so that the plans, and so the choice, are the same on
+    every machine. The real plans agree with the model: the chosen set's plan is faster than the plan of the
+    fewest-that-fit set named by hand; the numbers are the same bit for bit either way."""
+    from tests.runtime.test_device_optimizer import SLOW_CPU, _SteadyClock
+
+    monkeypatch.setattr(offload.planning.trace, "time", _SteadyClock())
+    budget = 3_200_000
+    options = dict(budget=budget, hw=SLOW_CPU, device_optimizer=True)
+    auto = train(make_model(), **options, activation_checkpointing="auto")
+    stats = auto[2]
+    ckpt = stats[-1]["activation_checkpointing"]
+    fewest, chosen = ckpt["fewest_that_fit"], ckpt["checkpointed"]
+    assert len(fewest) == 2 and len(chosen) == 3 and set(fewest) < set(chosen), ckpt
+    candidates = ckpt["candidates"]
+    assert candidates[0]["checkpointed"] == fewest and [c["chosen"] for c in candidates].count(True) == 1
+    best = next(c for c in candidates if c["chosen"])
+    assert best["checkpointed"] == chosen and best["predicted_step_s"] < candidates[0]["predicted_step_s"]
+    assert max(s["device_peak_bytes"] for s in stats) <= budget
+    assert stats[-1]["counters"]["plan_departures"] == 0
+    recomputed = {e.key for e in auto[3].events if e.kind is EventKind.RECOMPUTE}
+    assert len(recomputed) == 3
+    assert_same(auto, reference)
+
+    by_hand = train(make_model(), **options, activation_checkpointing=fewest)  # the rule before issue 18
+    assert by_hand[2][-1]["activation_checkpointing"]["checkpointed"] == fewest
+    assert stats[-1]["plan"]["predicted_step_s"] < by_hand[2][-1]["plan"]["predicted_step_s"]
+    assert_same(by_hand, reference)

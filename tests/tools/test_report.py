@@ -460,3 +460,25 @@ def test_placement_bound_and_the_device_optimizer_plan(factories, monkeypatch):
     # weight byte), 14 in 16 bits (7 a weight byte)
     per_weight_byte = {4: 3, 2: 7}[roomy.plan.itemsize]
     assert data["host_bytes"]["total"] - dev["host_bytes"] >= per_weight_byte * tiers["device-optimizer"] > 0
+
+
+def test_the_checkpointing_fix_is_auto_s_choice_by_planned_step(item_gpt, monkeypatch):
+    """Issue 18: the report names the blocks "auto" would checkpoint as the engine chooses them: the fewest
+    that fit, then a few sets with more, planned on the meta trace; ``fewest_blocks`` is the first."""
+    import offload.tools.report as report
+
+    seen = []
+
+    def recording(*args, **kw):
+        seen.append(report_choose(*args, **kw))
+        return seen[-1]
+    report_choose = report.choose_by_step_time
+    monkeypatch.setattr(report, "choose_by_step_time", recording)
+    r = make_report(_request("8MiB", 8, 64, model="item_gpt:small"))
+    assert not r.fits and r.overflow == "activations" and r.activations_source == "meta trace"
+    fix = next(f for f in r.fixes if f.change == "activation_checkpointing")
+    (timed,) = seen
+    assert len(timed.candidates) > 1 and all(c.step_s is not None for c in timed.candidates)
+    assert fix.value == len(timed.choice.modules) and fix.fewest == len(timed.fewest) <= fix.value
+    assert fix.to_json()["fewest_blocks"] == fix.fewest and fix.of == 4
+    assert fix.min_budget_bytes <= 8 * MiB
