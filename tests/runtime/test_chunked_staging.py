@@ -54,6 +54,7 @@ def test_pieces_train_as_whole_buckets_bit_for_bit(monkeypatch, features):
     assert ring["ring_bytes"] < want[3]["ring_bytes"] and ring["chunk"] * 8 < ring["largest"]
 
 
+@pytest.mark.slow  # ~65 s on 2 cores: the default run keeps the pieces' non-chaos tests
 def test_pieces_under_chaos_bit_for_bit(monkeypatch):
     """Every lane delayed at random: a piece's copy must wait for the reader of the ring bytes it reuses
     (the update of an earlier piece, of this bucket or another)."""
