@@ -8,7 +8,6 @@ an update land late and change the numbers (see test_chaos_catches_a_missing_wai
 purpose and is caught).
 """
 
-import copy
 import threading
 
 import pytest
@@ -20,8 +19,8 @@ from offload.backend import CUDABackend
 from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise as assert_same_as_torch
 from tests.support.fake_cuda import FakeCuda, use_backend
-from tests.support.loops import ADAMW, Trained, train_streamed
-from tests.support.models import CASES, run
+from tests.support.loops import Trained, torch_losses, train_streamed
+from tests.support.models import CASES
 
 CHAOS = ChaosConfig(seed=0, max_delay_ms=2)
 STEPS = 8  # per model in the default run; the slow soak runs 1,000
@@ -224,16 +223,7 @@ def test_reference_agrees():
     """The engine the chaos tests run is right: plain PyTorch + torch.optim.AdamW, bit for bit with chaos on
     (offload.AdamW(fused=False): torch's arithmetic; see tests/support/compare.py)."""
     case = CASES["mlp"]()
-    ref = copy.deepcopy(case.model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
-    want = []
-    for step in range(STEPS):
-        batch = case.make_batch(step)
-        loss = case.loss_fn(run(ref, batch), batch)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        want.append(loss.item())
+    want, ref = torch_losses(case, STEPS)
     losses, state, _, _ = train(case, STEPS, chaos=CHAOS, fused=False)
     assert losses == want
     assert_same_as_torch(state, ref.state_dict())

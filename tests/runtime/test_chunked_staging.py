@@ -5,7 +5,6 @@ change no number: every test trains with pieces far smaller than the tiny models
 the same training in whole buckets (and, in fp32 through torch's arithmetic, with plain PyTorch), bit for bit.
 """
 
-import copy
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ import torch
 import offload.host.state
 from offload.planning.buckets import GRAD_RING_SLOTS, HOST_ALIGN
 from offload.testing.chaos import ChaosConfig
-from tests.support.loops import ADAMW, train_streamed
-from tests.support.models import CASES, run
+from tests.support.loops import torch_losses, train_streamed
+from tests.support.models import CASES
 
 PIECE = 4 * HOST_ALIGN  # bytes: 64 fp32 or 128 bf16 grads, far below the test GPT's buckets
 
@@ -68,16 +67,7 @@ def test_pieces_are_plain_pytorch_bit_for_bit(monkeypatch):
     """fp32 through offload.AdamW(fused=False): torch.optim.AdamW's numbers, one piece at a time."""
     monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)
     case = CASES["gpt"]()
-    ref = copy.deepcopy(case.model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
-    want = []
-    for step in range(4):
-        batch = case.make_batch(step)
-        loss = case.loss_fn(run(ref, batch), batch)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        want.append(loss.item())
+    want, ref = torch_losses(case, 4)
     got = train_streamed(case, 4, fused=False)
     assert got[0] == want
     for name, value in ref.state_dict().items():

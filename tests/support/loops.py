@@ -2,9 +2,12 @@
 
 * `train_streamed`: a test model (tests/support/models.py) trained by an engine with buckets streaming, with the
   training features as options (16-bit compute, gradient accumulation, clipping, chaos);
-* `lockstep`: an engine and its plain-PyTorch reference trained side by side on the same losses.
+* `lockstep`: an engine and its plain-PyTorch reference trained side by side on the same losses;
+* `torch_losses`: plain PyTorch + torch.optim.AdamW on a copy of a test model: the losses and weights
+  `train_streamed` should give.
 """
 
+import copy
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -78,3 +81,20 @@ def lockstep(engine, opt, ref, ref_opt, steps: int, micro_losses: Callable[[int]
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+
+
+def torch_losses(case: Case, steps: int) -> tuple[list[float], torch.nn.Module]:
+    """Plain PyTorch + ``torch.optim.AdamW(foreach=False)`` on a copy of ``case.model`` (with ``ADAMW``), one step
+    per batch: each step's loss (what the engine with ``offload.AdamW(fused=False)`` gives bit for bit) and the
+    trained copy."""
+    ref = copy.deepcopy(case.model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    losses = []
+    for step in range(steps):
+        batch = case.make_batch(step)
+        loss = case.loss_fn(run(ref, batch), batch)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+    return losses, ref
