@@ -62,36 +62,35 @@ def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * n: (rank + 1) * n]
 
 
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+def _in_backward(fault):
+    """An identity autograd function whose backward runs ``fault()`` (the rank's injected fault)."""
+    class _Fault(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("injected fault in backward")
+        @staticmethod
+        def backward(ctx, g):
+            fault()
 
-
-class _HangInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        import time
-        time.sleep(30)
-        os._exit(3)  # a rank that hung, then died
+    return _Fault.apply
 
 
-class _DieInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+def _raise():
+    raise RuntimeError("injected fault in backward")
 
-    @staticmethod
-    def backward(ctx, g):
-        os._exit(3)  # a rank that died (no error of its own reaches the others)
+
+def _hang():
+    import time
+    time.sleep(30)
+    os._exit(3)  # a rank that hung, then died
+
+
+def _die():
+    os._exit(3)  # a rank that died (no error of its own reaches the others)
+
+
+_FAIL_IN_BACKWARD, _HANG_IN_BACKWARD, _DIE_IN_BACKWARD = _in_backward(_raise), _in_backward(_hang), _in_backward(_die)
 
 
 def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
@@ -134,8 +133,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 x, y = (rank_slice(t, rank, case.world) for t in batch(step, micro))
                 hook = None
                 if step == 1 and rank in (case.fail_rank, case.hang_rank):
-                    fn = (_FailInBackward.apply if rank == case.fail_rank
-                          else _DieInBackward.apply if case.extra.get("die") else _HangInBackward.apply)
+                    fn = (_FAIL_IN_BACKWARD if rank == case.fail_rank
+                          else _DIE_IN_BACKWARD if case.extra.get("die") else _HANG_IN_BACKWARD)
                     hook = model[1].register_forward_hook(lambda m, i, o: fn(o))
                 if step == 1 and rank == case.branch_rank:  # no grads reach the layers below the last
                     hook = model[3].register_forward_hook(lambda m, i, o: o.detach())
