@@ -39,7 +39,8 @@ from .context import Backend, RuntimeContext, weak_hook
 from .executor import PlanExecutor
 from .fast_path import FastPath
 from .forward_only import EvalPlans
-from .grads import BackwardDiscard, GradPipeline
+from .grad_records import BackwardDiscard
+from .grads import GradPipeline
 from .param_access import ParamAccess
 from .phases import Lifecycle, Pass
 from .plain_grads import EngineHook, module_hooks
@@ -80,7 +81,7 @@ class Runtime:
                              self._add_module_hooks)
         self.executor.before_leaving(self.grads.move_out_of_arena)
         self.executor.device_state = self.grads.device  # issue 18: optimizer state in the arena
-        self.executor.after_copying_in(self.fast.settle)
+        self.executor.after_copying_in(self.fast.settle, self.fast.lands_at_once)
         self.slots.pin_with(self.access.pinned)
         ctx.memory.on_activations = self.slots.activations_grew
         self.engine_call = False  # a forward called through Engine.__call__, which handles its faults
@@ -253,8 +254,16 @@ class Runtime:
         if fast.on and fast.in_order(p):  # [Note: the fast path]: the plan's next grad, nothing to decide
             if ctx.phases.current is not Pass.BACKWARD:
                 self._begin_backward()
-            self.grads.gather_in_order(p, param)
+            closes = fast.closes
+            if closes is None:
+                self.grads.gather_in_order(p, param)
+            else:  # [Note: one hook's work per bucket]: wait in p.grad for the bucket's last grad
+                closing = closes.get(p)
+                if closing is not None:
+                    self.grads.gather_bucket(*closing)
             return
+        if fast.on:
+            self._gather_waiting()  # before anything departs: as they would have been, had they not waited
         grad = param.grad
         nbytes = 0 if grad is None else grad.numel() * grad.element_size()
         del grad
@@ -269,6 +278,13 @@ class Runtime:
         self.executor.recorder.grad(p, nbytes)
         self.executor.advance(EventKind.GRAD, p)
         self.grads.gather(p, param, nbytes)
+
+    def _gather_waiting(self) -> None:
+        """The grads a fast step left in ``p.grad`` for their bucket's last grad, gathered now, in the order
+        they came, as each would have been when it came ([Note: one hook's work per bucket])."""
+        params, gather = self.ctx.params, self.grads.gather_in_order
+        for q in self.fast.waiting():
+            gather(q, params[q])
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -372,6 +388,7 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         memory = ctx.memory
         with ctx.backend.compute(), torch.no_grad():
+            self._gather_waiting()  # a fast step whose last grads did not come (a missing grad departs below)
             self.grads.flush()
             if self.fast.on:  # no record to plan from, nothing streamed ([Note: the fast path])
                 self.fast.backward_ended()
@@ -394,6 +411,8 @@ class Runtime:
         the engine (nothing was gathered: only what the forward streamed in is let go of)."""
         executor = self.executor
         with torch.no_grad():
+            for q in self.fast.waiting():  # left in p.grad for their bucket's last grad: they had arrived
+                self.grads.received.setdefault(self.slots.bucket_of[q], set()).add(q)
             self.fast.drop()
             if not self.ctx.phases.in_backward:
                 executor.release_all()

@@ -45,6 +45,7 @@ class PlanExecutor:
         self._leaving: list[Callable[[], None]] = []  # what must move out of the arena before it goes
         self.device_state: DeviceOptimizer | None = None  # issue 18: optimizer state kept in the arena
         self._copied_in: list[Callable[[], None]] = []  # told when copies into slots were issued between passes
+        self._lands_at_once: list[Callable[[], bool]] = []  # see after_copying_in
         # Views into the arena built once per arena (the grad pipeline's per-parameter grad views): dropped with
         # it, so no cached view keeps a freed arena's memory alive (issue 17, the hot path)
         self._arena_views: dict[object, dict[int, torch.Tensor]] = {}
@@ -53,9 +54,13 @@ class PlanExecutor:
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
 
-    def after_copying_in(self, fn: Callable[[], None]) -> None:
-        """``fn`` runs after ``activate`` and ``refresh`` issued their copies (the fast path waits for them)."""
+    def after_copying_in(self, fn: Callable[[], None], lands_at_once: Callable[[], bool] | None = None) -> None:
+        """``fn`` runs after ``activate`` and ``refresh`` issued their copies (the fast path waits for them);
+        ``lands_at_once()``: whether it lands every copy in flight before returning (then a refreshed bucket's
+        parameters stay bound to its slot: [Note: parameters show landed slots] in slots.py)."""
         self._copied_in.append(fn)
+        if lands_at_once is not None:
+            self._lands_at_once.append(lands_at_once)
 
     def reset_step(self) -> None:
         self.recorder = Recorder()
@@ -255,12 +260,13 @@ class PlanExecutor:
     def refresh(self, buckets: Iterable[int]) -> None:
         """Updated buckets that stay on the device get their new weights (the next forward waits)."""
         slots = self.slots
+        keep = any(f() for f in self._lands_at_once)
         for b in sorted(set(buckets) & set(slots.slot)):
             if self.device_state is not None and self.device_state.owns(b):
                 continue  # issue 18: updated in place on the device; the host copy is stale
             if slots.state[b] is Residency.IN_FLIGHT:
                 self.need(b)
-            slots.copy_in(b, slots.slot[b], [slots.boundary])
+            slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep)
         for fn in self._copied_in:
             fn()
 

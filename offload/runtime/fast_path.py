@@ -26,11 +26,13 @@ for the first step that is not fast), no use detector and no saved-tensor hooks.
   every trainable parameter, see ``begin``); one whose parameters did not all get a grad (a data-dependent
   branch skipped a module) is sent at the end of backward (``GradPipeline.flush``), with the grads that came,
   as plain torch gives the others none. No grad can be missed: no bucket goes before all of its grads came;
-* per grad: a grad that comes in the plan's order (``in_order``) is gathered by
-  ``GradPipeline.gather_in_order``: one ``copy_`` into its cached slot view and the completion test, as
-  ``gather`` does; its bytes count in the accounted peak (``DeviceMemory.passing``) instead of being added and
-  taken off again with a timeline sample each. The first grad of a bucket, and every grad out of order, go
-  through ``gather`` as on the full path;
+* per grad: a grad that comes in the plan's order (``in_order``) stays in ``p.grad`` until its bucket's last
+  grad in that order came; then the bucket is gathered at once (``GradPipeline.gather_bucket``: [Note: one
+  hook's work per bucket]). Where holding a bucket's grads at once would not fit the budget, each in-order
+  grad is gathered as it comes by ``GradPipeline.gather_in_order``: one ``copy_`` into its cached slot view
+  and the completion test, as ``gather`` does. Either way their bytes count in the accounted peak
+  (``DeviceMemory.passing``) instead of being added and taken off again with a timeline sample each. A
+  bucket's first grad (per grad), and every grad out of order, go through ``gather`` as on the full path;
 * departures: the fast forward cannot see module calls, so a different path is noticed where it matters, in
   backward: grads arrive in the plan's order (its GRAD events) or the step departs (``grad``). A departure
   moves grads gathered in plan buffers out of the arena and gathers the rest on demand (the plan's buffer
@@ -44,6 +46,23 @@ for the first step that is not fast), no use detector and no saved-tensor hooks.
   all: on the CPU backend (no allocator to ask) ``memory_stats()``'s accounted current bytes and parts leave
   a fast step's activations out (the peak keeps what full steps measured), and ``export_timeline`` shows a
   fast step's root call only.
+
+[Note: one hook's work per bucket] (issue 17, the hot path) Per grad, the full work (a ``copy_`` into the slot,
+``p.grad = None``, the completion test) cost ~8 us of Python per parameter on our CPU. On a fast step every
+grad comes in the plan's order or the step departs, so the plan says which grad completes each bucket
+(``closes``): the hook of any other grad only checks the order and returns, its grad waiting in ``p.grad`` as
+plain torch leaves it; the completing grad's hook copies the whole bucket with one ``torch._foreach_copy_``
+(the same bytes as one ``copy_`` each) and sends it. What this changes, and why it is safe:
+
+* memory: a bucket's grads are held together until its last one (the plan counted one grad at a time), so
+  ``allows`` takes it only where the plan's peak, less its largest grad, plus the largest bucket's grads fits
+  the budget; elsewhere grads go one by one as before. The accounted peak counts the bucket's bytes at once;
+* departures: any grad out of order, and the end of backward, first gather the grads still waiting
+  (``waiting``), in the order they came, exactly as they would have been gathered had they not waited; then
+  the departure proceeds as before. A backward that raises counts them as arrived (they are dropped with the
+  rest: ``Runtime.abort_backward``);
+* what a user's hook sees: between its arrival and its bucket's last grad a parameter shows its grad in
+  ``p.grad`` (as plain torch would), where it showed None before.
 """
 
 from __future__ import annotations
@@ -99,13 +118,16 @@ def _describe(a: Any, depth: int = 0) -> Hashable:
     raise _Unknown
 
 
+Closing = tuple[int, tuple[int, ...], int]  # a bucket, its parameters in the plan's grad order, their grads' bytes
+
+
 class _Allowed:
     """What ``FastPath.allows`` found for one plan (computed once per plan)."""
 
-    __slots__ = ("plan", "ok", "grad_keys")
+    __slots__ = ("plan", "ok", "grad_keys", "closes")
 
-    def __init__(self, plan: Plan, ok: bool, grad_keys: tuple[int, ...]) -> None:
-        self.plan, self.ok, self.grad_keys = plan, ok, grad_keys
+    def __init__(self, plan: Plan, ok: bool, grad_keys: tuple[int, ...], closes: dict[int, Closing] | None) -> None:
+        self.plan, self.ok, self.grad_keys, self.closes = plan, ok, grad_keys, closes
 
 
 class FastPath:
@@ -130,6 +152,8 @@ class FastPath:
         self._trainable: dict[int, None] = {i: None for i, s in enumerate(ctx.specs) if s.group is not None}
         self._grad_keys: tuple[int, ...] = ()
         self._pos = 0  # next GRAD event of the plan
+        # this step's last grad of each bucket -> what to gather then; None: each grad gathered as it comes
+        self.closes: dict[int, Closing] | None = None
         self.departed = False
 
     # -- which steps ---------------------------------------------------------------------------------------
@@ -148,8 +172,22 @@ class FastPath:
               and all(e.kind is not EventKind.RECOMPUTE for e in trace.events)
               and len(set(grads)) == len(grads) and set(grads) == set(self._trainable)
               and set(self._trainable) <= set(trace.touched))
-        self._allowed = _Allowed(plan, ok, grads)
+        self._allowed = _Allowed(plan, ok, grads, self._closings(plan, grads) if ok else None)
         return self._allowed
+
+    def _closings(self, plan: Plan, grads: tuple[int, ...]) -> dict[int, Closing] | None:
+        """Per bucket's last grad in the plan's order: the bucket, its grads in that order and their bytes
+        ([Note: one hook's work per bucket]); None where holding a whole bucket's grads at once would not fit
+        the budget beside the plan's peak (which counts one grad at a time): then each grad goes on its own."""
+        bucket_of, specs, itemsize = self.slots.bucket_of, self.ctx.specs, self.ctx.itemsize
+        order: dict[int, list[int]] = {}
+        for p in grads:
+            order.setdefault(bucket_of[p], []).append(p)
+        out = {ps[-1]: (b, tuple(ps), sum(specs[p].numel for p in ps) * itemsize) for b, ps in order.items()}
+        held = max((c[2] for c in out.values()), default=0)
+        if plan.peak_bytes - plan.trace.max_grad_bytes + held > plan.budget_bytes:
+            return None
+        return out
 
     def wants(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """The root module's forward begins (no forward open): run it fast? If not, the hooks are back on
@@ -211,7 +249,9 @@ class FastPath:
         self.on = True
         self.departed = False
         self._pos = 0
-        self._grad_keys = self.allows(plan).grad_keys
+        allowed = self.allows(plan)
+        self._grad_keys = allowed.grad_keys
+        self.closes = allowed.closes
         executor.recorder.touched = self._trainable
         self.ctx.stats["fast_steps"] += 1
         self.settle()
@@ -228,6 +268,16 @@ class FastPath:
             self._pos = pos + 1
             return True
         return False
+
+    def waiting(self) -> list[int]:
+        """The grads that came in the plan's order and wait in ``p.grad`` for their bucket's last one, in the
+        order they came ([Note: one hook's work per bucket]); taken off (the caller gathers them now)."""
+        closes, pos = self.closes, self._pos
+        if closes is None or not self.on or pos == 0:
+            return []
+        received, bucket_of = self.grads.received, self.slots.bucket_of
+        got = [p for p in self._grad_keys[:pos] if p not in received.get(bucket_of[p], ())]
+        return got
 
     def grad(self, p: int) -> None:
         """Parameter ``p``'s grad arrives (before it is gathered): in the plan's order, or the step departs."""
@@ -266,10 +316,14 @@ class FastPath:
         if self.departed:
             self.drop()
 
+    def lands_at_once(self) -> bool:
+        """Whether :meth:`settle` lands every copy in flight as soon as it is issued."""
+        return self.hooks_removed or self.on
+
     def settle(self) -> None:
         """Copies into slots were issued: while the hooks are removed (or in a fast step) compute waits for
         them now, as nothing else would make it wait before a weight is read."""
-        if not (self.hooks_removed or self.on):
+        if not self.lands_at_once():
             return
         slots = self.slots
         for b, state in enumerate(slots.state):

@@ -19,13 +19,14 @@ sums, norms and clip factor only through this pipeline's methods (``pending_para
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
 
 from ..errors import InvariantError, OffloadError
 from .clipping import clip_gathered, norms_on_host
+from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
 from .device_optim import DeviceOptimizer
 from .plain_grads import Exposure
 from .scaler import LossScaler
@@ -38,39 +39,6 @@ if TYPE_CHECKING:
 
 
 HParams = list[tuple[float, float, float, float, float]]  # AdamW.hparams(): per param group
-
-
-class GradSlot(NamedTuple):
-    """Where a bucket's grads are gathered on the device during a backward."""
-
-    view: torch.Tensor  # typed, the bucket's trainable prefix
-    buffer: int | None  # plan buffer, None when allocated on demand
-
-
-class PendingGrads(NamedTuple):
-    """A bucket's grads gathered since the last ``step()``: what its next update covers, and what
-    accumulation adds to."""
-
-    params: frozenset[int]  # parameters whose grads were gathered
-    ready: Event  # after it, the host grad buffer holds them
-
-
-class BackwardDiscard(NamedTuple):
-    """What :meth:`GradPipeline.abort` dropped or kept (for the warning of offload/runtime/faults.py)."""
-
-    arrived: int  # parameters whose grads had reached the engine in this backward
-    updated: list[int]  # buckets already updated (overlap): kept
-    dropped: list[int]  # buckets whose gathered grads were dropped
-    problems: list[str]  # background work that failed too
-
-
-# A second backward through the graph of one forward: the engine gathers one backward's grads per forward
-_SECOND_BACKWARD = (
-    "a second backward ran through the graph of a forward whose gradients an earlier backward already gathered "
-    "(e.g. loss.backward(retain_graph=True), then loss.backward() again, with or without optimizer.step() "
-    "between): offload gathers one backward's gradients per forward, so this one's would be lost. Run the forward "
-    "again before each backward, or add the losses and call backward once (torch.autograd.grad(..., "
-    "create_graph=True) before the backward, as for a gradient penalty, is fine: it accumulates nothing)")
 
 
 class GradPipeline:
@@ -156,7 +124,7 @@ class GradPipeline:
         the host once all of its grads are in."""
         b = self.slots.bucket_of[p]
         if b in self.finished:  # issue 19: its grads were sent, this backward's would be lost (silently)
-            raise OffloadError(_SECOND_BACKWARD)
+            raise OffloadError(SECOND_BACKWARD)
         views = self.param_views.get(b)
         if views is None:
             slot = self._grad_slot(b)
@@ -205,6 +173,39 @@ class GradPipeline:
         param.grad = None
         del grad
         self._arrived(b, p)
+
+    def gather_bucket(self, b: int, ps: tuple[int, ...], nbytes: int) -> None:
+        """A fast step's bucket ``b`` whose grads all came in the plan's order and wait in ``p.grad`` ([Note:
+        one hook's work per bucket] in fast_path.py): one multi-tensor copy into its slot (``nbytes`` held at
+        once, counted in the peak), then sent. A slot without cached views goes grad by grad, as gather."""
+        if b in self.finished:
+            raise OffloadError(SECOND_BACKWARD)
+        params = self.ctx.params
+        views = self.param_views.get(b)
+        if views is None:
+            self._grad_slot(b)
+            views = self.param_views.get(b)
+        if views is None:  # an on-demand slot (not on a fast step's plan, but correct all the same)
+            for q in ps:
+                self.gather_in_order(q, params[q])
+            return
+        grads = [params[q].grad for q in ps]
+        if any(g is None for g in grads):
+            raise InvariantError(f"bucket {b}: a grad of its plan's order is missing at its last grad")
+        self.ctx.memory.passing(nbytes)
+        dst = [views[q] for q in ps]
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            with torch.no_grad():
+                torch._foreach_copy_(dst, grads)
+        else:
+            torch._foreach_copy_(dst, grads)
+        for q in ps:
+            params[q].grad = None
+        del grads, dst
+        got = self.received.setdefault(b, set())
+        got.update(ps)
+        if got >= self._expected(b):
+            self.finish(b)
 
     def _arrived(self, b: int, p: int) -> None:
         """Parameter ``p``'s grad is in bucket ``b``'s slot: send the bucket once all of its grads are in."""

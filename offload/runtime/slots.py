@@ -64,6 +64,7 @@ class SlotTable:
         self._pinned: list[Callable[[], Iterable[int]]] = []  # who says which buckets may not be evicted now
         # bucket -> (the slot it holds, its parameters' views into it): built once per slot (issue 17, hot path)
         self._param_views: dict[int, tuple[Slot, list[torch.Tensor]]] = {}
+        self._kept: set[int] = set()  # refreshed buckets whose parameters stayed bound while in flight (copy_in)
         # issue 18: told (bytes, bucket) when an on-demand allocation cannot fit the budget; may raise (warmup.py)
         self.over_budget: Callable[[int, int | None], None] | None = None
 
@@ -94,6 +95,7 @@ class SlotTable:
         """The engine closed: nothing is on the device any more, and the host arena goes."""
         self.slot.clear()
         self._param_views.clear()
+        self._kept.clear()
         self.host = None
 
     def items(self) -> Iterator[tuple[int, Slot]]:
@@ -105,8 +107,10 @@ class SlotTable:
         check_move(b, self.state[b], new)
         self.state[b] = new
 
-    def copy_in(self, b: int, slot: Slot, waits: Iterable[Event]) -> None:
-        """Issue the host-to-device copy of bucket ``b`` into ``slot``."""
+    def copy_in(self, b: int, slot: Slot, waits: Iterable[Event], keep_bound: bool = False) -> None:
+        """Issue the host-to-device copy of bucket ``b`` into ``slot``. ``keep_bound``: a refresh that compute
+        waits for before anything else runs (the fast path's ``settle``): its parameters stay bound to the slot
+        (no placeholder in between, which nothing could read), and ``land`` finds them bound."""
         ctx = self.ctx
         n = self.buckets[b].numel
         dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
@@ -120,6 +124,8 @@ class SlotTable:
         ctx.lane_log.add("h2d", b, n * ctx.itemsize, self.h2d_event[b])
         if fresh:
             self._index(b, slot)
+        elif keep_bound:
+            self._kept.add(b)
         else:  # refreshed in place (new weights after step()): see [Note: parameters show landed slots]
             self.unbind(b)
 
@@ -127,8 +133,18 @@ class SlotTable:
         """Compute waits until bucket ``b``'s copy (issued) has landed; its parameters show the slot from now."""
         self.ctx.backend.wait(self.h2d_event[b])
         self.set_state(b, Residency.DEVICE)
-        self.bind(b, self.slot[b])
+        if b not in self._kept or not self._still_bound(b):
+            self.bind(b, self.slot[b])
+        self._kept.discard(b)
         self.touch(b)
+
+    def _still_bound(self, b: int) -> bool:
+        """Bucket ``b``'s parameters point at their views of its slot (a refresh that kept them bound)."""
+        hit = self._param_views.get(b)
+        if hit is None or hit[0] is not self.slot[b]:
+            return False
+        params = self.ctx.params
+        return all(params[p].data_ptr() == v.data_ptr() for p, v in zip(self.buckets[b].params, hit[1]))
 
     def touch(self, b: int) -> None:
         if b in self.lru:
@@ -149,6 +165,7 @@ class SlotTable:
         ctx = self.ctx
         slot = self.slot.pop(b)
         self._param_views.pop(b, None)
+        self._kept.discard(b)
         if self.state[b] is Residency.IN_FLIGHT:
             ctx.backend.wait(self.h2d_event[b])  # never free memory a copy is still writing
             self.set_state(b, Residency.DEVICE)

@@ -91,11 +91,19 @@ def test_resident_steps_take_the_fast_path_bit_for_bit(chaos):
         engine.close()
 
 
+def _bucket_grad_bytes(engine) -> list[int]:
+    """Per bucket of the engine's plan: the bytes of its parameters' grads (fp32)."""
+    params = list(engine.module.parameters())
+    return [sum(params[p].numel() * 4 for run in b.runs for p in run.params)
+            for b in engine._runtime.executor.plan.buckets]
+
+
 def test_a_fast_steps_grads_count_in_the_device_peak():
-    """A fast step gathers each grad in order without adding it to the accounted bytes and taking it off again
-    (``DeviceMemory.passing``): the peak still sees the largest grad autograd held, as the full path's pair
-    of adds left it. Nothing else on the fast path changes the accounted bytes (all resident, activations not
-    counted), so from a reset peak one fast step ends at exactly the largest grad above the current bytes."""
+    """A fast step leaves each grad in ``p.grad`` until its bucket's last one came, then gathers the bucket at
+    once ([Note: one hook's work per bucket]) without adding its grads to the accounted bytes and taking them off
+    again (``DeviceMemory.passing``): the peak still sees the grads autograd held together, a whole bucket's.
+    Nothing else on the fast path changes the accounted bytes (all resident, activations not counted), so from
+    a reset peak one fast step ends at exactly the largest bucket's grads above the current bytes."""
     engine, opt, ref, ref_opt = _pair(_mlp())
     try:
         for step in range(3):  # traced, planned (verifies), fast
@@ -106,7 +114,43 @@ def test_a_fast_steps_grads_count_in_the_device_peak():
         _step(engine, opt, _mse, _x(3))
         assert _counters(engine)["fast_steps"] == 2
         assert memory.current == base and memory.parts["grads"] == 0
+        held = _bucket_grad_bytes(engine)
+        assert max(held) > max(p.numel() * 4 for p in engine.module.parameters())  # a bucket holds several grads
+        assert memory.peak == base + max(held)
+        assert memory.peak <= engine._runtime.executor.plan.budget_bytes
+    finally:
+        engine.close()
+
+
+def test_a_bucket_whose_grads_do_not_fit_at_once_gathers_each_grad_as_it_comes():
+    """Where a whole bucket's grads held at once would not fit the budget beside the plan's peak, the fast step
+    gathers each grad as it comes (the peak grows by the largest grad only), bit for bit all the same."""
+    engine, opt, ref, ref_opt = _pair(_mlp(), bucket_frac=0.5)
+    try:
+        losses, ref_losses = [], []
+        for step in range(3):
+            losses.append(_step(engine, opt, _mse, _x(step)))
+            ref_losses.append(_step(ref, ref_opt, _mse, _x(step)))
+        rt = engine._runtime
+        plan = rt.executor.plan
+        held = max(_bucket_grad_bytes(engine))
+        # shrink the plan's budget to just what it needs with one grad at a time (plans are frozen: a copy)
+        import dataclasses
+        tight = dataclasses.replace(plan, budget_bytes=plan.peak_bytes + (held - plan.trace.max_grad_bytes) // 2)
+        assert rt.fast.allows(tight).ok and rt.fast.allows(tight).closes is None
+        assert rt.fast.allows(plan).closes is not None
+        rt.fast._allowed = None
+        rt.executor.train_plan = rt.executor.plan = tight
+        rt.fast.verified_plan = tight
+        memory = rt.ctx.memory
+        base = memory.current
+        memory.peak = base
+        losses.append(_step(engine, opt, _mse, _x(3)))
+        ref_losses.append(_step(ref, ref_opt, _mse, _x(3)))
+        assert _counters(engine)["fast_steps"] == 2
         assert memory.peak == base + max(p.numel() * 4 for p in engine.module.parameters())
+        assert_losses_bitwise(losses, ref_losses)
+        _assert_same(engine, ref)
     finally:
         engine.close()
 
@@ -163,17 +207,30 @@ def _train_gated_alike(engine, opt, ref, ref_opt, takes) -> None:
     _assert_same(engine, ref)
 
 
+@pytest.mark.parametrize("bucket_frac", [0.12, 0.3], ids=["layer-buckets", "3-layer-buckets"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "deferred"])
-def test_branch_that_skips_a_module_loses_no_grad(overlap):
+def test_branch_that_skips_a_module_loses_no_grad(overlap, bucket_frac):
     """Planned (and verified) with the branch taken; later steps skip it now and then. Same input shapes, so
-    the root cannot tell: the fast step runs, the skipped grads are noticed in backward."""
-    engine, opt, ref, ref_opt = _pair(Gated(), bucket_frac=0.12, overlap_optimizer=overlap)
+    the root cannot tell: the fast step runs, the skipped grads are noticed in backward. With buckets of
+    several layers, grads of the skipped module's bucket wait in ``p.grad`` for a last grad that never comes
+    ([Note: one hook's work per bucket]): the departure gathers them first."""
+    engine, opt, ref, ref_opt = _pair(Gated(), bucket_frac=bucket_frac, overlap_optimizer=overlap)
+    fast = engine._runtime.fast
+    waited, waiting = [], fast.waiting
+
+    def spy():
+        got = waiting()
+        waited.append(len(got))
+        return got
+    fast.waiting = spy
     try:
         takes = [True, True, True, False, True, True, False, False, True, True, True]
         _train_gated_alike(engine, opt, ref, ref_opt, takes)
         c = _counters(engine)
         assert c["fast_steps"] >= 4, c  # steps 2, 3 (skips: departs in backward), 5, 9, ...
         assert c["plan_departures"] >= 1, c  # the skipped branch was noticed
+        if bucket_frac > 0.2:
+            assert max(waited) > 0, waited  # grads were waiting when the step departed
     finally:
         engine.close()
 
@@ -346,5 +403,39 @@ def test_forward_that_raises_on_the_fast_path():
             _step(ref, ref_opt, _mse, _x(step))
         _assert_same(engine, ref)
         assert _counters(engine)["fast_steps"] >= 3
+    finally:
+        engine.close()
+
+
+def test_a_fast_steps_refresh_keeps_parameters_bound_and_they_read_the_new_weights():
+    """On the fast path ``step()`` lands the refreshed weights before it returns (``settle``), so the parameters
+    stay bound to their slots across the copy ([Note: parameters show landed slots] in slots.py): no unbind and
+    bind per parameter per step, and a read right after ``step()`` sees the new weights, bit for bit torch's."""
+    engine, opt, ref, ref_opt = _pair(_mlp())
+    rt = engine._runtime
+    backend = rt.ctx.backend
+    binds = []
+    real_bind = backend.bind
+
+    def counting_bind(param, value):
+        binds.append(param)
+        real_bind(param, value)
+    backend.bind = counting_bind
+    try:
+        for step in range(4):
+            loss = _mse(engine(_x(step)))
+            loss.backward()
+            _mse(ref(_x(step))).backward()
+            binds.clear()
+            opt.step()
+            ref_opt.step()
+            if step >= 2:  # a fast step: its refresh lands at once (before, the weights in flight read NaN)
+                assert rt.fast.hooks_removed
+                assert binds == [], len(binds)
+                for p, q in zip(engine.module.parameters(), ref.parameters()):
+                    assert torch.equal(p.detach(), q.detach())
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        assert _counters(engine)["fast_steps"] == 2
     finally:
         engine.close()

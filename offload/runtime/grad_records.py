@@ -1,0 +1,45 @@
+"""The grad pipeline's typed records (offload/runtime/grads.py): a slot being filled, the grads gathered per
+bucket since the last ``step()``, what a failed backward discarded; and the error a second backward through
+one forward's graph raises."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from ..backend.base import Event
+
+
+class GradSlot(NamedTuple):
+    """Where a bucket's grads are gathered on the device during a backward."""
+
+    view: torch.Tensor  # typed, the bucket's trainable prefix
+    buffer: int | None  # plan buffer, None when allocated on demand
+
+
+class PendingGrads(NamedTuple):
+    """A bucket's grads gathered since the last ``step()``: what its next update covers, and what
+    accumulation adds to."""
+
+    params: frozenset[int]  # parameters whose grads were gathered
+    ready: Event  # after it, the host grad buffer holds them
+
+
+class BackwardDiscard(NamedTuple):
+    """What :meth:`GradPipeline.abort` dropped or kept (for the warning of offload/runtime/faults.py)."""
+
+    arrived: int  # parameters whose grads had reached the engine in this backward
+    updated: list[int]  # buckets already updated (overlap): kept
+    dropped: list[int]  # buckets whose gathered grads were dropped
+    problems: list[str]  # background work that failed too
+
+
+# A second backward through the graph of one forward: the engine gathers one backward's grads per forward
+SECOND_BACKWARD = (
+    "a second backward ran through the graph of a forward whose gradients an earlier backward already gathered "
+    "(e.g. loss.backward(retain_graph=True), then loss.backward() again, with or without optimizer.step() "
+    "between): offload gathers one backward's gradients per forward, so this one's would be lost. Run the forward "
+    "again before each backward, or add the losses and call backward once (torch.autograd.grad(..., "
+    "create_graph=True) before the backward, as for a gradient penalty, is fine: it accumulates nothing)")
