@@ -189,8 +189,8 @@ class GradPipeline:
             for q in ps:
                 self.gather_in_order(q, params[q])
             return
-        grads = [params[q].grad for q in ps]
-        if any(g is None for g in grads):
+        grads = [g for g in (params[q].grad for q in ps) if g is not None]
+        if len(grads) != len(ps):
             raise InvariantError(f"bucket {b}: a grad of its plan's order is missing at its last grad")
         self.ctx.memory.passing(nbytes)
         dst = [views[q] for q in ps]
