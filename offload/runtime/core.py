@@ -89,6 +89,7 @@ class Runtime:
         self._module_handles: list[RemovableHandle] = []  # hooks of the modules below the root (the fast path)
         self._module_hooks: list[tuple[nn.Module, Any, Any]] = []  # (module, pre hook, post hook), fixed at wrap
         self._contexts: list[Any] = []  # entered at the start of a forward, exited at its end
+        self._between_passes = False  # [Note: a backward pass inside a step]
         self._reset_step()
         self._register_hooks()
         self.recompute.start()
@@ -313,6 +314,9 @@ class Runtime:
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
         grad_enabled = torch.is_grad_enabled()
+        if self._between_passes:  # the plan's next backward pass did not come: it departed, as it did before
+            self._between_passes = False  # ([Note: a backward pass inside a step])
+            executor.leave()
         if ctx.phases.in_backward or executor.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
             executor.release_all()
@@ -377,15 +381,31 @@ class Runtime:
         self.grads.begin()
         phases.enter(Pass.BACKWARD)
         executor = self.executor
+        between, self._between_passes = self._between_passes, False
         if (not self.fast.on and executor.on_plan and executor.plan is not None
-                and executor.pos != executor.plan.trace.num_forward):
+                and executor.pos != executor.plan.trace.num_forward and not between):
             executor.leave()
         Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         """Queued on the autograd engine: runs once the whole backward has finished, on the stream current
-        where backward was called; the runtime's kernels in it go on the engine's compute stream all the same."""
+        where backward was called; the runtime's kernels in it go on the engine's compute stream all the same.
+
+        [Note: a backward pass inside a step] A gradient penalty runs two backward passes per step:
+        ``torch.autograd.grad(out, x, create_graph=True)``, which accumulates nothing, then the loss's backward.
+        The plan is built from a record of both (a step's record ends with its last pass), so the end of the
+        first is not the end of the step: where a pass that gathered no grad ends on the plan and the plan's
+        next event is another pass's (an unpack or a grad), the step stays where it is on the plan for the next
+        pass. Before, that end left the plan, and every such step departed and was planned again. Not with
+        activation checkpointing (its recompute regions end with each pass) nor on a fast step (its first pass
+        reaches no hook at all). A forward that comes instead of the planned pass departs then."""
         ctx, executor = self.ctx, self.executor
+        if (not self.fast.on and not self.grads.received and not self.recompute.ckpt.block_of
+                and executor.inner_pass_ends()):
+            self.grads.backward_done()
+            ctx.phases.enter(Pass.IDLE)
+            self._between_passes = True
+            return
         memory = ctx.memory
         with ctx.backend.compute(), torch.no_grad():
             self._gather_waiting()  # a fast step whose last grads did not come (a missing grad departs below)
@@ -410,6 +430,7 @@ class Runtime:
         """The backward raised (see [Note: what a fault discards] in faults.py); None if it never reached
         the engine (nothing was gathered: only what the forward streamed in is let go of)."""
         executor = self.executor
+        self._between_passes = False
         with torch.no_grad():
             for q in self.fast.waiting():  # left in p.grad for their bucket's last grad: they had arrived
                 self.grads.received.setdefault(self.slots.bucket_of[q], set()).add(q)

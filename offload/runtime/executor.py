@@ -156,6 +156,15 @@ class PlanExecutor:
         if self.on_plan and plan is not None and self.pos != len(plan.trace.events):
             self.leave()
 
+    def inner_pass_ends(self) -> bool:
+        """A backward pass ends on the plan and the plan goes on with another backward pass of the same step
+        ([Note: a backward pass inside a step] in core.py): the next planned event is an unpack or a grad."""
+        plan = self.plan
+        if not self.on_plan or plan is None:
+            return False
+        events, pos = plan.trace.events, self.pos
+        return plan.trace.num_forward < pos < len(events) and events[pos].kind in (EventKind.UNPACK, EventKind.GRAD)
+
     def record_step(self, activation_peak: int) -> None:
         """The end of backward: this step's record becomes the trace the next plan is built from."""
         rec = self.recorder
