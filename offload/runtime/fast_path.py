@@ -271,9 +271,10 @@ class FastPath:
 
     def waiting(self) -> list[int]:
         """The grads that came in the plan's order and wait in ``p.grad`` for their bucket's last one, in the
-        order they came ([Note: one hook's work per bucket]); taken off (the caller gathers them now)."""
+        order they came ([Note: one hook's work per bucket]); the caller gathers them. None after a departure:
+        those that waited were gathered before it, and no grad waits after it."""
         closes, pos = self.closes, self._pos
-        if closes is None or not self.on or pos == 0:
+        if closes is None or not self.on or self.departed or pos == 0:
             return []
         received, bucket_of = self.grads.received, self.slots.bucket_of
         got = [p for p in self._grad_keys[:pos] if p not in received.get(bucket_of[p], ())]

@@ -26,8 +26,8 @@ from torch import nn
 
 from ..errors import InvariantError, OffloadError
 from .clipping import clip_gathered, norms_on_host
-from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
 from .device_optim import DeviceOptimizer
+from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
 from .plain_grads import Exposure
 from .scaler import LossScaler
 
