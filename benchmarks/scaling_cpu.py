@@ -7,16 +7,18 @@ than ranks x threads this measures contention as much as the engine; the load av
 after. The step time of a step is the slowest rank's (an all-reduce of each rank's time, outside the timed
 region). Per-rank host arena bytes come from ``engine.memory_stats()``.
 
-Beside each measurement, the simulation of the same run (``offload.planning.data_parallel``: the plan rank 0
-executed, simulated as one rank of N with a collective lane), and its relative error. Its inputs, all measured
-in this run: the compute seconds per event of rank 0's own last traced step (``Trace.compute_seconds``: the
-runtime's waits and fetches excluded), the CPU AdamW rate (``offload probe``'s measurement of the engine's
-update, divided by the ranks: they share this machine's cores as the simulator's G ranks of a node share its
-CPU), the copy rate of the CPU backend's lanes (a host memcpy), and gloo's all-gather over loopback between
-these ranks (two sizes timed in the spawned group: bandwidth and latency of the ring model of
-``offload/planning/collectives.py``). The simulator models what issue 20 plans, not what the runtime does
-today (README "Data parallel": grads reduce-scattered on the device and only a shard copied to the host, the
-collectives on their own lane): the error measures that gap as well as the cost model's.
+Beside each measurement, the simulation of the same run on the path the runtime runs
+(``offload.planning.data_parallel_runtime``, [Note: the runtime's data-parallel step]: rank 0's plan, whole
+buckets copied, gloo's reduce-scatter (an all-reduce), the shard's AdamW and gloo's all-gather one after the
+other on the CPU lane), and its relative error; the design path's simulation (``data_parallel.py``: not what
+runs) is recorded beside it for comparison. Their inputs, all measured in this run: the compute seconds per
+event of rank 0's own last traced step (``Trace.compute_seconds``: the runtime's waits and fetches
+excluded), the CPU AdamW rate (``offload probe``'s measurement of the engine's update with this run's threads
+per rank, times ``min(ranks, cpus)``: the node's rate, which the simulator shares among the ranks as among a
+node's G ranks), the copy rate of the CPU backend's lanes and host copies (a host memcpy), and gloo's
+all-gather over loopback between these ranks (two sizes timed in the spawned group: bandwidth and latency of
+the ring of [Note: gloo's collectives]). A reduce-scatter is timed too, beside the model's figure for it (an
+all-reduce's: ``2 x`` the all-gather's ring time), as a check of that part of the model.
 
     python benchmarks/scaling_cpu.py --json benchmarks/results/scaling_cpu.json
 """
@@ -73,19 +75,44 @@ def _gloo_link(world: int, sizes: tuple[int, int] = (1 << 12, 1 << 23), repeat: 
     return bandwidth, latency
 
 
+def _gloo_reduce_scatter_s(world: int, nbytes: int = 1 << 23, repeat: int = 5) -> float:
+    """Median seconds of one ``reduce_scatter_tensor`` of a ``nbytes`` fp32 buffer over this group."""
+    import torch.distributed as dist
+    if world == 1:
+        return 0.0
+    # torch 2.13 names it reduce_scatter_single (the *_tensor name warns), as offload/runtime/distributed.py does
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    full = torch.zeros(nbytes // 4)
+    mine = full.new_empty(full.numel() // world)
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        reduce_scatter(mine, full)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[float, float]) -> dict:
-    """The simulated step of one rank of ``world`` running ``plan`` (see the module docstring)."""
-    from offload.planning.collectives import Cluster, Link
+    """The simulated step of one rank of ``world`` running ``plan``, on the runtime's path and, beside it,
+    the design's (see the module docstring)."""
+    from offload.planning.collectives import Cluster, Link, gloo_reduce_scatter_seconds
     from offload.planning.data_parallel import simulate_rank_plan
+    from offload.planning.data_parallel_runtime import simulate_runtime_plan
     from offload.planning.hw import HardwareModel, latency_curve
     curve = latency_curve(args.copy_bytes_per_s, 0.0)
+    node_adam = args.adam_params_per_s * min(world, os.cpu_count() or 1)  # the lanes give each rank 1/world of it
     hw = HardwareModel("cpu backend (measured here)", curve, curve, duplex_factor=1.0,
-                       adam_params_per_s=args.adam_params_per_s / world, host_bytes_per_s=args.copy_bytes_per_s,
+                       adam_params_per_s=node_adam, host_bytes_per_s=2 * args.copy_bytes_per_s,
                        device_flops_per_s=1e11, device_bytes_per_s=args.copy_bytes_per_s, measured=True)
     gloo = Link("gloo-loopback", link[0], link[1], source="measured in this run (all-gather, two sizes)")
-    sim = simulate_rank_plan(plan, hw, Cluster(gpus_per_node=world, intra=gloo), compute_s)
-    return {"predicted_step_s": sim.step_s, "predicted_compute_s": sim.sim.compute_s,
+    cluster = Cluster(gpus_per_node=world, intra=gloo)
+    sim = simulate_runtime_plan(plan, hw, cluster, compute_s)
+    design = simulate_rank_plan(plan, hw, cluster, compute_s)
+    return {"path": "runtime", "predicted_step_s": sim.step_s, "predicted_compute_s": sim.sim.compute_s,
             "predicted_all_gather_s": sim.all_gather_busy_s, "predicted_reduce_scatter_s": sim.reduce_scatter_busy_s,
+            "predicted_cpu_lane_s": sim.cpu_lane_busy_s, "predicted_step_s_design": design.step_s,
+            "model_reduce_scatter_8MiB_s": gloo_reduce_scatter_seconds(1 << 23, cluster),
             "gloo_bytes_per_s": link[0] if world > 1 else None, "gloo_latency_s": link[1] if world > 1 else None}
 
 
@@ -97,6 +124,7 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     link = _gloo_link(world)
+    reduce_scatter_s = _gloo_reduce_scatter_s(world)
     model = _model(args.width, args.depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
     engine = offload.wrap(model, opt, budget=args.budget, dtype=torch.bfloat16, device="cpu",
@@ -125,7 +153,8 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
         Path(out).write_text(json.dumps({"step_s": times, "host_bytes_per_rank": stats["host_pinned_bytes"],
                                          "params": sum(p.numel() for p in model.parameters()),
                                          "resident": len(plan.resident) if plan else None,
-                                         "buckets": len(plan.buckets) if plan else None, **predicted}))
+                                         "buckets": len(plan.buckets) if plan else None,
+                                         "measured_reduce_scatter_8MiB_s": reduce_scatter_s, **predicted}))
     engine.close()
     dist.destroy_process_group()
 
@@ -149,6 +178,7 @@ def run(world: int, args: argparse.Namespace) -> dict:
     row = {"ranks": world, "median_step_s": step, "samples_per_s": world * args.batch / step, **result}
     if "predicted_step_s" in row:
         row["relative_error"] = (row["predicted_step_s"] - step) / step
+        row["relative_error_design"] = (row["predicted_step_s_design"] - step) / step
     return row
 
 
@@ -174,13 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[0]["samples_per_s"] / rows[0]["ranks"]
     for r in rows:
         r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * base)
-        sim = (f"  simulated {r['predicted_step_s'] * 1e3:8.1f} ms (error {r['relative_error']:+.0%})"
+        sim = (f"  simulated, runtime path {r['predicted_step_s'] * 1e3:8.1f} ms (error {r['relative_error']:+.0%}); "
+               f"design path {r['predicted_step_s_design'] * 1e3:8.1f} ms ({r['relative_error_design']:+.0%})"
                if "predicted_step_s" in r else "  simulated: no plan")
+        if r["ranks"] > 1 and "model_reduce_scatter_8MiB_s" in r:
+            sim += (f"; reduce-scatter of 8 MiB {r['measured_reduce_scatter_8MiB_s'] * 1e3:.1f} ms measured, "
+                    f"{r['model_reduce_scatter_8MiB_s'] * 1e3:.1f} ms modelled")
         print(f"{r['ranks']} rank(s): step {r['median_step_s'] * 1e3:8.1f} ms  {r['samples_per_s']:9.1f} samples/s  "
               f"efficiency {r['scaling_efficiency']:.2f}  host arena/rank {r['host_bytes_per_rank'] / 2**20:.1f} MiB"
               + sim)
     if args.json:
-        Path(args.json).write_text(json.dumps({"kind": "measured", "simulated_beside": True, "config": vars(args),
+        Path(args.json).write_text(json.dumps({"kind": "measured", "simulated_beside": True,
+                                               "simulated_path": "runtime (offload/planning/data_parallel_runtime.py)"
+                                                                 "; the design path's prediction beside it",
+                                               "config": vars(args),
                                                "machine_before": before,
                                                "machine_after": machine(), "rows": rows}, indent=1))
     return 0
