@@ -116,6 +116,26 @@ def simulate_runtime_plan(plan: Plan, hw: HardwareModel, cluster: Cluster,
     return simulate_runtime_path(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster)
 
 
+def reduce_scatter_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) -> float:
+    """The CPU lane's seconds for one bucket's reduce-scatter of ``nbytes`` grad bytes: gloo's all-reduce of
+    a clone, the clone and the rank's chunk copied out (host copies: read + write at ``host_bytes_per_s``)."""
+    if cluster.world == 1:
+        return 0.0
+    return gloo_reduce_scatter_seconds(nbytes, cluster) + _copies(nbytes + shard(nbytes, cluster.world), hw)
+
+
+def all_gather_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) -> float:
+    """The CPU lane's seconds for one bucket's all-gather into its ``nbytes`` host copy: the shard's clone,
+    gloo's ring all-gather, PyTorch's copy of the flat output into place and ``take_gathered_copy``'s."""
+    if cluster.world == 1:
+        return 0.0
+    return gloo_all_gather_seconds(nbytes, cluster) + _copies(shard(nbytes, cluster.world) + 2 * nbytes, hw)
+
+
+def _copies(nbytes: int, hw: HardwareModel) -> float:
+    return 2 * nbytes / hw.host_bytes_per_s
+
+
 def _refuse_unmodelled(program: Program) -> None:
     if program.adam_after_backward:
         raise ValueError("the runtime's data-parallel path updates each bucket as its grads land (overlapped); "
@@ -136,14 +156,9 @@ class _RuntimeLanes(Lanes):
                          hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g), record)
         self.world = n_world
 
-        def copies(nbytes: int) -> float:  # host memcpy seconds (read + write)
-            return 2 * nbytes / hw.host_bytes_per_s
-
         self.check_s = gloo_all_gather_seconds(CHECK_BYTES * n_world, cluster)
-        self.rs_s = [gloo_reduce_scatter_seconds(s, cluster) + copies(s + shard(s, n_world))
-                     for s in program.d2h_bytes]
-        self.ag_s = [gloo_all_gather_seconds(s, cluster) + copies(shard(s, n_world) + 2 * s)
-                     for s in program.d2h_bytes]
+        self.rs_s = [reduce_scatter_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
+        self.ag_s = [all_gather_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
         self.gathered_at: dict[int, float] = {}  # bucket -> when its all-gather ended (its new copy is whole)
         self.rs_busy = self.ag_busy = self.check_busy = 0.0
 

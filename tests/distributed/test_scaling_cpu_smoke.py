@@ -31,6 +31,7 @@ def test_scaling_cpu_smoke(tmp_path):
     assert result["simulated_path"].startswith("runtime") and one["path"] == two["path"] == "runtime"
     assert one["predicted_step_s"] == one["predicted_step_s_design"]
     assert two["predicted_cpu_lane_s"] >= two["predicted_all_gather_s"] + two["predicted_reduce_scatter_s"]
-    assert two["measured_reduce_scatter_8MiB_s"] > 0 and two["model_reduce_scatter_8MiB_s"] > 0
+    assert set(two["measured_8MiB_s"]) == set(two["modelled_8MiB_s"]) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert all(v > 0 for v in (*two["measured_8MiB_s"].values(), *two["modelled_8MiB_s"].values()))
     assert two["gloo_bytes_per_s"] > 0 and one["gloo_bytes_per_s"] is None
     assert two["host_bytes_per_rank"] < one["host_bytes_per_rank"]
