@@ -235,7 +235,8 @@ def _goals(rows: list[dict], model: str, hw: str, budget: str) -> list[dict]:
                         "goal": "never_below_zero_offload",
                         "value": [f"{g}/{n} {x or ''}".strip() for g, n, x in worse], "holds": not worse,
                         "what": f"{model} {hw} {budget}, {path} path{runs}: never slower than ZeRO-Offload at "
-                                f"{len(compared)} cluster configs" + (f"; slower at {len(worse)}: {worse}" if worse else "")})
+                                f"{len(compared)} cluster configs"
+                                + (f"; slower at {len(worse)}: {worse}" if worse else "")})
     return out
 
 
