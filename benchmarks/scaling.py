@@ -1,16 +1,27 @@
-"""SIMULATED data-parallel scaling (issue 20): step time and tokens/s of one rank's plan on 1 to 64 GPUs
-(1 to 8 nodes) against DeepSpeed ZeRO-Offload's data-parallel rule at the same per-GPU budgets, on traces of
-real model shapes built on the meta device (no weights, no GPU).
+"""SIMULATED data-parallel scaling (issue 20): step time and tokens/s of one rank on 1 to 64 GPUs (1 to 8
+nodes), on two data paths side by side, against DeepSpeed ZeRO-Offload's data-parallel rule at the same
+per-GPU budgets, on traces of real model shapes built on the meta device (no weights, no GPU).
 
-Everything here is the cost model of ``offload/planning/data_parallel.py`` ([Note: the data-parallel step])
-and ``offload/planning/collectives.py`` ([Note: the alpha-beta ring model]), not a measurement: the host
-presets (``pcie4``, ``pcie5``: ``offload/planning/hw.py``) and the link presets (NVLink, InfiniBand) are
+* ``runtime`` (first: it is what the code runs): ``offload/planning/data_parallel_runtime.py`` ([Note: the
+  runtime's data-parallel step]): each rank's single-GPU plan, whole buckets copied each way, every
+  collective on the host through gloo ([Note: gloo's collectives]: a reduce-scatter is an all-reduce), one
+  after the other with the shard's AdamW on the rank's CPU lane; on gloo's NOMINAL link presets.
+* ``design``: ``offload/planning/data_parallel.py`` ([Note: the data-parallel step]): what issue 20 asks
+  the runtime to become (NCCL reduce-scatter of the grad slot on the device, a shard copied, an all-gather
+  on the device before use), on NCCL's link presets. The runtime does NOT run this path today.
+
+Everything here is a cost model (``offload/planning/collectives.py``: [Note: the alpha-beta ring model],
+[Note: gloo's collectives]), not a measurement: the host presets (``pcie4``, ``pcie5``:
+``offload/planning/hw.py``) and the link presets (NVLink, InfiniBand; gloo over loopback and TCP) are
 nominal figures whose sources and assumptions are written next to them and copied into the JSON. Compute
 times are estimated per operator on the preset's assumed device roofline (as ``schedule_sim.py`` does).
 What is measured in this run: how long tracing and planning took on this machine.
 
 Weak scaling: every rank runs the traced micro-batch (``batch x seq`` tokens), so ``tokens/s = N x batch x
 seq / step`` and the scaling efficiency is ``tokens/s at N / (N x tokens/s at 1) = step at 1 / step at N``.
+
+Host bytes: the runtime path's rows give the runtime's arena (``report_dp.runtime_host_bytes_per_rank``:
+the whole 16-bit copy and landing grad on every rank), the design's rows the design's.
 
 Budgets (per GPU): ``zero-offload``: the smallest that holds ZeRO-Offload's rule (every 16-bit parameter on
 the device, the grad slots, activations), so both policies fit; and the step's non-parameter memory plus 25 %
@@ -32,11 +43,11 @@ from rich.console import Console
 from rich.table import Table
 
 from offload.config import format_bytes
-from offload.planning.collectives import INTER, INTRA, cluster_of
+from offload.planning.collectives import GLOO_INTER_OF, GLOO_INTRA, INTER, INTRA, cluster_of, gloo_cluster_of
 from offload.planning.data_parallel import host_bytes_per_node, host_bytes_per_rank
 from offload.planning.hw import PRESETS
 from offload.tools.baselines import Case, zero_offload
-from offload.tools.baselines_dp import POLICIES
+from offload.tools.baselines_dp import POLICIES, runtime_data_parallel
 from offload.tools.report_dp import runtime_host_bytes_per_rank
 from offload.tools.presets import MODELS
 
@@ -53,6 +64,14 @@ BUCKET_BYTES = 32 << 20
 FRACTION = 0.25
 GOAL_EFFICIENCY_8 = 0.90
 SHORT = {"zero-offload": "ZO-min"}  # the table's name of a budget
+GLOO_INTRA_PRESET = "loopback"
+RUNS = "runtime"  # the path the code runs today
+PATHS = {
+    "runtime": "what the code runs today: whole buckets copied each way, gloo collectives on the host, serial "
+               "with the shard's AdamW on each rank's CPU lane (offload/planning/data_parallel_runtime.py)",
+    "design": "what issue 20 designs, NOT what runs: device NCCL reduce-scatter, a 1/N shard copied, device "
+              "all-gather before use (offload/planning/data_parallel.py); zero-offload rows use this model's "
+              "NCCL collectives too"}
 
 
 def parse_case(spec: str) -> tuple[str, int, int]:
@@ -88,17 +107,20 @@ def main(argv: list[str] | None = None) -> int:
         configs.insert(0, (1, 1))  # the efficiency's reference
     out: dict = {
         "benchmark": "scaling", "label": "SIMULATED: a cost model, not a measurement", "machine": brief_machine(),
+        "runs": RUNS, "paths": PATHS,
         "itemsize": ITEMSIZE, "bucket_bytes": BUCKET_BYTES, "weak_scaling": "every rank runs batch x seq tokens",
         "efficiency": "tokens/s at N / (N x tokens/s at 1)",
         "budgets": {"zero-offload": "the smallest per-GPU budget ZeRO-Offload's rule fits in",
                     f"{FRACTION:.0%}": "activations + largest grad + buffers + 25 % of the bf16 parameter bytes"},
         "compute_times": "estimated: per-operator roofline on the preset's assumed device throughput",
         "hw": {}, "links": {}, "rows": [], "timings_s": {}, "goals": []}
-    table = Table(title="SIMULATED data-parallel scaling (cost model; presets, not measurements)")
-    for col in ("model", "hw", "budget/GPU", "GPUs", "links", "ours step s", "ours tok/s", "ours eff",
-                "ZeRO-Off step s", "ZeRO-Off tok/s", "ZeRO-Off eff", "ours / ZeRO-Off", "host/node (design)",
-                "AG+RS busy s"):
-        table.add_column(col, justify="left" if col in ("model", "hw", "links") else "right")
+    table = Table(title="SIMULATED data-parallel scaling (cost model; presets, not measurements). "
+                        "The code runs the RUNTIME path; the design path is issue 20's plan")
+    for col in ("model", "hw", "budget/GPU", "GPUs", "links (design; runtime: gloo)", "runtime step s",
+                "runtime tok/s", "runtime eff", "design step s", "design tok/s", "design eff", "ZeRO-Off step s",
+                "ZeRO-Off eff", "design / ZeRO-Off", "host/node runtime", "host/node design",
+                "runtime CPU-lane coll s"):
+        table.add_column(col, justify="left" if col in ("model", "hw") or col.startswith("links") else "right")
     for spec in args.models.split(","):
         name, batch, seq = parse_case(spec)
         label = f"{name} {batch}x{seq}"
@@ -115,52 +137,61 @@ def main(argv: list[str] | None = None) -> int:
                 base: dict[str, float] = {}
                 for gpus, nodes, inter in ((g, n, x) for g, n in configs for x in (inters if n > 1 else inters[:1])):
                     cluster = cluster_of(gpus, nodes, args.intra or INTRA_OF[hw_name], inter)
-                    for link in (cluster.intra, cluster.inter):
+                    gloo = gloo_cluster_of(gpus, nodes, GLOO_INTRA_PRESET, GLOO_INTER_OF[inter])
+                    for link in (cluster.intra, cluster.inter, gloo.intra, gloo.inter):
                         out["links"][link.name] = link.source
+                    where = f"{name} {hw_name} {budget_name} {cluster.describe()}"
                     t1 = time.perf_counter()
-                    with console.status(f"{name} {hw_name} {budget_name} {cluster.describe()}"):
-                        res = {p: f(case, cluster) for p, f in POLICIES.items()}
-                    out["timings_s"][f"{name} {hw_name} {budget_name} {cluster.describe()}"] = time.perf_counter() - t1
+                    with console.status(where):
+                        res = {"runtime": runtime_data_parallel(case, gloo)}
+                        res.update((p, f(case, cluster)) for p, f in POLICIES.items())
+                    out["timings_s"][where] = time.perf_counter() - t1
+                    host_rank = {"runtime": runtime_host_bytes_per_rank(buckets, ITEMSIZE, cluster.world, False),
+                                 "design": host_bytes_per_rank(buckets, ITEMSIZE, cluster)}
                     cells = {}
                     for p, r in res.items():
+                        path = "runtime" if p == "runtime" else "design"
                         step = r.step_s
                         if (gpus, nodes) == (1, 1) and step:
                             base[p] = step
                         tok = gpus * batch * seq / step if step else None
                         eff = base[p] / step if step and p in base else None
                         cells[p] = (step, tok, eff, r.fits)
+                        dp = r.dp
                         out["rows"].append({
                             "case": label, "model": name, "batch": batch, "seq": seq, "params": mt.numel, "hw": hw_name,
                             "budget": budget_name, "budget_bytes": budget, "gpus": gpus, "nodes": nodes,
-                            "gpus_per_node": cluster.gpus_per_node, "intra": cluster.intra.name,
-                            "inter": cluster.inter.name if nodes > 1 else None, "policy": p, "step_s": step,
+                            "gpus_per_node": cluster.gpus_per_node, "path": path,
+                            "intra": (gloo if path == "runtime" else cluster).intra.name,
+                            "inter": (gloo if path == "runtime" else cluster).inter.name if nodes > 1 else None,
+                            "inter_nics": inter if nodes > 1 else None,
+                            "policy": "greedy" if p == "runtime" else p, "step_s": step,
                             "tokens_per_s": tok, "efficiency": eff, "fits": r.fits, "peak_bytes": r.peak_bytes,
-                            "host_bytes_per_rank": host_bytes_per_rank(buckets, ITEMSIZE, cluster),
-                            "host_bytes_per_node": host_bytes_per_node(buckets, ITEMSIZE, cluster),
-                            # what the runtime allocates today (the design above keeps less; README "Data parallel")
-                            "host_bytes_per_node_runtime": cluster.gpus_per_node * runtime_host_bytes_per_rank(
-                                buckets, ITEMSIZE, cluster.world, False),
-                            "h2d_bytes_per_rank": r.dp.sim.h2d_bytes if r.dp else None,
-                            "stall_s": r.dp.sim.stall_s if r.dp else None,
-                            "cpu_adam_s": r.dp.sim.adam_s if r.dp else None,
-                            "all_gather_busy_s": r.dp.all_gather_busy_s if r.dp else None,
-                            "reduce_scatter_busy_s": r.dp.reduce_scatter_busy_s if r.dp else None})
-                    ours, zo = cells["greedy"], cells["zero-offload"]
-                    dp = res["greedy"].dp
+                            "host_bytes_per_rank": host_rank[path],
+                            "host_bytes_per_node": cluster.gpus_per_node * host_rank[path],
+                            "h2d_bytes_per_rank": dp.sim.h2d_bytes if dp else None,
+                            "stall_s": dp.sim.stall_s if dp else None,
+                            "cpu_adam_s": dp.sim.adam_s if dp else None,
+                            "all_gather_busy_s": dp.all_gather_busy_s if dp else None,
+                            "reduce_scatter_busy_s": dp.reduce_scatter_busy_s if dp else None})
+                    run, ours, zo = cells["runtime"], cells["greedy"], cells["zero-offload"]
+                    rdp = res["runtime"].dp
                     table.add_row(
                         label, hw_name, f"{SHORT.get(budget_name, budget_name)} {format_bytes(budget)}",
                         f"{gpus}" + (f" ({nodes}x{cluster.gpus_per_node})" if nodes > 1 else ""),
                         cluster.intra.name + (f"+{cluster.inter.name}" if nodes > 1 else ""),
-                        *_cells(ours), *_cells(zo),
+                        *_cells(run), *_cells(ours), *_cells(zo)[::2],
                         f"{zo[0] / ours[0]:.2f}x" if ours[0] and zo[0] else "-",
-                        format_bytes(host_bytes_per_node(buckets, ITEMSIZE, cluster)),
-                        f"{dp.all_gather_busy_s + dp.reduce_scatter_busy_s:.3f}" if dp else "-")
+                        format_bytes(cluster.gpus_per_node * host_rank["runtime"]),
+                        format_bytes(cluster.gpus_per_node * host_rank["design"]),
+                        f"{rdp.reduce_scatter_busy_s + rdp.all_gather_busy_s:.3f}" if rdp else "-")
                 out["goals"].extend(_goals(out["rows"], label, hw_name, budget_name))
     console.print(table)
+    console.print(f"The code runs the [bold]{RUNS}[/] path: {PATHS[RUNS]}. The design path: {PATHS['design']}.")
     for g in out["goals"]:
         console.print(f"goal [{'green' if g['holds'] else 'red'}]{'holds' if g['holds'] else 'FAILS'}[/]: {g['what']}")
     console.print("SIMULATED: every number above is the cost model's (offload/planning/collectives.py, "
-                  "data_parallel.py) on nominal presets:")
+                  "data_parallel_runtime.py, data_parallel.py) on nominal presets:")
     for k, v in {**out["hw"], **out["links"]}.items():
         console.print(f"  {k}: {v}")
     console.print(f"machine (tracing/planning only): {out['machine']}")
@@ -181,25 +212,31 @@ def _cells(c) -> list[str]:
 
 
 def _goals(rows: list[dict], model: str, hw: str, budget: str) -> list[dict]:
-    """The issue's goals for one (model, hw, budget): >= 90 % efficiency at 8 GPUs on one node, and never
-    slower than ZeRO-Offload's rule at any GPU count (where that rule fits the budget)."""
+    """The issue's goals for one (model, hw, budget), per path: >= 90 % efficiency at 8 GPUs on one node, and
+    never slower than ZeRO-Offload's rule at any GPU count (where that rule fits the budget)."""
     mine = [r for r in rows if (r["case"], r["hw"], r["budget"]) == (model, hw, budget)]
-    ours = {(r["gpus"], r["nodes"], r["inter"]): r for r in mine if r["policy"] == "greedy"}
-    zo = {(r["gpus"], r["nodes"], r["inter"]): r for r in mine if r["policy"] == "zero-offload"}
+    zo = {(r["gpus"], r["nodes"], r["inter_nics"]): r for r in mine if r["policy"] == "zero-offload"}
     out = []
-    eight = ours.get((8, 1, None))
-    if eight is not None and eight["efficiency"] is not None:
-        out.append({"model": model, "hw": hw, "budget": budget, "goal": "efficiency_8_gpus_one_node",
-                    "value": eight["efficiency"], "holds": eight["efficiency"] >= GOAL_EFFICIENCY_8,
-                    "what": f"{model} {hw} {budget}: efficiency at 8 GPUs on one node {eight['efficiency']:.0%} "
-                            f"(goal >= {GOAL_EFFICIENCY_8:.0%})"})
-    worse = [k for k, r in ours.items() if zo[k]["fits"] and (r["step_s"] is None or r["step_s"] > zo[k]["step_s"])]
-    compared = [k for k in ours if zo[k]["fits"]]
-    if compared:
-        out.append({"model": model, "hw": hw, "budget": budget, "goal": "never_below_zero_offload",
-                    "value": [f"{g}/{n} {x or ''}".strip() for g, n, x in worse], "holds": not worse,
-                    "what": f"{model} {hw} {budget}: ours never slower than ZeRO-Offload at "
-                            f"{len(compared)} cluster configs" + (f"; slower at {worse}" if worse else "")})
+    for path in ("runtime", "design"):
+        ours = {(r["gpus"], r["nodes"], r["inter_nics"]): r for r in mine
+                if r["policy"] == "greedy" and r["path"] == path}
+        eight = ours.get((8, 1, None))
+        runs = " (what runs)" if path == RUNS else " (not what runs)"
+        if eight is not None and eight["efficiency"] is not None:
+            out.append({"model": model, "hw": hw, "budget": budget, "path": path,
+                        "goal": "efficiency_8_gpus_one_node", "value": eight["efficiency"],
+                        "holds": eight["efficiency"] >= GOAL_EFFICIENCY_8,
+                        "what": f"{model} {hw} {budget}, {path} path{runs}: efficiency at 8 GPUs on one node "
+                                f"{eight['efficiency']:.0%} (goal >= {GOAL_EFFICIENCY_8:.0%})"})
+        worse = [k for k, r in ours.items() if zo[k]["fits"] and (r["step_s"] is None or r["step_s"] > zo[k]["step_s"])]
+        compared = [k for k in ours if zo[k]["fits"]]
+        if compared:
+            out.append({"model": model, "hw": hw, "budget": budget, "path": path,
+                        "goal": "never_below_zero_offload",
+                        "value": [f"{g}/{n} {x or ''}".strip() for g, n, x in worse], "holds": not worse,
+                        "what": f"{model} {hw} {budget}, {path} path{runs}: never slower than ZeRO-Offload at "
+                                f"{len(compared)} cluster configs"
+                                + (f"; slower at {len(worse)}: {worse}" if worse else "")})
     return out
 
 

@@ -7,16 +7,19 @@ than ranks x threads this measures contention as much as the engine; the load av
 after. The step time of a step is the slowest rank's (an all-reduce of each rank's time, outside the timed
 region). Per-rank host arena bytes come from ``engine.memory_stats()``.
 
-Beside each measurement, the simulation of the same run (``offload.planning.data_parallel``: the plan rank 0
-executed, simulated as one rank of N with a collective lane), and its relative error. Its inputs, all measured
-in this run: the compute seconds per event of rank 0's own last traced step (``Trace.compute_seconds``: the
-runtime's waits and fetches excluded), the CPU AdamW rate (``offload probe``'s measurement of the engine's
-update, divided by the ranks: they share this machine's cores as the simulator's G ranks of a node share its
-CPU), the copy rate of the CPU backend's lanes (a host memcpy), and gloo's all-gather over loopback between
-these ranks (two sizes timed in the spawned group: bandwidth and latency of the ring model of
-``offload/planning/collectives.py``). The simulator models what issue 20 plans, not what the runtime does
-today (README "Data parallel": grads reduce-scattered on the device and only a shard copied to the host, the
-collectives on their own lane): the error measures that gap as well as the cost model's.
+Beside each measurement, the simulation of the same run on the path the runtime runs
+(``offload.planning.data_parallel_runtime``, [Note: the runtime's data-parallel step]: rank 0's plan, whole
+buckets copied, gloo's reduce-scatter (an all-reduce), the shard's AdamW and gloo's all-gather one after the
+other on the CPU lane), and its relative error; the design path's simulation (``data_parallel.py``: not what
+runs) is recorded beside it for comparison. Their inputs, all measured in this run: the compute seconds per
+event of rank 0's own last traced step (``Trace.compute_seconds``: the runtime's waits and fetches
+excluded), the CPU AdamW rate (``offload probe``'s measurement of the engine's update with this run's threads
+per rank, times ``min(ranks, cpus)``: the node's rate, which the simulator shares among the ranks as among a
+node's G ranks), the copy rate of the CPU backend's lanes and host copies (a host memcpy), and gloo over
+loopback between these ranks: the all-reduce timed at two sizes in the spawned group gives the bandwidth
+and latency of the ring of [Note: gloo's collectives] (the all-reduce, since a reduce-scatter is one). The
+three collectives a bucket runs are timed at 8 MiB beside the model's figures for them (with the host copies
+the runtime's lane makes), as a check of that part of the model.
 
     python benchmarks/scaling_cpu.py --json benchmarks/results/scaling_cpu.json
 """
@@ -49,24 +52,37 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _gloo_link(world: int, sizes: tuple[int, int] = (1 << 12, 1 << 23), repeat: int = 5) -> tuple[float, float]:
-    """(bytes/s, seconds per ring step) of an all-gather over this group, from the median time of a small and
-    a large one: ``AG(S) = (p - 1) a + (p - 1) / p * S / B`` (collectives.py's ring model) solved for a, B."""
+def _gloo_times(world: int, sizes: tuple[int, ...] = (1 << 12, 1 << 23), repeat: int = 5) -> dict:
+    """Median seconds of gloo's all-reduce, reduce-scatter and all-gather of buffers of ``sizes`` bytes (fp32;
+    the buffer is the whole one: a reduce-scatter's input, an all-gather's output) over this group."""
     import torch.distributed as dist
+    # torch 2.13 names them *_single (the *_tensor names warn), as offload/runtime/distributed.py does
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    out: dict = {}
+    for nbytes in sizes:
+        full = torch.zeros(nbytes // 4)
+        mine = full.new_empty(full.numel() // world)
+        for name, call in (("all_reduce", lambda: dist.all_reduce(full)), ("reduce_scatter", lambda: reduce_scatter(
+                mine, full)), ("all_gather", lambda: all_gather(full, mine))):
+            times = []
+            for _ in range(repeat):
+                dist.barrier()
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            out[f"{name} {nbytes}"] = statistics.median(times)
+    return out
+
+
+def _gloo_link(world: int, times: dict, sizes: tuple[int, int] = (1 << 12, 1 << 23)) -> tuple[float, float]:
+    """(bytes/s per hop, seconds per ring step) of gloo over this group, fitted to the all-reduce's times at a
+    small and a large size: ``AR(S) = 2 (p - 1) (a + S / (p B))`` ([Note: gloo's collectives]) solved for a, B.
+    The all-reduce, since a reduce-scatter is one (the larger of the two collectives a bucket runs)."""
     if world == 1:
         return 1e12, 0.0
-    took = []
-    for nbytes in sizes:
-        mine = torch.zeros(nbytes // world // 4)
-        full = mine.new_empty(mine.numel() * world)
-        times = []
-        for _ in range(repeat):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_gather_into_tensor(full, mine)
-            times.append(time.perf_counter() - t0)
-        took.append(statistics.median(times))
-    steps = world - 1
+    took = [times[f"all_reduce {n}"] for n in sizes]
+    steps = 2 * (world - 1)
     big, small = sizes[1] * steps / world, sizes[0] * steps / world
     bandwidth = (big - small) / max(took[1] - took[0], 1e-9)
     latency = max(0.0, (took[0] - small / bandwidth) / steps)
@@ -74,18 +90,31 @@ def _gloo_link(world: int, sizes: tuple[int, int] = (1 << 12, 1 << 23), repeat: 
 
 
 def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[float, float]) -> dict:
-    """The simulated step of one rank of ``world`` running ``plan`` (see the module docstring)."""
-    from offload.planning.collectives import Cluster, Link
+    """The simulated step of one rank of ``world`` running ``plan``, on the runtime's path and, beside it,
+    the design's (see the module docstring)."""
+    from offload.planning.collectives import Cluster, Link, gloo_all_reduce_seconds
     from offload.planning.data_parallel import simulate_rank_plan
+    from offload.planning.data_parallel_runtime import (
+        all_gather_lane_seconds,
+        reduce_scatter_lane_seconds,
+        simulate_runtime_plan,
+    )
     from offload.planning.hw import HardwareModel, latency_curve
     curve = latency_curve(args.copy_bytes_per_s, 0.0)
+    node_adam = args.adam_params_per_s * min(world, os.cpu_count() or 1)  # the lanes give each rank 1/world of it
     hw = HardwareModel("cpu backend (measured here)", curve, curve, duplex_factor=1.0,
-                       adam_params_per_s=args.adam_params_per_s / world, host_bytes_per_s=args.copy_bytes_per_s,
+                       adam_params_per_s=node_adam, host_bytes_per_s=2 * args.copy_bytes_per_s,
                        device_flops_per_s=1e11, device_bytes_per_s=args.copy_bytes_per_s, measured=True)
-    gloo = Link("gloo-loopback", link[0], link[1], source="measured in this run (all-gather, two sizes)")
-    sim = simulate_rank_plan(plan, hw, Cluster(gpus_per_node=world, intra=gloo), compute_s)
-    return {"predicted_step_s": sim.step_s, "predicted_compute_s": sim.sim.compute_s,
+    gloo = Link("gloo-loopback", link[0], link[1], source="measured in this run (all-reduce, two sizes)")
+    cluster = Cluster(gpus_per_node=world, intra=gloo)
+    sim = simulate_runtime_plan(plan, hw, cluster, compute_s)
+    design = simulate_rank_plan(plan, hw, cluster, compute_s)
+    return {"path": "runtime", "predicted_step_s": sim.step_s, "predicted_compute_s": sim.sim.compute_s,
             "predicted_all_gather_s": sim.all_gather_busy_s, "predicted_reduce_scatter_s": sim.reduce_scatter_busy_s,
+            "predicted_cpu_lane_s": sim.cpu_lane_busy_s, "predicted_step_s_design": design.step_s,
+            "modelled_8MiB_s": {"all_reduce": gloo_all_reduce_seconds(1 << 23, cluster),
+                                "reduce_scatter": reduce_scatter_lane_seconds(1 << 23, hw, cluster),
+                                "all_gather": all_gather_lane_seconds(1 << 23, hw, cluster)},
             "gloo_bytes_per_s": link[0] if world > 1 else None, "gloo_latency_s": link[1] if world > 1 else None}
 
 
@@ -96,7 +125,8 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
     torch.set_num_threads(max(1, args.threads))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    link = _gloo_link(world)
+    gloo_times = _gloo_times(world) if world > 1 else {}
+    link = _gloo_link(world, gloo_times)
     model = _model(args.width, args.depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
     engine = offload.wrap(model, opt, budget=args.budget, dtype=torch.bfloat16, device="cpu",
@@ -125,7 +155,10 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
         Path(out).write_text(json.dumps({"step_s": times, "host_bytes_per_rank": stats["host_pinned_bytes"],
                                          "params": sum(p.numel() for p in model.parameters()),
                                          "resident": len(plan.resident) if plan else None,
-                                         "buckets": len(plan.buckets) if plan else None, **predicted}))
+                                         "buckets": len(plan.buckets) if plan else None,
+                                         "measured_8MiB_s": {k.split()[0]: v for k, v in gloo_times.items()
+                                                             if k.endswith(str(1 << 23))},
+                                         "gloo_times_s": gloo_times, **predicted}))
     engine.close()
     dist.destroy_process_group()
 
@@ -149,6 +182,7 @@ def run(world: int, args: argparse.Namespace) -> dict:
     row = {"ranks": world, "median_step_s": step, "samples_per_s": world * args.batch / step, **result}
     if "predicted_step_s" in row:
         row["relative_error"] = (row["predicted_step_s"] - step) / step
+        row["relative_error_design"] = (row["predicted_step_s_design"] - step) / step
     return row
 
 
@@ -174,13 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[0]["samples_per_s"] / rows[0]["ranks"]
     for r in rows:
         r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * base)
-        sim = (f"  simulated {r['predicted_step_s'] * 1e3:8.1f} ms (error {r['relative_error']:+.0%})"
+        sim = (f"  simulated, runtime path {r['predicted_step_s'] * 1e3:8.1f} ms (error {r['relative_error']:+.0%}); "
+               f"design path {r['predicted_step_s_design'] * 1e3:8.1f} ms ({r['relative_error_design']:+.0%})"
                if "predicted_step_s" in r else "  simulated: no plan")
+        if r["ranks"] > 1 and "modelled_8MiB_s" in r:
+            sim += "; 8 MiB measured / modelled: " + ", ".join(
+                f"{k} {r['measured_8MiB_s'][k] * 1e3:.1f} / {v * 1e3:.1f} ms" for k, v in r["modelled_8MiB_s"].items())
         print(f"{r['ranks']} rank(s): step {r['median_step_s'] * 1e3:8.1f} ms  {r['samples_per_s']:9.1f} samples/s  "
               f"efficiency {r['scaling_efficiency']:.2f}  host arena/rank {r['host_bytes_per_rank'] / 2**20:.1f} MiB"
               + sim)
     if args.json:
-        Path(args.json).write_text(json.dumps({"kind": "measured", "simulated_beside": True, "config": vars(args),
+        Path(args.json).write_text(json.dumps({"kind": "measured", "simulated_beside": True,
+                                               "simulated_path": "runtime (offload/planning/data_parallel_runtime.py)"
+                                                                 "; the design path's prediction beside it",
+                                               "config": vars(args),
                                                "machine_before": before,
                                                "machine_after": machine(), "rows": rows}, indent=1))
     return 0

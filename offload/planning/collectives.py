@@ -26,6 +26,28 @@ assumptions stated; ``offload probe`` is where measured figures would come from 
 exists (the runtime half of issue 20). Not modelled: NCCL's protocol choice (LL/LL128/Simple) and chunk
 pipelining (the latency term stands for all of it), NVLink SHARP / in-network reduction, congestion from
 other jobs, stragglers (every rank is assumed to do the same work at the same speed).
+
+[Note: gloo's collectives]
+What the runtime runs today (``offload/runtime/distributed.py``) is gloo on host tensors, and gloo is not
+NCCL: read from PyTorch's ``ProcessGroupGloo.cpp`` and gloo's ``allreduce.cc`` / ``allgather.cc``:
+
+* ``all_gather_into_tensor`` is gloo's ring all-gather over all ``p`` ranks, *flat* (no hierarchy: one ring
+  through every rank, in rank order, so with ``M`` nodes of ``G`` consecutive ranks ``M`` of its ``p`` hops
+  cross nodes): ``p - 1`` steps, each moving ``S / p`` bytes on every hop at once. PyTorch stages it
+  through a flat output buffer, then copies each chunk into place.
+* ``reduce_scatter_tensor`` is **not** a reduce-scatter: ProcessGroupGloo clones the whole input and runs an
+  *all-reduce* of it (gloo's default ring: a ring reduce-scatter then a ring all-gather, each rank's chunk
+  cut into >= 2 segments so a send overlaps a reduction), then copies the rank's ``S / p`` chunk out. So it
+  moves twice a reduce-scatter's bytes: ``2 (p - 1)`` steps of ``S / p``.
+* A ring step lasts as long as its slowest hop: ``a + (S / p) / B`` with ``(a, B)`` the hop's latency and
+  per-stream bandwidth, the inter-node link's as soon as ``M > 1`` (:func:`gloo_step_seconds`). Each hop is
+  one TCP stream, so a stream's rate, not the NIC's line rate, is what bounds it.
+
+So ``AG(S) = (p - 1) (a + S / (p B))`` and ``RS(S) = AR(S) = 2 (p - 1) (a + S / (p B))``. Not modelled: the
+CPU time of gloo's reductions and of the TCP stacks, which share the node's cores with the AdamW of the
+``G`` ranks (folded into the nominal ``B``); TCP slow start and congestion. The presets
+(:data:`GLOO_INTRA`, :data:`GLOO_INTER`) are NOMINAL figures, stated as such: not NCCL's NVLink or
+InfiniBand figures, which gloo, a TCP transport, does not reach.
 """
 
 from __future__ import annotations
@@ -176,3 +198,74 @@ def all_gather_seconds(nbytes: int, cluster: Cluster) -> float:
 def all_reduce_seconds(nbytes: int, cluster: Cluster) -> float:
     """An all-reduce of a ``nbytes`` buffer: a reduce-scatter then an all-gather."""
     return reduce_scatter_seconds(nbytes, cluster) + all_gather_seconds(nbytes, cluster)
+
+
+# -- gloo, as the runtime runs its collectives today ------------------------------------------------------
+
+GLOO_INTRA: dict[str, Link] = {
+    "loopback": Link(
+        "gloo-loopback", 3 * GB, 30e-6,
+        source="NOMINAL, not measured: two processes on one host through gloo's TCP transport over loopback "
+               "(PyTorch builds gloo with TCP; no shared-memory transport). Taken at 3 GB/s per ring hop (one "
+               "TCP stream, which a server core drives at a few GB/s, plus gloo's copies) and 30 us per ring step "
+               "(a loopback round trip plus gloo's per-segment synchronisation). benchmarks/scaling_cpu.py "
+               "measures it on the machine it runs on (0.15-0.25 GB/s on a loaded 2-vCPU VM: far below)"),
+}
+"""gloo between the ranks of one node. Bandwidth per ring hop (one TCP stream), per direction."""
+
+GLOO_INTER: dict[str, Link] = {
+    "tcp-eth100": Link(
+        "gloo-tcp-eth100", 5 * GB, 50e-6,
+        source="NOMINAL: gloo's TCP transport over one 100 Gb/s Ethernet NIC: a ring hop is one TCP stream, "
+               "taken at 5 GB/s (40 % of the 12.5 GB/s line rate: one untuned stream, no RDMA) and 50 us per "
+               "ring step"),
+    "ipoib-200": Link(
+        "gloo-ipoib-200", 6 * GB, 40e-6,
+        source="NOMINAL: gloo's TCP transport over IP-over-InfiniBand on a 200 Gb/s HDR NIC (gloo as PyTorch "
+               "builds it has no verbs transport): one stream taken at 6 GB/s, 40 us per ring step"),
+    "ipoib-400": Link(
+        "gloo-ipoib-400", 8 * GB, 40e-6,
+        source="NOMINAL: gloo's TCP transport over IP-over-InfiniBand on a 400 Gb/s NDR NIC: one stream taken "
+               "at 8 GB/s (a TCP stream, not the link, is the limit), 40 us per ring step"),
+}
+"""gloo across nodes. Bandwidth per ring hop (one TCP stream between two ranks on different nodes)."""
+
+GLOO_INTER_OF = {"eth100": "tcp-eth100", "ib200": "ipoib-200", "ib400": "ipoib-400", "ib8x400": "ipoib-400"}
+"""The gloo preset over the NICs of each NCCL inter-node preset (several NICs do not help one flat ring's hop)."""
+
+
+def gloo_cluster_of(gpus: int, nodes: int = 1, intra: str | Link = "loopback",
+                    inter: str | Link = "tcp-eth100") -> Cluster:
+    """The ranks of :func:`cluster_of` with gloo's links (see [Note: gloo's collectives])."""
+    return cluster_of(gpus, nodes, _link(GLOO_INTRA, intra), _link(GLOO_INTER, inter))
+
+
+def gloo_step_seconds(chunk: int, cluster: Cluster) -> float:
+    """One step of gloo's flat ring over every rank of ``cluster``: every hop moves ``chunk`` bytes at once,
+    and the step lasts as long as its slowest hop (an inter-node hop as soon as there are two nodes)."""
+    hops = []
+    if cluster.gpus_per_node > 1:
+        hops.append(cluster.intra)
+    if cluster.nodes > 1:
+        hops.append(cluster.inter)
+    return max(link.latency_s + chunk / link.bytes_per_s for link in hops)
+
+
+def gloo_all_gather_seconds(nbytes: int, cluster: Cluster) -> float:
+    """gloo's ring all-gather into a ``nbytes`` buffer: ``(p - 1)`` steps of ``S / p`` bytes on a flat ring."""
+    p = cluster.world
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return (p - 1) * gloo_step_seconds(-(-nbytes // p), cluster)
+
+
+def gloo_all_reduce_seconds(nbytes: int, cluster: Cluster) -> float:
+    """gloo's ring all-reduce of a ``nbytes`` buffer: a ring reduce-scatter then a ring all-gather."""
+    return 2 * gloo_all_gather_seconds(nbytes, cluster)
+
+
+def gloo_reduce_scatter_seconds(nbytes: int, cluster: Cluster) -> float:
+    """``reduce_scatter_tensor`` of a ``nbytes`` buffer on a gloo group: ProcessGroupGloo implements it as an
+    all-reduce of a clone of the whole buffer (then copies the rank's chunk out), so it costs an all-reduce's
+    network time ([Note: gloo's collectives]; the copies are the caller's to charge)."""
+    return gloo_all_reduce_seconds(nbytes, cluster)

@@ -12,6 +12,10 @@ against DeepSpeed ZeRO-Offload's data-parallel rule on the same trace, buckets, 
   reduce bucket is larger), with the same hierarchical collective costs as ``greedy`` (DeepSpeed's
   all-gather is a flat ring over the world: this is kind to it across nodes); its optional one-step
   delayed parameter update (DPU, which changes the maths) is not modelled.
+* ``runtime``: what the runtime runs today ([Note: the runtime's data-parallel step],
+  ``offload/planning/data_parallel_runtime.py``): each rank's single-GPU plan (the runtime plans each rank
+  as one GPU), whole buckets copied each way, gloo's collectives and the shard's AdamW one after the other
+  on the CPU lane. Give it a cluster with gloo's links (``collectives.gloo_cluster_of``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from dataclasses import dataclass
 from ..errors import BudgetTooSmallError
 from ..planning.collectives import Cluster
 from ..planning.data_parallel import DataParallelResult, build_rank_plan, simulate_data_parallel, simulate_rank_plan
+from ..planning.data_parallel_runtime import RuntimePathResult, simulate_runtime_plan
 from ..planning.greedy import Greedy
+from ..planning.schedule import build_plan
 from ..planning.simulate import Program
 from .baselines import Case, zero_offload
 
@@ -33,7 +39,7 @@ class RankResult:
     rank's planned device peak."""
 
     policy: str
-    dp: DataParallelResult | None
+    dp: DataParallelResult | RuntimePathResult | None
     peak_bytes: int
     fits: bool
 
@@ -63,6 +69,17 @@ def greedy_data_parallel(case: Case, cluster: Cluster) -> RankResult:
     except BudgetTooSmallError as e:
         return RankResult("greedy", None, e.min_budget_bytes, False)
     return RankResult("greedy", simulate_rank_plan(plan, case.hw, cluster, case.compute_s), plan.peak_bytes, True)
+
+
+def runtime_data_parallel(case: Case, gloo: Cluster) -> RankResult:
+    """The runtime's path on ``gloo`` (a cluster with gloo's links): the single-GPU plan within the rank's
+    budget, as ``Executor._build`` makes it, simulated by :func:`simulate_runtime_plan`."""
+    try:
+        plan = build_plan(case.trace, case.buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
+                          fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s)
+    except BudgetTooSmallError as e:
+        return RankResult("runtime", None, e.min_budget_bytes, False)
+    return RankResult("runtime", simulate_runtime_plan(plan, case.hw, gloo, case.compute_s), plan.peak_bytes, True)
 
 
 POLICIES = {"greedy": greedy_data_parallel, "zero-offload": zero_offload_data_parallel}

@@ -27,5 +27,11 @@ def test_scaling_cpu_smoke(tmp_path):
         assert r["predicted_step_s"] > 0 and r["buckets"] >= 1
         assert r["relative_error"] == pytest.approx((r["predicted_step_s"] - r["median_step_s"]) / r["median_step_s"])
     assert one["predicted_all_gather_s"] == 0 and two["predicted_all_gather_s"] > 0  # one rank: no collective
+    # the runtime's path is the one simulated (the design's beside it); one rank: the two are the same step
+    assert result["simulated_path"].startswith("runtime") and one["path"] == two["path"] == "runtime"
+    assert one["predicted_step_s"] == one["predicted_step_s_design"]
+    assert two["predicted_cpu_lane_s"] >= two["predicted_all_gather_s"] + two["predicted_reduce_scatter_s"]
+    assert set(two["measured_8MiB_s"]) == set(two["modelled_8MiB_s"]) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert all(v > 0 for v in (*two["measured_8MiB_s"].values(), *two["modelled_8MiB_s"].values()))
     assert two["gloo_bytes_per_s"] > 0 and one["gloo_bytes_per_s"] is None
     assert two["host_bytes_per_rank"] < one["host_bytes_per_rank"]

@@ -1,5 +1,6 @@
 """``offload report --gpus N [--nodes M]`` (issue 20): per-rank device and host bytes, per-node host bytes
-and the predicted step with the collectives, in the JSON and the table; bad cluster shapes are usage errors."""
+and the predicted step with the collectives, in the JSON and the table, for the path the runtime runs (flat
+keys) beside the design's (``*_design``); bad cluster shapes are usage errors."""
 
 from __future__ import annotations
 
@@ -22,8 +23,12 @@ def test_report_gpus_json(capsys):
     assert rc == 0
     dp = out["data_parallel"]
     assert (dp["gpus"], dp["nodes"], dp["gpus_per_node"], dp["intra"], dp["inter"]) == (16, 2, 8, "nvlink3", "ib400")
-    assert dp["simulated"].startswith("cost model") and set(dp["links"]) == {"nvlink3", "ib400"}
-    assert dp["fits"] and dp["device_peak_bytes_per_rank"] <= out["budget_bytes"]
+    assert (dp["gloo_intra"], dp["gloo_inter"]) == ("gloo-loopback", "gloo-ipoib-400")
+    assert dp["simulated"].startswith("cost model") and dp["runs"].startswith("runtime")
+    assert set(dp["links"]) == {"nvlink3", "ib400", "gloo-loopback", "gloo-ipoib-400"}
+    # the runtime path: each rank runs the single-GPU plan
+    assert dp["fits"] and dp["device_peak_bytes_per_rank"] == out["plan"]["planned_peak_bytes"] <= out["budget_bytes"]
+    assert dp["fits_design"] and dp["device_peak_bytes_per_rank_design"] <= out["budget_bytes"]
     # the simulated design: optimizer state 1/16 a rank, the 16-bit copy 1/8 a rank (once a node): between 1/16
     # and 1/8 of one GPU's
     host = one["host_bytes"]["total"]
@@ -34,14 +39,27 @@ def test_report_gpus_json(capsys):
     assert dp["host_bytes_per_node"] == 8 * dp["host_bytes_per_rank"]
     assert 4 * one["trainable_params"] < dp["host_bytes_per_rank"] < 5 * one["trainable_params"]
     assert dp["predicted_step_s"] > 0 and dp["all_gather_busy_s"] > 0 and dp["reduce_scatter_busy_s"] > 0
+    assert dp["check_busy_s"] > 0 and dp["runtime_note"] is None
     assert dp["tokens_per_s"] == pytest.approx(16 * out["batch"] * out["seq"] / dp["predicted_step_s"])
+    # the CPU lane runs the collectives and the AdamW one after the other: the step is at least their sum
+    assert dp["predicted_step_s"] > dp["all_gather_busy_s"] + dp["reduce_scatter_busy_s"] + dp["check_busy_s"]
+    assert dp["predicted_step_s_design"] > 0 and dp["all_gather_busy_s_design"] > 0
+    assert dp["tokens_per_s_design"] == pytest.approx(16 * out["batch"] * out["seq"] / dp["predicted_step_s_design"])
     assert dp["zero_offload_step_s"] > 0
+
+
+def test_report_gpus_float16_says_the_runtime_path_is_not_modelled(capsys):
+    rc, out = _json(capsys, "--gpus", "2", "--dtype", "fp16")
+    dp = out["data_parallel"]
+    assert rc == 0 and dp["fits"] and dp["predicted_step_s"] is None and "float16" in dp["runtime_note"]
+    assert dp["predicted_step_s_design"] > 0
 
 
 def test_report_gpus_table_and_usage_errors(capsys):
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "4"]) == 0
     text = capsys.readouterr().out
     assert "data parallel on 4 GPUs" in text and "SIMULATED" in text and "pinned host per node" in text
+    assert "runtime path (what runs)" in text and "design path" in text and "gloo-loopback" in text
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "6", "--nodes", "4"]) == 2
     assert "evenly" in capsys.readouterr().err
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "2", "--intra", "nvlink9"]) == 2

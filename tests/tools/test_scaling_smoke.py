@@ -1,6 +1,8 @@
 """benchmarks/scaling.py in a small configuration (GPT-2 small on the meta device, 1, 2 and 4 GPUs): the
 harness runs, labels its numbers SIMULATED, names its presets and writes figures that agree with each
-other. It checks the harness, not the model's conclusions (tests/planning/test_collectives.py does)."""
+other, on both data paths: the runtime's (what runs, first, with the runtime's host bytes) and the design's.
+It checks the harness, not the model's conclusions (tests/planning/test_collectives.py and
+test_data_parallel_runtime.py do)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,10 @@ import json
 
 import pytest
 import scaling  # benchmarks/ is on sys.path (pyproject's pytest `pythonpath`)
+from rich.console import Console
+
+from common import trace_preset
+from offload.tools.report_dp import runtime_host_bytes_per_rank
 
 
 @pytest.fixture(scope="module")
@@ -22,22 +28,24 @@ def result(tmp_path_factory):
 def test_labelled_simulated_with_presets_and_machine(result):
     assert result["benchmark"] == "scaling" and result["label"].startswith("SIMULATED")
     assert "not measured" in result["hw"]["pcie4"]
-    assert set(result["links"]) == {"nvlink3", "eth100", "ib400"}
+    assert set(result["links"]) == {"nvlink3", "eth100", "ib400", "gloo-loopback", "gloo-tcp-eth100", "gloo-ipoib-400"}
+    assert result["runs"] == "runtime" and list(result["paths"]) == ["runtime", "design"]
+    assert "NOT what runs" in result["paths"]["design"]
     assert all(len(src) > 40 for src in result["links"].values())
     assert result["machine"]["cpus"] and result["timings_s"]["trace gpt2 1x1024"] > 0
 
 
 def test_rows_agree_with_each_other(result):
     rows = result["rows"]
-    # 2 budgets x (1, 2 on one node, 4 over 2 nodes on each of 2 networks) x 2 policies
-    assert len(rows) == 2 * 4 * 2
+    # 2 budgets x (1, 2 on one node, 4 over 2 nodes on each of 2 networks) x (runtime path, 2 policies on the design)
+    assert len(rows) == 2 * 4 * 3 and rows[0]["path"] == "runtime"
     zo_budget = [r for r in rows if r["budget"] == "zero-offload"]
     assert all(r["fits"] for r in zo_budget)  # that budget is the one ZeRO-Offload's rule fits in
     for r in zo_budget:
         assert r["tokens_per_s"] == pytest.approx(r["gpus"] * r["batch"] * r["seq"] / r["step_s"])
         assert r["peak_bytes"] <= r["budget_bytes"]
     for policy in ("greedy", "zero-offload"):
-        mine = {(r["gpus"], r["inter"]): r for r in zo_budget if r["policy"] == policy}
+        mine = {(r["gpus"], r["inter"]): r for r in zo_budget if r["policy"] == policy and r["path"] == "design"}
         assert mine[(1, None)]["efficiency"] == 1.0
         one = mine[(1, None)]["tokens_per_s"]
         for r in mine.values():  # efficiency = tokens/s at N / (N x tokens/s at 1)
@@ -49,5 +57,28 @@ def test_rows_agree_with_each_other(result):
                                                                        rel=0.01)
         assert mine[(4, "ib400")]["host_bytes_per_node"] < mine[(1, None)]["host_bytes_per_node"]
         assert mine[(2, None)]["all_gather_busy_s"] > 0 and mine[(1, None)]["all_gather_busy_s"] == 0
-    goals = {g["goal"] for g in result["goals"]}
-    assert "never_below_zero_offload" in goals  # no 8-GPU config here: that goal is not evaluated
+    goals = {(g["goal"], g["path"]) for g in result["goals"]}  # no 8-GPU config here: that goal is not evaluated
+    assert goals == {("never_below_zero_offload", "runtime"), ("never_below_zero_offload", "design")}
+
+
+def test_the_runtime_path_beside_the_design(result):
+    rows = result["rows"]
+    runtime = [r for r in rows if r["path"] == "runtime"]
+    design = [r for r in rows if r["path"] == "design" and r["policy"] == "greedy"]
+    assert len(runtime) == len(design) == 2 * 4
+    _, buckets, *_ = trace_preset(Console(quiet=True), "gpt2", 1, 1024, scaling.BUCKET_BYTES, scaling.ITEMSIZE)
+    for r, d in zip(runtime, design):
+        assert (r["gpus"], r["budget"], r["inter_nics"]) == (d["gpus"], d["budget"], d["inter_nics"])
+        assert r["intra"] == "gloo-loopback" and (r["inter"] is None) == (r["nodes"] == 1)
+        # the runtime's own arena (one definition: report_dp), the whole 16-bit copy on every rank
+        assert r["host_bytes_per_rank"] == runtime_host_bytes_per_rank(buckets, scaling.ITEMSIZE, r["gpus"], False)
+        assert r["host_bytes_per_node"] == r["gpus_per_node"] * r["host_bytes_per_rank"]
+        assert r["fits"] == d["fits"]
+        if not r["fits"]:
+            continue
+        if r["gpus"] == 1:  # one rank: no collective on either path, the same single-GPU step
+            assert r["step_s"] == d["step_s"] and r["efficiency"] == d["efficiency"] == 1.0
+            assert r["all_gather_busy_s"] == 0
+        else:
+            assert r["host_bytes_per_rank"] > d["host_bytes_per_rank"] and r["all_gather_busy_s"] > 0
+            assert r["tokens_per_s"] == pytest.approx(r["gpus"] * r["batch"] * r["seq"] / r["step_s"])

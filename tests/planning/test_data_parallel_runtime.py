@@ -1,0 +1,158 @@
+"""The runtime's data-parallel path as a cost model (offload/planning/data_parallel_runtime.py, [Note: the
+runtime's data-parallel step]; gloo's collectives in collectives.py, [Note: gloo's collectives]): gloo's ring
+costs worked out by hand, one rank reproducing the single-GPU simulation bit for bit, the CPU lane running a
+bucket's collectives and its AdamW one after the other, a bucket's next host-to-device copy waiting for its
+all-gather, and the host bytes reported being the runtime's own arena."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from offload.host.shard import ShardedHostState
+from offload.planning.buckets import ParamSpec, make_buckets
+from offload.planning.collectives import (
+    GLOO_INTER,
+    GLOO_INTER_OF,
+    GLOO_INTRA,
+    INTER,
+    Cluster,
+    Link,
+    gloo_all_gather_seconds,
+    gloo_all_reduce_seconds,
+    gloo_cluster_of,
+    gloo_reduce_scatter_seconds,
+)
+from offload.planning.data_parallel_runtime import CHECK_BYTES, simulate_runtime_path
+from offload.planning.schedule import program_of
+from offload.planning.simulate import simulate, simulate_reference
+from offload.tools.report_dp import runtime_host_bytes_per_rank
+from tests.support.planning import draw_compute, flat_hw, lane_program, machines, plan_that_fits, traces
+
+LINK = Link("x", bytes_per_s=1000.0, latency_s=0.5)
+
+# -- gloo's ring, by hand ---------------------------------------------------------------------------------
+
+
+def test_gloo_collectives_by_hand():
+    two = Cluster(2, 1, intra=LINK)
+    # all-gather of 1000 B over 2 ranks: 1 step of 0.5 s + 500 B at 1000 B/s
+    assert gloo_all_gather_seconds(1000, two) == pytest.approx(1.0)
+    # ProcessGroupGloo's reduce_scatter_tensor is an all-reduce: twice the all-gather's steps
+    assert gloo_all_reduce_seconds(1000, two) == pytest.approx(2.0)
+    assert gloo_reduce_scatter_seconds(1000, two) == gloo_all_reduce_seconds(1000, two)
+    # a flat ring over 2 nodes x 2: every step waits for its slowest (inter-node) hop; 3 steps of 250 B
+    slow = Link("net", bytes_per_s=100.0, latency_s=1.0)
+    four = Cluster(2, 2, intra=LINK, inter=slow)
+    assert gloo_all_gather_seconds(1000, four) == pytest.approx(3 * (1.0 + 2.5))
+    assert gloo_all_gather_seconds(1000, Cluster(1, 1, intra=LINK)) == 0.0
+
+
+def test_gloo_presets_are_nominal_and_not_nccls():
+    for link in (*GLOO_INTRA.values(), *GLOO_INTER.values()):
+        assert link.source.startswith("NOMINAL") and link.name.startswith("gloo-"), link.name
+    assert set(GLOO_INTER_OF) == set(INTER) and set(GLOO_INTER_OF.values()) <= set(GLOO_INTER)
+    c = gloo_cluster_of(16, 2, inter="ipoib-400")
+    assert (c.gpus_per_node, c.nodes, c.intra.name, c.inter.name) == (8, 2, "gloo-loopback", "gloo-ipoib-400")
+    with pytest.raises(ValueError, match="unknown link"):
+        gloo_cluster_of(2, 1, intra="nvlink3")
+
+
+# -- one rank is the single-GPU step ----------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_one_rank_is_the_single_gpu_simulation_bit_for_bit(case, hw, data):
+    trace, buckets = case
+    compute = draw_compute(data.draw, trace)
+    plan = plan_that_fits(trace, buckets, data.draw(st.integers(0, 60000)), hw, compute)
+    program = program_of(plan, compute)
+    got = simulate_runtime_path(program, hw, gloo_cluster_of(1))
+    assert got.sim == simulate_reference(program, hw)  # every field, floats bitwise
+    assert got.sim == simulate(program, hw)
+    assert (got.reduce_scatter_busy_s, got.all_gather_busy_s, got.check_busy_s) == (0, 0, 0)
+    assert (got.reduce_scatter_bytes, got.all_gather_bytes) == (0, 0)
+
+
+# -- the CPU lane, by hand ----------------------------------------------------------------------------------
+
+# two buckets of 1000 grad bytes (500 bf16 params each); 2 ranks on one node; host copies at 2000 B/s
+HW = flat_hw(bw=1000.0, adam=1000.0).with_(host_bytes_per_s=4000.0)
+TWO = Cluster(2, 1, intra=LINK)
+CHECK = 0.5 + CHECK_BYTES * 2 / 2 / 1000  # a check's all-gather: 1 step of 0.5 s + 32 B
+RS = 2 * (0.5 + 0.5) + (1000 + 500) / 2000  # an all-reduce of 1000 B, the clone and the shard copied out
+ADAM = 250 / (1000 / 2)  # the shard's 250 params at half the node's rate (the node's 2 ranks share it)
+AG = (0.5 + 0.5) + (500 + 2 * 1000) / 2000  # the ring all-gather, the shard's clone, two copies of the bucket
+
+
+def _by_lane(record, lane):
+    return [r for r in record if r[0] == lane]
+
+
+def test_the_cpu_lane_runs_collectives_and_adamw_one_after_the_other():
+    program = lane_program(d2h_event=(1, 2), d2h_bucket=(0, 1), d2h_bytes=(1000, 1000), adam_numel=(500, 500))
+    record: list = []
+    got = simulate_runtime_path(program, HW, TWO, record)
+    landed = _by_lane(record, "d2h")[0][3]  # the first bucket's grads on the host (1 s of copy)
+    per_bucket = CHECK + RS + ADAM + AG
+    # nothing on the CPU lane overlaps: the step is the first landing, both buckets' work end to end, and
+    # step()'s check (the second bucket's grads landed long before the lane was free)
+    assert got.step_s == pytest.approx(landed + 2 * per_bucket + CHECK)
+    assert got.step_s >= landed + got.cpu_lane_busy_s - 1e-9
+    assert got.sim.adam_s == pytest.approx(2 * ADAM)
+    assert (got.reduce_scatter_busy_s, got.all_gather_busy_s) == (pytest.approx(2 * RS), pytest.approx(2 * AG))
+    assert got.check_busy_s == pytest.approx(3 * CHECK)
+    cpu = sorted((r for r in record if r[0] in ("reduce_scatter", "adam", "all_gather", "check")),
+                 key=lambda r: r[2])
+    assert [r[0] for r in cpu] == ["reduce_scatter", "adam", "all_gather"] * 2 + ["check"]
+    for a, b in zip(cpu, cpu[1:]):  # back to back, never two at once
+        assert b[2] == pytest.approx(a[3])
+    assert cpu[0][2] == pytest.approx(landed)
+
+
+def test_a_buckets_next_host_to_device_copy_waits_for_its_all_gather():
+    # bucket 0's grads go to the host at event 0, its new weights come back at event 1 for event 2
+    program = lane_program(d2h_event=(0,), d2h_bucket=(0,), d2h_bytes=(1000,), adam_numel=(500,),
+                           h2d_event=(1,), h2d_bucket=(0,), h2d_bytes=(1000,), waits=((), (), (0,)))
+    record: list = []
+    got = simulate_runtime_path(program, HW, TWO, record)
+    gathered = _by_lane(record, "all_gather")[0][3]
+    assert gathered == pytest.approx(1.0 + CHECK + RS + ADAM + AG)  # the grads landed at 1 s
+    h2d = _by_lane(record, "h2d")[0]
+    assert h2d[2] == pytest.approx(gathered)  # issued at 1 s, started once the copy was whole
+    assert got.sim.stall_s == pytest.approx(gathered + 1.0 - 2.0)  # event 2 waits for the copy (1 s)
+    # another bucket's copy does not wait
+    other = dataclasses.replace(program, h2d_bucket=(1,))
+    assert _first_h2d_start(other) == pytest.approx(1.0)
+
+
+def _first_h2d_start(program):
+    record: list = []
+    simulate_runtime_path(program, HW, TWO, record)
+    return _by_lane(record, "h2d")[0][2]
+
+
+def test_unmodelled_programs_are_refused():
+    with pytest.raises(ValueError, match="end of backward"):
+        simulate_runtime_path(lane_program(adam_after_backward=True), HW, TWO)
+    with pytest.raises(ValueError, match="device-optimizer"):
+        simulate_runtime_path(lane_program(device_adam_numel=(0, 0, 0, 5)), HW, TWO)
+
+
+# -- host bytes: the runtime's arena ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_host_bytes_are_the_arena_every_rank_allocates(world, dtype):
+    specs = [ParamSpec(n, 0) for n in (300, 17, 1000, 64, 5)] + [ParamSpec(40, None)]  # one frozen
+    buckets = make_buckets(specs, range(len(specs)), bucket_bytes=4 * 800, itemsize=4)
+    shapes = [torch.Size([s.numel]) for s in specs]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    want = runtime_host_bytes_per_rank(buckets, itemsize, world, False)
+    for rank in range(world):
+        state = ShardedHostState(buckets, specs, shapes, dtype, rank, world, lambda t: t, fused=False)
+        assert state.nbytes == want
