@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import InvariantError
 from .arena import plan_arena_columns
 from .buckets import locate
+from .greedy_inputs import grad_waits
 from .intervals import grad_intervals, need_intervals, needed_all, with_prefetch
 from .placement import Placement
 from .plan import ARENA_ALIGN, Buffer, BufferKind, EventActions, Plan
@@ -76,15 +79,29 @@ def buffer_waits(specs, offsets) -> list[tuple[int, ...]]:
     return [tuple(got[a:b]) for a, b in zip(ptr, ptr[1:])]
 
 
+def grad_slot_waits(specs, after, d2h_bucket, n: int):
+    """Compute's waits on grad copies that a layout makes, as (ptr, copies) arrays over ``n`` events (what
+    ``Greedy.program`` takes): at a grad slot's start, the copy to the host (among ``d2h_bucket``'s, by
+    bucket) of every grad slot in its ``after`` ([Note: waits on a reused grad slot] in simulate.py)."""
+    grad = BufferKind.GRAD
+    pairs = [(x[2], specs[j][0]) for x, aft in zip(specs, after) if x[1] is grad for j in aft
+             if specs[j][1] is grad]
+    event = np.array([e for e, _ in pairs], dtype=np.int64).reshape(len(pairs))
+    bucket = np.array([b for _, b in pairs], dtype=np.int64).reshape(len(pairs))
+    return grad_waits(event, bucket, d2h_bucket, n)
+
+
 def assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fixed, *, simulated=None,
-             hw_name="", needs=None, device=()) -> Plan:
+             hw_name="", needs=None, device=(), after=None) -> Plan:
     """The frozen :class:`Plan` of laid-out buffers. ``resident``: the buckets with a whole-step PARAM
-    buffer, ``device`` (a subset) the ones whose optimizer state (a STATE buffer) lives on the device."""
+    buffer, ``device`` (a subset) the ones whose optimizer state (a STATE buffer) lives on the device.
+    ``after``: :func:`buffer_waits` of the layout, where the caller has it."""
     n = len(trace.events)
     if needs is None:  # per event: the buckets it needs (the greedy scheduler has them already)
         bucket_of = locate(buckets)[0]
         needs = needed_all(trace, bucket_of)
-    after = buffer_waits(specs, layout.offsets)
+    if after is None:
+        after = buffer_waits(specs, layout.offsets)
     make = frozen_maker(Buffer)
     buffers = tuple(make(b, kind, s, e, size, off, aft)
                     for (b, kind, s, e, size), off, aft in zip(specs, layout.offsets, after))
