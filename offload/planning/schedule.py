@@ -155,19 +155,20 @@ def _grad_slots(g: Greedy, point: Point, specs, layout, room: int):
     waits less, else single. The minimum budget (``budget.py``) is single buffering's, and a budget without
     room for the extra slot keeps it."""
     x = g.inputs
-    d2h_bucket = x.d2h_program["d2h_bucket"]
-    options = [(specs, layout, f"greedy ({point.mode})")]
-    if DOUBLE_BUFFER_GRAD_SLOTS and len(x.grads) > 1:
+
+    def laid_out(specs, layout, name):
+        after = buffer_waits(specs, layout.offsets)
+        sim = g.simulate(point.resident, point.flat, grad_slot_waits(specs, after, x.d2h_program["d2h_bucket"], x.n))[0]
+        return specs, layout, after, sim.result() if isinstance(sim, LaneResult) else sim, name
+
+    best = laid_out(specs, layout, f"greedy ({point.mode})")
+    options = []
+    # (no wait on a grad copy: nothing for another layout to gain, and a layout of 10^4 buffers is not free)
+    if DOUBLE_BUFFER_GRAD_SLOTS and len(x.grads) > 1 and best[3].grad_stall_s > 0:
         d_specs, d_layout = g.layout(point.resident, point.flat, double=True)
         if d_layout.total_bytes <= room:
-            options.append((d_specs, d_layout, f"greedy ({point.mode}, double-buffered grads)"))
-    laid_out = []
-    for specs, layout, name in options:
-        after = buffer_waits(specs, layout.offsets)
-        sim = g.simulate(point.resident, point.flat, grad_slot_waits(specs, after, d2h_bucket, x.n))[0]
-        laid_out.append((specs, layout, after, sim.result() if isinstance(sim, LaneResult) else sim, name))
-    best = laid_out[0]
-    for option in laid_out[1:]:
+            options.append(laid_out(d_specs, d_layout, f"greedy ({point.mode}, double-buffered grads)"))
+    for option in options:
         faster = option[3].step_s < best[3].step_s * (1 - 1e-12)
         # as fast (the CPU AdamW ends the step either way) and backward waits less: less for the model to miss
         tie = option[3].step_s <= best[3].step_s * (1 + 1e-12) and option[3].stall_s < best[3].stall_s
