@@ -9,7 +9,9 @@ on the device for the whole step (resident), or keep it between its last forward
 backward use (the last layers). Once no stall is left, it goes on taking the moves that save the most
 copy time per byte, so that spare budget still cuts traffic. Every point of that sequence is simulated;
 the plan is the fastest point whose memory fits the budget. The sequence does not depend on the budget
-(the budget only says where it stops), so a larger budget never gives a slower plan.
+(the budget only says where it stops), so a larger budget never gives a slower point; the plan's own
+simulated step counts its layout's waits on reused grad slots, which the points' scores only estimate
+([Note: waits on a reused grad slot] in simulate.py), so a larger budget's plan can come out slightly slower.
 
 The plan model is ``plan.py``; need intervals ``intervals.py``; arena layout ``layout.py``; the search
 ``greedy.py`` (its inputs ``greedy_inputs.py``); memory floors and budget errors ``budget.py``.
