@@ -134,7 +134,7 @@ def explain(console: Console, title: str, case: Case, greedy_result, causal) -> 
     plan, sim = greedy_result.plan, greedy_result.sim
     forward = sum(case.compute_s[:case.trace.num_forward])
     console.print(f"  greedy {sim.step_s:.3f} s: compute {sim.compute_s:.3f} (device AdamW {sim.device_adam_s:.3f}, "
-                  f"forward {forward:.3f}), stall {sim.stall_s:.3f}, H2D {sim.h2d_busy_s:.3f}, D2H {sim.d2h_busy_s:.3f}, "
+                  f"forward {forward:.3f}), stall {sim.stall_s:.3f} (grad slots {sim.grad_stall_s:.3f}), H2D {sim.h2d_busy_s:.3f}, D2H {sim.d2h_busy_s:.3f}, "
                   f"CPU AdamW {sim.adam_s:.3f}, tail after compute {sim.tail_s:.3f}")
     kept = {x.bucket for x in plan.buffers if x.kind.name == "PARAM" and x.start < plan.trace.num_forward <= x.end
             and x.bucket not in plan.resident}
@@ -165,10 +165,12 @@ def run_case(case: Case, row_base: dict, extra: int, out: list) -> dict:
                  "bound_placement_limit": bound_p.limit, "bound_placement_device_bytes": bound_p.parts["device_bytes"],
                  "bound_placement_causal_s": finite(causal.seconds), "bound_placement_causal_limit": causal.limit,
                  "peak_bytes": r.peak_bytes, "fits": r.fits, "stall_s": r.sim.stall_s if r.sim else None,
+                 "grad_stall_s": r.sim.grad_stall_s if r.sim else None,
                  "h2d_bytes": r.sim.h2d_bytes if r.sim else None}
         if pname == "greedy":
             entry["plan_s"] = time.perf_counter() - t1
             entry["placement"] = plan_placement(r.plan)
+            entry["strategy"] = r.plan.strategy if r.plan is not None else None
         if r.ratio is not None:
             entry["ratio"] = r.ratio
         out.append(entry)

@@ -102,7 +102,7 @@ class Sequence {
       if (!copies()) return fallback(out, "need without a live buffer");
       GreedyPoint point;
       simulate_lanes(LaneProgram{c_.compute, h2d_event_, h2d_solo_, wait_ptr_, wait_copy_, c_.d2h_event, c_.d2h_solo,
-                                 c_.adam_s, false, c_.duplex},
+                                 c_.adam_s, false, c_.duplex, c_.grad_wait_ptr, c_.grad_wait_copy},
                      lane_scratch_, point.lanes);
       if (point.lanes.divided_by_zero) return fallback(out, "stall on a zero-length copy");
       for (i64 b : cb_) point.h2d_bytes += c_.nbytes[static_cast<std::size_t>(b)];
@@ -306,7 +306,9 @@ class Sequence {
   // `Greedy.moves`: the next batch, best first. False where a score would divide by zero (numpy raises).
   bool next_moves(const LaneResult& sim, i64 peak, std::vector<Move>& moves) {
     moves.clear();
-    const bool stalled = sim.stall_s > 0;
+    // the stall moves can remove: waits for host-to-device copies, not for grad copies (Greedy.moves)
+    const double copy_stall = sim.stall_s - sim.grad_stall_s;
+    const bool stalled = copy_stall > 0;
     const std::size_t nb = static_cast<std::size_t>(c_.nb), m = rows_b_.size();
     const double* credit = sim.copy_credit.data() + refresh_;
     count_.assign(nb, 0);
@@ -383,7 +385,7 @@ class Sequence {
       seen_[static_cast<std::size_t>(it->bucket)] = 1;
       moves.push_back({it->kind == 1, it->bucket});
       covered = moves.size() == 1 ? it->gain : covered + it->gain;  // np.cumsum: sequential adds
-      if (stalled && covered >= sim.stall_s) break;
+      if (stalled && covered >= copy_stall) break;
     }
     return true;
   }
@@ -456,6 +458,8 @@ void check_greedy_constants(const GreedyConstants& c) {
   check_size(c.need_e.size(), c.need_b.size(), "need_e");
   check_size(c.d2h_solo.size(), c.d2h_event.size(), "d2h_solo");
   check_size(c.adam_s.size(), c.d2h_event.size(), "adam_s");
+  if (!c.grad_wait_ptr.empty()) check_size(c.grad_wait_ptr.size(), n + 1, "grad_wait_ptr");
+  else check_size(c.grad_wait_copy.size(), 0, "grad_wait_copy");
   check_range(c.use_b, 0, c.nb, "use_b");
   check_range(c.use_s, 0, c.n, "use_s");
   check_range(c.use_e, 0, c.n + 1, "use_e");

@@ -38,6 +38,8 @@ struct GreedyConstants {
   // the lanes' inputs that no point changes
   std::vector<double> compute, d2h_solo, adam_s;
   std::vector<std::int64_t> d2h_event;
+  // per event, compute's waits on grad copies (LaneProgram's grad_wait_*; both empty: none)
+  std::vector<std::int64_t> grad_wait_ptr, grad_wait_copy;
   double duplex = 1.0;
   std::int64_t n_used = 0;      // buckets any event needs
   std::int64_t max_points = 32;  // MAX_POINTS

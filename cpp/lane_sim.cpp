@@ -40,15 +40,30 @@ void simulate_lanes(const LaneProgram& p, LaneScratch& w, LaneResult& r) {
     throw std::invalid_argument("simulate_lanes: inconsistent program lengths");
   for (std::int64_t k : p.wait_copy)
     if (k < 0 || static_cast<std::size_t>(k) >= nh) throw std::invalid_argument("simulate_lanes: bad wait copy");
+  const bool grad_waits = p.grad_wait_ptr.size() != 0;
+  if (grad_waits) {
+    if (p.grad_wait_ptr.size() != static_cast<std::size_t>(n + 1) || p.grad_wait_ptr[0] != 0 ||
+        p.grad_wait_ptr[static_cast<std::size_t>(n)] != static_cast<std::int64_t>(p.grad_wait_copy.size()))
+      throw std::invalid_argument("simulate_lanes: grad_wait_ptr needs one entry per event and one more");
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (p.grad_wait_ptr[i + 1] < p.grad_wait_ptr[i]) throw std::invalid_argument("simulate_lanes: bad grad_wait_ptr");
+      for (std::int64_t j = p.grad_wait_ptr[i]; j < p.grad_wait_ptr[i + 1]; ++j) {
+        const std::int64_t k = p.grad_wait_copy[j];
+        if (k < 0 || static_cast<std::size_t>(k) >= p.d2h_event.size() || p.d2h_event[k] >= i)
+          throw std::invalid_argument("simulate_lanes: a grad wait names a copy not issued before its event");
+      }
+    }
+  }
   group_by_event(p.h2d_event, -1, n - 1, w.h2d_ptr, w.h2d_copy, w.fill);
   group_by_event(p.d2h_event, 0, n, w.d2h_ptr, w.d2h_copy, w.fill);
   const std::vector<std::int64_t>&h2d_ptr = w.h2d_ptr, &h2d_copy = w.h2d_copy, &d2h_ptr = w.d2h_ptr,
                                &d2h_copy = w.d2h_copy;
-  std::vector<double>&done = w.done, &dur = w.dur, &cum = w.cum, &stall_at = w.stall_at;
+  std::vector<double>&done = w.done, &dur = w.dur, &cum = w.cum, &stall_at = w.stall_at, &d2h_done = w.d2h_done;
   done.assign(nh, 0.0), dur.assign(nh, 0.0), cum.assign(nh, 0.0), stall_at.assign(nh, 0.0);
+  d2h_done.assign(p.d2h_solo.size(), -1.0);
   std::vector<std::int64_t>& period_of = w.period_of;
   period_of.assign(nh, 0);
-  r.step_s = r.compute_s = r.stall_s = r.h2d_busy_s = r.d2h_busy_s = r.adam_s = r.compute_end = 0;
+  r.step_s = r.compute_s = r.stall_s = r.h2d_busy_s = r.d2h_busy_s = r.adam_s = r.compute_end = r.grad_stall_s = 0;
   r.divided_by_zero = false;
   r.stall_per_event.assign(static_cast<std::size_t>(n), 0.0);
   double h2d_free = 0, d2h_free = 0, cpu_free = 0, period_len = 0, t = 0;
@@ -71,6 +86,7 @@ void simulate_lanes(const LaneProgram& p, LaneScratch& w, LaneResult& r) {
     const double start = std::max(now, d2h_free);
     const double d = h2d_free > start ? p.d2h_solo[k] / p.duplex : p.d2h_solo[k];
     d2h_free = start + d;
+    d2h_done[k] = d2h_free;
     r.d2h_busy_s += d;
     r.adam_s += p.adam_s[k];
     if (p.adam_after_backward)
@@ -90,6 +106,17 @@ void simulate_lanes(const LaneProgram& p, LaneScratch& w, LaneResult& r) {
         if (cum[k] == 0.0) r.divided_by_zero = true;
         stall_at[k] += s / cum[k];
         t = done[k];
+      }
+    }
+    if (grad_waits) {
+      for (std::int64_t j = p.grad_wait_ptr[i]; j < p.grad_wait_ptr[i + 1]; ++j) {
+        const double ready = d2h_done[p.grad_wait_copy[j]];
+        if (ready > t) {
+          const double s = ready - t;
+          r.stall_per_event[i] += s;
+          r.grad_stall_s += s;
+          t = ready;
+        }
       }
     }
     for (std::int64_t j = d2h_ptr[i]; j < d2h_ptr[i + 1]; ++j) issue_d2h(d2h_copy[j], t);

@@ -35,10 +35,16 @@ struct LaneProgram {
   View<double> adam_s;           // per device-to-host copy: seconds of its AdamW
   bool adam_after_backward;
   double duplex;
+  // Per event i, or empty (none): the device-to-host copies compute waits for before it, after the
+  // host-to-device waits, grad_wait_copy[grad_wait_ptr[i]:grad_wait_ptr[i+1]]; each issued at an earlier
+  // event ([Note: waits on a reused grad slot] in simulate.py).
+  View<std::int64_t> grad_wait_ptr = {};
+  View<std::int64_t> grad_wait_copy = {};
 };
 
 struct LaneResult {
   double step_s = 0, compute_s = 0, stall_s = 0, h2d_busy_s = 0, d2h_busy_s = 0, adam_s = 0, compute_end = 0;
+  double grad_stall_s = 0;  // the part of stall_s spent waiting for grad copies (grad_wait_*)
   std::vector<double> stall_per_event, copy_credit;
   bool divided_by_zero = false;  // a stall on a zero-length busy period: the caller reruns the reference
 };
@@ -48,7 +54,7 @@ LaneResult simulate_lanes(const LaneProgram& p);
 // Working buffers of the lane loop, reusable from call to call: a caller that simulates many programs
 // (the greedy scheduler's points) keeps one and so does not fault fresh pages in at every call.
 struct LaneScratch {
-  std::vector<double> done, dur, cum, stall_at;
+  std::vector<double> done, dur, cum, stall_at, d2h_done;
   std::vector<std::int64_t> period_of, h2d_ptr, h2d_copy, d2h_ptr, d2h_copy, fill;
 };
 

@@ -131,11 +131,13 @@ def adamw_has_openmp() -> bool:
 def simulate_lanes(
     compute: Sequence[float], h2d_event: Sequence[int], h2d_solo: Sequence[float], wait_ptr: Sequence[int],
     wait_copy: Sequence[int], d2h_event: Sequence[int], d2h_solo: Sequence[float], adam_s: Sequence[float],
-    adam_after_backward: bool, duplex: float,
-) -> tuple[float, float, float, float, float, float, float, npt.NDArray[np.float64], npt.NDArray[np.float64], bool]:
+    adam_after_backward: bool, duplex: float, grad_wait_ptr: Sequence[int] = ..., grad_wait_copy: Sequence[int] = ...,
+) -> tuple[float, float, float, float, float, float, float, npt.NDArray[np.float64], npt.NDArray[np.float64], float,
+           bool]:
     """The step simulator's lane loop (``cpp/lane_sim.h``) over one-dimensional numpy arrays (or sequences,
-    converted). Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event,
-    copy credit, divided by zero); the two per-item results are float64 numpy arrays."""
+    converted). ``grad_wait_*``: compute's waits on grad copies, per event (both empty: none). Returns (step,
+    compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit, grad stall, divided
+    by zero); the two per-item results are float64 numpy arrays."""
 
 def latest_issue(
     deadline: Sequence[float] | npt.NDArray[np.float64], duration: Sequence[float] | npt.NDArray[np.float64]
@@ -160,7 +162,8 @@ class GreedyKernel:
         updated: Sequence[int], fwd_row: Sequence[int], bwd_row: Sequence[int], fwd_at: Sequence[int],
         bwd_at: Sequence[int], keepable: Sequence[int], tau: Sequence[float], grad_profile: Sequence[int],
         need_b: Sequence[int], need_e: Sequence[int], compute: Sequence[float], d2h_event: Sequence[int],
-        d2h_solo: Sequence[float], adam_s: Sequence[float], duplex: float, n_used: int, max_points: int,
+        d2h_solo: Sequence[float], adam_s: Sequence[float], grad_wait_ptr: Sequence[int],
+        grad_wait_copy: Sequence[int], duplex: float, n_used: int, max_points: int,
     ) -> None:
         """The fields of ``offload.planning.greedy_inputs.GreedyInputs`` (names as there, passed by keyword; numpy arrays or sequences, copied). Raises
         ``ValueError`` naming the first inconsistent length, out-of-range index or unsorted input."""
@@ -168,6 +171,6 @@ class GreedyKernel:
         """Every point of mode ``mode`` (0 latest, 1 lookahead, 2 just in time) whose peak live bytes are
         ``<= capacity``, in sequence order, each (resident buckets, flat rows (k, 3), step, compute, stall,
         h2d busy, d2h busy, adam, compute end, stall per event, copy credit, h2d bytes, peak, resident
-        bytes), arrays as numpy; and a fallback reason, non-empty where the Python loop must run instead
+        bytes, grad stall), arrays as numpy; and a fallback reason, non-empty where the Python loop must run instead
         (it raises the reference's error: a stall on a zero-length copy, a score dividing by zero). Releases
         the GIL."""

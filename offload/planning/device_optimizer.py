@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import InvariantError
 from .buckets import Bucket
 from .greedy import MODES, Greedy, Point
-from .greedy_inputs import D2HProgram, GreedyInputs
+from .greedy_inputs import D2HProgram, GreedyInputs, grad_waits
 from .placement import placement_bound, state_nbytes
 from .plan import align
 from .simulate import seconds_each
@@ -147,6 +147,7 @@ def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], 
         on_host = ~dev[d2h_bucket[host]]
         cpu_numel = tuple(np.where(on_host, np.asarray(cpu_numel, dtype=np.int64), 0).tolist())
         adam_s = np.where(on_host, adam_s, 0.0)
+    grad_wait_ptr, grad_wait_copy = grad_waits(x.slot_wait_event, x.slot_wait_bucket, kept(p["d2h_bucket"]), n)
     d2h_program = D2HProgram(d2h_event=kept(p["d2h_event"]), d2h_bucket=kept(p["d2h_bucket"]),
                              d2h_bytes=kept(p["d2h_bytes"]), adam_numel=cpu_numel,
                              device_adam_numel=tuple(device_numel))
@@ -165,6 +166,7 @@ def restrict(x: GreedyInputs, device: Sequence[int], buckets: Sequence[Bucket], 
         fwd_at=fwd_at, bwd_at=bwd_at, keepable=keepable, tau=np.add.accumulate(np.concatenate([np.zeros(1), compute])),
         grad_profile=grad_profile, need_b=need_b, need_e=need_e, compute=compute,
         d2h_event=x.d2h_event[host], d2h_solo=x.d2h_solo[host], adam_s=adam_s,
+        grad_wait_ptr=grad_wait_ptr, grad_wait_copy=grad_wait_copy,
         n_used=len(np.unique(use_b)), need_ptr=need_ptr, need_key=need_b * (n + 1) + need_e,
         d2h_program=d2h_program, d2h_total=sum(d2h_program["d2h_bytes"]),
         device=tuple(ordered), device_state_bytes=tuple(state_nbytes(buckets[b], itemsize) for b in ordered),

@@ -17,6 +17,7 @@ from ..errors import InvariantError
 from .arrays import MaxTable, latest_issue, lexsort
 from .buckets import Bucket
 from .greedy_inputs import GreedyInputs
+from .intervals import double_buffered_ends
 from .hw import HardwareModel
 from .layout import arena_of
 from .plan import BufferKind, align
@@ -29,6 +30,7 @@ except ImportError:  # a source tree without the built extension: the Python ref
     _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
 
 Streamed = dict[int, list[list[int]]]  # per streamed bucket: its buffers [issue, end), in event order
+GradWaits = tuple[np.ndarray, np.ndarray]  # compute's waits on grad copies: (ptr over events + 1, copies), or empty
 
 MODES = ("latest", "lookahead", "just in time")
 """Where a streamed bucket's copy is issued. ``latest``: as late as possible while still arriving before
@@ -182,30 +184,37 @@ class Greedy:
         return m, cb, ptr, found
 
     def program(self, resident: frozenset[int], streamed: Streamed | None,
-                flat: np.ndarray | None = None) -> Program:
+                flat: np.ndarray | None = None, grad_waits: GradWaits | None = None) -> Program:
+        """The lane program of a point. ``grad_waits``: compute's waits on grad copies as (ptr, copies)
+        arrays (a layout's: ``layout.grad_slot_waits``), else the intervals' rule ([Note: waits on a reused
+        grad slot] in simulate.py)."""
         x = self.inputs
         flat = self._rows(streamed, flat)
         m, cb, ptr, found = self.copies(resident, flat)
+        gptr, gcopy = grad_waits if grad_waits is not None else (x.grad_wait_ptr, x.grad_wait_copy)
         return Program(
             compute_s=x.compute_s, h2d_event=(STEP_START,) * m + tuple(flat[:, 0].tolist()),
             h2d_bucket=tuple(cb.tolist()), h2d_bytes=tuple(x.nbytes[cb].tolist()),
-            waits=FlatWaits(ptr.tolist(), found.tolist()), device_return_bytes=x.device_return_bytes, **x.d2h_program)
+            waits=FlatWaits(ptr.tolist(), found.tolist()), device_return_bytes=x.device_return_bytes,
+            grad_waits=FlatWaits(gptr.tolist(), gcopy.tolist()) if len(gptr) else (), **x.d2h_program)
 
-    def simulate(self, resident: frozenset, flat: np.ndarray) -> tuple[SimResult | LaneResult, int]:
-        """``simulate(self.program(resident, None, flat), hw)`` without building the Program (the same
-        numbers: per-copy seconds are ``hw``'s for the same byte counts), and the number of refreshes.
-        A :class:`LaneResult` where the C++ lanes ran (``.result()`` is the SimResult)."""
+    def simulate(self, resident: frozenset, flat: np.ndarray,
+                 grad_waits: GradWaits | None = None) -> tuple[SimResult | LaneResult, int]:
+        """``simulate(self.program(resident, None, flat, grad_waits), hw)`` without building the Program
+        (the same numbers: per-copy seconds are ``hw``'s for the same byte counts), and the number of
+        refreshes. A :class:`LaneResult` where the C++ lanes ran (``.result()`` is the SimResult)."""
         x = self.inputs
         m, cb, ptr, found = self.copies(resident, flat)
         if _C is not None:
+            gptr, gcopy = grad_waits if grad_waits is not None else (x.grad_wait_ptr, x.grad_wait_copy)
             h2d_event = np.concatenate([np.full(m, STEP_START, dtype=np.int64), flat[:, 0]])
             sim = simulate_arrays(x.compute, h2d_event, x.dur[cb], ptr, found, x.d2h_event, x.d2h_solo, x.adam_s,
                                   False, x.duplex, int(x.nbytes[cb].sum()), x.d2h_total,
-                                  lazy=True)
+                                  lazy=True, grad_wait_ptr=gptr, grad_wait_copy=gcopy)
             if isinstance(sim, LaneResult):  # (lazy: a LaneResult, or None)
                 return sim.with_device_adam(x.device_tail_s, x.device_adam_s, x.device_return_s,
                                             sum(x.device_return_bytes)), m
-        return simulate(self.program(resident, None, flat), x.hw), m
+        return simulate(self.program(resident, None, flat, grad_waits), x.hw), m
 
     def profile(self, resident: frozenset[int], streamed: Streamed | None,
                 flat: np.ndarray | None = None) -> np.ndarray:
@@ -221,11 +230,12 @@ class Greedy:
         np.add.at(diff, flat[:, 2], -size)
         return np.cumsum(diff[:-1])
 
-    def layout(self, resident: frozenset, flat: np.ndarray):
+    def layout(self, resident: frozenset, flat: np.ndarray, double: bool = False):
         """``_layout(trace, buckets, itemsize, resident, (streamed, x.grads))`` for the point whose
         streamed buffers are ``flat``, from arrays: the same specs in the same order (per bucket, its
         resident buffer or its streamed ones in event order; then the grad slots by bucket; empty ones
-        dropped) and so the same layout.
+        dropped) and so the same layout. ``double``: the grad slots double-buffered ([Note: double-buffered
+        grad slots] in schedule.py).
 
         Device-optimizer buckets (``inputs.device``): their weights and optimizer state live the whole step,
         under every other buffer, so they go first, packed from offset 0, and the rest is laid out above
@@ -233,7 +243,7 @@ class Greedy:
         all keep them whole)."""
         x = self.inputs
         if x.device:
-            return self._layout_with_device(resident, flat)
+            return self._layout_with_device(resident, flat, double)
         res = np.asarray(sorted(resident), dtype=np.int64)
         b = np.concatenate([res, flat[:, 1]])
         start = np.concatenate([np.zeros(len(res), dtype=np.int64), flat[:, 0]])
@@ -244,13 +254,14 @@ class Greedy:
         keep = size > 0
         b, start, end, size = b[keep], start[keep], end[keep], size[keep]
         specs = list(zip(b.tolist(), itertools.repeat(BufferKind.PARAM), start.tolist(), end.tolist(), size.tolist()))
-        grad_specs, grad_columns = self._grad_specs
+        grad_specs, grad_columns = self._grad_specs_double if double else self._grad_specs
         specs.extend(grad_specs)
         return arena_of(specs, [np.concatenate([c, g]) for c, g in zip((size, start, end), grad_columns)])
 
-    def _layout_with_device(self, resident: frozenset, flat: np.ndarray):
+    def _layout_with_device(self, resident: frozenset, flat: np.ndarray, double: bool):
         x = self.inputs
-        specs, layout = Greedy(dataclasses.replace(x, device=(), device_state_bytes=())).layout(resident, flat)
+        specs, layout = Greedy(dataclasses.replace(x, device=(), device_state_bytes=())).layout(resident, flat,
+                                                                                                   double)
         whole = [(b, BufferKind.PARAM, 0, x.n, int(x.nbytes[b])) for b in x.device if x.nbytes[b] > 0]
         whole += [(b, BufferKind.STATE, 0, x.n, nbytes) for b, nbytes in zip(x.device, x.device_state_bytes)
                   if nbytes > 0]
@@ -264,10 +275,21 @@ class Greedy:
     @functools.cached_property
     def _grad_specs(self):
         """The grad slots' specs (by bucket; empty ones dropped) and their (sizes, starts, ends) as arrays."""
+        return self._slot_specs(self.inputs.grads)
+
+    @functools.cached_property
+    def _grad_specs_double(self):
+        """:attr:`_grad_specs` with each slot held until the next one's end (``double_buffered_ends``)."""
+        x = self.inputs
+        by_start = sorted(x.grads.items(), key=lambda kv: (kv[1][0], kv[0]))  # grad_arrays' order
+        start = np.array([s for _, (s, _) in by_start], dtype=np.int64)
+        end = double_buffered_ends(start, np.array([e for _, (_, e) in by_start], dtype=np.int64), x.n)
+        return self._slot_specs({b: [s, e] for (b, _), s, e in zip(by_start, start.tolist(), end.tolist())})
+
+    def _slot_specs(self, grads: dict[int, list[int]]):
         x = self.inputs
         grad = BufferKind.GRAD
-        specs = [(g, grad, s, e, x.grad_bytes[g]) for g, (s, e) in sorted(x.grads.items())
-                 if x.grad_bytes[g] > 0]
+        specs = [(g, grad, s, e, x.grad_bytes[g]) for g, (s, e) in sorted(grads.items()) if x.grad_bytes[g] > 0]
         columns = [np.array([spec[k] for spec in specs], dtype=np.int64) for k in (4, 2, 3)]
         return specs, columns
 
@@ -298,9 +320,9 @@ class Greedy:
             if fallback:
                 return None
             for (res, flat, step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
-                 h2d_bytes, peak, resident_bytes) in got:
+                 h2d_bytes, peak, resident_bytes, grad_stall) in got:
                 sim = LaneResult(step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
-                                 h2d_bytes, x.d2h_total).with_device_adam(x.device_tail_s, x.device_adam_s,
+                                 h2d_bytes, x.d2h_total, grad_stall_s=grad_stall).with_device_adam(x.device_tail_s, x.device_adam_s,
                                                                           x.device_return_s,
                                                                           sum(x.device_return_bytes))
                 points.append(Point(mode, frozenset(res.tolist()), flat, sim, peak, (-h2d_bytes, resident_bytes, -m)))
@@ -350,7 +372,8 @@ class Greedy:
         the peak increase of holding it between its last forward and first backward buffers.
         """
         x = self.inputs
-        stalled = sim.stall_s > 0
+        copy_stall = sim.copy_stall_s  # waits for grad copies are not the moves' to remove
+        stalled = copy_stall > 0
         nb, m = x.nb, len(flat)
         owner, p, e = flat[:, 1], flat[:, 0], flat[:, 2]
         count = np.bincount(owner, minlength=nb)
@@ -416,7 +439,7 @@ class Greedy:
         best = ranked[np.sort(first_pos[first_pos < len(ranked)])]
         take = min(cap, len(best))
         if stalled and take:
-            covered = np.flatnonzero(np.cumsum(gains[best[:take]]) >= sim.stall_s)
+            covered = np.flatnonzero(np.cumsum(gains[best[:take]]) >= copy_stall)
             if len(covered):
                 take = int(covered[0]) + 1
         best = best[:take]

@@ -14,7 +14,7 @@ import numpy as np
 from .arrays import lexsort
 from .buckets import Bucket, locate
 from .hw import HardwareModel
-from .intervals import grad_arrays, grad_dicts, needed_all
+from .intervals import grad_arrays, grad_dicts, grad_slot_reuse, needed_all
 from .plan import ARENA_ALIGN
 from .simulate import seconds_each
 from .trace import Trace
@@ -62,6 +62,8 @@ class GreedyInputs:
     d2h_event: np.ndarray  # per grad copy, by (issue, bucket): the event it is issued at,
     d2h_solo: np.ndarray  # its seconds alone,
     adam_s: np.ndarray  # and the seconds of its bucket's CPU AdamW
+    grad_wait_ptr: np.ndarray  # n + 1, or empty (none): event i waits for the grad copies
+    grad_wait_copy: np.ndarray  # grad_wait_copy[grad_wait_ptr[i]:grad_wait_ptr[i + 1]] (``grad_waits``)
     duplex: float  # the link's duplex factor
     n_used: int  # buckets any event needs
     max_points: int  # MAX_POINTS
@@ -76,6 +78,8 @@ class GreedyInputs:
     grad_bytes: dict[int, int]  # per bucket with grads: its grad slot's bytes
     d2h_program: D2HProgram  # the device-to-host fields of every Program
     d2h_total: int  # bytes copied to the host per step
+    slot_wait_event: np.ndarray  # per grad slot that takes over an earlier one's bytes: its first grad event,
+    slot_wait_bucket: np.ndarray  # and the earlier slot's bucket (intervals.grad_slot_reuse)
     # device-optimizer buckets (issue 18; ``device_optimizer.restrict``; empty by default): taken out of the
     # moves, resident with their optimizer state, updated on the compute lane
     device: tuple[int, ...] = ()  # their bucket ids, ascending
@@ -119,6 +123,11 @@ class GreedyInputs:
         d2h_program = D2HProgram(d2h_event=tuple(grad_issue[d2h].tolist()), d2h_bucket=tuple(d2h_b),
                                  d2h_bytes=tuple(grad_bytes[d2h].tolist()),
                                  adam_numel=tuple(buckets[b].trainable_numel for b in d2h_b), device_adam_numel=())
+        # compute's waits on a reused grad slot's copy, by the intervals' rule: [Note: waits on a reused grad slot]
+        reuse = grad_slot_reuse(grad_s, grad_e, grad_issue)
+        reused = reuse >= 0
+        slot_wait_event, slot_wait_bucket = grad_s[reused], grad_b[reuse[reused]]
+        grad_wait_ptr, grad_wait_copy = grad_waits(slot_wait_event, slot_wait_bucket, d2h_b, n)
         updated = np.zeros(nb, dtype=bool)  # per bucket: has grads (refreshed when resident)
         updated[grad_b] = True
         keepable, fwd_at, bwd_at, fwd_row, bwd_row = _keep_rows(use_b, use_s, trace.num_forward, nb)
@@ -134,18 +143,37 @@ class GreedyInputs:
             d2h_event=np.asarray(d2h_program["d2h_event"], dtype=np.int64),
             d2h_solo=np.asarray(seconds_each(hw.d2h_seconds, d2h_program["d2h_bytes"]), dtype=np.float64),
             adam_s=np.asarray(seconds_each(hw.adam_seconds, d2h_program["adam_numel"]), dtype=np.float64),
+            grad_wait_ptr=grad_wait_ptr, grad_wait_copy=grad_wait_copy,
             duplex=hw.duplex_factor, n_used=len(np.unique(use_b)), max_points=MAX_POINTS,
             hw=hw, compute_s=compute, needs=needs, need_ptr=np.asarray(need_ptr, dtype=np.int64),
             need_key=need_b * (n + 1) + need_e, grads=grads, grad_issue=grad_issue_of,
             grad_bytes=dict(zip(grad_b.tolist(), grad_bytes.tolist())), d2h_program=d2h_program,
-            d2h_total=sum(d2h_program["d2h_bytes"]))
+            d2h_total=sum(d2h_program["d2h_bytes"]), slot_wait_event=slot_wait_event,
+            slot_wait_bucket=slot_wait_bucket)
 
     def kernel_args(self) -> dict[str, Any]:
         """The C++ ``GreedyKernel``'s keyword arguments: the fields from ``n`` to ``max_points``."""
         return {name: getattr(self, name) for name in KERNEL_ARGS}
 
 
-KERNEL_ARGS = tuple(f.name for f in dataclasses.fields(GreedyInputs))[:26]
+KERNEL_ARGS = tuple(f.name for f in dataclasses.fields(GreedyInputs))[:28]
+
+
+def grad_waits(event: np.ndarray, bucket: np.ndarray, d2h_bucket: Sequence[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Compute's waits on grad copies as (ptr, copies) over ``n`` events (:class:`FlatWaits`' fields): at
+    ``event[j]``, the copy of ``bucket[j]`` among the grad copies ``d2h_bucket`` (one per bucket; a bucket
+    without one, a device-optimizer bucket updated from its slot on the compute lane, is no wait). Both
+    empty where no event waits."""
+    copy_of = dict(zip(d2h_bucket, range(len(d2h_bucket))))
+    copy = np.fromiter((copy_of.get(b, -1) for b in bucket.tolist()), dtype=np.int64, count=len(bucket))
+    keep = copy >= 0
+    event, copy = event[keep], copy[keep]
+    if not len(copy):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    order = np.argsort(event, kind="stable")
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(event, minlength=n), out=ptr[1:])
+    return ptr, copy[order]
 
 
 def _use_intervals(need_b: np.ndarray, need_e: np.ndarray, ends: Sequence[int], n: int,

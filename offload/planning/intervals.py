@@ -4,6 +4,7 @@ functions of the trace and buckets; the numpy versions are tested against ``_ref
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import operator
 from typing import Sequence
@@ -106,6 +107,35 @@ def grad_arrays(trace: Trace, buckets: Sequence[Bucket], bucket_of: Sequence[int
     # a bucket whose grads are not all seen is flushed at the end of backward: its slot is kept till then
     issue = np.where(incomplete[buckets_with], n, last)
     return buckets_with, first, np.where(issue < n, issue + 1, n), issue
+
+
+def grad_slot_reuse(start: np.ndarray, end: np.ndarray, issue: np.ndarray) -> np.ndarray:
+    """Per grad slot (:func:`grad_arrays`' order: by start), the slot whose bytes it takes over, or -1 for
+    fresh bytes: the most recently issued slot (ties: the later one) among those ended by its start and not
+    taken over yet, what a tight packer does with equal slots. The greedy's rule for compute's waits on a
+    reused grad slot before any layout ([Note: waits on a reused grad slot] in simulate.py)."""
+    start_l, end_l, issue_l = start.tolist(), end.tolist(), issue.tolist()
+    by_end = sorted(range(len(end_l)), key=end_l.__getitem__)
+    free: list[tuple[int, int]] = []  # max-heap of ended slots not taken over: (-issue, -slot)
+    out = [-1] * len(start_l)
+    q = 0
+    for j, s in enumerate(start_l):
+        while q < len(by_end) and end_l[by_end[q]] <= s:
+            heapq.heappush(free, (-issue_l[by_end[q]], -by_end[q]))
+            q += 1
+        if free:
+            out[j] = -heapq.heappop(free)[1]
+    return np.asarray(out, dtype=np.int64).reshape(len(out))
+
+
+def double_buffered_ends(start: np.ndarray, end: np.ndarray, n: int) -> np.ndarray:
+    """Per grad slot (by start), its end held until the next slot's end (its bucket's grads issued + 1),
+    so that consecutive slots never share bytes and a slot's copy to the host has the next bucket's
+    backward to finish before its bytes are taken over ([Note: double-buffered grad slots] in schedule.py)."""
+    if not len(end):
+        return end
+    nxt = np.concatenate([end[1:], end[-1:]])
+    return np.minimum(np.maximum(end, nxt), n)
 
 
 def needed_all(trace: Trace, bucket_of: Sequence[int]) -> list[tuple[int, ...]]:

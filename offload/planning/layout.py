@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import InvariantError
-from .arena import plan_arena_columns
+from .arena import ArenaLayout, plan_arena_columns
 from .buckets import locate
+from .greedy_inputs import grad_waits
 from .intervals import grad_intervals, need_intervals, needed_all, with_prefetch
 from .placement import Placement
 from .plan import ARENA_ALIGN, Buffer, BufferKind, EventActions, Plan
@@ -62,8 +65,40 @@ def arena_of(specs, columns=None):
     sizes, starts and ends as int64 arrays, where the caller has them (else taken from ``specs``)."""
     sizes, starts, ends = columns if columns is not None else ([x[4] for x in specs], [x[2] for x in specs],
                                                                [x[3] for x in specs])
+    stacked = _whole_step_first(np.asarray(sizes, dtype=np.int64), np.asarray(starts, dtype=np.int64),
+                                np.asarray(ends, dtype=np.int64))
+    if stacked is not None:
+        return specs, stacked
     layout = plan_arena_columns(sizes, starts, ends, alignment=ARENA_ALIGN, stop_at_bound=True)
     return specs, layout
+
+
+def _whole_step_first(sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> ArenaLayout | None:
+    """The layout with the buffers live over the whole span (resident buckets) packed from offset 0 in input
+    order and the others laid out above them, where that reaches the lower bound (it is then optimal: those
+    buffers are a floor under every event's live bytes); None where there are none or it does not (the
+    caller lays everything out together, as before).
+
+    Why: the placer's cost grows with the buffers live at once, and a plan keeping thousands of buckets
+    resident took it ~1.8 s at 10,000 buckets against 0.03 s for the rest alone (benchmarks/schedule_sim.py
+    --chain), once the greedy's points counted the waits on reused grad slots and chose such plans."""
+    if not len(sizes):
+        return None
+    whole = (starts == starts.min()) & (ends == ends.max())
+    if not whole.any() or whole.all():
+        return None
+    rest = ~whole
+    above = plan_arena_columns(sizes[rest], starts[rest], ends[rest], alignment=ARENA_ALIGN, stop_at_bound=True)
+    if above.total_bytes > above.lower_bound_bytes:
+        return None
+    aligned = (sizes[whole] + ARENA_ALIGN - 1) // ARENA_ALIGN * ARENA_ALIGN
+    base = int(aligned.sum())
+    offsets = np.empty(len(sizes), dtype=np.int64)
+    offsets[whole] = np.cumsum(aligned) - aligned
+    offsets[rest] = np.asarray(above.offsets, dtype=np.int64) + base
+    return dataclasses.replace(above, offsets=tuple(offsets.tolist()), total_bytes=above.total_bytes + base,
+                               lower_bound_bytes=above.lower_bound_bytes + base,
+                               candidates=tuple((h, total + base) for h, total in above.candidates))
 
 
 def buffer_waits(specs, offsets) -> list[tuple[int, ...]]:
@@ -76,15 +111,29 @@ def buffer_waits(specs, offsets) -> list[tuple[int, ...]]:
     return [tuple(got[a:b]) for a, b in zip(ptr, ptr[1:])]
 
 
+def grad_slot_waits(specs, after, d2h_bucket, n: int):
+    """Compute's waits on grad copies that a layout makes, as (ptr, copies) arrays over ``n`` events (what
+    ``Greedy.program`` takes): at a grad slot's start, the copy to the host (among ``d2h_bucket``'s, by
+    bucket) of every grad slot in its ``after`` ([Note: waits on a reused grad slot] in simulate.py)."""
+    grad = BufferKind.GRAD
+    pairs = [(x[2], specs[j][0]) for x, aft in zip(specs, after) if x[1] is grad for j in aft
+             if specs[j][1] is grad]
+    event = np.array([e for e, _ in pairs], dtype=np.int64).reshape(len(pairs))
+    bucket = np.array([b for _, b in pairs], dtype=np.int64).reshape(len(pairs))
+    return grad_waits(event, bucket, d2h_bucket, n)
+
+
 def assemble(trace, buckets, itemsize, resident, name, specs, layout, budget, fixed, *, simulated=None,
-             hw_name="", needs=None, device=()) -> Plan:
+             hw_name="", needs=None, device=(), after=None) -> Plan:
     """The frozen :class:`Plan` of laid-out buffers. ``resident``: the buckets with a whole-step PARAM
-    buffer, ``device`` (a subset) the ones whose optimizer state (a STATE buffer) lives on the device."""
+    buffer, ``device`` (a subset) the ones whose optimizer state (a STATE buffer) lives on the device.
+    ``after``: :func:`buffer_waits` of the layout, where the caller has it."""
     n = len(trace.events)
     if needs is None:  # per event: the buckets it needs (the greedy scheduler has them already)
         bucket_of = locate(buckets)[0]
         needs = needed_all(trace, bucket_of)
-    after = buffer_waits(specs, layout.offsets)
+    if after is None:
+        after = buffer_waits(specs, layout.offsets)
     make = frozen_maker(Buffer)
     buffers = tuple(make(b, kind, s, e, size, off, aft)
                     for (b, kind, s, e, size), off, aft in zip(specs, layout.offsets, after))

@@ -9,7 +9,9 @@ on the device for the whole step (resident), or keep it between its last forward
 backward use (the last layers). Once no stall is left, it goes on taking the moves that save the most
 copy time per byte, so that spare budget still cuts traffic. Every point of that sequence is simulated;
 the plan is the fastest point whose memory fits the budget. The sequence does not depend on the budget
-(the budget only says where it stops), so a larger budget never gives a slower plan.
+(the budget only says where it stops), so a larger budget never gives a slower point; the plan's own
+simulated step counts its layout's waits on reused grad slots, which the points' scores only estimate
+([Note: waits on a reused grad slot] in simulate.py), so a larger budget's plan can come out slightly slower.
 
 The plan model is ``plan.py``; need intervals ``intervals.py``; arena layout ``layout.py``; the search
 ``greedy.py`` (its inputs ``greedy_inputs.py``); memory floors and budget errors ``budget.py``.
@@ -25,12 +27,12 @@ from typing import Sequence
 from .budget import budget_error, forward_min_budget, leanest_arena_bytes, min_arena_bytes
 from .buckets import Bucket, locate
 from .device_optimizer import choose_device_optimizer, restrict
-from .greedy import Greedy, compute_times
+from .greedy import Greedy, Point, compute_times
 from .hw import PRESETS, HardwareModel
 from .intervals import grad_intervals
-from .layout import assemble, layout_buffers
+from .layout import assemble, buffer_waits, grad_slot_waits, layout_buffers
 from .plan import ARENA_ALIGN, Buffer, BufferKind, EventActions, Plan, validate_plan
-from .simulate import Bound, Program, SimResult, physical_bound, simulate
+from .simulate import Bound, LaneResult, Program, SimResult, physical_bound, simulate
 from .trace import Trace
 
 __all__ = [
@@ -128,12 +130,53 @@ def _fitting(trace, buckets, itemsize, g, points, extra, budget_bytes, fixed_byt
         point = max((p for p in points if p.step_s <= best * (1 + 1e-9)), key=lambda p: p.rank)
         specs, layout = g.layout(point.resident, point.flat)
         if layout.total_bytes + extra <= budget_bytes:
+            specs, layout, after, sim, name = _grad_slots(g, point, specs, layout, budget_bytes - extra)
             device = g.inputs.device
-            return assemble(trace, buckets, itemsize, point.resident | frozenset(device), f"greedy ({point.mode})",
-                            specs, layout, budget_bytes, fixed_bytes, simulated=point.sim, hw_name=hw.name,
-                            needs=g.inputs.needs, device=device)
+            return assemble(trace, buckets, itemsize, point.resident | frozenset(device), name,
+                            specs, layout, budget_bytes, fixed_bytes, simulated=sim, hw_name=hw.name,
+                            needs=g.inputs.needs, device=device, after=after)
         points = [p for p in points if p is not point]  # its arena fragments past the budget: next best
     return None
+
+
+DOUBLE_BUFFER_GRAD_SLOTS = True  # [Note: double-buffered grad slots]; False: today's single buffering only
+
+
+def _grad_slots(g: Greedy, point: Point, specs, layout, room: int):
+    """The layout of ``point`` (``specs``, ``layout``: its single-buffered one, which fits) or, where it fits
+    ``room`` arena bytes and is simulated faster, its double-buffered one; with its buffers' ``after``, its
+    simulated step (the layout's own waits on reused grad slots) and the plan's strategy name.
+
+    [Note: double-buffered grad slots] A layout that packs consecutive buckets' grad slots into the same bytes
+    makes backward wait, at each bucket's first grad, for the previous bucket's grads to reach the host
+    ([Note: waits on a reused grad slot] in simulate.py). Holding each slot until the next bucket's grads are
+    issued (``intervals.double_buffered_ends``) costs about one more slot of arena and lets each copy hide
+    behind the next bucket's backward. The greedy's points are scored with single-buffered slots (its live
+    bytes, its waits' rule); the chosen point is laid out both ways, each simulated with its layout's waits,
+    and the faster that fits is kept; on a tie (a step the CPU AdamW ends either way), the one whose compute
+    waits less, else single. The minimum budget (``budget.py``) is single buffering's, and a budget without
+    room for the extra slot keeps it."""
+    x = g.inputs
+
+    def laid_out(specs, layout, name):
+        after = buffer_waits(specs, layout.offsets)
+        sim = g.simulate(point.resident, point.flat, grad_slot_waits(specs, after, x.d2h_program["d2h_bucket"], x.n))[0]
+        return specs, layout, after, sim.result() if isinstance(sim, LaneResult) else sim, name
+
+    best = laid_out(specs, layout, f"greedy ({point.mode})")
+    options = []
+    # (no wait on a grad copy: nothing for another layout to gain, and a layout of 10^4 buffers is not free)
+    if DOUBLE_BUFFER_GRAD_SLOTS and len(x.grads) > 1 and best[3].grad_stall_s > 0:
+        d_specs, d_layout = g.layout(point.resident, point.flat, double=True)
+        if d_layout.total_bytes <= room:
+            options.append(laid_out(d_specs, d_layout, f"greedy ({point.mode}, double-buffered grads)"))
+    for option in options:
+        faster = option[3].step_s < best[3].step_s * (1 - 1e-12)
+        # as fast (the CPU AdamW ends the step either way) and backward waits less: less for the model to miss
+        tie = option[3].step_s <= best[3].step_s * (1 + 1e-12) and option[3].stall_s < best[3].stall_s
+        if faster or tie:
+            best = option
+    return best
 
 
 def program_of(plan: Plan, compute_s: Sequence[float] | None = None) -> Program:
@@ -147,7 +190,10 @@ def program_of(plan: Plan, compute_s: Sequence[float] | None = None) -> Program:
     for x in plan.buffers:
         if x.kind is BufferKind.PARAM and x.bucket not in plan.resident:
             streamed.setdefault(x.bucket, []).append([x.start, x.end])
-    return g.program(resident, {b: sorted(ivs) for b, ivs in streamed.items()})
+    # compute's waits on reused grad slots: this layout's ([Note: waits on a reused grad slot] in simulate.py)
+    specs = [(x.bucket, x.kind, x.start, x.end, x.size) for x in plan.buffers]
+    waits = grad_slot_waits(specs, [x.after for x in plan.buffers], g.inputs.d2h_program["d2h_bucket"], g.inputs.n)
+    return g.program(resident, {b: sorted(ivs) for b, ivs in streamed.items()}, grad_waits=waits)
 
 
 def simulate_plan(plan: Plan, hw: HardwareModel, compute_s: Sequence[float] | None = None) -> SimResult:

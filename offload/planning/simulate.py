@@ -11,6 +11,8 @@ The lanes follow the runtime's rules (``offload/runtime/core.py``):
 * a bucket's gradient copy to the host is issued when its last gradient is produced (or at the end of
   backward for a bucket flushed then), and its AdamW runs on the CPU lane as soon as that copy is done
   (or, for the baseline policies that do so, only after backward);
+* at a bucket's first gradient event, compute waits for the gradient copy of the grad slot whose bytes
+  its slot reuses ([Note: waits on a reused grad slot]), after the host-to-device waits;
 * resident buckets updated in the previous step are copied in again at the start of the step (the
   runtime does it in ``step()``), ahead of any prefetch.
 
@@ -99,6 +101,27 @@ class Program:
     device_return_bytes: tuple[int, ...] = ()  # deferred updates: per device-optimizer bucket, the bytes of
     # its grads summed on the host that come back to the device in step() before its update there ([Note:
     # the deferred round trip])
+    grad_waits: Sequence[tuple[int, ...]] = ()  # per event, or empty (none): the device-to-host copies
+    # compute waits for before it (after ``waits``): [Note: waits on a reused grad slot]
+
+
+# [Note: waits on a reused grad slot]
+# The runtime gathers a bucket's grads in its grad slot (a plan buffer) and, before the first copy into
+# it, makes compute wait for the device-to-host copy of every earlier occupant of those bytes
+# (``Buffer.after``; ``runtime/grads.py``'s ``_grad_slot``). When the arena packs consecutive buckets' grad
+# slots into the same bytes, backward stalls at each bucket for the previous bucket's copy to the host.
+# ``Program.grad_waits`` lists, per event, those copies; the lanes wait for them after the host-to-device
+# waits and count the time in ``stall_per_event``/``stall_s`` and in ``SimResult.grad_stall_s`` (never in
+# ``copy_credit``: that credit ranks host-to-device copies for residency). Which copy it is:
+# * a laid-out plan (``schedule.program_of``, ``simulate_plan``, the plan ``build_plan`` keeps): its
+#   layout's, the grad buffers in a GRAD buffer's ``after`` (``layout.grad_slot_waits``), exactly;
+# * the greedy's candidate points, scored before any layout: a rule from the grad-slot intervals alone
+#   (``intervals.grad_slot_reuse``): a slot reuses the most recently issued slot among those ended by its
+#   start and not yet reused, which is what a tight packer does with equal slots.
+# The wait is placed at the slot's first grad event (its interval's start), where the runtime's slow path
+# takes the slot; the fast path takes it at the bucket's last grad, later: the model is conservative there.
+# Host-to-device copies into bytes a grad slot held also wait for its copy on the runtime's copy stream;
+# that copy-lane wait is not modelled (compute's is the one on the critical path of backward).
 
 
 @dataclass(frozen=True)
@@ -115,6 +138,13 @@ class SimResult:
     tail_s: float  # step end minus compute end: copies and AdamW not hidden behind compute
     copy_credit: tuple[float, ...]  # per host-to-device copy: the share of stall it caused (see simulate)
     device_adam_s: float = 0.0  # device AdamW seconds on the compute lane (included in compute_s)
+    grad_stall_s: float = 0.0  # time compute waited for grad copies to the host (included in stall_s):
+    # [Note: waits on a reused grad slot]
+
+    @property
+    def copy_stall_s(self) -> float:
+        """Time compute waited for host-to-device copies (what residency can remove)."""
+        return self.stall_s - self.grad_stall_s
 
     def stall_by_bucket(self, program: Program) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -175,16 +205,14 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
         return simulate_reference(program, hw)
     compute, tail, device_adam = with_device_adam(program, hw)
     back_s, back_bytes = device_return_seconds(program, hw), sum(program.device_return_bytes)
-    if isinstance(program.waits, FlatWaits):
-        wait_ptr, wait_copy = program.waits.ptr, program.waits.copies
-    else:
-        wait_ptr = list(itertools.accumulate(map(len, program.waits), initial=0))
-        wait_copy = list(itertools.chain.from_iterable(program.waits))
+    wait_ptr, wait_copy = flat_waits(program.waits)
+    grad_ptr, grad_copy = flat_waits(program.grad_waits)
     out = simulate_arrays(
         compute, program.h2d_event, seconds_each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
         program.d2h_event, seconds_each(hw.d2h_seconds, program.d2h_bytes),
         seconds_each(hw.adam_seconds, program.adam_numel),
-        program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes), lazy=True)
+        program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes), lazy=True,
+        grad_wait_ptr=grad_ptr, grad_wait_copy=grad_copy)
     if out is None:
         return simulate_reference(program, hw)
     if isinstance(out, LaneResult):
@@ -192,19 +220,31 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
     return out
 
 
+def flat_waits(waits: Sequence[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """Per-event waits as (ptr, copies) (:class:`FlatWaits`' fields); ([], []) for none at all (``()``)."""
+    if isinstance(waits, FlatWaits):
+        return waits.ptr, waits.copies
+    if not len(waits):
+        return [], []
+    return list(itertools.accumulate(map(len, waits), initial=0)), list(itertools.chain.from_iterable(waits))
+
+
 def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
                     adam_after_backward: bool, duplex: float, h2d_bytes: int, d2h_bytes: int,
-                    lazy: bool = False) -> SimResult | LaneResult | None:
+                    lazy: bool = False, grad_wait_ptr=(), grad_wait_copy=()) -> SimResult | LaneResult | None:
     """:func:`simulate` on a program already in lane terms (numpy arrays or sequences; the scheduler keeps
     its points as arrays): per-copy seconds instead of bytes, waits as ``wait_copy[wait_ptr[i]:wait_ptr[i +
     1]]``, and the byte totals the result reports. Needs the C++ lanes (``_C``). None where a stall lands
     on a zero-length copy: the caller runs :func:`simulate_reference`, which raises its ZeroDivisionError.
-    ``lazy``: a :class:`LaneResult` (the per-event and per-copy results stay arrays until ``result()``)."""
+    ``lazy``: a :class:`LaneResult` (the per-event and per-copy results stay arrays until ``result()``).
+    ``grad_wait_*``: :attr:`Program.grad_waits` the same way (empty: none)."""
     out = _C.simulate_lanes(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
-                            adam_after_backward, duplex)
+                            adam_after_backward, duplex, grad_wait_ptr, grad_wait_copy)
     if out[-1]:  # divided by zero
         return None
-    lanes = LaneResult(*out[:-1], h2d_bytes, d2h_bytes)
+    step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit, grad_stall, _ = out
+    lanes = LaneResult(step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit, h2d_bytes,
+                       d2h_bytes, grad_stall_s=grad_stall)
     return lanes if lazy else lanes.result()
 
 
@@ -226,6 +266,11 @@ class LaneResult:
     h2d_bytes: int
     d2h_bytes: int
     device_adam_s: float = 0.0  # included in compute_s (see [Note: device AdamW lane])
+    grad_stall_s: float = 0.0  # included in stall_s (see [Note: waits on a reused grad slot])
+
+    @property
+    def copy_stall_s(self) -> float:
+        return self.stall_s - self.grad_stall_s
 
     def with_device_adam(self, tail: float, total: float, back_s: float = 0.0, back_bytes: int = 0) -> "LaneResult":
         """This result with ``tail`` seconds of device AdamW after compute end (on the compute lane,
@@ -244,7 +289,7 @@ class LaneResult:
             stall_per_event=tuple(self.stall_per_event.tolist()), h2d_bytes=self.h2d_bytes,
             d2h_bytes=self.d2h_bytes, h2d_busy_s=self.h2d_busy_s, d2h_busy_s=self.d2h_busy_s, adam_s=self.adam_s,
             tail_s=self.step_s - self.compute_end, copy_credit=tuple(self.copy_credit.tolist()),
-            device_adam_s=self.device_adam_s)
+            device_adam_s=self.device_adam_s, grad_stall_s=self.grad_stall_s)
 
 
 def seconds_each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
@@ -307,6 +352,8 @@ class Lanes:
         self.h2d_busy = self.d2h_busy = self.adam_total = 0.0
         self.period_start, self.period_len = 0, 0.0
         self.pending_adam: list[tuple[int, float, float]] = []  # (copy, grads on host at, AdamW s), after backward
+        self.d2h_done = [-1.0] * len(d2h_bytes)  # per grad copy: when it is done (-1: not issued yet)
+        self.grad_stall = 0.0
         self.stall: list[float] = []
         self.compute_end = 0.0
 
@@ -339,6 +386,7 @@ class Lanes:
         """Queue device-to-host copy ``k`` at ``now``, and its AdamW on the CPU lane after it."""
         record = self.record
         start = self.to_host(self.d2h_bytes[k], now)
+        self.d2h_done[k] = self.d2h_free
         adam = self.cpu.adam_seconds(self.adam_numel[k])
         self.adam_total += adam
         if record is not None:
@@ -361,6 +409,9 @@ class Lanes:
         for k, e in enumerate(program.d2h_event):
             d2h_by_event.setdefault(e, []).append(k)
         n = len(compute_s)
+        grad_waits = program.grad_waits if len(program.grad_waits) else None
+        check_grad_waits(program.grad_waits, program.d2h_event, n)
+        d2h_done = self.d2h_done
         stall = self.stall = [0.0] * n
         t = 0.0
         for k in by_event.get(STEP_START, ()):
@@ -376,6 +427,14 @@ class Lanes:
                     stall[i] += s
                     stall_at[k] += s / cum[k]
                     t = done
+            if grad_waits is not None:
+                for k in grad_waits[i]:  # [Note: waits on a reused grad slot]
+                    done = d2h_done[k]
+                    if done > t:
+                        s = done - t
+                        stall[i] += s
+                        self.grad_stall += s
+                        t = done
             if record is not None:
                 if t > reached:
                     record.append(("stall", i, reached, t))
@@ -403,7 +462,21 @@ class Lanes:
             step_s=step, compute_s=compute_s, stall_s=sum(self.stall), stall_per_event=tuple(self.stall),
             h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, h2d_busy_s=self.h2d_busy, d2h_busy_s=self.d2h_busy,
             adam_s=self.adam_total, tail_s=step - self.compute_end,
-            copy_credit=_credit(self.h2d_dur, self.period_of, self.stall_at), device_adam_s=device_adam_s)
+            copy_credit=_credit(self.h2d_dur, self.period_of, self.stall_at), device_adam_s=device_adam_s,
+            grad_stall_s=self.grad_stall)
+
+
+def check_grad_waits(grad_waits: Sequence[tuple[int, ...]], d2h_event: Sequence[int], n: int) -> None:
+    """Raise ValueError unless ``grad_waits`` is empty or one entry per event, each naming grad copies
+    issued at an earlier event (what ``cpp/lane_sim.cpp`` checks too)."""
+    if not len(grad_waits):
+        return
+    if len(grad_waits) != n:
+        raise ValueError(f"grad_waits has {len(grad_waits)} entries for {n} events")
+    for i, ks in enumerate(grad_waits):
+        for k in ks:
+            if not 0 <= k < len(d2h_event) or d2h_event[k] >= i:
+                raise ValueError(f"event {i} waits for grad copy {k}, which is not issued before it")
 
 
 def _credit(dur: Sequence[float], period_of: Sequence[int], stall_at: Sequence[float]) -> tuple[float, ...]:

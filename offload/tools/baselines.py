@@ -32,11 +32,12 @@ from ..errors import BudgetTooSmallError
 from ..planning.arena import Interval, plan_arena
 from ..planning.buckets import Bucket, ParamSpec, locate, make_buckets
 from ..planning.hw import HardwareModel
-from ..planning.intervals import grad_intervals, grad_issue, need_intervals, with_prefetch
+from ..planning.greedy_inputs import grad_waits
+from ..planning.intervals import grad_arrays, grad_intervals, grad_issue, grad_slot_reuse, need_intervals, with_prefetch
 from ..planning.placement import state_nbytes
 from ..planning.plan import ARENA_ALIGN, align
 from ..planning.schedule import build_plan
-from ..planning.simulate import STEP_START, Program, SimResult, simulate
+from ..planning.simulate import STEP_START, FlatWaits, Program, SimResult, simulate
 from ..planning.trace import Trace
 
 ZERO3_PREFETCH_NUMEL = 50_000_000  # stage3_prefetch_bucket_size default
@@ -124,10 +125,21 @@ def _lanes(case: Case, units: Sequence[Bucket], streamed: dict[int, list], resid
         device_adam = (0,) * n + (sum(case.buckets[b].trainable_numel for b in on_device),)
     return Program(
         compute_s=case.compute_s, h2d_event=tuple(events), h2d_bucket=tuple(owners), h2d_bytes=tuple(nbytes),
-        waits=tuple(waits), d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
+        waits=tuple(waits), grad_waits=_grad_waits(case, [b for _, b in d2h]),
+        d2h_event=tuple(e for e, _ in d2h), d2h_bucket=tuple(b for _, b in d2h),
         d2h_bytes=tuple(case.buckets[b].grad_nbytes(case.itemsize) for _, b in d2h),
         adam_numel=tuple(case.buckets[b].trainable_numel for _, b in d2h), adam_after_backward=adam_after_backward,
         device_adam_numel=device_adam)
+
+
+def _grad_waits(case: Case, d2h_bucket: Sequence[int]) -> FlatWaits | tuple:
+    """Compute's waits on reused grad slots ([Note: waits on a reused grad slot] in planning/simulate.py): the
+    grad slots are this engine's, packed as ``_peak`` packs them (single-buffered), so the greedy's rule."""
+    n = len(case.trace.events)
+    b, start, end, issue = grad_arrays(case.trace, case.buckets, locate(case.buckets)[0])
+    reuse = grad_slot_reuse(start, end, issue)
+    ptr, copies = grad_waits(start[reuse >= 0], b[reuse[reuse >= 0]], d2h_bucket, n)
+    return FlatWaits(ptr.tolist(), copies.tolist()) if len(ptr) else ()
 
 
 def _peak(case: Case, units, streamed, resident, grads_too: bool = True) -> int:

@@ -20,7 +20,7 @@ except ImportError:  # a source tree without the built extension
 
 pytestmark = pytest.mark.skipif(_C is None, reason="needs the built extension (offload._C)")
 
-LANE_FLOATS = ("step_s", "compute_s", "stall_s", "h2d_busy_s", "d2h_busy_s", "adam_s", "compute_end")
+LANE_FLOATS = ("step_s", "compute_s", "stall_s", "h2d_busy_s", "d2h_busy_s", "adam_s", "compute_end", "grad_stall_s")
 
 
 def _bits(x) -> bytes:
@@ -82,6 +82,18 @@ def test_cpp_points_equal_the_python_loop_on_chains(n_layers, hw):
     points = _compare(g, 10**12)
     assert {p.mode for p in points} == set(MODES) and len(points) > 3
     assert g.candidates(10**12) is not None
+
+
+@pytest.mark.parametrize("hw", ["pcie4", "pcie5"])
+def test_cpp_points_equal_the_python_loop_where_backward_waits_for_reused_grad_slots(hw):
+    """Grads far larger than the weights' share of compute: backward waits for each reused grad slot's copy
+    ([Note: waits on a reused grad slot]); the waits and their stall are the same in both loops, and the
+    moves are ranked on the host-to-device stall only."""
+    trace, buckets = chain_trace(60, 1 << 18)
+    g = Greedy.of(trace, buckets, 4, PRESETS[hw], compute_times(trace, [1e-5] * len(trace.events)))
+    assert len(g.inputs.grad_wait_copy) == 59  # every slot but the first takes over the one before it
+    points = _compare(g, 10**12)
+    assert sum(0 < p.lanes.grad_stall_s < p.lanes.stall_s for p in points) > len(points) // 2
 
 
 def test_a_zero_score_denominator_runs_the_reference_which_raises():

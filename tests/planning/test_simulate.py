@@ -63,6 +63,43 @@ def test_grads_adam_and_duplex():
     assert r.stall_s == pytest.approx(1.0)  # issued at 1 s, done at 3 s, needed at 2 s
 
 
+def test_compute_waits_for_a_reused_grad_slots_copy_and_not_for_a_fresh_one():
+    # grads of 2000 B (2 s) go to the host at event 0; event 1's grad slot reuses their bytes: compute reaches
+    # it at 1 s and waits till 2 s ([Note: waits on a reused grad slot]). With a fresh slot: no wait.
+    base = dict(d2h_event=(0, 1), d2h_bucket=(0, 1), d2h_bytes=(2000, 500), adam_numel=(0, 0))
+    fresh = lane_program(**base)
+    reused = lane_program(**base, grad_waits=((), (0,), ()))
+    hw = flat_hw()
+    for sim in (simulate, simulate_module.simulate_reference):
+        r = sim(reused, hw)
+        assert r.stall_per_event == (0.0, 1.0, 0.0) and r.stall_s == r.grad_stall_s == 1.0
+        assert r.step_s == 4.0 and r.copy_credit == () and r.copy_stall_s == 0.0
+        f = sim(fresh, hw)
+        assert f.stall_s == f.grad_stall_s == 0.0 and f.step_s == 3.0
+    # behind a host-to-device wait: only the time past that copy's arrival is the grad copy's
+    both = lane_program(**base, h2d_event=(STEP_START,), h2d_bucket=(5,), h2d_bytes=(1500,), waits=((), (0,), ()),
+                        grad_waits=((), (0,), ()))
+    for sim in (simulate, simulate_module.simulate_reference):
+        r = sim(both, hw)
+        assert r.stall_per_event == (0.0, 1.0, 0.0) and r.grad_stall_s == 0.5 and r.copy_stall_s == 0.5
+        assert r.copy_credit == (0.5,)  # the grad copy's share is no host-to-device copy's credit
+
+
+@pytest.mark.parametrize("grad_waits", [
+    ((), (), (1,)),  # copy 1 is issued at event 2 itself
+    ((), (0,), ()),  # copy 0 is issued at event 1 itself
+    ((0,), (), ()),  # before copy 0 is issued
+    ((), (), (7,)),  # no such copy
+    ((),),  # not one entry per event
+])
+def test_a_grad_wait_must_name_a_copy_issued_before_its_event(grad_waits):
+    p = lane_program(d2h_event=(1, 2), d2h_bucket=(0, 1), d2h_bytes=(10, 10), adam_numel=(0, 0),
+                     grad_waits=grad_waits)
+    for sim in (simulate, simulate_module.simulate_reference):
+        with pytest.raises(ValueError):
+            sim(p, flat_hw())
+
+
 def test_physical_bound_names_its_limit():
     b = physical_bound(1.0, 5000, 0, 10, flat_hw())
     assert b.limit == "h2d" and b.seconds == pytest.approx(5.0)
@@ -98,7 +135,7 @@ def test_load_hw(tmp_path):
 @st.composite
 def _programs(draw):
     """Random lane programs: copies issued anywhere (unsorted, before the step, never), waits on any copy,
-    grads flushed at the end of backward, both AdamW rules."""
+    grads flushed at the end of backward, both AdamW rules, waits on grad copies issued earlier (or none)."""
     n = draw(st.integers(1, 12))
     compute = draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, 1e-5, 3.0]), min_size=n, max_size=n))
     nh = draw(st.integers(0, 10))
@@ -107,7 +144,11 @@ def _programs(draw):
     waits = tuple(tuple(draw(st.lists(st.integers(0, nh - 1), max_size=3))) if nh else () for _ in range(n))
     nd = draw(st.integers(0, 6))
     d2h_event = draw(st.lists(st.integers(0, n), min_size=nd, max_size=nd))
-    return Program(compute_s=tuple(compute), h2d_event=tuple(h2d_event), h2d_bucket=tuple(range(nh)),
+    grad_waits: tuple = ()
+    if draw(st.booleans()):  # waits on grad copies issued at earlier events
+        grad_waits = tuple(tuple(draw(st.lists(st.sampled_from(earlier), max_size=2)))
+                           if (earlier := [k for k, e in enumerate(d2h_event) if e < i]) else () for i in range(n))
+    return Program(grad_waits=grad_waits, compute_s=tuple(compute), h2d_event=tuple(h2d_event), h2d_bucket=tuple(range(nh)),
                    h2d_bytes=tuple(h2d_bytes), waits=waits, d2h_event=tuple(d2h_event), d2h_bucket=tuple(range(nd)),
                    d2h_bytes=tuple(draw(st.lists(st.integers(1, 5000), min_size=nd, max_size=nd))),
                    adam_numel=tuple(draw(st.lists(st.integers(0, 500), min_size=nd, max_size=nd))),
