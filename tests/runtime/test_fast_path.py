@@ -21,6 +21,8 @@ from offload.planning.trace import EventKind
 from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise, assert_losses_bitwise
 from tests.support.fake_cuda import with_chaos
+from tests.support.loops import finish_step
+from tests.support.models import tanh_mlp
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -39,11 +41,7 @@ def _pair(model, budget_frac=4.0, bucket_frac=0.1, chaos=None, **kw):
 
 
 def _step(forward, opt, loss_fn, *inputs) -> float:
-    loss = loss_fn(forward(*inputs))
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
+    return finish_step(loss_fn(forward(*inputs)), opt)
 
 
 def _counters(engine) -> dict:
@@ -63,11 +61,7 @@ def _mse(out: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(depth=12, width=32) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers)
+    return tanh_mlp(depth, width)
 
 
 @pytest.mark.parametrize("chaos", [None, ChaosConfig(seed=3)], ids=["plain", "chaos"])

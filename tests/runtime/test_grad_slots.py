@@ -14,17 +14,14 @@ from offload.planning import schedule
 from offload.planning.plan import BufferKind
 from offload.planning.schedule import validate_plan
 from tests.support.compare import assert_bitwise, assert_losses_bitwise
+from tests.support.models import tanh_mlp
 from tests.support.planning import flat_hw
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
 def _mlp(depth=12, width=32) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers)
+    return tanh_mlp(depth, width)
 
 
 def _pair(model):

@@ -10,29 +10,21 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import offload
 from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise, assert_losses_bitwise
 from tests.support.fake_cuda import with_chaos
+from tests.support.loops import finish_step
+from tests.support.models import tanh_mlp
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-
-
-def _mlp(depth=8, width=32) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        layers: list[nn.Module] = []
-        for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.Tanh()]
-        return nn.Sequential(*layers)
 
 
 def _pair(budget_frac, chaos=None, **kw):
     """(engine, opt, ref, ref_opt); ``chaos``: random delays on the copy and AdamW lanes (a wait missing across
     the passes' boundary shows up as wrong numbers)."""
-    model = _mlp()
+    model = tanh_mlp(depth=8)
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
@@ -54,10 +46,7 @@ def _penalty_step(forward, opt, step: int, penalty: bool = True) -> float:
     if penalty:
         g, = torch.autograd.grad(loss, x, create_graph=True)
         loss = loss + g.square().sum()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
+    return finish_step(loss, opt)
 
 
 def _counters(engine) -> dict:

@@ -4,7 +4,8 @@
   training features as options (16-bit compute, gradient accumulation, clipping, chaos);
 * `lockstep`: an engine and its plain-PyTorch reference trained side by side on the same losses;
 * `torch_losses`: plain PyTorch + torch.optim.AdamW on a copy of a test model: the losses and weights
-  `train_streamed` should give.
+  `train_streamed` should give;
+* `finish_step`: the end of a plain training step (backward, step, zero_grad), its loss's value.
 """
 
 import copy
@@ -98,3 +99,11 @@ def torch_losses(case: Case, steps: int) -> tuple[list[float], torch.nn.Module]:
         ref_opt.zero_grad()
         losses.append(loss.item())
     return losses, ref
+
+
+def finish_step(loss: torch.Tensor, opt) -> float:
+    """``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``; the loss's value."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()

@@ -268,3 +268,12 @@ CASES: dict[str, Callable[[], Case]] = {
     "reused_module": reused_module,
     "low_density": low_density,
 }
+
+
+def tanh_mlp(depth: int = 12, width: int = 32) -> nn.Sequential:
+    """``depth`` x (Linear(width, width), Tanh), seeded 0: the small model the runtime's path tests train."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
