@@ -32,7 +32,7 @@ from offload.planning.schedule import program_of
 from offload.planning.simulate import STEP_START, simulate, simulate_reference
 from offload.tools.baselines import Case, zero_offload
 from offload.tools.baselines_dp import zero_offload_data_parallel, zero_offload_program
-from tests.support.planning import draw_compute, flat_hw, lane_program, machines, plan_that_fits, traces
+from tests.support.planning import draw_compute, drawn_program, flat_hw, lane_program, machines, plan_that_fits, traces
 
 # -- the ring model ---------------------------------------------------------------------------------------
 
@@ -277,11 +277,8 @@ def test_step_is_non_increasing_in_inter_node_bandwidth(case, hw, cluster, faste
     """With a duplex factor of 1 every lane is max and + of durations, so a faster network never makes
     the step slower. (With a duplex factor below 1 the simulator samples link sharing at a copy's start,
     which is not monotone by construction; those runs are not claimed here.)"""
-    trace, buckets = case
     hw = hw.with_(duplex_factor=1.0)
-    compute = draw_compute(data.draw, trace)
-    plan = plan_that_fits(trace, buckets, data.draw(st.integers(0, 60000)), hw, compute)
-    program = program_of(plan, compute)
+    program = drawn_program(case, hw, data)
     if data.draw(st.booleans()):
         program = dataclasses.replace(program, adam_after_backward=True)
     cluster = dataclasses.replace(cluster, nodes=max(2, cluster.nodes))

@@ -26,10 +26,9 @@ from offload.planning.collectives import (
     gloo_reduce_scatter_seconds,
 )
 from offload.planning.data_parallel_runtime import CHECK_BYTES, simulate_runtime_path
-from offload.planning.schedule import program_of
 from offload.planning.simulate import simulate, simulate_reference
 from offload.tools.report_dp import runtime_host_bytes_per_rank
-from tests.support.planning import draw_compute, flat_hw, lane_program, machines, plan_that_fits, traces
+from tests.support.planning import drawn_program, flat_hw, lane_program, machines, traces
 
 LINK = Link("x", bytes_per_s=1000.0, latency_s=0.5)
 
@@ -66,10 +65,7 @@ def test_gloo_presets_are_nominal_and_not_nccls():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), machines(), st.data())
 def test_one_rank_is_the_single_gpu_simulation_bit_for_bit(case, hw, data):
-    trace, buckets = case
-    compute = draw_compute(data.draw, trace)
-    plan = plan_that_fits(trace, buckets, data.draw(st.integers(0, 60000)), hw, compute)
-    program = program_of(plan, compute)
+    program = drawn_program(case, hw, data)
     got = simulate_runtime_path(program, hw, gloo_cluster_of(1))
     assert got.sim == simulate_reference(program, hw)  # every field, floats bitwise
     assert got.sim == simulate(program, hw)

@@ -112,3 +112,13 @@ def plan_that_fits(trace, buckets, budget, hw, compute, **options):
     except BudgetTooSmallError as e:
         return build_plan(trace, buckets, itemsize=4, budget_bytes=e.min_budget_bytes, fixed_bytes=0, hw=hw,
                           compute_s=compute, **options)
+
+
+def drawn_program(case, hw, data):
+    """The lane program of a plan for a drawn ``case`` (``traces()``): compute times and a budget drawn from
+    ``data``, the plan made to fit (``plan_that_fits``)."""
+    from offload.planning.schedule import program_of
+    trace, buckets = case
+    compute = draw_compute(data.draw, trace)
+    plan = plan_that_fits(trace, buckets, data.draw(st.integers(0, 60000)), hw, compute)
+    return program_of(plan, compute)
