@@ -56,6 +56,7 @@ from rich.console import Console  # noqa: E402
 from torch import nn  # noqa: E402
 
 import offload  # noqa: E402
+from offload.backend import cpu_copies  # noqa: E402
 from offload.errors import BudgetTooSmallError  # noqa: E402
 
 HP = dict(lr=1e-3, weight_decay=0.1)
@@ -247,11 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per block (default: mlp 20, gpt 3; smoke 2)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch.set_num_threads (default 1; 0: as is). See the module docstring")
+    ap.add_argument("--cpu-copies", choices=("inline", "lanes"), default=None,
+                    help="the CPU backend's copies (OFFLOAD_CPU_COPIES; default: that variable, else inline): "
+                         "[Note: inline copies] in offload/backend/cpu.py")
     ap.add_argument("--smoke", action="store_true", help="tiny models, few steps: checks the harness only")
     ap.add_argument("--label", default=None, help="recorded as is (e.g. which branch the code came from)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_copies:
+        os.environ["OFFLOAD_CPU_COPIES"] = args.cpu_copies
+    copies = cpu_copies()
     console = Console(width=180)
     info = machine()
     describe(console, info)
@@ -288,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                  "min: ratio / us/call", "CPU time: ratio / us/call", "on plan", "streamed", "load avg"], rows, console)
     adamw = {c["torch_adamw"] for c in cases}
     console.print(f"torch baseline: torch.optim.AdamW {', '.join(sorted(adamw))}; engine: offload.AdamW "
-                  f"(fused C++ kernel: {offload.AdamW([nn.Parameter(torch.zeros(1))]).fused})")
+                  f"(fused C++ kernel: {offload.AdamW([nn.Parameter(torch.zeros(1))]).fused}); CPU backend "
+                  f"copies: {copies}")
     goals = {}
     for c in cases:
         if c["mode"] == "resident" and c["name"] in GOALS and not args.smoke:
@@ -308,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": machine()["load_average"],
         "settings": {"models": args.models, "modes": args.modes, "repeats": repeats,
                      "steps": {k: args.steps or v for k, v in steps.items()}, "threads": torch.get_num_threads(),
-                     "hparams": HP, "dtype": "float32", "device": "cpu"},
+                     "cpu_copies": copies, "hparams": HP, "dtype": "float32", "device": "cpu"},
         "goals": goals, "cases": cases,
     })
     return 0

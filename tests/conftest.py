@@ -13,6 +13,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+# The CPU backend's copies all go through their lane threads in the test suite ([Note: inline copies] in
+# offload/backend/cpu.py): a copy that runs late on its thread is what exposes a missing wait as wrong numbers,
+# and the thread-count checks (leaks, faults, close) count those threads. Users get the default, "inline";
+# tests/backend/test_inline_copies.py trains in that mode against plain torch.
+os.environ.setdefault("OFFLOAD_CPU_COPIES", "lanes")
+
 # The reference and the engine run in this process with the same intra-op thread count, so results do not
 # depend on it; capping it keeps torch's pool from fighting the engine's copy and optimizer threads.
 torch.set_num_threads(min(4, os.cpu_count() or 1))

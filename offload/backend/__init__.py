@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..testing.chaos import ChaosConfig
@@ -21,7 +23,7 @@ def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None) -
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:<index>' or a torch.device; got {device!r}") from e
     if device.type == "cpu":
-        return CPUBackend(chaos=chaos)
+        return CPUBackend(chaos=chaos, inline_copies=cpu_copies() == "inline")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device} was asked for but torch.cuda.is_available() is False (no GPU, or a "
@@ -33,6 +35,16 @@ def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None) -
         # An explicit index: tensors report cuda:N, and the runtime compares devices.
         return CUDABackend(torch.device("cuda", index), chaos=chaos)
     raise ValueError(f"no backend for device type {device.type!r}; use 'cuda' or 'cpu'")
+
+
+def cpu_copies() -> str:
+    """How the CPU backend runs its copies ([Note: inline copies] in backend/cpu.py): ``OFFLOAD_CPU_COPIES``,
+    ``inline`` (the default: a copy that could start now runs on the issuing thread) or ``lanes`` (every copy
+    on its lane's thread, as the test suite runs)."""
+    mode = os.environ.get("OFFLOAD_CPU_COPIES", "inline")
+    if mode not in ("inline", "lanes"):
+        raise ValueError(f"OFFLOAD_CPU_COPIES must be 'inline' or 'lanes'; got {mode!r}")
+    return mode
 
 
 def headroom_bytes(device: str | torch.device) -> int:

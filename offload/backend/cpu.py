@@ -1,9 +1,22 @@
 """The CPU backend: the same plan, with the "device" a CPU tensor and each copy stream a worker thread.
 
-Copies really run asynchronously on their lanes, so a missing wait in the runtime shows up as wrong
+Copies can really run asynchronously on their lanes, so a missing wait in the runtime shows up as wrong
 numbers in the tests, exactly as it would on a GPU. Compute runs on the calling thread, so by the time
 the runtime records an event, the compute issued before it has finished: ``record`` returns a completed
 event, and ``wait`` (make compute wait) blocks the calling thread.
+
+[Note: inline copies]
+A GPU's copy engine moves bytes while the host thread goes on; here a copy is a ``memcpy`` that some CPU
+core must do, and handing it to a lane thread costs a wake-up, a core the compute thread then shares, and,
+when compute needs the bytes, a wait for that thread (measured on the 2-core VM, issue 17: ~1.8 ms of CPU
+and ~3 ms of wall per step of a 200-module MLP whose 20 copies per step take ~0.3 ms of ``memcpy``). So by
+default a copy whose lane is idle and whose waits are all done runs at once on the issuing thread
+(:meth:`Lane.run`): a schedule the lane thread could have produced (it would have started the copy at once
+too), so every wait the runtime makes stays correct, and a copy that would have to wait is still handed to
+the lane, in order. ``inline_copies=False`` (``OFFLOAD_CPU_COPIES=lanes`` for ``make_backend``) sends every
+copy to its lane: the test suite runs so (tests/conftest.py), where a copy that runs late is what exposes a
+missing wait, and chaos delays (which always use the lanes) make it later still. Throttled copies
+(``h2d_bytes_per_s``, the simulator check) always use the lanes: they model an asynchronous link.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ class CPUBackend:
     device = torch.device("cpu")
 
     def __init__(self, h2d_bytes_per_s: float | None = None, d2h_bytes_per_s: float | None = None,
-                 chaos: ChaosConfig | None = None) -> None:
+                 chaos: ChaosConfig | None = None, inline_copies: bool = True) -> None:
         # Host-to-device copies: parameter buckets into their device slots, ahead of use.
         self._h2d = Lane("offload-h2d", before=chaos_delay(chaos, "h2d"))
         # Device-to-host copies: gradient slots back to host grad buffers, while backward goes on.
@@ -39,6 +52,9 @@ class CPUBackend:
         # check the simulator against the runtime (benchmarks/sim_vs_runtime.py).
         self._bandwidth = (h2d_bytes_per_s, d2h_bytes_per_s)
         self._chaos = chaos  # delays the lanes above and those of host_lane (tests only: offload.testing.chaos)
+        # [Note: inline copies]: a copy that could start now runs on the issuing thread (lanes with chaos
+        # delays never do: Lane.run)
+        self.inline_copies = inline_copies and h2d_bytes_per_s is None and d2h_bytes_per_s is None
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -86,10 +102,12 @@ class CPUBackend:
         return None
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> HostEvent:
-        return self._h2d.submit(self._copy(dst, src, self._bandwidth[0]), waits, "host-to-device copy")
+        issue = self._h2d.run if self.inline_copies else self._h2d.submit
+        return issue(self._copy(dst, src, self._bandwidth[0]), waits, "host-to-device copy")
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> HostEvent:
-        return self._d2h.submit(self._copy(dst, src, self._bandwidth[1]), waits, "device-to-host copy")
+        issue = self._d2h.run if self.inline_copies else self._d2h.submit
+        return issue(self._copy(dst, src, self._bandwidth[1]), waits, "device-to-host copy")
 
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, bandwidth: float | None):
