@@ -253,3 +253,29 @@ def test_rehome_moves_every_region_exactly_and_parks_on_demand():
     host.park(1)
     host.drop(1)
     assert not host.has_copy(1) and host.parked_bytes == 0
+
+
+def test_step_counts_are_0_dim_views_that_follow_every_count():
+    """[Note: step tensors]: a run's count is one index_fill_ where its parameters agree, per parameter where
+    they do not; each optimizer.state[p]["step"] is a 0-dim fp32 tensor with its own count."""
+    from offload.host.state import HostState, step_tensors
+
+    values, steps = step_tensors(4)
+    assert all(t.dim() == 0 and t.dtype == torch.float32 for t in steps)
+
+    class Counts:  # the two attributes _count uses, without a whole arena
+        _count = HostState._count
+
+        def __init__(self):
+            self.steps = [0] * 4
+            self.step_values, self.step_tensor = values, steps
+            self._step_index = {}
+
+    c = Counts()
+    c._count((0, 1, 2))  # all at 0: one op
+    c._count((0, 1, 2))
+    c._count((3,))
+    c._count((2, 3))  # 2 at 2 -> 3, 3 at 1 -> 2: they differ, per parameter
+    assert c.steps == [2, 2, 3, 2]
+    assert [float(t) for t in steps] == [2.0, 2.0, 3.0, 2.0]
+    assert list(c._step_index) == [(0, 1, 2)]
