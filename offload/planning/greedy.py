@@ -17,7 +17,7 @@ from ..errors import InvariantError
 from .arrays import MaxTable, latest_issue, lexsort
 from .buckets import Bucket
 from .greedy_inputs import GreedyInputs
-from .intervals import double_buffered_ends
+from .intervals import double_buffered_ends, latest_ended
 from .hw import HardwareModel
 from .layout import arena_of
 from .plan import BufferKind, align
@@ -76,6 +76,7 @@ class Greedy:
         n = inputs.n
         self._table = np.zeros((max(1, n.bit_length()), max(1, n)), dtype=np.int64)  # moves' MaxTable
         self._kernel: _C.GreedyKernel | None = None  # the C++ move sequence (``candidates``), built at its first use
+        self._dominating: dict[bool, tuple[GradWaits, dict[int, int]]] = {}  # ``dominating_waits``, by ``double``
 
     @classmethod
     def of(cls, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,
@@ -271,6 +272,40 @@ class Greedy:
             layout, offsets=tuple(offsets) + tuple(o + base for o in layout.offsets),
             total_bytes=layout.total_bytes + base, lower_bound_bytes=layout.lower_bound_bytes + base,
             candidates=tuple((h, total + base) for h, total in layout.candidates))
+
+    def dominating_waits(self, double: bool = False) -> tuple[GradWaits, dict[int, int]]:
+        """Compute's waits on grad copies that no layout's waits can outlast ([Note: dominating grad-slot
+        waits] in schedule.py), as (ptr, copies) arrays (what ``program``/``simulate`` take), and the same per
+        waiting bucket as {bucket: the bucket whose copy it waits for}. ``double``: with double-buffered
+        slots (``intervals.double_buffered_ends``)."""
+        cached = self._dominating.get(double)
+        if cached is None:
+            cached = self._dominating[double] = self._dominating_waits(double)
+        return cached
+
+    def _dominating_waits(self, double: bool) -> tuple[GradWaits, dict[int, int]]:
+        x = self.inputs
+        # the slots a layout has (empty ones dropped), by start; each copy's place in the D2H queue
+        by_start = sorted(((s, b, e) for b, (s, e) in x.grads.items() if x.grad_bytes[b] > 0))
+        b = np.array([r[1] for r in by_start], dtype=np.int64).reshape(len(by_start))
+        start = np.array([r[0] for r in by_start], dtype=np.int64).reshape(len(by_start))
+        end = np.array([r[2] for r in by_start], dtype=np.int64).reshape(len(by_start))
+        if double:
+            end = double_buffered_ends(start, end, x.n)
+        d2h_bucket = x.d2h_program["d2h_bucket"]
+        copy_of = dict(zip(d2h_bucket, range(len(d2h_bucket))))
+        copy = np.fromiter((copy_of.get(v, -1) for v in b.tolist()), dtype=np.int64, count=len(b))
+        last = latest_ended(start, end, copy)
+        waits = last >= 0
+        event, copies = start[waits], last[waits]
+        none = np.zeros(0, dtype=np.int64)
+        if not len(copies):
+            return (none, none), {}
+        order = np.argsort(event, kind="stable")
+        ptr = np.zeros(x.n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(event, minlength=x.n), out=ptr[1:])
+        on = np.asarray(d2h_bucket, dtype=np.int64)[copies]
+        return (ptr, copies[order]), dict(zip(b[waits].tolist(), on.tolist()))
 
     @functools.cached_property
     def _grad_specs(self):

@@ -128,6 +128,17 @@ def grad_slot_reuse(start: np.ndarray, end: np.ndarray, issue: np.ndarray) -> np
     return np.asarray(out, dtype=np.int64).reshape(len(out))
 
 
+def latest_ended(start: np.ndarray, end: np.ndarray, copy: np.ndarray) -> np.ndarray:
+    """Per grad slot ``j``: the greatest ``copy`` (a place in the device-to-host queue; -1: none) among the
+    slots ended by ``start[j]``, or -1 where there is none. The queue is FIFO, so that copy is done no
+    earlier than the copy of any slot whose bytes slot ``j`` can take over ([Note: dominating grad-slot
+    waits] in schedule.py)."""
+    order = np.argsort(end, kind="stable")
+    best = np.maximum.accumulate(copy[order]) if len(order) else copy[order]
+    ended = np.searchsorted(end[order], start, side="right")
+    return np.where(ended > 0, best[np.maximum(ended - 1, 0)] if len(order) else -1, -1)
+
+
 def double_buffered_ends(start: np.ndarray, end: np.ndarray, n: int) -> np.ndarray:
     """Per grad slot (by start), its end held until the next slot's end (its bucket's grads issued + 1),
     so that consecutive slots never share bytes and a slot's copy to the host has the next bucket's

@@ -7,11 +7,11 @@ each bucket's copy placed as late as possible while still arriving before use gi
 repeatedly takes the move that removes the most simulated stall per byte of device memory: keep a bucket
 on the device for the whole step (resident), or keep it between its last forward use and its first
 backward use (the last layers). Once no stall is left, it goes on taking the moves that save the most
-copy time per byte, so that spare budget still cuts traffic. Every point of that sequence is simulated;
-the plan is the fastest point whose memory fits the budget. The sequence does not depend on the budget
-(the budget only says where it stops), so a larger budget never gives a slower point; the plan's own
-simulated step counts its layout's waits on reused grad slots, which the points' scores only estimate
-([Note: waits on a reused grad slot] in simulate.py), so a larger budget's plan can come out slightly slower.
+copy time per byte, so that spare budget still cuts traffic. Every point of that sequence is simulated
+again as its plan will run (its grad slots single- or double-buffered, with waits on reused grad slots that
+no layout changes: [Note: dominating grad-slot waits]); the plan is the fastest of those whose layout fits
+the budget. The sequence does not depend on the budget (the budget only says where it stops) and neither
+does a plan's step, so a larger budget never gives a slower plan (issue 18).
 
 The plan model is ``plan.py``; need intervals ``intervals.py``; arena layout ``layout.py``; the search
 ``greedy.py`` (its inputs ``greedy_inputs.py``); memory floors and budget errors ``budget.py``.
@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
+from ..errors import InvariantError
 from .budget import budget_error, forward_min_budget, leanest_arena_bytes, min_arena_bytes
 from .buckets import Bucket, locate
 from .device_optimizer import choose_device_optimizer, restrict
@@ -124,59 +125,106 @@ def _step_s(plan: Plan) -> float:
 
 
 def _fitting(trace, buckets, itemsize, g, points, extra, budget_bytes, fixed_bytes, hw) -> Plan | None:
-    """The fastest of ``points`` whose arena layout fits the budget, assembled; None if none does."""
-    while points:
-        best = min(p.step_s for p in points)
-        point = max((p for p in points if p.step_s <= best * (1 + 1e-9)), key=lambda p: p.rank)
-        specs, layout = g.layout(point.resident, point.flat)
-        if layout.total_bytes + extra <= budget_bytes:
-            specs, layout, after, sim, name = _grad_slots(g, point, specs, layout, budget_bytes - extra)
+    """The fastest option ([Note: dominating grad-slot waits]) of ``points`` whose arena layout fits the
+    budget, assembled; None if none does."""
+    room = budget_bytes - extra
+    options = _options(g, points)
+    single: dict[int, tuple] = {}  # per point (its index): its single-buffered specs and layout
+    while options:
+        best = min(o.sim.step_s for o in options)
+        # as fast: the greedy's preference (fewest bytes copied, most resident, mode order), then less stall
+        # (the CPU AdamW ends the step either way: less for the model to miss), then single buffering
+        option = max((o for o in options if o.sim.step_s <= best * (1 + 1e-9)),
+                     key=lambda o: (o.point.rank, -o.sim.stall_s, not o.double))
+        laid = _laid_out(g, option, single, room)
+        if laid is not None:
+            specs, layout, after, sim = laid
             device = g.inputs.device
-            return assemble(trace, buckets, itemsize, point.resident | frozenset(device), name,
+            name = f"greedy ({option.point.mode}{', double-buffered grads' if option.double else ''})"
+            return assemble(trace, buckets, itemsize, option.point.resident | frozenset(device), name,
                             specs, layout, budget_bytes, fixed_bytes, simulated=sim, hw_name=hw.name,
                             needs=g.inputs.needs, device=device, after=after)
-        points = [p for p in points if p is not point]  # its arena fragments past the budget: next best
+        options = [o for o in options if o is not option]  # its arena fragments past the budget: next best
     return None
 
 
 DOUBLE_BUFFER_GRAD_SLOTS = True  # [Note: double-buffered grad slots]; False: today's single buffering only
+# [Note: double-buffered grad slots] A layout that packs consecutive buckets' grad slots into the same bytes
+# makes backward wait, at each bucket's first grad, for the previous bucket's grads to reach the host ([Note:
+# waits on a reused grad slot] in simulate.py). Holding each slot until the next bucket's grads are issued
+# (``intervals.double_buffered_ends``) costs about one more slot of arena and lets each copy hide behind the
+# next bucket's backward. A point whose single-buffered option waits on a grad copy gets a double-buffered
+# option too (``_options``); it is kept where it is the faster option and fits (on a tie, where its compute
+# waits less). The minimum budget (``budget.py``) is single buffering's: a double-buffered option needs its
+# point's single-buffered layout to fit as well, and a budget without room for the extra slot keeps single.
 
 
-def _grad_slots(g: Greedy, point: Point, specs, layout, room: int):
-    """The layout of ``point`` (``specs``, ``layout``: its single-buffered one, which fits) or, where it fits
-    ``room`` arena bytes and is simulated faster, its double-buffered one; with its buffers' ``after``, its
-    simulated step (the layout's own waits on reused grad slots) and the plan's strategy name.
+class _Option(NamedTuple):
+    """One way to lay a greedy point out: its grad slots single- or double-buffered, simulated with its
+    dominating grad-slot waits (what its plan's step is, whatever the layout)."""
 
-    [Note: double-buffered grad slots] A layout that packs consecutive buckets' grad slots into the same bytes
-    makes backward wait, at each bucket's first grad, for the previous bucket's grads to reach the host
-    ([Note: waits on a reused grad slot] in simulate.py). Holding each slot until the next bucket's grads are
-    issued (``intervals.double_buffered_ends``) costs about one more slot of arena and lets each copy hide
-    behind the next bucket's backward. The greedy's points are scored with single-buffered slots (its live
-    bytes, its waits' rule); the chosen point is laid out both ways, each simulated with its layout's waits,
-    and the faster that fits is kept; on a tie (a step the CPU AdamW ends either way), the one whose compute
-    waits less, else single. The minimum budget (``budget.py``) is single buffering's, and a budget without
-    room for the extra slot keeps it."""
+    at: int  # the point's place in the greedy's list
+    point: Point
+    double: bool
+    sim: SimResult | LaneResult
+
+
+def _options(g: Greedy, points) -> list[_Option]:
+    """Every point single-buffered and, where that waits on a grad copy, double-buffered.
+
+    [Note: dominating grad-slot waits] A layout decides which grad slots share bytes, and so which copies to
+    the host backward waits for ([Note: waits on a reused grad slot] in simulate.py); simulating every
+    point's layout to choose among them costs an arena layout each (up to a second at 10,000 buckets), and a
+    choice by any estimate of those waits (the greedy's scores use the intervals' rule) lets a larger
+    budget's plan come out slower than a smaller one's (issue 18). Instead each plan waits, at each grad
+    slot's start, also for the latest copy in the (FIFO) device-to-host queue among the slots ended by then
+    (``Greedy.dominating_waits``; added to the slot's ``Buffer.after``, which the runtime waits on). Every wait
+    a layout makes is on the copy of such a slot, issued no later, so done no later: it adds nothing, and the
+    plan's simulated step is that of the dominating waits alone, the same for every layout of the point.
+    Single buffering's waits are the intervals' rule where slots do not overlap (a chain of layers); with
+    double-buffered slots (each held until the next one's grads are issued, [Note: double-buffered grad
+    slots]) a slot waits for the copy two slots back instead.
+
+    So the plan is the fastest option (within 1e-9 relative) among those whose layout fits: the points are a
+    prefix of a budget-independent sequence, an option's step does not depend on the budget, and the options
+    that fit only grow with it: a larger budget never gives a slower plan (beyond that 1e-9). A double-
+    buffered option counts only where the point's single-buffered layout fits too, so the minimum budget
+    (``budget.py``) stays single buffering's."""
+    out = []
+    double = DOUBLE_BUFFER_GRAD_SLOTS and len(g.inputs.grads) > 1
+    for k, p in enumerate(points):
+        sim = g.simulate(p.resident, p.flat, g.dominating_waits(False)[0])[0]
+        out.append(_Option(k, p, False, sim))
+        if double and sim.grad_stall_s > 0:
+            out.append(_Option(k, p, True, g.simulate(p.resident, p.flat, g.dominating_waits(True)[0])[0]))
+    return out
+
+
+def _laid_out(g: Greedy, option: _Option, single: dict[int, tuple], room: int):
+    """``option`` laid out: (specs, layout, each buffer's ``after`` with its dominating wait, the plan's
+    simulated step), or None where its layout, or its point's single-buffered one, exceeds ``room`` bytes."""
+    p = option.point
+    if option.at not in single:
+        single[option.at] = g.layout(p.resident, p.flat)
+    specs, layout = single[option.at]
+    if layout.total_bytes > room:
+        return None
+    if option.double:
+        specs, layout = g.layout(p.resident, p.flat, double=True)
+        if layout.total_bytes > room:
+            return None
+    after = buffer_waits(specs, layout.offsets)
+    grad = {spec[0]: k for k, spec in enumerate(specs) if spec[1] is BufferKind.GRAD}
+    for b, on in g.dominating_waits(option.double)[1].items():
+        k, j = grad.get(b), grad.get(on)
+        if k is not None and j is not None and j not in after[k]:
+            after[k] = after[k] + (j,)
     x = g.inputs
-
-    def laid_out(specs, layout, name):
-        after = buffer_waits(specs, layout.offsets)
-        sim = g.simulate(point.resident, point.flat, grad_slot_waits(specs, after, x.d2h_program["d2h_bucket"], x.n))[0]
-        return specs, layout, after, sim.result() if isinstance(sim, LaneResult) else sim, name
-
-    best = laid_out(specs, layout, f"greedy ({point.mode})")
-    options = []
-    # (no wait on a grad copy: nothing for another layout to gain, and a layout of 10^4 buffers is not free)
-    if DOUBLE_BUFFER_GRAD_SLOTS and len(x.grads) > 1 and best[3].grad_stall_s > 0:
-        d_specs, d_layout = g.layout(point.resident, point.flat, double=True)
-        if d_layout.total_bytes <= room:
-            options.append(laid_out(d_specs, d_layout, f"greedy ({point.mode}, double-buffered grads)"))
-    for option in options:
-        faster = option[3].step_s < best[3].step_s * (1 - 1e-12)
-        # as fast (the CPU AdamW ends the step either way) and backward waits less: less for the model to miss
-        tie = option[3].step_s <= best[3].step_s * (1 + 1e-12) and option[3].stall_s < best[3].stall_s
-        if faster or tie:
-            best = option
-    return best
+    sim = g.simulate(p.resident, p.flat, grad_slot_waits(specs, after, x.d2h_program["d2h_bucket"], x.n))[0]
+    if sim.step_s != option.sim.step_s:
+        raise InvariantError("a plan's simulated step is not its option's: a layout waits on a grad copy that "
+                             "its dominating waits do not cover, a bug in the scheduler, please report it")
+    return specs, layout, after, sim.result() if isinstance(sim, LaneResult) else sim
 
 
 def program_of(plan: Plan, compute_s: Sequence[float] | None = None) -> Program:

@@ -114,7 +114,9 @@ class Program:
 # waits and count the time in ``stall_per_event``/``stall_s`` and in ``SimResult.grad_stall_s`` (never in
 # ``copy_credit``: that credit ranks host-to-device copies for residency). Which copy it is:
 # * a laid-out plan (``schedule.program_of``, ``simulate_plan``, the plan ``build_plan`` keeps): its
-#   layout's, the grad buffers in a GRAD buffer's ``after`` (``layout.grad_slot_waits``), exactly;
+#   layout's, the grad buffers in a GRAD buffer's ``after`` (``layout.grad_slot_waits``), exactly; ``build_plan``
+#   adds to each the dominating wait ([Note: dominating grad-slot waits] in schedule.py), which makes the
+#   step the same for every layout of a point;
 # * the greedy's candidate points, scored before any layout: a rule from the grad-slot intervals alone
 #   (``intervals.grad_slot_reuse``): a slot reuses the most recently issued slot among those ended by its
 #   start and not yet reused, which is what a tight packer does with equal slots.

@@ -284,6 +284,23 @@ def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, dat
         assert plan.simulated.step_s >= bound.seconds * (1 - 1e-9)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), machines(), st.data())
+def test_larger_budget_is_never_slower_with_device_optimizer(case, hw, data):
+    """test_schedule.py's test_larger_budget_is_never_slower with device-optimizer placements searched."""
+    trace, buckets = case
+    compute = draw_compute(data.draw, trace)
+    if data.draw(st.booleans()):  # a slow CPU: where device optimizer state pays
+        hw = hw.with_(adam_params_per_s=data.draw(st.floats(1e2, 1e5)))
+    deferred = data.draw(st.booleans())
+    small = plan_that_fits(trace, buckets, data.draw(st.integers(0, 30000)), hw, compute, device_optimizer=True,
+                           deferred=deferred)
+    larger = small.budget_bytes + data.draw(st.integers(1, 30000))
+    big = build_plan(trace, buckets, itemsize=4, budget_bytes=larger, fixed_bytes=0, hw=hw, compute_s=compute,
+                     device_optimizer=True, deferred=deferred)
+    assert big.simulated.step_s <= small.simulated.step_s * (1 + 1e-9) + 1e-15
+
+
 def _cpu_bound_chain(n=12, numel=1000):
     trace, buckets = chain_trace(n, numel)
     hw = flat_hw(bw=1e6, adam=1e4, device_adam=1e7)  # CPU AdamW 0.1 s per bucket; copies 4 ms; device AdamW 0.1 ms
