@@ -8,8 +8,9 @@ event, and ``wait`` (make compute wait) blocks the calling thread.
 [Note: inline copies]
 A GPU's copy engine moves bytes while the host thread goes on; here a copy is a ``memcpy`` that some CPU
 core must do, and handing it to a lane thread costs a wake-up, a core the compute thread then shares, and,
-when compute needs the bytes, a wait for that thread (measured on the 2-core VM, issue 17: ~1.8 ms of CPU
-and ~3 ms of wall per step of a 200-module MLP whose 20 copies per step take ~0.3 ms of ``memcpy``). So by
+when compute needs the bytes, a wait for that thread (``benchmarks/overhead.py`` on the 2-core test VM, the
+same code in both modes, one run each: the 200-module MLP all resident 19.1 -> 18.4 ms a step by wall clock,
+21.6 -> 20.5 ms of CPU; streamed 131.9 -> 102.0 ms; results ``cpu-2026-11-26/overhead-s11-after*``). So by
 default a copy whose lane is idle and whose waits are all done runs at once on the issuing thread
 (:meth:`Lane.run`): a schedule the lane thread could have produced (it would have started the copy at once
 too), so every wait the runtime makes stays correct, and a copy that would have to wait is still handed to
