@@ -81,16 +81,15 @@ class GradRing:
         self.live = []
 
 
-
 def step_tensors(n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``n`` step counts as ``optimizer.state[p]["step"]`` shows them: 0-dim fp32 tensors, as torch.optim's.
 
     [Note: step tensors]
     They are views of one vector, so that counting a bucket's step is one ``index_fill_`` on the CPU lane, not
     one ``fill_`` per parameter (~5 us each: about a quarter of that lane's busy time on a model of small
-    tensors, sampled with py-spy on the 200-module MLP of ``benchmarks/overhead.py``). Each stays a 0-dim float32 tensor
-    that reads, prints, compares and saves like one (``torch.save`` of a state dict stores the vector once);
-    ``HostState.steps`` holds the same counts as Python ints, which the runtime reads."""
+    tensors, sampled with py-spy on the 200-module MLP of ``benchmarks/overhead.py``). Each stays a 0-dim
+    float32 tensor that reads, prints, compares and saves like one (``torch.save`` of a state dict stores the
+    vector once); ``HostState.steps`` holds the same counts as Python ints, which the runtime reads."""
     values = torch.zeros(n, dtype=torch.float32)
     return values, [values[i] for i in range(n)]
 
