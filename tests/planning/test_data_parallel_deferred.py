@@ -141,3 +141,13 @@ def test_later_micro_batches_do_not_refresh_resident_buckets():
     program = dataclasses.replace(FP32, h2d_event=(-1,), h2d_bucket=(2,), h2d_bytes=(1000,), waits=((0,), (), ()))
     got = simulate_runtime_deferred(program, HW, TWO, micro_batches=3, no_sync=True)
     assert got.sim.h2d_bytes == 1000 and got.sim.stall_s == pytest.approx(1.0)
+
+
+def test_the_next_forward_waits_for_the_previous_backwards_grad_copies():
+    # no collective between the micro-batches (one rank; or inside no_sync): the second forward starts when
+    # the first backward's last grads landed (5 s: wait_for_copies), not when its compute ended (3 s)
+    for cluster, no_sync in ((gloo_cluster_of(1), False), (TWO, True)):
+        record: list = []
+        simulate_runtime_deferred(FP32, HW, cluster, micro_batches=2, no_sync=no_sync, record=record)
+        compute = _by_lane(record, "compute")
+        assert compute[2][3] == pytest.approx(3.0) and compute[3][2] == pytest.approx(5.0)
