@@ -8,7 +8,11 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
 * the **runtime** path (what runs: ``offload/planning/data_parallel_runtime.py``, [Note: the runtime's
   data-parallel step]): each rank's single-GPU plan (the report's ``plan``), whole buckets copied each way,
   every collective on the host through gloo, serial with the shard's AdamW on the rank's CPU lane; on gloo's
-  nominal presets (``collectives.GLOO_INTRA``, and over ``--inter``'s NICs ``GLOO_INTER_OF``);
+  nominal presets (``collectives.GLOO_INTRA``, and over ``--inter``'s NICs ``GLOO_INTER_OF``). float16 defers
+  every update to ``step()``: its figures are the deferred path's ([Note: the runtime's deferred data-parallel
+  step]) for one backward per step (``micro_batches`` 1: the report has no accumulation option), whose end
+  all-reduces every bucket's grads (``all_reduce_busy_s``); ``runtime_path`` says which path (``overlapped``
+  or ``deferred``);
 * the **design** path (issue 20's plan, not what runs: ``offload/planning/data_parallel.py``): the rank plan
   costed with device NCCL collectives on the ``--intra``/``--inter`` presets.
 
@@ -27,15 +31,16 @@ from ..config import format_bytes
 from ..errors import BudgetTooSmallError, ReportError
 from ..planning.collectives import GLOO_INTER_OF, cluster_of, gloo_cluster_of
 from ..planning.data_parallel import build_rank_plan, host_bytes_per_node, host_bytes_per_rank, simulate_rank_plan
-from ..planning.data_parallel_runtime import simulate_runtime_plan
+from ..planning.data_parallel_runtime import simulate_runtime_deferred_plan, simulate_runtime_plan
 from ..host.shard import shard_layout, shard_of
 from .baselines import Case
 from .baselines_dp import zero_offload_data_parallel
 from .report import Report
 
 RUNS = "runtime"
-UNMODELLED_FP16 = ("not modelled: float16 defers every update to step() (loss scaling), a path the runtime-path "
-                   "model does not cover")
+DEFERRED_FP16 = ("float16 defers every update to step() (loss scaling): the deferred path, one backward per step "
+                 "(its end all-reduces every bucket's grads over the ranks; step() updates each rank's shard and "
+                 "all-gathers the 16-bit copy)")
 
 
 def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str) -> dict:
@@ -64,6 +69,8 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str)
         "host_bytes_per_node_design": host_bytes_per_node(plan.buckets, lowp, cluster, accumulate),
         "fits": False, "device_peak_bytes_per_rank": None, "predicted_step_s": None, "tokens_per_s": None,
         "all_gather_busy_s": None, "reduce_scatter_busy_s": None, "check_busy_s": None, "runtime_note": None,
+        "runtime_path": "deferred" if accumulate else "overlapped", "micro_batches": 1, "all_reduce_busy_s": None,
+        "accumulate_busy_s": None,
         "fits_design": False, "device_peak_bytes_per_rank_design": None, "predicted_step_s_design": None,
         "tokens_per_s_design": None, "all_gather_busy_s_design": None, "reduce_scatter_busy_s_design": None,
         "zero_offload_step_s": None,
@@ -72,13 +79,15 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str)
         return out
     tokens = cluster.world * r.batch * r.seq
     out.update(fits=True, device_peak_bytes_per_rank=plan.peak_bytes)
-    if accumulate:
-        out.update(runtime_note=UNMODELLED_FP16)
+    if accumulate:  # float16: updates deferred to step() ([Note: the runtime's deferred data-parallel step])
+        rt = simulate_runtime_deferred_plan(plan, r.hw, gloo, report.compute_s, micro_batches=1)
+        out.update(runtime_note=DEFERRED_FP16)
     else:
         rt = simulate_runtime_plan(plan, r.hw, gloo, report.compute_s)
-        out.update(predicted_step_s=rt.step_s, tokens_per_s=tokens / rt.step_s,
-                   all_gather_busy_s=rt.all_gather_busy_s, reduce_scatter_busy_s=rt.reduce_scatter_busy_s,
-                   check_busy_s=rt.check_busy_s)
+    out.update(predicted_step_s=rt.step_s, tokens_per_s=tokens / rt.step_s,
+               all_gather_busy_s=rt.all_gather_busy_s, reduce_scatter_busy_s=rt.reduce_scatter_busy_s,
+               check_busy_s=rt.check_busy_s, all_reduce_busy_s=rt.all_reduce_busy_s,
+               accumulate_busy_s=rt.accumulate_busy_s)
     try:
         rank = build_rank_plan(plan.trace, plan.buckets, itemsize=plan.itemsize, budget_bytes=r.budget_bytes,
                                fixed_bytes=plan.fixed_bytes, hw=r.hw, cluster=cluster, compute_s=report.compute_s)
@@ -115,11 +124,13 @@ def render_data_parallel(dp: dict, console: Console) -> None:
               format_bytes(dp["host_bytes_per_rank_design"]))
     t.add_row("pinned host per node", format_bytes(dp["host_bytes_per_node"]),
               format_bytes(dp["host_bytes_per_node_design"]))
-    t.add_row("step (with collectives)", _seconds(dp["predicted_step_s"], dp["runtime_note"]),
+    t.add_row("step (with collectives)", _seconds(dp["predicted_step_s"]),
               _seconds(dp["predicted_step_s_design"]))
     t.add_row("tokens/s (all ranks)", _rate(dp["tokens_per_s"]), _rate(dp["tokens_per_s_design"]))
     t.add_row("all-gather / reduce-scatter busy", _pair(dp["all_gather_busy_s"], dp["reduce_scatter_busy_s"]),
               _pair(dp["all_gather_busy_s_design"], dp["reduce_scatter_busy_s_design"]))
+    if dp["runtime_path"] == "deferred" and dp["all_reduce_busy_s"] is not None:
+        t.add_row("all-reduce per backward busy", f"{dp['all_reduce_busy_s']:.3f} s", "")
     if dp["zero_offload_step_s"] is not None:
         t.add_row("ZeRO-Offload's DP rule, step", "", f"{dp['zero_offload_step_s']:.3f} s"
                   + ("" if dp["zero_offload_fits"] else " (over the budget)"))
@@ -134,8 +145,8 @@ def _bytes(n: int | None) -> str:
     return format_bytes(n) if n is not None else "does not fit"
 
 
-def _seconds(s: float | None, note: str | None = None) -> str:
-    return f"{s:.3f} s" if s is not None else ("not modelled" if note else "does not fit")
+def _seconds(s: float | None) -> str:
+    return f"{s:.3f} s" if s is not None else "does not fit"
 
 
 def _rate(x: float | None) -> str:

@@ -48,11 +48,25 @@ def test_report_gpus_json(capsys):
     assert dp["zero_offload_step_s"] > 0
 
 
-def test_report_gpus_float16_says_the_runtime_path_is_not_modelled(capsys):
+def test_report_gpus_float16_gives_the_deferred_runtime_path(capsys):
+    # float16 defers the updates to step(): the deferred path's figure, one backward per step whose end
+    # all-reduces every bucket's grads ([Note: the runtime's deferred data-parallel step])
     rc, out = _json(capsys, "--gpus", "2", "--dtype", "fp16")
     dp = out["data_parallel"]
-    assert rc == 0 and dp["fits"] and dp["predicted_step_s"] is None and "float16" in dp["runtime_note"]
-    assert dp["predicted_step_s_design"] > 0
+    assert rc == 0 and dp["fits"] and dp["runtime_path"] == "deferred" and dp["micro_batches"] == 1
+    assert dp["predicted_step_s"] > 0 and dp["all_reduce_busy_s"] > 0 and dp["all_gather_busy_s"] > 0
+    assert dp["accumulate_busy_s"] > 0  # float16 grads widened into the fp32 sums
+    assert "deferred" in dp["runtime_note"] and dp["predicted_step_s_design"] > 0
+    assert dp["tokens_per_s"] == pytest.approx(2 * out["batch"] * out["seq"] / dp["predicted_step_s"])
+    # the CPU lane's serial work (the end of backward's all-reduces, step()'s updates and all-gathers) is in it
+    assert dp["predicted_step_s"] > dp["all_reduce_busy_s"] + dp["all_gather_busy_s"] + dp["check_busy_s"]
+    rc, bf16 = _json(capsys, "--gpus", "2")
+    assert bf16["data_parallel"]["runtime_path"] == "overlapped" and bf16["data_parallel"]["all_reduce_busy_s"] == 0
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "2",
+                     "--dtype", "fp16"]) == 0
+    text = capsys.readouterr().out
+    step_row = next(line for line in text.splitlines() if "step (with collectives)" in line)
+    assert "all-reduce per backward" in text and "not modelled" not in step_row and step_row.count(" s ") >= 2
 
 
 def test_report_gpus_table_and_usage_errors(capsys):
