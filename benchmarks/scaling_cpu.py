@@ -1,7 +1,7 @@
 """MEASURED data-parallel throughput on the CPU backend with gloo (issue 20): 1, 2 and 4 ranks on this machine.
 
 Weak scaling: every rank trains the same MLP on its own batch of ``--batch`` samples, so ``samples/s =
-N x batch / step``. Each rank is a process (spawned), all on this one machine: the ranks share its cores
+N x batch / step`` (times ``--micro-batches``). Each rank is a process (spawned), all on this one machine: the ranks share its cores
 (and its memory bandwidth) with each other and with whatever else runs here, so on a machine with fewer cores
 than ranks x threads this measures contention as much as the engine; the load average is recorded before and
 after. The step time of a step is the slowest rank's (an all-reduce of each rank's time, outside the timed
@@ -22,11 +22,17 @@ three collectives a bucket runs are timed at 8 MiB beside the model's figures fo
 the runtime's lane makes), as a check of that part of the model.
 
     python benchmarks/scaling_cpu.py --json benchmarks/results/scaling_cpu.json
+
+``--micro-batches K`` (K > 1) measures the deferred path instead (``overlap_optimizer=False``: K forward and
+backward passes per step, accumulated on the host; ``--no-sync``: the first K - 1 inside ``engine.no_sync()``,
+DDP's idiom), beside ``simulate_runtime_deferred`` ([Note: the runtime's deferred data-parallel step]) of the
+same K and no_sync; the design path models no accumulation and is then not recorded.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -97,6 +103,7 @@ def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[
     from offload.planning.data_parallel_runtime import (
         all_gather_lane_seconds,
         reduce_scatter_lane_seconds,
+        simulate_runtime_deferred_plan,
         simulate_runtime_plan,
     )
     from offload.planning.hw import HardwareModel, latency_curve
@@ -107,11 +114,17 @@ def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[
                        device_flops_per_s=1e11, device_bytes_per_s=args.copy_bytes_per_s, measured=True)
     gloo = Link("gloo-loopback", link[0], link[1], source="measured in this run (all-reduce, two sizes)")
     cluster = Cluster(gpus_per_node=world, intra=gloo)
-    sim = simulate_runtime_plan(plan, hw, cluster, compute_s)
-    design = simulate_rank_plan(plan, hw, cluster, compute_s)
+    if args.micro_batches > 1:  # the deferred path; the design path models no accumulation
+        sim = simulate_runtime_deferred_plan(plan, hw, cluster, compute_s, args.micro_batches, args.no_sync)
+        design_s = None
+    else:
+        sim = simulate_runtime_plan(plan, hw, cluster, compute_s)
+        design_s = simulate_rank_plan(plan, hw, cluster, compute_s).step_s
     return {"path": "runtime", "predicted_step_s": sim.step_s, "predicted_compute_s": sim.sim.compute_s,
+            "deferred": sim.deferred, "micro_batches": sim.micro_batches, "no_sync": sim.no_sync,
+            "predicted_all_reduce_s": sim.all_reduce_busy_s, "predicted_accumulate_s": sim.accumulate_busy_s,
             "predicted_all_gather_s": sim.all_gather_busy_s, "predicted_reduce_scatter_s": sim.reduce_scatter_busy_s,
-            "predicted_cpu_lane_s": sim.cpu_lane_busy_s, "predicted_step_s_design": design.step_s,
+            "predicted_cpu_lane_s": sim.cpu_lane_busy_s, "predicted_step_s_design": design_s,
             "modelled_8MiB_s": {"all_reduce": gloo_all_reduce_seconds(1 << 23, cluster),
                                 "reduce_scatter": reduce_scatter_lane_seconds(1 << 23, hw, cluster),
                                 "all_gather": all_gather_lane_seconds(1 << 23, hw, cluster)},
@@ -129,16 +142,19 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
     link = _gloo_link(world, gloo_times)
     model = _model(args.width, args.depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
+    k = args.micro_batches
     engine = offload.wrap(model, opt, budget=args.budget, dtype=torch.bfloat16, device="cpu",
-                          bucket_bytes=args.bucket)
+                          bucket_bytes=args.bucket, **({"overlap_optimizer": False} if k > 1 else {}))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
     times = []
     for step in range(args.warmup + args.steps):
         dist.barrier()
         t0 = time.perf_counter()
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
+        for j in range(k):  # --micro-batches: accumulated, the first k - 1 inside no_sync with --no-sync
+            with engine.no_sync() if args.no_sync and j < k - 1 else contextlib.nullcontext():
+                loss = engine(x).float().pow(2).mean()
+                engine.backward(loss)
         engine.step()
         engine.wait_for_updates()
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -179,10 +195,12 @@ def run(world: int, args: argparse.Namespace) -> dict:
             raise SystemExit(f"{world} ranks: a rank failed ({[p.exitcode for p in procs]})")
         result = json.loads(Path(out).read_text())
     step = statistics.median(result["step_s"])
-    row = {"ranks": world, "median_step_s": step, "samples_per_s": world * args.batch / step, **result}
+    row = {"ranks": world, "median_step_s": step, "samples_per_s": world * args.batch * args.micro_batches / step,
+           **result}
     if "predicted_step_s" in row:
         row["relative_error"] = (row["predicted_step_s"] - step) / step
-        row["relative_error_design"] = (row["predicted_step_s_design"] - step) / step
+        design = row["predicted_step_s_design"]
+        row["relative_error_design"] = (design - step) / step if design is not None else None
     return row
 
 
@@ -197,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--budget", default="16MiB", help="device budget per rank (below the weights: streamed)")
     ap.add_argument("--bucket", default="2MiB")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="forward/backward passes per step; > 1: deferred updates (overlap_optimizer=False)")
+    ap.add_argument("--no-sync", action="store_true", help="the first micro-batches - 1 inside engine.no_sync()")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from offload.tools.probe import cpu_adam_params_per_s, host_bytes_per_s
@@ -209,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["scaling_efficiency"] = r["samples_per_s"] / (r["ranks"] * base)
         sim = (f"  simulated, runtime path {r['predicted_step_s'] * 1e3:8.1f} ms (error {r['relative_error']:+.0%}); "
-               f"design path {r['predicted_step_s_design'] * 1e3:8.1f} ms ({r['relative_error_design']:+.0%})"
+               + (f"design path {r['predicted_step_s_design'] * 1e3:8.1f} ms ({r['relative_error_design']:+.0%})"
+                  if r["predicted_step_s_design"] is not None else "design path: no accumulation modelled")
                if "predicted_step_s" in r else "  simulated: no plan")
         if r["ranks"] > 1 and "modelled_8MiB_s" in r:
             sim += "; 8 MiB measured / modelled: " + ", ".join(
