@@ -10,7 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload.planning.collectives import Cluster, Link, gloo_all_gather_seconds, gloo_all_reduce_seconds, gloo_cluster_of
+from offload.planning.collectives import (
+    Cluster,
+    Link,
+    gloo_all_gather_seconds,
+    gloo_all_reduce_seconds,
+    gloo_cluster_of,
+)
 from offload.planning.data_parallel_runtime import CHECK_BYTES, simulate_runtime_deferred
 from offload.planning.simulate import simulate, simulate_reference
 from tests.support.planning import drawn_program, flat_hw, lane_program, machines, traces
