@@ -4,8 +4,8 @@ Weak scaling: every rank trains the same MLP on its own batch of ``--batch`` sam
 N x batch / step`` (times ``--micro-batches``). Each rank is a process (spawned), all on this one machine: the
 ranks share its cores (and its memory bandwidth) with each other and with whatever else runs here, so on a
 machine with fewer cores than ranks x threads this measures contention as much as the engine; the load average
-is recorded before and after. The step time of a step is the slowest rank's (an all-reduce of each rank's time, outside the timed
-region). Per-rank host arena bytes come from ``engine.memory_stats()``.
+is recorded before and after. The step time of a step is the slowest rank's (an all-reduce of each rank's
+time, outside the timed region). Per-rank host arena bytes come from ``engine.memory_stats()``.
 
 Beside each measurement, the simulation of the same run on the path the runtime runs
 (``offload.planning.data_parallel_runtime``, [Note: the runtime's data-parallel step]: rank 0's plan, whole
