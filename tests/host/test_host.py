@@ -279,3 +279,31 @@ def test_step_counts_are_0_dim_views_that_follow_every_count():
     assert c.steps == [2, 2, 3, 2]
     assert [float(t) for t in steps] == [2.0, 2.0, 3.0, 2.0]
     assert list(c._step_index) == [(0, 1, 2)]
+
+
+def test_step_views_load_into_plain_torch_adamw_and_count_apart():
+    """[Note: step tensors]: a state dict whose steps are views of one vector, saved and loaded into torch's own
+    AdamW after close (leaving offload), steps each parameter on its own: one count per parameter, not shared."""
+    import io
+
+    import offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    engine = offload.wrap(model, opt, budget="64MiB", device="cpu")
+    for _ in range(3):
+        engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    state = opt.state_dict()
+    assert [float(s["step"]) for s in state["state"].values()] == [3.0] * 4
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    engine.close()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain.load_state_dict(torch.load(buf))
+    model[2].weight.grad = torch.ones_like(model[2].weight)  # one parameter steps: the others must not count
+    plain.step()
+    assert [float(plain.state[p]["step"]) for p in model.parameters()] == [3.0, 3.0, 4.0, 3.0]
