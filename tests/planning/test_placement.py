@@ -260,13 +260,20 @@ def _check_device_placement(plan, hw, compute):
     assert again.device_adam_s == pytest.approx(plan.simulated.device_adam_s, rel=1e-9, abs=1e-15)
 
 
+def _device_case(case, hw, data):
+    """A drawn case for the device-optimizer searches: (trace, buckets, compute times, hardware), the hardware's
+    CPU AdamW made slow half the time (where device optimizer state pays)."""
+    trace, buckets = case
+    compute = draw_compute(data.draw, trace)
+    if data.draw(st.booleans()):
+        hw = hw.with_(adam_params_per_s=data.draw(st.floats(1e2, 1e5)))
+    return trace, buckets, compute, hw
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), machines(), st.data())
 def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, data):
-    trace, buckets = case
-    compute = draw_compute(data.draw, trace)
-    if data.draw(st.booleans()):  # a slow CPU: where device optimizer state pays
-        hw = hw.with_(adam_params_per_s=data.draw(st.floats(1e2, 1e5)))
+    trace, buckets, compute, hw = _device_case(case, hw, data)
     params = sum(b.nbytes(4) for b in buckets)
     least = plan_that_fits(trace, buckets, 0, hw, compute, device_optimizer=False).budget_bytes
     budget = least + data.draw(st.integers(0, 5 * params + 20000))
@@ -288,10 +295,7 @@ def test_device_optimizer_plans_are_valid_bounded_and_never_slower(case, hw, dat
 @given(traces(), machines(), st.data())
 def test_larger_budget_is_never_slower_with_device_optimizer(case, hw, data):
     """test_schedule.py's test_larger_budget_is_never_slower with device-optimizer placements searched."""
-    trace, buckets = case
-    compute = draw_compute(data.draw, trace)
-    if data.draw(st.booleans()):  # a slow CPU: where device optimizer state pays
-        hw = hw.with_(adam_params_per_s=data.draw(st.floats(1e2, 1e5)))
+    trace, buckets, compute, hw = _device_case(case, hw, data)
     deferred = data.draw(st.booleans())
     small = plan_that_fits(trace, buckets, data.draw(st.integers(0, 30000)), hw, compute, device_optimizer=True,
                            deferred=deferred)
