@@ -187,11 +187,14 @@ class Lane:
         self.ran_inline = 0  # items :meth:`run` ran on the calling thread
 
     def submit(self, fn: Callable[[], object], waits: Iterable[Event] = (), what: str = "") -> HostEvent:
+        self._check_open()
+        with self._issue:
+            return self._submit(fn, waits, what)
+
+    def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError(f"lane {self.name} is closed (its engine was closed): wrap the model again to "
                                     "keep training")
-        with self._issue:
-            return self._submit(fn, waits, what)
 
     def _submit(self, fn: Callable[[], object], waits: Iterable[Event], what: str) -> HostEvent:
         if self._thread is None:  # created lazily: an engine that never streams starts no thread
@@ -210,9 +213,7 @@ class Lane:
         waits correctly for lane work waits correctly for this); else :meth:`submit` it. No thread hand-off:
         the CPU backend's copies, ``[Note: inline copies]`` in backend/cpu.py. A failure travels with the
         returned event, as from the lane. A lane with chaos delays (``before``) always submits."""
-        if self._closed:
-            raise EngineClosedError(f"lane {self.name} is closed (its engine was closed): wrap the model again to "
-                                    "keep training")
+        self._check_open()
         waits = tuple(waits)
         with self._issue:
             if self._before is not None or not self._last.query() or not all(w.query() for w in waits):
@@ -223,19 +224,7 @@ class Lane:
         ev = HostEvent(what=what or self.name)
         self._last = ev  # drain() raises its failure, as it would the lane's last item's
         self.ran_inline += 1
-        try:
-            for w in waits:
-                w.synchronize()  # done: raises a failure it carries, as the lane's thread would
-            ev.started = time.perf_counter()
-            if torch.is_grad_enabled():  # as on the lane's thread (entering no_grad costs ~5 us: only if needed)
-                with torch.no_grad():
-                    fn()
-            else:
-                fn()
-            ev.finished = time.perf_counter()
-            ev.set()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event, as from the lane
-            ev.set(e)
+        _run_item(fn, waits, ev, None)  # its waits are done: a failure one carries fails it, as on the thread
         return ev
 
     def drain(self) -> None:
@@ -261,22 +250,32 @@ def _run_lane(work: queue.SimpleQueue, before: Callable[[], None] | None) -> Non
             return
         fn, waits, ev = item
         del item
-        try:
-            for w in waits:
-                w.synchronize()
-            if before:
-                before()
-            ev.started = time.perf_counter()
-            with torch.no_grad():
-                fn()
-            ev.finished = time.perf_counter()
-            if before:
-                before()
-            ev.set()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event
-            ev.set(e)
+        _run_item(fn, waits, ev, before)
         # Drop the finished item's closure now, not when the next item arrives: it may hold a whole engine.
         del fn, waits, ev
+
+
+def _run_item(fn: Callable[[], object], waits: Iterable[Event], ev: HostEvent,
+              before: Callable[[], None] | None) -> None:
+    """One lane item, on the lane's thread or inline (:meth:`Lane.run`): after its waits, ``fn`` without grad
+    mode, timed for the timeline; its failure (or a wait's) set on ``ev``."""
+    try:
+        for w in waits:
+            w.synchronize()
+        if before:
+            before()
+        ev.started = time.perf_counter()
+        if torch.is_grad_enabled():  # entering no_grad costs ~5 us: only where grad mode is on
+            with torch.no_grad():
+                fn()
+        else:
+            fn()
+        ev.finished = time.perf_counter()
+        if before:
+            before()
+        ev.set()
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the event
+        ev.set(e)
 
 
 def _stop_lane(work: queue.SimpleQueue, thread: threading.Thread) -> None:
