@@ -33,7 +33,7 @@ from ..config import OffloadConfig
 from ..errors import OffloadError
 from ..optim import AdamW
 from ..planning.trace import EventKind
-from . import faults, guards
+from . import faults, guards, idle_params
 from .accounting import SavedActivation
 from .context import Backend, RuntimeContext, weak_hook
 from .executor import PlanExecutor
@@ -90,8 +90,10 @@ class Runtime:
         self._module_hooks: list[tuple[nn.Module, Any, Any]] = []  # (module, pre hook, post hook), fixed at wrap
         self._contexts: list[Any] = []  # entered at the start of a forward, exited at its end
         self._between_passes = False  # [Note: a backward pass inside a step]
+        self.saving = 0  # module.state_dict() calls under way (idle_params.py: parameters pass through)
         self._reset_step()
         self._register_hooks()
+        idle_params.adopt(self, ctx.params)  # [Note: parameters between forwards]
         self.recompute.start()
 
     # -- hooks: every one the runtime registers ----------------------------------------------------------
@@ -312,6 +314,7 @@ class Runtime:
             check_enabled()  # issue 19: under disable_saved_tensors_hooks, refused before anything changes
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
+        self.saving = 0  # a state_dict() that raised half-way
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
         grad_enabled = torch.is_grad_enabled()
         if self._between_passes:  # the plan's next backward pass did not come: it departed, as it did before
@@ -512,6 +515,7 @@ class Runtime:
                 release()
             except BaseException as e:  # noqa: BLE001 - raised below, once everything is released
                 errors.append(e)
+        idle_params.disown(ctx.params)
         ctx.phases.become(Lifecycle.CLOSED)
         if errors:
             raise errors[0]

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import format_bytes
 from ..errors import BudgetTooSmallError, OffloadError
+from .idle_params import show
 from .plain_grads import describe_conversion
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ class ParamGuard:
         self._tree: _Tree | None = None  # the module tree the last walk accepted ([Note: the tree stamp])
 
     def check(self) -> None:
+        with torch._C.DisableTorchFunctionSubclass():  # idle parameters' metadata read at C speed (idle_params.py)
+            self._check()
+
+    def _check(self) -> None:
         ctx = self.ctx
         if self._tree is None or not self._tree.unchanged():
             current = list(ctx.module.parameters())
@@ -75,7 +80,8 @@ class ParamGuard:
         """Remember the parameters' version counters (from the first step on; before it the user's writes go
         to the original tensors, which the traced first forward reads)."""
         if self.slots.host is not None:
-            self.versions = [param._version for param in self.ctx.params]
+            with torch._C.DisableTorchFunctionSubclass():  # idle parameters' counters at C speed
+                self.versions = [param._version for param in self.ctx.params]
 
     def _changed_set(self, current: list[nn.Parameter]) -> None:
         ctx = self.ctx
@@ -95,6 +101,7 @@ class ParamGuard:
         original = self.warmup.original
         for p in moved:
             if original is not None:
+                show(ctx.params[p])
                 ctx.params[p].data = original[p]
             else:
                 self.slots.rebind(p)

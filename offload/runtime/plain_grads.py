@@ -461,6 +461,7 @@ def module_hooks(rt: Runtime) -> list[RemovableHandle]:
     ref = weakref.ref(rt)
     handles = []
     for module in rt.ctx.module.modules():
+        handles.append(module.register_state_dict_pre_hook(_saving(ref)))
         handles.append(module.register_state_dict_post_hook(_StateDictHook(ref)))
         handles.append(module.register_load_state_dict_pre_hook(_load_hook(ref)))
     return handles
@@ -468,8 +469,8 @@ def module_hooks(rt: Runtime) -> list[RemovableHandle]:
 
 _HOW_TO_COPY = (
     "copy.deepcopy (or pickling, e.g. torch.save(model)) of a module wrapped by offload is refused: outside a "
-    "forward its parameters are placeholders (NaN; the weights live in the engine's host memory) and its hooks "
-    "belong to this engine, so the copy would hold NaN weights and drive this engine's hooks. Copy the weights "
+    "forward its parameters point at the engine's placeholders and device memory (the weights live in the engine's "
+    "host memory) and its hooks belong to this engine, so the copy would drive this engine's hooks. Copy the weights "
     "instead: build a new model and new.load_state_dict(model.state_dict()) (model.state_dict() and "
     "engine.state_dict()[\"model\"] give the real fp32 weights), or engine.close() first (the module gets its "
     "trained weights back, unwrapped). Save with engine.save(path) or torch.save(model.state_dict(), path)")
@@ -491,7 +492,7 @@ class EngineHook(functools.partial):
 class _StateDictHook:
     """``module.state_dict()``'s post-hook (see :func:`module_hooks`). It sits in every wrapped module's
     hooks, so it also turns ``copy.deepcopy(module)`` and pickling, which copy a module's hooks with its
-    placeholder parameters, into a clear error (issue 19) rather than a copy with NaN weights."""
+    placeholder parameters, into a clear error (issue 19) rather than a copy that drives this engine's hooks."""
 
     def __init__(self, ref: weakref.ref[Runtime]) -> None:
         self.ref = ref
@@ -504,6 +505,8 @@ class _StateDictHook:
 
     def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         rt = self.ref()
+        if rt is not None:
+            rt.saving = max(rt.saving - 1, 0)  # counted by _saving
         if rt is None or rt.slots.host is None:  # before the first forward the parameters hold their values
             return
         rt.wait_for_updates()
@@ -518,6 +521,16 @@ class _StateDictHook:
                 key = prefix + name
                 if key in state_dict and state_dict[key] is not buf:
                     state_dict[key] = buf.detach().to("cpu", copy=True)  # as engine.state_dict()["model"]
+
+
+def _saving(ref: weakref.ref[Runtime]) -> Callable[..., None]:
+    """``module.state_dict()``'s pre-hook: idle parameters pass ``detach()`` through while it saves (no device copy
+    of each weight, which the post-hook replaces by its fp32 master): [Note: parameters between forwards]."""
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        rt = ref()
+        if rt is not None:
+            rt.saving += 1
+    return hook
 
 
 def _load_hook(ref: weakref.ref[Runtime]) -> Callable[..., None]:

@@ -13,7 +13,8 @@ resident buckets, a resident bucket refreshed with its new weights after ``step(
 placeholder. Every use in forward lands the bucket first (the use detector and the plan's waits), so
 nothing changes there; what it prevents is a read outside forward (``p.norm()`` for logging, an EMA of
 weights, right after ``step()``) racing the copy: it read the slot's previous bytes (another bucket's, or
-the weights before the step) as plausible numbers; now it reads NaN (issue 19).
+the weights before the step) as plausible numbers; now it is idle and reads a copy of its current weights
+([Note: parameters between forwards] in idle_params.py; issue 19).
 
 [Note: cross-stream lifetimes] The arena is ours, so the caching allocator's ``record_stream`` does not
 protect a slot: every reuse of a slot waits on the event of its last reader (``done``, ``boundary``),
@@ -28,9 +29,11 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch import nn
 
 from ..backend.base import DONE, Event
 from ..errors import InvariantError
+from .idle_params import IdleParameter, bind_placeholder
 from .residency import Freeing, ParamRef, Residency, Slot, check_move
 
 if TYPE_CHECKING:
@@ -194,12 +197,15 @@ class SlotTable:
             hit = self._param_views[b] = (slot, views)
         bind, params = ctx.backend.bind, ctx.params
         for p, view in zip(bucket.params, hit[1]):
-            bind(params[p], view)
+            param = params[p]
+            if type(param) is IdleParameter:  # idle_params.show, inline: this runs for every bucket fetched
+                param.__class__ = nn.Parameter  # type: ignore[assignment]
+            bind(param, view)
 
     def unbind(self, b: int) -> None:
         ctx = self.ctx
         for p in self.buckets[b].params:
-            ctx.backend.bind(ctx.params[p], ctx.placeholders[p])
+            bind_placeholder(ctx, p)
 
     def shown(self, b: int) -> Slot | None:
         """The slot bucket ``b``'s parameters point into now: None (their placeholders) unless it landed."""
@@ -218,7 +224,7 @@ class SlotTable:
         b = self.bucket_of[p]
         slot = self.shown(b)
         if slot is None:
-            self.ctx.params[p].data = self.ctx.placeholders[p]
+            bind_placeholder(self.ctx, p)
         else:
             self.bind(b, slot)
 

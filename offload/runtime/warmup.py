@@ -40,6 +40,7 @@ from ..host.state import HostState
 from ..planning.buckets import make_buckets
 from ..planning.budget import mirrored_step
 from ..planning.schedule import budget_error, build_plan, forward_min_budget
+from .idle_params import bind_placeholder, show
 from .phases import Lifecycle, Pass
 from .residency import ParamRef
 
@@ -101,6 +102,7 @@ class TracedWarmup:
         src = self.originals()[p].detach().to(ctx.dtype)
         ctx.backend.wait(ctx.backend.h2d(view, src, [boundary]))
         recorder.exclude_end()
+        show(param)
         ctx.backend.bind(param, view)
         self.views[p] = view
         self.storage[storage.untyped_storage().data_ptr()] = p
@@ -109,7 +111,7 @@ class TracedWarmup:
         view = self.views.pop(p)
         del self.storage[view.untyped_storage().data_ptr()]
         # A placeholder, never the host original: see [Note: one accumulator per parameter].
-        self.ctx.backend.bind(self.ctx.params[p], self.ctx.placeholders[p])
+        bind_placeholder(self.ctx, p)
         self.ctx.memory.add("slots", -view.numel() * self.ctx.itemsize)
 
     def locate(self, key: int, byte: int, t: torch.Tensor) -> ParamRef | None:
@@ -124,6 +126,7 @@ class TracedWarmup:
             self.release(p)
         if self.original is not None:
             for p, param in enumerate(self.ctx.params):
+                show(param)
                 self.ctx.backend.bind(param, self.original[p])
 
     def _estimated_minimum(self, forward: Trace, activations: int, buckets) -> dict[str, int]:
@@ -173,8 +176,8 @@ class TracedWarmup:
         self.slots.adopt(host)
         self.original = None
         ctx.phases.become(Lifecycle.RUNNING)
-        for p, param in enumerate(ctx.params):
-            ctx.backend.bind(param, ctx.placeholders[p])
+        for p in range(len(ctx.params)):
+            bind_placeholder(ctx, p)
         host.adopt_optimizer_state(ctx.optimizer, list(ctx.params))
         # Saved references from this forward point at per-parameter copies; from now on they resolve
         # through buckets (backward fetches on demand: there is no plan until this step is recorded).

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import DistributedError
+from .idle_params import show
 
 if TYPE_CHECKING:
     from .context import RuntimeContext
@@ -28,6 +29,17 @@ class Weights:
         if self.ctx.phases.tracing:
             return self.warmup.originals()[p].detach().to(torch.float32, copy=True)
         return self.slots.hosted().read_param(p).view(self.ctx.params[p].shape)
+
+    def shown_value(self, p: int) -> torch.Tensor:
+        """Parameter ``p``'s value as its bucket shows it on the device: its host copy in the compute dtype (a
+        view of the host arena: the caller copies it, after ``Runtime.wait_for_updates``). Under data parallel,
+        this rank's own whole copy (offload/host/shard.py): no collective."""
+        ctx = self.ctx
+        if ctx.phases.tracing:
+            return self.warmup.originals()[p].detach().to(ctx.dtype)
+        host = self.slots.hosted()
+        b, off = host.bucket_of[p], host.offset[p]
+        return host.source(b)[off: off + host.specs[p].numel].view(ctx.params[p].shape)
 
     def write(self, p: int, value: torch.Tensor) -> None:
         with torch.no_grad():
@@ -68,7 +80,9 @@ class Weights:
         ctx = self.ctx
         if self.slots.host is not None:
             for p, param in enumerate(ctx.params):
+                show(param)
                 ctx.backend.bind(param, self._restored(p))
         elif self.warmup.original is not None:
             for param, value in zip(ctx.params, self.warmup.original):
+                show(param)
                 ctx.backend.bind(param, value)

@@ -15,6 +15,7 @@ from torch import nn
 import offload
 import offload.api
 from offload.backend import CUDABackend
+from offload.runtime.idle_params import IdleParameter
 from tests.support.fake_cuda import FakeCuda
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
@@ -179,10 +180,11 @@ def test_hostile_data_assignment(how):
     p = pair.model[0].weight
     if how == "no-grad-copy":
         # Right after step() the resident buckets' new weights are still being copied in: the parameters show
-        # their placeholders ([Note: parameters show landed slots] in slots.py). A forward lands them.
-        assert torch.isnan(p).all()
+        # their placeholders ([Note: parameters show landed slots] in slots.py), idle: reads give the real
+        # weights, writes raise at once ([Note: parameters between forwards]). A forward lands them.
+        assert type(p) is IdleParameter and torch.equal(p.detach(), pair.model.state_dict()["0.weight"])
         pair.engine(torch.randn(2, 32))
-        assert not torch.isnan(p).any()  # on the device (a placeholder would refuse the write itself)
+        assert type(p) is torch.nn.Parameter  # on the device (an idle parameter would refuse the write itself)
         with torch.no_grad():
             p.add_(1.0)
         expect = "written in place"
