@@ -130,5 +130,6 @@ def weak_hook(owner: T, method: Callable[[T, Any], object]) -> Callable[[Any], N
     def hook(arg: Any) -> None:
         obj = ref()
         if obj is not None:
-            method(obj, arg)
+            with torch._C.DisableTorchFunctionSubclass():  # idle parameters read as plain ones ([Note: ...
+                method(obj, arg)  # parameters between forwards] in idle_params.py): the engine's own code
     return hook

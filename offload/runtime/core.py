@@ -390,6 +390,7 @@ class Runtime:
             executor.leave()
         Variable._execution_engine.queue_callback(self._end_backward)
 
+    @idle_params.engine_code
     def _end_backward(self) -> None:
         """Queued on the autograd engine: runs once the whole backward has finished, on the stream current
         where backward was called; the runtime's kernels in it go on the engine's compute stream all the same.
@@ -458,6 +459,7 @@ class Runtime:
 
     # -- the optimizer side ---------------------------------------------------------------------------------
 
+    @idle_params.engine_code
     def step(self) -> None:
         ctx, executor = self.ctx, self.executor
         with ctx.backend.compute():  # called outside the user's `with torch.cuda.stream(s)`, perhaps
@@ -474,6 +476,7 @@ class Runtime:
                 executor.after_step(updated, self.recompute)
             ctx.lane_log.step_done(executor.recorder, ctx.memory)
 
+    @idle_params.engine_code
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         self.grads.check_can_clip()
@@ -481,6 +484,7 @@ class Runtime:
         self.grads.exposure.to_engine_form()  # issue 19: user edits of p.grad in, norms fresh
         return self.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
+    @idle_params.engine_code
     def zero_grad(self, set_to_none: bool = True) -> None:
         faults.check_backward_finished(self, "zero_grad()")
         self.grads.zero_grad(set_to_none)

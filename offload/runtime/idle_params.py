@@ -45,8 +45,9 @@ outside a forward as before (README).
 
 from __future__ import annotations
 
+import functools
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
 import torch
 from torch import nn
@@ -58,6 +59,8 @@ from .phases import Lifecycle, Pass
 if TYPE_CHECKING:
     from .context import RuntimeContext
     from .core import Runtime
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # id(parameter) -> (its runtime, its index), for every parameter that may become idle; filled at wrap and
 # emptied at close. Keyed by id: a tensor's == is elementwise, so it cannot key a weak dictionary.
@@ -161,6 +164,16 @@ def bind_placeholder(ctx: RuntimeContext, p: int) -> None:
     ctx.backend.bind(param, ctx.placeholders[p])
     if id(param) in _OWNERS:
         param.__class__ = IdleParameter
+
+
+def engine_code(method: F) -> F:
+    """Decorates an entry point of the engine's own code (``step()``, the end of backward): idle parameters
+    read as plain ones there (their metadata at C speed, ~2 us less per access, and never a copy)."""
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return method(*args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 def show(param: torch.Tensor) -> None:

@@ -192,7 +192,8 @@ class SlotTable:
         if hit is None or hit[0] is not slot:
             typed = slot.storage.view(ctx.dtype)
             base = slot.offset // ctx.itemsize
-            views = [typed[base + off: base + off + ctx.params[p].numel()].view(ctx.params[p].shape)
+            specs, shapes = ctx.specs, self.hosted().shapes  # not the parameters' own: they may be idle
+            views = [typed[base + off: base + off + specs[p].numel].view(shapes[p])
                      for p, off in zip(bucket.params, bucket.offsets)]
             hit = self._param_views[b] = (slot, views)
         bind, params = ctx.backend.bind, ctx.params

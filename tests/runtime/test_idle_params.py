@@ -293,3 +293,23 @@ def test_overlapped_updates_refuse_reads_between_backward_and_step():
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), sd[name]), name
     engine.close()
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_training_steps_never_enter_the_handler(budget, monkeypatch):
+    """The engine's own code reads idle parameters as plain ones (``engine_code``, the weak hooks, slot views
+    built from the specs): a training step with streamed buckets calls the ``__torch_function__`` handler
+    not once (each call would cost microseconds on the hot path). In forward the use detector, a mode, sees
+    an idle parameter's op first and lands its bucket, so the op runs on a plain parameter."""
+    model = _net()
+    engine, opt = _wrap(model, BUDGETS[budget], overlap_optimizer=False)
+    for step in range(2):
+        _step(model, opt, step)
+    calls = []
+    real = idle_params._handle
+    monkeypatch.setattr(idle_params, "_handle", lambda func, args, kwargs: calls.append(func) or real(func, args, kwargs))
+    for step in range(2, 5):
+        _step(model, opt, step)
+    assert calls == []
+    assert _idle(model) or budget == "resident"
+    engine.close()
