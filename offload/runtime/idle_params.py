@@ -9,10 +9,12 @@ such a read on a plain tensor (no hook fires, and a placeholder that refuses to 
 see the README's table), so the *parameter's class* changes instead, as FSDP2's parameters become DTensors:
 while its bucket is not shown on the device, a wrapped ``nn.Parameter`` is an :class:`IdleParameter`, an
 ``nn.Parameter`` subclass whose ``__torch_function__`` sees every torch call on it. The slot table swaps the
-class whenever it binds a parameter to a slot or to its placeholder (``show`` / ``bind_placeholder``, ~0.1 us each), so a
-landed parameter is a plain ``nn.Parameter`` again and a forward pays nothing for any of this.
+class whenever it binds a parameter to a slot or to its placeholder (``show`` / ``bind_placeholder``, ~0.1 us
+each), so a landed parameter is a plain ``nn.Parameter`` again and a forward pays nothing for any of this.
+The engine's own code reads idle parameters as plain ones (``engine_code``, ``context.weak_hook``): a training
+step calls the handler not once (tested).
 
-While no forward or backward of its engine runs, a call on an idle parameter is handled so:
+While no forward of its engine runs, a call on an idle parameter is handled so:
 
 * its metadata and autograd attributes (``shape``, ``dtype``, ``device``, ``grad``, ``requires_grad``,
   ``is_leaf``, ``numel()``, ``data_ptr()``, hooks, setters such as ``p.grad = None``) are the parameter's own;
@@ -34,9 +36,14 @@ While no forward or backward of its engine runs, a call on an idle parameter is 
 * a conversion that plain PyTorch answers with the parameter itself (``p.to(p.device)``, ``p.float()`` of an
   fp32 parameter, ``model.to(device)`` after wrapping) returns the parameter itself; one that converts
   (``p.cpu()`` from a GPU, ``p.to(torch.float64)``) converts the copy;
-* under data parallel (``process_group=``) each rank reads its own device-dtype copy: no collective runs.
+* under data parallel (``process_group=``) each rank reads its own device-dtype copy: no collective runs;
+* with ``overlap_optimizer=True``, from the start of a backward to ``step()``, a read raises: the updates run
+  during backward, while landed buckets still show the old weights.
 
-Inside a forward, a backward or a recompute the call passes through untouched, as for a plain parameter.
+This holds inside a backward too (a user's ``autograd.Function`` whose backward reads ``module.weight`` rather
+than a saved tensor: before, NaN gradients). Inside
+a forward or a recompute the call passes through untouched: the use detector, a mode, sees the op first and
+lands the bucket, so only the engine's own code could meet an idle parameter there.
 ``module.state_dict()`` also passes (``saving`` is counted by its pre/post hooks): its post-hook replaces the
 placeholders' detached values by the fp32 masters (plain_grads.py) without a device copy of every weight.
 A parameter whose class is not exactly ``nn.Parameter`` (a user's subclass) keeps it, and reads its placeholder
@@ -99,6 +106,9 @@ _NOT_RECORDED = frozenset({
     "all", "any", "signbit", "logical_not", "logical_and", "logical_or", "logical_xor", "data",
 })
 # Conversions that return the tensor itself when they would not change it.
+# Passes in which an idle parameter's reads are handled. In a forward (and a recompute) the use detector lands
+# every bucket an op reads before the op runs; a read that still meets an idle parameter is the engine's own.
+_READABLE = frozenset({Pass.IDLE, Pass.BACKWARD})
 _CONVERSIONS = frozenset({"to", "cuda", "cpu", "float", "double", "half", "bfloat16"})
 _DTYPE_OF = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -202,7 +212,7 @@ def _idle(args: Any, kwargs: dict) -> list[tuple[torch.Tensor, Runtime, int]]:
             if owner is None:
                 continue
             rt = owner[0]()
-            if rt is None or rt.saving or rt.ctx.phases.current is not Pass.IDLE:
+            if rt is None or rt.saving or rt.ctx.phases.current not in _READABLE:
                 continue
             if rt.ctx.phases.lifecycle is Lifecycle.CLOSED:
                 continue
@@ -240,9 +250,9 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
         if not rt.grads.deferred and rt.grads.backward_seen:
             raise OffloadError(
                 f"{_called(func, kind, name)} reads parameter {rt.guard.names[p]} of a model wrapped by offload "
-                f"between backward() and step() with overlap_optimizer=True: each bucket's update already ran "
-                f"during backward, while the buckets kept on the device still show the weights before it, so "
-                f"the model would read half old, half new. Read the weights after optimizer.step(), or wrap "
+                f"between backward() and step() with overlap_optimizer=True: each bucket's update runs as soon "
+                f"as its grads are in, during backward, while the buckets kept on the device still show the "
+                f"weights before it, so the model would read half old, half new. Read the weights after optimizer.step(), or wrap "
                 f"with overlap_optimizer=False (updates at step(), as in plain PyTorch)")
     copies = {}
     with torch.no_grad():

@@ -313,3 +313,57 @@ def test_training_steps_never_enter_the_handler(budget, monkeypatch):
     assert calls == []
     assert _idle(model) or budget == "resident"
     engine.close()
+
+
+class _ScaleByWeightSum(torch.autograd.Function):
+    """A user's Function whose backward reads a module's weight directly (not saved for backward)."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.module = module
+        return x * module.weight.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.module.weight.sum(), None
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((WIDTH,), 0.03))
+
+    def forward(self, x):
+        return _ScaleByWeightSum.apply(x, self) + self.weight  # the weight also gets a grad of its own
+
+
+def _scaled_net() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), _Scaled(), nn.Tanh(),
+                             *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(5)],
+                             nn.Linear(WIDTH, 1))
+
+
+def test_a_backward_that_reads_a_weight_directly_reads_its_real_value():
+    """A custom ``autograd.Function`` whose backward reads ``module.weight`` (not a saved tensor) meets an idle
+    parameter when the bucket is streamed: it reads the weights (as plain torch), so training is plain torch's
+    bit for bit. Before, it read the placeholder: NaN gradients."""
+    ref, model = _scaled_net(), _scaled_net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    engine, opt = _wrap(model, 0.6, overlap_optimizer=False)
+    seen = []
+    real_backward = _ScaleByWeightSum.backward
+
+    def backward(ctx, grad):
+        seen.append(type(ctx.module.weight))
+        return real_backward(ctx, grad)
+    _ScaleByWeightSum.backward = staticmethod(backward)
+    try:
+        for step in range(4):
+            assert _step(model, opt, step) == _step(ref, ref_opt, step)
+    finally:
+        _ScaleByWeightSum.backward = staticmethod(real_backward)
+    assert IdleParameter in seen  # the case this test is about happened
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "after a backward that reads a weight")
+    engine.close()
