@@ -24,9 +24,15 @@ While no forward of its engine runs, a call on an idle parameter is handled so:
   the parameter shows once its bucket lands, after the pending updates (``Runtime.wait_for_updates``), on the
   parameter's device. Each call makes its own copy, freed with the result (device memory outside the budget
   meanwhile: holding ``p.detach()`` of every parameter holds a device copy of the model, as plain PyTorch
-  would). The copy is read-only (torch's throw-on-mutable-data-ptr flag): a write through an alias of it
-  (``p.data.clamp_()``, ``p.detach().zero_()``) raises torch's "Cannot access data pointer" error rather than
-  writing a copy nobody reads;
+  would). Where plain PyTorch would alias the parameter (``p.data``, ``p.detach()``, ``p[0]``, ``p.view()``) the
+  result aliases that copy, so a write through it (``p.data.clamp_()``, WGAN-style clipping,
+  ``p.detach().zero_()``) would change a copy nobody reads: such a result is a :class:`ParamCopy`, a tensor
+  subclass that raises an :class:`OffloadError` naming the parameter on an in-place write, and hands the same
+  class to its own views; any other result is a plain tensor. (Tried first: torch's flag that makes a tensor
+  refuse writes, ``torch._C._set_throw_on_mutable_data_ptr``: it also refuses ``numpy()``, ``torch.save`` and
+  every other reader of the data pointer, with a message about ``torch.compile``. Then a check of the copies'
+  version counters at the next forward: the copy a write like ``p.data.clamp_()`` goes to is freed at once,
+  so nothing is left to check.) A write through ``numpy()`` of such a result is not seen;
 * a write to the parameter itself (an in-place method such as ``p.mul_()`` or ``p.copy_(x)``, ``torch.nn.init``,
   ``p[i] = x``, ``out=p``) raises, naming ``engine.load_state_dict``: the weights live in the engine's fp32 masters;
 * with grad mode on, a call autograd would record for a parameter that requires grad (``loss + (p ** 2).sum()``
@@ -204,7 +210,8 @@ def _name(func: Any) -> tuple[str | None, str]:
 
 
 def _idle(args: Any, kwargs: dict) -> list[tuple[torch.Tensor, Runtime, int]]:
-    """The idle parameters among the arguments whose engine runs no forward or backward now."""
+    """The idle parameters among the arguments whose engine is between forwards or in a backward (``_READABLE``)
+    and not saving a state dict."""
     found: list[tuple[torch.Tensor, Runtime, int]] = []
     for a in pytree.tree_leaves((args, kwargs)):
         if type(a) is IdleParameter:
@@ -230,6 +237,7 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
     if name in _CONVERSIONS and args and type(args[0]) is IdleParameter and _unchanged(name, args, kwargs):
         return args[0]
     written = _written(name, args, kwargs)
+    _refuse_copy_writes(func, kind, name, args, kwargs, written)  # ParamCopy's own check does not run here
     for param, rt, p in idle:
         if id(param) in written:
             raise OffloadError(
@@ -252,8 +260,8 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
                 f"{_called(func, kind, name)} reads parameter {rt.guard.names[p]} of a model wrapped by offload "
                 f"between backward() and step() with overlap_optimizer=True: each bucket's update runs as soon "
                 f"as its grads are in, during backward, while the buckets kept on the device still show the "
-                f"weights before it, so the model would read half old, half new. Read the weights after optimizer.step(), or wrap "
-                f"with overlap_optimizer=False (updates at step(), as in plain PyTorch)")
+                f"weights before it, so the model would read half old, half new. Read the weights after "
+                f"optimizer.step(), or wrap with overlap_optimizer=False (updates at step(), as in plain PyTorch)")
     copies = {}
     with torch.no_grad():
         for param, rt, p in idle:
@@ -263,7 +271,66 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
         for value in copies.values():
             value.requires_grad_(True)
     args, kwargs = pytree.tree_map_only(IdleParameter, lambda a: copies.get(id(a), a), (args, kwargs))
-    return func(*args, **kwargs)
+    out = func(*args, **kwargs)
+    return _mark_aliases(out, {copies[id(param)].untyped_storage()._cdata: rt.guard.names[p]
+                               for param, rt, p in idle})
+
+
+def _refuse_copy_writes(func: Any, kind: str | None, name: str, args: Any, kwargs: dict, written: set[int]) -> None:
+    for a in pytree.tree_leaves((args, kwargs)):
+        if type(a) is ParamCopy and id(a) in written:
+            raise OffloadError(
+                f"{_called(func, kind, name)} writes a copy of parameter {a._offload_param} that a read outside the "
+                f"forward gave (p.data, p.detach() or a view of them): in plain PyTorch that writes the parameter, "
+                f"but between forwards the weights live in the engine's host memory, so the write would be lost. "
+                f"{_HOW_TO_WRITE}")
+
+
+def _mark_aliases(out: Any, storages: dict[int, str]) -> Any:
+    """``out`` with every tensor that aliases one of ``storages`` (a copy's) as a :class:`ParamCopy`."""
+    def mark(t: torch.Tensor) -> torch.Tensor:
+        if t.layout is not torch.strided or t.is_meta:
+            return t
+        name = storages.get(t.untyped_storage()._cdata)
+        if name is None:
+            return t
+        alias = t.as_subclass(ParamCopy)
+        alias._offload_param = name
+        return alias
+    return pytree.tree_map_only(torch.Tensor, mark, out)
+
+
+class ParamCopy(torch.Tensor):
+    """What a read of an idle parameter gives where plain PyTorch would alias the parameter (``p.data``,
+    ``p.detach()``, views): its values (a copy of the weights), refusing in-place writes, which in plain
+    PyTorch would write the parameter ([Note: parameters between forwards]). Everything else is a plain
+    tensor's; its views are ``ParamCopy`` again, other results plain tensors."""
+
+    _offload_param: str
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if IdleParameter in types:  # its handler first: it reads the parameter and checks writes to copies too
+            return NotImplemented
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            kind, name = _name(func)
+            if kind is None and name not in _METADATA:
+                _refuse_copy_writes(func, kind, name, args, kwargs, _written(name, args, kwargs))
+            out = func(*args, **kwargs)
+            if kind == "set" or kind == "delete":
+                return out
+            storages = {a.untyped_storage()._cdata: a._offload_param
+                        for a in pytree.tree_leaves((args, kwargs)) if type(a) is ParamCopy}
+            return _mark_aliases(out, storages)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        with torch._C.DisableTorchFunctionSubclass():
+            return repr(self.as_subclass(torch.Tensor))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # saved (torch.save, pickle) as the plain tensor it is
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
 
 def _called(func: Any, kind: str | None, name: str) -> str:
@@ -319,9 +386,8 @@ def _same_device(want: torch.device, have: torch.device) -> bool:
 
 
 def _copy_of(rt: Runtime, p: int, param: torch.Tensor) -> torch.Tensor:
-    """A read-only copy of parameter ``p``'s current value as its bucket shows it on the device."""
-    rt.wait_for_updates()
-    with rt.ctx.backend.compute():
-        value = rt.weights.shown_value(p).to(device=param.device, dtype=param.dtype, copy=True)
-    torch._C._set_throw_on_mutable_data_ptr(value)
-    return value
+    """A copy of parameter ``p``'s current value as its bucket shows it on the device."""
+    rt.wait_for_updates()  # the host copy is final: nothing on a device stream writes it any more
+    # On the caller's current stream, not the engine's: the caller frees the copy, and the caching allocator
+    # would hand a block allocated on another stream back to that stream while the caller's reads may still run.
+    return rt.weights.shown_value(p).to(device=param.device, dtype=param.dtype, copy=True)

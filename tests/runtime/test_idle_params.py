@@ -19,7 +19,7 @@ from offload.runtime import idle_params
 from offload.runtime.idle_params import IdleParameter
 from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise
-from tests.support.fake_cuda import with_chaos
+from tests.support.fake_cuda import simulated_gpu, with_chaos  # noqa: F401 (a fixture)
 
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 WIDTH = 32
@@ -160,8 +160,7 @@ def test_bf16_reads_are_what_the_landed_bucket_shows():
 
 def test_writes_to_an_idle_parameter_raise_and_change_nothing():
     """Every way to write a parameter between forwards raises ``OffloadError`` naming
-    ``engine.load_state_dict`` (a write through an alias, torch's "Cannot access data pointer"), and the
-    weights and training that follow are plain torch's, bit for bit."""
+    ``engine.load_state_dict`` and changes nothing; training goes on as plain torch's, bit for bit."""
     ref, model = _net(), _net()
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
     engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
@@ -180,13 +179,60 @@ def test_writes_to_an_idle_parameter_raise_and_change_nothing():
     for what, write in writes.items():
         with torch.no_grad(), pytest.raises(offload.OffloadError, match=rf"writes parameter {name}.*load_state_dict"):
             write()
-    for what, write in {"p.data.clamp_": lambda: p.data.clamp_(-0.01, 0.01),
-                        "p.detach().zero_": lambda: p.detach().zero_()}.items():
-        with torch.no_grad(), pytest.raises(RuntimeError, match="Cannot access data pointer"):
-            write()
     for step in range(1, 3):
         assert _step(model, opt, step) == _step(ref, ref_opt, step)
     assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "after refused writes")
+    engine.close()
+
+
+@pytest.mark.parametrize("alias", ["data.clamp_", "detach.zero_", "data.view.fill_", "getitem.mul_", "detach.copy_",
+                                   "data.setitem", "cpu.add_", "foreach"])
+def test_a_write_through_an_alias_raises_and_changes_nothing(alias):
+    """``p.data.clamp_(-c, c)`` (WGAN-style clipping) writes the parameter in plain PyTorch; here ``p.data`` is a
+    copy of an idle parameter's weights (a ``ParamCopy``, as are its views), so the write raises
+    ``OffloadError`` naming the parameter at once. The engine goes on, the weights unchanged; a copy of the copy,
+    and any other result, is the caller's own."""
+    ref, model = _net(), _net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
+    assert _step(model, opt, 0) == _step(ref, ref_opt, 0)
+    name = _idle(model)[0]
+    p = dict(model.named_parameters())[name]
+    write = {"data.clamp_": lambda: p.data.clamp_(-0.01, 0.01), "detach.zero_": lambda: p.detach().zero_(),
+             "data.view.fill_": lambda: p.data.view(-1)[:3].fill_(1.0), "getitem.mul_": lambda: p[0].mul_(2),
+             "detach.copy_": lambda: p.detach().copy_(torch.zeros(p.shape)),
+             "data.setitem": lambda: p.data.__setitem__(0, 1.0), "cpu.add_": lambda: p.cpu().add_(1),
+             "foreach": lambda: torch._foreach_add_([p.data], 1.0)}[alias]
+    with torch.no_grad(), pytest.raises(offload.OffloadError, match=rf"(copy of )?parameter {name}.*load_state_dict"):
+        write()
+    with torch.no_grad():
+        mine = [p.detach().clone().mul_(2), p.data * 2, p.detach().sum()]  # the caller's own
+        mine[0].add_(1)
+        mine[1].add_(1)
+    assert all(type(t) is torch.Tensor for t in mine) and type(p.data) is idle_params.ParamCopy
+    for step in range(1, 3):
+        assert _step(model, opt, step) == _step(ref, ref_opt, step)
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), f"after a write through {alias}")
+    engine.close()
+
+
+def test_reads_give_ordinary_tensors_numpy_and_torch_save_work():
+    """What a read gives behaves as an ordinary tensor: ``p.detach().numpy()``, ``torch.save(p.detach())`` (loads
+    as a plain tensor) and ``print`` work (a read-only copy, tried first, refused the first two)."""
+    model = _net()
+    engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
+    _step(model, opt, 0)
+    name = _idle(model)[0]
+    p = dict(model.named_parameters())[name]
+    want = model.state_dict()[name]
+    assert (p.detach().numpy() == want.numpy()).all()
+    buf = io.BytesIO()
+    torch.save({name: p.detach()}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)[name]
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, want)
+    assert repr(p.detach()) == repr(want)
+    _step(model, opt, 1)
     engine.close()
 
 
@@ -366,4 +412,50 @@ def test_a_backward_that_reads_a_weight_directly_reads_its_real_value():
         _ScaleByWeightSum.backward = staticmethod(real_backward)
     assert IdleParameter in seen  # the case this test is about happened
     assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "after a backward that reads a weight")
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_simulated_gpu_reads_and_ema_like_the_cpu_backend(simulated_gpu, dtype):
+    """Through the CUDA backend's ordering rules (a host buffer a copy or an update is still using reads NaN
+    there until its event): reads right after ``step()`` and an EMA of the weights give the CPU backend's
+    numbers exactly, and no read meets NaN."""
+    def train():
+        model = _net()
+        engine, opt = _wrap(model, BUDGETS["streamed"], dtype=dtype, overlap_optimizer=False)
+        ema = {n: torch.zeros(p.shape, dtype=dtype) for n, p in model.named_parameters()}
+        norms = []
+        for step in range(3):
+            _step(model, opt, step)
+            with torch.no_grad():
+                norms.append([p.norm().item() for p in model.parameters()])
+                for n, p in model.named_parameters():
+                    ema[n].lerp_(p.detach(), 0.5)
+        idle = _idle(model)
+        engine.close()
+        return norms, ema, idle
+
+    want = train()
+    made = simulated_gpu()
+    got = train()
+    assert made and made[0]._api.copies > 0 and got[2]
+    assert got[0] == want[0] and not any(x != x for row in got[0] for x in row)
+    assert_bitwise(got[1], want[1], "EMA on the simulated GPU")
+
+
+def test_ops_mixing_an_idle_parameter_and_a_copy_read_both_and_refuse_writes():
+    """An op with both an idle parameter and a ``ParamCopy`` among its arguments: whichever class torch asks
+    first, the parameter is read (never its placeholder) and a write to the copy raises."""
+    model = _net()
+    engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
+    _step(model, opt, 0)
+    names = _idle(model)
+    params = dict(model.named_parameters())
+    p, q = params[names[0]], params[names[2]]
+    sd = model.state_dict()
+    with torch.no_grad():
+        for a, b in ((p.detach(), p), (p, p.detach())):  # the copy first, then the parameter first
+            assert torch.equal(torch.sub(a, b), torch.zeros_like(sd[names[0]]))
+        with pytest.raises(offload.OffloadError, match=rf"copy of parameter {names[2]}"):
+            q.detach().copy_(p)
     engine.close()
