@@ -52,8 +52,8 @@ a forward or a recompute the call passes through untouched: the use detector, a 
 lands the bucket, so only the engine's own code could meet an idle parameter there.
 ``module.state_dict()`` also passes (``saving`` is counted by its pre/post hooks): its post-hook replaces the
 placeholders' detached values by the fp32 masters (plain_grads.py) without a device copy of every weight.
-A parameter whose class is not exactly ``nn.Parameter`` (a user's subclass) keeps it, and reads its placeholder
-outside a forward as before (README).
+A parameter of a user's ``nn.Parameter`` subclass ``C`` becomes an ``IdleC`` (``idle_class``); one whose class
+defines its own ``__torch_function__`` keeps its class, and reads its placeholder outside a forward (README).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # id(parameter) -> (its runtime, its index), for every parameter that may become idle; filled at wrap and
 # emptied at close. Keyed by id: a tensor's == is elementwise, so it cannot key a weak dictionary.
-_OWNERS: dict[int, tuple[weakref.ref[Runtime], int]] = {}
+_OWNERS: dict[int, tuple[weakref.ref[Runtime], int, type]] = {}  # ... and its idle class
 
 _HOW_TO_WRITE = ("To change the weights of a wrapped model use engine.load_state_dict({\"model\": ..., "
                  "\"optimizer\": ...}) or engine.load(path); to change the model itself, engine.close() it, change "
@@ -122,7 +122,8 @@ _DTYPE_OF = {"float": torch.float32, "double": torch.float64, "half": torch.floa
 class IdleParameter(nn.Parameter):
     """A wrapped model's ``nn.Parameter`` while its bucket is not on the device (see the module docstring,
     [Note: parameters between forwards]). ``isinstance(p, nn.Parameter)`` holds; ``type(p)`` is this class
-    until the bucket lands."""
+    until the bucket lands. A parameter of a user's subclass ``C`` of ``nn.Parameter`` becomes an ``IdleC``,
+    a subclass of both (so ``isinstance(p, C)`` holds too; see :func:`idle_class`)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -139,22 +140,39 @@ class IdleParameter(nn.Parameter):
                            "model.state_dict() (the fp32 weights) or use engine.save(path)")
 
     def __deepcopy__(self, memo: dict) -> Any:
-        """A plain ``nn.Parameter`` holding the current value (its own memory, writable)."""
+        """A parameter of the class it had when wrapped, holding the current value (its own memory)."""
         with torch.no_grad():
             value = self.detach().clone()  # the read above: a copy of the current weights
-        result = nn.Parameter(value, self.requires_grad)
+        result = PLAIN_OF[type(self)](value, self.requires_grad)
         memo[id(self)] = result
         return result
 
 
+# idle class -> the class it stands for (public: the slot table inlines show()), and back
+PLAIN_OF: dict[type, type] = {IdleParameter: nn.Parameter}
+_IDLE: dict[type, type] = {nn.Parameter: IdleParameter}
+
+
+def idle_class(cls: type) -> type | None:
+    """The idle class of parameters of class ``cls``: ``IdleParameter`` for ``nn.Parameter``, a subclass of
+    ``IdleParameter`` and ``cls`` for a user's subclass of it; None where ``cls`` has its own
+    ``__torch_function__`` (ours would hide it: such a parameter keeps its class and reads its placeholder)."""
+    idle = _IDLE.get(cls)
+    if idle is None and issubclass(cls, nn.Parameter) and cls.__torch_function__ is nn.Parameter.__torch_function__:
+        idle = type(f"Idle{cls.__name__}", (IdleParameter, cls), {"__module__": __name__})
+        _IDLE[cls], PLAIN_OF[idle] = idle, cls
+    return idle
+
+
 def adopt(rt: Runtime, params: Iterable[nn.Parameter]) -> None:
-    """``params`` (the runtime's) may become idle from now on: those whose class is exactly ``nn.Parameter``.
+    """``params`` (the runtime's) may become idle from now on: those that have an :func:`idle_class`.
     Forgotten at close, or when the runtime is garbage collected without it."""
     ref = weakref.ref(rt)
     ids = []
     for p, param in enumerate(params):
-        if type(param) is nn.Parameter:
-            _OWNERS[id(param)] = (ref, p)
+        idle = idle_class(type(param))
+        if idle is not None:
+            _OWNERS[id(param)] = (ref, p, idle)
             ids.append(id(param))
     weakref.finalize(rt, _forget, ref, ids)
 
@@ -166,20 +184,20 @@ def _forget(ref: weakref.ref[Runtime], ids: list[int]) -> None:
 
 
 def disown(params: Iterable[nn.Parameter]) -> None:
-    """The engine closed: every parameter is a plain ``nn.Parameter`` again."""
+    """The engine closed: every parameter has its own class again."""
     for param in params:
         show(param)
         _OWNERS.pop(id(param), None)
 
 
 def bind_placeholder(ctx: RuntimeContext, p: int) -> None:
-    """Point parameter ``p`` at its placeholder: it is idle from now on (if its class is ``nn.Parameter``)."""
+    """Point parameter ``p`` at its placeholder: it is idle from now on (if it has an idle class)."""
     param = ctx.params[p]
-    if type(param) is IdleParameter:  # bound already: the backend's bind reads it as a plain parameter
-        param.__class__ = nn.Parameter  # type: ignore[assignment]
+    show(param)  # bound already: the backend's bind reads it as a plain parameter
     ctx.backend.bind(param, ctx.placeholders[p])
-    if id(param) in _OWNERS:
-        param.__class__ = IdleParameter
+    owner = _OWNERS.get(id(param))
+    if owner is not None:
+        param.__class__ = owner[2]
 
 
 def engine_code(method: F) -> F:
@@ -194,8 +212,9 @@ def engine_code(method: F) -> F:
 
 def show(param: torch.Tensor) -> None:
     """``param`` is about to point at real values (call before binding it)."""
-    if type(param) is IdleParameter:
-        param.__class__ = nn.Parameter  # type: ignore[assignment]
+    plain = PLAIN_OF.get(type(param))
+    if plain is not None:
+        param.__class__ = plain
 
 
 # -- the handler ----------------------------------------------------------------------------------------------
@@ -214,7 +233,7 @@ def _idle(args: Any, kwargs: dict) -> list[tuple[torch.Tensor, Runtime, int]]:
     and not saving a state dict."""
     found: list[tuple[torch.Tensor, Runtime, int]] = []
     for a in pytree.tree_leaves((args, kwargs)):
-        if type(a) is IdleParameter:
+        if isinstance(a, IdleParameter):
             owner = _OWNERS.get(id(a))
             if owner is None:
                 continue
@@ -234,7 +253,7 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
     idle = _idle(args, kwargs)
     if not idle:
         return func(*args, **kwargs)
-    if name in _CONVERSIONS and args and type(args[0]) is IdleParameter and _unchanged(name, args, kwargs):
+    if name in _CONVERSIONS and args and isinstance(args[0], IdleParameter) and _unchanged(name, args, kwargs):
         return args[0]
     written = _written(name, args, kwargs)
     _refuse_copy_writes(func, kind, name, args, kwargs, written)  # ParamCopy's own check does not run here
@@ -310,8 +329,8 @@ class ParamCopy(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if IdleParameter in types:  # its handler first: it reads the parameter and checks writes to copies too
-            return NotImplemented
+        if any(issubclass(t, IdleParameter) for t in types):  # its handler first: it reads the parameter and
+            return NotImplemented  # checks writes to copies too
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
             kind, name = _name(func)

@@ -29,11 +29,10 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import torch
-from torch import nn
 
 from ..backend.base import DONE, Event
 from ..errors import InvariantError
-from .idle_params import IdleParameter, bind_placeholder
+from .idle_params import PLAIN_OF, bind_placeholder
 from .residency import Freeing, ParamRef, Residency, Slot, check_move
 
 if TYPE_CHECKING:
@@ -199,8 +198,9 @@ class SlotTable:
         bind, params = ctx.backend.bind, ctx.params
         for p, view in zip(bucket.params, hit[1]):
             param = params[p]
-            if type(param) is IdleParameter:  # idle_params.show, inline: this runs for every bucket fetched
-                param.__class__ = nn.Parameter  # type: ignore[assignment]
+            plain = PLAIN_OF.get(type(param))  # idle_params.show, inline: this runs for every bucket fetched
+            if plain is not None:
+                param.__class__ = plain
             bind(param, view)
 
     def unbind(self, b: int) -> None:

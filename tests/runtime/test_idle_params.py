@@ -459,3 +459,51 @@ def test_ops_mixing_an_idle_parameter_and_a_copy_read_both_and_refuse_writes():
         with pytest.raises(offload.OffloadError, match=rf"copy of parameter {names[2]}"):
             q.detach().copy_(p)
     engine.close()
+
+
+class TaggedParameter(nn.Parameter):
+    """A user's own parameter class (as libraries tag parameters for their optimizers)."""
+
+
+class DispatchingParameter(nn.Parameter):
+    """A user's parameter class with its own ``__torch_function__``: the engine leaves its class alone."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def test_a_users_parameter_subclass_is_idle_too_and_keeps_its_class():
+    """A parameter of a user's ``nn.Parameter`` subclass becomes an ``IdleTaggedParameter`` (``isinstance``
+    of both) while streamed: it reads its real weights, and gets its own class back when its bucket lands and
+    at close; training is plain torch's bit for bit. One with its own ``__torch_function__`` keeps its class
+    (it reads its placeholder outside a forward, as the README says)."""
+    def tagged(model, cls):
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight = cls(m.weight.detach().clone())
+        return model
+    ref, model = _net(), tagged(_net(), TaggedParameter)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
+    assert _step(model, opt, 0) == _step(ref, ref_opt, 0)
+    sd = model.state_dict()
+    idle = [(n, p) for n, p in model.named_parameters() if n.endswith("weight") and isinstance(p, IdleParameter)]
+    assert idle
+    for name, p in idle:
+        assert isinstance(p, TaggedParameter) and type(p).__name__ == "IdleTaggedParameter"
+        assert torch.equal(p.detach(), sd[name])
+        q = copy.deepcopy(p)
+        assert type(q) is TaggedParameter and torch.equal(q.detach(), sd[name])
+    for step in range(1, 3):
+        assert _step(model, opt, step) == _step(ref, ref_opt, step)
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "user parameter subclass")
+    engine.close()
+    assert all(type(m.weight) is TaggedParameter for m in model.modules() if isinstance(m, nn.Linear))
+
+    own = tagged(_net(), DispatchingParameter)
+    engine, opt = _wrap(own, BUDGETS["streamed"], overlap_optimizer=False)
+    _step(own, opt, 0)
+    assert all(type(m.weight) is DispatchingParameter for m in own.modules() if isinstance(m, nn.Linear))
+    engine.close()
