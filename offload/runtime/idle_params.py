@@ -47,9 +47,9 @@ While no forward of its engine runs, a call on an idle parameter is handled so:
   during backward, while landed buckets still show the old weights.
 
 This holds inside a backward too (a user's ``autograd.Function`` whose backward reads ``module.weight`` rather
-than a saved tensor: before, NaN gradients). Inside
-a forward or a recompute the call passes through untouched: the use detector, a mode, sees the op first and
-lands the bucket, so only the engine's own code could meet an idle parameter there.
+than a saved tensor: before, NaN gradients). Inside a forward or a recompute the call passes through
+untouched: the use detector, a mode, sees the op first and lands the bucket, so only the engine's own code
+could meet an idle parameter there.
 ``module.state_dict()`` also passes (``saving`` is counted by its pre/post hooks): its post-hook replaces the
 placeholders' detached values by the fp32 masters (plain_grads.py) without a device copy of every weight.
 A parameter of a user's ``nn.Parameter`` subclass ``C`` becomes an ``IdleC`` (``idle_class``); one whose class
@@ -75,9 +75,9 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# id(parameter) -> (its runtime, its index), for every parameter that may become idle; filled at wrap and
-# emptied at close. Keyed by id: a tensor's == is elementwise, so it cannot key a weak dictionary.
-_OWNERS: dict[int, tuple[weakref.ref[Runtime], int, type]] = {}  # ... and its idle class
+# id(parameter) -> (its runtime, its index, its idle class), for every parameter that may become idle; filled at
+# wrap and emptied at close. Keyed by id: a tensor's == is elementwise, so it cannot key a weak dictionary.
+_OWNERS: dict[int, tuple[weakref.ref[Runtime], int, type]] = {}
 
 _HOW_TO_WRITE = ("To change the weights of a wrapped model use engine.load_state_dict({\"model\": ..., "
                  "\"optimizer\": ...}) or engine.load(path); to change the model itself, engine.close() it, change "
@@ -111,10 +111,10 @@ _NOT_RECORDED = frozenset({
     "argmax", "argmin", "argsort", "nonzero", "count_nonzero", "detach", "numpy", "__array__", "__contains__",
     "all", "any", "signbit", "logical_not", "logical_and", "logical_or", "logical_xor", "data",
 })
-# Conversions that return the tensor itself when they would not change it.
 # Passes in which an idle parameter's reads are handled. In a forward (and a recompute) the use detector lands
 # every bucket an op reads before the op runs; a read that still meets an idle parameter is the engine's own.
 _READABLE = frozenset({Pass.IDLE, Pass.BACKWARD})
+# Conversions that return the tensor itself when they would not change it.
 _CONVERSIONS = frozenset({"to", "cuda", "cpu", "float", "double", "half", "bfloat16"})
 _DTYPE_OF = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -267,8 +267,8 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
         for param, rt, p in idle:
             if param.requires_grad:
                 raise OffloadError(
-                    f"{_called(func, kind, name)} on parameter {rt.guard.names[p]} of a model wrapped by offload, outside "
-                    f"its forward, with grad mode on: between forwards its weights live in the engine's host "
+                    f"{_called(func, kind, name)} on parameter {rt.guard.names[p]} of a model wrapped by offload, "
+                    f"outside its forward, with grad mode on: between forwards its weights live in the engine's host "
                     f"memory, so the result could carry no gradient to the parameter (a term such as an L2 "
                     f"penalty added to the loss after the forward would silently do nothing). Compute it inside "
                     f"the model's forward (for weight decay, use the optimizer's weight_decay), or read the "
@@ -308,8 +308,8 @@ def _refuse_copy_writes(func: Any, kind: str | None, name: str, args: Any, kwarg
 def _mark_aliases(out: Any, storages: dict[int, str]) -> Any:
     """``out`` with every tensor that aliases one of ``storages`` (a copy's) as a :class:`ParamCopy`."""
     def mark(t: torch.Tensor) -> torch.Tensor:
-        if t.layout is not torch.strided or t.is_meta:
-            return t
+        if type(t) is ParamCopy or t.layout is not torch.strided or t.is_meta:  # one already (a method that
+            return t  # returns its tensor itself, as requires_grad_(), keeps it)
         name = storages.get(t.untyped_storage()._cdata)
         if name is None:
             return t

@@ -210,6 +210,8 @@ def test_a_write_through_an_alias_raises_and_changes_nothing(alias):
         mine[0].add_(1)
         mine[1].add_(1)
     assert all(type(t) is torch.Tensor for t in mine) and type(p.data) is idle_params.ParamCopy
+    leaf = p.detach()
+    assert leaf.requires_grad_() is leaf  # a method that returns its tensor returns the same object
     for step in range(1, 3):
         assert _step(model, opt, step) == _step(ref, ref_opt, step)
     assert_bitwise(engine.state_dict()["model"], ref.state_dict(), f"after a write through {alias}")
@@ -353,7 +355,8 @@ def test_training_steps_never_enter_the_handler(budget, monkeypatch):
         _step(model, opt, step)
     calls = []
     real = idle_params._handle
-    monkeypatch.setattr(idle_params, "_handle", lambda func, args, kwargs: calls.append(func) or real(func, args, kwargs))
+    monkeypatch.setattr(idle_params, "_handle",
+                        lambda func, args, kwargs: calls.append(func) or real(func, args, kwargs))
     for step in range(2, 5):
         _step(model, opt, step)
     assert calls == []
