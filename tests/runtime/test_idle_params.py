@@ -20,8 +20,9 @@ from offload.runtime.idle_params import IdleParameter
 from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise
 from tests.support.fake_cuda import simulated_gpu, with_chaos  # noqa: F401 (a fixture)
+from tests.support.loops import PLAIN_ADAMW, finish_step, wrap_on_cpu
 
-ADAMW = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+ADAMW = PLAIN_ADAMW
 WIDTH = 32
 BUDGETS = {"streamed": 0.6, "resident": 4.0}
 
@@ -37,24 +38,26 @@ def _x(step: int) -> torch.Tensor:
     return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
 
 
-def _wrap(model, budget_frac, **kw):
-    nbytes = sum(p.numel() * 4 for p in model.parameters())
-    opt = offload.AdamW(model.parameters(), fused=False, **ADAMW)
-    engine = offload.wrap(model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10, device="cpu",
-                          **kw)
-    return engine, opt
+_wrap = wrap_on_cpu
 
 
 def _step(model, opt, step):
-    loss = model(_x(step)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
+    return finish_step(model(_x(step)).pow(2).mean(), opt)
 
 
 def _idle(model):
     return [n for n, p in model.named_parameters() if type(p) is IdleParameter]
+
+
+def _after_one_step():
+    """A streamed engine and plain torch after one step each (equal losses), and the engine's first idle
+    parameter: (ref, ref_opt, model, engine, opt, its name, the parameter)."""
+    ref, model = _net(), _net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
+    assert _step(model, opt, 0) == _step(ref, ref_opt, 0)
+    name = _idle(model)[0]
+    return ref, ref_opt, model, engine, opt, name, dict(model.named_parameters())[name]
 
 
 # -- reads ------------------------------------------------------------------------------------------------------
@@ -161,12 +164,7 @@ def test_bf16_reads_are_what_the_landed_bucket_shows():
 def test_writes_to_an_idle_parameter_raise_and_change_nothing():
     """Every way to write a parameter between forwards raises ``OffloadError`` naming
     ``engine.load_state_dict`` and changes nothing; training goes on as plain torch's, bit for bit."""
-    ref, model = _net(), _net()
-    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
-    engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
-    assert _step(model, opt, 0) == _step(ref, ref_opt, 0)
-    name = _idle(model)[0]
-    p = dict(model.named_parameters())[name]
+    ref, ref_opt, model, engine, opt, name, p = _after_one_step()
     writes = {
         "mul_": lambda: p.mul_(0.5),
         "copy_": lambda: p.copy_(torch.zeros_like(p)),
@@ -192,12 +190,7 @@ def test_a_write_through_an_alias_raises_and_changes_nothing(alias):
     copy of an idle parameter's weights (a ``ParamCopy``, as are its views), so the write raises
     ``OffloadError`` naming the parameter at once. The engine goes on, the weights unchanged; a copy of the copy,
     and any other result, is the caller's own."""
-    ref, model = _net(), _net()
-    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
-    engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
-    assert _step(model, opt, 0) == _step(ref, ref_opt, 0)
-    name = _idle(model)[0]
-    p = dict(model.named_parameters())[name]
+    ref, ref_opt, model, engine, opt, name, p = _after_one_step()
     write = {"data.clamp_": lambda: p.data.clamp_(-0.01, 0.01), "detach.zero_": lambda: p.detach().zero_(),
              "data.view.fill_": lambda: p.data.view(-1)[:3].fill_(1.0), "getitem.mul_": lambda: p[0].mul_(2),
              "detach.copy_": lambda: p.detach().copy_(torch.zeros(p.shape)),
@@ -268,12 +261,7 @@ def test_no_op_conversions_return_the_parameter_and_model_to_same_device_is_harm
     """``model.to("cpu")``, ``model.float()`` and ``p.to(p.device)`` are no-ops in plain PyTorch (the tensor
     itself): the parameter itself, so the next forward finds nothing reassigned and trains on, bit for bit.
     A real conversion converts the copy."""
-    ref, model = _net(), _net()
-    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
-    engine, opt = _wrap(model, BUDGETS["streamed"], overlap_optimizer=False)
-    assert _step(model, opt, 0) == _step(ref, ref_opt, 0)
-    name = _idle(model)[0]
-    p = dict(model.named_parameters())[name]
+    ref, ref_opt, model, engine, opt, name, p = _after_one_step()
     assert p.to("cpu") is p and p.to(torch.float32) is p and p.float() is p and p.cpu() is p
     assert p.to(torch.zeros(1)) is p and p.to("cpu", torch.float32) is p
     with torch.no_grad():

@@ -28,8 +28,9 @@ import offload
 from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise
 from tests.support.fake_cuda import with_chaos
+from tests.support.loops import PLAIN_ADAMW, finish_step, wrap_on_cpu
 
-ADAMW = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+ADAMW = PLAIN_ADAMW
 WIDTH = 64
 
 
@@ -70,20 +71,11 @@ def _x(step: int) -> torch.Tensor:
     return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step))
 
 
-def _wrap(model, budget_frac, **kw):
-    nbytes = sum(p.numel() * 4 for p in model.parameters())
-    opt = offload.AdamW(model.parameters(), fused=False, **ADAMW)
-    engine = offload.wrap(model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10, device="cpu",
-                          **kw)
-    return engine, opt
+_wrap = wrap_on_cpu
 
 
 def _step(model, opt, step):
-    loss = model(_x(step)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
+    return finish_step(model(_x(step)).pow(2).mean(), opt)
 
 
 BUDGETS = {"streamed": 0.6, "resident": 4.0}

@@ -5,7 +5,9 @@
 * `lockstep`: an engine and its plain-PyTorch reference trained side by side on the same losses;
 * `torch_losses`: plain PyTorch + torch.optim.AdamW on a copy of a test model: the losses and weights
   `train_streamed` should give;
-* `finish_step`: the end of a plain training step (backward, step, zero_grad), its loss's value.
+* `finish_step`: the end of a plain training step (backward, step, zero_grad), its loss's value;
+* `wrap_on_cpu`: a model wrapped on the CPU backend at a fraction of its fp32 bytes, with `PLAIN_ADAMW`, the
+  AdamW the plain-loop tests compare with `torch.optim.AdamW(**PLAIN_ADAMW)` bit for bit.
 """
 
 import copy
@@ -107,3 +109,16 @@ def finish_step(loss: torch.Tensor, opt) -> float:
     opt.step()
     opt.zero_grad()
     return loss.item()
+
+
+PLAIN_ADAMW = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def wrap_on_cpu(model, budget_frac: float, **kw) -> tuple[offload.Engine, offload.AdamW]:
+    """``model`` wrapped with ``offload.AdamW(fused=False, **PLAIN_ADAMW)`` (torch's arithmetic) on the CPU backend,
+    at a budget of ``budget_frac`` of its fp32 weights and buckets of a tenth of them; ``kw`` to ``offload.wrap``."""
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    opt = offload.AdamW(model.parameters(), fused=False, **PLAIN_ADAMW)
+    engine = offload.wrap(model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10, device="cpu",
+                          **kw)
+    return engine, opt
