@@ -306,6 +306,12 @@ class HostState:
         off = self.offset[p]
         return self.master[self.bucket_of[p]][off: off + self.specs[p].numel]
 
+    def param_source(self, p: int) -> torch.Tensor:
+        """Parameter ``p``'s slice of what its bucket's host-to-device copy reads (:meth:`source`: the value the
+        device shows), shaped as the parameter; a view of the host arena."""
+        off = self.offset[p]
+        return self.source(self.bucket_of[p])[off: off + self.specs[p].numel].view(self.shapes[p])
+
     def read_param(self, p: int) -> torch.Tensor:
         """Parameter ``p``'s current value in fp32, flat (a copy): its master, or its 16-bit copy widened."""
         self.require_copy(self.bucket_of[p])

@@ -423,9 +423,8 @@ class DataParallel:
         ranks' shards can no longer be gathered): the whole device-dtype copy, in fp32 (in fp32 it is the
         master itself)."""
         sharded = _sharded(host, self.rank)
-        b, off, numel = sharded.bucket_of[p], sharded.offset[p], sharded.specs[p].numel
         self.closed_with_local = self.closed_with_local or sharded.device_dtype != torch.float32
-        return sharded.source(b)[off: off + numel].float().view(sharded.shapes[p])
+        return sharded.param_source(p).float()
 
     def after_close(self) -> None:
         """``close()`` released everything; say so if the module got this rank's 16-bit copy, not the masters."""

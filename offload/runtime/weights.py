@@ -37,9 +37,7 @@ class Weights:
         ctx = self.ctx
         if ctx.phases.tracing:
             return self.warmup.originals()[p].detach().to(ctx.dtype)
-        host = self.slots.hosted()
-        b, off = host.bucket_of[p], host.offset[p]
-        return host.source(b)[off: off + host.specs[p].numel].view(ctx.params[p].shape)
+        return self.slots.hosted().param_source(p)
 
     def write(self, p: int, value: torch.Tensor) -> None:
         with torch.no_grad():
