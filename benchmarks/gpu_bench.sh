@@ -31,10 +31,10 @@ export PYTHONUNBUFFERED=1
 start=$SECONDS
 left() { echo $(( DEADLINE - (SECONDS - start) )); }
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: offload is installed already (a dry run)
+if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: wheels and offload are installed already (a dry run, gpu_lease.sh)
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
   python3 -m pip install -q --no-build-isolation --no-deps -e . > "$RESULTS/build.log" 2>&1 \
     || { echo "build failed, see build.log"; tail -30 "$RESULTS/build.log"; exit 1; }
 fi

@@ -9,7 +9,7 @@
 # to one worker, one at a time: tests/conftest.py), verbose, as tests.log. tests_gpu.log holds the GPU tests alone
 # with the figures they print (overlap ratio, device peak, memory after the first planned step), summary.txt the
 # exit status and those figures. The pytest call is cut at TEST_DEADLINE seconds (SIGINT: pytest still writes its
-# summary), so the script ends well inside the device tool's 10-minute limit.
+# summary; a pytest still busy 30 s later is killed), so the script ends well inside the device tool's 10-minute limit.
 set -uo pipefail
 : "${RESULTS:?set RESULTS to a folder that comes back, e.g. \$OUT}"
 WORKERS=${WORKERS:-8}
@@ -18,11 +18,13 @@ mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 start=$SECONDS
 
-if compgen -G ".whl/*.whl" > /dev/null; then  # wheels the machine lacks (only the baselines need any)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: wheels and offload are installed already (gpu_lease.sh)
+  if compgen -G ".whl/*.whl" > /dev/null; then  # wheels the machine lacks (only the baselines need any)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$RESULTS/build.log" 2>&1 \
+    || { echo "build failed, see build.log"; tail -30 "$RESULTS/build.log"; exit 1; }
 fi
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$RESULTS/build.log" 2>&1 \
-  || { echo "build failed, see build.log"; tail -30 "$RESULTS/build.log"; exit 1; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max,pcie.link.gen.current,pcie.link.width.current \
   --format=csv | tee "$RESULTS/gpu.txt"
@@ -37,7 +39,7 @@ env = {
     "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
     "host_ram_bytes": psutil.virtual_memory().total, "cpus": os.cpu_count(),
     "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
-    "command": "RESULTS=$OUT bash benchmarks/gpu_check.sh",
+    "command": os.environ.get("OFFLOAD_RUN_COMMAND", "RESULTS=$OUT bash benchmarks/gpu_check.sh"),
 }
 json.dump(env, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(env, indent=2))
@@ -49,7 +51,10 @@ parallel=()
 if python3 -c "import xdist" > /dev/null 2>&1; then
   parallel=(-n "$WORKERS" --dist loadgroup -p no:benchmark)  # pytest-benchmark refuses to run beside xdist
 fi
-timeout -s INT "$TEST_DEADLINE" python3 -m pytest -m "gpu or not slow" -v -rfEs -p no:cacheprovider --durations=25 \
+if python3 -c "import pytest_timeout" > /dev/null 2>&1; then  # one hung test must not eat the whole call
+  parallel+=(--timeout "${TEST_TIMEOUT:-120}")
+fi
+timeout -k 30 -s INT "$TEST_DEADLINE" python3 -m pytest -m "gpu or not slow" -v -rfEs -p no:cacheprovider --durations=25 \
   "${parallel[@]}" --junitxml="$RESULTS/junit.xml" 2>&1 | tee "$RESULTS/tests.log"
 status=${PIPESTATUS[0]}
 

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything a GPU lease can hold in ONE call of the device tool (15 minutes of device time per session, a start
+# included, 10 minutes per command: one call, not three): the CUDA checks (gpu_check.sh) with a shorter test
+# deadline, then the first case(s) of the baseline benchmark (gpu_bench.sh, PART=vs) in what is left.
+#
+#   RESULTS=$OUT bash benchmarks/gpu_lease.sh     # from the repository root on the GPU machine; carry .whl
+#
+# The device tool brings back at most 8 files from $OUT, so each part's folder comes back as one tarball
+# (check.tar.gz, bench.tar.gz), packed as soon as that part ends; summary.txt lists what ran. Unpack them
+# into benchmarks/results/<YYYY-MM-DD>-<gpu>/ on the CPU machine and commit them, logs included.
+# DeepSpeed's CPU Adam JIT-builds in the background while the tests run.
+set -uo pipefail
+: "${RESULTS:?set RESULTS to a folder that comes back, e.g. RESULTS=\$OUT}"
+DEADLINE=${DEADLINE:-550}           # seconds this script may take in all (the call's limit is 600)
+TEST_DEADLINE=${TEST_DEADLINE:-210} # seconds for the whole pytest call
+CASES=${CASES:-gpt2-xl@8GiB,gpt2-large@24GiB}
+BENCH_ARGS=${BENCH_ARGS:---steps 5 --warmup 2}
+WORK=${WORK:-/tmp/lease}
+mkdir -p "$RESULTS" "$WORK/check" "$WORK/bench"
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
+export OFFLOAD_RUN_COMMAND="RESULTS=\$OUT bash benchmarks/gpu_lease.sh (CASES=$CASES BENCH_ARGS=$BENCH_ARGS)"
+start=$SECONDS
+left() { echo $(( DEADLINE - (SECONDS - start) )); }
+pack() { tar czf "$RESULTS/$1.tar.gz" -C "$WORK" "$1"; }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+if [ -z "${SKIP_BUILD:-}" ]; then
+  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$WORK/check/build.log" 2>&1 \
+    || { echo "build failed"; tail -30 "$WORK/check/build.log"; pack check; exit 1; }
+fi
+echo "installed and built after $(( SECONDS - start )) s" | tee "$RESULTS/summary.txt"
+if python3 -c "import deepspeed, torch; assert torch.cuda.is_available()" > /dev/null 2>&1; then
+  (timeout 300 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+    > "$WORK/bench/deepspeed_build_bg.log" 2>&1 &)
+fi
+
+RESULTS=$WORK/check SKIP_BUILD=1 TEST_DEADLINE=$TEST_DEADLINE bash benchmarks/gpu_check.sh
+echo "check: exit status $? after $(( SECONDS - start )) s" | tee -a "$RESULTS/summary.txt"
+cat "$WORK/check/summary.txt" >> "$RESULTS/summary.txt"
+pack check
+
+RESULTS=$WORK/bench SKIP_BUILD=1 PART=vs CASES=$CASES DEADLINE=$(( $(left) - 15 )) CHILD_TIMEOUT=${CHILD_TIMEOUT:-180} \
+  EXTRA_ARGS="$BENCH_ARGS ${EXTRA_ARGS:-}" bash benchmarks/gpu_bench.sh
+echo "bench: exit status $? after $(( SECONDS - start )) s" | tee -a "$RESULTS/summary.txt"
+pack bench
+cat "$RESULTS/summary.txt"
