@@ -384,6 +384,8 @@ def classify(e: BaseException) -> str:
 
 def run(spec: dict) -> dict:
     device = torch.device(spec["device"])
+    if device.type == "cuda" and device.index is None:  # set_per_process_memory_fraction wants an index (seen on torch 2.11)
+        device = torch.device("cuda", torch.cuda.current_device())
     out: dict = {"status": "error", "ok": False, "error": None, "budget_enforced": False}
     t0 = time.perf_counter()
     close = None

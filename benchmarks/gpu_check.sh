@@ -12,7 +12,9 @@
 # summary; a pytest still busy 30 s later is killed), so the script ends well inside the device tool's 10-minute limit.
 set -uo pipefail
 : "${RESULTS:?set RESULTS to a folder that comes back, e.g. \$OUT}"
-WORKERS=${WORKERS:-8}
+WORKERS=${WORKERS:-8}                 # 1: no pytest-xdist
+MARKS=${MARKS:-gpu or not slow}       # gpu_lease.sh: "gpu" alone (the CPU suite crowded the GPU tests out of 210 s)
+TEST_PATHS=${TEST_PATHS:-}            # test files/folders in the order to run them (default: the whole suite)
 TEST_DEADLINE=${TEST_DEADLINE:-420}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
@@ -48,14 +50,14 @@ PY
 export OFFLOAD_GPU_LOG="$RESULTS/tests_gpu.log"  # tests/conftest.py appends each gpu test's outcome and figures
 : > "$OFFLOAD_GPU_LOG"
 parallel=()
-if python3 -c "import xdist" > /dev/null 2>&1; then
+if [ "$WORKERS" -gt 1 ] && python3 -c "import xdist" > /dev/null 2>&1; then
   parallel=(-n "$WORKERS" --dist loadgroup -p no:benchmark)  # pytest-benchmark refuses to run beside xdist
 fi
 if python3 -c "import pytest_timeout" > /dev/null 2>&1; then  # one hung test must not eat the whole call
   parallel+=(--timeout "${TEST_TIMEOUT:-120}")
 fi
-timeout -k 30 -s INT "$TEST_DEADLINE" python3 -m pytest -m "gpu or not slow" -v -rfEs -p no:cacheprovider --durations=25 \
-  "${parallel[@]}" --junitxml="$RESULTS/junit.xml" 2>&1 | tee "$RESULTS/tests.log"
+timeout -k 30 -s INT "$TEST_DEADLINE" python3 -m pytest -m "$MARKS" -v -rfEs -p no:cacheprovider --durations=25 \
+  "${parallel[@]}" --junitxml="$RESULTS/junit.xml" $TEST_PATHS 2>&1 | tee "$RESULTS/tests.log"
 status=${PIPESTATUS[0]}
 
 {

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import struct
+import warnings
 from typing import Any
 
 import torch
@@ -223,5 +224,14 @@ def adamw_step_device(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
             np32(c["decay"]), np32(c["grad_scale"]), np32(c["w"] if c["small"] else c["w_minus_1"]),
             cupy.int32(1 if c["small"] else 0), np32(c["beta2"]), np32(c["one_minus_beta2"]),
             np32(c["inv_bc2_sqrt"]), np32(c["eps"]), np32(c["neg_step_size"]))
-    with cupy.cuda.Device(param.device.index or 0), cupy.cuda.ExternalStream(stream.cuda_stream):
+    with cupy.cuda.Device(param.device.index or 0), _cupy_stream(stream):
         kernel((blocks,), (threads,), args)
+
+
+def _cupy_stream(stream: torch.cuda.Stream) -> Any:
+    """cupy's handle on a torch stream. cupy 14 deprecates ``ExternalStream`` (a DeprecationWarning at each
+    construction, seen on the GPU machine) in favour of ``Stream.from_external``, which wants the
+    ``__cuda_stream__`` protocol; ``ExternalStream`` takes the raw pointer every torch version has."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _import_cupy().cuda.ExternalStream(stream.cuda_stream)

@@ -56,7 +56,7 @@ from .greedy import compute_times
 from .hw import PROBE_SIZES, HardwareModel
 from .plan import Plan
 from .schedule import build_plan, program_of
-from .simulate import Lanes, Program, SimResult
+from .simulate import Lanes, Program, SimResult, add_up
 from .trace import Trace
 
 
@@ -93,7 +93,7 @@ def simulate_data_parallel(program: Program, hw: HardwareModel, cluster: Cluster
     ``"reduce_scatter"`` and ``"node_copy"`` added."""
     lanes = _RankLanes(program, hw, cluster, record)
     compute_end = lanes.run(program.compute_s)
-    sim = lanes.result(lanes.idle_at(compute_end), sum(program.compute_s), sum(lanes.h2d_bytes),
+    sim = lanes.result(lanes.idle_at(compute_end), add_up(program.compute_s), sum(lanes.h2d_bytes),
                        sum(lanes.d2h_bytes) + sum(lanes.node_copy))
     n_world = cluster.world
     return DataParallelResult(sim, n_world, lanes.ag_busy, lanes.rs_busy,

@@ -98,7 +98,7 @@ from .greedy import compute_times
 from .hw import HardwareModel
 from .plan import Plan
 from .schedule import program_of
-from .simulate import STEP_START, Lanes, Program, SimResult
+from .simulate import STEP_START, Lanes, Program, SimResult, add_up
 
 PATHS = ("runtime", "design")
 """The two data-parallel cost models: what the runtime runs (this module), what issue 20 designs
@@ -151,7 +151,7 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     _refuse_unmodelled(program)
     lanes = _RuntimeLanes(program, hw, cluster, record)
     compute_end = lanes.run(program.compute_s)
-    sim = lanes.result(lanes.step_end(compute_end), sum(program.compute_s), sum(program.h2d_bytes),
+    sim = lanes.result(lanes.step_end(compute_end), add_up(program.compute_s), sum(program.h2d_bytes),
                        sum(program.d2h_bytes))
     many = cluster.world > 1
     return RuntimePathResult(
@@ -188,7 +188,7 @@ def simulate_runtime_deferred(program: Program, hw: HardwareModel, cluster: Clus
     step = lanes.step(compute_end, ended)
     k, many = micro_batches, cluster.world > 1
     d2h = k * sum(program.d2h_bytes)
-    sim = lanes.result(step, sum(program.compute_s) * k, lanes.h2d_total, d2h)
+    sim = lanes.result(step, add_up(program.compute_s) * k, lanes.h2d_total, d2h)
     return RuntimePathResult(
         sim, cluster.world, lanes.take_busy, lanes.ag_busy, lanes.check_busy, 0,
         sum(program.d2h_bytes) if many else 0, cluster.gpus_per_node * (lanes.h2d_total + d2h),

@@ -294,6 +294,16 @@ class LaneResult:
             device_adam_s=self.device_adam_s, grad_stall_s=self.grad_stall_s)
 
 
+def add_up(xs) -> float:
+    """The sum of ``xs`` added left to right, as the C++ lanes add (cpp/lane_sim.cpp). Python 3.12's ``sum()``
+    of floats compensates its rounding, so it can differ from that in the last bit (seen on the GPU machine's
+    3.12: 1.0 + 1e-05 + 1e-05), and the simulators must agree bit for bit."""
+    total = 0.0
+    for x in xs:
+        total += x
+    return total
+
+
 def seconds_each(f: Callable[[int], float], xs: Sequence[int]) -> list[float]:
     """``[f(x) for x in xs]``, calling the pure ``f`` once per distinct value."""
     memo = {x: f(x) for x in set(xs)}
@@ -317,7 +327,7 @@ def simulate_reference(program: Program, hw: HardwareModel, record: list | None 
         step = max(compute_end + back_s + device_tail, lanes.idle_at(compute_end))
     else:
         step = lanes.idle_at(compute_end)
-    out = lanes.result(step, sum(compute_s) + device_tail if device_tail else sum(compute_s),
+    out = lanes.result(step, add_up(compute_s) + device_tail if device_tail else add_up(compute_s),
                        sum(program.h2d_bytes) + sum(program.device_return_bytes), sum(program.d2h_bytes),
                        device_adam)
     return dataclasses.replace(out, h2d_busy_s=out.h2d_busy_s + back_s) if back_s else out
@@ -461,7 +471,7 @@ class Lanes:
                device_adam_s: float = 0.0) -> SimResult:
         """The step as a :class:`SimResult`, after :meth:`run` (``step``: its end; the rest: totals)."""
         return SimResult(
-            step_s=step, compute_s=compute_s, stall_s=sum(self.stall), stall_per_event=tuple(self.stall),
+            step_s=step, compute_s=compute_s, stall_s=add_up(self.stall), stall_per_event=tuple(self.stall),
             h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, h2d_busy_s=self.h2d_busy, d2h_busy_s=self.d2h_busy,
             adam_s=self.adam_total, tail_s=step - self.compute_end,
             copy_credit=_credit(self.h2d_dur, self.period_of, self.stall_at), device_adam_s=device_adam_s,

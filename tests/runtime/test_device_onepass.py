@@ -126,7 +126,7 @@ def test_cuda_device_buckets_train_like_the_host_only_engine():
                               dtype=torch.bfloat16, device="cuda", hw=SLOW_CPU, device_optimizer=device_optimizer,
                               bucket_bytes=param_bytes(case.model) // 10)
         try:
-            losses = [step(engine, opt, case, i) for i in range(STEPS)]
+            losses = [step(engine, opt, case, i, "cuda") for i in range(STEPS)]
             runs[device_optimizer] = losses, engine.state_dict(), engine.memory_stats()
         finally:
             engine.close()

@@ -79,8 +79,8 @@ def reference(model: nn.Module):
     return ref, torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
 
 
-def step(forward, opt, case, i: int) -> float:
-    batch = case.make_batch(i)
+def step(forward, opt, case, i: int, device: str = "cpu") -> float:
+    batch = case.make_batch(i).to(device)
     loss = case.loss_fn(run(forward, batch), batch)
     loss.backward()
     opt.step()
