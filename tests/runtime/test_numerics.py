@@ -151,8 +151,8 @@ def evaluate(forward, module: torch.nn.Module, batch, device="cpu"):
 def assert_same_losses(losses: list[float], ref_losses: list[float], device) -> None:
     if torch.device(device).type == "cpu":
         assert_losses_bitwise(losses, ref_losses)
-    else:
-        assert_same_losses(losses, ref_losses, device)
+    else:  # (this branch called itself until the first CUDA run, 2026-11-27: every CUDA test here hit RecursionError)
+        torch.testing.assert_close(losses, ref_losses, **TOL)
 
 
 def assert_same_model_state(engine, expected: dict, device) -> None:

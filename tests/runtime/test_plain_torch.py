@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import offload
+from tests.support.budgets import with_headroom
 from tests.support.compare import assert_bitwise
 from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 from tests.support.models import CASES, run
@@ -31,8 +32,8 @@ def _pair(name, dtype=torch.float32, budget_frac=0.6, device="cpu", **wrap_kw):
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
     opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
-    engine = offload.wrap(case.model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10,
-                          dtype=dtype, device=device, **wrap_kw)
+    engine = offload.wrap(case.model, opt, budget=with_headroom(budget_frac * nbytes, device),
+                          bucket_bytes=nbytes // 10, dtype=dtype, device=device, **wrap_kw)
     return case, engine, opt, ref, ref_opt
 
 

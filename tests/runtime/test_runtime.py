@@ -25,6 +25,11 @@ from tests.support.budgets import with_headroom
 
 def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, device="cpu", fused=None, **kw):
     torch.manual_seed(0)
+    if torch.device(device).type != "cpu":
+        # Host AdamW against the GPU's: rounding differences grow with lr (test_numerics' [Note: why lr 3e-4
+        # and weight_decay 0.1]); at 1e-2 the first CUDA run (2026-11-27, H200) ended 2-11x outside the
+        # tolerance on a few elements of three tests. A missing wait or a stale bucket is far outside at 3e-4.
+        lr = min(lr, 3e-4)
     ref = copy.deepcopy(model).to(device)
     pbytes = sum(p.numel() * 4 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), lr=lr, weight_decay=wd, fused=fused)
@@ -216,7 +221,7 @@ def test_placeholders_outside_forward(device):
     assert idle, "some buckets must be streamed at this budget"
     sd = model.state_dict()
     for i, m in enumerate(model):
-        assert torch.equal(m.weight.detach(), sd[f"{i}.weight"])
+        assert torch.equal(m.weight.detach().cpu(), sd[f"{i}.weight"].cpu())  # (the read is on the device)
     assert all(p.grad is None for p in model.parameters())
 
 
