@@ -33,10 +33,15 @@ def _best_of(fn: Callable[[], None], repeat: int) -> float:
     return min(times)
 
 
-def cpu_adam_params_per_s(numel: int = 1 << 22, repeat: int = 3, fused: bool = KERNEL_AVAILABLE) -> float:
+def cpu_adam_params_per_s(numel: int = 1 << 26, repeat: int = 3, fused: bool = KERNEL_AVAILABLE) -> float:
     """Parameters per second of the engine's host update on flat buffers: fp32 master, grad, m, v and a bf16
     copy written. ``fused``: the C++ kernel (``HostState.update``'s default), else the torch path (six
-    passes, then the bf16 rounding)."""
+    passes, then the bf16 rounding).
+
+    The default size (64 Mi parameters, 1.1 GiB of buffers) is far beyond any last-level cache, as a real
+    step is: its masters and moments are touched once per step. With 4 Mi (64 MiB, the default until
+    2026-11-27) the first GPU run's Xeon (16 vCPUs) measured 8.9e9 parameters/s, a rate that put the bound
+    of gpt2-xl's step at 0.15 s while the step took 0.64 s (benchmarks/results/2026-11-27-h200)."""
     p, g, m, v = (torch.randn(numel) for _ in range(4))
     v.abs_()
     lowp = torch.empty(numel, dtype=torch.bfloat16)
