@@ -31,15 +31,11 @@ export PYTHONUNBUFFERED=1
 start=$SECONDS
 left() { echo $(( DEADLINE - (SECONDS - start) )); }
 
+source benchmarks/gpu_setup.sh
 if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: wheels and offload are installed already (a dry run, gpu_lease.sh)
-  if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-  fi
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$RESULTS/build.log" 2>&1 \
-    || { echo "build failed, see build.log"; tail -30 "$RESULTS/build.log"; exit 1; }
+  gpu_setup "$RESULTS/build.log" || exit 1
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max,pcie.link.gen.current,pcie.link.width.current \
-  --format=csv | tee "$RESULTS/gpu.txt"
+gpu_info "$RESULTS/gpu.txt"
 
 # DeepSpeed JIT-builds its CPU Adam on first use: build it once, before anything is timed, and reuse it.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}

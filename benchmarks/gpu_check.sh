@@ -20,16 +20,11 @@ mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 start=$SECONDS
 
+source benchmarks/gpu_setup.sh
 if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: wheels and offload are installed already (gpu_lease.sh)
-  if compgen -G ".whl/*.whl" > /dev/null; then  # wheels the machine lacks (only the baselines need any)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-  fi
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$RESULTS/build.log" 2>&1 \
-    || { echo "build failed, see build.log"; tail -30 "$RESULTS/build.log"; exit 1; }
+  gpu_setup "$RESULTS/build.log" || exit 1
 fi
-
-nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max,pcie.link.gen.current,pcie.link.width.current \
-  --format=csv | tee "$RESULTS/gpu.txt"
+gpu_info "$RESULTS/gpu.txt"
 python3 - "$RESULTS/env.json" <<'PY' | tee -a "$RESULTS/gpu.txt"
 import json, os, platform, subprocess, sys
 import psutil, torch

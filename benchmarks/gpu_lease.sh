@@ -24,12 +24,9 @@ start=$SECONDS
 left() { echo $(( DEADLINE - (SECONDS - start) )); }
 pack() { tar czf "$RESULTS/$1.tar.gz" -C "$WORK" "$1"; }
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-if [ -z "${SKIP_BUILD:-}" ]; then
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$WORK/check/build.log" 2>&1 \
-    || { echo "build failed"; tail -30 "$WORK/check/build.log"; pack check; exit 1; }
+source benchmarks/gpu_setup.sh
+if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: wheels and offload are installed already (a dry run)
+  gpu_setup "$WORK/check/build.log" || { pack check; exit 1; }
 fi
 echo "installed and built after $(( SECONDS - start )) s" | tee "$RESULTS/summary.txt"
 if python3 -c "import deepspeed, torch; assert torch.cuda.is_available()" > /dev/null 2>&1; then
