@@ -26,13 +26,13 @@ if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: wheels and offload are instal
 fi
 gpu_info "$RESULTS/gpu.txt"
 python3 - "$RESULTS/env.json" <<'PY' | tee -a "$RESULTS/gpu.txt"
-import json, os, platform, subprocess, sys
+import json, os, platform, shutil, subprocess, sys
 import psutil, torch
 env = {
     "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None,
     "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True).stdout.strip(),
+                             capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else None,
     "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
     "host_ram_bytes": psutil.virtual_memory().total, "cpus": os.cpu_count(),
     "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None,

@@ -1,0 +1,45 @@
+"""The GPU machine's scripts (benchmarks/gpu_lease.sh, gpu_check.sh, gpu_bench.sh, gpu_setup.sh) run on a GPU
+only when a lease is lent, which is rare and short: a script broken here is a lease lost there. So they are
+checked on the CPU: their syntax always, and (marked `slow`) one whole dry run of gpu_lease.sh, a GPU test file
+that skips here and the tiny smoke case of the benchmark, with the tarballs the device tool would bring back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ("gpu_lease.sh", "gpu_check.sh", "gpu_bench.sh", "gpu_setup.sh")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_gpu_script_parses(name):
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / name)], check=True)
+
+
+@pytest.mark.slow
+def test_gpu_lease_dry_run_brings_back_both_parts(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, RESULTS=str(out), WORK=str(work), SKIP_BUILD="1", TEST_DEADLINE="120",
+               TEST_PATHS="tests/backend/test_cuda.py", CASES="tiny-gpt@768KiB", DEADLINE="300",
+               BENCH_ARGS="--smoke --no-skip --systems offload,torch")
+    run = subprocess.run(["bash", "benchmarks/gpu_lease.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.tar.gz", "check.tar.gz", "summary.txt"]
+    summary = (out / "summary.txt").read_text()
+    assert "check: exit status 0" in summary and "bench: exit status 0" in summary, summary
+    with tarfile.open(out / "check.tar.gz") as t:
+        names = set(t.getnames())
+        assert {"check/tests.log", "check/junit.xml", "check/env.json", "check/summary.txt"} <= names, names
+        env_json = json.load(t.extractfile("check/env.json"))
+    assert env_json["command"].startswith("RESULTS=$OUT bash benchmarks/gpu_lease.sh")
+    with tarfile.open(out / "bench.tar.gz") as t:
+        result = json.load(t.extractfile("bench/vs_baselines.json"))
+    runs = {r["system"]: r for r in result["runs"]}
+    assert runs["offload"]["ok"] and runs["torch"]["ok"], runs
