@@ -117,7 +117,8 @@ def _mirror(param, m, v, grad, lowp, hp, grad_scale):
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit, except that a NaN equals any NaN: x86 makes its "default NaN" with the sign bit set, CUDA
-    a positive one (the first CUDA run, 2026-11-27, failed every case at the NaN grad alone)."""
+    a positive one (the first CUDA run, 2026-11-27, failed every case where the NaN grad's bits differ; whether
+    any other element differed was not seen)."""
     nan = a.isnan()
     if not torch.equal(nan, b.isnan()):
         return False
