@@ -37,17 +37,9 @@ def _pair(name, dtype=torch.float32, budget_frac=0.6, device="cpu", **wrap_kw):
     return case, engine, opt, ref, ref_opt
 
 
-def _batch(case, i, device="cpu"):
-    b = case.make_batch(i)
-    if device != "cpu":
-        b = type(b)(tuple(a.to(device) for a in b.args), {k: v.to(device) for k, v in b.kwargs.items()},
-                    None if b.target is None else b.target.to(device))
-    return b
-
-
 def _backward(case, model, i, k=1, device="cpu"):
     """A user's ``loss.backward()`` on the model's own forward (no engine call); the loss value."""
-    b = _batch(case, i, device)
+    b = case.make_batch(i).to(device)
     loss = case.loss_fn(run(model, b), b) / k
     loss.backward()
     return loss.item()
