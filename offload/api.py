@@ -174,6 +174,8 @@ class Engine:
             },
             "activation_checkpointing": rt.recompute.stats(),
             "device_optimizer": rt.grads.device.stats(plan),  # issue 18: bytes per placement, counters
+            # the last check of the plan's compute times on a timed step ([Note: timing compute]); None: none yet
+            "compute_timing": dict(rt.executor.timing) if rt.executor.timing is not None else None,
             "counters": dict(stats),
         }
 

@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -24,6 +24,27 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
     def query(self) -> bool: ...
+
+
+class Timer(Protocol):
+    """A clock on compute's own timeline ([Note: timing compute] in offload/runtime/executor.py): ``mark()``
+    notes where compute has got to, ``seconds(marks)`` says, for each mark, how many seconds after the
+    first one compute reached it (blocking until the last one is reached)."""
+
+    def mark(self) -> object: ...
+
+    def seconds(self, marks: Sequence[object]) -> list[float]: ...
+
+
+class HostTimer:
+    """The host's clock: on the CPU backend compute runs on the calling thread, so where the host is, compute is."""
+
+    mark = staticmethod(time.perf_counter)
+
+    @staticmethod
+    def seconds(marks: Sequence[object]) -> list[float]:
+        first = marks[0] if marks else 0.0
+        return [m - first for m in marks]  # type: ignore[operator]
 
 
 @runtime_checkable
@@ -111,6 +132,11 @@ class Backend(Protocol):
 
     def threads_alive(self) -> int:
         """Worker threads of this backend still running (0 once closed)."""
+        ...
+
+    def timer(self) -> Timer:
+        """A clock on the compute timeline: the host's on the CPU backend, CUDA events on the compute stream
+        on CUDA (where kernels run behind the host, so host time says little about them)."""
         ...
 
     def onepass_adamw(self) -> Callable[..., None] | None:

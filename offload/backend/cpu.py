@@ -30,7 +30,7 @@ import psutil
 import torch
 
 from ..testing.chaos import ChaosConfig, chaos_delay
-from .base import DONE, Event, HostEvent, Lane
+from .base import DONE, Event, HostEvent, HostTimer, Lane
 
 if TYPE_CHECKING:
     from ..host.arena import HostArena
@@ -140,6 +140,10 @@ class CPUBackend:
     def threads_alive(self) -> int:
         """The copy lanes' threads still running (each starts at its first copy)."""
         return int(self._h2d.alive) + int(self._d2h.alive)
+
+    def timer(self) -> HostTimer:
+        """The host's clock: compute runs on the calling thread."""
+        return HostTimer()
 
     def onepass_adamw(self) -> None:
         """None: device-optimizer buckets use torch's AdamW on the CPU backend (the tested numerics path)."""

@@ -95,7 +95,7 @@ import contextlib
 import ctypes
 import os
 import weakref
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Sequence
 
 import torch
 from torch.autograd.profiler import record_function
@@ -136,8 +136,9 @@ class CudaAPI:
     def current_stream(self):
         return torch.cuda.current_stream(self.device)
 
-    def new_event(self, blocking: bool = False):
-        return torch.cuda.Event(blocking=blocking)
+    def new_event(self, blocking: bool = False, timing: bool = False):
+        """A CUDA event; ``timing``: it records a time stamp (``elapsed_time``), which plain events skip."""
+        return torch.cuda.Event(enable_timing=timing, blocking=blocking)
 
     def stream(self, stream):
         """``with torch.cuda.stream(stream)``: kernels and allocations in the block go to ``stream``."""
@@ -317,6 +318,29 @@ def _release_pinned(streams: list, pinned: HostRegistry) -> None:
     finally:
         streams.clear()
         pinned.release_all()
+
+
+class CudaTimer:
+    """A :class:`~offload.backend.base.Timer` on the compute stream: each mark is a timing event recorded
+    there, so the seconds between two marks are the stream's, kernels and waits included, whenever the host
+    issued them. A mark costs an event record (a few microseconds of host time): the runtime marks only the
+    steps it times."""
+
+    def __init__(self, api: CudaAPI, stream: Callable[[], object]) -> None:
+        self._api = api
+        self._stream = stream
+
+    def mark(self) -> object:
+        event = self._api.new_event(timing=True)
+        event.record(self._stream())
+        return event
+
+    def seconds(self, marks: Sequence[object]) -> list[float]:
+        if not marks:
+            return []
+        marks[-1].synchronize()  # type: ignore[attr-defined]
+        first = marks[0]
+        return [first.elapsed_time(m) / 1e3 for m in marks]  # type: ignore[attr-defined]
 
 
 class CUDABackend:
@@ -523,6 +547,10 @@ class CUDABackend:
 
     def threads_alive(self) -> int:
         return 0  # CUDA streams, no threads of our own
+
+    def timer(self) -> CudaTimer:
+        """CUDA events with time stamps on the compute stream ([Note: timing compute] in runtime/executor.py)."""
+        return CudaTimer(self._api, self._compute_stream)
 
     def onepass_adamw(self) -> Callable[..., None] | None:
         """cupy's one-pass AdamW (``backend/cupy_adamw.py``) where cupy imports and this is a real device (not

@@ -8,6 +8,11 @@ accumulations (GRAD, keyed by parameter); a checkpointed module call that backwa
 RECOMPUTE event (keyed by module index) whose uses are the parameters the recompute reads and which ends
 when that call's backward is over (see offload/runtime/recompute.py). Recording is cheap (list appends), so every step is recorded
 and a step that departs from the plan can be planned again from its own record.
+
+Times come from the host's clock (``time.perf_counter``) between hooks, except on a step the runtime times
+with the backend's clock of compute (a :class:`offload.backend.base.Timer`, CUDA events on CUDA): then
+``Trace.seconds`` and ``Trace.overhead`` are that clock's, and ``Trace.clock`` says "backend" ([Note: timing
+compute] in offload/runtime/executor.py). ``Recorder.times`` stays the host's either way (the timeline's).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..backend.base import Timer
 
 
 class EventKind(enum.IntEnum):
@@ -48,6 +57,7 @@ class Trace:
     max_grad_bytes: int  # largest gradient autograd materialises before the engine takes it
     seconds: tuple[float, ...]  # wall time from each event to the next
     overhead: tuple[float, ...] = ()  # per event: part of ``seconds`` the engine spent waiting or fetching
+    clock: str = "host"  # "host": host time between hooks; "backend": the backend's clock of compute (Timer)
 
     @property
     def compute_seconds(self) -> tuple[float, ...]:
@@ -63,9 +73,9 @@ class Trace:
 
 
 class Recorder:
-    """Builds a :class:`Trace` from the hooks of one step."""
+    """Builds a :class:`Trace` from the hooks of one step; with a ``timer``, its seconds are the timer's."""
 
-    def __init__(self) -> None:
+    def __init__(self, timer: Timer | None = None) -> None:
         self.events: list[Event] = []
         self.uses: list[list[int]] = []
         self.ends: list[int] = []
@@ -78,6 +88,10 @@ class Recorder:
         self.max_grad = 0
         self.overhead: list[float] = []  # per event, seconds spent inside ``excluded()``
         self._excluded_since: float | None = None
+        self.timer = timer
+        self.marks: list[object] = []  # with a timer: per event, its mark
+        self.excluded_marks: list[tuple[int, object, object]] = []  # with a timer: (event, begin, end)
+        self._excluded_mark: object | None = None
 
     def _add(self, kind: EventKind, key: int) -> int:
         self.events.append(Event(kind, key))
@@ -85,17 +99,25 @@ class Recorder:
         self.ends.append(len(self.events))
         self.times.append(time.perf_counter())
         self.overhead.append(0.0)
+        if self.timer is not None:
+            self.marks.append(self.timer.mark())
         return len(self.events) - 1
 
     def exclude_begin(self) -> None:
         """The engine starts work that is not the model's compute (an on-demand fetch, a wait for a copy):
-        time until :meth:`exclude_end` is not counted as the current event's compute."""
+        time until :meth:`exclude_end` is not counted as the current event's compute. With a timer that is
+        the time compute stood still between the two marks: on CUDA, the stream wait enqueued between them."""
         self._excluded_since = time.perf_counter()
+        if self.timer is not None:
+            self._excluded_mark = self.timer.mark()
 
     def exclude_end(self) -> None:
         if self._excluded_since is not None and self.overhead:
             self.overhead[-1] += time.perf_counter() - self._excluded_since
+            if self.timer is not None and self._excluded_mark is not None:
+                self.excluded_marks.append((len(self.overhead) - 1, self._excluded_mark, self.timer.mark()))
         self._excluded_since = None
+        self._excluded_mark = None
 
     def pre(self, module: int) -> None:
         self.stack.append(self._add(EventKind.PRE, module))
@@ -160,6 +182,11 @@ class Recorder:
     def finish(self) -> Trace:
         now = time.perf_counter()
         seconds = tuple(b - a for a, b in zip(self.times, self.times[1:] + [now]))
+        overhead = tuple(self.overhead)
+        clock = "host"
+        if self.timer is not None and self.marks:
+            seconds, overhead = self._timed()
+            clock = "backend"
         return Trace(
             events=tuple(self.events),
             num_forward=self.num_forward,
@@ -169,5 +196,21 @@ class Recorder:
             activation_peak_bytes=self.activation_peak,
             max_grad_bytes=self.max_grad,
             seconds=seconds,
-            overhead=tuple(self.overhead),
+            overhead=overhead,
+            clock=clock,
         )
+
+    def _timed(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per event, the timer's seconds to the next event (the last: to now) and the excluded part."""
+        if self.timer is None:
+            raise ValueError("no timer")
+        n = len(self.marks)
+        flat: list[object] = [*self.marks, self.timer.mark()]
+        for _, begin, end in self.excluded_marks:
+            flat += [begin, end]
+        at = self.timer.seconds(flat)
+        seconds = tuple(max(0.0, b - a) for a, b in zip(at[:n], at[1:n + 1]))
+        overhead = [0.0] * n
+        for j, (i, _, _) in enumerate(self.excluded_marks):
+            overhead[i] += max(0.0, at[n + 2 + 2 * j] - at[n + 1 + 2 * j])
+        return seconds, tuple(overhead)

@@ -118,7 +118,8 @@ def _new_stats() -> dict[str, int]:
     return {"replans": 0, "plan_departures": 0, "on_demand_fetches": 0, "planned_fetches": 0,
             "over_budget_fetches": 0, "steps": 0, "skipped_steps": 0, "backwards": 0,
             "eval_plans_built": 0, "h2d_bytes": 0, "d2h_bytes": 0,
-            "fast_steps": 0}  # training steps that ran the fast path (offload/runtime/fast_path.py)
+            "fast_steps": 0,  # training steps that ran the fast path (offload/runtime/fast_path.py)
+            "timed_steps": 0, "compute_replans": 0}  # [Note: timing compute] in runtime/executor.py
 
 
 def weak_hook(owner: T, method: Callable[[T, Any], object]) -> Callable[[Any], None]:

@@ -5,6 +5,29 @@ plan hangs on each event, notices when a step departs from it, and owns the aren
 Every hook reports its event (``advance``); the next planned event is checked cheaply against it. On a
 mismatch the step leaves the plan (``leave``): it finishes on demand, within the budget, and a new plan is
 built at ``step()`` from what this step recorded. It never hangs.
+
+[Note: timing compute] The plan's cost model takes each event's compute time from the step it was planned
+from. The first plan comes from the first, traced step, timed by the host's clock between hooks. On the CPU
+backend compute runs on the host, so that is compute (plus the warm-up's own work, excluded where it waits
+or fetches). On CUDA it is not: kernels run behind the host, and the first step pays for lazy
+initialisation (the CUDA context's libraries, each kernel's first load). Measured on an H200, gpt2-xl: 2.62 s
+traced where forward + backward took 0.056 s, so the plan predicted 2.95 s for a 0.645 s step
+(benchmarks/results/2026-11-27-h200). A planner that believes compute is 40x longer than it is hides every
+copy and every CPU update behind it, and never trades budget for speed.
+
+So, with ``calibrate_compute`` (on for CUDA by default), the first full step that follows a new training plan
+to its end is timed with the backend's clock of compute (:meth:`Backend.timer`: on CUDA a timing event on
+the compute stream at every hook, and around every wait so that a stall is not counted as compute). If the
+compute it measured is more than ``RETIME_BEYOND`` off the plan's, the plan is stale and ``step()`` plans
+again from this step's record; either way the plan is checked and no later step is timed (a plan built from
+a timed record is checked already). A step that departs plans again from its own host-timed record, and the
+next plan is checked the same way. What it costs: one more full step's record with a mark per hook (an event
+record each, a few microseconds) and one wait for the compute stream at that step's end; a re-plan (the
+arena laid out again) where the times were off. ``memory_stats()["compute_timing"]`` shows the last check.
+
+Not covered: forward-only (evaluation) plans keep their host-timed record; a fast step ([Note: the fast
+path]) is never timed (it is never the first step of a plan); the timed step runs the full path's hooks, so
+a GPU that outruns them idles between kernels and the measured compute is what the full path feeds it.
 """
 
 from __future__ import annotations
@@ -18,7 +41,10 @@ from ..planning.schedule import Plan, build_plan, validate_plan
 from ..planning.trace import EventKind, Recorder, Trace
 from .residency import Residency, Slot
 
+RETIME_BEYOND = 0.25  # [Note: timing compute]: plan again where the measured compute is off by more than this
+
 if TYPE_CHECKING:
+    from ..backend.base import Timer
     from .context import RuntimeContext
     from .device_optim import DeviceOptimizer
     from .forward_only import EvalPlans
@@ -51,6 +77,11 @@ class PlanExecutor:
         self._arena_views: dict[object, dict[int, torch.Tensor]] = {}
         self._arena_slices: dict[tuple[int, int], torch.Tensor] = {}  # arena_view's, by (offset, numel)
         self.ahead: tuple[Trace, Plan] | None = None  # issue 18: the first plan, built as its backward ended
+        # [Note: timing compute]: the training plan whose compute times were checked (or came from a timed
+        # record), the backend's timer once made, and what the last check found
+        self.checked: Plan | None = None
+        self._timer: Timer | None = None
+        self.timing: dict[str, object] | None = None
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
@@ -64,10 +95,20 @@ class PlanExecutor:
             self._lands_at_once.append(lands_at_once)
 
     def reset_step(self) -> None:
-        self.recorder = Recorder()
         self.pos = 0
         self.on_plan = self.plan is not None and self.arena is not None
+        self.recorder = Recorder(self._step_timer())
         self.slots.reset_step()
+
+    def _step_timer(self) -> Timer | None:
+        """The backend's timer where this step checks its plan's compute times ([Note: timing compute])."""
+        plan = self.plan
+        if (not self.ctx.config.calibrate_compute or not self.on_plan or not self.grad_enabled or plan is None
+                or plan is not self.train_plan or plan is self.checked):
+            return None
+        if self._timer is None:
+            self._timer = self.ctx.backend.timer()
+        return self._timer
 
     def choose(self, root: int, grad_enabled: bool) -> None:
         """A forward of module ``root`` starts: a training forward follows the training plan, a no-grad one
@@ -173,7 +214,25 @@ class PlanExecutor:
         if self.plan is not None and activation_peak > self.plan.activation_bytes:
             self.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
         self.trace = rec.finish()
+        if rec.timer is not None:
+            self._check_compute(self.trace)
 
+    def _check_compute(self, trace: Trace) -> None:
+        """A timed step's record is in ([Note: timing compute]): if it followed the training plan to its end,
+        compare the compute it measured with the plan's; more than ``RETIME_BEYOND`` off, plan again."""
+        plan = self.train_plan
+        self.ctx.stats["timed_steps"] += 1
+        if plan is None or self.plan is not plan or not self.on_plan:
+            return  # it departed: stale already, and planned again from this record (a timed one)
+        planned, measured = sum(plan.trace.compute_seconds), sum(trace.compute_seconds)
+        off = abs(measured / planned - 1) if planned > 0 else float("inf")
+        self.checked = plan
+        replan = off > RETIME_BEYOND
+        if replan:
+            self.stale = True
+            self.ctx.stats["compute_replans"] += 1
+        self.timing = {"planned_compute_s": planned, "measured_compute_s": measured,
+                       "planned_from": plan.trace.clock, "replanned": replan}
     def rewind(self) -> None:
         """The pass is over: the next one starts at the plan's first event."""
         self.pos = 0
@@ -330,6 +389,8 @@ class PlanExecutor:
         if self.train_plan is not None:
             ctx.stats["replans"] += 1
         self.train_plan = plan
+        if trace.clock == "backend":
+            self.checked = plan  # planned from a timed record ([Note: timing compute])
         self.activate(plan)
 
     def check_ahead(self, recompute: RecomputeCoordinator) -> None:

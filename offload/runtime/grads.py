@@ -240,10 +240,12 @@ class GradPipeline:
         k = plan.grad_buffer[b] if executor.on_plan and plan is not None else None
         if k is not None and plan is not None:
             x = plan.buffers[k]
+            (rec := executor.recorder).exclude_begin()  # a stall, not compute: simulated (``Program.grad_waits``)
             for j in x.after:
                 if j in slots.done:
                     ctx.backend.wait(slots.done[j])
             ctx.backend.wait(slots.boundary)
+            rec.exclude_end()
             view = executor.arena_view(x.offset, n)
             self.param_views[b] = executor.arena_views(("grads", b, k), lambda: self._views_of(b, view))
         else:

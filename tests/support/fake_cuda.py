@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 
 import pytest
@@ -88,11 +89,13 @@ def _join(into: dict, other: dict) -> None:
 
 
 class FakeEvent:
-    def __init__(self, sim: FakeCuda):
+    def __init__(self, sim: FakeCuda, timing: bool = False):
         self.sim = sim
         self.stream: FakeStream | None = None
         self.position = 0
         self.vc: dict[str, int] = {}  # the recording stream's vector clock at record time
+        self.timing = timing
+        self.at: float | None = None  # timing events: the host clock at record (compute runs in host order)
 
     def record(self, stream: FakeStream) -> None:
         with self.sim.lock:
@@ -101,6 +104,18 @@ class FakeEvent:
             self.position = len(stream.ops)
             self.vc = dict(stream.vc)
             self.sim.log.append(("record", stream.name, self.position))
+            if self.timing:
+                if not stream.eager:
+                    raise AssertionError("the simulation times compute only: a copy stream runs when needed")
+                self.at = time.perf_counter()
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        """Milliseconds from this event to ``end``; as CUDA, both must be timing events, recorded."""
+        if not (self.timing and end.timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.at is None or end.at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end.at - self.at) * 1e3
 
     def query(self) -> bool:
         with self.sim.lock:
@@ -445,8 +460,8 @@ class FakeCuda:
     def stream(self, stream: FakeStream):
         return self.use_stream(stream)
 
-    def new_event(self, blocking: bool = False) -> FakeEvent:
-        return FakeEvent(self)
+    def new_event(self, blocking: bool = False, timing: bool = False) -> FakeEvent:
+        return FakeEvent(self, timing)
 
     def empty(self, nbytes: int, stream: FakeStream | None = None) -> torch.Tensor:
         """Device memory: tracked from now until the allocator gets it back."""

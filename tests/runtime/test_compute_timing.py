@@ -1,0 +1,186 @@
+"""[Note: timing compute] (offload/runtime/executor.py): the first full step on a new training plan is timed
+with the backend's clock of compute, and the plan is built again from it where the plan's compute times were
+off; the recorder turns a timer's marks into per-event seconds with the waits left out."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.backend.base import HostTimer
+from offload.planning.trace import Recorder
+from offload.runtime import executor as executor_module
+from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
+
+WIDTH = 128
+
+
+class FirstCallSlow(nn.Module):
+    """Sleeps on its first call only: what lazy initialisation (a library's handles, a kernel's first load)
+    does to the first, traced step on CUDA."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(self.seconds)
+        return x
+
+
+class Branchy(nn.Module):
+    """Six layers; ``skip`` leaves the fourth out of the forward (a different path: the step departs)."""
+
+    def __init__(self, lazy: float = 0.0) -> None:
+        super().__init__()
+        self.first = FirstCallSlow(lazy)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(6))
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for i, layer in enumerate(self.layers):
+            if not (self.skip and i == 3):
+                x = torch.tanh(layer(x))
+        return x
+
+
+def _train(model: nn.Module, steps: int, *, skip_at: tuple[int, ...] = (), **options):
+    torch.manual_seed(0)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    opt = offload.AdamW(model.parameters(), lr=1e-3)
+    engine = offload.wrap(model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 6, device="cpu", **options)
+    stats, losses = [], []
+    try:
+        for step in range(steps):
+            model.skip = step in skip_at
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(16, WIDTH, generator=g)
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            stats.append(engine.memory_stats())
+        return losses, engine.state_dict()["model"], stats, engine
+    finally:
+        engine.close()
+
+
+def test_the_cpu_backend_does_not_calibrate_unless_asked():
+    assert offload.OffloadConfig(budget="1MiB", device="cpu").calibrate_compute is False
+    assert offload.OffloadConfig(budget="1MiB", device="cpu", calibrate_compute=True).calibrate_compute is True
+    with pytest.raises(TypeError, match="calibrate_compute"):
+        offload.OffloadConfig(budget="1MiB", device="cpu", calibrate_compute="yes")
+    *_, stats, _ = _train(Branchy(), 3)
+    assert stats[-1]["counters"]["timed_steps"] == 0
+    assert stats[-1]["compute_timing"] is None
+
+
+def test_a_slow_first_step_is_planned_again_from_the_first_timed_step():
+    lazy = 0.3
+    losses, state, stats, engine = _train(Branchy(lazy), 5, calibrate_compute=True)
+    traced = stats[0]["plan"]["predicted_step_s"]
+    assert traced >= lazy  # the traced step's sleep is in the first plan's compute
+    timing = stats[1]["compute_timing"]
+    assert timing["planned_from"] == "host" and timing["replanned"] is True
+    assert timing["planned_compute_s"] >= lazy > 10 * timing["measured_compute_s"]
+    counters = stats[-1]["counters"]
+    assert counters["timed_steps"] == 1 and counters["compute_replans"] == 1 and counters["replans"] == 1
+    assert counters["plan_departures"] == 0
+    plan = engine._runtime.executor.train_plan
+    assert plan.trace.clock == "backend"
+    assert sum(plan.trace.compute_seconds) == pytest.approx(timing["measured_compute_s"])
+    assert stats[-1]["plan"]["predicted_step_s"] < lazy / 2
+    # the numbers are the ones an engine that never re-timed gets, bit for bit
+    losses0, state0, stats0, _ = _train(Branchy(lazy), 5, calibrate_compute=False)
+    assert stats0[-1]["counters"]["replans"] == 0
+    assert losses == losses0
+    for k in state0:
+        assert torch.equal(state[k], state0[k]), k
+
+
+def test_times_close_to_the_plans_keep_it(monkeypatch):
+    monkeypatch.setattr(executor_module, "RETIME_BEYOND", float("inf"))
+    *_, stats, _ = _train(Branchy(), 5, calibrate_compute=True)
+    assert stats[1]["compute_timing"]["replanned"] is False
+    counters = stats[-1]["counters"]
+    assert counters["timed_steps"] == 1 and counters["replans"] == 0 and counters["compute_replans"] == 0
+
+
+def test_a_plan_from_a_departed_step_is_checked_again(monkeypatch):
+    monkeypatch.setattr(executor_module, "RETIME_BEYOND", 0.0)  # any difference plans again
+    # 1: timed, planned again from its record. 3: departs (a layer skipped), planned from its host-timed record.
+    # 4: follows that plan (skips again): timed, planned again. 5: departs back, planned from its host record.
+    # 6: follows it: timed. Steps on a plan from a timed record (2, 5, 7) are not timed.
+    *_, stats, engine = _train(Branchy(), 8, skip_at=(3, 4), calibrate_compute=True)
+    assert [s["counters"]["timed_steps"] for s in stats] == [0, 1, 1, 1, 2, 2, 3, 3]
+    assert [s["counters"]["plan_departures"] for s in stats] == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert [s["counters"]["compute_replans"] for s in stats] == [0, 1, 1, 1, 2, 2, 3, 3]
+
+
+def _scripted_timer(at: list[float]):
+    """A timer whose n-th mark was reached at ``at[n]`` seconds."""
+    class Scripted:
+        def __init__(self):
+            self.n = 0
+
+        def mark(self):
+            self.n += 1
+            return self.n - 1
+
+        def seconds(self, marks):
+            return [at[m] - at[marks[0]] for m in marks]
+
+    return Scripted()
+
+
+def test_a_timed_record_takes_its_seconds_and_waits_from_the_timer():
+    # marks in order: pre(0)@0, [wait begins@1, ends@4], post(0)@6, grad@7, finish@10
+    rec = Recorder(_scripted_timer([0.0, 1.0, 4.0, 6.0, 7.0, 10.0]))
+    rec.pre(0)
+    rec.exclude_begin()
+    rec.exclude_end()
+    rec.post(0)
+    rec.grad(0, 4)
+    trace = rec.finish()
+    assert trace.clock == "backend"
+    assert trace.seconds == (6.0, 1.0, 3.0)
+    assert trace.overhead == (3.0, 0.0, 0.0)
+    assert trace.compute_seconds == (3.0, 1.0, 3.0)
+    assert len(rec.times) == 3  # the host's clock is kept as well (the timeline's)
+
+
+def test_an_untimed_record_keeps_the_hosts_clock():
+    rec = Recorder()
+    rec.pre(0)
+    rec.post(0)
+    trace = rec.finish()
+    assert trace.clock == "host" and rec.marks == []
+
+
+def test_the_host_timer_is_the_host_clock():
+    timer = HostTimer()
+    a = timer.mark()
+    time.sleep(0.01)
+    b = timer.mark()
+    assert timer.seconds([a, b]) == [0.0, b - a] and b - a >= 0.01
+    assert timer.seconds([]) == []
+
+
+def test_on_a_simulated_gpu_the_marks_are_timing_events_on_the_compute_stream(simulated_gpu):
+    made = simulated_gpu()
+    *_, stats, _ = _train(Branchy(0.2), 4, calibrate_compute=True)
+    assert stats[1]["compute_timing"]["replanned"] is True
+    assert stats[-1]["counters"]["timed_steps"] == 1
+    timer = made[0].timer()
+    a = timer.mark()
+    time.sleep(0.01)
+    b = timer.mark()
+    assert a.timing and a.stream is made[0]._compute_stream()
+    assert timer.seconds([a, b])[1] >= 0.01
