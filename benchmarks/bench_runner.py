@@ -25,7 +25,7 @@ CHILD = HERE / "bench_systems.py"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_systems import PACKAGE, RESIDENT_BYTES_PER_PARAM, precheck  # noqa: E402
+from bench_systems import PACKAGE, RESIDENT_BYTES_PER_PARAM, precheck, twinflow_resident_bytes  # noqa: E402
 from common import cpu_model  # noqa: E402
 
 from offload.config import format_bytes  # noqa: E402
@@ -84,16 +84,20 @@ def not_startable(spec: dict, params: int, skip_cannot_fit: bool = True) -> dict
     pre = precheck(spec)
     if pre is not None:
         return {"ok": False, "status": pre[0], "error": pre[1]}
-    reason = cannot_fit(spec["system"], params, spec.get("budget_bytes")) if skip_cannot_fit else None
+    reason = (cannot_fit(spec["system"], params, spec.get("budget_bytes"), spec.get("twinflow_ratio"))
+              if skip_cannot_fit else None)
     return {"ok": False, "status": "skipped", "error": reason} if reason else None
 
 
-def cannot_fit(system: str, params: int, budget: int | None) -> str | None:
-    """The reason a run certainly cannot fit the budget (its resident params alone exceed it), else None."""
-    per = RESIDENT_BYTES_PER_PARAM.get(system)
+def cannot_fit(system: str, params: int, budget: int | None, ratio: float | None = None) -> str | None:
+    """The reason a run certainly cannot fit the budget (its resident params alone exceed it), else None.
+    ``ratio``: Twin-Flow's offloaded fraction (system "twinflow")."""
+    per = twinflow_resident_bytes(ratio) if system == "twinflow" and ratio is not None else \
+        RESIDENT_BYTES_PER_PARAM.get(system)
     if per is None or budget is None or per * params <= budget:
         return None
-    return (f"cannot fit: {system} keeps {per} B/param on the GPU, {format_bytes(per * params)} for "
+    what = f"{system} at ratio {ratio}" if system == "twinflow" else system
+    return (f"cannot fit: {what} keeps {per:g} B/param on the GPU, {format_bytes(per * params)} for "
             f"{params:,} params > budget {format_bytes(budget)}; not run")
 
 

@@ -15,6 +15,10 @@ same setting for every system; this engine's ``activation_checkpointing`` stays 
     offload        this engine: fp32 masters + AdamW state on the host, bf16 buckets streamed, CPU AdamW
     zero_offload   DeepSpeed ZeRO-2, offload_optimizer to pinned CPU memory (bf16 params on the GPU)
     zero3_offload  DeepSpeed ZeRO-3, offload_param and offload_optimizer to pinned CPU memory
+    twinflow       DeepSpeed ZeRO-3 "Twin-Flow" (ZeRO-Offload++): offload_optimizer to pinned CPU memory with
+                   ``ratio`` r (spec["twinflow_ratio"]): a fraction r of the optimizer state and its update
+                   on the CPU, the rest on the GPU; params on the GPU (no offload_param). DeepSpeed accepts a
+                   ratio with ZeRO-3 only. vs_baselines.py sweeps r, as a user tuning it would
     torchao        torchao CPUOffloadOptimizer(AdamW, fused, offload_gradients) over fp32 params + autocast
     torch          plain PyTorch: fp32 params, torch.optim.AdamW(fused=True), autocast bf16
     gemini         ColossalAI Gemini (placement "auto", bf16, HybridAdam) -- written from ColossalAI's
@@ -52,13 +56,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from offload.tools.presets import Shape, Transformer  # noqa: E402
 
-SYSTEMS = ("offload", "zero_offload", "zero3_offload", "torchao", "torch", "gemini")
-PACKAGE = {"zero_offload": "deepspeed", "zero3_offload": "deepspeed", "torchao": "torchao",
+SYSTEMS = ("offload", "zero_offload", "zero3_offload", "twinflow", "torchao", "torch", "gemini")
+PACKAGE = {"zero_offload": "deepspeed", "zero3_offload": "deepspeed", "twinflow": "deepspeed", "torchao": "torchao",
            "gemini": "colossalai"}
+DEEPSPEED = ("zero_offload", "zero3_offload", "twinflow")
 RESIDENT_BYTES_PER_PARAM = {"torch": 16, "torchao": 4, "zero_offload": 2}
 """Bytes per parameter a system must keep on the GPU whatever else it does (fp32 params + grads + AdamW m, v
 for plain torch; fp32 params for torchao; bf16 params for ZeRO-2): a run whose params alone exceed the budget
-cannot fit, so the harness records it as skipped instead of spending GPU time on a certain OOM."""
+cannot fit, so the harness records it as skipped instead of spending GPU time on a certain OOM. Twin-Flow at
+ratio r: :func:`twinflow_resident_bytes`."""
+
+
+def twinflow_resident_bytes(ratio: float) -> float:
+    """Bytes per parameter Twin-Flow at ``ratio`` keeps on the GPU at least: bf16 params (2) and the fp32
+    master, m and v (12) of the GPU's share 1 - r (its grads and buffers come on top)."""
+    return 2 + (1 - ratio) * 12
 INIT_STD = 0.02
 
 
@@ -163,7 +175,7 @@ def precheck(spec: dict) -> tuple[str, str] | None:
             reason += (f"; ColossalAI needs {GEMINI_TORCH} and cannot be installed beside torch "
                        f"{torch.__version__}")
         return "not_installed", reason
-    if system in ("zero_offload", "zero3_offload") and device.type != "cuda" and not spec.get("cpu_deepspeed"):
+    if system in DEEPSPEED and device.type != "cuda" and not spec.get("cpu_deepspeed"):
         return "not_runnable", ("the DeepSpeed baselines run on CUDA only in this harness (on a CPU device "
                                 "DeepSpeed JIT-builds its CPU Adam first, minutes); --cpu-deepspeed tries anyway")
     if system == "gemini" and device.type != "cuda":
@@ -220,7 +232,11 @@ def sys_offload(spec, device, idx):
                 from offload.planning.schedule import simulate_plan
 
                 out["predicted_step_s_hw"] = simulate_plan(plan, load_hw(spec["hw"])).step_s
-            out["traced_compute_s"] = sum(t.compute_seconds)
+            out["traced_compute_s"] = sum(t.compute_seconds)  # the plan's compute: see compute_clock
+            # "host": the first, traced step's host times; "backend": a step timed on the compute stream
+            # (calibrate_compute, on for CUDA: [Note: timing compute] in offload/runtime/executor.py)
+            out["compute_clock"] = t.clock
+        out["compute_timing"] = stats["compute_timing"]
         return out
 
     return step, count_params(model), details, engine.close
@@ -258,14 +274,20 @@ def sys_torchao(spec, device, idx):
     return step, count_params(model), lambda: {"torchao": torchao.__version__}, None
 
 
-def deepspeed_config(spec: dict, device: torch.device, stage: int) -> dict:
+def deepspeed_config(spec: dict, device: torch.device, stage: int, ratio: float | None = None) -> dict:
+    """ZeRO-``stage`` with the optimizer offloaded; ZeRO-3 also offloads params, except with a Twin-Flow
+    ``ratio`` (the fraction of the optimizer offloaded; the rest stays on the GPU with the params)."""
     pin = device.type == "cuda"
     # Buckets of 2e8 elements (400 MB in bf16) rather than DeepSpeed's default 5e8 (1 GB each), so its fixed
     # buffers take less of an 8 GiB budget. Everything else is DeepSpeed's default.
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": pin},
             "contiguous_gradients": True, "overlap_comm": True, "reduce_bucket_size": int(2e8),
             "allgather_bucket_size": int(2e8)}
-    if stage == 3:
+    if ratio is not None:
+        if stage != 3 or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"a Twin-Flow ratio is a fraction in [0, 1], with ZeRO-3 only; got {ratio} at stage {stage}")
+        zero["offload_optimizer"]["ratio"] = ratio
+    elif stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     return {
         "train_micro_batch_size_per_gpu": spec["batch"],
@@ -278,12 +300,13 @@ def deepspeed_config(spec: dict, device: torch.device, stage: int) -> dict:
     }
 
 
-def sys_deepspeed(spec, device, idx, stage: int):
+def sys_deepspeed(spec, device, idx, stage: int, ratio: float | None = None):
     deepspeed = need("deepspeed")
     single_process_env()
-    cfg = deepspeed_config(spec, device, stage)
-    if stage == 3:  # partition at construction, so the full model never sits on the GPU
-        with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="cpu", pin_memory=device.type == "cuda",
+    cfg = deepspeed_config(spec, device, stage, ratio)
+    if stage == 3:  # partition at construction, so the full model never sits on the GPU (unless Twin-Flow's)
+        remote = "cpu" if ratio is None else None  # None: the partitions live on the GPU
+        with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device=remote, pin_memory=device.type == "cuda",
                                  dtype=torch.bfloat16):
             model = Transformer(shape_of(spec))
     else:
@@ -340,6 +363,7 @@ RUNNERS = {
     "offload": sys_offload, "torch": sys_torch, "torchao": sys_torchao, "gemini": sys_gemini,
     "zero_offload": lambda s, d, i: sys_deepspeed(s, d, i, stage=2),
     "zero3_offload": lambda s, d, i: sys_deepspeed(s, d, i, stage=3),
+    "twinflow": lambda s, d, i: sys_deepspeed(s, d, i, stage=3, ratio=s["twinflow_ratio"]),
     "compute": sys_compute,
 }
 

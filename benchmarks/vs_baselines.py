@@ -65,8 +65,10 @@ SMOKE_MODELS: dict[str, tuple[Shape, int, int]] = {
 }
 SMOKE_BUDGETS = ("768KiB", "4MiB")  # tiny-gpt: the first streams its buckets, the second holds all
 SMOKE_BUCKET_BYTES = "32KiB"  # several buckets, so the smaller budget really streams
-GOALS = {"zero_offload": 1.5, "zero3_offload": 1.84, "torchao": 1.2}
-"""Issue 10's goals: this engine's tokens/s over the baseline's, same model and budget."""
+GOALS = {"zero_offload": 1.5, "zero3_offload": 1.84, "torchao": 1.2, "twinflow": 1.25}
+"""Issue 10's goals (issue 18's for Twin-Flow, against its best ratio): this engine's tokens/s over the
+baseline's, same model and budget."""
+TWINFLOW_RATIOS = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9"
 BOUND_GOAL = 1.15  # step <= 1.15 x the physical bound
 
 
@@ -93,6 +95,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-cap-offload", action="store_true",
                     help="do not cap this engine's allocator at the budget (its own budget still applies)")
     ap.add_argument("--cpu-deepspeed", action="store_true", help="let the DeepSpeed baselines run on a CPU device")
+    ap.add_argument("--twinflow-ratios", default=TWINFLOW_RATIOS,
+                    help="Twin-Flow's offload ratios to sweep, ascending (the fraction of the optimizer on the CPU). "
+                         "Ratios whose GPU share certainly cannot fit are skipped; the sweep stops at the first that "
+                         "runs, since keeping more of the optimizer on the GPU is assumed faster (not measured: "
+                         "--twinflow-all runs every ratio)")
+    ap.add_argument("--twinflow-all", action="store_true", help="run every Twin-Flow ratio, not only up to the first "
+                                                                "that runs")
     ap.add_argument("--profile", metavar="DIR", help="also write a torch.profiler trace of one step per run")
     ap.add_argument("--logs", metavar="DIR", help="keep every child's full output here")
     ap.add_argument("--json", help="write the results here (rewritten after every run)")
@@ -115,6 +124,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.system_list if s not in SYSTEMS]
     if bad:
         ap.error(f"unknown system(s) {bad}; choose from {', '.join(SYSTEMS)}")
+    try:
+        args.twinflow_ratio_list = sorted({float(r) for r in args.twinflow_ratios.split(",") if r.strip()})
+    except ValueError:
+        ap.error(f"--twinflow-ratios: comma-separated numbers, e.g. {TWINFLOW_RATIOS}")
+    if not args.twinflow_ratio_list or not all(0.0 <= r <= 1.0 for r in args.twinflow_ratio_list):
+        ap.error("--twinflow-ratios: fractions in [0, 1]")
     args.table = table
     return args
 
@@ -231,17 +246,34 @@ def main(argv=None) -> int:
             calibration[model] = res
             out["calibration"].append(res)
         for system in args.system_list:
-            spec = base | {"system": system, "budget_bytes": budget, "hw": args.hw,
-                           "cap": not (system == "offload" and args.no_cap_offload)}
-            label = f"{model}-{size_label(budget)}-{system}"
-            res = not_startable(spec, params_of[model], not args.no_skip) or child(spec, label)
-            run = record(spec, res)
-            if system == "offload":
-                add_bound(run, calibration.get(model), hw)
-            out["runs"].append(run)
-            write_json(args.json, out)
-            console.print(f"{label}: {run['status']}" + (f", {run['step_s']:.4f} s/step" if run["ok"] else
-                                                         f" ({(run['error'] or '')[:160]})"))
+            ran: list[dict] = []  # Twin-Flow's ratios that ran
+            for ratio in (args.twinflow_ratio_list if system == "twinflow" else [None]):
+                spec = base | {"system": system, "budget_bytes": budget, "hw": args.hw,
+                               "cap": not (system == "offload" and args.no_cap_offload)}
+                label = f"{model}-{size_label(budget)}-{system}"
+                if ratio is not None:
+                    spec["twinflow_ratio"] = ratio
+                    label += f"-r{ratio:g}"
+                if ran and not args.twinflow_all:
+                    res = {"ok": False, "status": "not_run",
+                           "error": f"ratio {ran[0]['twinflow_ratio']:g} ran: a larger ratio keeps less of the "
+                                    "optimizer on the GPU and is assumed slower (not measured; --twinflow-all)"}
+                else:
+                    res = not_startable(spec, params_of[model], not args.no_skip) or child(spec, label)
+                run = record(spec, res)
+                if ratio is not None:
+                    run["twinflow_ratio"] = ratio
+                    if run["ok"]:
+                        ran.append(run)
+                if system == "offload":
+                    add_bound(run, calibration.get(model), hw)
+                out["runs"].append(run)
+                write_json(args.json, out)
+                console.print(f"{label}: {run['status']}" + (f", {run['step_s']:.4f} s/step" if run["ok"] else
+                                                             f" ({(run['error'] or '')[:160]})"))
+            if ran:  # the ratio a user tuning it would keep: the fastest that ran
+                min(ran, key=lambda r: r["step_s"])["twinflow_best"] = True
+                write_json(args.json, out)
     out["total_s"] = time.perf_counter() - t_start
     out["machine"]["load_average_end"] = list(os.getloadavg())
     write_json(args.json, out)
@@ -261,7 +293,9 @@ def print_table(console: Console, out: dict) -> None:
         o = ours.get((r["model"], r["budget_bytes"]))
         speed = (f"{o['tokens_per_s'] / r['tokens_per_s']:.2f}x" if o and r["ok"] and r["system"] != "offload"
                  else "")
-        t.add_row(r["model"], gib(r["budget_bytes"]), r["system"], r["status"],
+        system = r["system"] + (f" r={r['twinflow_ratio']:g}" + (" (best)" if r.get("twinflow_best") else "")
+                                 if r.get("twinflow_ratio") is not None else "")
+        t.add_row(r["model"], gib(r["budget_bytes"]), system, r["status"],
                   f"{r['step_s']:.4f}" if r["step_s"] else "-",
                   f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-",
                   f"{r['tflops']:.2f}" if r["tflops"] else "-", gib(r["peak_gpu_bytes"]), gib(r["peak_host_bytes"]),

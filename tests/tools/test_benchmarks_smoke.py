@@ -46,8 +46,10 @@ def test_smoke_records_every_system(smoke):
         assert r["ok"] == (r["status"] == "ok")
         assert r["ok"] or r["error"], f"{r['system']} failed without saying why"
     assert runs["gemini"]["status"] == "not_installed" and "colossalai" in runs["gemini"]["error"]
-    for ds in ("zero_offload", "zero3_offload"):
+    for ds in ("zero_offload", "zero3_offload", "twinflow"):
         assert runs[ds]["status"] in ("not_runnable", "not_installed")
+    ratios = [r["twinflow_ratio"] for r in data["runs"] if r["system"] == "twinflow"]
+    assert ratios == [float(x) for x in vs_baselines.TWINFLOW_RATIOS.split(",")]  # none ran: all tried
     if importlib.util.find_spec("torchao") is None:
         assert runs["torchao"]["status"] == "not_installed"
     else:  # it really ran, and its own error is recorded
@@ -152,6 +154,43 @@ def test_cannot_fit_and_precheck():
         assert bench_systems.precheck(spec)[0] == "not_runnable"
         assert bench_systems.precheck(spec | {"cpu_deepspeed": True}) is None
     assert bench_systems.precheck({"system": "offload", "device": "cpu"}) is None
+
+
+def test_twinflow_needs_its_gpu_share_and_a_ratio_with_zero3():
+    # 10**9 params at 8 GiB: bf16 params (2 B) plus 12 B of optimizer per GPU-held param; 0.6 of the optimizer
+    # on the GPU is 9.2 GB, 0.5 of it on the CPU too much, 0.8 fits the arithmetic
+    assert bench_runner.cannot_fit("twinflow", 10**9, 8 * 2**30, 0.4) is not None
+    assert bench_runner.cannot_fit("twinflow", 10**9, 8 * 2**30, 0.8) is None
+    cfg = bench_systems.deepspeed_config({"batch": 2, "lr": 1e-4}, bench_systems.torch.device("cpu"), 3, 0.7)
+    assert cfg["zero_optimization"]["offload_optimizer"]["ratio"] == 0.7
+    assert "offload_param" not in cfg["zero_optimization"]  # Twin-Flow keeps the params on the GPU
+    assert "offload_param" in bench_systems.deepspeed_config({"batch": 2, "lr": 1e-4},
+                                                             bench_systems.torch.device("cpu"), 3)["zero_optimization"]
+    with pytest.raises(ValueError, match="ZeRO-3 only"):
+        bench_systems.deepspeed_config({"batch": 2, "lr": 1e-4}, bench_systems.torch.device("cpu"), 2, 0.7)
+
+
+def test_the_twinflow_sweep_stops_at_the_first_ratio_that_runs(tmp_path, monkeypatch):
+    """The harness's sweep, with the child replaced: ratios under 0.5 run out of memory, 0.5 and up run."""
+    def child(spec, timeout_s, log=None):
+        if spec["twinflow_ratio"] < 0.5:
+            return {"ok": False, "status": "oom", "error": "CUDA out of memory (stand-in)"}
+        return {"ok": True, "status": "ok", "params": 1000, "step_times_s": [2.0 - spec["twinflow_ratio"]]}
+
+    monkeypatch.setattr(vs_baselines, "run_child", child)
+    monkeypatch.setattr(vs_baselines, "not_startable", lambda *a, **k: None)
+    path = tmp_path / "tf.json"
+    for extra, ran in (([], [0.5]), (["--twinflow-all"], [0.5, 0.6])):
+        argv = ["--smoke", "--cases", "tiny-gpt@768KiB", "--systems", "twinflow", "--twinflow-ratios", "0.6,0.3,0.5",
+                "--json", str(path), *extra]
+        assert vs_baselines.main(argv) == 0
+        runs = json.loads(path.read_text())["runs"]
+        assert [(r["twinflow_ratio"], r["status"]) for r in runs] == [
+            (0.3, "oom"), (0.5, "ok"), (0.6, "ok" if 0.6 in ran else "not_run")]
+        best = [r["twinflow_ratio"] for r in runs if r.get("twinflow_best")]
+        assert best == [0.6 if 0.6 in ran else 0.5]  # the fastest that ran (the stand-in is faster at 0.6)
+        table = "\n".join(plot.speedups({"runs": runs}) + plot.vs_table({"runs": runs}))
+        assert "twinflow" in table
 
 
 def test_child_crash_and_timeout_are_recorded():
