@@ -287,6 +287,10 @@ def deepspeed_config(spec: dict, device: torch.device, stage: int, ratio: float 
         if stage != 3 or not 0.0 <= ratio <= 1.0:
             raise ValueError(f"a Twin-Flow ratio is a fraction in [0, 1], with ZeRO-3 only; got {ratio} at stage {stage}")
         zero["offload_optimizer"]["ratio"] = ratio
+        # DeepSpeed applies the ratio per optimizer sub-group (the first int((1 - r) x groups) stay on the GPU);
+        # its default sub_group_size of 1e9 elements leaves gpt2-xl two groups, so most ratios would change
+        # nothing. 1e7 elements: ~1 % steps for a model of 1B+ parameters.
+        zero["sub_group_size"] = int(1e7)
     elif stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     return {

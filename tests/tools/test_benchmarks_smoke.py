@@ -164,6 +164,7 @@ def test_twinflow_needs_its_gpu_share_and_a_ratio_with_zero3():
     cfg = bench_systems.deepspeed_config({"batch": 2, "lr": 1e-4}, bench_systems.torch.device("cpu"), 3, 0.7)
     assert cfg["zero_optimization"]["offload_optimizer"]["ratio"] == 0.7
     assert "offload_param" not in cfg["zero_optimization"]  # Twin-Flow keeps the params on the GPU
+    assert cfg["zero_optimization"]["sub_group_size"] <= 1e7  # the ratio applies per sub-group
     assert "offload_param" in bench_systems.deepspeed_config({"batch": 2, "lr": 1e-4},
                                                              bench_systems.torch.device("cpu"), 3)["zero_optimization"]
     with pytest.raises(ValueError, match="ZeRO-3 only"):
