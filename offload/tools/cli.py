@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--intra", default="nvlink3", help="link inside a node for --gpus: nvlink3, nvlink4, pcie4-p2p, "
                    "pcie5-p2p (nominal presets, offload/planning/collectives.py)")
     r.add_argument("--inter", default="ib200", help="network between nodes for --nodes: eth100, ib200, ib400, ib8x400")
+    r.add_argument("--micro-batches", type=int, default=1, help="data parallel: forward and backward passes per step "
+                   "(gradient accumulation: the engine then runs overlap_optimizer=False; default 1)")
+    r.add_argument("--no-sync", action="store_true", help="data parallel, with --micro-batches: all backward passes "
+                   "but the last inside engine.no_sync() (no all-reduce)")
     r.set_defaults(run=_report)
     p = sub.add_parser("probe", help="measure this machine: PCIe curve (CUDA), CPU AdamW, host bandwidth")
     p.add_argument("--json", metavar="PATH", help="write the measurements (and a hardware model) as JSON")
@@ -152,13 +156,19 @@ def _report(args, console: Console) -> int:
     err = Console(stderr=True)
     show = not args.json and err.is_terminal
     try:
+        if (args.micro_batches != 1 or args.no_sync) and args.gpus == 1 and args.nodes == 1:
+            raise ReportError("--micro-batches and --no-sync apply to the data-parallel figures (--gpus 2 or more): "
+                              "the single-GPU report models one backward per step", usage=True)
+        if args.micro_batches < 1 or (args.no_sync and args.micro_batches < 2):
+            raise ReportError("--micro-batches must be 1 or more, and --no-sync needs 2 or more", usage=True)
         request = _request(args)
         with err.status("offload report") if show else contextlib.nullcontext() as status:
             report = make_report(request, progress=status.update if status is not None else lambda msg: None)
         dp = None
         if args.gpus > 1 or args.nodes > 1:  # issue 20: per-rank and per-node figures with the collectives
             from .report_dp import data_parallel
-            dp = data_parallel(report, args.gpus, args.nodes, args.intra, args.inter)
+            dp = data_parallel(report, args.gpus, args.nodes, args.intra, args.inter, args.micro_batches,
+                               args.no_sync)
     except ReportError as e:
         return _fail(str(e), USAGE_ERROR if e.usage else 1)
     if args.json:

@@ -9,12 +9,16 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   data-parallel step]): each rank's single-GPU plan (the report's ``plan``), whole buckets copied each way,
   every collective on the host through gloo, serial with the shard's AdamW on the rank's CPU lane; on gloo's
   nominal presets (``collectives.GLOO_INTRA``, and over ``--inter``'s NICs ``GLOO_INTER_OF``). float16 defers
-  every update to ``step()``: its figures are the deferred path's ([Note: the runtime's deferred data-parallel
-  step]) for one backward per step (``micro_batches`` 1: the report has no accumulation option), whose end
-  all-reduces every bucket's grads (``all_reduce_busy_s``); ``runtime_path`` says which path (``overlapped``
-  or ``deferred``);
+  every update to ``step()``, and so does gradient accumulation (``--micro-batches K``: K forward and backward
+  passes per step, the engine with ``overlap_optimizer=False``): their figures are the deferred path's ([Note:
+  the runtime's deferred data-parallel step]), whose synced backwards all-reduce every bucket's grads
+  (``all_reduce_busy_s``; with ``--no-sync`` only the last of the K, the others inside ``engine.no_sync()``);
+  ``runtime_path`` says which path (``overlapped`` or ``deferred``), ``micro_batches`` and ``no_sync`` what
+  was asked, and tokens/s counts every micro-batch;
 * the **design** path (issue 20's plan, not what runs: ``offload/planning/data_parallel.py``): the rank plan
-  costed with device NCCL collectives on the ``--intra``/``--inter`` presets.
+  costed with device NCCL collectives on the ``--intra``/``--inter`` presets. It, and ZeRO-Offload's
+  data-parallel rule beside it, model one backward per step: with ``--micro-batches`` above 1 their step keys
+  stay None and ``design_note`` says why.
 
 Host bytes are what the runtime allocates (``offload/host/shard.py``'s layout: its 1/N shard of the fp32
 master, Adam m and v and summed grad, plus the whole device-dtype copy and landing grad; tested equal to the
@@ -41,10 +45,32 @@ RUNS = "runtime"
 DEFERRED_FP16 = ("float16 defers every update to step() (loss scaling): the deferred path, one backward per step "
                  "(its end all-reduces every bucket's grads over the ranks; step() updates each rank's shard and "
                  "all-gathers the 16-bit copy)")
+DESIGN_ONE_BACKWARD = ("the design path and ZeRO-Offload's data-parallel rule are modelled for one backward per "
+                       "step only: no figure with --micro-batches above 1")
 
 
-def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str) -> dict:
-    """The data-parallel figures of ``report``'s model and budget on ``gpus`` GPUs over ``nodes`` nodes."""
+def deferred_note(fp16: bool, micro_batches: int, no_sync: bool) -> str:
+    """What the deferred figures stand for."""
+    if micro_batches == 1:
+        return DEFERRED_FP16
+    why = "float16 and gradient accumulation defer" if fp16 else "gradient accumulation defers"
+    synced = ("only the last backward all-reduces every bucket's grads over the ranks, the others run inside "
+              "engine.no_sync()" if no_sync else "every backward's end all-reduces every bucket's grads over the ranks")
+    return (f"{micro_batches} forward and backward passes per step; {why} every update to step() "
+            f"(overlap_optimizer=False): the deferred path. Grads are summed on the host; {synced}; step() updates "
+            "each rank's shard and all-gathers the 16-bit copy")
+
+
+def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str, micro_batches: int = 1,
+                  no_sync: bool = False) -> dict:
+    """The data-parallel figures of ``report``'s model and budget on ``gpus`` GPUs over ``nodes`` nodes, with
+    ``micro_batches`` forward and backward passes per step (``no_sync``: all but the last inside
+    ``engine.no_sync()``)."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ReportError(f"--micro-batches must be an integer >= 1; got {micro_batches!r}", usage=True)
+    if no_sync and micro_batches < 2:
+        raise ReportError("--no-sync needs --micro-batches 2 or more: it leaves out the all-reduce of every backward "
+                          "but the last of a step", usage=True)
     try:
         cluster = cluster_of(gpus, nodes, intra, inter)
         gloo = gloo_cluster_of(gpus, nodes, "loopback", GLOO_INTER_OF[cluster.inter.name])
@@ -52,7 +78,8 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str)
         raise ReportError(f"--gpus/--nodes/--intra/--inter: {e}", usage=True) from None
     r, plan = report.request, report.plan
     lowp = plan.itemsize if r.dtype != torch.float32 else 0
-    accumulate = r.dtype == torch.float16  # as the single-GPU report's host breakdown
+    fp16 = r.dtype == torch.float16
+    accumulate = fp16 or micro_batches > 1  # deferred updates, fp32 grad sums on the host
     links = (cluster.intra, cluster.inter, gloo.intra, gloo.inter) if cluster.nodes > 1 else (cluster.intra,
                                                                                               gloo.intra)
     per_rank = runtime_host_bytes_per_rank(plan.buckets, plan.itemsize, cluster.world, accumulate)
@@ -69,25 +96,29 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str)
         "host_bytes_per_node_design": host_bytes_per_node(plan.buckets, lowp, cluster, accumulate),
         "fits": False, "device_peak_bytes_per_rank": None, "predicted_step_s": None, "tokens_per_s": None,
         "all_gather_busy_s": None, "reduce_scatter_busy_s": None, "check_busy_s": None, "runtime_note": None,
-        "runtime_path": "deferred" if accumulate else "overlapped", "micro_batches": 1, "all_reduce_busy_s": None,
-        "accumulate_busy_s": None,
-        "fits_design": False, "device_peak_bytes_per_rank_design": None, "predicted_step_s_design": None,
+        "runtime_path": "deferred" if accumulate else "overlapped", "micro_batches": micro_batches,
+        "no_sync": no_sync, "all_reduce_busy_s": None, "accumulate_busy_s": None,
+        "design_note": DESIGN_ONE_BACKWARD if micro_batches > 1 else None,  # fits_design None then: not known
+        "fits_design": False if micro_batches == 1 else None, "device_peak_bytes_per_rank_design": None, "predicted_step_s_design": None,
         "tokens_per_s_design": None, "all_gather_busy_s_design": None, "reduce_scatter_busy_s_design": None,
         "zero_offload_step_s": None,
     }
     if not report.fits:
         return out
-    tokens = cluster.world * r.batch * r.seq
+    tokens = cluster.world * r.batch * r.seq * micro_batches
     out.update(fits=True, device_peak_bytes_per_rank=plan.peak_bytes)
-    if accumulate:  # float16: updates deferred to step() ([Note: the runtime's deferred data-parallel step])
-        rt = simulate_runtime_deferred_plan(plan, r.hw, gloo, report.compute_s, micro_batches=1)
-        out.update(runtime_note=DEFERRED_FP16)
+    if accumulate:  # updates deferred to step() ([Note: the runtime's deferred data-parallel step])
+        rt = simulate_runtime_deferred_plan(plan, r.hw, gloo, report.compute_s, micro_batches=micro_batches,
+                                            no_sync=no_sync)
+        out.update(runtime_note=deferred_note(fp16, micro_batches, no_sync))
     else:
         rt = simulate_runtime_plan(plan, r.hw, gloo, report.compute_s)
     out.update(predicted_step_s=rt.step_s, tokens_per_s=tokens / rt.step_s,
                all_gather_busy_s=rt.all_gather_busy_s, reduce_scatter_busy_s=rt.reduce_scatter_busy_s,
                check_busy_s=rt.check_busy_s, all_reduce_busy_s=rt.all_reduce_busy_s,
                accumulate_busy_s=rt.accumulate_busy_s)
+    if micro_batches > 1:
+        return out  # DESIGN_ONE_BACKWARD
     try:
         rank = build_rank_plan(plan.trace, plan.buckets, itemsize=plan.itemsize, budget_bytes=r.budget_bytes,
                                fixed_bytes=plan.fixed_bytes, hw=r.hw, cluster=cluster, compute_s=report.compute_s)
@@ -111,32 +142,39 @@ def runtime_host_bytes_per_rank(buckets, device_itemsize: int, world: int, accum
 
 
 def render_data_parallel(dp: dict, console: Console) -> None:
-    t = Table(title=f"data parallel on {dp['gpus']} GPUs ({dp['nodes']} node(s) x {dp['gpus_per_node']}): "
+    k = dp["micro_batches"]
+    steps = (f", {k} micro-batches a step" + (" (no_sync on all but the last)" if dp["no_sync"] else "")
+             if k > 1 else "")
+    t = Table(title=f"data parallel on {dp['gpus']} GPUs ({dp['nodes']} node(s) x {dp['gpus_per_node']}){steps}: "
                     "SIMULATED, link presets")
     t.add_column("")
     t.add_column("runtime path (what runs)", justify="right")
     t.add_column("design path (issue 20, not run)", justify="right")
     t.add_row("collectives", "gloo on the host: " + dp["gloo_intra"] + (f" + {dp['gloo_inter']}" if dp["gloo_inter"]
               else ""), "NCCL on the device: " + dp["intra"] + (f" + {dp['inter']}" if dp["inter"] else ""))
+    design = dp["design_note"] is None  # else: not modelled (the note says why)
     t.add_row("device peak per rank", _bytes(dp["device_peak_bytes_per_rank"]),
-              _bytes(dp["device_peak_bytes_per_rank_design"]))
+              _bytes(dp["device_peak_bytes_per_rank_design"]) if design else "not modelled")
     t.add_row("pinned host per rank", format_bytes(dp["host_bytes_per_rank"]),
               format_bytes(dp["host_bytes_per_rank_design"]))
     t.add_row("pinned host per node", format_bytes(dp["host_bytes_per_node"]),
               format_bytes(dp["host_bytes_per_node_design"]))
     t.add_row("step (with collectives)", _seconds(dp["predicted_step_s"]),
-              _seconds(dp["predicted_step_s_design"]))
+              _seconds(dp["predicted_step_s_design"]) if design else "not modelled")
     t.add_row("tokens/s (all ranks)", _rate(dp["tokens_per_s"]), _rate(dp["tokens_per_s_design"]))
     t.add_row("all-gather / reduce-scatter busy", _pair(dp["all_gather_busy_s"], dp["reduce_scatter_busy_s"]),
               _pair(dp["all_gather_busy_s_design"], dp["reduce_scatter_busy_s_design"]))
     if dp["runtime_path"] == "deferred" and dp["all_reduce_busy_s"] is not None:
-        t.add_row("all-reduce per backward busy", f"{dp['all_reduce_busy_s']:.3f} s", "")
+        t.add_row("all-reduce busy (every synced backward)" if k > 1 else "all-reduce per backward busy",
+                  f"{dp['all_reduce_busy_s']:.3f} s", "")
     if dp["zero_offload_step_s"] is not None:
         t.add_row("ZeRO-Offload's DP rule, step", "", f"{dp['zero_offload_step_s']:.3f} s"
                   + ("" if dp["zero_offload_fits"] else " (over the budget)"))
     console.print(t)
     if dp["runtime_note"]:
         console.print(f"  runtime path: {dp['runtime_note']}")
+    if dp["design_note"]:
+        console.print(f"  design path: {dp['design_note']}")
     for name, source in dp["links"].items():
         console.print(f"  {name}: {source}")
 

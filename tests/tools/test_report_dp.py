@@ -77,3 +77,31 @@ def test_report_gpus_table_and_usage_errors(capsys):
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "6", "--nodes", "4"]) == 2
     assert "evenly" in capsys.readouterr().err
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "2", "--intra", "nvlink9"]) == 2
+
+
+def test_report_gpus_with_micro_batches_gives_the_deferred_path_per_step_of_k(capsys):
+    # K micro-batches a step: the deferred path (overlap_optimizer=False), tokens of all K, every synced backward
+    # all-reduces; no_sync leaves that to the last; the design path and ZeRO-Offload's rule are not modelled
+    rc, one = _json(capsys, "--gpus", "2")
+    rc4, four = _json(capsys, "--gpus", "2", "--micro-batches", "4")
+    rcn, nosync = _json(capsys, "--gpus", "2", "--micro-batches", "4", "--no-sync")
+    assert rc == rc4 == rcn == 0
+    one, four, nosync = one["data_parallel"], four["data_parallel"], nosync["data_parallel"]
+    assert four["runtime_path"] == nosync["runtime_path"] == "deferred" and four["micro_batches"] == 4
+    assert (four["no_sync"], nosync["no_sync"]) == (False, True) and "4 forward and backward" in four["runtime_note"]
+    assert four["tokens_per_s"] == pytest.approx(2 * 4 * 1024 / four["predicted_step_s"])  # batch 1, seq 1024
+    assert four["host_bytes_per_rank"] > one["host_bytes_per_rank"]  # the fp32 grad sums on the host
+    assert four["all_reduce_busy_s"] == pytest.approx(4 * nosync["all_reduce_busy_s"])
+    assert four["predicted_step_s"] > nosync["predicted_step_s"] > one["predicted_step_s"]
+    for dp in (four, nosync):
+        assert dp["design_note"] and dp["fits_design"] is None and dp["predicted_step_s_design"] is None
+        assert dp["zero_offload_step_s"] is None
+    assert one["design_note"] is None and one["fits_design"] and one["micro_batches"] == 1
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "2",
+                     "--micro-batches", "4", "--no-sync"]) == 0
+    text = capsys.readouterr().out
+    assert "4 micro-batches a step (no_sync on all but the last)" in text and "not modelled" in text
+    # asked where it cannot apply, or nonsense: a usage error, never ignored
+    for bad in (["--micro-batches", "2"], ["--gpus", "2", "--no-sync"], ["--gpus", "2", "--micro-batches", "0"]):
+        assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", *bad]) == 2
+        assert "--micro-batches" in capsys.readouterr().err
