@@ -12,7 +12,10 @@ Every system trains the same model (``offload.tools.presets``-style transformer,
 with AdamW and bf16 compute over fp32 master weights, and no activation checkpointing for anyone (the
 same setting for every system; this engine's ``activation_checkpointing`` stays off):
 
-    offload        this engine: fp32 masters + AdamW state on the host, bf16 buckets streamed, CPU AdamW
+    offload        this engine: fp32 masters + AdamW state on the host, bf16 buckets streamed, CPU AdamW;
+                   it plans with the harness's ``--hw`` (on a GPU machine the ``offload probe`` of that machine)
+    offload_devopt this engine with ``device_optimizer=True``: the planner may keep some buckets' fp32 master,
+                   m and v on the GPU and update them there (issue 18)
     zero_offload   DeepSpeed ZeRO-2, offload_optimizer to pinned CPU memory (bf16 params on the GPU)
     zero3_offload  DeepSpeed ZeRO-3, offload_param and offload_optimizer to pinned CPU memory
     twinflow       DeepSpeed ZeRO-3 "Twin-Flow" (ZeRO-Offload++): offload_optimizer to pinned CPU memory with
@@ -56,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from offload.tools.presets import Shape, Transformer  # noqa: E402
 
-SYSTEMS = ("offload", "zero_offload", "zero3_offload", "twinflow", "torchao", "torch", "gemini")
+SYSTEMS = ("offload", "offload_devopt", "zero_offload", "zero3_offload", "twinflow", "torchao", "torch", "gemini")
+OURS = ("offload", "offload_devopt")
 PACKAGE = {"zero_offload": "deepspeed", "zero3_offload": "deepspeed", "twinflow": "deepspeed", "torchao": "torchao",
            "gemini": "colossalai"}
 DEEPSPEED = ("zero_offload", "zero3_offload", "twinflow")
@@ -204,7 +208,10 @@ def sys_offload(spec, device, idx):
     model = build_model(spec, torch.device("cpu"), torch.float32)  # the engine takes the fp32 model on the host
     opt = offload.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01)
     kw = {"bucket_bytes": parse_bytes(spec["bucket_bytes"])} if spec.get("bucket_bytes") else {}
-    engine = offload.wrap(model, opt, budget=spec["budget_bytes"], dtype=torch.bfloat16, device=device, **kw)
+    if spec.get("hw"):  # plan for the machine: its probe on a GPU machine (what a user is told to do)
+        kw["hw"] = spec["hw"]
+    engine = offload.wrap(model, opt, budget=spec["budget_bytes"], dtype=torch.bfloat16, device=device,
+                          device_optimizer=spec["system"] == "offload_devopt", **kw)
 
     def step():
         engine.backward(engine(idx))
@@ -223,8 +230,8 @@ def sys_offload(spec, device, idx):
         if plan is not None:
             t = plan.trace
             out["least_traffic"] = least_traffic(t, plan.buckets, plan.itemsize, plan.capacity_bytes)
-            # The simulator's step for this plan: as planned (the runtime plans with its default hardware
-            # preset and the warm-up step's wall times), and with --hw's link and AdamW figures.
+            # The simulator's step for this plan: as planned (with --hw's figures, and the compute times of
+            # compute_clock), and re-simulated with --hw's (the same model: kept for older result files).
             out["predicted_step_s"] = plan.simulated.step_s if plan.simulated is not None else None
             out["planned_with_hw"] = plan.hw_name
             if spec.get("hw"):
@@ -237,6 +244,7 @@ def sys_offload(spec, device, idx):
             # (calibrate_compute, on for CUDA: [Note: timing compute] in offload/runtime/executor.py)
             out["compute_clock"] = t.clock
         out["compute_timing"] = stats["compute_timing"]
+        out["device_optimizer"] = stats["device_optimizer"]  # issue 18: bytes per placement, the kernel used
         return out
 
     return step, count_params(model), details, engine.close
@@ -364,7 +372,7 @@ def sys_compute(spec, device, idx):
 
 
 RUNNERS = {
-    "offload": sys_offload, "torch": sys_torch, "torchao": sys_torchao, "gemini": sys_gemini,
+    "offload": sys_offload, "offload_devopt": sys_offload, "torch": sys_torch, "torchao": sys_torchao, "gemini": sys_gemini,
     "zero_offload": lambda s, d, i: sys_deepspeed(s, d, i, stage=2),
     "zero3_offload": lambda s, d, i: sys_deepspeed(s, d, i, stage=3),
     "twinflow": lambda s, d, i: sys_deepspeed(s, d, i, stage=3, ratio=s["twinflow_ratio"]),
@@ -449,7 +457,7 @@ def run(spec: dict) -> dict:
     if device.type == "cuda" and torch.cuda.is_initialized():
         out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    elif spec["system"] == "offload" and out.get("details"):
+    elif spec["system"] in OURS and out.get("details"):
         out["peak_gpu_bytes"] = out["details"]["device_peak_bytes"]  # the CPU backend's "device", accounted
     out["total_s"] = time.perf_counter() - t0
     out["package_version"] = _version(PACKAGE.get(spec["system"]))

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 from bench_runner import gib, machine, not_startable, run_child, size_label, write_json  # noqa: E402
-from bench_systems import SYSTEMS  # noqa: E402
+from bench_systems import OURS, SYSTEMS  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     for model, budget in args.case_list:
         base = base_spec(args, model)
         params_of.setdefault(model, n_params(args.table[model][0]))
-        if "offload" in args.system_list and model not in calibration:
+        if set(OURS) & set(args.system_list) and model not in calibration:
             spec = base | {"system": "compute", "budget_bytes": None, "warmup": max(1, args.warmup)}
             res = record(spec, child(spec, f"{model}-compute"))
             calibration[model] = res
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
             ran: list[dict] = []  # Twin-Flow's ratios that ran
             for ratio in (args.twinflow_ratio_list if system == "twinflow" else [None]):
                 spec = base | {"system": system, "budget_bytes": budget, "hw": args.hw,
-                               "cap": not (system == "offload" and args.no_cap_offload)}
+                               "cap": not (system in OURS and args.no_cap_offload)}
                 label = f"{model}-{size_label(budget)}-{system}"
                 if ratio is not None:
                     spec["twinflow_ratio"] = ratio
@@ -291,7 +291,7 @@ def print_table(console: Console, out: dict) -> None:
     ours = {(r["model"], r["budget_bytes"]): r for r in out["runs"] if r["system"] == "offload" and r["ok"]}
     for r in out["runs"]:
         o = ours.get((r["model"], r["budget_bytes"]))
-        speed = (f"{o['tokens_per_s'] / r['tokens_per_s']:.2f}x" if o and r["ok"] and r["system"] != "offload"
+        speed = (f"{o['tokens_per_s'] / r['tokens_per_s']:.2f}x" if o and r["ok"] and r["system"] not in OURS
                  else "")
         system = r["system"] + (f" r={r['twinflow_ratio']:g}" + (" (best)" if r.get("twinflow_best") else "")
                                  if r.get("twinflow_ratio") is not None else "")
