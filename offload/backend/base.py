@@ -29,7 +29,8 @@ class Event(Protocol):
 class Timer(Protocol):
     """A clock on compute's own timeline ([Note: timing compute] in offload/runtime/executor.py): ``mark()``
     notes where compute has got to, ``seconds(marks)`` says, for each mark, how many seconds after the
-    first one compute reached it (blocking until the last one is reached)."""
+    first one compute reached it, blocking until the last of ``marks`` is reached: that one must be the
+    latest made."""
 
     def mark(self) -> object: ...
 

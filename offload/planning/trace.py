@@ -205,12 +205,13 @@ class Recorder:
         if self.timer is None:
             raise ValueError("no timer")
         n = len(self.marks)
-        flat: list[object] = [*self.marks, self.timer.mark()]
+        flat: list[object] = list(self.marks)
         for _, begin, end in self.excluded_marks:
             flat += [begin, end]
+        flat.append(self.timer.mark())  # the end of the last event, and the latest mark: Timer.seconds waits for it
         at = self.timer.seconds(flat)
-        seconds = tuple(max(0.0, b - a) for a, b in zip(at[:n], at[1:n + 1]))
+        seconds = tuple(max(0.0, b - a) for a, b in zip(at[:n], [*at[1:n], at[-1]]))
         overhead = [0.0] * n
         for j, (i, _, _) in enumerate(self.excluded_marks):
-            overhead[i] += max(0.0, at[n + 2 + 2 * j] - at[n + 1 + 2 * j])
+            overhead[i] += max(0.0, at[n + 1 + 2 * j] - at[n + 2 * j])
         return seconds, tuple(overhead)

@@ -115,6 +115,8 @@ class FakeEvent:
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self.at is None or end.at is None:
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not (self.query() and end.query()):  # CUDA: cudaErrorNotReady until both are complete
+            raise RuntimeError("CUDA error: device not ready")
         return (end.at - self.at) * 1e3
 
     def query(self) -> bool:
