@@ -25,8 +25,9 @@ next plan is checked the same way. What it costs: one more full step's record wi
 record each, a few microseconds) and one wait for the compute stream at that step's end; a re-plan (the
 arena laid out again) where the times were off. ``memory_stats()["compute_timing"]`` shows the last check.
 
-Not covered: forward-only (evaluation) plans keep their host-timed record; a fast step ([Note: the fast
-path]) is never timed (it is never the first step of a plan); the timed step runs the full path's hooks, so
+Not covered: forward-only (evaluation) plans keep their host-timed record; ``activation_checkpointing="auto"``
+chooses its blocks once, by plans built from the first step's times, and the re-plan keeps that choice; a fast
+step ([Note: the fast path]) is never timed (it is never the first step of a plan); the timed step runs the full path's hooks, so
 a GPU that outruns them idles between kernels and the measured compute is what the full path feeds it.
 """
 
