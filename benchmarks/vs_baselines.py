@@ -207,6 +207,22 @@ def add_bound(run: dict, compute: dict | None, hw) -> None:
     run["step_over_bound"] = run["step_s"] / b.seconds
 
 
+def plan_line(details: dict) -> str:
+    """What this engine planned, beside what it measured: the predicted step, the clock its compute times came
+    from, the check of the first planned step ([Note: timing compute]) and the buckets streamed."""
+    pred = details.get("predicted_step_s")
+    timing = details.get("compute_timing") or {}
+    plan = details.get("plan") or {}
+    checked = (f"first planned step: compute {timing['measured_compute_s']:.4f} s measured against "
+               f"{timing['planned_compute_s']:.4f} s planned ({'re-planned' if timing['replanned'] else 'kept'})"
+               if timing else "compute not re-timed")
+    devopt = (details.get("device_optimizer") or {}).get("buckets")
+    return (f"plan: predicted {pred:.4f} s/step" if pred is not None else "plan: no prediction") + \
+        f", compute from the {details.get('compute_clock', '?')} clock; {checked}; " + \
+        f"{plan.get('streamed_buckets', '?')} of {plan.get('num_buckets', '?')} buckets streamed" + \
+        (f", {devopt} with the optimizer on the device" if devopt else "")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 180)
@@ -271,6 +287,8 @@ def main(argv=None) -> int:
                 write_json(args.json, out)
                 console.print(f"{label}: {run['status']}" + (f", {run['step_s']:.4f} s/step" if run["ok"] else
                                                              f" ({(run['error'] or '')[:160]})"))
+                if system in OURS and run["ok"]:
+                    console.print(f"  {plan_line(run.get('details') or {})}")
             if ran:  # the ratio a user tuning it would keep: the fastest that ran
                 min(ran, key=lambda r: r["step_s"])["twinflow_best"] = True
                 write_json(args.json, out)
