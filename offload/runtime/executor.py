@@ -234,6 +234,7 @@ class PlanExecutor:
             self.ctx.stats["compute_replans"] += 1
         self.timing = {"planned_compute_s": planned, "measured_compute_s": measured,
                        "planned_from": plan.trace.clock, "replanned": replan}
+
     def rewind(self) -> None:
         """The pass is over: the next one starts at the plan's first event."""
         self.pos = 0
