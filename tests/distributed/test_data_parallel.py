@@ -427,6 +427,20 @@ def test_a_departure_on_one_rank_makes_every_rank_replan(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_plan_re_timed_on_every_rank_trains_like_one_process(tmp_path):
+    """[Note: timing compute] under data parallel: each rank times its first planned step and, any difference
+    counting (``RETIME_BEYOND`` 0), plans again; the re-plans are agreed, and the weights are still plain
+    PyTorch's on the summed grads, bit for bit."""
+    case = Case(world=2, steps=4, extra={"calibrate": 0.0})
+    results = _ok(run_ranks(case, tmp_path))
+    exact = reference(case, emulate_ranks=True)
+    for r in results:
+        c = r["counters"]
+        assert c["timed_steps"] == 1 and c["compute_replans"] == 1 and c["replans"] == 1, c
+        _assert_weights(r["weights"], exact["weights"])
+
+
+@pytest.mark.slow
 def test_step_after_backward_passes_all_inside_no_sync_reduces_the_local_sums(tmp_path):
     """Every backward inside no_sync (even the last): no backward communicates, and step() reduce-scatters each
     rank's local sum, so the update is still the average over the ranks: bit for bit plain torch (two ranks,

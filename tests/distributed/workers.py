@@ -112,9 +112,14 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
         from offload.testing.chaos import ChaosConfig
         from tests.support.fake_cuda import with_chaos
+        options = {}
+        if "calibrate" in case.extra:  # [Note: timing compute], any difference planned again (this process only)
+            from offload.runtime import executor
+            executor.RETIME_BEYOND = case.extra["calibrate"]
+            options["calibrate_compute"] = True
         with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
             engine = offload.wrap(model, opt, budget="64MiB", dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
-                                  overlap_optimizer=case.overlap)
+                                  overlap_optimizer=case.overlap, **options)
         lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
         if case.overlap:  # updates run during backward: no_sync() cannot hold their collectives back
             try:
