@@ -12,6 +12,12 @@ the engine's trace and plan (``engine._runtime``): the public API exposes only t
 
     python benchmarks/sim_vs_runtime.py --json benchmarks/results/sim_vs_runtime_cpu.json
 
+The prediction above uses compute times from the resident run (the simulator's accuracy). Beside it each case
+records the engine's own prediction, ``plan.simulated`` (``engine_predicted_step_s``): the step its plan was
+built for, from the compute times of the step it planned from: the traced first step, or with ``--calibrate``
+(``OffloadConfig(calibrate_compute=True)``, [Note: timing compute] in offload/runtime/executor.py) the first
+planned step when its compute was more than 25 % off (``compute_timing``).
+
 ``--device-optimizer`` checks plans with mixed placement (issue 18): the engine runs with
 ``OffloadConfig(device_optimizer=True)``, and the device AdamW rate (torch's ``_fused_adamw_`` on CPU tensors,
 on the compute thread, as the CPU backend runs it) is measured too. On this backend the compute thread is
@@ -71,7 +77,7 @@ def device_adam_params_per_s(numel: int = 1 << 22, repeats: int = 5) -> float:
     return numel / best
 
 
-def run(budget, width, depth, batch, steps, bandwidth=None, hw=None, device_optimizer=False):
+def run(budget, width, depth, batch, steps, bandwidth=None, hw=None, device_optimizer=False, calibrate=False):
     model = mlp(width, depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
     # Copies on their lane threads either way (the throttled ones always are): the simulator's copy lanes, and
@@ -80,7 +86,7 @@ def run(budget, width, depth, batch, steps, bandwidth=None, hw=None, device_opti
         lambda device: CPUBackend(bandwidth, bandwidth))
     with mock.patch.object(offload.api, "make_backend", backend):
         engine = offload.wrap(model, opt, budget=budget, device="cpu", bucket_bytes=width * width * 4 + width * 4,
-                              hw=hw, device_optimizer=device_optimizer)
+                              hw=hw, device_optimizer=device_optimizer, calibrate_compute=calibrate)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     times, cpu = [], []
     for _ in range(steps):
@@ -111,6 +117,8 @@ def main() -> int:
     ap.add_argument("--plan-cpu-slowdown", type=float, default=50.0,
                     help="with --device-optimizer: plan for a CPU AdamW this many times slower than measured")
     ap.add_argument("--repeat", type=int, default=1, help="run the whole comparison this many times")
+    ap.add_argument("--calibrate", action="store_true", help="the throttled runs re-time their first planned step "
+                                                              "(calibrate_compute=True; see the docstring)")
     args = ap.parse_args()
     if args.repeat > 1:
         runs = []
@@ -180,7 +188,7 @@ def compare(args) -> tuple[int, dict]:
         load = os.getloadavg()[0]
         with console.status(f"training at budget {frac:.0%} of the parameters, throttled"):
             times, trace, plan, stats = measured_run(budget, args.width, args.depth, args.batch, args.steps,
-                                                     args.bandwidth, plan_hw, args.device_optimizer)
+                                                     args.bandwidth, plan_hw, args.device_optimizer, args.calibrate)
         if [e for e in trace.events] != [e for e in clean.events]:
             console.print("[red]the traced events differ between runs; cannot compare[/red]")
             return 1, out
@@ -193,19 +201,28 @@ def compare(args) -> tuple[int, dict]:
                 "load_avg_1m": load, "device_peak_bytes": stats["device_peak_bytes"],
                 "device_optimizer_buckets": len(plan.device_optimizer),
                 "placement_bytes": stats["device_optimizer"]["bytes"],
-                "compute_thread_cpu_s": stats["compute_thread_cpu_s"]}
+                "compute_thread_cpu_s": stats["compute_thread_cpu_s"],
+                # the engine's own prediction: its plan, with the compute times it was planned from
+                "engine_predicted_step_s": plan.simulated.step_s if plan.simulated is not None else None,
+                "engine_plan_compute_s": sum(plan.trace.compute_seconds), "engine_plan_clock": plan.trace.clock,
+                "compute_timing": stats["compute_timing"]}
+        if case["engine_predicted_step_s"] is not None:
+            case["engine_relative_error"] = (case["engine_predicted_step_s"] - measured) / measured
         case["slowdown"] = stats["slowdown"]
         case["load_ratio"] = stats["slowdown"] / clean_ratio
         out["cases"].append(case)
         rows.append(case)
     table = Table(title=f"simulated vs measured step, CPU backend, link {args.bandwidth / 1e9:.1f} GB/s")
-    for col in ("budget", "resident/buckets", "device optimizer", "measured s", "predicted s", "error", "load",
-                "load ratio"):
+    for col in ("budget", "resident/buckets", "device optimizer", "measured s", "predicted s", "error",
+                "engine's plan s", "its error", "load", "load ratio"):
         table.add_column(col, justify="right")
     for c in rows:
         table.add_row(offload.format_bytes(c["budget_bytes"]), f"{c['resident']}/{c['buckets']}",
                       str(c["device_optimizer_buckets"]),
                       f"{c['measured_step_s']:.3f}", f"{c['predicted_step_s']:.3f}", f"{c['relative_error']:+.0%}",
+                      f"{c['engine_predicted_step_s']:.3f} ({c['engine_plan_clock']})"
+                      if c["engine_predicted_step_s"] is not None else "-",
+                      f"{c['engine_relative_error']:+.0%}" if "engine_relative_error" in c else "-",
                       f"{c['load_avg_1m']:.1f}", f"{c['load_ratio']:.2f}")
     console.print(table)
     out["machine"]["load_avg_1m_after"] = os.getloadavg()[0]
