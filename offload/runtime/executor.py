@@ -33,11 +33,12 @@ a GPU that outruns them idles between kernels and the measured compute is what t
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from ..errors import BudgetTooSmallError, InvariantError
+from ..errors import BudgetTooSmallError, InvariantError, OffloadWarning
 from ..planning.schedule import Plan, build_plan, validate_plan
 from ..planning.trace import EventKind, Recorder, Trace
 from .residency import Residency, Slot
@@ -83,6 +84,7 @@ class PlanExecutor:
         self.checked: Plan | None = None
         self._timer: Timer | None = None
         self.timing: dict[str, object] | None = None
+        self._untimed = False  # the timer failed once: no step is timed again
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
@@ -104,8 +106,8 @@ class PlanExecutor:
     def _step_timer(self) -> Timer | None:
         """The backend's timer where this step checks its plan's compute times ([Note: timing compute])."""
         plan = self.plan
-        if (not self.ctx.config.calibrate_compute or not self.on_plan or not self.grad_enabled or plan is None
-                or plan is not self.train_plan or plan is self.checked):
+        if (not self.ctx.config.calibrate_compute or self._untimed or not self.on_plan or not self.grad_enabled
+                or plan is None or plan is not self.train_plan or plan is self.checked):
             return None
         if self._timer is None:
             self._timer = self.ctx.backend.timer()
@@ -214,9 +216,20 @@ class PlanExecutor:
         rec.activation_peak = activation_peak
         if self.plan is not None and activation_peak > self.plan.activation_bytes:
             self.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
-        self.trace = rec.finish()
-        if rec.timer is not None:
-            self._check_compute(self.trace)
+        if rec.timer is None:
+            self.trace = rec.finish()
+            return
+        try:
+            self.trace = rec.finish()
+        except RuntimeError as e:  # a diagnostic must not end the training: say so, and go on with host times
+            self._untimed = True
+            rec.timer = None
+            self.trace = rec.finish()
+            warnings.warn(f"offload: timing this step's compute on the device failed ({e}); the plan keeps the "
+                          "compute times it was built with and no later step is timed ([Note: timing compute]; "
+                          "calibrate_compute=False turns the timing off)", OffloadWarning, stacklevel=2)
+            return
+        self._check_compute(self.trace)
 
     def _check_compute(self, trace: Trace) -> None:
         """A timed step's record is in ([Note: timing compute]): if it followed the training plan to its end,

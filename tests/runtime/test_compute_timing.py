@@ -10,6 +10,7 @@ from torch import nn
 
 import offload
 from offload.backend.base import HostTimer
+from offload.backend.cpu import CPUBackend
 from offload.planning.trace import Recorder
 from offload.runtime import executor as executor_module
 from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
@@ -184,3 +185,17 @@ def test_on_a_simulated_gpu_the_marks_are_timing_events_on_the_compute_stream(si
     b = timer.mark()
     assert a.timing and a.stream is made[0]._compute_stream()
     assert timer.seconds([a, b])[1] >= 0.01
+
+
+def test_a_timer_that_fails_warns_once_and_training_goes_on(monkeypatch):
+    class Broken(HostTimer):
+        def seconds(self, marks):
+            raise RuntimeError("CUDA error: device not ready (stand-in)")
+
+    monkeypatch.setattr(CPUBackend, "timer", lambda self: Broken())
+    with pytest.warns(offload.OffloadWarning, match="timing this step's compute on the device failed") as seen:
+        losses, state, stats, _ = _train(Branchy(), 4, calibrate_compute=True)
+    assert len([w for w in seen if "timing" in str(w.message)]) == 1
+    assert stats[-1]["compute_timing"] is None and stats[-1]["counters"]["replans"] == 0
+    losses0, state0, *_ = _train(Branchy(), 4, calibrate_compute=False)
+    assert losses == losses0 and all(torch.equal(state[k], state0[k]) for k in state0)
