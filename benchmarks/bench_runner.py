@@ -25,7 +25,7 @@ CHILD = HERE / "bench_systems.py"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_systems import PACKAGE, RESIDENT_BYTES_PER_PARAM, precheck, twinflow_resident_bytes  # noqa: E402
+from bench_systems import PACKAGE, precheck, resident_bytes_per_param  # noqa: E402
 from common import cpu_model  # noqa: E402
 
 from offload.config import format_bytes  # noqa: E402
@@ -92,8 +92,7 @@ def not_startable(spec: dict, params: int, skip_cannot_fit: bool = True) -> dict
 def cannot_fit(system: str, params: int, budget: int | None, ratio: float | None = None) -> str | None:
     """The reason a run certainly cannot fit the budget (its resident params alone exceed it), else None.
     ``ratio``: Twin-Flow's offloaded fraction (system "twinflow")."""
-    per = twinflow_resident_bytes(ratio) if system == "twinflow" and ratio is not None else \
-        RESIDENT_BYTES_PER_PARAM.get(system)
+    per = resident_bytes_per_param(system, ratio)
     if per is None or budget is None or per * params <= budget:
         return None
     what = f"{system} at ratio {ratio}" if system == "twinflow" else system

@@ -67,15 +67,18 @@ DEEPSPEED = ("zero_offload", "zero3_offload", "twinflow")
 RESIDENT_BYTES_PER_PARAM = {"torch": 16, "torchao": 4, "zero_offload": 2}
 """Bytes per parameter a system must keep on the GPU whatever else it does (fp32 params + grads + AdamW m, v
 for plain torch; fp32 params for torchao; bf16 params for ZeRO-2): a run whose params alone exceed the budget
-cannot fit, so the harness records it as skipped instead of spending GPU time on a certain OOM. Twin-Flow at
-ratio r: :func:`twinflow_resident_bytes`."""
-
-
-def twinflow_resident_bytes(ratio: float) -> float:
-    """Bytes per parameter Twin-Flow at ``ratio`` keeps on the GPU at least: bf16 params (2) and the fp32
-    master, m and v (12) of the GPU's share 1 - r (its grads and buffers come on top)."""
-    return 2 + (1 - ratio) * 12
+cannot fit, so the harness records it as skipped instead of spending GPU time on a certain OOM. Twin-Flow:
+:func:`resident_bytes_per_param`."""
 INIT_STD = 0.02
+
+
+def resident_bytes_per_param(system: str, ratio: float | None = None) -> float | None:
+    """Bytes per parameter ``system`` keeps on the GPU at least (None: nothing certain, it streams).
+    Twin-Flow at ``ratio``: bf16 params (2) and the fp32 master, m and v (12) of the GPU's share 1 - r (its
+    grads and buffers come on top)."""
+    if system == "twinflow" and ratio is not None:
+        return 2 + (1 - ratio) * 12
+    return RESIDENT_BYTES_PER_PARAM.get(system)
 
 
 class NotRunnable(Exception):
@@ -293,7 +296,8 @@ def deepspeed_config(spec: dict, device: torch.device, stage: int, ratio: float 
             "allgather_bucket_size": int(2e8)}
     if ratio is not None:
         if stage != 3 or not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"a Twin-Flow ratio is a fraction in [0, 1], with ZeRO-3 only; got {ratio} at stage {stage}")
+            raise ValueError(f"a Twin-Flow ratio is a fraction in [0, 1], with ZeRO-3 only; got {ratio} at "
+                             f"stage {stage}")
         zero["offload_optimizer"]["ratio"] = ratio
         # DeepSpeed applies the ratio per optimizer sub-group (the first int((1 - r) x groups) stay on the GPU);
         # its default sub_group_size of 1e9 elements leaves gpt2-xl two groups, so most ratios would change
@@ -372,7 +376,8 @@ def sys_compute(spec, device, idx):
 
 
 RUNNERS = {
-    "offload": sys_offload, "offload_devopt": sys_offload, "torch": sys_torch, "torchao": sys_torchao, "gemini": sys_gemini,
+    "offload": sys_offload, "offload_devopt": sys_offload, "torch": sys_torch, "torchao": sys_torchao,
+    "gemini": sys_gemini,
     "zero_offload": lambda s, d, i: sys_deepspeed(s, d, i, stage=2),
     "zero3_offload": lambda s, d, i: sys_deepspeed(s, d, i, stage=3),
     "twinflow": lambda s, d, i: sys_deepspeed(s, d, i, stage=3, ratio=s["twinflow_ratio"]),
@@ -420,7 +425,7 @@ def classify(e: BaseException) -> str:
 
 def run(spec: dict) -> dict:
     device = torch.device(spec["device"])
-    if device.type == "cuda" and device.index is None:  # set_per_process_memory_fraction wants an index (seen on torch 2.11)
+    if device.type == "cuda" and device.index is None:  # set_per_process_memory_fraction wants one (torch 2.11)
         device = torch.device("cuda", torch.cuda.current_device())
     out: dict = {"status": "error", "ok": False, "error": None, "budget_enforced": False}
     t0 = time.perf_counter()

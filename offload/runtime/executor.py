@@ -27,8 +27,9 @@ arena laid out again) where the times were off. ``memory_stats()["compute_timing
 
 Not covered: forward-only (evaluation) plans keep their host-timed record; ``activation_checkpointing="auto"``
 chooses its blocks once, by plans built from the first step's times, and the re-plan keeps that choice; a fast
-step ([Note: the fast path]) is never timed (it is never the first step of a plan); the timed step runs the full path's hooks, so
-a GPU that outruns them idles between kernels and the measured compute is what the full path feeds it.
+step ([Note: the fast path]) is never timed (it is never the first step of a plan); the timed step runs the
+full path's hooks, so a GPU that outruns them idles between kernels and the measured compute is what the full
+path feeds it.
 """
 
 from __future__ import annotations

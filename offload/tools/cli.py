@@ -159,8 +159,8 @@ def _report(args, console: Console) -> int:
         if (args.micro_batches != 1 or args.no_sync) and args.gpus == 1 and args.nodes == 1:
             raise ReportError("--micro-batches and --no-sync apply to the data-parallel figures (--gpus 2 or more): "
                               "the single-GPU report models one backward per step", usage=True)
-        if args.micro_batches < 1 or (args.no_sync and args.micro_batches < 2):
-            raise ReportError("--micro-batches must be 1 or more, and --no-sync needs 2 or more", usage=True)
+        from .report_dp import check_accumulation
+        check_accumulation(args.micro_batches, args.no_sync)  # before the report is built: fails fast
         request = _request(args)
         with err.status("offload report") if show else contextlib.nullcontext() as status:
             report = make_report(request, progress=status.update if status is not None else lambda msg: None)

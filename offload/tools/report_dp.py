@@ -49,6 +49,15 @@ DESIGN_ONE_BACKWARD = ("the design path and ZeRO-Offload's data-parallel rule ar
                        "step only: no figure with --micro-batches above 1")
 
 
+def check_accumulation(micro_batches: int, no_sync: bool) -> None:
+    """``--micro-batches`` / ``--no-sync`` make sense (a usage :class:`ReportError` if not)."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ReportError(f"--micro-batches must be an integer >= 1; got {micro_batches!r}", usage=True)
+    if no_sync and micro_batches < 2:
+        raise ReportError("--no-sync needs --micro-batches 2 or more: it leaves out the all-reduce of every backward "
+                          "but the last of a step", usage=True)
+
+
 def deferred_note(fp16: bool, micro_batches: int, no_sync: bool) -> str:
     """What the deferred figures stand for."""
     if micro_batches == 1:
@@ -66,11 +75,7 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
     """The data-parallel figures of ``report``'s model and budget on ``gpus`` GPUs over ``nodes`` nodes, with
     ``micro_batches`` forward and backward passes per step (``no_sync``: all but the last inside
     ``engine.no_sync()``)."""
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ReportError(f"--micro-batches must be an integer >= 1; got {micro_batches!r}", usage=True)
-    if no_sync and micro_batches < 2:
-        raise ReportError("--no-sync needs --micro-batches 2 or more: it leaves out the all-reduce of every backward "
-                          "but the last of a step", usage=True)
+    check_accumulation(micro_batches, no_sync)
     try:
         cluster = cluster_of(gpus, nodes, intra, inter)
         gloo = gloo_cluster_of(gpus, nodes, "loopback", GLOO_INTER_OF[cluster.inter.name])
@@ -99,7 +104,8 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
         "runtime_path": "deferred" if accumulate else "overlapped", "micro_batches": micro_batches,
         "no_sync": no_sync, "all_reduce_busy_s": None, "accumulate_busy_s": None,
         "design_note": DESIGN_ONE_BACKWARD if micro_batches > 1 else None,  # fits_design None then: not known
-        "fits_design": False if micro_batches == 1 else None, "device_peak_bytes_per_rank_design": None, "predicted_step_s_design": None,
+        "fits_design": False if micro_batches == 1 else None, "device_peak_bytes_per_rank_design": None,
+        "predicted_step_s_design": None,
         "tokens_per_s_design": None, "all_gather_busy_s_design": None, "reduce_scatter_busy_s_design": None,
         "zero_offload_step_s": None,
     }
