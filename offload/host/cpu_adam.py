@@ -54,6 +54,20 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     was told to use and no more. Releases the GIL.
     """
     _check(param, grad, exp_avg, exp_avg_sq, lowp_out, step)
+    return adamw_step_unchecked(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=weight_decay, grad_scale=grad_scale, lowp_out=lowp_out,
+                                check_finite=check_finite, num_threads=num_threads)
+
+
+def adamw_step_unchecked(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                         grad_scale: float = 1.0, lowp_out: torch.Tensor | None = None, check_finite: bool = False,
+                         num_threads: int | None = None) -> bool:
+    """:func:`adamw_step` without its argument checks (~9 us a call, on the AdamW lane once per bucket run and
+    step: issue 17's hot path), for the engine's host state only, whose tensors are views of its own flat
+    fp32 buffers and grad ring: 1-D, contiguous, on the CPU, of the run's length and distinct by
+    construction (tested through :func:`adamw_step`'s callers against torch). Anything else calls
+    :func:`adamw_step`."""
     if not KERNEL_AVAILABLE:
         return adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2,
                                     eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, lowp_out=lowp_out,

@@ -37,7 +37,7 @@ from ..errors import HostMemoryError, InvariantError, KernelUnavailableError
 from ..optim import adamw_
 from ..planning.buckets import HOST_ALIGN, Bucket, ParamSpec, locate
 from .arena import HostArena
-from .cpu_adam import KERNEL_AVAILABLE, adamw_step
+from .cpu_adam import KERNEL_AVAILABLE, adamw_step_unchecked
 from .state import HOST_RAM_HEADROOM, HostState, Landing, step_tensors
 
 SHARD_ALIGN = 16  # elements: every shard starts 64-byte aligned in fp32 (the SIMD loads of the CPU AdamW)
@@ -241,9 +241,9 @@ class ShardedHostState(HostState):
         def one(lo: int, hi: int, step: int, hp: dict) -> None:  # [lo, hi): bucket offsets inside the shard
             a, e = lo - s.start, hi - s.start
             if self.fused:
-                found_inf = adamw_step(master[a:e], grad[a:e], m[a:e], v[a:e], step=step, **hp, grad_scale=scale,
-                                       lowp_out=None if lowp is None else lowp[lo:hi],
-                                       check_finite=self.check_finite)
+                found_inf = adamw_step_unchecked(master[a:e], grad[a:e], m[a:e], v[a:e], step=step, **hp,
+                                                 grad_scale=scale, lowp_out=None if lowp is None else lowp[lo:hi],
+                                                 check_finite=self.check_finite)
                 if found_inf:
                     self._inf_error(b)
                 return

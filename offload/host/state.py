@@ -15,7 +15,7 @@ from ..optim import adamw_
 from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec,
                                 chunk_numel, host_layout, locate)
 from .arena import HostArena
-from .cpu_adam import KERNEL_AVAILABLE, adamw_step
+from .cpu_adam import KERNEL_AVAILABLE, adamw_step_unchecked
 
 if TYPE_CHECKING:
     from ..backend.base import Event
@@ -365,9 +365,9 @@ class HostState:
             scale *= f
 
         def fused(s: int, e: int, step: int, hp: dict) -> None:
-            found_inf = adamw_step(master[s:e], grad[s - base:e - base], m[s:e], v[s:e], step=step, **hp,
-                                   grad_scale=scale,
-                                   lowp_out=None if lowp is None else lowp[s:e], check_finite=self.check_finite)
+            found_inf = adamw_step_unchecked(master[s:e], grad[s - base:e - base], m[s:e], v[s:e], step=step, **hp,
+                                             grad_scale=scale, lowp_out=None if lowp is None else lowp[s:e],
+                                             check_finite=self.check_finite)
             if found_inf:
                 self._inf_error(b)
 

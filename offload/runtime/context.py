@@ -5,10 +5,9 @@ accounting, counters, the CPU lane, the phases). Components own everything else 
 
 from __future__ import annotations
 
-import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -24,9 +23,6 @@ from ..tools.timeline import LaneLog
 from .accounting import DeviceMemory
 from .distributed import DataParallel
 from .phases import Phases
-
-
-T = TypeVar("T")
 
 
 class Busy:
@@ -121,16 +117,3 @@ def _new_stats() -> dict[str, int]:
             "fast_steps": 0,  # training steps that ran the fast path (offload/runtime/fast_path.py)
             "timed_steps": 0, "compute_replans": 0}  # [Note: timing compute] in runtime/executor.py
 
-
-def weak_hook(owner: T, method: Callable[[T, Any], object]) -> Callable[[Any], None]:
-    """``method`` of ``owner``, holding ``owner`` weakly; does nothing once it is gone. Tensor hooks are
-    held by the tensor's C++ side, where Python's gc cannot see them: a hook holding the runtime strongly
-    would make runtime -> params -> hook -> runtime an uncollectable cycle."""
-    ref = weakref.ref(owner)
-
-    def hook(arg: Any) -> None:
-        obj = ref()
-        if obj is not None:
-            with torch._C.DisableTorchFunctionSubclass():  # idle parameters read as plain ones ([Note: ...
-                method(obj, arg)  # parameters between forwards] in idle_params.py): the engine's own code
-    return hook

@@ -22,7 +22,8 @@ and ``FSDPParamGroup`` owning buffers and events):
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import weakref
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from ..optim import AdamW
 from ..planning.trace import EventKind
 from . import faults, guards, idle_params
 from .accounting import SavedActivation
-from .context import Backend, RuntimeContext, weak_hook
+from .context import Backend, RuntimeContext
 from .executor import PlanExecutor
 from .fast_path import FastPath
 from .forward_only import EvalPlans
@@ -107,8 +108,7 @@ class Runtime:
             else:
                 self._module_hooks.append((m, self._pre_hook(i), self._post_hook(i)))
         self._add_module_hooks()
-        # Weak: see context.weak_hook (an engine dropped without close() must still be freed).
-        on_grad = weak_hook(self, Runtime._on_grad)
+        on_grad = self._grad_hook()
         for p, spec in zip(self.ctx.params, self.ctx.specs):
             if spec.group is not None:
                 self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
@@ -249,6 +249,27 @@ class Runtime:
         if torch.is_grad_enabled():  # issue 19: backward(create_graph=True), torch.autograd.grad(create_graph=True)
             return self.access.graph_copy(view)  # the graph it builds saves this: a copy, not a slot reused later
         return view
+
+    def _grad_hook(self) -> Callable[[nn.Parameter], None]:
+        """The post-accumulate-grad hook of every trainable parameter: :meth:`_on_grad`, holding the runtime
+        weakly (tensor hooks are held by the tensor's C++ side, where Python's gc cannot see them: a hook
+        holding the runtime would make runtime -> params -> hook -> runtime an uncollectable cycle, and an
+        engine dropped without close() must still be freed). The hook
+        runs for every parameter of every backward, so its commonest case, a fast step's grad that only waits
+        in ``p.grad`` for its bucket's last one (``FastPath.waits_in_grad``), returns before anything else."""
+        ref = weakref.ref(self)
+        backward = Pass.BACKWARD
+
+        def hook(param: nn.Parameter) -> None:
+            rt = ref()
+            if rt is None:
+                return
+            fast, ctx = rt.fast, rt.ctx
+            if fast.on and ctx.phases.current is backward and fast.waits_in_grad(ctx.param_index[id(param)]):
+                return
+            with torch._C.DisableTorchFunctionSubclass():  # idle parameters read as plain ones (idle_params.py)
+                rt._on_grad(param)
+        return hook
 
     def _on_grad(self, param: nn.Parameter) -> None:
         ctx = self.ctx

@@ -11,7 +11,7 @@ while its bucket is not shown on the device, a wrapped ``nn.Parameter`` is an :c
 ``nn.Parameter`` subclass whose ``__torch_function__`` sees every torch call on it. The slot table swaps the
 class whenever it binds a parameter to a slot or to its placeholder (``show`` / ``bind_placeholder``, ~0.1 us
 each), so a landed parameter is a plain ``nn.Parameter`` again and a forward pays nothing for any of this.
-The engine's own code reads idle parameters as plain ones (``engine_code``, ``context.weak_hook``): a training
+The engine's own code reads idle parameters as plain ones (``engine_code``, ``Runtime._grad_hook``): a training
 step calls the handler not once (tested).
 
 While no forward of its engine runs, a call on an idle parameter is handled so:
