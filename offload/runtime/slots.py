@@ -25,6 +25,7 @@ buffer read by a copy is not written by the CPU until that copy's event complete
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
@@ -36,6 +37,8 @@ from .idle_params import PLAIN_OF, bind_placeholder
 from .residency import Freeing, ParamRef, Residency, Slot, check_move
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from ..host.state import HostState
     from ..planning.buckets import Bucket
     from .context import RuntimeContext
@@ -64,8 +67,9 @@ class SlotTable:
         # the largest gradient autograd may materialise: room kept free off plan (cache_limit)
         self.grad_headroom = max((s.numel * itemsize for s in ctx.specs if s.group is not None), default=0)
         self._pinned: list[Callable[[], Iterable[int]]] = []  # who says which buckets may not be evicted now
-        # bucket -> (the slot it holds, its parameters' views into it): built once per slot (issue 17, hot path)
-        self._param_views: dict[int, tuple[Slot, list[torch.Tensor]]] = {}
+        # bucket -> (the slot it holds, its parameters' views into it, those parameters, the views' addresses):
+        # built once per slot (issue 17, hot path)
+        self._param_views: dict[int, tuple[Slot, list[torch.Tensor], list[nn.Parameter], list[int]]] = {}
         self._kept: set[int] = set()  # refreshed buckets whose parameters stayed bound while in flight (copy_in)
         # issue 18: told (bytes, bucket) when an on-demand allocation cannot fit the budget; may raise (warmup.py)
         self.over_budget: Callable[[int, int | None], None] | None = None
@@ -145,8 +149,7 @@ class SlotTable:
         hit = self._param_views.get(b)
         if hit is None or hit[0] is not self.slot[b]:
             return False
-        params = self.ctx.params
-        return all(params[p].data_ptr() == v.data_ptr() for p, v in zip(self.buckets[b].params, hit[1]))
+        return all(map(operator.eq, map(torch.Tensor.data_ptr, hit[2]), hit[3]))  # at C speed: once per refresh
 
     def touch(self, b: int) -> None:
         if b in self.lru:
@@ -194,7 +197,8 @@ class SlotTable:
             specs, shapes = ctx.specs, self.hosted().shapes  # not the parameters' own: they may be idle
             views = [typed[base + off: base + off + specs[p].numel].view(shapes[p])
                      for p, off in zip(bucket.params, bucket.offsets)]
-            hit = self._param_views[b] = (slot, views)
+            owners = [ctx.params[p] for p in bucket.params]
+            hit = self._param_views[b] = (slot, views, owners, [v.data_ptr() for v in views])
         bind, params = ctx.backend.bind, ctx.params
         for p, view in zip(bucket.params, hit[1]):
             param = params[p]
