@@ -117,8 +117,10 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             from offload.runtime import executor
             executor.RETIME_BEYOND = case.extra["calibrate"]
             options["calibrate_compute"] = True
+        if "grad_reduce" in case.extra:  # issue 20: [Note: grads reduced on the device]
+            options["grad_reduce"] = case.extra["grad_reduce"]
         with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
-            engine = offload.wrap(model, opt, budget="64MiB", dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
+            engine = offload.wrap(model, opt, budget=case.extra.get("budget", "64MiB"), dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
                                   overlap_optimizer=case.overlap, **options)
         lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
         if case.overlap:  # updates run during backward: no_sync() cannot hold their collectives back
@@ -183,6 +185,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         result["counters"] = stats["counters"]
         result["chaos_draws"] = lane._before.draws if lane._before is not None else 0
         result["host_bytes"] = stats["host_pinned_bytes"]
+        result["device_peak_bytes"] = stats["device_peak_bytes"]
+        result["grad_slot_numel"] = [b.grad_numel for b in engine._runtime.slots.buckets]
         result["optimizer"] = stats["optimizer"]
         result["buckets"] = [(b.numel, b.trainable_numel) for b in engine._runtime.slots.hosted().buckets]
         if case.save is not None:
