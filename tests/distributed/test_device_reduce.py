@@ -46,3 +46,77 @@ def test_two_ranks_reduced_on_the_device_equal_one_process(tmp_path):
         _assert_weights(r["weights"], exact["weights"])
         _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
         _assert_device_path(r, case, 4, 48 << 10)
+
+
+@pytest.mark.slow
+def test_bfloat16_reduced_on_the_device_is_the_host_path_bit_for_bit(tmp_path):
+    """bf16 with the fused AdamW: the device reduce-scatter sums the same bf16 grads as gloo does on the host
+    (two addends: one rounding either way), so the two paths train the very same model, bit for bit."""
+    runs = {}
+    for mode in ("host", "device"):
+        case = Case(world=2, dtype=torch.bfloat16, fused=True, extra={"grad_reduce": mode})
+        runs[mode] = _ok(run_ranks(case, tmp_path / mode))
+    for host, device in zip(runs["host"], runs["device"]):
+        _assert_weights(device["weights"], host["weights"])
+        _assert_weights(device["weights"], runs["device"][0]["weights"])
+        _assert_device_path(device, case, 2, 64 << 20)
+        assert host["counters"]["d2h_bytes"] == case.steps * _shard_bytes(host, 2, 2)[1]  # the whole buckets
+
+
+def test_ranks_whose_grads_complete_other_buckets_fail_naming_the_mismatch(tmp_path):
+    """Rank 1's second backward stops above the lower layers: its main thread goes on to step() while rank 0
+    checks its next bucket on the device group. Both raise at once (not after the 30 s timeout: the test's is
+    25 s), rank 0 naming the buckets per rank: never a sum of different buckets, never a hang."""
+    case = Case(world=2, branch_rank=1, extra=DEVICE)
+    results = run_ranks(case, tmp_path, timeout_s=25.0)
+    assert not any(r.get("hung") for r in results), results
+    assert "DistributedError: rank 0 of 2: the ranks are about to sum different buckets' grads" in results[0]["error"]
+    assert "DistributedError: rank 1 of 2: at step() the ranks are at different collectives" in results[1]["error"]
+
+
+def test_a_rank_raising_in_backward_is_named_on_the_device_group(tmp_path):
+    """[Note: a fault named] with the checks on the device group: rank 1 raises in its second backward and
+    joins rank 0's next check there with a fault tag; rank 0 raises naming it, at once (the group timeout is
+    60 s, the test's 25 s)."""
+    case = Case(world=2, fail_rank=1, timeout_s=60.0, extra=DEVICE)
+    results = run_ranks(case, tmp_path, timeout_s=25.0)
+    assert not any(r.get("hung") for r in results), results
+    assert results[1]["error"] == "RuntimeError: injected fault in backward", results[1]
+    assert results[0]["error"].startswith("DistributedError: rank 0 of 2: the backward raised on rank 1 "), results[0]
+
+
+def test_grad_reduce_option():
+    """Unknown values and the device path with deferred updates are refused; "auto" is the device only on CUDA
+    with overlapped updates (the CPU backend keeps the host path, so existing CPU tests keep their meaning)."""
+    from offload.runtime.device_collectives import resolve_grad_reduce
+
+    with pytest.raises(ValueError, match='grad_reduce must be "auto", "device" or "host"'):
+        offload.OffloadConfig(budget="1MiB", grad_reduce="nccl")
+    with pytest.raises(ValueError, match='grad_reduce="device" needs overlap_optimizer=True'):
+        offload.OffloadConfig(budget="1MiB", grad_reduce="device", overlap_optimizer=False)
+    with pytest.raises(ValueError, match='grad_reduce="device" needs overlap_optimizer=True'):
+        offload.OffloadConfig(budget="1MiB", grad_reduce="device", dtype=torch.float16)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert resolve_grad_reduce("auto", cuda, overlap=True) == "device"
+    assert resolve_grad_reduce("auto", cuda, overlap=False) == "host"
+    assert resolve_grad_reduce("auto", cpu, overlap=True) == "host"
+    assert resolve_grad_reduce("device", cpu, overlap=True) == "device"
+    assert resolve_grad_reduce("host", cuda, overlap=True) == "host"
+    model = make_model()  # no group: the option does nothing, and says nothing
+    offload.wrap(model, offload.AdamW(model.parameters()), budget="64MiB", device="cpu", grad_reduce="device").close()
+
+
+def test_two_ranks_reduced_on_the_simulated_gpu(tmp_path):
+    """The CUDA backend's code path (the reduce-scatter on its collective stream, the shard's copy on the D2H
+    stream after it) on the simulated GPU, whose side streams run late and whose device memory checks every
+    access for a missing event: no race, bit for bit as on the CPU backend. Two steps (the traced one, then the
+    first planned one): the simulation reports a race at the third step's ``step()`` also in one process without
+    data parallel (a resident bucket's refresh after the first fast step: not this path's; see the report)."""
+    case = Case(world=2, steps=2, extra={**DEVICE, "simulated_gpu": True})
+    results = _ok(run_ranks(case, tmp_path))
+    exact = reference(case, emulate_ranks=True)
+    for r in results:
+        assert r["races"] == [], r["races"][:3]
+        assert r["sim_log"].count("new_stream") >= 3, r["sim_log"][:20]  # H2D, D2H and the collectives'
+        _assert_weights(r["weights"], exact["weights"])
+        _assert_device_path(r, case, 4, 64 << 20)

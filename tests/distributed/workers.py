@@ -98,6 +98,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
 
     import offload
     result: dict = {"rank": rank}
+    stack = contextlib.ExitStack()
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.world,
                                 timeout=datetime.timedelta(seconds=case.timeout_s))
@@ -108,6 +109,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             from offload.runtime.distributed import _RollCall
             _RollCall.ROLL_CALL_S = case.extra["roll_call_s"]  # this spawned process only
         collectives = _count_collectives()
+        sim = _simulated_gpu(stack) if case.extra.get("simulated_gpu") else None
         model = make_model()
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
         from offload.testing.chaos import ChaosConfig
@@ -197,18 +199,36 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         result["weights"] = {k: v.clone() for k, v in engine.state_dict()["model"].items()}
         engine.close()
         result["after_close"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if sim is not None:
+            result["races"], result["sim_log"] = list(sim.races), [x[0] for x in sim.log]
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
         if case.extra.get("close_after_error") and "engine" in locals():
             _close_after_error(engine, model, result)
     finally:
+        stack.close()
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a failed group may not tear down cleanly
                 pass
+
+
+def _simulated_gpu(stack: contextlib.ExitStack):
+    """Engines wrapped from now on (this spawned process) get the CUDA backend on the simulated GPU
+    (tests/support/fake_cuda.py), entered: compute is watched; returns it (its ``races`` are recorded)."""
+    import pytest
+
+    import offload
+    from offload.backend import CUDABackend
+    from tests.support.fake_cuda import FakeCuda
+    sim = stack.enter_context(FakeCuda())
+    patch = stack.enter_context(pytest.MonkeyPatch.context())
+    patch.setattr(offload.api, "make_backend", lambda device, chaos=None: CUDABackend(torch.device("cpu"), api=sim,
+                                                                                      chaos=chaos))
+    return sim
 
 
 def _count_collectives() -> list[str]:
