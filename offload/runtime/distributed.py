@@ -22,7 +22,10 @@ rank agrees on both.
 [Note: collectives on one thread]
 gloo and NCCL match collectives by the order each rank issues them. Every collective of a step is issued by
 the one CPU-lane thread, in submission order; those of the main thread (the norms' all-reduce, the gathers
-that read values other ranks own) are issued only after the lane drained. A collective that fails (a peer
+that read values other ranks own) are issued only after the lane drained. With grads reduced on the device the
+main thread issues collectives during backward too (the checks and the slots' reduce-scatters): on a group of
+their own, ``self.tag_group``, where every check then pairs ([Note: grads reduced on the device] in
+device_collectives.py); the lane keeps the user's group for the all-gathers. A collective that fails (a peer
 raised, hung past the group's timeout, or died) raises :class:`DistributedError` naming this rank, and the
 engine refuses to go on: its ranks are no longer in step, and a later collective could pair with the wrong
 one on another rank. So does a rank whose backward raised after a collective was issued.
