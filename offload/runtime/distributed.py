@@ -11,11 +11,11 @@ rank, since every rank runs the same model):
                      ─► all-gather of the updated device-dtype shards into the whole copy
                      ─► (the next forward's host-to-device copy waits for it, as for any update)
 
-With ``overlap_optimizer`` this runs while backward goes on; with ``grad_reduce="device"`` the first step
-runs on the device instead, and only the rank's shard comes to the host ([Note: grads reduced on the device]
-in runtime/device_collectives.py). With deferred updates (accumulation,
-clipping, float16) nothing is sent while micro-batches accumulate: the first of ``clip_grad_norm_`` and
-``step()`` reduce-scatters every gathered bucket, then one all-reduce of per-parameter sums of squares gives
+With ``overlap_optimizer`` this runs while backward goes on; with ``grad_reduce="device"`` the reduce-scatter
+runs on the device instead, before the copy, and only the rank's shard comes to the host ([Note: grads reduced
+on the device] in runtime/device_collectives.py). With deferred updates (accumulation, clipping, float16)
+nothing is sent while micro-batches accumulate: the first of ``clip_grad_norm_`` and ``step()``
+reduce-scatters every gathered bucket, then one all-reduce of per-parameter sums of squares gives
 the norms over all ranks, from which the clip coefficient and the float16 overflow check follow, so every
 rank agrees on both.
 

@@ -120,3 +120,16 @@ def test_two_ranks_reduced_on_the_simulated_gpu(tmp_path):
         assert r["sim_log"].count("new_stream") >= 3, r["sim_log"][:20]  # H2D, D2H and the collectives'
         _assert_weights(r["weights"], exact["weights"])
         _assert_device_path(r, case, 4, 64 << 20)
+
+
+@pytest.mark.slow
+def test_a_rank_hanging_in_backward_fails_the_other_after_the_groups_timeout(tmp_path):
+    """The device group takes the user's group's timeout (8 s here, not torch's 30 min): rank 1 hangs midway
+    through its second backward, and rank 0's next check on the device group fails after it (plus the 5 s roll
+    call), naming rank 1, well before rank 1's 30 s hang ends (after which its exit would fail any wait)."""
+    case = Case(world=2, hang_rank=1, timeout_s=8.0, extra=DEVICE)
+    results = run_ranks(case, tmp_path, timeout_s=60.0)
+    assert "DistributedError" in results[0]["error"] and "rank 0 of 2" in results[0]["error"], results[0]
+    assert "Rank 1 did not say it saw this collective fail" in results[0]["error"], results[0]
+    assert results[0]["error_after_s"] < 25.0, results[0]["error_after_s"]
+    assert results[1].get("exitcode") == 3

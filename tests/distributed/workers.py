@@ -99,6 +99,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
     import offload
     result: dict = {"rank": rank}
     stack = contextlib.ExitStack()
+    started = time.monotonic()
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.world,
                                 timeout=datetime.timedelta(seconds=case.timeout_s))
@@ -203,6 +204,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             result["races"], result["sim_log"] = list(sim.races), [x[0] for x in sim.log]
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
         result["error"] = f"{type(e).__name__}: {e}"
+        result["error_after_s"] = time.monotonic() - started
         result["traceback"] = traceback.format_exc()
         if case.extra.get("close_after_error") and "engine" in locals():
             _close_after_error(engine, model, result)
