@@ -27,7 +27,8 @@ by the main thread, the weights' all-gathers by the CPU-lane thread; on one gloo
 orders would interleave differently on each rank. So ``wrap`` makes a second group over the same ranks
 (:class:`DeviceGroup`, ``dist.new_group`` with ``use_local_synchronization``: only these ranks call it):
 ``gloo`` on the CPU backend, ``cpu:gloo,cuda:nccl`` on CUDA (its NCCL side reduce-scatters the slots, its gloo
-side runs the checks, which must finish before the sum is issued: an NCCL result would need a host sync). The
+side runs the checks, which must finish before the sum is issued: an NCCL result would need a host sync), with
+the user's group's timeout, so a rank that hangs fails the others as soon on either group. The
 main thread is its only user: the per-bucket checks, and every check that pairs with them ([Note: a fault
 named], [Note: re-plans agreed], [Note: a read on one rank] all use it then), so a rank that completed another
 bucket, raised in backward or reads alone still meets the others' next check and is named. The user's group

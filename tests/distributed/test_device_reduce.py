@@ -133,3 +133,36 @@ def test_a_rank_hanging_in_backward_fails_the_other_after_the_groups_timeout(tmp
     assert "Rank 1 did not say it saw this collective fail" in results[0]["error"], results[0]
     assert results[0]["error_after_s"] < 25.0, results[0]["error_after_s"]
     assert results[1].get("exitcode") == 3
+
+
+def test_a_departure_on_one_rank_makes_every_rank_replan(tmp_path):
+    """[Note: re-plans agreed] with the checks on the device group: rank 1 alone departs from its plan, both
+    re-plan at the same steps (the grad slots, padded, laid out again) and end with the same model."""
+    case = Case(world=2, steps=4, extra={**DEVICE, "replan_rank": 1})
+    results = _ok(run_ranks(case, tmp_path))
+    r0, r1 = (r["counters"] for r in results)
+    assert r1["plan_departures"] >= 1 and r0["plan_departures"] == 0, (r0, r1)
+    assert r0["replans"] == r1["replans"] >= 1, (r0, r1)
+    _assert_weights(results[0]["weights"], results[1]["weights"])
+    for r in results:
+        _assert_device_path(r, case, 4, 64 << 20)
+
+
+@pytest.mark.slow
+def test_collective_reads_pair_on_the_device_group(tmp_path):
+    """[Note: a read on one rank] with the checks on the device group: a rank-0-only ``model.state_dict()`` in
+    bf16 meets rank 1's next check there, and both raise naming the way; on every rank it gives the whole fp32
+    model, and ``engine.save`` writes it."""
+    alone = Case(world=2, dtype=torch.bfloat16, fused=True, timeout_s=60.0,
+                 extra={**DEVICE, "rank0_state_dict": True, "join_window_s": 3.0})
+    r0, r1 = run_ranks(alone, tmp_path / "alone", timeout_s=50.0)
+    assert r0["error"].startswith("DistributedError: rank 0 of 2: reading the fp32 weights"), r0
+    assert r1["error"].startswith("DistributedError: rank 1 of 2: rank 0 called a collective read"), r1
+    every = Case(world=2, dtype=torch.bfloat16, fused=True, steps=2, save=str(tmp_path / "ck.pt"),
+                 extra={**DEVICE, "every_rank_state_dict": True})
+    results = _ok(run_ranks(every, tmp_path / "every"))
+    saved = torch.load(every.save, weights_only=True)["model"]
+    for r in results:
+        _assert_weights(r["model_state_dict"], results[0]["weights"])
+        _assert_weights(saved, r["weights"])
+        assert all(v.dtype == torch.float32 for v in r["model_state_dict"].values())
