@@ -135,6 +135,7 @@ def test_a_rank_hanging_in_backward_fails_the_other_after_the_groups_timeout(tmp
     assert results[1].get("exitcode") == 3
 
 
+@pytest.mark.slow
 def test_a_departure_on_one_rank_makes_every_rank_replan(tmp_path):
     """[Note: re-plans agreed] with the checks on the device group: rank 1 alone departs from its plan, both
     re-plan at the same steps (the grad slots, padded, laid out again) and end with the same model."""
