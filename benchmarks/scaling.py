@@ -3,12 +3,15 @@ nodes), on two data paths side by side, against DeepSpeed ZeRO-Offload's data-pa
 per-GPU budgets, on traces of real model shapes built on the meta device (no weights, no GPU).
 
 * ``runtime`` (first: it is what the code runs): ``offload/planning/data_parallel_runtime.py`` ([Note: the
-  runtime's data-parallel step]): each rank's single-GPU plan, whole buckets copied each way, every
-  collective on the host through gloo ([Note: gloo's collectives]: a reduce-scatter is an all-reduce), one
-  after the other with the shard's AdamW on the rank's CPU lane; on gloo's NOMINAL link presets.
+  runtime's data-parallel step]): each rank's single-GPU plan, what runs on CUDA (``grad_reduce="auto"``):
+  each bucket's grads reduce-scattered on the device over NCCL's link presets and this rank's 1/N shard copied
+  to the host ([Note: the runtime's device reduce-scatter]), then on the rank's CPU lane the shard's AdamW and
+  gloo's all-gather of the updated 16-bit shards ([Note: gloo's collectives]) on gloo's NOMINAL link presets;
+  whole buckets are copied to the device.
 * ``design``: ``offload/planning/data_parallel.py`` ([Note: the data-parallel step]): what issue 20 asks
   the runtime to become (NCCL reduce-scatter of the grad slot on the device, a shard copied, an all-gather
-  on the device before use), on NCCL's link presets. The runtime does NOT run this path today.
+  on the device before use), on NCCL's link presets. The runtime runs its grads half on CUDA (above), not
+  its weights half (shards to the device, all-gathered there) nor its rank plan.
 
 Everything here is a cost model (``offload/planning/collectives.py``: [Note: the alpha-beta ring model],
 [Note: gloo's collectives]), not a measurement: the host presets (``pcie4``, ``pcie5``:
@@ -67,11 +70,12 @@ SHORT = {"zero-offload": "ZO-min"}  # the table's name of a budget
 GLOO_INTRA_PRESET = "loopback"
 RUNS = "runtime"  # the path the code runs today
 PATHS = {
-    "runtime": "what the code runs today: whole buckets copied each way, gloo collectives on the host, serial "
-               "with the shard's AdamW on each rank's CPU lane (offload/planning/data_parallel_runtime.py)",
-    "design": "what issue 20 designs, NOT what runs: device NCCL reduce-scatter, a 1/N shard copied, device "
-              "all-gather before use (offload/planning/data_parallel.py); zero-offload rows use this model's "
-              "NCCL collectives too"}
+    "runtime": "what the code runs today on CUDA: grads reduce-scattered on the device (NCCL), a 1/N shard "
+               "copied to the host, the shard's AdamW and a gloo all-gather of the updated shards on each rank's "
+               "CPU lane, whole buckets copied to the device (offload/planning/data_parallel_runtime.py)",
+    "design": "what issue 20 designs, NOT what runs (only its grads half runs): device NCCL reduce-scatter, "
+              "a 1/N shard copied, device all-gather before use (offload/planning/data_parallel.py); "
+              "zero-offload rows use this model's NCCL collectives too"}
 
 
 def parse_case(spec: str) -> tuple[str, int, int]:
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                     where = f"{name} {hw_name} {budget_name} {cluster.describe()}"
                     t1 = time.perf_counter()
                     with console.status(where):
-                        res = {"runtime": runtime_data_parallel(case, gloo)}
+                        res = {"runtime": runtime_data_parallel(case, gloo, device=cluster)}
                         res.update((p, f(case, cluster)) for p, f in POLICIES.items())
                     out["timings_s"][where] = time.perf_counter() - t1
                     host_rank = {"runtime": runtime_host_bytes_per_rank(buckets, ITEMSIZE, cluster.world, False),
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                             "stall_s": dp.sim.stall_s if dp else None,
                             "cpu_adam_s": dp.sim.adam_s if dp else None,
                             "all_gather_busy_s": dp.all_gather_busy_s if dp else None,
-                            "reduce_scatter_busy_s": dp.reduce_scatter_busy_s if dp else None})
+                            "reduce_scatter_busy_s": dp.reduce_scatter_busy_s if dp else None,
+                            "device_reduce_busy_s": getattr(dp, "device_reduce_busy_s", None) if dp else None})
                     run, ours, zo = cells["runtime"], cells["greedy"], cells["zero-offload"]
                     rdp = res["runtime"].dp
                     table.add_row(

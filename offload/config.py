@@ -129,6 +129,12 @@ class OffloadConfig:
     """Data parallel (issue 20, ``offload/runtime/distributed.py``): ``None`` (default) trains data parallel over
     the default group when ``torch.distributed`` is initialised at wrap, each rank holding 1/N of the optimizer
     state; a ``torch.distributed.ProcessGroup`` picks that group; ``False`` opts out (one engine per process)."""
+    grad_reduce: str = "auto"
+    """Where a data-parallel engine reduce-scatters a bucket's grads (issue 20): ``"device"``, in its device grad
+    slot (NCCL on CUDA, gloo on the CPU backend), then only this rank's 1/N shard goes to the host; ``"host"``,
+    the whole bucket goes to the host and gloo reduce-scatters it there. ``"auto"`` (default): ``"device"`` on
+    CUDA with overlapped updates, else ``"host"``. Deferred updates (``overlap_optimizer=False``) always use the
+    host. No effect without data parallel ([Note: grads reduced on the device] in runtime/device_collectives.py)."""
     device_optimizer: bool = False
     """Let the planner keep some buckets' optimizer on the device (issue 18): their fp32 master, Adam m and v
     live in the device arena and are updated there as soon as the bucket's grads are complete (no grad copy,
@@ -177,6 +183,12 @@ class OffloadConfig:
             if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
                 raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
             set_(self, "hw", load_hw(self.hw))  # ValueError naming the presets for an unknown name or file
+        if self.grad_reduce not in ("auto", "device", "host"):
+            raise ValueError(f'grad_reduce must be "auto", "device" or "host"; got {self.grad_reduce!r}')
+        if self.grad_reduce == "device" and not self.overlap_optimizer:
+            raise ValueError('grad_reduce="device" needs overlap_optimizer=True: deferred updates (accumulation, '
+                             'clipping, float16) sum whole buckets on the host over backward passes. Use '
+                             'grad_reduce="auto" or "host" with overlap_optimizer=False')
         if not (self.process_group is None or self.process_group is False
                 or (dist.is_available() and isinstance(self.process_group, dist.ProcessGroup))):
             raise TypeError("process_group must be None (the default group, when torch.distributed is "

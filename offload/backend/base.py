@@ -117,6 +117,12 @@ class Backend(Protocol):
         """An event marking all compute issued so far."""
         ...
 
+    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = ()) -> Event:
+        """Issue ``fn`` (a collective on device tensors: a grad slot's reduce-scatter, issue 20) after ``waits``
+        where the backend runs collectives; the event marks its end. The caller keeps its tensors alive (and
+        unused by others) until then."""
+        ...
+
     def wait(self, event: Event) -> None:
         """Make compute wait for ``event``."""
         ...

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, ContextManager, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 
 import psutil
 import torch
@@ -124,6 +124,14 @@ class CPUBackend:
         return throttled
 
     def record(self) -> Event:
+        return DONE
+
+    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = ()) -> Event:
+        """Run ``fn`` (a gloo collective on "device" tensors, which are host memory) on the calling thread,
+        after ``waits``: gloo blocks until it is done, so the event returned is complete."""
+        for event in waits:
+            event.synchronize()
+        fn()
         return DONE
 
     def wait(self, event: Event) -> None:

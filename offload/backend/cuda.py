@@ -5,7 +5,9 @@ page-locked with ``cudaHostRegister``.
 Compute runs on the *current* stream (whatever stream the caller's forward and backward run on; autograd
 runs a backward op on the stream of its forward op). Two more streams exist, each created once, on first
 use: one for host-to-device copies (parameter buckets into their slots) and one for device-to-host copies
-(gradients to the host). The runtime names every dependency as an event:
+(gradients to the host); a data-parallel engine that reduce-scatters grads on the device (issue 20) adds a
+third, for its collectives (``collective``: after the grads' event; the shard's D2H waits for its event). The
+runtime names every dependency as an event:
 
 * ``record()`` marks the compute issued so far (an event on the current stream);
 * ``h2d``/``d2h`` make their stream wait for the given events, enqueue the copy and return the event that
@@ -355,6 +357,7 @@ class CUDABackend:
         self._compute = None  # bound at the first forward: see [Note: the compute stream]
         self._h2d = None  # created on first use: see _h2d_stream
         self._d2h = None  # created on first use: see _d2h_stream
+        self._coll = None  # created on first use: see _collective_stream
         self._nan: dict[torch.dtype, torch.Tensor] = {}
         self._pinned = HostRegistry(self._api.cudart)
         self._copy_streams: list = []  # the streams above once made: the finalizer waits for them
@@ -391,6 +394,15 @@ class CUDABackend:
             self._d2h = self._api.new_stream()
             self._copy_streams.append(self._d2h)
         return self._d2h
+
+    def _collective_stream(self):
+        if self._coll is None:
+            # Grad slots are reduce-scattered on a stream of their own (issue 20), so backward goes on while
+            # NCCL runs and the grad copies of other buckets do not queue behind it. Tensors come from the
+            # arena (no allocation on it): it needs no wait_stream at creation.
+            self._coll = self._api.new_stream()
+            self._copy_streams.append(self._coll)
+        return self._coll
 
     def _compute_stream(self):
         return self._compute if self._compute is not None else self._api.current_stream()
@@ -514,6 +526,20 @@ class CUDABackend:
         done.record(stream)
         return done
 
+    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = ()) -> Event:
+        """Issue ``fn`` (an NCCL collective on arena tensors: a grad slot's reduce-scatter, issue 20) on the
+        collective stream after ``waits``; the event marks its end (see [Note: streams and events])."""
+        self._check_open()
+        with record_function("offload::collective"):
+            stream = self._collective_stream()
+            for event in waits:
+                self._stream_wait(stream, event)
+            with self._api.stream(stream):  # NCCL's stream waits for this one, and this one for NCCL's
+                fn()
+            done = self._api.new_event(blocking=True)
+            done.record(stream)
+            return done
+
     def record(self) -> Event:
         """An event marking all compute issued so far on the current stream."""
         event = self._api.new_event()
@@ -535,7 +561,7 @@ class CUDABackend:
     def synchronize(self) -> None:
         """Block the host until every copy issued so far has finished."""
         with record_function("offload::synchronize"):
-            for stream in (self._h2d, self._d2h):
+            for stream in (self._h2d, self._d2h, self._coll):
                 if stream is not None:
                     stream.synchronize()
 
@@ -570,7 +596,7 @@ class CUDABackend:
             self.synchronize()
         finally:
             self._unpin()  # runs _release_pinned once; a later call (or garbage collection) does nothing
-            self._h2d = self._d2h = None
+            self._h2d = self._d2h = self._coll = None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -61,12 +61,20 @@ class Bucket:
     numel: int  # up to the end of the last parameter, the padding between parameters included
     trainable_numel: int  # length of the trainable prefix (up to the end of its last parameter)
     runs: tuple[Run, ...]
+    # zeros after the trainable prefix in the device grad slot (issue 20: a slot reduce-scattered on the device
+    # is padded to its shards' length, [Note: grads reduced on the device] in runtime/distributed.py); else 0
+    grad_padding: int = 0
 
     def nbytes(self, itemsize: int) -> int:
         return self.numel * itemsize
 
+    @property
+    def grad_numel(self) -> int:
+        """Elements of the bucket's device grad slot: the trainable prefix and its padding."""
+        return self.trainable_numel + self.grad_padding
+
     def grad_nbytes(self, itemsize: int) -> int:
-        return self.trainable_numel * itemsize
+        return self.grad_numel * itemsize
 
 
 def make_buckets(specs: Sequence[ParamSpec], order: Sequence[int], bucket_bytes: int,

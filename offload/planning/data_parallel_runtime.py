@@ -44,6 +44,25 @@ bandwidth); gloo's reductions and TCP stacks take no cores from the AdamW; the s
 programs whose AdamW waits for the end of backward are not modelled on this path (refused); the deferred
 path is the next note's (:func:`simulate_runtime_deferred`).
 
+[Note: the runtime's device reduce-scatter]
+With ``grad_reduce="device"`` (the runtime's default on CUDA with overlapped updates: [Note: grads reduced on
+the device] in ``runtime/device_collectives.py``), :func:`simulate_runtime_path` given ``device`` (the NCCL
+cluster, ``collectives.cluster_of``) runs, per bucket of ``S`` grad bytes, at the single-GPU plan's grad-copy
+point instead of the whole bucket's copy:
+
+1. the reduce-scatter of the padded slot on the device, on its own collective lane, in grad order, after the
+   grads are final (``collectives.reduce_scatter_seconds`` of ``S`` on the NCCL links);
+2. the device-to-host copy of this rank's shard only (``S / N`` bytes, the shard padding left out as above),
+   on the device-to-host lane after it; the grad slot's reuse waits for this copy (the plan's grad waits);
+3. on the CPU lane, once the shard landed: the shard's AdamW (as above) and the gloo all-gather of the updated
+   shards with its copies (as above); no gloo reduce-scatter, no check on the lane.
+
+Host-to-device copies, the next use's wait for the all-gather and ``step()``'s check are the overlapped path's.
+Simplifications (stated), beyond the first note's: the per-bucket check runs on the main thread's host side
+(a gloo all-gather of 4 int64 before the reduce-scatter is issued) and is not charged (on CUDA the host runs
+ahead of the device); NCCL's kernels take no SMs from compute and its NVLink or network traffic does not
+share the PCIe link with the copies; the device-to-host lane keeps the single-GPU plan's duplex factor.
+
 [Note: the runtime's deferred data-parallel step]
 With deferred updates (``overlap_optimizer=False``: gradient accumulation, clipping, float16) the runtime
 runs a step of ``k`` micro-batches (``micro_batches``), each the single-GPU plan's forward and backward, then
@@ -92,7 +111,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .collectives import Cluster, gloo_all_gather_seconds, gloo_all_reduce_seconds, gloo_reduce_scatter_seconds
+from .collectives import (Cluster, gloo_all_gather_seconds, gloo_all_reduce_seconds, gloo_reduce_scatter_seconds,
+                          reduce_scatter_seconds)
 from .data_parallel import shard
 from .greedy import compute_times
 from .hw import HardwareModel
@@ -129,6 +149,10 @@ class RuntimePathResult:
     all_reduce_busy_s: float = 0.0  # the ends of synced backward passes: all-reduces, divisions, norms' reads
     all_reduce_bytes: int = 0  # bytes of the fp32 sums all-reduced, over the step
     accumulate_busy_s: float = 0.0  # the CPU lane widening or adding each backward's grads into the sums
+    # [Note: the runtime's device reduce-scatter]: the collective lane busy in device reduce-scatters (then
+    # reduce_scatter_busy_s, the CPU lane's, is 0)
+    grad_reduce: str = "host"
+    device_reduce_busy_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -142,29 +166,36 @@ class RuntimePathResult:
 
 
 def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
-                          record: list | None = None) -> RuntimePathResult:
+                          record: list | None = None, device: Cluster | None = None) -> RuntimePathResult:
     """One rank's step of ``program`` (the single-GPU lane program the rank runs) under [Note: the runtime's
     data-parallel step], on ``cluster``'s gloo links (``collectives.gloo_cluster_of``). ``record`` gets
     ``(lane, index, start, end)`` as :func:`~offload.planning.simulate.simulate_reference`'s does; on the
     CPU lane each bucket's work is recorded as ``"reduce_scatter"`` (its check included), ``"adam"`` and
-    ``"all_gather"``, and the step's last check as ``("check", -1, ...)``."""
+    ``"all_gather"``, and the step's last check as ``("check", -1, ...)``. ``device``: the grads are
+    reduce-scattered on the device over that cluster's (NCCL) links ([Note: the runtime's device
+    reduce-scatter]; recorded as ``"device_reduce_scatter"``, the shard's copy as ``"d2h"``)."""
     _refuse_unmodelled(program)
-    lanes = _RuntimeLanes(program, hw, cluster, record)
+    on_device = device is not None and cluster.world > 1
+    if device is not None and device.world != cluster.world:
+        raise ValueError(f"the device cluster has {device.world} ranks and the gloo one {cluster.world}")
+    lanes = (_DeviceReduceLanes(program, hw, cluster, record, device) if on_device and device is not None
+             else _RuntimeLanes(program, hw, cluster, record))
     compute_end = lanes.run(program.compute_s)
-    sim = lanes.result(lanes.step_end(compute_end), add_up(program.compute_s), sum(program.h2d_bytes),
-                       sum(program.d2h_bytes))
+    d2h = lanes.d2h_total if isinstance(lanes, _DeviceReduceLanes) else sum(program.d2h_bytes)
+    sim = lanes.result(lanes.step_end(compute_end), add_up(program.compute_s), sum(program.h2d_bytes), d2h)
     many = cluster.world > 1
     return RuntimePathResult(
         sim, cluster.world, lanes.rs_busy, lanes.ag_busy, lanes.check_busy,
         sum(program.d2h_bytes) if many else 0, sum(program.d2h_bytes) if many else 0,
-        cluster.gpus_per_node * (sum(program.h2d_bytes) + sum(program.d2h_bytes)))
+        cluster.gpus_per_node * (sum(program.h2d_bytes) + d2h), grad_reduce="device" if on_device else "host",
+        device_reduce_busy_s=lanes.coll_busy if isinstance(lanes, _DeviceReduceLanes) else 0.0)
 
 
 def simulate_runtime_plan(plan: Plan, hw: HardwareModel, cluster: Cluster,
-                          compute_s: Sequence[float] | None = None) -> RuntimePathResult:
+                          compute_s: Sequence[float] | None = None, device: Cluster | None = None) -> RuntimePathResult:
     """:func:`simulate_runtime_path` of a plan's lane program (the plan as the runtime builds it: the
-    single-GPU plan, ``schedule.build_plan`` on the rank's budget)."""
-    return simulate_runtime_path(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster)
+    single-GPU plan, ``schedule.build_plan`` on the rank's budget); ``device`` as there."""
+    return simulate_runtime_path(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster, device=device)
 
 
 def simulate_runtime_deferred(program: Program, hw: HardwareModel, cluster: Cluster, micro_batches: int = 1,
@@ -294,6 +325,40 @@ class _RuntimeLanes(Lanes):
         if self.record is not None:
             self.record.append(("check", -1, check_start, check_start + self.check_s))
         return max(end, check_start + self.check_s)
+
+
+class _DeviceReduceLanes(_RuntimeLanes):
+    """[Note: the runtime's device reduce-scatter]: each bucket's grads reduce-scattered on a collective lane,
+    this rank's shard copied to the host after it, then the shard's AdamW and the all-gather on the CPU lane."""
+
+    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
+                 device: Cluster):
+        super().__init__(program, hw, cluster, record)
+        self.dev_rs_s = [reduce_scatter_seconds(s, device) for s in program.d2h_bytes]
+        self.shard_bytes = [shard(s, cluster.world) for s in program.d2h_bytes]
+        self.coll_free = self.coll_busy = 0.0
+        self.d2h_total = 0
+
+    def issue_d2h(self, k: int, now: float) -> None:
+        rs_start = max(now, self.coll_free)
+        self.coll_free = rs_start + self.dev_rs_s[k]
+        self.coll_busy += self.dev_rs_s[k]
+        start = self.to_host(self.shard_bytes[k], self.coll_free)
+        self.d2h_total += self.shard_bytes[k]
+        self.d2h_done[k] = self.d2h_free
+        adam = self.cpu.adam_seconds(self.adam_numel[k])
+        self.adam_total += adam
+        begin = max(self.cpu_free, self.d2h_free)
+        self.cpu_free = begin + adam + self.ag_s[k]
+        self.ag_busy += self.ag_s[k]
+        self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
+        if self.record is not None:
+            self.record.extend([("device_reduce_scatter", k, rs_start, self.coll_free),
+                                ("d2h", k, start, self.d2h_free), ("adam", k, begin, begin + adam),
+                                ("all_gather", k, begin + adam, self.cpu_free)])
+
+    def idle_at(self, compute_end: float) -> float:
+        return max(super().idle_at(compute_end), self.coll_free)
 
 
 class _DeferredLanes(Lanes):

@@ -21,6 +21,7 @@ from ..planning.hw import HardwareModel
 from ..planning.schedule import DEFAULT_HW
 from ..tools.timeline import LaneLog
 from .accounting import DeviceMemory
+from .device_collectives import resolve_grad_reduce
 from .distributed import DataParallel
 from .phases import Phases
 
@@ -96,11 +97,13 @@ class RuntimeContext:
             hw=hw,
             memory=DeviceMemory(headroom=backend.headroom_bytes()),  # [Note: headroom] in backend/cuda.py
             stats=_new_stats(), cpu=cpu, lane_log=LaneLog(), busy=Busy(), phases=Phases(),
-            dp=_data_parallel(config, cpu))
+            dp=_data_parallel(config, cpu, backend.device))
 
 
-def _data_parallel(config: OffloadConfig, lane: Lane) -> DataParallel | None:
-    dp = DataParallel.resolve(config.process_group, lane)
+def _data_parallel(config: OffloadConfig, lane: Lane, device: torch.device) -> DataParallel | None:
+    # issue 20: grads reduce-scattered on the device, or on the host ([Note: grads reduced on the device])
+    reduce = resolve_grad_reduce(config.grad_reduce, device, bool(config.overlap_optimizer))
+    dp = DataParallel.resolve(config.process_group, lane, device if reduce == "device" else None)
     if dp is not None and config.device_optimizer:
         # A device-optimizer bucket is updated from its local grad slot, before any reduce-scatter: under data
         # parallel every rank would step on its own grads and the replicas would drift apart, silently.

@@ -11,16 +11,21 @@ rank, since every rank runs the same model):
                      ─► all-gather of the updated device-dtype shards into the whole copy
                      ─► (the next forward's host-to-device copy waits for it, as for any update)
 
-With ``overlap_optimizer`` this runs while backward goes on. With deferred updates (accumulation,
-clipping, float16) nothing is sent while micro-batches accumulate: the first of ``clip_grad_norm_`` and
-``step()`` reduce-scatters every gathered bucket, then one all-reduce of per-parameter sums of squares gives
+With ``overlap_optimizer`` this runs while backward goes on; with ``grad_reduce="device"`` the reduce-scatter
+runs on the device instead, before the copy, and only the rank's shard comes to the host ([Note: grads reduced
+on the device] in runtime/device_collectives.py). With deferred updates (accumulation, clipping, float16)
+nothing is sent while micro-batches accumulate: the first of ``clip_grad_norm_`` and ``step()``
+reduce-scatters every gathered bucket, then one all-reduce of per-parameter sums of squares gives
 the norms over all ranks, from which the clip coefficient and the float16 overflow check follow, so every
 rank agrees on both.
 
 [Note: collectives on one thread]
 gloo and NCCL match collectives by the order each rank issues them. Every collective of a step is issued by
 the one CPU-lane thread, in submission order; those of the main thread (the norms' all-reduce, the gathers
-that read values other ranks own) are issued only after the lane drained. A collective that fails (a peer
+that read values other ranks own) are issued only after the lane drained. With grads reduced on the device the
+main thread issues collectives during backward too (the checks and the slots' reduce-scatters): on a group of
+their own, ``self.tag_group``, where every check then pairs ([Note: grads reduced on the device] in
+device_collectives.py); the lane keeps the user's group for the all-gathers. A collective that fails (a peer
 raised, hung past the group's timeout, or died) raises :class:`DistributedError` naming this rank, and the
 engine refuses to go on: its ranks are no longer in step, and a later collective could pair with the wrong
 one on another rank. So does a rank whose backward raised after a collective was issued.
@@ -96,6 +101,7 @@ import torch.distributed as dist
 from ..errors import DistributedError, InvariantError, OffloadError
 from ..host.shard import ShardedHostState
 from ..host.state import HostState
+from .device_collectives import DeviceGroup, pad_buckets
 
 # torch 2.13 names the single-tensor collectives *_single (the *_tensor names warn); older torch has only those
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -106,7 +112,7 @@ _TAG = 4
 _ONE_BUCKET, _BUCKET_SET, _REPLAN, _FAULT, _JOIN = 0, 1, 2, -1, -2
 
 if TYPE_CHECKING:
-    from ..backend.base import Event, Lane
+    from ..backend.base import Backend, Event, Lane
     from ..planning.buckets import Bucket, ParamSpec
     from .grads import GradPipeline
 
@@ -118,8 +124,11 @@ class DataParallel:
     # dtype) waits for the other ranks to join it before it raises: [Note: a read on one rank]
     JOIN_WINDOW_S = 60.0
 
-    def __init__(self, group: Any, lane: Lane) -> None:
+    def __init__(self, group: Any, lane: Lane, device: torch.device | None = None) -> None:
         self.group = group
+        # [Note: grads reduced on the device]: the main thread's group (its collectives and every check), or None
+        self.device = DeviceGroup(group, device) if device is not None else None
+        self.tag_group = self.device.group if self.device is not None else group  # where the checks pair
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.lane = lane
@@ -136,9 +145,10 @@ class DataParallel:
         self.syncing = True  # False inside engine.no_sync(): a backward's end issues no collective ([Note: no_sync])
 
     @classmethod
-    def resolve(cls, process_group: Any, lane: Lane) -> DataParallel | None:
+    def resolve(cls, process_group: Any, lane: Lane, device: torch.device | None = None) -> DataParallel | None:
         """``process_group``: None (the default group if torch.distributed is initialised), False (never),
-        or a group. None when there is nothing to be parallel over (no group, or a group of one rank)."""
+        or a group. None when there is nothing to be parallel over (no group, or a group of one rank).
+        ``device``: reduce-scatter grads on that device ([Note: grads reduced on the device]); None: on the host."""
         if process_group is False:
             return None
         if not (dist.is_available() and dist.is_initialized()):
@@ -154,12 +164,37 @@ class DataParallel:
                 "data parallel runs its collectives on the host (grads and weights in the host arena), which NCCL "
                 "cannot move; this group is NCCL only. Initialise with backend=\"cpu:gloo,cuda:nccl\", or pass "
                 "process_group=torch.distributed.new_group(backend=\"gloo\") (or process_group=False to opt out)")
-        return cls(group, lane)
+        return cls(group, lane, device)
 
     def host_state(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
                    dtype: torch.dtype, fused: bool, accumulate: bool) -> ShardedHostState:
         return ShardedHostState(buckets, specs, shapes, dtype, self.rank, self.world, self.gather,
                                 fused=fused, accumulate=accumulate)
+
+    def pad_buckets(self, buckets: Sequence[Bucket]) -> tuple[Bucket, ...]:
+        """The buckets to plan: with grads reduced on the device, each grad slot padded to its shards."""
+        return tuple(buckets) if self.device is None else pad_buckets(buckets, self.world)
+
+    # -- per bucket, on the main thread: [Note: grads reduced on the device] ------------------------------
+
+    def reduce_on_device(self, backend: Backend, host: HostState, b: int, slot: torch.Tensor, ready: Event,
+                         waits: Sequence[Event]) -> tuple[Event, int]:
+        """Check, then reduce-scatter bucket ``b``'s grad ``slot`` in place on the device after ``ready``, then
+        copy this rank's shard to the host's ``grad_shard`` after it and ``waits``. Returns (the copy's event,
+        its bytes): once it is done the slot is free and the shard's update may run."""
+        self.check_usable()
+        host = _sharded(host, self.rank)
+        size, device = host.shards[b].size, self.device
+        dst = host.grad_shard[b]
+        if device is None or slot.numel() != size * self.world or dst.dtype != slot.dtype:
+            raise InvariantError(f"bucket {b}: a grad slot of {slot.numel()} {slot.dtype} elements cannot be "
+                                 f"reduce-scattered into {self.world} shards of {size} {dst.dtype} elements: a bug "
+                                 "in offload, please report it")
+        mine = slot[self.rank * size: (self.rank + 1) * size]  # NCCL's in-place form: no buffer outside the arena
+        self._check_same_bucket(b)  # on the device group's host side, before the sum is issued
+        reduced = backend.collective(lambda: self._call(f"reduce-scatter of bucket {b}'s grads on the device",
+                                                        _reduce_scatter, mine, slot, group=device.group), [ready])
+        return backend.d2h(dst, mine, [reduced, *waits]), size * slot.element_size()
 
     # -- per bucket, on the CPU lane ---------------------------------------------------------------------
 
@@ -170,7 +205,9 @@ class DataParallel:
         self.check_usable()
         host = _sharded(host, self.rank)
         reduced = self._reduced.pop(b, None)
-        if reduced is not None and reduced[0] is ready:
+        if self.device is not None:  # reduce-scattered on the device, its shard copied: ``ready`` is that copy
+            reduce = ready
+        elif reduced is not None and reduced[0] is ready:
             reduce = reduced[1]
         else:
             reduce = self._submit_reduce(host, b, ready)
@@ -208,7 +245,7 @@ class DataParallel:
         """All-gather every rank's ``tag`` (the checks before a sum: [Note: a fault named]); raise naming the
         ranks that sent a fault instead."""
         tags = tag.new_empty(_TAG * self.world)
-        self._call(what, _all_gather, tags, tag, group=self.group)
+        self._call(what, _all_gather, tags, tag, group=self.tag_group)
         self._reduces += 1
         others = tags.view(self.world, _TAG)
         alone = [r for r in range(self.world) if int(others[r, 0]) == _JOIN]
@@ -355,7 +392,7 @@ class DataParallel:
         tag = torch.tensor([_JOIN, 0, 0, self._reduces], dtype=torch.int64)
         tags = tag.new_empty(_TAG * self.world)
         try:
-            work = _all_gather(tags, tag, group=self.group, async_op=True)
+            work = _all_gather(tags, tag, group=self.tag_group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.JOIN_WINDOW_S))
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a timeout
             raise self._read_alone(f"the other ranks did not join within {self.JOIN_WINDOW_S:g} s ({e}); the read "
@@ -444,7 +481,7 @@ class DataParallel:
         try:
             self.lane.drain()  # the collectives this rank issued before the fault: the others are in them too
             tag = torch.tensor([_FAULT, self.rank, 0, self._reduces], dtype=torch.int64)
-            _all_gather(tag.new_empty(_TAG * self.world), tag, group=self.group)
+            _all_gather(tag.new_empty(_TAG * self.world), tag, group=self.tag_group)
         except Exception:  # noqa: BLE001 - a peer gone or timed out: it errs on its own; this rank's error stands
             pass
 

@@ -74,7 +74,7 @@ class GradPipeline:
         self.hparams: HParams | None = None  # overlapped updates: hyperparameters read as backward begins
         # issue 18: overlapped updates of a step with no training plan yet, submitted once its backward ended
         # and the plan was built (release_held): a budget too small is refused before any update is applied
-        self.held: list[tuple[int, frozenset[int], Event, torch.Tensor]] | None = None
+        self.held: list[tuple[int, frozenset[int], Event, torch.Tensor | None]] | None = None
         self._expected_cache: dict[int, tuple[dict[int, None], int, frozenset[int]]] = {}  # bucket -> _expected
 
     # -- backward --------------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ class GradPipeline:
         if have is not None:
             return have.view
         ctx, slots, executor = self.ctx, self.slots, self.executor
-        n = slots.buckets[b].trainable_numel
+        n = slots.buckets[b].grad_numel  # issue 20: padded to its shards where reduced on the device
         plan = executor.plan
         k = plan.grad_buffer[b] if executor.on_plan and plan is not None else None
         if k is not None and plan is not None:
@@ -285,6 +285,8 @@ class GradPipeline:
             with torch.no_grad():
                 self.norms.update(self._slot_norms(view, got))
         waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]
+        if ctx.dp is not None and ctx.dp.device is not None:  # issue 20: reduce-scattered on the device
+            return self._send_shard(b, view, k, got, waits)
         ctx.stats["d2h_bytes"] += nbytes
         first = earlier is None
         # The issue-18 first step's held grads are copied out whole, whatever pieces they crossed in.
@@ -300,6 +302,28 @@ class GradPipeline:
         self.pending[b] = PendingGrads((earlier.params if earlier else frozenset()) | got, ready)
         if kept is not None and self.held is not None:
             self.held.append((b, got, ready, kept))
+
+    def _send_shard(self, b: int, view: torch.Tensor, k: int | None, got: frozenset[int],
+                    waits: list[Event]) -> None:
+        """[Note: grads reduced on the device] (runtime/device_collectives.py): the slot reduce-scattered in
+        place, this rank's shard copied to the host, its update (then the all-gather) on the CPU lane."""
+        ctx = self.ctx
+        dp = ctx.dp
+        if dp is None:
+            raise InvariantError(f"bucket {b}: a grad shard without data parallel: a bug in offload")
+        d2h, nbytes = dp.reduce_on_device(ctx.backend, self.slots.hosted(), b, view, waits[0], waits[1:])
+        ctx.stats["d2h_bytes"] += nbytes
+        ctx.lane_log.add("d2h", b, nbytes, d2h)
+        self.copies.append(d2h)
+        if k is not None:  # the slot is reused after the copy, which came after the reduce-scatter
+            self.slots.done[k] = d2h
+        else:
+            self.slots.free_after(d2h, view.numel() * ctx.itemsize, view)
+        self.pending[b] = PendingGrads(got, d2h)
+        if self.held is not None:  # issue 18: the first step's update waits for its plan (release_held)
+            self.held.append((b, got, d2h, None))
+        else:
+            self._submit_update(b, got, d2h)
 
     def _copy_piece(self, b: int, got: frozenset[int], view: torch.Tensor, waits: list[Event],
                     earlier: PendingGrads | None, lo: int, hi: int, last: bool, kept: torch.Tensor | None,

@@ -152,6 +152,8 @@ class TracedWarmup:
         seen = set(touched)
         order = touched + [p for p in range(len(ctx.params)) if p not in seen]
         buckets = make_buckets(list(ctx.specs), order, ctx.bucket_bytes, ctx.itemsize)
+        if ctx.dp is not None:  # issue 20: grad slots padded to their shards where reduced on the device
+            buckets = ctx.dp.pad_buckets(buckets)
         floor = forward_min_budget(recorder.events, recorder.uses, recorder.ends, buckets, list(ctx.specs),
                                    ctx.itemsize, activations=memory.activation_peak, fixed=memory.parts["buffers"],
                                    headroom=memory.parts["headroom"])

@@ -14,8 +14,10 @@ against DeepSpeed ZeRO-Offload's data-parallel rule on the same trace, buckets, 
   delayed parameter update (DPU, which changes the maths) is not modelled.
 * ``runtime``: what the runtime runs today ([Note: the runtime's data-parallel step],
   ``offload/planning/data_parallel_runtime.py``): each rank's single-GPU plan (the runtime plans each rank
-  as one GPU), whole buckets copied each way, gloo's collectives and the shard's AdamW one after the other
-  on the CPU lane. Give it a cluster with gloo's links (``collectives.gloo_cluster_of``).
+  as one GPU), gloo's collectives and the shard's AdamW one after the other on the CPU lane. Give it a
+  cluster with gloo's links (``collectives.gloo_cluster_of``), and the NCCL cluster as ``device`` for what
+  runs on CUDA ([Note: the runtime's device reduce-scatter]: grads reduce-scattered on the device, a 1/N
+  shard copied); without it, whole buckets are copied and reduce-scattered by gloo (the CPU backend's path).
 """
 
 from __future__ import annotations
@@ -71,15 +73,17 @@ def greedy_data_parallel(case: Case, cluster: Cluster) -> RankResult:
     return RankResult("greedy", simulate_rank_plan(plan, case.hw, cluster, case.compute_s), plan.peak_bytes, True)
 
 
-def runtime_data_parallel(case: Case, gloo: Cluster) -> RankResult:
-    """The runtime's path on ``gloo`` (a cluster with gloo's links): the single-GPU plan within the rank's
-    budget, as ``Executor._build`` makes it, simulated by :func:`simulate_runtime_plan`."""
+def runtime_data_parallel(case: Case, gloo: Cluster, device: Cluster | None = None) -> RankResult:
+    """The runtime's path on ``gloo`` (a cluster with gloo's links), grads reduced on ``device`` if given:
+    the single-GPU plan within the rank's budget, as ``Executor._build`` makes it, simulated by
+    :func:`simulate_runtime_plan`."""
     try:
         plan = build_plan(case.trace, case.buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
                           fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s)
     except BudgetTooSmallError as e:
         return RankResult("runtime", None, e.min_budget_bytes, False)
-    return RankResult("runtime", simulate_runtime_plan(plan, case.hw, gloo, case.compute_s), plan.peak_bytes, True)
+    return RankResult("runtime", simulate_runtime_plan(plan, case.hw, gloo, case.compute_s, device), plan.peak_bytes,
+                      True)
 
 
 POLICIES = {"greedy": greedy_data_parallel, "zero-offload": zero_offload_data_parallel}

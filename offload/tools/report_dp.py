@@ -6,9 +6,12 @@ nominal link presets, labelled so.
 Two data paths, the flat keys for the one the code runs and ``*_design`` for the other:
 
 * the **runtime** path (what runs: ``offload/planning/data_parallel_runtime.py``, [Note: the runtime's
-  data-parallel step]): each rank's single-GPU plan (the report's ``plan``), whole buckets copied each way,
-  every collective on the host through gloo, serial with the shard's AdamW on the rank's CPU lane; on gloo's
-  nominal presets (``collectives.GLOO_INTRA``, and over ``--inter``'s NICs ``GLOO_INTER_OF``). float16 defers
+  data-parallel step]): each rank's single-GPU plan (the report's ``plan``); with overlapped updates, what
+  runs on CUDA (``grad_reduce="auto"``): grads reduce-scattered on the device over the ``--intra``/``--inter``
+  presets and a 1/N shard copied to the host ([Note: the runtime's device reduce-scatter]:
+  ``grad_reduce: "device"``, ``device_reduce_busy_s``), then the shard's AdamW and gloo's all-gather of the
+  updated shards on the rank's CPU lane, on gloo's nominal presets (``collectives.GLOO_INTRA``, and over
+  ``--inter``'s NICs ``GLOO_INTER_OF``); whole buckets copied to the device. float16 defers
   every update to ``step()``, and so does gradient accumulation (``--micro-batches K``: K forward and backward
   passes per step, the engine with ``overlap_optimizer=False``): their figures are the deferred path's ([Note:
   the runtime's deferred data-parallel step]), whose synced backwards all-reduce every bucket's grads
@@ -94,8 +97,9 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
         "gloo_intra": gloo.intra.name, "gloo_inter": gloo.inter.name if cluster.nodes > 1 else None,
         "links": {x.name: x.source for x in links},
         "simulated": "cost model on nominal link presets, not measured",
-        "runs": "runtime: the flat keys are the path the code runs (host gloo collectives, whole-bucket copies); "
-                "*_design keys are issue 20's design (device NCCL collectives), which does not run yet",
+        "runs": "runtime: the flat keys are the path the code runs on CUDA (overlapped: grads reduce-scattered "
+                "on the device, a shard to the host, gloo all-gathers on the host; deferred: every collective on "
+                "the host); *_design keys are issue 20's design, whose weights half does not run yet",
         "host_bytes_per_rank": per_rank, "host_bytes_per_node": cluster.gpus_per_node * per_rank,
         "host_bytes_per_rank_design": host_bytes_per_rank(plan.buckets, lowp, cluster, accumulate),
         "host_bytes_per_node_design": host_bytes_per_node(plan.buckets, lowp, cluster, accumulate),
@@ -103,6 +107,7 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
         "all_gather_busy_s": None, "reduce_scatter_busy_s": None, "check_busy_s": None, "runtime_note": None,
         "runtime_path": "deferred" if accumulate else "overlapped", "micro_batches": micro_batches,
         "no_sync": no_sync, "all_reduce_busy_s": None, "accumulate_busy_s": None,
+        "grad_reduce": "host" if accumulate else "device", "device_reduce_busy_s": None,
         "design_note": DESIGN_ONE_BACKWARD if micro_batches > 1 else None,  # fits_design None then: not known
         "fits_design": False if micro_batches == 1 else None, "device_peak_bytes_per_rank_design": None,
         "predicted_step_s_design": None,
@@ -118,8 +123,9 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
                                             no_sync=no_sync)
         out.update(runtime_note=deferred_note(fp16, micro_batches, no_sync))
     else:
-        rt = simulate_runtime_plan(plan, r.hw, gloo, report.compute_s)
+        rt = simulate_runtime_plan(plan, r.hw, gloo, report.compute_s, device=cluster)
     out.update(predicted_step_s=rt.step_s, tokens_per_s=tokens / rt.step_s,
+               device_reduce_busy_s=rt.device_reduce_busy_s,
                all_gather_busy_s=rt.all_gather_busy_s, reduce_scatter_busy_s=rt.reduce_scatter_busy_s,
                check_busy_s=rt.check_busy_s, all_reduce_busy_s=rt.all_reduce_busy_s,
                accumulate_busy_s=rt.accumulate_busy_s)
@@ -156,8 +162,10 @@ def render_data_parallel(dp: dict, console: Console) -> None:
     t.add_column("")
     t.add_column("runtime path (what runs)", justify="right")
     t.add_column("design path (issue 20, not run)", justify="right")
-    t.add_row("collectives", "gloo on the host: " + dp["gloo_intra"] + (f" + {dp['gloo_inter']}" if dp["gloo_inter"]
-              else ""), "NCCL on the device: " + dp["intra"] + (f" + {dp['inter']}" if dp["inter"] else ""))
+    nccl = dp["intra"] + (f" + {dp['inter']}" if dp["inter"] else "")
+    gloo = "gloo on the host: " + dp["gloo_intra"] + (f" + {dp['gloo_inter']}" if dp["gloo_inter"] else "")
+    t.add_row("collectives", (f"grads NCCL on the device ({nccl}), " if dp["grad_reduce"] == "device" else "") + gloo,
+              "NCCL on the device: " + nccl)
     design = dp["design_note"] is None  # else: not modelled (the note says why)
     t.add_row("device peak per rank", _bytes(dp["device_peak_bytes_per_rank"]),
               _bytes(dp["device_peak_bytes_per_rank_design"]) if design else "not modelled")
@@ -170,6 +178,8 @@ def render_data_parallel(dp: dict, console: Console) -> None:
     t.add_row("tokens/s (all ranks)", _rate(dp["tokens_per_s"]), _rate(dp["tokens_per_s_design"]))
     t.add_row("all-gather / reduce-scatter busy", _pair(dp["all_gather_busy_s"], dp["reduce_scatter_busy_s"]),
               _pair(dp["all_gather_busy_s_design"], dp["reduce_scatter_busy_s_design"]))
+    if dp["device_reduce_busy_s"]:
+        t.add_row("device reduce-scatter busy", f"{dp['device_reduce_busy_s']:.3f} s", "")
     if dp["runtime_path"] == "deferred" and dp["all_reduce_busy_s"] is not None:
         t.add_row("all-reduce busy (every synced backward)" if k > 1 else "all-reduce per backward busy",
                   f"{dp['all_reduce_busy_s']:.3f} s", "")

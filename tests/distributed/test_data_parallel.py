@@ -281,12 +281,14 @@ def test_device_optimizer_is_refused_under_data_parallel(monkeypatch):
     from offload.runtime import context
     from offload.runtime.distributed import DataParallel
 
+    cpu = torch.device("cpu")
     config = offload.OffloadConfig(budget="64MiB", device="cpu", device_optimizer=True)
-    assert context._data_parallel(config, lane=None) is None  # no group: nothing to refuse
-    monkeypatch.setattr(DataParallel, "resolve", classmethod(lambda cls, group, lane: object()))
+    assert context._data_parallel(config, lane=None, device=cpu) is None  # no group: nothing to refuse
+    monkeypatch.setattr(DataParallel, "resolve", classmethod(lambda cls, group, lane, device: object()))
     with pytest.raises(offload.OffloadError, match="device_optimizer=True is not supported with data parallel"):
-        context._data_parallel(config, lane=None)
-    assert context._data_parallel(offload.OffloadConfig(budget="64MiB", device="cpu"), lane=None) is not None
+        context._data_parallel(config, lane=None, device=cpu)
+    assert context._data_parallel(offload.OffloadConfig(budget="64MiB", device="cpu"), lane=None,
+                                  device=cpu) is not None
 
 
 def test_torch_clip_grad_norm_on_p_grad_sees_the_average_over_ranks(tmp_path):

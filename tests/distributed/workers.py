@@ -98,6 +98,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
 
     import offload
     result: dict = {"rank": rank}
+    stack = contextlib.ExitStack()
+    started = time.monotonic()
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.world,
                                 timeout=datetime.timedelta(seconds=case.timeout_s))
@@ -108,6 +110,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             from offload.runtime.distributed import _RollCall
             _RollCall.ROLL_CALL_S = case.extra["roll_call_s"]  # this spawned process only
         collectives = _count_collectives()
+        sim = _simulated_gpu(stack) if case.extra.get("simulated_gpu") else None
         model = make_model()
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
         from offload.testing.chaos import ChaosConfig
@@ -117,8 +120,10 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             from offload.runtime import executor
             executor.RETIME_BEYOND = case.extra["calibrate"]
             options["calibrate_compute"] = True
+        if "grad_reduce" in case.extra:  # issue 20: [Note: grads reduced on the device]
+            options["grad_reduce"] = case.extra["grad_reduce"]
         with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
-            engine = offload.wrap(model, opt, budget="64MiB", dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
+            engine = offload.wrap(model, opt, budget=case.extra.get("budget", "64MiB"), dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
                                   overlap_optimizer=case.overlap, **options)
         lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
         if case.overlap:  # updates run during backward: no_sync() cannot hold their collectives back
@@ -183,6 +188,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         result["counters"] = stats["counters"]
         result["chaos_draws"] = lane._before.draws if lane._before is not None else 0
         result["host_bytes"] = stats["host_pinned_bytes"]
+        result["device_peak_bytes"] = stats["device_peak_bytes"]
+        result["grad_slot_numel"] = [b.grad_numel for b in engine._runtime.slots.buckets]
         result["optimizer"] = stats["optimizer"]
         result["buckets"] = [(b.numel, b.trainable_numel) for b in engine._runtime.slots.hosted().buckets]
         if case.save is not None:
@@ -193,18 +200,37 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         result["weights"] = {k: v.clone() for k, v in engine.state_dict()["model"].items()}
         engine.close()
         result["after_close"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if sim is not None:
+            result["races"], result["sim_log"] = list(sim.races), [x[0] for x in sim.log]
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
         result["error"] = f"{type(e).__name__}: {e}"
+        result["error_after_s"] = time.monotonic() - started
         result["traceback"] = traceback.format_exc()
         if case.extra.get("close_after_error") and "engine" in locals():
             _close_after_error(engine, model, result)
     finally:
+        stack.close()
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a failed group may not tear down cleanly
                 pass
+
+
+def _simulated_gpu(stack: contextlib.ExitStack):
+    """Engines wrapped from now on (this spawned process) get the CUDA backend on the simulated GPU
+    (tests/support/fake_cuda.py), entered: compute is watched; returns it (its ``races`` are recorded)."""
+    import pytest
+
+    import offload
+    from offload.backend import CUDABackend
+    from tests.support.fake_cuda import FakeCuda
+    sim = stack.enter_context(FakeCuda())
+    patch = stack.enter_context(pytest.MonkeyPatch.context())
+    patch.setattr(offload.api, "make_backend", lambda device, chaos=None: CUDABackend(torch.device("cpu"), api=sim,
+                                                                                      chaos=chaos))
+    return sim
 
 
 def _count_collectives() -> list[str]:

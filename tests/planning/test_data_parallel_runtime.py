@@ -152,3 +152,37 @@ def test_host_bytes_are_the_arena_every_rank_allocates(world, dtype):
     for rank in range(world):
         state = ShardedHostState(buckets, specs, shapes, dtype, rank, world, lambda t: t, fused=False)
         assert state.nbytes == want
+
+
+# -- grads reduce-scattered on the device ([Note: the runtime's device reduce-scatter]) ----------------------
+
+NV = Cluster(2, 1, intra=Link("nv", bytes_per_s=2000.0, latency_s=0.25))
+DEV_RS = 0.25 + 0.5 * 1000 / 2000  # a ring reduce-scatter of 1000 B over 2 GPUs
+SHARD_D2H = 500 / 1000  # the rank's 500-byte shard over the 1000 B/s link
+
+
+def test_the_device_reduce_scatter_then_the_shards_copy_then_adamw_and_the_all_gather():
+    """Two buckets of 1000 grad bytes whose grads are final at 1 s and 2 s: each is reduce-scattered on the
+    collective lane, its shard (half) copied to the host after it, then the CPU lane runs the shard's AdamW and
+    the all-gather (no gloo reduce-scatter, no per-bucket check on the lane); step()'s check after the lane."""
+    program = lane_program(d2h_event=(1, 2), d2h_bucket=(0, 1), d2h_bytes=(1000, 1000), adam_numel=(500, 500))
+    record: list = []
+    got = simulate_runtime_path(program, HW, TWO, record, device=NV)
+    rs, d2h = _by_lane(record, "device_reduce_scatter"), _by_lane(record, "d2h")
+    assert [r[2:] for r in rs] == [pytest.approx((1.0, 1.0 + DEV_RS)), pytest.approx((2.0, 2.0 + DEV_RS))]
+    assert [r[2] for r in d2h] == [pytest.approx(r[3]) for r in rs]  # each shard's copy after its reduce
+    assert [r[3] - r[2] for r in d2h] == [pytest.approx(SHARD_D2H)] * 2
+    first = d2h[0][3] + ADAM + AG  # the first bucket's update and all-gather, once its shard landed
+    assert _by_lane(record, "all_gather")[0][3] == pytest.approx(first)
+    assert got.step_s == pytest.approx(first + ADAM + AG + CHECK)  # the second waits for the lane
+    assert (got.grad_reduce, got.reduce_scatter_busy_s) == ("device", 0.0)
+    assert got.device_reduce_busy_s == pytest.approx(2 * DEV_RS)
+    assert got.check_busy_s == pytest.approx(CHECK)  # step()'s only: the buckets' checks are not on the lane
+    assert got.sim.d2h_bytes == 1000  # two shards of 500 B: half the grads
+    host = simulate_runtime_path(program, HW, TWO)
+    assert (host.grad_reduce, host.sim.d2h_bytes) == ("host", 2000)
+    assert got.step_s < host.step_s
+    one = simulate_runtime_path(program, HW, gloo_cluster_of(1), device=Cluster(1, 1, intra=LINK))
+    assert one.sim == simulate(program, HW) and one.grad_reduce == "host"  # one rank: nothing to reduce
+    with pytest.raises(ValueError, match="the device cluster has 2 ranks"):
+        simulate_runtime_path(program, HW, gloo_cluster_of(1), device=NV)

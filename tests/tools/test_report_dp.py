@@ -38,7 +38,9 @@ def test_report_gpus_json(capsys):
     # grad on every rank, 2 + 2 B/param, and 1/16 of the master, m, v and summed grad
     assert dp["host_bytes_per_node"] == 8 * dp["host_bytes_per_rank"]
     assert 4 * one["trainable_params"] < dp["host_bytes_per_rank"] < 5 * one["trainable_params"]
-    assert dp["predicted_step_s"] > 0 and dp["all_gather_busy_s"] > 0 and dp["reduce_scatter_busy_s"] > 0
+    # what runs on CUDA with overlapped updates: grads reduce-scattered on the device, not on the CPU lane
+    assert dp["grad_reduce"] == "device" and dp["device_reduce_busy_s"] > 0 and dp["reduce_scatter_busy_s"] == 0
+    assert dp["predicted_step_s"] > 0 and dp["all_gather_busy_s"] > 0
     assert dp["check_busy_s"] > 0 and dp["runtime_note"] is None
     assert dp["tokens_per_s"] == pytest.approx(16 * out["batch"] * out["seq"] / dp["predicted_step_s"])
     # the CPU lane runs the collectives and the AdamW one after the other: the step is at least their sum
@@ -57,6 +59,7 @@ def test_report_gpus_float16_gives_the_deferred_runtime_path(capsys):
     assert dp["predicted_step_s"] > 0 and dp["all_reduce_busy_s"] > 0 and dp["all_gather_busy_s"] > 0
     assert dp["accumulate_busy_s"] > 0  # float16 grads widened into the fp32 sums
     assert "deferred" in dp["runtime_note"] and dp["predicted_step_s_design"] > 0
+    assert dp["grad_reduce"] == "host" and dp["device_reduce_busy_s"] == 0  # deferred: every collective on the host
     assert dp["tokens_per_s"] == pytest.approx(2 * out["batch"] * out["seq"] / dp["predicted_step_s"])
     # the CPU lane's serial work (the end of backward's all-reduces, step()'s updates and all-gathers) is in it
     assert dp["predicted_step_s"] > dp["all_reduce_busy_s"] + dp["all_gather_busy_s"] + dp["check_busy_s"]
