@@ -437,6 +437,12 @@ class Runtime:
             self.grads.flush()
             if self.fast.on:  # no record to plan from, nothing streamed ([Note: the fast path])
                 self.fast.backward_ended()
+                # Copies issued from now on (step()'s refresh of the resident buckets) wait for all of this
+                # backward's compute, as after a full step (release_all). Without it they were ordered after
+                # the compute that read their bucket only through the host: the AdamW lane waited for the
+                # grads' copy, which waited for compute. Correct, but a chain no event names, which the
+                # simulated GPU rightly cannot follow (per-thread host clocks).
+                self.slots.mark_boundary()
             else:
                 executor.leave_unless_followed()
                 self.recompute.backward_ended()

@@ -20,7 +20,7 @@ from offload.planning.schedule import validate_plan
 from offload.planning.trace import EventKind
 from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise, assert_losses_bitwise
-from tests.support.fake_cuda import with_chaos
+from tests.support.fake_cuda import simulated_gpu, with_chaos  # noqa: F401 (a fixture)
 from tests.support.loops import finish_step
 from tests.support.models import tanh_mlp
 
@@ -433,3 +433,27 @@ def test_a_fast_steps_refresh_keeps_parameters_bound_and_they_read_the_new_weigh
         assert _counters(engine)["fast_steps"] == 2
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "deferred"])
+def test_fast_steps_on_the_simulated_gpu_order_the_refresh_after_backward(simulated_gpu, overlap):
+    """On CUDA ``step()``'s refresh of the resident buckets writes slots the backward just read. A fast step's
+    end of backward marks the boundary those copies wait for, as a full step's does (``release_all``). Before,
+    nothing did: the copies were ordered after compute only through the host (the AdamW lane had waited for
+    the grads' copy), which the simulated GPU, as late as CUDA allows, reported as a race at the first fast
+    step's refresh. Here: no race over several fast steps, and the numbers are the CPU backend's."""
+    def run():
+        engine, opt, ref, ref_opt = _pair(_mlp(depth=4, width=16), overlap_optimizer=overlap)
+        losses = [_step(engine, opt, _mse, _x(step, width=16)) for step in range(6)]
+        counters = _counters(engine)
+        state = engine.state_dict()["model"]
+        engine.close()
+        return losses, state, counters
+
+    want_losses, want_state, _ = run()
+    made = simulated_gpu()
+    losses, state, counters = run()
+    assert counters["fast_steps"] >= 3, counters  # the path under test ran
+    assert_losses_bitwise(losses, want_losses)
+    assert_bitwise(state, want_state, "model")
+    assert made[0]._api.copies > 0 and made[0]._api.pending() == 0
