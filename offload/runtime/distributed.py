@@ -14,10 +14,12 @@ rank, since every rank runs the same model):
 With ``overlap_optimizer`` this runs while backward goes on; with ``grad_reduce="device"`` the reduce-scatter
 runs on the device instead, before the copy, and only the rank's shard comes to the host ([Note: grads reduced
 on the device] in runtime/device_collectives.py). With deferred updates (accumulation, clipping, float16)
-nothing is sent while micro-batches accumulate: the first of ``clip_grad_norm_`` and ``step()``
-reduce-scatters every gathered bucket, then one all-reduce of per-parameter sums of squares gives
-the norms over all ranks, from which the clip coefficient and the float16 overflow check follow, so every
-rank agrees on both.
+the end of every backward outside ``engine.no_sync()`` all-reduces each gathered bucket's grads, so that
+``p.grad`` is the average over the ranks and every rank computes the same norms, clip coefficient and float16
+overflow check from it ([Note: averaged p.grad]); the update then takes its shard of that average locally. A
+step whose last backward ran inside ``no_sync`` reduce-scatters the local sums at the first of
+``clip_grad_norm_`` and ``step()``, and one all-reduce of per-parameter sums of squares gives the norms over
+all ranks ([Note: no_sync], :meth:`DataParallel.reduce_pending`).
 
 [Note: collectives on one thread]
 gloo and NCCL match collectives by the order each rank issues them. Every collective of a step is issued by
