@@ -254,9 +254,9 @@ class Runtime:
         """The post-accumulate-grad hook of every trainable parameter: :meth:`_on_grad`, holding the runtime
         weakly (tensor hooks are held by the tensor's C++ side, where Python's gc cannot see them: a hook
         holding the runtime would make runtime -> params -> hook -> runtime an uncollectable cycle, and an
-        engine dropped without close() must still be freed). The hook
-        runs for every parameter of every backward, so its commonest case, a fast step's grad that only waits
-        in ``p.grad`` for its bucket's last one (``FastPath.waits_in_grad``), returns before anything else."""
+        engine dropped without close() must still be freed). The hook runs for every parameter of every
+        backward, so its commonest case, a fast step's grad that only waits in ``p.grad`` for its bucket's last
+        one (``FastPath.waits_in_grad``), returns before anything else."""
         ref = weakref.ref(self)
         backward = Pass.BACKWARD
 
