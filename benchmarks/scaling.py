@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                         res = {"runtime": runtime_data_parallel(case, gloo, device=cluster)}
                         res.update((p, f(case, cluster)) for p, f in POLICIES.items())
                     out["timings_s"][where] = time.perf_counter() - t1
-                    host_rank = {"runtime": runtime_host_bytes_per_rank(buckets, ITEMSIZE, cluster.world, False),
+                    host_rank = {"runtime": runtime_host_bytes_per_rank(buckets, ITEMSIZE, cluster.world, False,
+                                                                        landing=False),  # grads reduced on the device
                                  "design": host_bytes_per_rank(buckets, ITEMSIZE, cluster)}
                     cells = {}
                     for p, r in res.items():

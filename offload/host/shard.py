@@ -71,7 +71,7 @@ class ShardLayout:
 
     lowp: tuple[int, ...]  # the whole bucket in the device dtype
     master: tuple[int, ...]  # the shard's fp32 master (16-bit device dtypes only; empty in fp32)
-    grad: tuple[int, ...]  # the landing grad, padded to size * world
+    grad: tuple[int, ...]  # the landing grad, padded to size * world (empty: grads reduced on the device)
     staging: tuple[int, ...]
     grad_shard: tuple[int, ...]
     exp_avg: tuple[int, ...]
@@ -80,8 +80,11 @@ class ShardLayout:
 
 
 def shard_layout(buckets: Sequence[Bucket], shards: Sequence[Shard], world: int, device_itemsize: int,
-                 accumulate: bool) -> ShardLayout:
-    """Pure: the regions of [Note: host shards], each ``HOST_ALIGN``-aligned, bucket after bucket."""
+                 accumulate: bool, landing: bool = True) -> ShardLayout:
+    """Pure: the regions of [Note: host shards], each ``HOST_ALIGN``-aligned, bucket after bucket. ``landing``:
+    whether the whole bucket's grad lands on the host (False where grads are reduce-scattered on the device and
+    only the shard comes: [Note: grads reduced on the device] in runtime/device_collectives.py; then the
+    landing grad's region is empty)."""
     lowp16 = device_itemsize != 4
     grad_itemsize = 4 if accumulate else device_itemsize
     fields: dict[str, list[int]] = {k: [] for k in ("lowp", "master", "grad", "staging", "grad_shard",
@@ -89,7 +92,7 @@ def shard_layout(buckets: Sequence[Bucket], shards: Sequence[Shard], world: int,
     off = 0
     for b, s in zip(buckets, shards):
         sizes = {"lowp": b.numel * device_itemsize, "master": s.size * 4 if lowp16 else 0,
-                 "grad": s.size * world * grad_itemsize,
+                 "grad": s.size * world * grad_itemsize if landing else 0,
                  "staging": b.trainable_numel * device_itemsize if accumulate else 0,
                  "grad_shard": s.size * grad_itemsize, "exp_avg": s.size * 4, "exp_avg_sq": s.size * 4}
         for name, nbytes in sizes.items():
@@ -105,7 +108,10 @@ class ShardedHostState(HostState):
 
     def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
                  device_dtype: torch.dtype, rank: int, world: int, gather: Gather,
-                 fused: bool = KERNEL_AVAILABLE, accumulate: bool = False) -> None:
+                 fused: bool = KERNEL_AVAILABLE, accumulate: bool = False, landing: bool = True) -> None:
+        if not landing and accumulate:
+            raise InvariantError("accumulated grads are summed on the host: they need the landing grad (a bug in "
+                                 "offload, please report it)")
         if fused and not KERNEL_AVAILABLE:
             raise KernelUnavailableError("fused=True needs the C++ AdamW kernel, which this build of offload._C "
                                          "lacks: rebuild offload or use fused=False")
@@ -116,7 +122,7 @@ class ShardedHostState(HostState):
         self.buckets, self.specs, self.shapes = tuple(buckets), list(specs), list(shapes)
         self.shards = [shard_of(b.trainable_numel, rank, world) for b in buckets]
         itemsize = torch.empty((), dtype=device_dtype).element_size()
-        layout = shard_layout(buckets, self.shards, world, itemsize, accumulate)
+        layout = shard_layout(buckets, self.shards, world, itemsize, accumulate, landing)
         available = psutil.virtual_memory().available
         if layout.total_bytes * HOST_RAM_HEADROOM > available:
             raise HostMemoryError(f"rank {rank}'s host arena needs {format_bytes(layout.total_bytes)} of RAM (its "
@@ -128,10 +134,16 @@ class ShardedHostState(HostState):
         view = self.arena.view
         fp32 = device_dtype == torch.float32
         self.lowp = [view(layout.lowp[b.index], b.numel, device_dtype) for b in buckets]
-        self.grad_padded = [view(layout.grad[b.index], s.size * world, grad_dtype) for b, s in zip(buckets, self.shards)]
-        for g in self.grad_padded:
-            g.zero_()  # the padding past the trainable prefix is never written: zeros for the reduce-scatter
-        self.grad = [g[: b.trainable_numel] for g, b in zip(self.grad_padded, buckets)]
+        # The whole bucket's grad as it lands on the host (the host collectives' buffer); None where only the
+        # shard comes to the host ([Note: grads reduced on the device]): nothing reads it there.
+        self.grad_padded: list[torch.Tensor] | None = None
+        self.grad: list[torch.Tensor] | None = None
+        if landing:
+            self.grad_padded = [view(layout.grad[b.index], s.size * world, grad_dtype)
+                                for b, s in zip(buckets, self.shards)]
+            for g in self.grad_padded:
+                g.zero_()  # the padding past the trainable prefix is never written: zeros for the reduce-scatter
+            self.grad = [g[: b.trainable_numel] for g, b in zip(self.grad_padded, buckets)]
         self.staging = ([view(layout.staging[b.index], b.trainable_numel, device_dtype) for b in buckets]
                         if accumulate else None)
         self.grad_shard = [view(layout.grad_shard[b.index], s.size, grad_dtype) for b, s in zip(buckets, self.shards)]
@@ -293,7 +305,7 @@ class ShardedHostState(HostState):
     def grad_norms(self, b: int, params, ord: float = 2.0) -> dict[int, torch.Tensor]:
         """Norms of this rank's own (not yet summed) grads: for the accumulation bookkeeping only; the
         runtime replaces them by the norms over every rank before it clips or checks for overflow."""
-        grad = self.grad[b]
+        grad = self.landed(b)
         wide = None if grad.dtype == torch.float32 else torch.float32
         return {p: torch.linalg.vector_norm(grad[self.offset[p]: self.offset[p] + self.specs[p].numel], ord,
                                             dtype=wide)
@@ -318,8 +330,8 @@ class ShardedHostState(HostState):
     def landing(self, b: int, first: bool, lo: int = 0, hi: int | None = None) -> Landing:
         """The bucket's own padded grad (the reduce-scatter's input) or staging copy: a rank keeps no grad
         ring ([Note: grad staging ring] in ``buckets.py``: ``ring=0``), so no slot is lent."""
-        if first and self.grad[b].dtype == self.device_dtype:
-            return Landing(self.grad[b], None, ())
+        if first and self.landed(b).dtype == self.device_dtype:
+            return Landing(self.landed(b), None, ())
         if self.staging is None:
             raise InvariantError("gradient accumulation needs the host's fp32 sum and staging copy, which this "
                                  "engine was not built with: a bug in offload, please report it")
@@ -333,9 +345,18 @@ class ShardedHostState(HostState):
             raise InvariantError("a sharded host state folds only its own staging copy into the sum: a bug in "
                                  "offload, please report it")
         if first:
-            self.grad[b].copy_(staged)
+            self.landed(b).copy_(staged)
         else:
-            self.grad[b].add_(staged)
+            self.landed(b).add_(staged)
+
+    def landed(self, b: int, padded: bool = False) -> torch.Tensor:
+        """Bucket ``b``'s landing grad: its trainable prefix, or ``padded`` to the shards (the host collectives'
+        buffer). There is none where grads are reduced on the device."""
+        if self.grad is None or self.grad_padded is None:
+            raise InvariantError(f"bucket {b}: the whole grad was asked for on the host, but this rank reduces "
+                                 "grads on the device and keeps only its shard there: a bug in offload, please "
+                                 "report it")
+        return self.grad_padded[b] if padded else self.grad[b]
 
     @torch.no_grad()
     def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:

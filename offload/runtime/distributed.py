@@ -171,7 +171,7 @@ class DataParallel:
     def host_state(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
                    dtype: torch.dtype, fused: bool, accumulate: bool) -> ShardedHostState:
         return ShardedHostState(buckets, specs, shapes, dtype, self.rank, self.world, self.gather,
-                                fused=fused, accumulate=accumulate)
+                                fused=fused, accumulate=accumulate, landing=self.device is None)
 
     def pad_buckets(self, buckets: Sequence[Bucket]) -> tuple[Bucket, ...]:
         """The buckets to plan: with grads reduced on the device, each grad slot padded to its shards."""
@@ -226,13 +226,13 @@ class DataParallel:
         """The reduce-scatter's result from the averaged landing grad, without a collective: the shard of the
         sum over ranks (``update`` scales by ``1 / world``; times ``world`` is exact for a power of two)."""
         s = host.shards[b]
-        host.grad_shard[b].copy_(host.grad_padded[b][self.rank * s.size: (self.rank + 1) * s.size])
+        host.grad_shard[b].copy_(host.landed(b, padded=True)[self.rank * s.size: (self.rank + 1) * s.size])
         host.grad_shard[b].mul_(self.world)
 
     def _reduce(self, host: ShardedHostState, b: int) -> None:
         self._check_same_bucket(b)
         self._call(f"reduce-scatter of bucket {b}'s grads", _reduce_scatter, host.grad_shard[b],
-                   host.grad_padded[b], group=self.group)
+                   host.landed(b, padded=True), group=self.group)
 
     def _check_same_bucket(self, b: int) -> None:
         """[Note: collectives on one thread]: collectives pair by order, so a rank whose grads completed
@@ -326,8 +326,9 @@ class DataParallel:
         buckets = sorted(grads.pending)
         self._check_same_buckets(buckets)
         for b in buckets:
-            self._call(f"all-reduce of bucket {b}'s grads", dist.all_reduce, host.grad_padded[b], group=self.group)
-            host.grad_padded[b].div_(self.world)  # exact for a power of two
+            landed = host.landed(b, padded=True)
+            self._call(f"all-reduce of bucket {b}'s grads", dist.all_reduce, landed, group=self.group)
+            landed.div_(self.world)  # exact for a power of two
             self._averaged[b] = grads.pending[b].ready
         grads.refresh_norms(grads.pending_params())
 

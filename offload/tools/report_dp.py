@@ -11,7 +11,9 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   presets and a 1/N shard copied to the host ([Note: the runtime's device reduce-scatter]:
   ``grad_reduce: "device"``, ``device_reduce_busy_s``), then the shard's AdamW and gloo's all-gather of the
   updated shards on the rank's CPU lane, on gloo's nominal presets (``collectives.GLOO_INTRA``, and over
-  ``--inter``'s NICs ``GLOO_INTER_OF``); whole buckets copied to the device. float16 defers
+  ``--inter``'s NICs ``GLOO_INTER_OF``); whole buckets copied to the device. ``--grad-reduce host`` (the
+  engine's ``grad_reduce="host"``, and what the CPU backend runs by default) costs the whole buckets' grads
+  copied to the host and reduce-scattered there by gloo instead. float16 defers
   every update to ``step()``, and so does gradient accumulation (``--micro-batches K``: K forward and backward
   passes per step, the engine with ``overlap_optimizer=False``): their figures are the deferred path's ([Note:
   the runtime's deferred data-parallel step]), whose synced backwards all-reduce every bucket's grads
@@ -24,8 +26,8 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   stay None and ``design_note`` says why.
 
 Host bytes are what the runtime allocates (``offload/host/shard.py``'s layout: its 1/N shard of the fp32
-master, Adam m and v and summed grad, plus the whole device-dtype copy and landing grad; tested equal to the
-arena every rank allocates), beside the design's (the copy once per node and only a 1/N grad shard on the
+master, Adam m and v and summed grad, plus the whole device-dtype copy and, where grads are reduced on the host,
+the whole landing grad; tested equal to the arena every rank allocates on either path), beside the design's (the copy once per node and only a 1/N grad shard on the
 host) as ``host_bytes_per_rank_design``."""
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..errors import BudgetTooSmallError, ReportError
 from ..planning.collectives import GLOO_INTER_OF, cluster_of, gloo_cluster_of
 from ..planning.data_parallel import build_rank_plan, host_bytes_per_node, host_bytes_per_rank, simulate_rank_plan
 from ..planning.data_parallel_runtime import simulate_runtime_deferred_plan, simulate_runtime_plan
+from ..runtime.device_collectives import GRAD_REDUCE
 from ..host.shard import shard_layout, shard_of
 from .baselines import Case
 from .baselines_dp import zero_offload_data_parallel
@@ -74,10 +77,11 @@ def deferred_note(fp16: bool, micro_batches: int, no_sync: bool) -> str:
 
 
 def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str, micro_batches: int = 1,
-                  no_sync: bool = False) -> dict:
+                  no_sync: bool = False, grad_reduce: str = "auto") -> dict:
     """The data-parallel figures of ``report``'s model and budget on ``gpus`` GPUs over ``nodes`` nodes, with
     ``micro_batches`` forward and backward passes per step (``no_sync``: all but the last inside
-    ``engine.no_sync()``)."""
+    ``engine.no_sync()``) and ``OffloadConfig.grad_reduce`` as the engine would run it on CUDA ("auto": on the
+    device with overlapped updates, else on the host)."""
     check_accumulation(micro_batches, no_sync)
     try:
         cluster = cluster_of(gpus, nodes, intra, inter)
@@ -88,18 +92,27 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
     lowp = plan.itemsize if r.dtype != torch.float32 else 0
     fp16 = r.dtype == torch.float16
     accumulate = fp16 or micro_batches > 1  # deferred updates, fp32 grad sums on the host
+    if grad_reduce not in GRAD_REDUCE:
+        raise ReportError(f"--grad-reduce must be one of {', '.join(GRAD_REDUCE)}; got {grad_reduce!r}", usage=True)
+    if grad_reduce == "device" and accumulate:
+        raise ReportError("--grad-reduce device needs overlapped updates, but float16 and --micro-batches above 1 "
+                          "defer them to step() (the engine refuses grad_reduce=\"device\" there too)", usage=True)
+    on_device = grad_reduce == "device" or (grad_reduce == "auto" and not accumulate)
     links = (cluster.intra, cluster.inter, gloo.intra, gloo.inter) if cluster.nodes > 1 else (cluster.intra,
                                                                                               gloo.intra)
-    per_rank = runtime_host_bytes_per_rank(plan.buckets, plan.itemsize, cluster.world, accumulate)
+    # with grads reduced on the device only this rank's shard lands on the host: no landing grad there
+    per_rank = runtime_host_bytes_per_rank(plan.buckets, plan.itemsize, cluster.world, accumulate,
+                                           landing=not on_device)
     out = {
         "gpus": cluster.world, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
         "intra": cluster.intra.name, "inter": cluster.inter.name if cluster.nodes > 1 else None,
         "gloo_intra": gloo.intra.name, "gloo_inter": gloo.inter.name if cluster.nodes > 1 else None,
         "links": {x.name: x.source for x in links},
         "simulated": "cost model on nominal link presets, not measured",
-        "runs": "runtime: the flat keys are the path the code runs on CUDA (overlapped: grads reduce-scattered "
-                "on the device, a shard to the host, gloo all-gathers on the host; deferred: every collective on "
-                "the host); *_design keys are issue 20's design, whose weights half does not run yet",
+        "runs": "runtime: the flat keys are the path the engine runs with grad_reduce (the key; by default on "
+                "CUDA, overlapped: grads reduce-scattered on the device, a shard to the host, gloo all-gathers on "
+                "the host; deferred: every collective on the host); *_design keys are issue 20's design, whose "
+                "weights half does not run yet",
         "host_bytes_per_rank": per_rank, "host_bytes_per_node": cluster.gpus_per_node * per_rank,
         "host_bytes_per_rank_design": host_bytes_per_rank(plan.buckets, lowp, cluster, accumulate),
         "host_bytes_per_node_design": host_bytes_per_node(plan.buckets, lowp, cluster, accumulate),
@@ -107,7 +120,7 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
         "all_gather_busy_s": None, "reduce_scatter_busy_s": None, "check_busy_s": None, "runtime_note": None,
         "runtime_path": "deferred" if accumulate else "overlapped", "micro_batches": micro_batches,
         "no_sync": no_sync, "all_reduce_busy_s": None, "accumulate_busy_s": None,
-        "grad_reduce": "host" if accumulate else "device", "device_reduce_busy_s": None,
+        "grad_reduce": "device" if on_device else "host", "device_reduce_busy_s": None,
         "design_note": DESIGN_ONE_BACKWARD if micro_batches > 1 else None,  # fits_design None then: not known
         "fits_design": False if micro_batches == 1 else None, "device_peak_bytes_per_rank_design": None,
         "predicted_step_s_design": None,
@@ -123,7 +136,7 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
                                             no_sync=no_sync)
         out.update(runtime_note=deferred_note(fp16, micro_batches, no_sync))
     else:
-        rt = simulate_runtime_plan(plan, r.hw, gloo, report.compute_s, device=cluster)
+        rt = simulate_runtime_plan(plan, r.hw, gloo, report.compute_s, device=cluster if on_device else None)
     out.update(predicted_step_s=rt.step_s, tokens_per_s=tokens / rt.step_s,
                device_reduce_busy_s=rt.device_reduce_busy_s,
                all_gather_busy_s=rt.all_gather_busy_s, reduce_scatter_busy_s=rt.reduce_scatter_busy_s,
@@ -146,11 +159,13 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
     return out
 
 
-def runtime_host_bytes_per_rank(buckets, device_itemsize: int, world: int, accumulate: bool) -> int:
+def runtime_host_bytes_per_rank(buckets, device_itemsize: int, world: int, accumulate: bool,
+                                landing: bool = True) -> int:
     """The pinned host arena one rank of ``world`` allocates for ``buckets`` ([Note: host shards]: every rank's
-    shards have the same size, so every rank's arena is this size)."""
+    shards have the same size, so every rank's arena is this size). ``landing``: False where grads are
+    reduce-scattered on the device (only the shard lands on the host)."""
     shards = [shard_of(b.trainable_numel, 0, world) for b in buckets]
-    return shard_layout(buckets, shards, world, device_itemsize, accumulate).total_bytes
+    return shard_layout(buckets, shards, world, device_itemsize, accumulate, landing).total_bytes
 
 
 def render_data_parallel(dp: dict, console: Console) -> None:

@@ -49,15 +49,16 @@ def _assert_host_bytes(r: dict, world: int, accumulate: bool) -> None:
     assert r["host_bytes"] < unsharded
 
 
-def _assert_report_host_bytes(results: list[dict], dtype: str) -> None:
-    """``offload report --gpus N`` for the ranks' model and bucket size: its per-rank host bytes are the arena
-    each rank allocated, and its per-node bytes (one node) their sum."""
+def _assert_report_host_bytes(results: list[dict], dtype: str, grad_reduce: str = "host") -> None:
+    """``offload report --gpus N --grad-reduce ...`` for the ranks' model, bucket size and grad path (the CPU
+    backend's default is the host's): its per-rank host bytes are the arena each rank allocated, and its
+    per-node bytes (one node) their sum."""
     world = len(results)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli.main(["report", "--model", "tests.distributed.workers:report_model", "--budget", "64MiB", "--batch",
                        "4", "--seq", "1", "--dtype", dtype, "--bucket-bytes", "4KiB", "--host-ram", "1GiB",
-                       "--gpus", str(world), "--json"])
+                       "--gpus", str(world), "--grad-reduce", grad_reduce, "--json"])
     assert rc == 0
     dp = json.loads(out.getvalue())["data_parallel"]
     assert [r["host_bytes"] for r in results] == [dp["host_bytes_per_rank"]] * world

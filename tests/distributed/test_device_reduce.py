@@ -12,7 +12,7 @@ import torch
 
 import offload
 from offload.host.shard import shard_of
-from tests.distributed.test_data_parallel import CONCAT_ATOL, _assert_weights, _ok
+from tests.distributed.test_data_parallel import CONCAT_ATOL, _assert_report_host_bytes, _assert_weights, _ok
 from tests.distributed.workers import Case, make_model, reference, run_ranks
 
 DEVICE = {"grad_reduce": "device"}
@@ -46,6 +46,8 @@ def test_two_ranks_reduced_on_the_device_equal_one_process(tmp_path):
         _assert_weights(r["weights"], exact["weights"])
         _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
         _assert_device_path(r, case, 4, 48 << 10)
+    # no whole grad lands on the host: the arena is the one `offload report --grad-reduce device` predicts
+    _assert_report_host_bytes(results, "fp32", "device")
 
 
 @pytest.mark.slow

@@ -141,17 +141,23 @@ def test_unmodelled_programs_are_refused():
 # -- host bytes: the runtime's arena ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("landing", [True, False], ids=["grads-on-host", "grads-on-device"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_host_bytes_are_the_arena_every_rank_allocates(world, dtype):
+def test_host_bytes_are_the_arena_every_rank_allocates(world, dtype, landing):
     specs = [ParamSpec(n, 0) for n in (300, 17, 1000, 64, 5)] + [ParamSpec(40, None)]  # one frozen
     buckets = make_buckets(specs, range(len(specs)), bucket_bytes=4 * 800, itemsize=4)
     shapes = [torch.Size([s.numel]) for s in specs]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    want = runtime_host_bytes_per_rank(buckets, itemsize, world, False)
+    want = runtime_host_bytes_per_rank(buckets, itemsize, world, False, landing=landing)
     for rank in range(world):
-        state = ShardedHostState(buckets, specs, shapes, dtype, rank, world, lambda t: t, fused=False)
+        state = ShardedHostState(buckets, specs, shapes, dtype, rank, world, lambda t: t, fused=False,
+                                 landing=landing)
         assert state.nbytes == want
+        assert (state.grad is None) is (not landing)  # grads reduced on the device: no whole grad on the host
+    if not landing:  # the whole bucket's landing grad is what is left out
+        landed = runtime_host_bytes_per_rank(buckets, itemsize, world, False)
+        assert landed - want >= sum(b.trainable_numel for b in buckets) * itemsize
 
 
 # -- grads reduce-scattered on the device ([Note: the runtime's device reduce-scatter]) ----------------------

@@ -34,10 +34,10 @@ def test_report_gpus_json(capsys):
     host = one["host_bytes"]["total"]
     assert host / 16 < dp["host_bytes_per_rank_design"] < host / 8
     assert dp["host_bytes_per_node_design"] == 8 * dp["host_bytes_per_rank_design"]
-    # the runtime today (equal to what gloo ranks allocate: tests/distributed): the whole 16-bit copy and landing
-    # grad on every rank, 2 + 2 B/param, and 1/16 of the master, m, v and summed grad
+    # the runtime today (equal to what gloo ranks allocate: tests/distributed), grads reduced on the device: the
+    # whole 16-bit copy on every rank, 2 B/param, and 1/16 of the master, m, v and grad shard (14 B/param)
     assert dp["host_bytes_per_node"] == 8 * dp["host_bytes_per_rank"]
-    assert 4 * one["trainable_params"] < dp["host_bytes_per_rank"] < 5 * one["trainable_params"]
+    assert 2.8 * one["trainable_params"] < dp["host_bytes_per_rank"] < 3 * one["trainable_params"]
     # what runs on CUDA with overlapped updates: grads reduce-scattered on the device, not on the CPU lane
     assert dp["grad_reduce"] == "device" and dp["device_reduce_busy_s"] > 0 and dp["reduce_scatter_busy_s"] == 0
     assert dp["predicted_step_s"] > 0 and dp["all_gather_busy_s"] > 0
@@ -108,3 +108,22 @@ def test_report_gpus_with_micro_batches_gives_the_deferred_path_per_step_of_k(ca
     for bad in (["--micro-batches", "2"], ["--gpus", "2", "--no-sync"], ["--gpus", "2", "--micro-batches", "0"]):
         assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", *bad]) == 2
         assert "--micro-batches" in capsys.readouterr().err
+
+
+def test_report_gpus_grad_reduce_host_and_its_usage_errors(capsys):
+    # --grad-reduce host: the whole buckets' grads land on the host (2 B/param more per rank in bf16) and gloo
+    # reduce-scatters them there on the CPU lane; the default reduces them on the device
+    rc, device = _json(capsys, "--gpus", "2")
+    rc2, host = _json(capsys, "--gpus", "2", "--grad-reduce", "host")
+    assert rc == rc2 == 0
+    d, h = device["data_parallel"], host["data_parallel"]
+    assert (d["grad_reduce"], h["grad_reduce"]) == ("device", "host")
+    assert d["device_reduce_busy_s"] > 0 and not h["device_reduce_busy_s"] and h["reduce_scatter_busy_s"] > 0
+    params = device["trainable_params"]
+    assert 2 * params <= h["host_bytes_per_rank"] - d["host_bytes_per_rank"] < 2.1 * params
+    # where it cannot apply: one GPU, or deferred updates (float16) on the device
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--grad-reduce", "host"]) == 2
+    assert "--grad-reduce" in capsys.readouterr().err
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "2",
+                     "--dtype", "fp16", "--grad-reduce", "device"]) == 2
+    assert "overlapped updates" in capsys.readouterr().err

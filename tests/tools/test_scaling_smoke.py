@@ -71,7 +71,8 @@ def test_the_runtime_path_beside_the_design(result):
         assert (r["gpus"], r["budget"], r["inter_nics"]) == (d["gpus"], d["budget"], d["inter_nics"])
         assert r["intra"] == "gloo-loopback" and (r["inter"] is None) == (r["nodes"] == 1)
         # the runtime's own arena (one definition: report_dp), the whole 16-bit copy on every rank
-        assert r["host_bytes_per_rank"] == runtime_host_bytes_per_rank(buckets, scaling.ITEMSIZE, r["gpus"], False)
+        assert r["host_bytes_per_rank"] == runtime_host_bytes_per_rank(buckets, scaling.ITEMSIZE, r["gpus"], False,
+                                                                       landing=False)  # grads reduced on the device
         assert r["host_bytes_per_node"] == r["gpus_per_node"] * r["host_bytes_per_rank"]
         assert r["fits"] == d["fits"]
         if not r["fits"]:
