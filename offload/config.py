@@ -69,6 +69,9 @@ def format_bytes(n: int | float) -> str:
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+GRAD_REDUCE = ("auto", "device", "host")  # OffloadConfig.grad_reduce (issue 20)
+
+
 @dataclass(frozen=True)
 class LossScaleConfig:
     """Dynamic loss scaling for fp16 (the rules of ``torch.amp.GradScaler``): the loss is multiplied by
@@ -183,7 +186,7 @@ class OffloadConfig:
             if not isinstance(self.hw, (HardwareModel, str, os.PathLike)):
                 raise TypeError(f"hw must be a HardwareModel, a preset name or a probe JSON path; got {self.hw!r}")
             set_(self, "hw", load_hw(self.hw))  # ValueError naming the presets for an unknown name or file
-        if self.grad_reduce not in ("auto", "device", "host"):
+        if self.grad_reduce not in GRAD_REDUCE:
             raise ValueError(f'grad_reduce must be "auto", "device" or "host"; got {self.grad_reduce!r}')
         if self.grad_reduce == "device" and not self.overlap_optimizer:
             raise ValueError('grad_reduce="device" needs overlap_optimizer=True: deferred updates (accumulation, '

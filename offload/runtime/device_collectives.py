@@ -58,8 +58,6 @@ from ..errors import OffloadError, OffloadWarning
 if TYPE_CHECKING:
     from ..planning.buckets import Bucket
 
-GRAD_REDUCE = ("auto", "device", "host")
-
 
 def resolve_grad_reduce(mode: str, device: torch.device, overlap: bool) -> str:
     """``OffloadConfig.grad_reduce`` for a backend's device: "device" or "host" ([Note: grads reduced on the

@@ -276,14 +276,7 @@ class FastPath:
         runtime's grad hook, outside ``DisableTorchFunctionSubclass`` (it reads no tensor): ~1 us less for each
         such grad than the full hook (``Runtime._grad_hook``)."""
         closes = self.closes
-        if closes is None or p in closes or self.departed:
-            return False
-        pos = self._pos
-        keys = self._grad_keys
-        if pos < len(keys) and keys[pos] == p:
-            self._pos = pos + 1
-            return True
-        return False
+        return closes is not None and p not in closes and self.in_order(p)
 
     def waiting(self) -> list[int]:
         """The grads that came in the plan's order and wait in ``p.grad`` for their bucket's last one, in the

@@ -295,10 +295,7 @@ class GradPipeline:
         for lo, hi in spans:
             ready, d2h = self._copy_piece(b, got, view, waits, earlier, lo, hi, last=hi == spans[-1][1],
                                           kept=kept, piecewise=len(spans) > 1)
-        if k is not None:
-            slots.done[k] = d2h
-        else:
-            slots.free_after(d2h, nbytes, view)
+        self._slot_free_after(d2h, view, k)
         self.pending[b] = PendingGrads((earlier.params if earlier else frozenset()) | got, ready)
         if kept is not None and self.held is not None:
             self.held.append((b, got, ready, kept))
@@ -315,15 +312,20 @@ class GradPipeline:
         ctx.stats["d2h_bytes"] += nbytes
         ctx.lane_log.add("d2h", b, nbytes, d2h)
         self.copies.append(d2h)
-        if k is not None:  # the slot is reused after the copy, which came after the reduce-scatter
-            self.slots.done[k] = d2h
-        else:
-            self.slots.free_after(d2h, view.numel() * ctx.itemsize, view)
+        self._slot_free_after(d2h, view, k)  # the copy came after the reduce-scatter
         self.pending[b] = PendingGrads(got, d2h)
         if self.held is not None:  # issue 18: the first step's update waits for its plan (release_held)
             self.held.append((b, got, d2h, None))
         else:
             self._submit_update(b, got, d2h)
+
+    def _slot_free_after(self, d2h: Event, view: torch.Tensor, k: int | None) -> None:
+        """The grad slot ``view`` (plan buffer ``k``, or None: allocated on demand) may be reused once ``d2h``,
+        the last copy out of it, is done."""
+        if k is not None:
+            self.slots.done[k] = d2h
+        else:
+            self.slots.free_after(d2h, view.numel() * self.ctx.itemsize, view)
 
     def _copy_piece(self, b: int, got: frozenset[int], view: torch.Tensor, waits: list[Event],
                     earlier: PendingGrads | None, lo: int, hi: int, last: bool, kept: torch.Tensor | None,

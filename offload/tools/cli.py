@@ -17,7 +17,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from ..config import format_bytes
+from ..config import GRAD_REDUCE, format_bytes
 from .report import DTYPES
 
 USAGE_ERROR = 2
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(gradient accumulation: the engine then runs overlap_optimizer=False; default 1)")
     r.add_argument("--no-sync", action="store_true", help="data parallel, with --micro-batches: all backward passes "
                    "but the last inside engine.no_sync() (no all-reduce)")
-    r.add_argument("--grad-reduce", choices=("auto", "device", "host"), default="auto", help="data parallel: where "
+    r.add_argument("--grad-reduce", choices=GRAD_REDUCE, default="auto", help="data parallel: where "
                    "grads are reduce-scattered, as OffloadConfig.grad_reduce (default auto: on the device with "
                    "overlapped updates, as the engine does on CUDA)")
     r.set_defaults(run=_report)

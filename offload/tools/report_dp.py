@@ -36,12 +36,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ..config import format_bytes
+from ..config import GRAD_REDUCE, format_bytes
 from ..errors import BudgetTooSmallError, ReportError
 from ..planning.collectives import GLOO_INTER_OF, cluster_of, gloo_cluster_of
 from ..planning.data_parallel import build_rank_plan, host_bytes_per_node, host_bytes_per_rank, simulate_rank_plan
 from ..planning.data_parallel_runtime import simulate_runtime_deferred_plan, simulate_runtime_plan
-from ..runtime.device_collectives import GRAD_REDUCE
 from ..host.shard import shard_layout, shard_of
 from .baselines import Case
 from .baselines_dp import zero_offload_data_parallel
