@@ -111,6 +111,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .buckets import Bucket
 from .collectives import (Cluster, gloo_all_gather_seconds, gloo_all_reduce_seconds, gloo_reduce_scatter_seconds,
                           reduce_scatter_seconds)
 from .data_parallel import shard
@@ -125,6 +126,19 @@ PATHS = ("runtime", "design")
 (``data_parallel.py``)."""
 
 CHECK_BYTES = 4 * 8  # the tag each rank sends in a check all-gather: 4 int64 (distributed.py's _TAG)
+
+WEIGHT_GATHER_BUFFERS = 2
+"""Device buffers the updated weights' all-gathers take turns in (``grad_reduce="device"``: [Note: weights
+gathered on the device] in runtime/device_collectives.py): one bucket's copy back to the host overlaps the
+next bucket's shard copy and all-gather."""
+
+
+def weight_gather_bytes(buckets: Sequence[Bucket], itemsize: int) -> int:
+    """Device bytes of the weights' gather buffers, outside the plan's arena and inside the budget:
+    :data:`WEIGHT_GATHER_BUFFERS` of the largest padded trainable prefix (``Bucket.grad_numel``: the buckets
+    are padded to their shards where grads are reduced on the device) in the device dtype."""
+    largest = max((b.grad_numel for b in buckets if b.trainable_numel), default=0)
+    return WEIGHT_GATHER_BUFFERS * largest * itemsize
 
 
 @dataclass(frozen=True)
