@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol, 
 
 import torch
 
-from ..errors import EngineClosedError, OffloadError
+from ..errors import EngineClosedError, InvariantError, OffloadError
 
 if TYPE_CHECKING:
     from ..host.arena import HostArena
@@ -117,10 +117,11 @@ class Backend(Protocol):
         """An event marking all compute issued so far."""
         ...
 
-    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = ()) -> Event:
+    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = (), weights: bool = False) -> Event:
         """Issue ``fn`` (a collective on device tensors: a grad slot's reduce-scatter, issue 20) after ``waits``
         where the backend runs collectives; the event marks its end. The caller keeps its tensors alive (and
-        unused by others) until then."""
+        unused by others) until then. ``weights``: the updated weights' all-gathers, which the CPU lane's thread
+        issues: on a stream of their own on CUDA, never queued behind (or ahead of) the main thread's."""
         ...
 
     def wait(self, event: Event) -> None:
@@ -194,6 +195,29 @@ class HostEvent:
 
 
 DONE = HostEvent(done=True)
+
+
+class Deferred(HostEvent):
+    """A :class:`HostEvent` for device work that a lane item issues: done once ``host`` (that item's event) is
+    done and then the device event the item put in ``device`` (a one-element list) is; its failure is
+    ``host``'s. So the lane goes on to its next item while the device works, and whoever waits for the work
+    (the host, as for any host event) waits for both. Issue 20: [Note: weights gathered on the device]."""
+
+    __slots__ = ("host", "device")
+
+    def __init__(self, host: HostEvent, device: list) -> None:  # noqa: D107 - no lock: it is never set()
+        self.host, self.device = host, device
+        self.started = self.finished = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        raise InvariantError("a Deferred event is done when its lane item and device work are: never set()")
+
+    def synchronize(self) -> None:
+        self.host.synchronize()  # raises the item's failure; once it ran, it has put its device event
+        self.device[0].synchronize()
+
+    def query(self) -> bool:
+        return self.host.query() and bool(self.device) and self.device[0].query()
 
 
 class Lane:

@@ -126,7 +126,7 @@ class CPUBackend:
     def record(self) -> Event:
         return DONE
 
-    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = ()) -> Event:
+    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = (), weights: bool = False) -> Event:
         """Run ``fn`` (a gloo collective on "device" tensors, which are host memory) on the calling thread,
         after ``waits``: gloo blocks until it is done, so the event returned is complete."""
         for event in waits:

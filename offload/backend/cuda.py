@@ -6,7 +6,10 @@ Compute runs on the *current* stream (whatever stream the caller's forward and b
 runs a backward op on the stream of its forward op). Two more streams exist, each created once, on first
 use: one for host-to-device copies (parameter buckets into their slots) and one for device-to-host copies
 (gradients to the host); a data-parallel engine that reduce-scatters grads on the device (issue 20) adds a
-third, for its collectives (``collective``: after the grads' event; the shard's D2H waits for its event). The
+third, for its collectives (``collective``: after the grads' event; the shard's D2H waits for its event), and a
+fourth for the updated weights' all-gathers, which the CPU lane's thread issues (``collective(weights=True)``:
+after the shard's H2D; the gathered bucket's D2H waits for it). The copies and collectives that the CPU lane's
+thread issues wait and record like the main thread's; what waits for them gets a ``Deferred`` host event. The
 runtime names every dependency as an event:
 
 * ``record()`` marks the compute issued so far (an event on the current stream);
@@ -358,6 +361,7 @@ class CUDABackend:
         self._h2d = None  # created on first use: see _h2d_stream
         self._d2h = None  # created on first use: see _d2h_stream
         self._coll = None  # created on first use: see _collective_stream
+        self._wcoll = None  # created on first use (by the CPU lane's thread): see _weights_stream
         self._nan: dict[torch.dtype, torch.Tensor] = {}
         self._pinned = HostRegistry(self._api.cudart)
         self._copy_streams: list = []  # the streams above once made: the finalizer waits for them
@@ -403,6 +407,15 @@ class CUDABackend:
             self._coll = self._api.new_stream()
             self._copy_streams.append(self._coll)
         return self._coll
+
+    def _weights_stream(self):
+        if self._wcoll is None:
+            # The updated weights' all-gathers (issue 20), issued by the CPU lane's thread: a stream apart from
+            # the grads' (issued by the main thread), since on one stream each rank would queue the two
+            # threads' collectives in its own interleaving, and NCCL would wait on a pair that never comes.
+            self._wcoll = self._api.new_stream()
+            self._copy_streams.append(self._wcoll)
+        return self._wcoll
 
     def _compute_stream(self):
         return self._compute if self._compute is not None else self._api.current_stream()
@@ -526,12 +539,13 @@ class CUDABackend:
         done.record(stream)
         return done
 
-    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = ()) -> Event:
-        """Issue ``fn`` (an NCCL collective on arena tensors: a grad slot's reduce-scatter, issue 20) on the
-        collective stream after ``waits``; the event marks its end (see [Note: streams and events])."""
+    def collective(self, fn: Callable[[], None], waits: Iterable[Event] = (), weights: bool = False) -> Event:
+        """Issue ``fn`` (an NCCL collective on device tensors, issue 20) on the collective stream after ``waits``;
+        the event marks its end (see [Note: streams and events]). ``weights``: on the weights' collective stream
+        (the CPU lane's all-gathers), so that the two threads' collectives never queue behind each other."""
         self._check_open()
         with record_function("offload::collective"):
-            stream = self._collective_stream()
+            stream = self._weights_stream() if weights else self._collective_stream()
             for event in waits:
                 self._stream_wait(stream, event)
             with self._api.stream(stream):  # NCCL's stream waits for this one, and this one for NCCL's
@@ -561,7 +575,7 @@ class CUDABackend:
     def synchronize(self) -> None:
         """Block the host until every copy issued so far has finished."""
         with record_function("offload::synchronize"):
-            for stream in (self._h2d, self._d2h, self._coll):
+            for stream in (self._h2d, self._d2h, self._coll, self._wcoll):
                 if stream is not None:
                     stream.synchronize()
 
@@ -596,7 +610,7 @@ class CUDABackend:
             self.synchronize()
         finally:
             self._unpin()  # runs _release_pinned once; a later call (or garbage collection) does nothing
-            self._h2d = self._d2h = self._coll = None
+            self._h2d = self._d2h = self._coll = self._wcoll = None
 
     def _check_open(self) -> None:
         if self._closed:

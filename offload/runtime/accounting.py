@@ -22,8 +22,10 @@ class DeviceMemory:
 
     def __init__(self, headroom: int = 0) -> None:
         # graph_copies: weight copies a create_graph=True backward's graph holds (ParamAccess.graph_copy)
+        # gather: data parallel's buffers for the weights' all-gathers on the device (issue 20: [Note: weights
+        # gathered on the device] in device_collectives.py)
         self.parts: dict[str, int] = {"arena": 0, "slots": 0, "buffers": 0, "activations": 0, "grads": 0,
-                                      "graph_copies": 0, "headroom": 0}
+                                      "graph_copies": 0, "headroom": 0, "gather": 0}
         self.current = 0
         self.peak = 0
         self.activation_peak = 0  # of the current step
@@ -37,6 +39,12 @@ class DeviceMemory:
         # LaneLog.step_done takes them for Engine.export_timeline's counter: take_samples)
         self.samples: deque[tuple[float, int]] = deque(maxlen=self.SAMPLES)
         self.add("headroom", headroom)
+
+    @property
+    def fixed(self) -> int:
+        """Bytes held for the whole run outside the plan's arena, which every plan counts as fixed: the
+        module's buffers and data parallel's gather buffers."""
+        return self.parts["buffers"] + self.parts["gather"]
 
     def take_samples(self) -> deque[tuple[float, int]]:
         """The samples since the previous call; sampling goes on into a new deque."""

@@ -520,6 +520,8 @@ class Runtime:
         """Every update is done and the host holds its result (for a reader of the host arena)."""
         try:
             self.ctx.cpu.drain()
+            if self.ctx.dp is not None:  # issue 20: the weights' copies back from their gather on the device
+                self.ctx.dp.settle()
         finally:  # issue 18: even after a CPU-lane fault, device-homed state gets the host copy close() restores
             with self.ctx.backend.compute(), torch.no_grad():
                 self.grads.device.sync_to_host()  # device-optimizer state, if the host copy is stale
@@ -540,8 +542,9 @@ class Runtime:
         # error, or a gather the other ranks no longer answer, must not leave threads and arenas behind);
         # the first error is raised at the end.
         errors: list[BaseException] = []
-        for release in (self._finish_updates, self.weights.restore, ctx.cpu.close, ctx.backend.close,
-                        self.slots.close, self.executor.close):
+        releases = [self._finish_updates, self.weights.restore, ctx.cpu.close, ctx.backend.close, self.slots.close,
+                    self.executor.close] + ([ctx.dp.release] if ctx.dp is not None else [])
+        for release in releases:
             try:
                 release()
             except BaseException as e:  # noqa: BLE001 - raised below, once everything is released

@@ -11,8 +11,8 @@ main thread (the backward hook that completes it), in the order the grads comple
          (NCCL on CUDA; gloo on the CPU backend and the simulated GPU, whose "device" tensors are host ones)
       ─► device-to-host copy of this rank's shard only (1/N of the slot) into the host's ``grad_shard``,
          after the reduce-scatter
-      ─► on the CPU lane, as on the host path: AdamW of the shard, gloo all-gather of the updated shards of
-         the device-dtype copy into the whole host copy (the host group)
+      ─► on the CPU lane, as on the host path: AdamW of the shard; then the updated shards all-gathered on
+         the device too ([Note: weights gathered on the device])
 
 *In place.* The slot is the input; the rank's output is its own chunk of it (``slot[r*c: (r+1)*c]``, NCCL's
 in-place form), so no buffer outside the plan's arena is made. The slot therefore holds ``c * world``
@@ -23,7 +23,7 @@ grad-slot waits cover both device operations: the copy of the shard waits for th
 slot's reuse waits for the copy (``slots.done``).
 
 *Two groups.* Collectives pair by issue order per group. The device collectives and their checks are issued
-by the main thread, the weights' all-gathers by the CPU-lane thread; on one gloo group the two threads'
+by the main thread, the weights' all-gathers by the CPU-lane thread; on one group the two threads'
 orders would interleave differently on each rank. So ``wrap`` makes a second group over the same ranks
 (:class:`DeviceGroup`, ``dist.new_group`` with ``use_local_synchronization``: only these ranks call it):
 ``gloo`` on the CPU backend, ``cpu:gloo,cuda:nccl`` on CUDA (its NCCL side reduce-scatters the slots, its gloo
@@ -31,16 +31,53 @@ side runs the checks, which must finish before the sum is issued: an NCCL result
 the user's group's timeout, so a rank that hangs fails the others as soon on either group. The
 main thread is its only user: the per-bucket checks, and every check that pairs with them ([Note: a fault
 named], [Note: re-plans agreed], [Note: a read on one rank] all use it then), so a rank that completed another
-bucket, raised in backward or reads alone still meets the others' next check and is named. The user's group
-keeps the CPU lane's all-gathers and the collective reads of the host state (lane drained).
+bucket, raised in backward or reads alone still meets the others' next check and is named. The CPU lane's
+all-gathers of the weights have a third group (``DeviceGroup.weights``, made the same way); the user's group
+keeps the collective reads of the host state (lane drained).
 
 *Which modes.* Only overlapped updates (``overlap_optimizer=True``). Deferred updates (accumulation, clipping,
 float16, ``no_sync``, the averaged ``p.grad``) keep the host path: they sum whole buckets on the host over
 backward passes. ``grad_reduce="device"`` with deferred updates is refused (``OffloadConfig``).
 
-*Not yet.* The weights half (each rank's updated shard host-to-device, then an all-gather on the device at
-fetch time) is the next increment: it needs one plan agreed by every rank (fetch order is plan order, and
-the all-gathers pair by it), where today each rank plans its own device side.
+The weights come back through the device too: [Note: weights gathered on the device].
+
+[Note: weights gathered on the device]
+With grads reduced on the device, the updated weights are all-gathered there too: not on the host through
+gloo (which, on the CPU lane, bounded the simulated step: ``planning/data_parallel_runtime.py``). Per
+bucket, on the CPU lane, in the order its updates run (the same on every rank):
+
+    AdamW of the shard ─► host-to-device copy of the shard's updated device-dtype elements into this rank's
+    chunk of a gather buffer ─► all-gather in place in that buffer (the weights' collective stream) ─►
+    device-to-host copy of the gathered trainable prefix into this rank's whole host copy
+
+The bucket's next host-to-device copy waits for the last one (``slots.adam_event`` is a :class:`Deferred`
+event: on CUDA the copy's stream waits for it on the device; the host waits only until the lane issued it).
+Everything that reads the host copy keeps reading a whole, current copy: fetches on or off the plan, reads of
+idle parameters, checkpoints, an evaluation on one rank. So every rank still plans its own device side, and
+nothing pairs collectives with fetches.
+
+*Buffers.* ``WEIGHT_GATHER_BUFFERS`` (2) device buffers of the largest padded trainable prefix
+(``planning.data_parallel_runtime.weight_gather_bytes``), taken in turn: a buffer's next copy in waits for its
+previous copy out, so one bucket's copy back overlaps the next one's gather. They are allocated at the end
+of the first forward, counted in the device memory (part ``gather``) and planned as fixed bytes inside the
+budget.
+
+*Threads and groups.* The CPU lane's thread issues these collectives, the main thread the grads' reduce-scatters.
+Two threads on one NCCL communicator, or on one stream, would interleave differently on each rank, and a
+collective would wait on a partner queued behind another. So the weights have a group of their own
+(:class:`DeviceGroup` ``weights``, made like the device group) and a stream of their own (``Backend.collective``
+with ``weights=True``). Two NCCL communicators active at once on one GPU is what NCCL's documentation warns
+"might work" provided both fit on the GPU; PyTorch's own FSDP and DDP-with-several-groups rely on the same.
+``grad_reduce="host"`` keeps every collective on the host where that is in doubt.
+
+*Order of host writes.* The update of a bucket waits for the previous copy back of that bucket (its
+``Deferred``); the copy back rewrites this rank's own shard with the same values the update wrote. Readers
+of the whole host copy (``Runtime.wait_for_updates``: ``state_dict``, ``save``) wait for every copy back
+(:meth:`WeightGather.settle`).
+
+*Cost.* Per rank and step: the shard host-to-device (``1/N`` of the bucket), the all-gather on the
+device's links, the gathered prefix device-to-host (the single-GPU's grad copy's size, the other direction
+of the link than the fetches). The host keeps the whole copy per rank (2 B/param in 16 bits), as before.
 """
 
 from __future__ import annotations
@@ -48,7 +85,7 @@ from __future__ import annotations
 import datetime
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +93,14 @@ import torch.distributed as dist
 from ..errors import OffloadError, OffloadWarning
 
 if TYPE_CHECKING:
+    from ..backend.base import Backend, Event
+    from ..host.shard import ShardedHostState
     from ..planning.buckets import Bucket
+    from .accounting import DeviceMemory
+
+# torch 2.13 names the single-tensor collectives *_single (the *_tensor names warn); older torch has only those
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def resolve_grad_reduce(mode: str, device: torch.device, overlap: bool) -> str:
@@ -77,19 +121,72 @@ def pad_buckets(buckets: Sequence[Bucket], world: int) -> tuple[Bucket, ...]:
 
 
 class DeviceGroup:
-    """The second group over a data-parallel group's ranks, for the main thread's collectives."""
+    """The groups over a data-parallel group's ranks for the device collectives: ``group`` for the main
+    thread's (the grads' reduce-scatters and every check), ``weights`` for the CPU lane's (the weights'
+    all-gathers: [Note: weights gathered on the device])."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
         backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
-        try:
-            self.group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend=backend,
-                                        timeout=_timeout_of(group), use_local_synchronization=True)
+        ranks, timeout = dist.get_process_group_ranks(group), _timeout_of(group)
+        try:  # every rank makes both, in this order
+            self.group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
+            self.weights = dist.new_group(ranks=ranks, backend=backend, timeout=timeout,
+                                          use_local_synchronization=True)
         except Exception as e:  # noqa: BLE001 - a backend this torch lacks, a store that failed
             raise OffloadError(
-                f"grad_reduce=\"device\" needs a second process group over the same ranks (backend {backend!r}) "
+                f"grad_reduce=\"device\" needs two more process groups over the same ranks (backend {backend!r}) "
                 f"for the device collectives, and torch.distributed.new_group failed: {e}. Use "
                 "grad_reduce=\"host\" to keep every collective on the host") from e
         self.device = device
+
+
+class WeightGather:
+    """[Note: weights gathered on the device]: the gather buffers and the per-bucket chain that brings a
+    bucket's updated shards from every rank into this rank's host copy."""
+
+    def __init__(self, backend: Backend, memory: DeviceMemory, stats: dict[str, int], buckets: Sequence[Bucket],
+                 itemsize: int, dtype: torch.dtype, rank: int, world: int, group: Any,
+                 call: Callable[..., None]) -> None:
+        from ..planning.data_parallel_runtime import WEIGHT_GATHER_BUFFERS, weight_gather_bytes
+
+        self.backend, self.memory, self.dtype, self.rank, self.world, self.group = (backend, memory, dtype, rank,
+                                                                                     world, group)
+        self._call = call  # DataParallel._call: a failed collective named
+        self.stats = stats  # gather_h2d_bytes, gather_d2h_bytes: this lane's own counters
+        self.nbytes = weight_gather_bytes(buckets, itemsize)
+        each = self.nbytes // WEIGHT_GATHER_BUFFERS
+        self.buffers = [backend.empty(each) for _ in range(WEIGHT_GATHER_BUFFERS)] if each else []
+        memory.add("gather", self.nbytes)
+        self.free: list[Event | None] = [None] * len(self.buffers)  # each buffer's last copy out
+        self.turn = 0
+
+    def gather(self, host: ShardedHostState, b: int) -> Event:
+        """On the CPU lane, the shard's update done: issue the copy in, the all-gather and the copy out of
+        bucket ``b``; return the copy out's event."""
+        s, n, copy = host.shards[b], host.buckets[b].trainable_numel, host.source(b)  # the whole host copy
+        k, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+        buf = self.buffers[k][: s.size * self.world * self.dtype.itemsize].view(self.dtype)
+        mine = buf[self.rank * s.size: (self.rank + 1) * s.size]
+        free = [e for e in (self.free[k],) if e is not None]
+        copied = self.backend.h2d(mine[: s.numel], copy[s.start: s.end], free)
+        gathered = self.backend.collective(
+            lambda: self._call(f"all-gather of bucket {b}'s weights on the device", _all_gather, buf, mine,
+                               group=self.group), [copied], weights=True)
+        out = self.free[k] = self.backend.d2h(copy[:n], buf[:n], [gathered])
+        self.stats["gather_h2d_bytes"] += s.numel * self.dtype.itemsize
+        self.stats["gather_d2h_bytes"] += n * self.dtype.itemsize
+        return out
+
+    def settle(self) -> None:
+        """Block until every copy out issued so far is done (the host copy is whole): after the CPU lane drained."""
+        for event in self.free:
+            if event is not None:
+                event.synchronize()
+
+    def close(self) -> None:
+        if self.buffers:
+            self.buffers, self.free = [], []
+            self.memory.add("gather", -self.nbytes)
 
 
 def _timeout_of(group: Any) -> datetime.timedelta | None:

@@ -13,7 +13,8 @@ rank, since every rank runs the same model):
 
 With ``overlap_optimizer`` this runs while backward goes on; with ``grad_reduce="device"`` the reduce-scatter
 runs on the device instead, before the copy, and only the rank's shard comes to the host ([Note: grads reduced
-on the device] in runtime/device_collectives.py). With deferred updates (accumulation, clipping, float16)
+on the device] in runtime/device_collectives.py), and the all-gather of the updated shards runs on the device
+too, its result copied back into the whole host copy ([Note: weights gathered on the device]). With deferred updates (accumulation, clipping, float16)
 the end of every backward outside ``engine.no_sync()`` all-reduces each gathered bucket's grads, so that
 ``p.grad`` is the average over the ranks and every rank computes the same norms, clip coefficient and float16
 overflow check from it ([Note: averaged p.grad]); the update then takes its shard of that average locally. A
@@ -27,7 +28,7 @@ the one CPU-lane thread, in submission order; those of the main thread (the norm
 that read values other ranks own) are issued only after the lane drained. With grads reduced on the device the
 main thread issues collectives during backward too (the checks and the slots' reduce-scatters): on a group of
 their own, ``self.tag_group``, where every check then pairs ([Note: grads reduced on the device] in
-device_collectives.py); the lane keeps the user's group for the all-gathers. A collective that fails (a peer
+device_collectives.py); the lane's all-gathers then run on the device, on a third group of their own. A collective that fails (a peer
 raised, hung past the group's timeout, or died) raises :class:`DistributedError` naming this rank, and the
 engine refuses to go on: its ranks are no longer in step, and a later collective could pair with the wrong
 one on another rank. So does a rank whose backward raised after a collective was issued.
@@ -103,11 +104,9 @@ import torch.distributed as dist
 from ..errors import DistributedError, InvariantError, OffloadError
 from ..host.shard import ShardedHostState
 from ..host.state import HostState
-from .device_collectives import DeviceGroup, pad_buckets
+from ..backend.base import Deferred
+from .device_collectives import DeviceGroup, WeightGather, _all_gather, _reduce_scatter, pad_buckets
 
-# torch 2.13 names the single-tensor collectives *_single (the *_tensor names warn); older torch has only those
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # The tags of the checks before a sum ([Note: a fault named]): (kind, two values, checks so far)
 _TAG = 4
@@ -116,6 +115,7 @@ _ONE_BUCKET, _BUCKET_SET, _REPLAN, _FAULT, _JOIN = 0, 1, 2, -1, -2
 if TYPE_CHECKING:
     from ..backend.base import Backend, Event, Lane
     from ..planning.buckets import Bucket, ParamSpec
+    from .accounting import DeviceMemory
     from .grads import GradPipeline
 
 
@@ -145,6 +145,10 @@ class DataParallel:
         self._averaged: dict[int, Event] = {}
         self.roll_call = _RollCall.of(group, self.rank, self.world)  # [Note: a fault named]: hangs and deaths
         self.syncing = True  # False inside engine.no_sync(): a backward's end issues no collective ([Note: no_sync])
+        # [Note: weights gathered on the device]: the gather buffers (made at the end of the first forward), and
+        # each bucket's latest gather (the host copy is whole after it)
+        self.weights: WeightGather | None = None
+        self._gathered: dict[int, Deferred] = {}
 
     @classmethod
     def resolve(cls, process_group: Any, lane: Lane, device: torch.device | None = None) -> DataParallel | None:
@@ -172,6 +176,24 @@ class DataParallel:
                    dtype: torch.dtype, fused: bool, accumulate: bool) -> ShardedHostState:
         return ShardedHostState(buckets, specs, shapes, dtype, self.rank, self.world, self.gather,
                                 fused=fused, accumulate=accumulate, landing=self.device is None)
+
+    def gather_on_device(self, backend: Backend, memory: DeviceMemory, stats: dict[str, int],
+                         buckets: Sequence[Bucket], itemsize: int, dtype: torch.dtype) -> None:
+        """With grads reduced on the device, bring the updated weights back through it too ([Note: weights
+        gathered on the device]): make the gather buffers for ``buckets`` (counted in ``memory``)."""
+        if self.device is not None and self.weights is None:
+            self.weights = WeightGather(backend, memory, stats, buckets, itemsize, dtype, self.rank, self.world,
+                                        self.device.weights, self._call)
+
+    def settle(self) -> None:
+        """The CPU lane drained: block until the host copy is whole (the weights' copies back are done)."""
+        if self.weights is not None:
+            self.weights.settle()
+
+    def release(self) -> None:
+        """``close()``: the gather buffers go."""
+        if self.weights is not None:
+            self.weights.close()
 
     def pad_buckets(self, buckets: Sequence[Bucket]) -> tuple[Bucket, ...]:
         """The buckets to plan: with grads reduced on the device, each grad slot padded to its shards."""
@@ -214,8 +236,19 @@ class DataParallel:
         else:
             reduce = self._submit_reduce(host, b, ready)
         self._averaged.pop(b, None)
-        updated = self.lane.submit(update, [reduce, *waits], f"AdamW of bucket {b}'s shard")
-        return self.lane.submit(lambda: self._gather_copy(host, b), [updated], f"all-gather of bucket {b}")
+        weights = self.weights
+        if weights is None:
+            updated = self.lane.submit(update, [reduce, *waits], f"AdamW of bucket {b}'s shard")
+            return self.lane.submit(lambda: self._gather_copy(host, b), [updated], f"all-gather of bucket {b}")
+        # [Note: weights gathered on the device]: the update rewrites the host copy the last gather wrote back
+        last = self._gathered.get(b)
+        updated = self.lane.submit(update, [reduce, *waits, *([last] if last is not None else [])],
+                                   f"AdamW of bucket {b}'s shard")
+        out: list[Event] = []
+        issued = self.lane.submit(lambda: out.append(weights.gather(host, b)), [updated],
+                                  f"all-gather of bucket {b} on the device")
+        gathered = self._gathered[b] = Deferred(issued, out)
+        return gathered
 
     def _submit_reduce(self, host: ShardedHostState, b: int, ready: Event) -> Event:
         if self._averaged.get(b) is ready:  # [Note: averaged p.grad]: the average is already on every rank

@@ -433,7 +433,7 @@ class PlanExecutor:
         ctx = self.ctx
         parts = ctx.memory.parts
         plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
-                          fixed_bytes=parts["buffers"], hw=ctx.hw, headroom_bytes=parts["headroom"],
+                          fixed_bytes=ctx.memory.fixed, hw=ctx.hw, headroom_bytes=parts["headroom"],
                           device_optimizer=ctx.config.device_optimizer,
                           deferred=not ctx.config.overlap_optimizer)
         validate_plan(plan)

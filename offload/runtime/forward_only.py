@@ -61,7 +61,7 @@ class EvalPlans:
         if plan is None:
             try:
                 plan = build_plan(trace, buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
-                                  fixed_bytes=ctx.memory.parts["buffers"],
+                                  fixed_bytes=ctx.memory.fixed,
                                   headroom_bytes=ctx.memory.parts["headroom"])
             except BudgetTooSmallError:
                 return  # no plan fits: the next no-grad forward fetches on demand, as this one did

@@ -278,7 +278,7 @@ class RecomputeCoordinator:
         ctx = self.ctx
         memory, budget = ctx.memory, ctx.budget
         plain = activation_bytes(profile, ())
-        held = (plain + memory.parts["buffers"] + memory.parts["headroom"]
+        held = (plain + memory.fixed + memory.parts["headroom"]
                 + on_demand_bytes(trace, self.slots.buckets, ctx.itemsize))
         if held <= budget and memory.peak <= budget:  # the warm-up's did too
             choice = self._by_step_time(trace, profile, CheckpointChoice((), (), plain, 0.0, True))
@@ -309,10 +309,10 @@ class RecomputeCoordinator:
         parts = ctx.memory.parts
         arena = min_arena_bytes(trace, self.slots.buckets, ctx.itemsize)
         headroom = parts["headroom"]
-        capacity = ctx.budget - parts["buffers"] - trace.max_grad_bytes - arena - headroom
+        capacity = ctx.budget - ctx.memory.fixed - trace.max_grad_bytes - arena - headroom
         choice = choose_checkpoints(profile, capacity, base)
         if not choice.fits:
-            need = dict(arena=arena, activations=choice.activation_bytes, fixed=parts["buffers"],
+            need = dict(arena=arena, activations=choice.activation_bytes, fixed=ctx.memory.fixed,
                         grad=trace.max_grad_bytes, headroom=headroom)
             raise self.activation_hint(budget_error(ctx.budget, **need), capacity, profile)
         return choice

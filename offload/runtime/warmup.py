@@ -138,7 +138,7 @@ class TracedWarmup:
                              activations=activations, seconds=forward.compute_seconds)
         parts = ctx.memory.parts
         try:
-            build_plan(step, buckets, itemsize=ctx.itemsize, budget_bytes=0, fixed_bytes=parts["buffers"],
+            build_plan(step, buckets, itemsize=ctx.itemsize, budget_bytes=0, fixed_bytes=ctx.memory.fixed,
                        hw=ctx.hw, headroom_bytes=parts["headroom"])
         except BudgetTooSmallError as e:
             return e.breakdown
@@ -152,10 +152,11 @@ class TracedWarmup:
         seen = set(touched)
         order = touched + [p for p in range(len(ctx.params)) if p not in seen]
         buckets = make_buckets(list(ctx.specs), order, ctx.bucket_bytes, ctx.itemsize)
-        if ctx.dp is not None:  # issue 20: grad slots padded to their shards where reduced on the device
-            buckets = ctx.dp.pad_buckets(buckets)
+        if ctx.dp is not None:  # issue 20: grad slots padded to their shards where reduced on the device,
+            buckets = ctx.dp.pad_buckets(buckets)  # and the weights' gather buffers there, inside the budget
+            ctx.dp.gather_on_device(ctx.backend, memory, ctx.stats, buckets, ctx.itemsize, ctx.dtype)
         floor = forward_min_budget(recorder.events, recorder.uses, recorder.ends, buckets, list(ctx.specs),
-                                   ctx.itemsize, activations=memory.activation_peak, fixed=memory.parts["buffers"],
+                                   ctx.itemsize, activations=memory.activation_peak, fixed=memory.fixed,
                                    headroom=memory.parts["headroom"])
         forward = recorder.finish()
         if sum(floor.values()) > budget:  # too small for sure; above the floor, the first plan decides

@@ -53,3 +53,32 @@ def test_a_host_event_blocks_until_its_lane_sets_it_and_carries_the_failure():
     finally:
         gate.set()  # a failed assertion must not leave the lane blocked (close() joins it)
         lane.close()
+
+
+def test_a_deferred_event_is_done_after_its_lane_item_and_the_device_work_it_issued():
+    """Issue 20 ([Note: weights gathered on the device]): a lane item issues device work and puts its event in
+    the cell; the Deferred waits for both, carries the item's failure, and is never set by hand."""
+    import threading
+
+    from offload.backend.base import Deferred, HostEvent
+    from offload.errors import InvariantError, OffloadError
+
+    lane = Lane("deferred-test")
+    gate, device = threading.Event(), HostEvent(what="device work")
+    cell: list = []
+    issued = lane.submit(lambda: (gate.wait(5), cell.append(device)))
+    ev = Deferred(issued, cell)
+    assert not ev.query()
+    gate.set()
+    issued.synchronize()
+    assert not ev.query()  # issued, the device work not done
+    device.set()
+    ev.synchronize()
+    assert ev.query()
+    with pytest.raises(InvariantError):
+        ev.set()
+    failed = Deferred(lane.submit(lambda: 1 / 0, what="issue"), [])
+    with pytest.raises(OffloadError, match="ZeroDivisionError"):
+        failed.synchronize()
+    assert not failed.query()
+    lane.close()

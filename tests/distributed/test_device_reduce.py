@@ -30,6 +30,11 @@ def _assert_device_path(r: dict, case: Case, itemsize: int, budget: int) -> None
     the device peak held the budget."""
     shards, whole = _shard_bytes(r, case.world, itemsize)
     assert r["counters"]["d2h_bytes"] == case.steps * shards, (r["counters"], shards)
+    # [Note: weights gathered on the device]: every step, each bucket's own updated elements went to the device
+    # and its whole gathered trainable prefix came back (the gather, not gloo on the host)
+    own = sum(shard_of(t, r["rank"], case.world).numel * itemsize for _, t in r["buckets"])
+    assert r["counters"]["gather_h2d_bytes"] == case.steps * own, (r["counters"], own)
+    assert r["counters"]["gather_d2h_bytes"] == case.steps * whole, (r["counters"], whole)
     assert shards <= whole / case.world + 16 * itemsize * len(r["buckets"])  # 1/N, up to the shard alignment
     assert r["grad_slot_numel"] == [shard_of(t, 0, case.world).size * case.world for _, t in r["buckets"]]
     assert 0 < r["device_peak_bytes"] <= budget

@@ -269,7 +269,7 @@ class FakeCuda:
         self.lock = threading.RLock()
         self.lazy = lazy
         self.compute = FakeStream(self, "compute", eager=True)
-        self.current = self.compute  # what current_stream() returns (switch with use_stream)
+        self._current = threading.local()  # what current_stream() returns, per host thread (as CUDA's)
         self.streams: list[FakeStream] = []
         self.log: list[tuple] = []
         self.fake_cudart = FakeCudart()
@@ -285,6 +285,16 @@ class FakeCuda:
         self._kinds: dict[int, str] | None = None  # storage -> "host" | "device", with host_only()
         if host_only:
             self.host_only(*host_only)
+
+    @property
+    def current(self) -> FakeStream:
+        """The calling thread's current stream (switch with use_stream): per thread, as in CUDA, so a CPU lane
+        issuing a collective under ``torch.cuda.stream`` does not move the main thread's compute."""
+        return getattr(self._current, "stream", self.compute)
+
+    @current.setter
+    def current(self, stream: FakeStream) -> None:
+        self._current.stream = stream
 
     # -- entering: compute is watched while the simulation is entered ----------------------------------------
 
@@ -460,6 +470,11 @@ class FakeCuda:
         return self.current
 
     def stream(self, stream: FakeStream):
+        """``with torch.cuda.stream(stream)`` as the backend uses it around a collective (issue 20): what the
+        block issues (a gloo collective, run on the host at once) comes after the work queued on ``stream``,
+        so a lazy stream first runs what it has queued (an all-gather after the copy of its shard)."""
+        if not stream.eager:
+            self.run(stream, len(stream.ops))
         return self.use_stream(stream)
 
     def new_event(self, blocking: bool = False, timing: bool = False) -> FakeEvent:
