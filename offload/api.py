@@ -159,6 +159,10 @@ class Engine:
             "device_parts": dict(memory.parts),
             "arena_bytes": plan.arena_bytes if plan is not None else 0,
             "host_pinned_bytes": host.nbytes if host is not None else 0,
+            # issue 20: the node's shared copy of the weights this rank maps (once per node, not per rank: [Note: one
+            # host copy per node] in host/node_copy.py); 0 without one
+            "host_shared_bytes": (ctx.dp.node_copy.size_bytes if ctx.dp is not None and ctx.dp.node_copy is not None
+                                  else 0),
             # the host arena's bytes (as allocated: every region and its alignment) over the model's parameters
             "host_bytes_per_param": (host.nbytes / sum(s.numel for s in ctx.specs)
                                      if host is not None and ctx.specs else None),

@@ -138,6 +138,13 @@ class OffloadConfig:
     the whole bucket goes to the host and gloo reduce-scatters it there. ``"auto"`` (default): ``"device"`` on
     CUDA with overlapped updates, else ``"host"``. Deferred updates (``overlap_optimizer=False``) always use the
     host. No effect without data parallel ([Note: grads reduced on the device] in runtime/device_collectives.py)."""
+    share_host_copy: bool | None = None
+    """Whether the data-parallel ranks of one node share one host copy of the weights in the compute dtype
+    (issue 20, [Note: one host copy per node] in host/node_copy.py): a file in ``/dev/shm`` each rank maps, each
+    rank writing its shard's updated weights into it, so no all-gather of the weights is needed and the node
+    holds one copy instead of one per rank (2 B/param per rank less in 16 bits). ``None`` (default): share when
+    every rank of the group is on this host and ``/dev/shm`` has room (else each rank keeps its own copy, with
+    a warning saying why); ``True``: share or raise; ``False``: never. No effect without data parallel."""
     device_optimizer: bool = False
     """Let the planner keep some buckets' optimizer on the device (issue 18): their fp32 master, Adam m and v
     live in the device arena and are updated there as soon as the bucket's grads are complete (no grad copy,
@@ -192,6 +199,8 @@ class OffloadConfig:
             raise ValueError('grad_reduce="device" needs overlap_optimizer=True: deferred updates (accumulation, '
                              'clipping, float16) sum whole buckets on the host over backward passes. Use '
                              'grad_reduce="auto" or "host" with overlap_optimizer=False')
+        if self.share_host_copy not in (None, True, False):
+            raise TypeError(f"share_host_copy must be None, True or False; got {self.share_host_copy!r}")
         if not (self.process_group is None or self.process_group is False
                 or (dist.is_available() and isinstance(self.process_group, dist.ProcessGroup))):
             raise TypeError("process_group must be None (the default group, when torch.distributed is "

@@ -15,6 +15,7 @@ from ..errors import EngineClosedError, InvariantError, OffloadError
 
 if TYPE_CHECKING:
     from ..host.arena import HostArena
+    from ..host.node_copy import NodeCopy
 
 
 class Event(Protocol):
@@ -80,11 +81,11 @@ class Backend(Protocol):
         """A parameter's value while its bucket is not on the device: no memory, reads give NaN."""
         ...
 
-    def pin_host(self, arena: HostArena) -> None:
+    def pin_host(self, arena: HostArena | NodeCopy) -> None:
         """Make ``arena`` copyable by DMA (page-lock it) until :meth:`close`, where the device needs it."""
         ...
 
-    def unpin_host(self, arena: HostArena) -> None:
+    def unpin_host(self, arena: HostArena | NodeCopy) -> None:
         """Undo :meth:`pin_host` for ``arena`` before it is freed (no copy may use it any more)."""
         ...
 

@@ -34,6 +34,7 @@ from .base import DONE, Event, HostEvent, HostTimer, Lane
 
 if TYPE_CHECKING:
     from ..host.arena import HostArena
+    from ..host.node_copy import NodeCopy
 
 
 class CPUBackend:
@@ -77,10 +78,10 @@ class CPUBackend:
         """Point ``param`` at ``value`` (its slot view, a placeholder, or its host tensor at close)."""
         param.data = value
 
-    def pin_host(self, arena: HostArena) -> None:
+    def pin_host(self, arena: HostArena | NodeCopy) -> None:
         """Nothing to pin: there is no device to copy to by DMA (the CUDA backend registers the arena)."""
 
-    def unpin_host(self, arena: HostArena) -> None:
+    def unpin_host(self, arena: HostArena | NodeCopy) -> None:
         """Nothing was pinned."""
 
     @property

@@ -111,6 +111,7 @@ from .base import Event, HostEvent, Lane
 
 if TYPE_CHECKING:
     from ..host.arena import HostArena
+    from ..host.node_copy import NodeCopy
 
 __all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry", "StreamError"]
 
@@ -461,14 +462,15 @@ class CUDABackend:
             self._nan[dtype] = nan
         return nan.expand(shape)
 
-    def pin_host(self, arena: HostArena) -> None:
-        """Page-lock ``arena`` (an :class:`offload.host.arena.HostArena`) once, at its exact size; undone by
+    def pin_host(self, arena: HostArena | NodeCopy) -> None:
+        """Page-lock ``arena`` (an :class:`offload.host.arena.HostArena`, or the node's shared copy of the weights:
+        [Note: one host copy per node]) once, at its exact size; undone by
         :meth:`close`. Call it after the arena's pages were first-touched (see [Note: pinning])."""
         self._check_open()
         with record_function("offload::pin_host"):
             self._pinned.register(arena.data_ptr, arena.size_bytes, arena)
 
-    def unpin_host(self, arena: HostArena) -> None:
+    def unpin_host(self, arena: HostArena | NodeCopy) -> None:
         """Undo :meth:`pin_host` for ``arena`` (issue 18: a re-plan replaced the host arena by one of another
         size). The caller synchronized: no copy reads or writes it any more."""
         self._pinned.release(arena.data_ptr)

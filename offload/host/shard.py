@@ -8,7 +8,9 @@ owns elements ``[r*c, min((r+1)*c, n))``: only it keeps their fp32 master, Adam 
 updates them. Every rank keeps, in full:
 
 - the device-dtype copy of the whole bucket (``lowp``: what the host-to-device copy sends; in fp32 it is
-  the fp32 weights, and the owned shard of it *is* the rank's master, so fp32 keeps no second master);
+  the fp32 weights, and the owned shard of it *is* the rank's master, so fp32 keeps no second master); or,
+  where the node's ranks share one copy ([Note: one host copy per node] in node_copy.py), a view of that
+  (outside the rank's arena), of which the rank writes only its shard;
 - the grad the device-to-host copy lands in (``grad``, padded to ``c * world`` elements with zeros so it
   is the input of one reduce-scatter), and the accumulation staging copy;
 - ``grad_shard``: the rank's ``c`` elements of the grads summed over the ranks (the reduce-scatter's output),
@@ -38,6 +40,7 @@ from ..optim import adamw_
 from ..planning.buckets import HOST_ALIGN, Bucket, ParamSpec, locate
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step_unchecked
+from .node_copy import NodeCopy, node_copy_layout
 from .state import HOST_RAM_HEADROOM, HostState, Landing, step_tensors
 
 SHARD_ALIGN = 16  # elements: every shard starts 64-byte aligned in fp32 (the SIMD loads of the CPU AdamW)
@@ -80,18 +83,19 @@ class ShardLayout:
 
 
 def shard_layout(buckets: Sequence[Bucket], shards: Sequence[Shard], world: int, device_itemsize: int,
-                 accumulate: bool, landing: bool = True) -> ShardLayout:
+                 accumulate: bool, landing: bool = True, own_copy: bool = True) -> ShardLayout:
     """Pure: the regions of [Note: host shards], each ``HOST_ALIGN``-aligned, bucket after bucket. ``landing``:
     whether the whole bucket's grad lands on the host (False where grads are reduce-scattered on the device and
     only the shard comes: [Note: grads reduced on the device] in runtime/device_collectives.py; then the
-    landing grad's region is empty)."""
+    landing grad's region is empty). ``own_copy``: whether the rank keeps its own device-dtype copy (False:
+    the node's ranks share one, [Note: one host copy per node] in node_copy.py; its region is empty)."""
     lowp16 = device_itemsize != 4
     grad_itemsize = 4 if accumulate else device_itemsize
     fields: dict[str, list[int]] = {k: [] for k in ("lowp", "master", "grad", "staging", "grad_shard",
                                                      "exp_avg", "exp_avg_sq")}
     off = 0
     for b, s in zip(buckets, shards):
-        sizes = {"lowp": b.numel * device_itemsize, "master": s.size * 4 if lowp16 else 0,
+        sizes = {"lowp": b.numel * device_itemsize if own_copy else 0, "master": s.size * 4 if lowp16 else 0,
                  "grad": s.size * world * grad_itemsize if landing else 0,
                  "staging": b.trainable_numel * device_itemsize if accumulate else 0,
                  "grad_shard": s.size * grad_itemsize, "exp_avg": s.size * 4, "exp_avg_sq": s.size * 4}
@@ -108,7 +112,10 @@ class ShardedHostState(HostState):
 
     def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
                  device_dtype: torch.dtype, rank: int, world: int, gather: Gather,
-                 fused: bool = KERNEL_AVAILABLE, accumulate: bool = False, landing: bool = True) -> None:
+                 fused: bool = KERNEL_AVAILABLE, accumulate: bool = False, landing: bool = True,
+                 node_copy: NodeCopy | None = None) -> None:
+        """``node_copy``: the device-dtype copy shared by the node's ranks ([Note: one host copy per node]);
+        None: this rank keeps its own, in its arena."""
         if not landing and accumulate:
             raise InvariantError("accumulated grads are summed on the host: they need the landing grad (a bug in "
                                  "offload, please report it)")
@@ -122,7 +129,8 @@ class ShardedHostState(HostState):
         self.buckets, self.specs, self.shapes = tuple(buckets), list(specs), list(shapes)
         self.shards = [shard_of(b.trainable_numel, rank, world) for b in buckets]
         itemsize = torch.empty((), dtype=device_dtype).element_size()
-        layout = shard_layout(buckets, self.shards, world, itemsize, accumulate, landing)
+        self.node_copy = node_copy
+        layout = shard_layout(buckets, self.shards, world, itemsize, accumulate, landing, own_copy=node_copy is None)
         available = psutil.virtual_memory().available
         if layout.total_bytes * HOST_RAM_HEADROOM > available:
             raise HostMemoryError(f"rank {rank}'s host arena needs {format_bytes(layout.total_bytes)} of RAM (its "
@@ -133,7 +141,14 @@ class ShardedHostState(HostState):
         grad_dtype = torch.float32 if accumulate else device_dtype
         view = self.arena.view
         fp32 = device_dtype == torch.float32
-        self.lowp = [view(layout.lowp[b.index], b.numel, device_dtype) for b in buckets]
+        if node_copy is None:
+            self.lowp = [view(layout.lowp[b.index], b.numel, device_dtype) for b in buckets]
+        else:
+            offsets, need = node_copy_layout(buckets, itemsize)
+            if need > node_copy.size_bytes:
+                raise InvariantError(f"the node's shared copy holds {node_copy.size_bytes} bytes, these buckets need "
+                                     f"{need}: a bug in offload, please report it")
+            self.lowp = [node_copy.view(offsets[b.index], b.numel, device_dtype) for b in buckets]
         # The whole bucket's grad as it lands on the host (the host collectives' buffer); None where only the
         # shard comes to the host ([Note: grads reduced on the device]): nothing reads it there.
         self.grad_padded: list[torch.Tensor] | None = None
@@ -205,16 +220,30 @@ class ShardedHostState(HostState):
         return self.param_master(p).clone()
 
     def write_master(self, p: int, value: torch.Tensor) -> None:
-        """Every rank passes the whole value: each keeps its shard of the master and the whole copy."""
+        """Every rank passes the whole value: each keeps its shard of the master and the whole copy (of a copy
+        shared by the node, the elements it writes: :meth:`writes`)."""
         b, off, numel = self.bucket_of[p], self.offset[p], self.specs[p].numel
         flat = value.reshape(-1)
-        self.lowp[b][off: off + numel].copy_(flat)
+        for lo, hi in self.writes(b, off, off + numel):
+            self.lowp[b][lo:hi].copy_(flat[lo - off: hi - off])
         if self.device_dtype != torch.float32 and self.specs[p].group is not None:
             s = self.shards[b]
             lo, hi = max(off, s.start), min(off + numel, s.end)
             if lo < hi:
                 self.master[b][lo - s.start: hi - s.start].copy_(flat[lo - off: hi - off])
         self._full.pop(("master", b), None)
+
+    def writes(self, b: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The parts of bucket ``b``'s elements ``[lo, hi)`` this rank writes in the device-dtype copy: all of
+        them in its own copy; in the node's ([Note: one host copy per node]) its shard of the trainable prefix,
+        and rank 0 the elements past it."""
+        if self.node_copy is None:
+            return [(lo, hi)]
+        s, n = self.shards[b], self.buckets[b].trainable_numel
+        owned = [(max(lo, s.start), min(hi, s.end))]
+        if self.rank == 0:
+            owned.append((max(lo, n), hi))
+        return [(a, e) for a, e in owned if a < e]
 
     def param_state(self, p: int, which: str) -> torch.Tensor:
         off = self.offset[p]

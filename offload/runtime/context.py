@@ -103,7 +103,8 @@ class RuntimeContext:
 def _data_parallel(config: OffloadConfig, lane: Lane, device: torch.device) -> DataParallel | None:
     # issue 20: grads reduce-scattered on the device, or on the host ([Note: grads reduced on the device])
     reduce = resolve_grad_reduce(config.grad_reduce, device, bool(config.overlap_optimizer))
-    dp = DataParallel.resolve(config.process_group, lane, device if reduce == "device" else None)
+    dp = DataParallel.resolve(config.process_group, lane, device if reduce == "device" else None,
+                              config.share_host_copy)
     if dp is not None and config.device_optimizer:
         # A device-optimizer bucket is updated from its local grad slot, before any reduce-scatter: under data
         # parallel every rank would step on its own grads and the replicas would drift apart, silently.

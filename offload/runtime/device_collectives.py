@@ -42,8 +42,10 @@ backward passes. ``grad_reduce="device"`` with deferred updates is refused (``Of
 The weights come back through the device too: [Note: weights gathered on the device].
 
 [Note: weights gathered on the device]
-With grads reduced on the device, the updated weights are all-gathered there too: not on the host through
-gloo (which, on the CPU lane, bounded the simulated step: ``planning/data_parallel_runtime.py``). Per
+With grads reduced on the device and no host copy shared by the node's ranks (ranks on several hosts, or
+``share_host_copy=False``; a shared copy needs no gather: [Note: one host copy per node] in host/node_copy.py),
+the updated weights are all-gathered on the device too: not on the host through gloo (which, on the CPU lane,
+bounded the simulated step: ``planning/data_parallel_runtime.py``). Per
 bucket, on the CPU lane, in the order its updates run (the same on every rank):
 
     AdamW of the shard ─► host-to-device copy of the shard's updated device-dtype elements into this rank's

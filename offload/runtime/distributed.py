@@ -95,22 +95,31 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import socket
 import time
+import uuid
+import warnings
+import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError, InvariantError, OffloadError
+from ..config import format_bytes
+from ..errors import DistributedError, HostMemoryError, InvariantError, OffloadError, OffloadWarning
+from ..host.node_copy import SHM_DIR, NodeCopy, node_copy_layout, shm_free_bytes
 from ..host.shard import ShardedHostState
 from ..host.state import HostState
 from ..backend.base import Deferred
 from .device_collectives import DeviceGroup, WeightGather, _all_gather, _reduce_scatter, pad_buckets
 
 
+_PATH_BYTES = 128  # the node copy's file name, broadcast by rank 0 ([Note: one host copy per node])
+
 # The tags of the checks before a sum ([Note: a fault named]): (kind, two values, checks so far)
 _TAG = 4
-_ONE_BUCKET, _BUCKET_SET, _REPLAN, _FAULT, _JOIN = 0, 1, 2, -1, -2
+_ONE_BUCKET, _BUCKET_SET, _REPLAN, _COPY_READY, _COPY_WRITTEN, _FAULT, _JOIN = 0, 1, 2, 3, 4, -1, -2
 
 if TYPE_CHECKING:
     from ..backend.base import Backend, Event, Lane
@@ -126,7 +135,7 @@ class DataParallel:
     # dtype) waits for the other ranks to join it before it raises: [Note: a read on one rank]
     JOIN_WINDOW_S = 60.0
 
-    def __init__(self, group: Any, lane: Lane, device: torch.device | None = None) -> None:
+    def __init__(self, group: Any, lane: Lane, device: torch.device | None = None, share: bool | None = None) -> None:
         self.group = group
         # [Note: grads reduced on the device]: the main thread's group (its collectives and every check), or None
         self.device = DeviceGroup(group, device) if device is not None else None
@@ -149,12 +158,19 @@ class DataParallel:
         # each bucket's latest gather (the host copy is whole after it)
         self.weights: WeightGather | None = None
         self._gathered: dict[int, Deferred] = {}
+        # [Note: one host copy per node]: OffloadConfig.share_host_copy; the shared copy once made; the CPU lane's
+        # checks that a bucket's shared copy is whole (counted by the lane's thread only)
+        self.share = share
+        self.node_copy: NodeCopy | None = None
+        self._ready = 0
 
     @classmethod
-    def resolve(cls, process_group: Any, lane: Lane, device: torch.device | None = None) -> DataParallel | None:
+    def resolve(cls, process_group: Any, lane: Lane, device: torch.device | None = None,
+                share: bool | None = None) -> DataParallel | None:
         """``process_group``: None (the default group if torch.distributed is initialised), False (never),
         or a group. None when there is nothing to be parallel over (no group, or a group of one rank).
-        ``device``: reduce-scatter grads on that device ([Note: grads reduced on the device]); None: on the host."""
+        ``device``: reduce-scatter grads on that device ([Note: grads reduced on the device]); None: on the host.
+        ``share``: ``OffloadConfig.share_host_copy`` ([Note: one host copy per node])."""
         if process_group is False:
             return None
         if not (dist.is_available() and dist.is_initialized()):
@@ -170,20 +186,101 @@ class DataParallel:
                 "data parallel runs its collectives on the host (grads and weights in the host arena), which NCCL "
                 "cannot move; this group is NCCL only. Initialise with backend=\"cpu:gloo,cuda:nccl\", or pass "
                 "process_group=torch.distributed.new_group(backend=\"gloo\") (or process_group=False to opt out)")
-        return cls(group, lane, device)
+        return cls(group, lane, device, share)
 
     def host_state(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
                    dtype: torch.dtype, fused: bool, accumulate: bool) -> ShardedHostState:
         return ShardedHostState(buckets, specs, shapes, dtype, self.rank, self.world, self.gather,
-                                fused=fused, accumulate=accumulate, landing=self.device is None)
+                                fused=fused, accumulate=accumulate, landing=self.device is None,
+                                node_copy=self.node_copy)
 
-    def gather_on_device(self, backend: Backend, memory: DeviceMemory, stats: dict[str, int],
-                         buckets: Sequence[Bucket], itemsize: int, dtype: torch.dtype) -> None:
-        """With grads reduced on the device, bring the updated weights back through it too ([Note: weights
-        gathered on the device]): make the gather buffers for ``buckets`` (counted in ``memory``)."""
-        if self.device is not None and self.weights is None:
+    def prepare_copy(self, backend: Backend, memory: DeviceMemory, stats: dict[str, int],
+                     buckets: Sequence[Bucket], itemsize: int, dtype: torch.dtype) -> None:
+        """The end of the first forward, before the host state is made: how the updated weights reach every
+        rank's host copy. One copy shared by the node ([Note: one host copy per node]: nothing to gather), else
+        each rank's own, all-gathered on the device where grads are reduced there ([Note: weights gathered on the
+        device]: the gather buffers, counted in ``memory``) or by gloo on the CPU lane."""
+        if self.node_copy is None and self.weights is None and self.share is not False:
+            self.node_copy = self._make_node_copy(buckets, itemsize)
+        if self.node_copy is None and self.device is not None and self.weights is None:
             self.weights = WeightGather(backend, memory, stats, buckets, itemsize, dtype, self.rank, self.world,
                                         self.device.weights, self._call)
+
+    def _make_node_copy(self, buckets: Sequence[Bucket], itemsize: int) -> NodeCopy | None:
+        """[Note: one host copy per node]: rank 0 makes the file, every rank maps it; None (after a warning, or
+        an error with ``share_host_copy=True``) where the ranks are not on one host or a rank cannot map it."""
+        _, nbytes = node_copy_layout(buckets, itemsize)
+        if nbytes == 0:
+            return None
+        name = socket.gethostname().encode()
+        hosts = torch.empty(self.world, dtype=torch.int64)
+        self._call("all-gather of the host names", _all_gather, hosts,
+                   torch.tensor([zlib.crc32(name)], dtype=torch.int64), group=self.tag_group)
+        why = "the group's ranks run on more than one host" if len(set(hosts.tolist())) > 1 else ""
+        node: NodeCopy | None = None
+        path = ""
+        if not why and self.rank == 0:
+            free = shm_free_bytes()
+            if free < nbytes:
+                why = f"{SHM_DIR} has {format_bytes(free)} free and the copy needs {format_bytes(nbytes)}"
+            else:
+                path = os.path.join(SHM_DIR, f"offload-{uuid.uuid4().hex}")
+                try:
+                    node = NodeCopy(path, nbytes, create=True)
+                except (OSError, RuntimeError, HostMemoryError) as e:
+                    why, path = f"rank 0 could not make {path}: {e}", ""
+        sent = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
+        sent[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8) if path else sent[:0]
+        self._call("broadcast of the node copy's name", dist.broadcast, sent, group_src=0, group=self.tag_group)
+        path = bytes(sent.tolist()).rstrip(b"\0").decode()
+        if not why and not path:
+            why = "rank 0 could not make it (its warning says why)"
+        if path and self.rank != 0:
+            try:
+                node = NodeCopy(path, nbytes, create=False)
+            except (OSError, RuntimeError) as e:
+                why = f"rank {self.rank} could not map {path} ({e}): another /dev/shm (a container of its own?)"
+        mapped = torch.empty(self.world, dtype=torch.int64)
+        self._call("all-gather of the node copy's mappings", _all_gather, mapped,
+                   torch.tensor([int(node is not None)], dtype=torch.int64), group=self.tag_group)
+        if self.rank == 0 and path:
+            NodeCopy.unlink(path)  # every rank has tried to map it: the memory lives while mapped
+        missing = [r for r in range(self.world) if not int(mapped[r])]
+        if path and missing:
+            node = None
+            why = why or f"rank {', '.join(map(str, missing))} could not map {path} (its warning says why)"
+        if node is not None:
+            return node
+        if self.share:
+            raise OffloadError(f"rank {self.rank} of {self.world}: share_host_copy=True, but the node's ranks cannot "
+                               f"share one host copy of the weights: {why}. Use share_host_copy=None (share where "
+                               "possible) or False")
+        warnings.warn(f"offload: rank {self.rank} keeps its own host copy of the weights ({why}); the node holds one "
+                      "per rank ([Note: one host copy per node]; share_host_copy=False: no warning)", OffloadWarning,
+                      stacklevel=2)
+        return None
+
+    def copy_written(self) -> None:
+        """The main thread wrote this rank's part of the node's copy (the first masters, ``load_state_dict``, a
+        write to ``p.data``): every rank's must be in before any reads it. A check every rank joins."""
+        if self.node_copy is None:
+            return
+        self.check_usable()
+        self.lane.drain()
+        tag = torch.tensor([_COPY_WRITTEN, 0, 0, self._reduces], dtype=torch.int64)
+        self._require_same(tag, "check that every rank wrote its part of the node's copy of the weights",
+                           "ranks wrote the weights apart", "ranks wrote the node's copy of the weights at different "
+                           "points ((kind, -, -, checks so far)", "and write parameters on every rank alike")
+
+    def _node_copy_ready(self, b: int) -> None:
+        """On the CPU lane, this rank's shard of bucket ``b`` updated: once every rank's is, the node's copy
+        of ``b`` is whole ([Note: one host copy per node])."""
+        tag = torch.tensor([_COPY_READY, b, 0, self._ready], dtype=torch.int64)
+        self._ready += 1
+        self._require_same(tag, f"check that bucket {b}'s shared copy is whole", "ranks updated different buckets",
+                           "the ranks updated different buckets ((kind, bucket, -, updates so far)",
+                           "so that the same parameters get grads in the same order",
+                           group=self.group if self.device is None else self.device.weights)
 
     def settle(self) -> None:
         """The CPU lane drained: block until the host copy is whole (the weights' copies back are done)."""
@@ -191,9 +288,10 @@ class DataParallel:
             self.weights.settle()
 
     def release(self) -> None:
-        """``close()``: the gather buffers go."""
+        """``close()``: the gather buffers go, and this rank's mapping of the node's copy."""
         if self.weights is not None:
             self.weights.close()
+        self.node_copy = None
 
     def pad_buckets(self, buckets: Sequence[Bucket]) -> tuple[Bucket, ...]:
         """The buckets to plan: with grads reduced on the device, each grad slot padded to its shards."""
@@ -237,6 +335,9 @@ class DataParallel:
             reduce = self._submit_reduce(host, b, ready)
         self._averaged.pop(b, None)
         weights = self.weights
+        if host.node_copy is not None:  # [Note: one host copy per node]: written in place, nothing to gather
+            updated = self.lane.submit(update, [reduce, *waits], f"AdamW of bucket {b}'s shard")
+            return self.lane.submit(lambda: self._node_copy_ready(b), [updated], f"bucket {b}'s copy whole")
         if weights is None:
             updated = self.lane.submit(update, [reduce, *waits], f"AdamW of bucket {b}'s shard")
             return self.lane.submit(lambda: self._gather_copy(host, b), [updated], f"all-gather of bucket {b}")
@@ -276,12 +377,14 @@ class DataParallel:
                            "the ranks are about to sum different buckets' grads ((bucket, reduce-scatters so far)",
                            "so that the same parameters get grads in the same order")
 
-    def _check(self, tag: torch.Tensor, what: str) -> torch.Tensor:
+    def _check(self, tag: torch.Tensor, what: str, group: Any = None) -> torch.Tensor:
         """All-gather every rank's ``tag`` (the checks before a sum: [Note: a fault named]); raise naming the
-        ranks that sent a fault instead."""
+        ranks that sent a fault instead. ``group``: another group than the checks' (the CPU lane's on the
+        device path: then it is not counted in ``_reduces``, the main thread's count)."""
         tags = tag.new_empty(_TAG * self.world)
-        self._call(what, _all_gather, tags, tag, group=self.tag_group)
-        self._reduces += 1
+        self._call(what, _all_gather, tags, tag, group=self.tag_group if group is None else group)
+        if group is None or group is self.tag_group:
+            self._reduces += 1
         others = tags.view(self.world, _TAG)
         alone = [r for r in range(self.world) if int(others[r, 0]) == _JOIN]
         if alone:
@@ -374,9 +477,10 @@ class DataParallel:
                            "the ranks' backward passes reached different parameters ((buckets, checksum, "
                            "collectives so far)", "so that the same parameters get grads")
 
-    def _require_same(self, tag: torch.Tensor, what: str, failed: str, differ: str, why: str) -> None:
+    def _require_same(self, tag: torch.Tensor, what: str, failed: str, differ: str, why: str,
+                      group: Any = None) -> None:
         """All-gather ``tag`` (:meth:`_check`); where the ranks' tags differ, this rank is out of step: raise."""
-        others = self._check(tag, what)
+        others = self._check(tag, what, group)
         if not bool((others == tag).all()):
             self.failed = f"{failed} ({others.tolist()})"
             raise DistributedError(f"rank {self.rank} of {self.world}: {differ} per rank: {others.tolist()}): "

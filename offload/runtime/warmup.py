@@ -152,9 +152,9 @@ class TracedWarmup:
         seen = set(touched)
         order = touched + [p for p in range(len(ctx.params)) if p not in seen]
         buckets = make_buckets(list(ctx.specs), order, ctx.bucket_bytes, ctx.itemsize)
-        if ctx.dp is not None:  # issue 20: grad slots padded to their shards where reduced on the device,
-            buckets = ctx.dp.pad_buckets(buckets)  # and the weights' gather buffers there, inside the budget
-            ctx.dp.gather_on_device(ctx.backend, memory, ctx.stats, buckets, ctx.itemsize, ctx.dtype)
+        if ctx.dp is not None:  # issue 20: grad slots padded to their shards where reduced on the device, and
+            buckets = ctx.dp.pad_buckets(buckets)  # the node's shared copy, or the weights' gather buffers
+            ctx.dp.prepare_copy(ctx.backend, memory, ctx.stats, buckets, ctx.itemsize, ctx.dtype)
         floor = forward_min_budget(recorder.events, recorder.uses, recorder.ends, buckets, list(ctx.specs),
                                    ctx.itemsize, activations=memory.activation_peak, fixed=memory.fixed,
                                    headroom=memory.parts["headroom"])
@@ -176,6 +176,9 @@ class TracedWarmup:
         with torch.no_grad():
             for p in range(len(ctx.params)):
                 host.write_master(p, original[p])
+        if ctx.dp is not None and ctx.dp.node_copy is not None:  # issue 20: [Note: one host copy per node]
+            ctx.backend.pin_host(ctx.dp.node_copy)
+            ctx.dp.copy_written()  # every rank's part of it is in before any fetch reads it
         self.slots.adopt(host)
         self.original = None
         ctx.phases.become(Lifecycle.RUNNING)

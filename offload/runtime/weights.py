@@ -53,6 +53,8 @@ class Weights:
         """Masters changed behind the plan's back: refresh whatever is on the device."""
         if self.slots.host is None:
             return
+        if self.ctx.dp is not None:  # issue 20: every rank's part of the node's shared copy is in first
+            self.ctx.dp.copy_written()
         with torch.no_grad():
             self.executor.deactivate()
             if self.executor.plan is not None:

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(gradient accumulation: the engine then runs overlap_optimizer=False; default 1)")
     r.add_argument("--no-sync", action="store_true", help="data parallel, with --micro-batches: all backward passes "
                    "but the last inside engine.no_sync() (no all-reduce)")
+    r.add_argument("--share-host-copy", choices=("auto", "yes", "no"), default="auto", help="data parallel: "
+                   "whether the node's ranks share one host copy of the weights, as OffloadConfig.share_host_copy "
+                   "(default auto: where every rank runs on one node)")
     r.add_argument("--grad-reduce", choices=GRAD_REDUCE, default="auto", help="data parallel: where "
                    "grads are reduce-scattered, as OffloadConfig.grad_reduce (default auto: on the device with "
                    "overlapped updates, as the engine does on CUDA)")
@@ -159,9 +162,10 @@ def _report(args, console: Console) -> int:
     err = Console(stderr=True)
     show = not args.json and err.is_terminal
     try:
-        if (args.micro_batches != 1 or args.no_sync or args.grad_reduce != "auto") and args.gpus == 1 \
-                and args.nodes == 1:
-            raise ReportError("--micro-batches, --no-sync and --grad-reduce apply to the data-parallel figures "
+        if (args.micro_batches != 1 or args.no_sync or args.grad_reduce != "auto" or args.share_host_copy != "auto") \
+                and args.gpus == 1 and args.nodes == 1:
+            raise ReportError("--micro-batches, --no-sync, --grad-reduce and --share-host-copy apply to the "
+                              "data-parallel figures "
                               "(--gpus 2 or more): the single-GPU report models one backward per step and no "
                               "collective", usage=True)
         from .report_dp import check_accumulation
@@ -173,7 +177,7 @@ def _report(args, console: Console) -> int:
         if args.gpus > 1 or args.nodes > 1:  # issue 20: per-rank and per-node figures with the collectives
             from .report_dp import data_parallel
             dp = data_parallel(report, args.gpus, args.nodes, args.intra, args.inter, args.micro_batches,
-                               args.no_sync, args.grad_reduce)
+                               args.no_sync, args.grad_reduce, args.share_host_copy)
     except ReportError as e:
         return _fail(str(e), USAGE_ERROR if e.usage else 1)
     if args.json:

@@ -39,6 +39,7 @@ from rich.table import Table
 from ..config import GRAD_REDUCE, format_bytes
 from ..errors import BudgetTooSmallError, ReportError
 from ..planning.collectives import GLOO_INTER_OF, cluster_of, gloo_cluster_of
+from ..host.node_copy import node_copy_layout
 from ..planning.data_parallel import build_rank_plan, host_bytes_per_node, host_bytes_per_rank, simulate_rank_plan
 from ..planning.data_parallel_runtime import simulate_runtime_deferred_plan, simulate_runtime_plan
 from ..host.shard import shard_layout, shard_of
@@ -76,11 +77,13 @@ def deferred_note(fp16: bool, micro_batches: int, no_sync: bool) -> str:
 
 
 def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str, micro_batches: int = 1,
-                  no_sync: bool = False, grad_reduce: str = "auto") -> dict:
+                  no_sync: bool = False, grad_reduce: str = "auto", share_host_copy: str = "auto") -> dict:
     """The data-parallel figures of ``report``'s model and budget on ``gpus`` GPUs over ``nodes`` nodes, with
     ``micro_batches`` forward and backward passes per step (``no_sync``: all but the last inside
     ``engine.no_sync()``) and ``OffloadConfig.grad_reduce`` as the engine would run it on CUDA ("auto": on the
-    device with overlapped updates, else on the host)."""
+    device with overlapped updates, else on the host). ``share_host_copy``: "auto" (the engine's default:
+    the node's ranks share one host copy of the weights where every rank runs on one node, [Note: one host copy
+    per node] in host/node_copy.py), "yes" or "no"."""
     check_accumulation(micro_batches, no_sync)
     try:
         cluster = cluster_of(gpus, nodes, intra, inter)
@@ -100,8 +103,15 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
     links = (cluster.intra, cluster.inter, gloo.intra, gloo.inter) if cluster.nodes > 1 else (cluster.intra,
                                                                                               gloo.intra)
     # with grads reduced on the device only this rank's shard lands on the host: no landing grad there
+    if share_host_copy not in ("auto", "yes", "no"):
+        raise ReportError(f"--share-host-copy must be auto, yes or no; got {share_host_copy!r}", usage=True)
+    if share_host_copy == "yes" and cluster.nodes > 1:
+        raise ReportError("--share-host-copy yes: the ranks share one host copy only where all run on one node "
+                          "(the engine raises with share_host_copy=True across nodes)", usage=True)
+    shared = share_host_copy == "yes" or (share_host_copy == "auto" and cluster.nodes == 1)
     per_rank = runtime_host_bytes_per_rank(plan.buckets, plan.itemsize, cluster.world, accumulate,
-                                           landing=not on_device)
+                                           landing=not on_device, own_copy=not shared)
+    node_copy = node_copy_layout(plan.buckets, plan.itemsize)[1] if shared else 0
     out = {
         "gpus": cluster.world, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
         "intra": cluster.intra.name, "inter": cluster.inter.name if cluster.nodes > 1 else None,
@@ -112,7 +122,8 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
                 "CUDA, overlapped: grads reduce-scattered on the device, a shard to the host, gloo all-gathers on "
                 "the host; deferred: every collective on the host); *_design keys are issue 20's design, whose "
                 "weights half does not run yet",
-        "host_bytes_per_rank": per_rank, "host_bytes_per_node": cluster.gpus_per_node * per_rank,
+        "host_bytes_per_rank": per_rank, "host_bytes_per_node": cluster.gpus_per_node * per_rank + node_copy,
+        "host_shared_bytes_per_node": node_copy,  # [Note: one host copy per node]: 0 where each rank keeps its own
         "host_bytes_per_rank_design": host_bytes_per_rank(plan.buckets, lowp, cluster, accumulate),
         "host_bytes_per_node_design": host_bytes_per_node(plan.buckets, lowp, cluster, accumulate),
         "fits": False, "device_peak_bytes_per_rank": None, "predicted_step_s": None, "tokens_per_s": None,
@@ -159,12 +170,13 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
 
 
 def runtime_host_bytes_per_rank(buckets, device_itemsize: int, world: int, accumulate: bool,
-                                landing: bool = True) -> int:
+                                landing: bool = True, own_copy: bool = True) -> int:
     """The pinned host arena one rank of ``world`` allocates for ``buckets`` ([Note: host shards]: every rank's
     shards have the same size, so every rank's arena is this size). ``landing``: False where grads are
-    reduce-scattered on the device (only the shard lands on the host)."""
+    reduce-scattered on the device (only the shard lands on the host). ``own_copy``: False where the node's
+    ranks share one copy of the weights (outside the arena: ``node_copy_layout``)."""
     shards = [shard_of(b.trainable_numel, 0, world) for b in buckets]
-    return shard_layout(buckets, shards, world, device_itemsize, accumulate, landing).total_bytes
+    return shard_layout(buckets, shards, world, device_itemsize, accumulate, landing, own_copy).total_bytes
 
 
 def render_data_parallel(dp: dict, console: Console) -> None:
@@ -185,7 +197,8 @@ def render_data_parallel(dp: dict, console: Console) -> None:
               _bytes(dp["device_peak_bytes_per_rank_design"]) if design else "not modelled")
     t.add_row("pinned host per rank", format_bytes(dp["host_bytes_per_rank"]),
               format_bytes(dp["host_bytes_per_rank_design"]))
-    t.add_row("pinned host per node", format_bytes(dp["host_bytes_per_node"]),
+    t.add_row("pinned host per node" + (" (one shared copy)" if dp["host_shared_bytes_per_node"] else ""),
+              format_bytes(dp["host_bytes_per_node"]),
               format_bytes(dp["host_bytes_per_node_design"]))
     t.add_row("step (with collectives)", _seconds(dp["predicted_step_s"]),
               _seconds(dp["predicted_step_s_design"]) if design else "not modelled")

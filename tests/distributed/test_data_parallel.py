@@ -28,22 +28,31 @@ CONCAT_ATOL = 1e-5
 def _ok(results: list[dict]) -> list[dict]:
     for r in results:
         assert not r.get("hung"), f"rank {r['rank']} hung"
+        assert "exitcode" not in r, f"rank {r['rank']} exited ({r['exitcode']}) without a result"
         assert "error" not in r, f"rank {r['rank']}: {r.get('traceback', r['error'])}"
     return results
 
 
-def _assert_host_bytes(r: dict, world: int, accumulate: bool) -> None:
-    """[Note: host shards] (fp32): every rank keeps the whole fp32 copy (the weights themselves) and the grad
-    the device-to-host copy lands in (padded to a multiple of the ranks), and 1/N of Adam m and v and of the
-    summed grad; with accumulation also the staging copy. Checked against that count made by hand from the
-    buckets, up to the 64-byte alignment of each region, and against the unsharded host state."""
-    expected, regions = 0, 0
+def _assert_host_bytes(r: dict, world: int, accumulate: bool, shared: bool = True) -> None:
+    """[Note: host shards] (fp32): every rank keeps the grad the device-to-host copy lands in (padded to a
+    multiple of the ranks), and 1/N of Adam m and v and of the summed grad; with accumulation also the staging
+    copy. The whole fp32 copy (the weights themselves) is the node's, shared by its ranks ([Note: one host copy
+    per node]: all ranks here run on one host), or, with ``shared=False``, each rank's own in its arena.
+    Checked against that count made by hand from the buckets, up to the 64-byte alignment of each region, and
+    against the unsharded host state."""
+    expected, regions, copy = 0, 0, 0
     for numel, trainable in r["buckets"]:
         c = -(-trainable // world)
         c = -(-c // 16) * 16  # shards start 16-element aligned
-        expected += numel * 4 + c * world * 4 + c * 4 + 2 * c * 4  # copy, grad, grad shard, m, v
+        expected += c * world * 4 + c * 4 + 2 * c * 4  # grad, grad shard, m, v
+        copy += -(-numel * 4 // 64) * 64
         expected += trainable * 4 if accumulate else 0
         regions += 7
+    if shared:
+        assert r["host_shared_bytes"] == copy, (r["host_shared_bytes"], copy)
+    else:
+        assert r["host_shared_bytes"] == 0
+        expected += copy
     assert expected <= r["host_bytes"] <= expected + 64 * regions, (world, r["host_bytes"], expected)
     unsharded = sum((20 if accumulate else 16) * numel for numel, _ in r["buckets"])  # master, grad, m, v (+ staging)
     assert r["host_bytes"] < unsharded
@@ -51,18 +60,22 @@ def _assert_host_bytes(r: dict, world: int, accumulate: bool) -> None:
 
 def _assert_report_host_bytes(results: list[dict], dtype: str, grad_reduce: str = "host") -> None:
     """``offload report --gpus N --grad-reduce ...`` for the ranks' model, bucket size and grad path (the CPU
-    backend's default is the host's): its per-rank host bytes are the arena each rank allocated, and its
-    per-node bytes (one node) their sum."""
+    backend's default is the host's), with the ranks' host copy (shared by the node, or each rank's): its
+    per-rank host bytes are the arena each rank allocated, and its per-node bytes (one node) their sum and the
+    shared copy, once."""
+    shared = results[0]["host_shared_bytes"]
     world = len(results)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli.main(["report", "--model", "tests.distributed.workers:report_model", "--budget", "64MiB", "--batch",
                        "4", "--seq", "1", "--dtype", dtype, "--bucket-bytes", "4KiB", "--host-ram", "1GiB",
-                       "--gpus", str(world), "--grad-reduce", grad_reduce, "--json"])
+                       "--gpus", str(world), "--grad-reduce", grad_reduce, "--share-host-copy",
+                       "yes" if shared else "no", "--json"])
     assert rc == 0
     dp = json.loads(out.getvalue())["data_parallel"]
     assert [r["host_bytes"] for r in results] == [dp["host_bytes_per_rank"]] * world
-    assert dp["host_bytes_per_node"] == sum(r["host_bytes"] for r in results)
+    assert [r["host_shared_bytes"] for r in results] == [dp["host_shared_bytes_per_node"]] * world
+    assert dp["host_bytes_per_node"] == sum(r["host_bytes"] for r in results) + shared
 
 
 def _assert_weights(got: dict, want: dict, atol: float = 0.0) -> None:
@@ -285,7 +298,7 @@ def test_device_optimizer_is_refused_under_data_parallel(monkeypatch):
     cpu = torch.device("cpu")
     config = offload.OffloadConfig(budget="64MiB", device="cpu", device_optimizer=True)
     assert context._data_parallel(config, lane=None, device=cpu) is None  # no group: nothing to refuse
-    monkeypatch.setattr(DataParallel, "resolve", classmethod(lambda cls, group, lane, device: object()))
+    monkeypatch.setattr(DataParallel, "resolve", classmethod(lambda cls, group, lane, device, share: object()))
     with pytest.raises(offload.OffloadError, match="device_optimizer=True is not supported with data parallel"):
         context._data_parallel(config, lane=None, device=cpu)
     assert context._data_parallel(offload.OffloadConfig(budget="64MiB", device="cpu"), lane=None,
@@ -363,7 +376,8 @@ def test_no_sync_accumulates_locally_and_reduces_the_sum_once(tmp_path):
     """DDP's no_sync ([Note: no_sync]): three micro-batches per step, the first two inside ``model.no_sync()``
     (rank 0) / ``engine.no_sync()`` (rank 1). Inside it no collective runs at all (every process-group call of
     the spawned ranks is counted), ``p.grad`` is the rank's own grad, and torch's ``clip_grad_norm_`` and
-    ``p.grad.norm()`` raise rather than return a local norm (and scale nothing). The last backward averages
+    ``p.grad.norm()`` raise rather than return a local norm (and scale nothing); the first forward (inside
+    no_sync) makes the node's shared copy of the weights, once. The last backward averages
     the sum once; torch's clip on it then gives the global norm, and two ranks in fp32 are bit for bit plain
     torch adding each rank's micro-batches first, then the ranks (the order no_sync gives: without it the
     average is taken per micro-batch, test_torch_clip_grad_norm_on_p_grad_sees_the_average_over_ranks, within
@@ -378,7 +392,11 @@ def test_no_sync_accumulates_locally_and_reduces_the_sum_once(tmp_path):
         assert len(calls) == case.steps * case.micro
         for step, micro, local, issued in calls:
             assert local == (micro < case.micro - 1)
-            if local:
+            if local and (step, micro) == (0, 0):
+                # the first forward (inside no_sync here) makes the node's shared copy of the weights, once: its
+                # setup collectives ([Note: one host copy per node]), then none
+                assert issued == ["_all_gather", "broadcast", "_all_gather", "_all_gather"], issued
+            elif local:
                 assert issued == [], (step, micro, issued)  # no collective inside no_sync
             else:
                 assert "all_reduce" in issued, (step, micro, issued)  # the average of the whole sum, once
@@ -480,3 +498,20 @@ def test_four_ranks_torch_clip_grad_norm_on_the_averaged_p_grad(tmp_path, no_syn
         _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
         if no_sync:
             assert all(issued == [] for _, _, local, issued in r["collectives"] if local), r["collectives"]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_forward_between_backward_and_step_sees_every_ranks_update(tmp_path, shared):
+    """Overlapped updates, rank 1's AdamW of every shard 50 ms late: a no-grad forward after backward and
+    before step(), on the same input on both ranks, waits for every rank's update of each bucket it fetches
+    (the node's shared copy: the CPU lane's check that all ranks wrote it, [Note: one host copy per node]; per
+    rank copies: the all-gather), so both ranks compute the same output; and the training is the reference's."""
+    case = Case(world=2, steps=3, extra={"eval_before_step": True, "slow_update_rank": 1,
+                                         "share_host_copy": shared})
+    results = _ok(run_ranks(case, tmp_path))
+    exact = reference(case, emulate_ranks=True)
+    for got, want in zip(results[0]["eval_before_step"], results[1]["eval_before_step"]):
+        assert torch.equal(got, want), (got - want).abs().max()
+    for r in results:
+        _assert_weights(r["weights"], exact["weights"])
+        assert (r["host_shared_bytes"] > 0) == shared

@@ -14,6 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -122,6 +123,17 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             options["calibrate_compute"] = True
         if "grad_reduce" in case.extra:  # issue 20: [Note: grads reduced on the device]
             options["grad_reduce"] = case.extra["grad_reduce"]
+        if "share_host_copy" in case.extra:  # issue 20: [Note: one host copy per node]
+            options["share_host_copy"] = case.extra["share_host_copy"]
+        if rank == case.extra.get("slow_update_rank"):  # this rank's AdamW of every shard lags behind the others'
+            from offload.host.shard import ShardedHostState
+
+            update = ShardedHostState.update
+
+            def slow(self, *args, **kwargs):
+                time.sleep(0.05)
+                return update(self, *args, **kwargs)
+            stack.enter_context(mock.patch.object(ShardedHostState, "update", slow))
         with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
             engine = offload.wrap(model, opt, budget=case.extra.get("budget", "64MiB"), dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
                                   overlap_optimizer=case.overlap, **options)
@@ -168,6 +180,10 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                         lane.drain()  # anything the backward queued on the lane has run (and been counted)
                         result.setdefault("collectives", []).append((step, micro, bool(local), collectives[before:]))
                 losses.append(loss.item())
+            if case.extra.get("eval_before_step"):  # a forward after backward, before step(): the same input on
+                with torch.no_grad():  # every rank, so every rank must see the same (updated) weights
+                    seen = engine(rank_slice(batch(step, 0)[0], 0, case.world))
+                result.setdefault("eval_before_step", []).append(seen.float().clone())
             if case.clip is not None and case.extra.get("torch_clip"):  # plain torch on p.grad (the average)
                 total = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip, foreach=False)
                 result.setdefault("norms", []).append(float(total))
@@ -188,6 +204,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         result["counters"] = stats["counters"]
         result["chaos_draws"] = lane._before.draws if lane._before is not None else 0
         result["host_bytes"] = stats["host_pinned_bytes"]
+        result["host_shared_bytes"] = stats["host_shared_bytes"]
         result["device_peak_bytes"] = stats["device_peak_bytes"]
         result["grad_slot_numel"] = [b.grad_numel for b in engine._runtime.slots.buckets]
         result["optimizer"] = stats["optimizer"]
