@@ -96,6 +96,9 @@ def _render_probe(result: dict, console: Console) -> None:
         console.print("[yellow]PCIe was not measured (no CUDA device); the hardware model uses the pcie4 preset "
                       "link.[/yellow]")
     if "collectives" in result:
+        console.print(f"under torch.distributed: CPU AdamW and host bandwidth measured by rank 0 alone (the other ranks "
+                      f"idle), with {result['cpu_adam_threads']} threads (torchrun sets OMP_NUM_THREADS=1 unless it is "
+                      "set: a rank's engine gets the same)")
         _render_collectives(result["collectives"], console)
 
 

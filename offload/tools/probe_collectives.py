@@ -5,9 +5,9 @@ ring model of ``offload/planning/collectives.py`` fitted to them (issue 20).
 When ``torch.distributed`` is initialised, every rank of the group runs :func:`measure_collectives` (the probe
 calls it first): for each size (64 KiB ... 256 MiB by default, the largest dropped where a rank lacks the
 memory; every rank keeps the sizes every rank can hold, agreed by an all-reduce MIN), each kind
-(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``) is called once untimed, then
-``repeat`` times, each after a barrier (an all-reduce of one element on the same side, so that both sides
-time alike). Each rank times its own call (``perf_counter`` around it, after a device synchronise on CUDA);
+(``all_gather_into_tensor``, ``reduce_scatter_tensor`` (``reduce_scatter_single`` where torch has it, as
+the runtime calls it), ``all_reduce``) is called once untimed, then ``repeat`` times, each after a barrier
+(an all-reduce of one element on the same side, so that both sides time alike). Each rank times its own call (``perf_counter`` around it, after a device synchronise on CUDA);
 what a collective costs is the slowest rank's time, so the samples are all-reduced with MAX over the ranks,
 sample by sample, and the median over the repeats is kept. Two sides are timed, each where the group has one:
 
@@ -52,6 +52,8 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 COLLECTIVE_SIZES = tuple((64 << 10) << (2 * i) for i in range(7))  # 64 KiB, 256 KiB, ... 256 MiB
 """The buffer sizes timed: the whole buffer (an all-gather's output, a reduce-scatter's input)."""
 _DTYPE = torch.float32
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""What the runtime calls (``offload/runtime/device_collectives.py``): torch 2.13 renamed ``reduce_scatter_tensor``."""
 _PEAK_BUFFERS = 3  # gloo's reduce-scatter holds its input, a clone of it and the output chunk: ~2.5 buffers
 
 
@@ -122,7 +124,8 @@ def nodes_from_env(world: int) -> int | None:
 def machine() -> dict:
     """What the measurements ran on (rank 0's host)."""
     out = {"host": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-           "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+           "load_average_1m": os.getloadavg()[0], "torch": torch.__version__,
+           "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
     if torch.cuda.is_available():  # pragma: no cover - needs CUDA
         out["device"] = torch.cuda.get_device_name()
     return out
@@ -196,7 +199,7 @@ class _Side:
         if kind == "reduce_scatter":
             src, dst = torch.ones(numel, dtype=_DTYPE, device=self.device), torch.empty(chunk, dtype=_DTYPE,
                                                                                           device=self.device)
-            return lambda: dist.reduce_scatter_tensor(dst, src, group=self.group)
+            return lambda: _reduce_scatter(dst, src, group=self.group)
         buf = torch.ones(numel, dtype=_DTYPE, device=self.device)
         return lambda: dist.all_reduce(buf, group=self.group)
 
@@ -276,6 +279,7 @@ def measure_collectives(group=None, sizes: Sequence[int] = COLLECTIVE_SIZES, rep
     for backend, device in sides.items():
         entry["backends"][backend] = _measure_side(_Side(backend, device, group, rank, world), sizes, repeat, progress)
     entry["measured"] = bool(entry["backends"])
+    entry["calls"] = ["all_gather_into_tensor", _reduce_scatter.__name__, "all_reduce"]
     entry["method"] = ("per size and kind: one untimed call, then `repeat` calls each after a barrier; each rank's "
                        "perf_counter time, the max over ranks per call, the median over calls; fits: relative least "
                        "squares of the ring model, max_rel_error over the sizes fitted")

@@ -259,3 +259,24 @@ def test_report_refuses_a_malformed_collectives_entry(capsys, tmp_path):
                                 "collectives": {"measured": True, "backends": {}}}))
     rc = cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "2", "--hw", str(path)])
     assert rc == 2 and "collectives entry is malformed" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~40 s: the default sizes up to 256 MiB, and rank 0's whole probe
+def test_offload_probe_under_torchrun_writes_the_collectives(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "probe.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(port), "-m", "offload", "probe", "--json", str(out), "--timeout", "60"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("offload probe") == 1 and r.stdout.count("wrote") == 1  # rank 0 alone prints
+    assert "gloo collectives over 2 ranks (nodes: 1)" in r.stdout
+    data = json.loads(out.read_text())
+    coll = data["collectives"]
+    assert coll["measured"] and coll["world_size"] == 2 and coll["nodes"] == 1 and set(coll["backends"]) == {"gloo"}
+    assert measured_links(data).gloo is not None
