@@ -5,8 +5,8 @@ ring model of ``offload/planning/collectives.py`` fitted to them (issue 20).
 When ``torch.distributed`` is initialised, every rank of the group runs :func:`measure_collectives` (the probe
 calls it first): for each size (64 KiB ... 256 MiB by default, the largest dropped where a rank lacks the
 memory; every rank keeps the sizes every rank can hold, agreed by an all-reduce MIN), each kind
-(``all_gather_into_tensor``, ``reduce_scatter_tensor`` (``reduce_scatter_single`` where torch has it, as
-the runtime calls it), ``all_reduce``) is called once untimed, then ``repeat`` times, each after a barrier
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``; the ``*_single`` names where torch
+has them, as the runtime calls them) is called once untimed, then ``repeat`` times, each after a barrier
 (an all-reduce of one element on the same side, so that both sides time alike). Each rank times its own call (``perf_counter`` around it, after a device synchronise on CUDA);
 what a collective costs is the slowest rank's time, so the samples are all-reduced with MAX over the ranks,
 sample by sample, and the median over the repeats is kept. Two sides are timed, each where the group has one:
@@ -52,8 +52,10 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 COLLECTIVE_SIZES = tuple((64 << 10) << (2 * i) for i in range(7))  # 64 KiB, 256 KiB, ... 256 MiB
 """The buffer sizes timed: the whole buffer (an all-gather's output, a reduce-scatter's input)."""
 _DTYPE = torch.float32
+# what the runtime calls (offload/runtime/device_collectives.py): torch 2.13 names the single-tensor collectives
+# *_single (the *_tensor names warn); older torch has only those
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-"""What the runtime calls (``offload/runtime/device_collectives.py``): torch 2.13 renamed ``reduce_scatter_tensor``."""
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _PEAK_BUFFERS = 3  # gloo's reduce-scatter holds its input, a clone of it and the output chunk: ~2.5 buffers
 
 
@@ -195,7 +197,7 @@ class _Side:
         if kind == "all_gather":
             src, dst = torch.ones(chunk, dtype=_DTYPE, device=self.device), torch.empty(numel, dtype=_DTYPE,
                                                                                            device=self.device)
-            return lambda: dist.all_gather_into_tensor(dst, src, group=self.group)
+            return lambda: _all_gather(dst, src, group=self.group)
         if kind == "reduce_scatter":
             src, dst = torch.ones(numel, dtype=_DTYPE, device=self.device), torch.empty(chunk, dtype=_DTYPE,
                                                                                           device=self.device)
@@ -279,7 +281,7 @@ def measure_collectives(group=None, sizes: Sequence[int] = COLLECTIVE_SIZES, rep
     for backend, device in sides.items():
         entry["backends"][backend] = _measure_side(_Side(backend, device, group, rank, world), sizes, repeat, progress)
     entry["measured"] = bool(entry["backends"])
-    entry["calls"] = ["all_gather_into_tensor", _reduce_scatter.__name__, "all_reduce"]
+    entry["calls"] = [_all_gather.__name__, _reduce_scatter.__name__, "all_reduce"]
     entry["method"] = ("per size and kind: one untimed call, then `repeat` calls each after a barrier; each rank's "
                        "perf_counter time, the max over ranks per call, the median over calls; fits: relative least "
                        "squares of the ring model, max_rel_error over the sizes fitted")
