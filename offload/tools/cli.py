@@ -56,7 +56,8 @@ def _probe(args, console: Console) -> int:
 
 def _probe_group(timeout_s: float) -> bool:
     """Under torchrun (``WORLD_SIZE`` above 1) with no group yet, join the default group (gloo on the host,
-    NCCL beside it on CUDA) with ``timeout_s``; True when this call made it."""
+    NCCL beside it on CUDA when every local rank has a GPU of its own, as NCCL needs) with ``timeout_s``; True
+    when this call made it."""
     import datetime
 
     import torch
@@ -65,7 +66,8 @@ def _probe_group(timeout_s: float) -> bool:
         return False
     if not timeout_s > 0:
         raise ValueError(f"--timeout must be positive; got {timeout_s!r}")
-    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local
     if cuda:  # pragma: no cover - needs CUDA
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -95,6 +97,8 @@ def _render_probe(result: dict, console: Console) -> None:
     if pcie is None:
         console.print("[yellow]PCIe was not measured (no CUDA device); the hardware model uses the pcie4 preset "
                       "link.[/yellow]")
+    if "collectives" not in result and os.environ.get("WORLD_SIZE") == "1":
+        console.print("collectives: one rank (WORLD_SIZE=1), nothing to measure")
     if "collectives" in result:
         console.print(f"under torch.distributed: CPU AdamW and host bandwidth measured by rank 0 alone (the other ranks "
                       f"idle), with {result['cpu_adam_threads']} threads (torchrun sets OMP_NUM_THREADS=1 unless it is "

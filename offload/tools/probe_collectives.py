@@ -274,8 +274,10 @@ def measure_collectives(group=None, sizes: Sequence[int] = COLLECTIVE_SIZES, rep
         return entry
     sides = group_sides(group)
     if "nccl" not in sides:
-        entry["not_measured"]["nccl"] = ("no CUDA device" if not torch.cuda.is_available()
-                                         else "the group has no NCCL side (init with backend=\"cpu:gloo,cuda:nccl\")")
+        entry["not_measured"]["nccl"] = ("no CUDA device" if not torch.cuda.is_available() else
+                                         "the group has no NCCL side (init with backend=\"cpu:gloo,cuda:nccl\" and "
+                                         "one GPU per rank: offload probe under torchrun does so when every local "
+                                         "rank has a GPU)")
     if "gloo" not in sides:
         entry["not_measured"]["gloo"] = "the group has no gloo side (init with backend=\"cpu:gloo,cuda:nccl\")"
     for backend, device in sides.items():

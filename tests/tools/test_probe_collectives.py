@@ -280,3 +280,23 @@ def test_offload_probe_under_torchrun_writes_the_collectives(tmp_path):
     coll = data["collectives"]
     assert coll["measured"] and coll["world_size"] == 2 and coll["nodes"] == 1 and set(coll["backends"]) == {"gloo"}
     assert measured_links(data).gloo is not None
+
+
+@pytest.mark.parametrize("config, cuda, sides", [
+    ("cpu:gloo,cuda:gloo", False, {"gloo"}),
+    ("cpu:gloo,cuda:nccl", False, {"gloo"}),  # no CUDA device here: nothing for NCCL to move
+    ("cpu:gloo,cuda:nccl", True, {"nccl", "gloo"}),
+    ("cuda:nccl", True, {"nccl"}),  # an NCCL-only group: no host side to time
+])
+def test_the_sides_timed_are_the_groups_backends(monkeypatch, config, cuda, sides):
+    """Which sides are timed, from the group's backend config (the CUDA half is faked: no GPU here, so the
+    NCCL timings themselves have not run)."""
+    import torch.distributed as dist
+
+    from offload.tools import probe_collectives
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    got = probe_collectives.group_sides()
+    assert set(got) == sides
+    assert all(got[k].type == ("cuda" if k == "nccl" else "cpu") for k in got)
