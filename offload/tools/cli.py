@@ -100,9 +100,9 @@ def _render_probe(result: dict, console: Console) -> None:
     if "collectives" not in result and os.environ.get("WORLD_SIZE") == "1":
         console.print("collectives: one rank (WORLD_SIZE=1), nothing to measure")
     if "collectives" in result:
-        console.print(f"under torch.distributed: CPU AdamW and host bandwidth measured by rank 0 alone (the other ranks "
-                      f"idle), with {result['cpu_adam_threads']} threads (torchrun sets OMP_NUM_THREADS=1 unless it is "
-                      "set: a rank's engine gets the same)")
+        console.print(f"under torch.distributed: CPU AdamW and host bandwidth measured by rank 0 alone (the other "
+                      f"ranks idle), with {result['cpu_adam_threads']} threads (torchrun sets OMP_NUM_THREADS=1 "
+                      "unless it is set: a rank's engine gets the same)")
         _render_collectives(result["collectives"], console)
 
 

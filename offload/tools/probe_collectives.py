@@ -7,9 +7,10 @@ calls it first): for each size (64 KiB ... 256 MiB by default, the largest dropp
 memory; every rank keeps the sizes every rank can hold, agreed by an all-reduce MIN), each kind
 (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``; the ``*_single`` names where torch
 has them, as the runtime calls them) is called once untimed, then ``repeat`` times, each after a barrier
-(an all-reduce of one element on the same side, so that both sides time alike). Each rank times its own call (``perf_counter`` around it, after a device synchronise on CUDA);
-what a collective costs is the slowest rank's time, so the samples are all-reduced with MAX over the ranks,
-sample by sample, and the median over the repeats is kept. Two sides are timed, each where the group has one:
+(an all-reduce of one element on the same side, so that both sides time alike). Each rank times its own
+call (``perf_counter`` around it, after a device synchronise on CUDA); what a collective costs is the
+slowest rank's time, so the samples are all-reduced with MAX over the ranks, sample by sample, and the
+median over the repeats is kept. Two sides are timed, each where the group has one:
 
 * ``nccl``: CUDA tensors, where the group's CUDA backend is NCCL (``backend="nccl"`` or
   ``"cpu:gloo,cuda:nccl"``), what the runtime's device reduce-scatter and weight gather use;
@@ -25,10 +26,10 @@ was fitted to: the honest width of the model on this machine. The buffers are fl
 cost CPU time per element, so a bfloat16 reduction of the same bytes can differ).
 
 Every rank must call it (it issues collectives); a rank that does not, or dies, makes the others raise
-:class:`DistributedError` after at most the group's ``timeout`` (gloo sees a death at once, a hang at the
-timeout), never hang for ever. The measurements describe the group they ran on: ``p`` ranks on ``nodes``
-nodes (``nodes`` from torchrun's ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` where set, else unknown). A fit made on
-one node is an intra-node link; :func:`measured_links` turns it into the :class:`Link` that ``offload report``
+:class:`DistributedError` after at most the group's ``timeout`` (a peer that dies mid-collective may be
+seen at once; one that never joins, or hangs, at the timeout: tested, 10 s), never hang for ever. The
+measurements describe the group they ran on: ``p`` ranks on ``nodes`` nodes (``nodes`` from torchrun's
+``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` where set, else unknown). A fit made on one node is an intra-node link; :func:`measured_links` turns it into the :class:`Link` that ``offload report``
 uses, and another world size is then an extrapolation in the ring model.
 """
 
@@ -239,7 +240,8 @@ def _measure_side(side: _Side, sizes: Sequence[int], repeat: int, progress: Call
         progress(f"{side.backend} collectives, {format_bytes(n)}")
         for i, kind in enumerate(KINDS):
             samples[i, j] = torch.tensor(side.time(kind, n, repeat), dtype=torch.float64)
-    slowest = side.agree(samples, dist.ReduceOp.MAX, "exchange of the timings")  # the slowest rank's time, sample by sample
+    # the slowest rank's time, sample by sample
+    slowest = side.agree(samples, dist.ReduceOp.MAX, "exchange of the timings")
     points: dict[str, list[tuple[float, float, float]]] = {}
     for i, kind in enumerate(KINDS):
         secs = [statistics.median(slowest[i, j].tolist()) for j in range(len(kept))]
