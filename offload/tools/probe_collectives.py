@@ -29,8 +29,9 @@ Every rank must call it (it issues collectives); a rank that does not, or dies, 
 :class:`DistributedError` after at most the group's ``timeout`` (a peer that dies mid-collective may be
 seen at once; one that never joins, or hangs, at the timeout: tested, 10 s), never hang for ever. The
 measurements describe the group they ran on: ``p`` ranks on ``nodes`` nodes (``nodes`` from torchrun's
-``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` where set, else unknown). A fit made on one node is an intra-node link; :func:`measured_links` turns it into the :class:`Link` that ``offload report``
-uses, and another world size is then an extrapolation in the ring model.
+``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` where set, else unknown). A fit made on one node is an intra-node
+link; :func:`measured_links` turns it into the :class:`Link` that ``offload report`` uses, and another
+world size is then an extrapolation in the ring model.
 """
 
 from __future__ import annotations
