@@ -85,10 +85,21 @@ def _rank(rank: int, world: int, init: str, out: str, what: str) -> None:
         started = time.monotonic()
         if what == "missing" and rank == 1:
             os._exit(3)  # a rank that never takes part
+        from offload.tools import probe_collectives
+        if what == "dies" and rank == 1:  # dies in its first timed all-reduce of 256 KiB
+            timed = probe_collectives._Side.time
+
+            def time_or_die(self, kind, nbytes, repeat):
+                if (kind, nbytes) == ("all_reduce", 256 << 10):
+                    os._exit(3)
+                return timed(self, kind, nbytes, repeat)
+            probe_collectives._Side.time = time_or_die
+        if what == "capped" and rank == 1:  # this rank has room for buffers of 300 KiB only
+            probe_collectives._Side.free_bytes = lambda self: 2 * probe_collectives._PEAK_BUFFERS * (300 << 10)
         if what == "probe" and rank == 1:  # the CLI's other ranks: the collectives, then return
             result["entry"] = probe(collective_sizes=SIZES)
         else:
-            result["entry"] = measure_collectives(sizes=SIZES, repeat=5 if what != "missing" else 2)
+            result["entry"] = measure_collectives(sizes=SIZES, repeat=5 if what not in ("missing", "dies") else 2)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(e).__name__}: {e}"
         result["error_after_s"] = time.monotonic() - started if "started" in locals() else None
@@ -159,6 +170,21 @@ def test_a_rank_that_does_not_take_part_fails_the_others_within_the_timeout(tmp_
     assert r0["error_after_s"] < 10 + 5  # the group's timeout bounds it
 
 
+def test_a_rank_that_dies_midway_fails_the_other_and_says_where(tmp_path):
+    r0, r1 = _spawn(2, tmp_path, "dies")
+    assert r1.get("exitcode") == 3
+    assert r0["error"].startswith("DistributedError: offload probe: rank 0's gloo")
+    assert "256.00 KiB" in r0["error"] and r0["error_after_s"] < 10 + 5
+
+
+def test_every_rank_keeps_the_sizes_every_rank_has_the_memory_for(tmp_path):
+    r0, r1 = _spawn(2, tmp_path, "capped")
+    assert "error" not in r0 and "error" not in r1, (r0.get("traceback"), r1.get("traceback"))
+    g0, g1 = (r["entry"]["backends"]["gloo"] for r in (r0, r1))
+    assert g0["sizes"] == g1["sizes"] == [64 << 10, 256 << 10]  # rank 0 had room for 1 MiB, rank 1 had not
+    assert g0["dropped_sizes"] == [1 << 20]
+
+
 def test_a_group_of_one_has_nothing_to_measure(tmp_path):
     (r0,) = _spawn(1, tmp_path, "measure")
     assert "error" not in r0, r0.get("traceback")
@@ -175,6 +201,18 @@ def test_without_a_group_the_probe_has_no_collectives_entry(monkeypatch):
     assert not torch.distributed.is_initialized()
     assert "collectives" not in probe_mod.probe()
     assert probe_mod.measure_collectives() is None
+
+
+def test_offload_probe_fails_loudly_when_the_collectives_fail(monkeypatch, capsys):
+    import offload.tools.probe
+    from offload.errors import DistributedError
+
+    def fail(**kwargs):
+        raise DistributedError("offload probe: rank 0's gloo all_gather of 64.00 KiB over 2 ranks failed: reset")
+    monkeypatch.setattr(offload.tools.probe, "probe", fail)
+    assert cli.main(["probe"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("offload probe: error: offload probe: rank 0's gloo") and "Traceback" not in err
 
 
 # -- offload report --hw probe.json -------------------------------------------------------------------------
