@@ -24,10 +24,57 @@ USAGE_ERROR = 2
 
 
 def _probe(args, console: Console) -> int:
+    from ..errors import DistributedError
     from .probe import probe
 
-    with console.status("probing") as status:
-        result = probe(progress=lambda msg: status.update(f"measuring {msg}"))
+    try:
+        group = _probe_group(args.timeout)
+    except ValueError as e:
+        print(f"offload probe: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        if rank != 0:  # [Note: probing the collectives]: every rank times them, rank 0 alone reports
+            probe()
+            return 0
+        with console.status("probing") as status:
+            result = probe(progress=lambda msg: status.update(f"measuring {msg}"))
+    except DistributedError as e:  # every rank says why it stopped: rank 0 may be the one that died
+        print(f"offload probe: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if group:
+            dist.destroy_process_group()
+    _render_probe(result, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _probe_group(timeout_s: float) -> bool:
+    """Under torchrun (``WORLD_SIZE`` above 1) with no group yet, join the default group (gloo on the host,
+    NCCL beside it on CUDA when every local rank has a GPU of its own, as NCCL needs) with ``timeout_s``; True
+    when this call made it."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if not timeout_s > 0:
+        raise ValueError(f"--timeout must be positive; got {timeout_s!r}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local
+    if cuda:  # pragma: no cover - needs CUDA
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def _render_probe(result: dict, console: Console) -> None:
     table = Table(title="offload probe")
     table.add_column("what")
     table.add_column("measured", justify="right")
@@ -50,11 +97,43 @@ def _probe(args, console: Console) -> int:
     if pcie is None:
         console.print("[yellow]PCIe was not measured (no CUDA device); the hardware model uses the pcie4 preset "
                       "link.[/yellow]")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        console.print(f"wrote {args.json}")
-    return 0
+    if "collectives" not in result and os.environ.get("WORLD_SIZE") == "1":
+        console.print("collectives: one rank (WORLD_SIZE=1), nothing to measure")
+    if "collectives" in result:
+        console.print(f"under torch.distributed: CPU AdamW and host bandwidth measured by rank 0 alone (the other "
+                      f"ranks idle), with {result['cpu_adam_threads']} threads (torchrun sets OMP_NUM_THREADS=1 "
+                      "unless it is set: a rank's engine gets the same)")
+        _render_collectives(result["collectives"], console)
+
+
+_KIND_NAMES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce"}
+
+
+def _render_collectives(coll: dict, console: Console) -> None:
+    """The collectives timed over the group ([Note: probing the collectives]) and the ring fits."""
+    nodes = coll["nodes"] if coll["nodes"] is not None else "unknown"
+    if coll.get("note"):
+        console.print(f"collectives: {coll['note']}")
+    for backend, side in coll["backends"].items():
+        t = Table(title=f"{backend} collectives over {coll['world_size']} ranks (nodes: {nodes}), {side['dtype']} "
+                        f"on {side['device']}: the slowest rank's time, median of {side['repeat']}")
+        t.add_column("buffer")
+        for kind in _KIND_NAMES.values():
+            t.add_column(kind, justify="right")
+        for j, n in enumerate(side["sizes"]):
+            t.add_row(format_bytes(n), *(f"{side['seconds'][k][j] * 1e3:.3f} ms" for k in _KIND_NAMES))
+        for key in (*_KIND_NAMES, "link"):
+            fit = side["fits"][key]
+            label = "ring fit, all three (the link)" if key == "link" else f"ring fit, {_KIND_NAMES[key]} only"
+            t.add_row(label, *(["not fitted: " + side["fit_errors"][key], "", ""] if fit is None else [
+                f"a = {fit['latency_s'] * 1e6:.1f} us", f"B = {fit['bytes_per_s'] / 1e9:.3g} GB/s",
+                f"max error {fit['max_rel_error']:.0%}"]))
+        console.print(t)
+        if side["dropped_sizes"]:
+            console.print(f"  {backend}: not timed for lack of memory: "
+                          + ", ".join(format_bytes(n) for n in side["dropped_sizes"]))
+    for backend, why in coll["not_measured"].items():
+        console.print(f"[yellow]{backend} collectives not measured: {why}[/yellow]")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needs matplotlib)")
     r.add_argument("--gpus", type=int, default=1, help="data parallel: GPUs in all, the budget per GPU (default 1)")
     r.add_argument("--nodes", type=int, default=1, help="data parallel: nodes the GPUs are spread over (default 1)")
-    r.add_argument("--intra", default="nvlink3", help="link inside a node for --gpus: nvlink3, nvlink4, pcie4-p2p, "
-                   "pcie5-p2p (nominal presets, offload/planning/collectives.py)")
+    r.add_argument("--intra", default=None, help="link inside a node for --gpus: nvlink3, nvlink4, pcie4-p2p, "
+                   "pcie5-p2p (nominal presets, offload/planning/collectives.py; default: the NCCL link measured by "
+                   "offload probe when --hw is its JSON with one, else nvlink3). Given, it wins over the measured link")
     r.add_argument("--inter", default="ib200", help="network between nodes for --nodes: eth100, ib200, ib400, ib8x400")
     r.add_argument("--micro-batches", type=int, default=1, help="data parallel: forward and backward passes per step "
                    "(gradient accumulation: the engine then runs overlap_optimizer=False; default 1)")
@@ -105,8 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "grads are reduce-scattered, as OffloadConfig.grad_reduce (default auto: on the device with "
                    "overlapped updates, as the engine does on CUDA)")
     r.set_defaults(run=_report)
-    p = sub.add_parser("probe", help="measure this machine: PCIe curve (CUDA), CPU AdamW, host bandwidth")
+    p = sub.add_parser("probe", help="measure this machine: PCIe curve (CUDA), CPU AdamW, host bandwidth; under "
+                       "torchrun the collectives over the ranks too",
+                       description="Measure this machine for the cost model. Under torchrun (torchrun "
+                       "--nproc-per-node N -m offload probe) every rank times all-gather, reduce-scatter and "
+                       "all-reduce over the group first (NCCL on CUDA, gloo on the host); rank 0 alone then "
+                       "measures the rest, prints and writes.")
     p.add_argument("--json", metavar="PATH", help="write the measurements (and a hardware model) as JSON")
+    p.add_argument("--timeout", type=float, default=300.0, help="under torchrun: seconds a collective waits for "
+                   "the other ranks before it fails (the group's timeout; default 300)")
     p.set_defaults(run=_probe)
     return ap
 
@@ -175,9 +262,7 @@ def _report(args, console: Console) -> int:
             report = make_report(request, progress=status.update if status is not None else lambda msg: None)
         dp = None
         if args.gpus > 1 or args.nodes > 1:  # issue 20: per-rank and per-node figures with the collectives
-            from .report_dp import data_parallel
-            dp = data_parallel(report, args.gpus, args.nodes, args.intra, args.inter, args.micro_batches,
-                               args.no_sync, args.grad_reduce, args.share_host_copy)
+            dp = _data_parallel(args, report)
     except ReportError as e:
         return _fail(str(e), USAGE_ERROR if e.usage else 1)
     if args.json:
@@ -187,6 +272,7 @@ def _report(args, console: Console) -> int:
         if dp:
             from .report_dp import render_data_parallel
             render_data_parallel(dp, console)
+            _render_link_origins(dp, console)
     if args.timeline or args.plot:
         status = _timeline(args, report)
         if status:
@@ -194,6 +280,41 @@ def _report(args, console: Console) -> int:
     if not report.fits or not report.host_fits:
         return _fail(_verdict(report), 1)
     return 0
+
+
+def _data_parallel(args, report) -> dict:
+    """``--gpus``: the data-parallel figures, on the links ``offload probe`` measured where ``--hw`` is its JSON
+    with a ``collectives`` entry (the NCCL fit as ``--intra`` unless ``--intra`` is given, the gloo fit as
+    gloo's intra-node link), else on the nominal presets."""
+    from .probe_collectives import link_origins, links_of_hw
+    from .report import ReportError
+    from .report_dp import data_parallel
+    try:
+        measured = links_of_hw(args.hw)
+    except ValueError as e:
+        raise ReportError(f"--hw: {e}", usage=True) from None
+    nccl = measured.nccl if measured is not None else None
+    gloo = measured.gloo if measured is not None else None
+    dp = data_parallel(report, args.gpus, args.nodes, args.intra or nccl or "nvlink3", args.inter,
+                       args.micro_batches, args.no_sync, args.grad_reduce, gloo_intra=gloo or "loopback",
+                       share_host_copy=args.share_host_copy)
+    if measured is not None:  # a JSON without collectives: the report as it was
+        dp.update(link_origins(dp["links"], measured, dp["gpus_per_node"], args.intra is not None))
+        if "measured by offload probe" in dp["link_origin"].values():
+            dp["simulated"] = ("cost model on the links of link_origin: fitted to offload probe's measurements "
+                               "where it says so, nominal presets otherwise")
+    return dp
+
+
+def _render_link_origins(dp: dict, console: Console) -> None:
+    if "link_origin" not in dp:
+        return
+    measured = [k for k, v in dp["link_origin"].items() if v != "nominal preset"]
+    nominal = [k for k, v in dp["link_origin"].items() if v == "nominal preset"]
+    console.print(f"  links measured by offload probe: {', '.join(measured) or 'none'}; nominal presets: "
+                  f"{', '.join(nominal) or 'none'}")
+    for note in dp["link_notes"]:
+        console.print(f"  [yellow]{note}[/yellow]")
 
 
 _ROWS = {"params": "params", "grads": "grads", "master_weights": "master weights (fp32)", "adam_m": "Adam m",

@@ -5,6 +5,8 @@ alone and both at once (which gives the duplex factor). Everywhere: the CPU Adam
 own update: the fused C++ kernel when it is built, else torch ops, on flat fp32 buffers writing a bf16 copy,
 as a bf16 engine's update does) and the host memory bandwidth. Without CUDA the PCIe figures
 are not measured: the hardware model written then carries the ``pcie4`` preset's link, and says so.
+Under torch.distributed (a group of two or more ranks), first the collectives over the group, on every rank
+(``offload/tools/probe_collectives.py``, [Note: probing the collectives]).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -21,6 +23,7 @@ from ..host.cpu_adam import KERNEL_AVAILABLE, adamw_step, kernel_info
 from ..optim import adamw_
 from ..planning.buckets import AUTO_LINK_FRACTION
 from ..planning.hw import PRESETS, PROBE_SIZES, HardwareModel
+from .probe_collectives import COLLECTIVE_SIZES, measure_collectives
 
 
 def _best_of(fn: Callable[[], None], repeat: int) -> float:
@@ -104,8 +107,19 @@ def pcie_curves(sizes=PROBE_SIZES, repeat: int = 5) -> dict:  # pragma: no cover
     return out
 
 
-def probe(progress: Callable[[str], None] = lambda msg: None) -> dict:
-    """Measure what this machine allows; return a JSON-ready dict with a ``hardware_model`` entry."""
+def probe(progress: Callable[[str], None] = lambda msg: None, group=None,
+          collective_sizes: Sequence[int] = COLLECTIVE_SIZES) -> dict:
+    """Measure what this machine allows; return a JSON-ready dict with a ``hardware_model`` entry.
+
+    When ``torch.distributed`` is initialised (and ``group`` is not False), this is **collective**: every rank
+    of ``group`` (default: the default group) must call it. All time the collectives first (the result's
+    ``collectives`` entry, [Note: probing the collectives]; a rank that does not take part makes the others
+    raise ``DistributedError`` within the group's timeout); then rank 0 alone measures the rest, while the
+    others return ``{"rank": r, "collectives": ...}`` at once (so that they do not load the machine rank 0
+    measures). Without a group the result has no ``collectives`` key."""
+    coll = measure_collectives(group, collective_sizes, progress=progress) if group is not False else None
+    if coll is not None and coll["rank"] != 0:
+        return {"rank": coll["rank"], "collectives": coll}
     result: dict = {"cuda": torch.cuda.is_available()}
     progress("CPU AdamW throughput")
     adam = cpu_adam_params_per_s()
@@ -133,6 +147,8 @@ def probe(progress: Callable[[str], None] = lambda msg: None) -> dict:
                         notes="no CUDA: PCIe NOT measured (pcie4 preset link); CPU AdamW and host bandwidth measured")
     result["hardware_model"] = model.to_dict()
     result["bucket_bytes_hint"] = suggested_bucket_bytes(model)
+    if coll is not None:
+        result["collectives"] = coll
     return result
 
 

@@ -38,8 +38,8 @@ from rich.table import Table
 
 from ..config import GRAD_REDUCE, format_bytes
 from ..errors import BudgetTooSmallError, ReportError
-from ..planning.collectives import GLOO_INTER_OF, cluster_of, gloo_cluster_of
 from ..host.node_copy import node_copy_layout
+from ..planning.collectives import GLOO_INTER_OF, Link, cluster_of, gloo_cluster_of
 from ..planning.data_parallel import build_rank_plan, host_bytes_per_node, host_bytes_per_rank, simulate_rank_plan
 from ..planning.data_parallel_runtime import simulate_runtime_deferred_plan, simulate_runtime_plan
 from ..host.shard import shard_layout, shard_of
@@ -76,8 +76,9 @@ def deferred_note(fp16: bool, micro_batches: int, no_sync: bool) -> str:
             "each rank's shard and all-gathers the 16-bit copy")
 
 
-def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str, micro_batches: int = 1,
-                  no_sync: bool = False, grad_reduce: str = "auto", share_host_copy: str = "auto") -> dict:
+def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inter: str | Link,
+                  micro_batches: int = 1, no_sync: bool = False, grad_reduce: str = "auto",
+                  gloo_intra: str | Link = "loopback", share_host_copy: str = "auto") -> dict:
     """The data-parallel figures of ``report``'s model and budget on ``gpus`` GPUs over ``nodes`` nodes, with
     ``micro_batches`` forward and backward passes per step (``no_sync``: all but the last inside
     ``engine.no_sync()``) and ``OffloadConfig.grad_reduce`` as the engine would run it on CUDA ("auto": on the
@@ -87,7 +88,7 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str, inter: str,
     check_accumulation(micro_batches, no_sync)
     try:
         cluster = cluster_of(gpus, nodes, intra, inter)
-        gloo = gloo_cluster_of(gpus, nodes, "loopback", GLOO_INTER_OF[cluster.inter.name])
+        gloo = gloo_cluster_of(gpus, nodes, gloo_intra, GLOO_INTER_OF[cluster.inter.name])
     except ValueError as e:
         raise ReportError(f"--gpus/--nodes/--intra/--inter: {e}", usage=True) from None
     r, plan = report.request, report.plan

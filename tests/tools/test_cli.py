@@ -16,6 +16,7 @@ def test_probe_without_cuda_says_pcie_was_not_measured(tmp_path):
     assert "CPU AdamW" in r.stdout
     data = json.loads(out.read_text())
     assert data["cpu_adam_params_per_s"] > 0 and data["host_bytes_per_s"] > 0
+    assert "collectives" not in data  # no process group: nothing about collectives (issue 20)
     from offload.host.cpu_adam import KERNEL_AVAILABLE
     assert data["cpu_adam_impl"].startswith("fused C++") == KERNEL_AVAILABLE  # the engine's own update
     if not data["cuda"]:
