@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                             "device_gather_busy_s": getattr(dp, "device_gather_busy_s", None) if dp else None,
                             "compute_s": dp.sim.compute_s if dp else None,
                             "h2d_busy_s": dp.sim.h2d_busy_s if dp else None,
-                            "d2h_busy_s": dp.sim.d2h_busy_s if dp else None})
+                            "d2h_busy_s": dp.sim.d2h_busy_s if dp else None,
+                            # the runtime's node: G ranks each copying whole buckets both ways (not charged
+                            # against host memory bandwidth: [Note: the runtime's data-parallel step])
+                            "node_host_copy_bytes": getattr(dp, "node_host_copy_bytes", None) if dp else None})
                     run, ours, zo = cells["runtime"], cells["greedy"], cells["zero-offload"]
                     rdp = res["runtime"].dp
                     table.add_row(

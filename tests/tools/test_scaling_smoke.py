@@ -77,6 +77,8 @@ def test_the_runtime_path_beside_the_design(result):
         assert r["host_bytes_per_rank"] == runtime_host_bytes_per_rank(buckets, scaling.ITEMSIZE, r["gpus"], False,
                                                                        landing=False)  # grads reduced on the device
         assert r["host_bytes_per_node"] == r["gpus_per_node"] * r["host_bytes_per_rank"]
+        assert r["node_host_copy_bytes"] is None or r["node_host_copy_bytes"] >= r["gpus_per_node"] * r[
+            "h2d_bytes_per_rank"] > 0
         assert r["fits"] == d["fits"]
         if not r["fits"]:
             continue
