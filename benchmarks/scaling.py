@@ -3,15 +3,17 @@ nodes), on two data paths side by side, against DeepSpeed ZeRO-Offload's data-pa
 per-GPU budgets, on traces of real model shapes built on the meta device (no weights, no GPU).
 
 * ``runtime`` (first: it is what the code runs): ``offload/planning/data_parallel_runtime.py`` ([Note: the
-  runtime's data-parallel step]): each rank's single-GPU plan, what runs on CUDA (``grad_reduce="auto"``):
-  each bucket's grads reduce-scattered on the device over NCCL's link presets and this rank's 1/N shard copied
-  to the host ([Note: the runtime's device reduce-scatter]), then on the rank's CPU lane the shard's AdamW and
-  gloo's all-gather of the updated 16-bit shards ([Note: gloo's collectives]) on gloo's NOMINAL link presets;
-  whole buckets are copied to the device.
+  runtime's data-parallel step]): each rank's single-GPU plan, what runs on CUDA (``grad_reduce="auto"``,
+  [Note: the runtime's device reduce-scatter]): each bucket's grads reduce-scattered on the device over
+  NCCL's link presets and this rank's 1/N shard copied to the host, the shard's AdamW on the rank's CPU lane,
+  then the updated shard copied to the device, all-gathered there (NCCL) and the gathered bytes copied back
+  to the rank's whole host copy; whole buckets are copied to the device. Each rank's plan has its grad slots
+  padded to the shards and the weights' two gather buffers out of its budget (as the engine plans it); gloo
+  (NOMINAL presets, [Note: gloo's collectives]) runs only ``step()``'s check.
 * ``design``: ``offload/planning/data_parallel.py`` ([Note: the data-parallel step]): what issue 20 asks
   the runtime to become (NCCL reduce-scatter of the grad slot on the device, a shard copied, an all-gather
-  on the device before use), on NCCL's link presets. The runtime runs its grads half on CUDA (above), not
-  its weights half (shards to the device, all-gathered there) nor its rank plan.
+  on the device before each use, from a 1/N shard), on NCCL's link presets. The runtime gathers after the
+  update instead, and copies whole buckets to the device.
 
 Everything here is a cost model (``offload/planning/collectives.py``: [Note: the alpha-beta ring model],
 [Note: gloo's collectives]), not a measurement: the host presets (``pcie4``, ``pcie5``:
@@ -24,7 +26,8 @@ Weak scaling: every rank runs the traced micro-batch (``batch x seq`` tokens), s
 seq / step`` and the scaling efficiency is ``tokens/s at N / (N x tokens/s at 1) = step at 1 / step at N``.
 
 Host bytes: the runtime path's rows give the runtime's arena (``report_dp.runtime_host_bytes_per_rank``:
-the whole 16-bit copy and landing grad on every rank), the design's rows the design's.
+the whole 16-bit copy on every rank, no landing grad: grads are reduced on the device), the design's rows the
+design's.
 
 Budgets (per GPU): ``zero-offload``: the smallest that holds ZeRO-Offload's rule (every 16-bit parameter on
 the device, the grad slots, activations), so both policies fit; and the step's non-parameter memory plus 25 %
@@ -70,12 +73,15 @@ SHORT = {"zero-offload": "ZO-min"}  # the table's name of a budget
 GLOO_INTRA_PRESET = "loopback"
 RUNS = "runtime"  # the path the code runs today
 PATHS = {
-    "runtime": "what the code runs today on CUDA: grads reduce-scattered on the device (NCCL), a 1/N shard "
-               "copied to the host, the shard's AdamW and a gloo all-gather of the updated shards on each rank's "
-               "CPU lane, whole buckets copied to the device (offload/planning/data_parallel_runtime.py)",
-    "design": "what issue 20 designs, NOT what runs (only its grads half runs): device NCCL reduce-scatter, "
-              "a 1/N shard copied, device all-gather before use (offload/planning/data_parallel.py); "
-              "zero-offload rows use this model's NCCL collectives too"}
+    "runtime": "what the code runs on CUDA (grad_reduce=\"device\"): grads reduce-scattered on the device "
+               "(NCCL), a 1/N shard copied to the host and updated by the shard's AdamW on each rank's CPU lane, "
+               "the updated shard copied back to the device, all-gathered there (NCCL, two gather buffers in "
+               "turn) and the gathered bytes copied to the rank's whole host copy; whole buckets copied to the "
+               "device as on one GPU; planned with the grad slots padded and the gather buffers out of the budget "
+               "(offload/planning/data_parallel_runtime.py, [Note: the runtime's device reduce-scatter])",
+    "design": "what issue 20 designs, NOT what runs: device NCCL reduce-scatter, a 1/N shard copied, the "
+              "weights all-gathered on the device at each fetch from a 1/N shard (offload/planning/"
+              "data_parallel.py); zero-offload rows use this model's NCCL collectives too"}
 
 
 def parse_case(spec: str) -> tuple[str, int, int]:
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for col in ("model", "hw", "budget/GPU", "GPUs", "links (design; runtime: gloo)", "runtime step s",
                 "runtime tok/s", "runtime eff", "design step s", "design tok/s", "design eff", "ZeRO-Off step s",
                 "ZeRO-Off eff", "design / ZeRO-Off", "host/node runtime", "host/node design",
-                "runtime CPU-lane coll s"):
+                "runtime dev coll s", "runtime D2H s"):
         table.add_column(col, justify="left" if col in ("model", "hw") or col.startswith("links") else "right")
     for spec in args.models.split(","):
         name, batch, seq = parse_case(spec)
@@ -179,7 +185,14 @@ def main(argv: list[str] | None = None) -> int:
                             "cpu_adam_s": dp.sim.adam_s if dp else None,
                             "all_gather_busy_s": dp.all_gather_busy_s if dp else None,
                             "reduce_scatter_busy_s": dp.reduce_scatter_busy_s if dp else None,
-                            "device_reduce_busy_s": getattr(dp, "device_reduce_busy_s", None) if dp else None})
+                            "device_reduce_busy_s": getattr(dp, "device_reduce_busy_s", None) if dp else None,
+                            "device_gather_busy_s": getattr(dp, "device_gather_busy_s", None) if dp else None,
+                            "compute_s": dp.sim.compute_s if dp else None,
+                            "h2d_busy_s": dp.sim.h2d_busy_s if dp else None,
+                            "d2h_busy_s": dp.sim.d2h_busy_s if dp else None,
+                            # the runtime's node: G ranks each copying whole buckets both ways (not charged
+                            # against host memory bandwidth: [Note: the runtime's data-parallel step])
+                            "node_host_copy_bytes": getattr(dp, "node_host_copy_bytes", None) if dp else None})
                     run, ours, zo = cells["runtime"], cells["greedy"], cells["zero-offload"]
                     rdp = res["runtime"].dp
                     table.add_row(
@@ -190,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{zo[0] / ours[0]:.2f}x" if ours[0] and zo[0] else "-",
                         format_bytes(cluster.gpus_per_node * host_rank["runtime"]),
                         format_bytes(cluster.gpus_per_node * host_rank["design"]),
-                        f"{rdp.reduce_scatter_busy_s + rdp.all_gather_busy_s:.3f}" if rdp else "-")
+                        f"{rdp.device_reduce_busy_s + rdp.device_gather_busy_s:.3f}" if rdp else "-",
+                        f"{rdp.sim.d2h_busy_s:.3f}" if rdp else "-")
                 out["goals"].extend(_goals(out["rows"], label, hw_name, budget_name))
     console.print(table)
     console.print(f"The code runs the [bold]{RUNS}[/] path: {PATHS[RUNS]}. The design path: {PATHS['design']}.")

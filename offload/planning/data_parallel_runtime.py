@@ -1,8 +1,9 @@
-"""The data path the runtime runs today, as a cost model (pure, issue 20): one rank's step when every
-collective runs on the host, through gloo, on the rank's CPU lane (``offload/runtime/distributed.py``,
-``offload/host/shard.py``). The design the issue asks the runtime to become is the other model,
-``data_parallel.py`` ([Note: the data-parallel step]); this one is ``path="runtime"``, that one
-``path="design"``.
+"""The data path the runtime runs, as a cost model (pure, issue 20): one rank's step when every collective
+runs on the host, through gloo, on the rank's CPU lane (``offload/runtime/distributed.py``,
+``offload/host/shard.py``), or, with ``grad_reduce="device"``, when the grads' reduce-scatters and the
+weights' all-gathers run on the device ([Note: the runtime's device reduce-scatter]). The design the issue
+asks the runtime to become is the other model, ``data_parallel.py`` ([Note: the data-parallel step]); this
+one is ``path="runtime"``, that one ``path="design"``.
 
 [Note: the runtime's data-parallel step]
 Every rank runs the single-GPU plan (the runtime plans each rank as one GPU: ``Executor._build``), on its own
@@ -47,21 +48,46 @@ path is the next note's (:func:`simulate_runtime_deferred`).
 [Note: the runtime's device reduce-scatter]
 With ``grad_reduce="device"`` (the runtime's default on CUDA with overlapped updates: [Note: grads reduced on
 the device] in ``runtime/device_collectives.py``), :func:`simulate_runtime_path` given ``device`` (the NCCL
-cluster, ``collectives.cluster_of``) runs, per bucket of ``S`` grad bytes, at the single-GPU plan's grad-copy
-point instead of the whole bucket's copy:
+cluster, ``collectives.cluster_of``) runs both halves on the device. Per bucket of ``S`` grad bytes (the
+device dtype's trainable prefix; the padded slot where the plan's buckets are padded to their shards, as the
+engine plans them), at the single-GPU plan's grad-copy point instead of the whole bucket's copy:
 
-1. the reduce-scatter of the padded slot on the device, on its own collective lane, in grad order, after the
-   grads are final (``collectives.reduce_scatter_seconds`` of ``S`` on the NCCL links);
-2. the device-to-host copy of this rank's shard only (``S / N`` bytes, the shard padding left out as above),
-   on the device-to-host lane after it; the grad slot's reuse waits for this copy (the plan's grad waits);
-3. on the CPU lane, once the shard landed: the shard's AdamW (as above) and the gloo all-gather of the updated
-   shards with its copies (as above); no gloo reduce-scatter, no check on the lane.
+1. the reduce-scatter of the slot on the device, on the collective lane, after the grads are final
+   (``collectives.reduce_scatter_seconds`` of ``S`` on the NCCL links);
+2. the device-to-host copy of this rank's shard only (``S / N`` bytes), on the device-to-host lane after it;
+   the grad slot's reuse waits for this copy (the plan's grad waits);
+3. on the CPU lane, once the shard landed: the shard's AdamW (as above), and nothing else: no gloo
+   collective, no check, no copy of a gather on the lane.
 
-Host-to-device copies, the next use's wait for the all-gather and ``step()``'s check are the overlapped path's.
+Then the weights' half ([Note: weights gathered on the device] in ``runtime/device_collectives.py``), issued
+by the CPU lane when that AdamW ends, bucket after bucket in the lane's order (the same on every rank):
+
+4. the host-to-device copy of this rank's updated shard (``S / N``) on the host-to-device lane into its chunk
+   of gather buffer ``r mod WEIGHT_GATHER_BUFFERS`` (``r``: the bucket's turn in the lane's order), after the
+   copy back of that buffer's previous use;
+5. the all-gather in place in that buffer, on the collective lane, after that copy
+   (``collectives.all_gather_seconds`` of ``S``: intra-node, and inter-node where the cluster has nodes);
+6. the device-to-host copy of the gathered ``S`` bytes into the rank's whole host copy, on the
+   device-to-host lane, after it. The bucket's next host-to-device copy (a later one in this step, or the
+   next step's) waits for it, as a copy waits for the update's event on the host path.
+
+Every lane is one queue in issue order, as a CUDA stream is: the weights' three pieces are queued when the
+AdamW ends, behind what the main thread issued before (prefetches, reduce-scatters, grads' shards) and ahead
+of what it issues after, and a piece waiting at the head of its lane (for its buffer, its copy, its gather)
+holds the lane's later work behind it. The reduce-scatters and the all-gathers share the one collective lane.
+``step()``'s check runs once the CPU lane drained (the pieces issued); the step ends when every lane is idle.
+The plan a rank runs is planned with the gather buffers (:func:`weight_gather_bytes`) as fixed bytes and the
+grad slots padded to their shards (``tools.baselines_dp.device_reduce_plan_inputs``, what the engine does).
+
 Simplifications (stated), beyond the first note's: the per-bucket check runs on the main thread's host side
 (a gloo all-gather of 4 int64 before the reduce-scatter is issued) and is not charged (on CUDA the host runs
 ahead of the device); NCCL's kernels take no SMs from compute and its NVLink or network traffic does not
-share the PCIe link with the copies; the device-to-host lane keeps the single-GPU plan's duplex factor.
+share the PCIe link with the copies (the PCIe peer-to-peer presets' ``shares_host_link`` is not applied
+here); the copy lanes keep the single-GPU plan's duplex factor; the copy back of step 6 is of the padded
+slot (at most ``SHARD_ALIGN x N`` elements more than the prefix); a plan copy of a bucket whose weights'
+pieces are not issued yet is queued once they are (the main thread waits for the update), so lane work the
+main thread issues in between is queued behind it; ``copy_credit`` counts the plan's copies only (the
+shards' copies hold the lane but take no credit).
 
 [Note: the runtime's deferred data-parallel step]
 With deferred updates (``overlap_optimizer=False``: gradient accumulation, clipping, float16) the runtime
@@ -108,12 +134,14 @@ micro-batch's stalls on the last micro-batch's copy durations.
 
 from __future__ import annotations
 
+import collections
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from .buckets import Bucket
-from .collectives import (Cluster, gloo_all_gather_seconds, gloo_all_reduce_seconds, gloo_reduce_scatter_seconds,
-                          reduce_scatter_seconds)
+from .collectives import (Cluster, all_gather_seconds, gloo_all_gather_seconds, gloo_all_reduce_seconds,
+                          gloo_reduce_scatter_seconds, reduce_scatter_seconds)
 from .data_parallel import shard
 from .greedy import compute_times
 from .hw import HardwareModel
@@ -163,10 +191,11 @@ class RuntimePathResult:
     all_reduce_busy_s: float = 0.0  # the ends of synced backward passes: all-reduces, divisions, norms' reads
     all_reduce_bytes: int = 0  # bytes of the fp32 sums all-reduced, over the step
     accumulate_busy_s: float = 0.0  # the CPU lane widening or adding each backward's grads into the sums
-    # [Note: the runtime's device reduce-scatter]: the collective lane busy in device reduce-scatters (then
-    # reduce_scatter_busy_s, the CPU lane's, is 0)
+    # [Note: the runtime's device reduce-scatter]: the collective lane busy in the grads' reduce-scatters and
+    # in the weights' all-gathers (then reduce_scatter_busy_s and all_gather_busy_s, the CPU lane's, are 0)
     grad_reduce: str = "host"
     device_reduce_busy_s: float = 0.0
+    device_gather_busy_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -186,8 +215,10 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     ``(lane, index, start, end)`` as :func:`~offload.planning.simulate.simulate_reference`'s does; on the
     CPU lane each bucket's work is recorded as ``"reduce_scatter"`` (its check included), ``"adam"`` and
     ``"all_gather"``, and the step's last check as ``("check", -1, ...)``. ``device``: the grads are
-    reduce-scattered on the device over that cluster's (NCCL) links ([Note: the runtime's device
-    reduce-scatter]; recorded as ``"device_reduce_scatter"``, the shard's copy as ``"d2h"``)."""
+    reduce-scattered and the weights all-gathered on the device over that cluster's (NCCL) links ([Note: the
+    runtime's device reduce-scatter]; recorded per grad copy as ``"device_reduce_scatter"``, the grads' shard
+    copy ``"d2h"``, ``"adam"``, the weights' shard copy ``"h2d_shard"``, ``"device_all_gather"`` and the
+    gathered copy back ``"d2h_gathered"``)."""
     _refuse_unmodelled(program)
     on_device = device is not None and cluster.world > 1
     if device is not None and device.world != cluster.world:
@@ -195,14 +226,18 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     lanes = (_DeviceReduceLanes(program, hw, cluster, record, device) if on_device and device is not None
              else _RuntimeLanes(program, hw, cluster, record))
     compute_end = lanes.run(program.compute_s)
-    d2h = lanes.d2h_total if isinstance(lanes, _DeviceReduceLanes) else sum(program.d2h_bytes)
-    sim = lanes.result(lanes.step_end(compute_end), add_up(program.compute_s), sum(program.h2d_bytes), d2h)
+    step = lanes.step_end(compute_end)
+    dev = lanes if isinstance(lanes, _DeviceReduceLanes) else None
+    d2h = dev.d2h_total if dev is not None else sum(program.d2h_bytes)
+    h2d = sum(program.h2d_bytes) + (dev.h2d_extra if dev is not None else 0)
+    sim = lanes.result(step, add_up(program.compute_s), h2d, d2h)
     many = cluster.world > 1
     return RuntimePathResult(
         sim, cluster.world, lanes.rs_busy, lanes.ag_busy, lanes.check_busy,
         sum(program.d2h_bytes) if many else 0, sum(program.d2h_bytes) if many else 0,
-        cluster.gpus_per_node * (sum(program.h2d_bytes) + d2h), grad_reduce="device" if on_device else "host",
-        device_reduce_busy_s=lanes.coll_busy if isinstance(lanes, _DeviceReduceLanes) else 0.0)
+        cluster.gpus_per_node * (h2d + d2h), grad_reduce="device" if on_device else "host",
+        device_reduce_busy_s=dev.coll_busy if dev is not None else 0.0,
+        device_gather_busy_s=dev.gather_busy if dev is not None else 0.0)
 
 
 def simulate_runtime_plan(plan: Plan, hw: HardwareModel, cluster: Cluster,
@@ -342,18 +377,34 @@ class _RuntimeLanes(Lanes):
 
 
 class _DeviceReduceLanes(_RuntimeLanes):
-    """[Note: the runtime's device reduce-scatter]: each bucket's grads reduce-scattered on a collective lane,
-    this rank's shard copied to the host after it, then the shard's AdamW and the all-gather on the CPU lane."""
+    """[Note: the runtime's device reduce-scatter]: each bucket's grads reduce-scattered on the collective lane,
+    this rank's shard copied to the host after it and updated on the CPU lane; then its weights' pieces (the
+    shard to the device, the all-gather, the gathered copy back), queued in the lanes' issue order."""
 
     def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
                  device: Cluster):
         super().__init__(program, hw, cluster, record)
         self.dev_rs_s = [reduce_scatter_seconds(s, device) for s in program.d2h_bytes]
+        self.dev_ag_s = [all_gather_seconds(s, device) for s in program.d2h_bytes]
         self.shard_bytes = [shard(s, cluster.world) for s in program.d2h_bytes]
-        self.coll_free = self.coll_busy = 0.0
-        self.d2h_total = 0
+        self.coll_free = self.coll_busy = self.gather_busy = 0.0
+        self.d2h_total = self.h2d_extra = 0
+        # the weights' pieces the CPU lane issues when each AdamW ends, not yet queued on the lanes (the
+        # compute lane's clock has not reached them): (grad copy, when issued), in issue order
+        self.pending: collections.deque[tuple[int, float]] = collections.deque()
+        self.pending_of: dict[int, float] = {}  # bucket -> when its latest pending pieces are issued
+        self.buffer_free = [0.0] * WEIGHT_GATHER_BUFFERS  # per gather buffer: when its last copy back is done
+        self.turn = 0
+
+    def issue_h2d(self, k: int, now: float) -> None:
+        issued = self.pending_of.get(self.program.h2d_bucket[k])
+        if issued is not None and issued > now:  # its weights are not back: queued once their pieces are
+            now = issued
+        self.flush(now)
+        super().issue_h2d(k, now)  # waits for the gathered copy back (gathered_at)
 
     def issue_d2h(self, k: int, now: float) -> None:
+        self.flush(now)
         rs_start = max(now, self.coll_free)
         self.coll_free = rs_start + self.dev_rs_s[k]
         self.coll_busy += self.dev_rs_s[k]
@@ -363,13 +414,46 @@ class _DeviceReduceLanes(_RuntimeLanes):
         adam = self.cpu.adam_seconds(self.adam_numel[k])
         self.adam_total += adam
         begin = max(self.cpu_free, self.d2h_free)
-        self.cpu_free = begin + adam + self.ag_s[k]
-        self.ag_busy += self.ag_s[k]
-        self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
+        self.cpu_free = begin + adam
+        self.pending.append((k, self.cpu_free))
+        self.pending_of[self.program.d2h_bucket[k]] = self.cpu_free
         if self.record is not None:
             self.record.extend([("device_reduce_scatter", k, rs_start, self.coll_free),
-                                ("d2h", k, start, self.d2h_free), ("adam", k, begin, begin + adam),
-                                ("all_gather", k, begin + adam, self.cpu_free)])
+                                ("d2h", k, start, self.d2h_free), ("adam", k, begin, self.cpu_free)])
+
+    def flush(self, now: float) -> None:
+        """Queue the weights' pieces issued by ``now``, in their order."""
+        while self.pending and self.pending[0][1] <= now:
+            self.weights_back(*self.pending.popleft())
+
+    def weights_back(self, k: int, issued: float) -> None:
+        """Grad copy ``k``'s bucket: its updated shard to the device, the all-gather, the gathered copy back."""
+        buffer = self.turn % WEIGHT_GATHER_BUFFERS
+        self.turn += 1
+        start = max(issued, self.h2d_free, self.buffer_free[buffer])  # the buffer's previous copy back is done
+        solo = self.hw.h2d_seconds(self.shard_bytes[k])
+        dur = solo / self.duplex if self.d2h_free > start else solo
+        self.h2d_free = start + dur
+        self.h2d_busy += dur
+        self.h2d_extra += self.shard_bytes[k]
+        ag_start = max(self.h2d_free, self.coll_free)
+        self.coll_free = ag_start + self.dev_ag_s[k]
+        self.gather_busy += self.dev_ag_s[k]
+        back = self.to_host(self.program.d2h_bytes[k], self.coll_free)
+        self.d2h_total += self.program.d2h_bytes[k]
+        self.buffer_free[buffer] = self.d2h_free
+        b = self.program.d2h_bucket[k]
+        self.gathered_at[b] = self.d2h_free
+        if self.pending_of.get(b) == issued:
+            del self.pending_of[b]
+        if self.record is not None:
+            self.record.extend([("h2d_shard", k, start, self.h2d_free),
+                                ("device_all_gather", k, ag_start, self.coll_free),
+                                ("d2h_gathered", k, back, self.d2h_free)])
+
+    def step_end(self, compute_end: float) -> float:
+        self.flush(math.inf)
+        return super().step_end(compute_end)
 
     def idle_at(self, compute_end: float) -> float:
         return max(super().idle_at(compute_end), self.coll_free)

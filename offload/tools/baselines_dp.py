@@ -17,21 +17,26 @@ against DeepSpeed ZeRO-Offload's data-parallel rule on the same trace, buckets, 
   as one GPU), gloo's collectives and the shard's AdamW one after the other on the CPU lane. Give it a
   cluster with gloo's links (``collectives.gloo_cluster_of``), and the NCCL cluster as ``device`` for what
   runs on CUDA ([Note: the runtime's device reduce-scatter]: grads reduce-scattered on the device, a 1/N
-  shard copied); without it, whole buckets are copied and reduce-scattered by gloo (the CPU backend's path).
+  shard copied, the updated shards all-gathered on the device; planned with the grad slots padded and the
+  gather buffers out of the budget); without it, whole buckets are copied and reduce-scattered by gloo (the
+  CPU backend's path).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..errors import BudgetTooSmallError
+from ..planning.buckets import Bucket
 from ..planning.collectives import Cluster
 from ..planning.data_parallel import DataParallelResult, build_rank_plan, simulate_data_parallel, simulate_rank_plan
-from ..planning.data_parallel_runtime import RuntimePathResult, simulate_runtime_plan
+from ..planning.data_parallel_runtime import RuntimePathResult, simulate_runtime_plan, weight_gather_bytes
 from ..planning.greedy import Greedy
 from ..planning.schedule import build_plan
 from ..planning.simulate import Program
+from ..runtime.device_collectives import pad_buckets
 from .baselines import Case, zero_offload
 
 
@@ -73,13 +78,27 @@ def greedy_data_parallel(case: Case, cluster: Cluster) -> RankResult:
     return RankResult("greedy", simulate_rank_plan(plan, case.hw, cluster, case.compute_s), plan.peak_bytes, True)
 
 
+def device_reduce_plan_inputs(buckets: Sequence[Bucket], itemsize: int, world: int,
+                              fixed_bytes: int) -> tuple[tuple[Bucket, ...], int]:
+    """The buckets and fixed bytes the engine plans a rank of ``world`` with where grads are reduced and
+    weights gathered on the device ([Note: the runtime's device reduce-scatter]): each grad slot padded to its
+    shards (the runtime's own ``pad_buckets``), and the weights' gather buffers (:func:`weight_gather_bytes`,
+    device memory outside the arena) counted beside ``fixed_bytes``."""
+    padded = pad_buckets(buckets, world)
+    return padded, fixed_bytes + weight_gather_bytes(padded, itemsize)
+
+
 def runtime_data_parallel(case: Case, gloo: Cluster, device: Cluster | None = None) -> RankResult:
-    """The runtime's path on ``gloo`` (a cluster with gloo's links), grads reduced on ``device`` if given:
-    the single-GPU plan within the rank's budget, as ``Executor._build`` makes it, simulated by
-    :func:`simulate_runtime_plan`."""
+    """The runtime's path on ``gloo`` (a cluster with gloo's links), grads reduced and weights gathered on
+    ``device`` if given: the single-GPU plan within the rank's budget, as ``Executor._build`` makes it (on the
+    device path with the grad slots padded and the gather buffers out of the budget:
+    :func:`device_reduce_plan_inputs`), simulated by :func:`simulate_runtime_plan`."""
+    buckets, fixed = case.buckets, case.fixed_bytes
+    if device is not None and device.world > 1:
+        buckets, fixed = device_reduce_plan_inputs(buckets, case.itemsize, device.world, fixed)
     try:
-        plan = build_plan(case.trace, case.buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
-                          fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s)
+        plan = build_plan(case.trace, buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
+                          fixed_bytes=fixed, hw=case.hw, compute_s=case.compute_s)
     except BudgetTooSmallError as e:
         return RankResult("runtime", None, e.min_budget_bytes, False)
     return RankResult("runtime", simulate_runtime_plan(plan, case.hw, gloo, case.compute_s, device), plan.peak_bytes,

@@ -6,14 +6,19 @@ nominal link presets, labelled so.
 Two data paths, the flat keys for the one the code runs and ``*_design`` for the other:
 
 * the **runtime** path (what runs: ``offload/planning/data_parallel_runtime.py``, [Note: the runtime's
-  data-parallel step]): each rank's single-GPU plan (the report's ``plan``); with overlapped updates, what
-  runs on CUDA (``grad_reduce="auto"``): grads reduce-scattered on the device over the ``--intra``/``--inter``
-  presets and a 1/N shard copied to the host ([Note: the runtime's device reduce-scatter]:
-  ``grad_reduce: "device"``, ``device_reduce_busy_s``), then the shard's AdamW and gloo's all-gather of the
-  updated shards on the rank's CPU lane, on gloo's nominal presets (``collectives.GLOO_INTRA``, and over
-  ``--inter``'s NICs ``GLOO_INTER_OF``); whole buckets copied to the device. ``--grad-reduce host`` (the
-  engine's ``grad_reduce="host"``, and what the CPU backend runs by default) costs the whole buckets' grads
-  copied to the host and reduce-scattered there by gloo instead. float16 defers
+  data-parallel step]): each rank's single-GPU plan; with overlapped updates, what runs on CUDA
+  (``grad_reduce="auto"``): grads reduce-scattered on the device over the ``--intra``/``--inter`` presets and a
+  1/N shard copied to the host, the shard's AdamW on the rank's CPU lane, then the updated shard copied back
+  to the device, all-gathered there and the gathered bytes copied to the rank's whole host copy ([Note: the
+  runtime's device reduce-scatter]: ``grad_reduce: "device"``, ``device_reduce_busy_s``,
+  ``device_gather_busy_s``); whole buckets copied to the device as on one GPU. That plan is the engine's on
+  this path: the grad slots padded to their shards and the weights' two gather buffers
+  (``weight_gather_bytes_per_rank``) out of the budget, so its ``device_peak_bytes_per_rank`` includes both
+  (not the report's single-GPU ``plan``). gloo, on its nominal presets (``collectives.GLOO_INTRA``, and over
+  ``--inter``'s NICs ``GLOO_INTER_OF``), runs only ``step()``'s check there. ``--grad-reduce host`` (the
+  engine's ``grad_reduce="host"``, and what the CPU backend runs by default) costs the report's single-GPU
+  plan, the whole buckets' grads copied to the host, reduce-scattered there by gloo and the updated shards
+  all-gathered by gloo, on the CPU lane, instead. float16 defers
   every update to ``step()``, and so does gradient accumulation (``--micro-batches K``: K forward and backward
   passes per step, the engine with ``overlap_optimizer=False``): their figures are the deferred path's ([Note:
   the runtime's deferred data-parallel step]), whose synced backwards all-reduce every bucket's grads
@@ -41,10 +46,13 @@ from ..errors import BudgetTooSmallError, ReportError
 from ..host.node_copy import node_copy_layout
 from ..planning.collectives import GLOO_INTER_OF, Link, cluster_of, gloo_cluster_of
 from ..planning.data_parallel import build_rank_plan, host_bytes_per_node, host_bytes_per_rank, simulate_rank_plan
-from ..planning.data_parallel_runtime import simulate_runtime_deferred_plan, simulate_runtime_plan
+from ..planning.data_parallel_runtime import (WEIGHT_GATHER_BUFFERS, simulate_runtime_deferred_plan,
+                                              simulate_runtime_plan, weight_gather_bytes)
+from ..planning.plan import Plan
+from ..planning.schedule import build_plan
 from ..host.shard import shard_layout, shard_of
 from .baselines import Case
-from .baselines_dp import zero_offload_data_parallel
+from .baselines_dp import device_reduce_plan_inputs, zero_offload_data_parallel
 from .report import Report
 
 RUNS = "runtime"
@@ -74,6 +82,13 @@ def deferred_note(fp16: bool, micro_batches: int, no_sync: bool) -> str:
     return (f"{micro_batches} forward and backward passes per step; {why} every update to step() "
             f"(overlap_optimizer=False): the deferred path. Grads are summed on the host; {synced}; step() updates "
             "each rank's shard and all-gathers the 16-bit copy")
+
+
+def device_peak_note(gather_bytes: int) -> str:
+    """What the device path's peak per rank counts beyond the single-GPU plan."""
+    return (f"grad_reduce=\"device\": the engine's plan on this path, with each grad slot padded to its shards "
+            f"and the weights' {WEIGHT_GATHER_BUFFERS} gather buffers ({format_bytes(gather_bytes)}, outside the "
+            "arena) out of the budget; the device peak includes both")
 
 
 def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inter: str | Link,
@@ -120,9 +135,10 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inte
         "links": {x.name: x.source for x in links},
         "simulated": "cost model on nominal link presets, not measured",
         "runs": "runtime: the flat keys are the path the engine runs with grad_reduce (the key; by default on "
-                "CUDA, overlapped: grads reduce-scattered on the device, a shard to the host, gloo all-gathers on "
-                "the host; deferred: every collective on the host); *_design keys are issue 20's design, whose "
-                "weights half does not run yet",
+                "CUDA, overlapped: grads reduce-scattered on the device, a shard to the host, the updated shard "
+                "back to the device and all-gathered there, the gathered copy to the host; deferred: every "
+                "collective on the host); *_design keys are issue 20's design (weights gathered on the device "
+                "at each fetch), which does not run",
         "host_bytes_per_rank": per_rank, "host_bytes_per_node": cluster.gpus_per_node * per_rank + node_copy,
         "host_shared_bytes_per_node": node_copy,  # [Note: one host copy per node]: 0 where each rank keeps its own
         "host_bytes_per_rank_design": host_bytes_per_rank(plan.buckets, lowp, cluster, accumulate),
@@ -132,6 +148,7 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inte
         "runtime_path": "deferred" if accumulate else "overlapped", "micro_batches": micro_batches,
         "no_sync": no_sync, "all_reduce_busy_s": None, "accumulate_busy_s": None,
         "grad_reduce": "device" if on_device else "host", "device_reduce_busy_s": None,
+        "device_gather_busy_s": None, "weight_gather_bytes_per_rank": None, "device_peak_note": None,
         "design_note": DESIGN_ONE_BACKWARD if micro_batches > 1 else None,  # fits_design None then: not known
         "fits_design": False if micro_batches == 1 else None, "device_peak_bytes_per_rank_design": None,
         "predicted_step_s_design": None,
@@ -141,18 +158,32 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inte
     if not report.fits:
         return out
     tokens = cluster.world * r.batch * r.seq * micro_batches
-    out.update(fits=True, device_peak_bytes_per_rank=plan.peak_bytes)
-    if accumulate:  # updates deferred to step() ([Note: the runtime's deferred data-parallel step])
-        rt = simulate_runtime_deferred_plan(plan, r.hw, gloo, report.compute_s, micro_batches=micro_batches,
-                                            no_sync=no_sync)
-        out.update(runtime_note=deferred_note(fp16, micro_batches, no_sync))
-    else:
-        rt = simulate_runtime_plan(plan, r.hw, gloo, report.compute_s, device=cluster if on_device else None)
-    out.update(predicted_step_s=rt.step_s, tokens_per_s=tokens / rt.step_s,
-               device_reduce_busy_s=rt.device_reduce_busy_s,
-               all_gather_busy_s=rt.all_gather_busy_s, reduce_scatter_busy_s=rt.reduce_scatter_busy_s,
-               check_busy_s=rt.check_busy_s, all_reduce_busy_s=rt.all_reduce_busy_s,
-               accumulate_busy_s=rt.accumulate_busy_s)
+    run_plan: Plan | None = plan
+    if on_device:  # the engine's plan on this path: padded grad slots, the gather buffers out of the budget
+        buckets, fixed = device_reduce_plan_inputs(plan.buckets, plan.itemsize, cluster.world, plan.fixed_bytes)
+        gather = weight_gather_bytes(buckets, plan.itemsize)
+        out.update(weight_gather_bytes_per_rank=gather, device_peak_note=device_peak_note(gather))
+        try:
+            run_plan = build_plan(plan.trace, buckets, itemsize=plan.itemsize, budget_bytes=r.budget_bytes,
+                                  fixed_bytes=fixed, hw=r.hw, compute_s=report.compute_s,
+                                  headroom_bytes=plan.headroom_bytes)
+        except BudgetTooSmallError as e:
+            out.update(runtime_note=f"grad_reduce=\"device\" does not fit the budget: with the gather buffers "
+                                    f"and padded grad slots it needs at least {format_bytes(e.min_budget_bytes)}")
+            run_plan = None
+    if run_plan is not None:
+        out.update(fits=True, device_peak_bytes_per_rank=run_plan.peak_bytes)
+        if accumulate:  # updates deferred to step() ([Note: the runtime's deferred data-parallel step])
+            rt = simulate_runtime_deferred_plan(run_plan, r.hw, gloo, report.compute_s, micro_batches=micro_batches,
+                                                no_sync=no_sync)
+            out.update(runtime_note=deferred_note(fp16, micro_batches, no_sync))
+        else:
+            rt = simulate_runtime_plan(run_plan, r.hw, gloo, report.compute_s, device=cluster if on_device else None)
+        out.update(predicted_step_s=rt.step_s, tokens_per_s=tokens / rt.step_s,
+                   device_reduce_busy_s=rt.device_reduce_busy_s, device_gather_busy_s=rt.device_gather_busy_s,
+                   all_gather_busy_s=rt.all_gather_busy_s, reduce_scatter_busy_s=rt.reduce_scatter_busy_s,
+                   check_busy_s=rt.check_busy_s, all_reduce_busy_s=rt.all_reduce_busy_s,
+                   accumulate_busy_s=rt.accumulate_busy_s)
     if micro_batches > 1:
         return out  # DESIGN_ONE_BACKWARD
     try:
@@ -191,11 +222,15 @@ def render_data_parallel(dp: dict, console: Console) -> None:
     t.add_column("design path (issue 20, not run)", justify="right")
     nccl = dp["intra"] + (f" + {dp['inter']}" if dp["inter"] else "")
     gloo = "gloo on the host: " + dp["gloo_intra"] + (f" + {dp['gloo_inter']}" if dp["gloo_inter"] else "")
-    t.add_row("collectives", (f"grads NCCL on the device ({nccl}), " if dp["grad_reduce"] == "device" else "") + gloo,
-              "NCCL on the device: " + nccl)
+    t.add_row("collectives", (f"grads and weights NCCL on the device ({nccl}), checks {gloo}"
+                              if dp["grad_reduce"] == "device" else gloo), "NCCL on the device: " + nccl)
     design = dp["design_note"] is None  # else: not modelled (the note says why)
-    t.add_row("device peak per rank", _bytes(dp["device_peak_bytes_per_rank"]),
+    gather = dp["weight_gather_bytes_per_rank"]
+    t.add_row("device peak per rank" + (" (with the gather buffers)" if gather is not None else ""),
+              _bytes(dp["device_peak_bytes_per_rank"]),
               _bytes(dp["device_peak_bytes_per_rank_design"]) if design else "not modelled")
+    if gather is not None:
+        t.add_row("  of which weights' gather buffers", format_bytes(gather), "")
     t.add_row("pinned host per rank", format_bytes(dp["host_bytes_per_rank"]),
               format_bytes(dp["host_bytes_per_rank_design"]))
     t.add_row("pinned host per node" + (" (one shared copy)" if dp["host_shared_bytes_per_node"] else ""),
@@ -204,10 +239,11 @@ def render_data_parallel(dp: dict, console: Console) -> None:
     t.add_row("step (with collectives)", _seconds(dp["predicted_step_s"]),
               _seconds(dp["predicted_step_s_design"]) if design else "not modelled")
     t.add_row("tokens/s (all ranks)", _rate(dp["tokens_per_s"]), _rate(dp["tokens_per_s_design"]))
-    t.add_row("all-gather / reduce-scatter busy", _pair(dp["all_gather_busy_s"], dp["reduce_scatter_busy_s"]),
+    on_device = dp["grad_reduce"] == "device"  # the collectives row says where they run
+    t.add_row("all-gather / reduce-scatter busy",
+              _pair(dp["device_gather_busy_s"], dp["device_reduce_busy_s"]) if on_device
+              else _pair(dp["all_gather_busy_s"], dp["reduce_scatter_busy_s"]),
               _pair(dp["all_gather_busy_s_design"], dp["reduce_scatter_busy_s_design"]))
-    if dp["device_reduce_busy_s"]:
-        t.add_row("device reduce-scatter busy", f"{dp['device_reduce_busy_s']:.3f} s", "")
     if dp["runtime_path"] == "deferred" and dp["all_reduce_busy_s"] is not None:
         t.add_row("all-reduce busy (every synced backward)" if k > 1 else "all-reduce per backward busy",
                   f"{dp['all_reduce_busy_s']:.3f} s", "")
@@ -217,6 +253,8 @@ def render_data_parallel(dp: dict, console: Console) -> None:
     console.print(t)
     if dp["runtime_note"]:
         console.print(f"  runtime path: {dp['runtime_note']}")
+    if dp["device_peak_note"]:
+        console.print(f"  runtime path's device peak: {dp['device_peak_note']}")
     if dp["design_note"]:
         console.print(f"  design path: {dp['design_note']}")
     for name, source in dp["links"].items():

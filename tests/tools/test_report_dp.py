@@ -4,11 +4,18 @@ keys) beside the design's (``*_design``); bad cluster shapes are usage errors.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 
+from offload.planning.hw import PRESETS
+from offload.planning.schedule import build_plan
 from offload.tools import cli
+from offload.tools.report import make_report
+from offload.tools.report_dp import data_parallel
+from offload.tools.report_model import Request
 
 
 def _json(capsys, *extra):
@@ -26,8 +33,10 @@ def test_report_gpus_json(capsys):
     assert (dp["gloo_intra"], dp["gloo_inter"]) == ("gloo-loopback", "gloo-ipoib-400")
     assert dp["simulated"].startswith("cost model") and dp["runs"].startswith("runtime")
     assert set(dp["links"]) == {"nvlink3", "ib400", "gloo-loopback", "gloo-ipoib-400"}
-    # the runtime path: each rank runs the single-GPU plan
-    assert dp["fits"] and dp["device_peak_bytes_per_rank"] == out["plan"]["planned_peak_bytes"] <= out["budget_bytes"]
+    # the runtime path: each rank runs the single-GPU plan, here with grads and weights on the device, so planned
+    # with the weights' gather buffers out of the budget (test_report_gpus_device_peak_counts_... below)
+    assert dp["fits"] and dp["device_peak_bytes_per_rank"] <= out["budget_bytes"]
+    assert dp["weight_gather_bytes_per_rank"] > 0 and "gather buffers" in dp["device_peak_note"]
     assert dp["fits_design"] and dp["device_peak_bytes_per_rank_design"] <= out["budget_bytes"]
     # the simulated design: optimizer state 1/16 a rank, the 16-bit copy 1/8 a rank (once a node): between 1/16
     # and 1/8 of one GPU's
@@ -38,9 +47,10 @@ def test_report_gpus_json(capsys):
     # whole 16-bit copy on every rank, 2 B/param, and 1/16 of the master, m, v and grad shard (14 B/param)
     assert dp["host_bytes_per_node"] == 8 * dp["host_bytes_per_rank"]
     assert 2.8 * one["trainable_params"] < dp["host_bytes_per_rank"] < 3 * one["trainable_params"]
-    # what runs on CUDA with overlapped updates: grads reduce-scattered on the device, not on the CPU lane
+    # what runs on CUDA with overlapped updates: grads reduce-scattered and weights all-gathered on the device,
+    # neither on the CPU lane
     assert dp["grad_reduce"] == "device" and dp["device_reduce_busy_s"] > 0 and dp["reduce_scatter_busy_s"] == 0
-    assert dp["predicted_step_s"] > 0 and dp["all_gather_busy_s"] > 0
+    assert dp["predicted_step_s"] > 0 and dp["device_gather_busy_s"] > 0 and dp["all_gather_busy_s"] == 0
     assert dp["check_busy_s"] > 0 and dp["runtime_note"] is None
     assert dp["tokens_per_s"] == pytest.approx(16 * out["batch"] * out["seq"] / dp["predicted_step_s"])
     # the CPU lane runs the collectives and the AdamW one after the other: the step is at least their sum
@@ -77,6 +87,8 @@ def test_report_gpus_table_and_usage_errors(capsys):
     text = capsys.readouterr().out
     assert "data parallel on 4 GPUs" in text and "SIMULATED" in text and "pinned host per node" in text
     assert "runtime path (what runs)" in text and "design path" in text and "gloo-loopback" in text
+    assert "device peak per rank (with the gather buffers)" in text and "of which weights' gather buffers" in text
+    assert "each grad slot padded to its shards" in text
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "6", "--nodes", "4"]) == 2
     assert "evenly" in capsys.readouterr().err
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "2", "--intra", "nvlink9"]) == 2
@@ -119,6 +131,9 @@ def test_report_gpus_grad_reduce_host_and_its_usage_errors(capsys):
     d, h = device["data_parallel"], host["data_parallel"]
     assert (d["grad_reduce"], h["grad_reduce"]) == ("device", "host")
     assert d["device_reduce_busy_s"] > 0 and not h["device_reduce_busy_s"] and h["reduce_scatter_busy_s"] > 0
+    assert d["device_gather_busy_s"] > 0 and not h["device_gather_busy_s"] and h["all_gather_busy_s"] > 0
+    assert h["weight_gather_bytes_per_rank"] is None and h["device_peak_note"] is None  # the single-GPU plan
+    assert h["device_peak_bytes_per_rank"] == host["plan"]["planned_peak_bytes"]
     params = device["trainable_params"]
     assert 2 * params <= h["host_bytes_per_rank"] - d["host_bytes_per_rank"] < 2.1 * params
     # where it cannot apply: one GPU, or deferred updates (float16) on the device
@@ -127,3 +142,31 @@ def test_report_gpus_grad_reduce_host_and_its_usage_errors(capsys):
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "2",
                      "--dtype", "fp16", "--grad-reduce", "device"]) == 2
     assert "overlapped updates" in capsys.readouterr().err
+
+
+def test_report_gpus_device_peak_counts_the_gather_buffers_and_the_padding():
+    """With grads and weights on the device the engine plans each rank with its grad slots padded to the shards
+    and the weights' two gather buffers out of the budget: the report's device peak is that plan's, worked out
+    here from the padding rule ([Note: host shards]: ``ceil(n / N)`` rounded up to 16 elements, times N).
+    The host path's peak is the single-GPU plan's (test_report_gpus_grad_reduce_host_...)."""
+    report = make_report(Request(model="gpt2", budget_bytes=4 << 30, batch=1, seq=1024, dtype=torch.bfloat16,
+                                 hw=PRESETS["pcie4"], host_ram_bytes=64 << 30, host_ram_source="given",
+                                 bucket_bytes="auto"))
+    plan = report.plan
+    dp = data_parallel(report, 5, 1, "nvlink3", "ib200")  # 5: gpt2 prefixes (multiples of 384) need padding
+    slots = [-(-(-(-b.trainable_numel // 5)) // 16) * 16 * 5 for b in plan.buckets]
+    assert any(n > b.trainable_numel for n, b in zip(slots, plan.buckets))  # some padding to plan with
+    gather = 2 * max(slots) * 2  # two buffers of the largest padded prefix, in bf16
+    assert dp["weight_gather_bytes_per_rank"] == gather
+    padded = [dataclasses.replace(b, grad_padding=n - b.trainable_numel) for n, b in zip(slots, plan.buckets)]
+    engine = build_plan(plan.trace, padded, itemsize=2, budget_bytes=4 << 30, fixed_bytes=plan.fixed_bytes + gather,
+                        hw=PRESETS["pcie4"], compute_s=report.compute_s)
+    assert dp["device_peak_bytes_per_rank"] == engine.peak_bytes <= 4 << 30
+    assert engine.peak_bytes >= engine.arena_bytes + gather  # the buffers are in the peak, outside the arena
+    assert dp["device_peak_bytes_per_rank"] > plan.peak_bytes  # the single-GPU plan's peak has neither
+    # where the buffers and the padding do not fit, the device path says so and gives no figure
+    tight = make_report(dataclasses.replace(report.request, budget_bytes=report.min_budget_bytes))
+    assert tight.fits
+    squeezed = data_parallel(tight, 5, 1, "nvlink3", "ib200")
+    assert not squeezed["fits"] and squeezed["predicted_step_s"] is None
+    assert "does not fit the budget" in squeezed["runtime_note"]
