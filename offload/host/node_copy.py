@@ -32,10 +32,13 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import psutil
 import torch
 
+from ..config import format_bytes
 from ..errors import HostMemoryError
 from ..planning.buckets import HOST_ALIGN, Bucket
+from .state import HOST_RAM_HEADROOM
 
 SHM_DIR = "/dev/shm"
 
@@ -56,6 +59,17 @@ def shm_free_bytes(directory: str = SHM_DIR) -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
+
+
+def no_room_for(nbytes: int, directory: str = SHM_DIR) -> str:
+    """Why a shared copy of ``nbytes`` cannot be made here ("" if it can): ``directory``'s free space, the host's
+    available RAM (with the arena's headroom)."""
+    free, ram = shm_free_bytes(directory), psutil.virtual_memory().available
+    if free < nbytes:
+        return f"{directory} has {format_bytes(free)} free and the copy needs {format_bytes(nbytes)}"
+    if nbytes * HOST_RAM_HEADROOM > ram:
+        return f"the host has {format_bytes(ram)} of RAM available and the copy needs {format_bytes(nbytes)}"
+    return ""
 
 
 class NodeCopy:

@@ -106,9 +106,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..config import format_bytes
 from ..errors import DistributedError, HostMemoryError, InvariantError, OffloadError, OffloadWarning
-from ..host.node_copy import SHM_DIR, NodeCopy, node_copy_layout, shm_free_bytes
+from ..host.node_copy import SHM_DIR, NodeCopy, no_room_for, node_copy_layout
 from ..host.shard import ShardedHostState
 from ..host.state import HostState
 from ..backend.base import Deferred
@@ -220,10 +219,8 @@ class DataParallel:
         node: NodeCopy | None = None
         path = ""
         if not why and self.rank == 0:
-            free = shm_free_bytes()
-            if free < nbytes:
-                why = f"{SHM_DIR} has {format_bytes(free)} free and the copy needs {format_bytes(nbytes)}"
-            else:
+            why = no_room_for(nbytes)
+            if not why:
                 path = os.path.join(SHM_DIR, f"offload-{uuid.uuid4().hex}")
                 try:
                     node = NodeCopy(path, nbytes, create=True)

@@ -515,3 +515,21 @@ def test_a_forward_between_backward_and_step_sees_every_ranks_update(tmp_path, s
     for r in results:
         _assert_weights(r["weights"], exact["weights"])
         assert (r["host_shared_bytes"] > 0) == shared
+
+
+def test_ranks_that_cannot_share_a_host_copy_keep_their_own_and_say_why(tmp_path):
+    """[Note: one host copy per node]: rank 0 finds no room for the shared copy (a /dev/shm too small, faked):
+    every rank warns, keeps its own copy (the arena that holds it) and trains as before; with
+    ``share_host_copy=True`` every rank raises instead, saying why."""
+    case = Case(world=2, steps=2, extra={"no_shm_room": True, "record_warnings": True})
+    results = _ok(run_ranks(case, tmp_path / "auto"))
+    exact = reference(case, emulate_ranks=True)
+    for r in results:
+        assert r["host_shared_bytes"] == 0
+        _assert_host_bytes(r, case.world, accumulate=False, shared=False)
+        _assert_weights(r["weights"], exact["weights"])
+        said = [w for w in r["warnings"] if "keeps its own host copy" in w]
+        assert len(said) == 1 and ("no room (a test)" in said[0] if r["rank"] == 0 else "rank 0" in said[0]), said
+    case = Case(world=2, steps=1, extra={"no_shm_room": True, "share_host_copy": True})
+    for r in run_ranks(case, tmp_path / "must"):
+        assert "share_host_copy=True" in r.get("error", ""), r

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -125,6 +126,11 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             options["grad_reduce"] = case.extra["grad_reduce"]
         if "share_host_copy" in case.extra:  # issue 20: [Note: one host copy per node]
             options["share_host_copy"] = case.extra["share_host_copy"]
+        caught = stack.enter_context(warnings.catch_warnings(record=True)) if case.extra.get("record_warnings") else None
+        if caught is not None:
+            warnings.simplefilter("always")
+        if case.extra.get("no_shm_room"):  # [Note: one host copy per node]: rank 0 finds no room for the copy
+            stack.enter_context(mock.patch("offload.runtime.distributed.no_room_for", lambda n: "no room (a test)"))
         if rank == case.extra.get("slow_update_rank"):  # this rank's AdamW of every shard lags behind the others'
             from offload.host.shard import ShardedHostState
 
@@ -205,6 +211,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         result["chaos_draws"] = lane._before.draws if lane._before is not None else 0
         result["host_bytes"] = stats["host_pinned_bytes"]
         result["host_shared_bytes"] = stats["host_shared_bytes"]
+        if caught is not None:
+            result["warnings"] = [str(w.message) for w in caught]
         result["device_peak_bytes"] = stats["device_peak_bytes"]
         result["grad_slot_numel"] = [b.grad_numel for b in engine._runtime.slots.buckets]
         result["optimizer"] = stats["optimizer"]
