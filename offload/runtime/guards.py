@@ -10,6 +10,7 @@ of every forward, in one pass over the parameters (pointer and version-counter c
 from __future__ import annotations
 
 import operator
+import weakref
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -41,8 +42,8 @@ class ParamGuard:
         for name, param in ctx.module.named_parameters():
             self.names[ctx.param_index[id(param)]] = name
         self._tree: _Tree | None = None  # the module tree the last walk accepted ([Note: the tree stamp])
-        # (host state, slot base per bucket, where each parameter should point): see ``_moved``
-        self._wants: tuple[Any, list[int | None], list[int]] | None = None
+        # (the host state, weakly; slot base per bucket; where each parameter should point): see ``_moved``
+        self._wants: tuple[weakref.ref, list[int | None], list[int]] | None = None
 
     def check(self) -> None:
         with torch._C.DisableTorchFunctionSubclass():  # idle parameters' metadata read at C speed (idle_params.py)
@@ -130,10 +131,10 @@ class ParamGuard:
         # Where every parameter should point follows from the buckets' slots alone: kept while they are the
         # same, so that the usual case (nothing moved) is one compare of two lists of addresses at C speed
         wants = self._wants
-        if wants is None or wants[0] is not host or wants[1] != bases:
+        if wants is None or wants[0]() is not host or wants[1] != bases:
             want = [placeholders[p].data_ptr() if base is None else base + offset[p] * itemsize
                     for p, base in enumerate(bases[b] for b in bucket_of)]
-            wants = self._wants = (host, bases, want)
+            wants = self._wants = (weakref.ref(host), bases, want)  # weak: close() frees the host arena
         want = wants[2]
         params = ctx.params
         if list(map(_DATA_PTR, params)) == want:
