@@ -256,16 +256,16 @@ class Runtime:
         holding the runtime would make runtime -> params -> hook -> runtime an uncollectable cycle, and an
         engine dropped without close() must still be freed). The hook runs for every parameter of every
         backward, so its commonest case, a fast step's grad that only waits in ``p.grad`` for its bucket's last
-        one (``FastPath.waits_in_grad``), returns before anything else."""
+        one (``param is fast.expect``, set only in a fast step's backward), returns before anything else."""
         ref = weakref.ref(self)
-        backward = Pass.BACKWARD
 
         def hook(param: nn.Parameter) -> None:
             rt = ref()
             if rt is None:
                 return
-            fast, ctx = rt.fast, rt.ctx
-            if fast.on and ctx.phases.current is backward and fast.waits_in_grad(ctx.param_index[id(param)]):
+            fast = rt.fast
+            if fast.expect is param:  # [Note: one hook's work per bucket] (fast_path.py)
+                fast.took_waiting()
                 return
             with torch._C.DisableTorchFunctionSubclass():  # idle parameters read as plain ones (idle_params.py)
                 rt._on_grad(param)
@@ -278,6 +278,7 @@ class Runtime:
         if fast.on and fast.in_order(p):  # [Note: the fast path]: the plan's next grad, nothing to decide
             if ctx.phases.current is not Pass.BACKWARD:
                 self._begin_backward()
+                fast.arm()  # the grads that only wait are taken by the hook's first test from now on
             closes = fast.closes
             if closes is None:
                 self.grads.gather_in_order(p, param)

@@ -181,17 +181,23 @@ class GradPipeline:
         if b in self.finished:
             raise OffloadError(SECOND_BACKWARD)
         params = self.ctx.params
-        views = self.param_views.get(b)
-        if views is None:
-            self._grad_slot(b)
-            views = self.param_views.get(b)
-        if views is None:  # an on-demand slot (not on a fast step's plan, but correct all the same)
-            for q in ps:
-                self.gather_in_order(q, params[q])
-            return
         grads = [g for g in (params[q].grad for q in ps) if g is not None]
         if len(grads) != len(ps):
             raise InvariantError(f"bucket {b}: a grad of its plan's order is missing at its last grad")
+        views = self.param_views.get(b)
+        if views is None:
+            # A slot these grads fill whole (no padding, every parameter's grad here) is not cleared first: the
+            # copy below writes each of its elements (a memset of the bucket less per bucket; same bytes)
+            whole = nbytes == self.slots.buckets[b].grad_numel * self.ctx.itemsize
+            slot = self._grad_slot(b, clear=not whole)
+            views = self.param_views.get(b)
+            if views is None:  # an on-demand slot (not on a fast step's plan, but correct all the same)
+                if whole:
+                    slot.zero_()
+                del grads
+                for q in ps:
+                    self.gather_in_order(q, params[q])
+                return
         self.ctx.memory.passing(nbytes)
         dst = [views[q] for q in ps]
         if torch.is_grad_enabled():  # backward(create_graph=True)
@@ -229,8 +235,9 @@ class GradPipeline:
         self._expected_cache[b] = (touched, len(touched), got)
         return got
 
-    def _grad_slot(self, b: int) -> torch.Tensor:
-        """The device slot bucket ``b``'s grads are gathered in (typed, trainable prefix only)."""
+    def _grad_slot(self, b: int, clear: bool = True) -> torch.Tensor:
+        """The device slot bucket ``b``'s grads are gathered in (typed, trainable prefix only); taken now, it is
+        cleared unless ``clear`` is False (the caller writes every element)."""
         have = self.gathering.get(b)
         if have is not None:
             return have.view
@@ -256,7 +263,8 @@ class GradPipeline:
         # parameters ([Note: parameter alignment] in buckets.py) and any parameter without a grad this
         # pass (an unused branch) send zeros, not the bytes of the slot's previous occupant. (No no_grad():
         # the slot never requires grad, so nothing is recorded even under create_graph; entering it costs ~8 us.)
-        view.zero_()
+        if clear:
+            view.zero_()
         self.gathering[b] = GradSlot(view, k)
         return view
 
@@ -340,7 +348,7 @@ class GradPipeline:
         # itself ([Note: grad staging ring]); it waits for the readers of what those bytes held before.
         dst = host.landing(b, first, lo, hi)
         after = [*waits, *dst.after] + ([earlier.ready] if earlier is not None else [])  # the previous sum is done
-        d2h = ctx.backend.d2h(dst.view, view[lo:hi], after)
+        d2h = ctx.backend.d2h(dst.view, view if lo == 0 and hi == view.numel() else view[lo:hi], after)
         if not self.deferred or dst.view is host.grad_sum(b):  # the update reads the landed grads (or the sum)
             ready = d2h
         else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane

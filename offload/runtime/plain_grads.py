@@ -250,15 +250,15 @@ class Exposure:
         grads = self.grads
         self.final = False
         params, exposed = self.ctx.params, self.exposed
-        spare = self._spare
+        spare, epoch, deferred = self._spare, self.epoch, grads.deferred
         for p in grads.pending_params():
             param = params[p]
-            if grads.deferred:
+            if deferred:
                 g = ExposedGrad(self, p, grads.grad_sum(p).view(param.shape), param)
             else:
                 again = spare.pop(p, None)
                 if again is not None and again.shape == param.shape:
-                    again._epoch = self.epoch
+                    again._epoch = epoch
                     g = again
                 else:
                     g = ExposedGrad(self, p, None, param, strides=self._strides(p, param.shape))

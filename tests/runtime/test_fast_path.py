@@ -457,3 +457,78 @@ def test_fast_steps_on_the_simulated_gpu_order_the_refresh_after_backward(simula
     assert_losses_bitwise(losses, want_losses)
     assert_bitwise(state, want_state, "model")
     assert made[0]._api.copies > 0 and made[0]._api.pending() == 0
+
+
+def test_a_fast_steps_waiting_grads_are_taken_by_the_hooks_first_test():
+    """[Note: one hook's work per bucket]: in a fast step's backward every grad that only waits for its bucket's
+    last grad is taken by the grad hook's first test (``param is fast.expect``), never reaching the runtime's
+    grad path; only the backward's first grad (which begins it) and the grads that close a bucket do. Outside a
+    fast step's backward nothing is expected."""
+    engine, opt, ref, ref_opt = _pair(_mlp(), bucket_frac=0.3)
+    rt = engine._runtime
+    fast = rt.fast
+    took, full = [], []
+    took_waiting, on_grad = fast.took_waiting, rt._on_grad
+
+    def spy_took():
+        took.append(id(fast.expect))
+        took_waiting()
+
+    def spy_on_grad(param):
+        full.append(id(param))
+        on_grad(param)
+    fast.took_waiting, rt._on_grad = spy_took, spy_on_grad
+    try:
+        losses, ref_losses = [], []
+        for step in range(6):
+            took.clear()
+            full.clear()
+            losses.append(_step(engine, opt, _mse, _x(step)))
+            ref_losses.append(_step(ref, ref_opt, _mse, _x(step)))
+            assert fast.expect is None
+            if step >= 2:  # fast steps
+                allowed = fast.allows(rt.executor.train_plan)
+                params = engine._runtime.ctx.params
+                closes = allowed.closes
+                assert closes is not None and 1 < len(closes) < len(allowed.grad_keys)
+                first, *rest = allowed.grad_keys  # the backward's first grad begins it: the runtime's path
+                assert took == [id(params[p]) for p in rest if p not in closes]
+                assert full == [id(params[first])] + [id(params[p]) for p in rest if p in closes]
+        assert_losses_bitwise(losses, ref_losses)
+        _assert_same(engine, ref)
+        assert _counters(engine)["fast_steps"] == 4
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("width", [32, 5], ids=["whole", "padded"])
+def test_a_grad_slot_the_bucket_fills_whole_is_not_cleared_first(width):
+    """A fast step gathering a bucket at once into a slot that its grads fill whole (no padding between
+    parameters) skips clearing the slot: the copy writes every element. Checked by leaving garbage (NaN) in
+    such a slot, as its previous occupant might: the weights stay bit for bit torch's. With padding (width 5:
+    20-byte rows, parameters aligned to 16 bytes) the slot is cleared as before."""
+    engine, opt, ref, ref_opt = _pair(_mlp(depth=6, width=width), bucket_frac=0.3)
+    grads = engine._runtime.grads
+    grad_slot, cleared = grads._grad_slot, []
+
+    def spy(b, clear=True):
+        view = grad_slot(b, clear)
+        cleared.append(clear)
+        if not clear:
+            view.fill_(float("nan"))
+        return view
+    grads._grad_slot = spy
+    try:
+        losses, ref_losses = [], []
+        for step in range(6):
+            losses.append(_step(engine, opt, _mse, _x(step, width=width)))
+            ref_losses.append(_step(ref, ref_opt, _mse, _x(step, width=width)))
+        assert _counters(engine)["fast_steps"] == 4
+        if width == 32:
+            assert cleared.count(False) >= 4 * 2, cleared  # every bucket of every fast step
+        else:
+            assert all(cleared), cleared
+        assert_losses_bitwise(losses, ref_losses)
+        _assert_same(engine, ref)
+    finally:
+        engine.close()

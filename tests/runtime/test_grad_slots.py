@@ -57,10 +57,10 @@ class _SlotWaits:
             finally:
                 self.finishing = None
 
-        def spy_grad_slot(b):
+        def spy_grad_slot(b, *args, **kw):
             self.taking = b
             try:
-                return grad_slot(b)
+                return grad_slot(b, *args, **kw)
             finally:
                 self.taking = None
 

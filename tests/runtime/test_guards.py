@@ -170,6 +170,27 @@ def test_parameter_check_walks_the_model_only_after_a_change(monkeypatch):
     assert _Tree.of(plain) is None
 
 
+def test_parameter_check_finds_where_parameters_point_again_only_after_a_slot_changed():
+    """``ParamGuard._moved``: where each parameter should point follows from its bucket's slot, so it is
+    computed again only when a slot changed (else one compare of address lists); a ``.data`` reassigned while
+    it is kept is still caught, and undone."""
+    pair = Pair(frac=3.0)  # every bucket resident: the same slots at every (fast) step's forward
+    for _ in range(5):
+        pair.step()
+    guard = pair.engine._runtime.guard
+    kept = guard._wants
+    assert kept is not None and None not in kept[1]  # every bucket shown on the device
+    for _ in range(2):
+        pair.step()
+        assert guard._wants is kept
+    pair.model[2].bias.data = torch.zeros(32)
+    with pytest.raises(offload.OffloadError, match="had .data reassigned: 2.bias"):
+        pair.engine(torch.randn(2, 32))
+    for _ in range(2):
+        pair.step()
+    pair.check()
+
+
 @pytest.mark.parametrize("how", ["data-assignment", "no-grad-copy", "before-first-step"])
 def test_hostile_data_assignment(how):
     """``p.data = t`` or an in-place write after wrapping would be silently lost (the engine's fp32 master is
