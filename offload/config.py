@@ -143,8 +143,9 @@ class OffloadConfig:
     (issue 20, [Note: one host copy per node] in host/node_copy.py): a file in ``/dev/shm`` each rank maps, each
     rank writing its shard's updated weights into it, so no all-gather of the weights is needed and the node
     holds one copy instead of one per rank (2 B/param per rank less in 16 bits). ``None`` (default): share when
-    every rank of the group is on this host and ``/dev/shm`` has room (else each rank keeps its own copy, with
-    a warning saying why); ``True``: share or raise; ``False``: never. No effect without data parallel."""
+    every rank of the group is on this host and ``/dev/shm`` has room (else each rank keeps its own copy: across
+    hosts silently, as designed; on one host with a warning saying why); ``True``: share or raise; ``False``:
+    never. No effect without data parallel."""
     device_optimizer: bool = False
     """Let the planner keep some buckets' optimizer on the device (issue 18): their fp32 master, Adam m and v
     live in the device arena and are updated there as soon as the bucket's grads are complete (no grad copy,

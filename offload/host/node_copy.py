@@ -22,9 +22,9 @@ Reads by another rank cannot overlap a write: a rank updates bucket ``b`` only a
 Making it (``DataParallel.host_state``): rank 0 creates the file at its exact size with ``posix_fallocate``
 (so a ``/dev/shm`` too small, as Docker's 64 MiB default, fails there with an error, not later with SIGBUS),
 the ranks map it and say whether they could (ranks on one host name may still see different ``/dev/shm``,
-e.g. in separate containers), and rank 0 unlinks the name: the memory lives while a rank maps it, and
-nothing is left behind if a rank dies. If any rank could not map it, every rank keeps its own copy and the
-engine warns. The mapping is page-locked as the arena is (``Backend.pin_host``).
+e.g. in separate containers), and rank 0 unlinks the name (also when that exchange failed): the memory lives
+while a rank maps it, and nothing is left in ``/dev/shm`` if a rank dies. If any rank could not map it, every
+rank keeps its own copy and the engine warns. The mapping is page-locked as the arena is (``Backend.pin_host``).
 """
 
 from __future__ import annotations

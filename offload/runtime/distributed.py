@@ -215,7 +215,8 @@ class DataParallel:
         hosts = torch.empty(self.world, dtype=torch.int64)
         self._call("all-gather of the host names", _all_gather, hosts,
                    torch.tensor([zlib.crc32(name)], dtype=torch.int64), group=self.tag_group)
-        why = "the group's ranks run on more than one host" if len(set(hosts.tolist())) > 1 else ""
+        several_hosts = len(set(hosts.tolist())) > 1
+        why = "the group's ranks run on more than one host" if several_hosts else ""
         node: NodeCopy | None = None
         path = ""
         if not why and self.rank == 0:
@@ -226,6 +227,31 @@ class DataParallel:
                     node = NodeCopy(path, nbytes, create=True)
                 except (OSError, RuntimeError, HostMemoryError) as e:
                     why, path = f"rank 0 could not make {path}: {e}", ""
+        try:
+            path, node, why, mapped = self._share_node_copy(path, node, why, nbytes)
+        finally:
+            if self.rank == 0 and path:
+                NodeCopy.unlink(path)  # every rank has tried to map it (or failed): the memory lives while mapped
+        missing = [r for r in range(self.world) if not int(mapped[r])]
+        if path and missing:
+            node = None
+            why = why or f"rank {', '.join(map(str, missing))} could not map {path} (its warning says why)"
+        if node is not None:
+            return node
+        if self.share:
+            raise OffloadError(f"rank {self.rank} of {self.world}: share_host_copy=True, but the node's ranks cannot "
+                               f"share one host copy of the weights: {why}. Use share_host_copy=None (share where "
+                               "possible) or False")
+        if several_hosts:
+            return None  # what runs across hosts: each rank its own copy, nothing to warn about
+        warnings.warn(f"offload: rank {self.rank} keeps its own host copy of the weights ({why}); the node holds one "
+                      "per rank ([Note: one host copy per node]; share_host_copy=False: no warning)", OffloadWarning,
+                      stacklevel=2)
+        return None
+
+    def _share_node_copy(self, path: str, node: NodeCopy | None, why: str,
+                         nbytes: int) -> tuple[str, NodeCopy | None, str, torch.Tensor]:
+        """Rank 0 sends the file's name ("" if it made none), the others map it; every rank says whether it did."""
         sent = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
         sent[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8) if path else sent[:0]
         self._call("broadcast of the node copy's name", dist.broadcast, sent, group_src=0, group=self.tag_group)
@@ -240,22 +266,7 @@ class DataParallel:
         mapped = torch.empty(self.world, dtype=torch.int64)
         self._call("all-gather of the node copy's mappings", _all_gather, mapped,
                    torch.tensor([int(node is not None)], dtype=torch.int64), group=self.tag_group)
-        if self.rank == 0 and path:
-            NodeCopy.unlink(path)  # every rank has tried to map it: the memory lives while mapped
-        missing = [r for r in range(self.world) if not int(mapped[r])]
-        if path and missing:
-            node = None
-            why = why or f"rank {', '.join(map(str, missing))} could not map {path} (its warning says why)"
-        if node is not None:
-            return node
-        if self.share:
-            raise OffloadError(f"rank {self.rank} of {self.world}: share_host_copy=True, but the node's ranks cannot "
-                               f"share one host copy of the weights: {why}. Use share_host_copy=None (share where "
-                               "possible) or False")
-        warnings.warn(f"offload: rank {self.rank} keeps its own host copy of the weights ({why}); the node holds one "
-                      "per rank ([Note: one host copy per node]; share_host_copy=False: no warning)", OffloadWarning,
-                      stacklevel=2)
-        return None
+        return path, node, why, mapped
 
     def copy_written(self) -> None:
         """The main thread wrote this rank's part of the node's copy (the first masters, ``load_state_dict``, a
