@@ -500,7 +500,7 @@ def test_four_ranks_torch_clip_grad_norm_on_the_averaged_p_grad(tmp_path, no_syn
             assert all(issued == [] for _, _, local, issued in r["collectives"] if local), r["collectives"]
 
 
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("shared", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_forward_between_backward_and_step_sees_every_ranks_update(tmp_path, shared):
     """Overlapped updates, rank 1's AdamW of every shard 50 ms late: a no-grad forward after backward and
     before step(), on the same input on both ranks, waits for every rank's update of each bucket it fetches
