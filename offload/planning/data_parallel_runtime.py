@@ -130,6 +130,36 @@ device-side norms of the first grads (``_slot_norms``), the overflow check and `
 collective once averaged) are not charged; a step whose last backward ran inside ``no_sync`` (``step()``
 then reduce-scatters the local sums) is not modelled; copy credit over ``k > 1`` micro-batches sums each
 micro-batch's stalls on the last micro-batch's copy durations.
+
+[Note: the runtime's shared host copy]
+Where every rank of the group runs on one node, the runtime keeps ONE device-dtype host copy of the weights
+for the node ([Note: one host copy per node] in ``host/node_copy.py``; ``OffloadConfig.share_host_copy``,
+None by default: shared where possible). Each rank's AdamW writes its shard's updated device-dtype elements
+straight into it (the kernel writes the 16-bit copy in the same pass: no copy more), so nothing of the
+weights is gathered, on the host or on the device. ``shared=True`` (one node, several ranks) models it on
+every path above; per bucket, on the CPU lane, in place of the weights' half:
+
+* **host grads** (the first note): the check and the reduce-scatter, the shard's AdamW, then one check
+  all-gather of ``CHECK_BYTES`` per rank (``DataParallel._node_copy_ready``: every rank wrote its shard), at
+  ``gloo_all_gather_seconds`` on the gloo links; recorded as ``"copy_ready"``. No gloo all-gather of the
+  weights, no copies of it;
+* **device grads** (the device note): the reduce-scatter on the device and the shard's copy to the host as
+  there, the shard's AdamW, then the same check on the CPU lane; no shard copied to the device, no all-gather
+  on the device, no gathered copy back, and no gather buffers on the device (the plan's fixed bytes do not
+  hold ``weight_gather_bytes``: ``tools.baselines_dp.device_reduce_plan_inputs(..., shared=True)``; the grad
+  slots are still padded to their shards);
+* **deferred** (the previous note): in ``step()``, per bucket, the shard taken from the averaged sum, its
+  AdamW, then the check, in place of the all-gather.
+
+The bucket's next host-to-device copy (a later one in this step, or the next step's) waits for its check, as
+it waited for the all-gather (``gathered_at``); ``step()``'s check is unchanged. With ranks on several nodes
+the runtime cannot share (each rank keeps its own copy: the paths above), and ``shared=True`` is refused.
+One rank shares nothing: ``N = 1`` is the single-GPU simulation whatever ``shared`` says (tested).
+
+Simplifications (stated), beyond the previous notes': the ranks' reads of the one copy by their
+host-to-device copies (``G`` GPUs reading the same pages) are not charged for host memory bandwidth, as the
+per-rank copies' were not; the check is the lane's only collective per bucket on the device path, its latency
+being all the weights' half costs there.
 """
 
 from __future__ import annotations
@@ -196,6 +226,14 @@ class RuntimePathResult:
     grad_reduce: str = "host"
     device_reduce_busy_s: float = 0.0
     device_gather_busy_s: float = 0.0
+    # [Note: the runtime's shared host copy]: one copy per node, each bucket's check instead of a gather
+    # (check_busy_s counts those checks)
+    shared: bool = False
+
+    @property
+    def host_copy(self) -> str:
+        """``"shared"`` (one copy per node) or ``"per rank"``."""
+        return "shared" if self.shared else "per rank"
 
     @property
     def step_s(self) -> float:
@@ -209,7 +247,8 @@ class RuntimePathResult:
 
 
 def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
-                          record: list | None = None, device: Cluster | None = None) -> RuntimePathResult:
+                          record: list | None = None, device: Cluster | None = None,
+                          shared: bool = False) -> RuntimePathResult:
     """One rank's step of ``program`` (the single-GPU lane program the rank runs) under [Note: the runtime's
     data-parallel step], on ``cluster``'s gloo links (``collectives.gloo_cluster_of``). ``record`` gets
     ``(lane, index, start, end)`` as :func:`~offload.planning.simulate.simulate_reference`'s does; on the
@@ -218,13 +257,16 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     reduce-scattered and the weights all-gathered on the device over that cluster's (NCCL) links ([Note: the
     runtime's device reduce-scatter]; recorded per grad copy as ``"device_reduce_scatter"``, the grads' shard
     copy ``"d2h"``, ``"adam"``, the weights' shard copy ``"h2d_shard"``, ``"device_all_gather"`` and the
-    gathered copy back ``"d2h_gathered"``)."""
+    gathered copy back ``"d2h_gathered"``). ``shared``: the node's ranks share one host copy ([Note: the
+    runtime's shared host copy]): each bucket's check after its AdamW, recorded as ``"copy_ready"``, in place
+    of the weights' all-gather (gloo's, or the device's three pieces)."""
     _refuse_unmodelled(program)
+    shared = _shared(shared, cluster)
     on_device = device is not None and cluster.world > 1
     if device is not None and device.world != cluster.world:
         raise ValueError(f"the device cluster has {device.world} ranks and the gloo one {cluster.world}")
-    lanes = (_DeviceReduceLanes(program, hw, cluster, record, device) if on_device and device is not None
-             else _RuntimeLanes(program, hw, cluster, record))
+    lanes = (_DeviceReduceLanes(program, hw, cluster, record, device, shared) if on_device and device is not None
+             else _RuntimeLanes(program, hw, cluster, record, shared))
     compute_end = lanes.run(program.compute_s)
     step = lanes.step_end(compute_end)
     dev = lanes if isinstance(lanes, _DeviceReduceLanes) else None
@@ -234,31 +276,36 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     many = cluster.world > 1
     return RuntimePathResult(
         sim, cluster.world, lanes.rs_busy, lanes.ag_busy, lanes.check_busy,
-        sum(program.d2h_bytes) if many else 0, sum(program.d2h_bytes) if many else 0,
+        sum(program.d2h_bytes) if many else 0, sum(program.d2h_bytes) if many and not shared else 0,
         cluster.gpus_per_node * (h2d + d2h), grad_reduce="device" if on_device else "host",
         device_reduce_busy_s=dev.coll_busy if dev is not None else 0.0,
-        device_gather_busy_s=dev.gather_busy if dev is not None else 0.0)
+        device_gather_busy_s=dev.gather_busy if dev is not None else 0.0, shared=shared)
 
 
 def simulate_runtime_plan(plan: Plan, hw: HardwareModel, cluster: Cluster,
-                          compute_s: Sequence[float] | None = None, device: Cluster | None = None) -> RuntimePathResult:
+                          compute_s: Sequence[float] | None = None, device: Cluster | None = None,
+                          shared: bool = False) -> RuntimePathResult:
     """:func:`simulate_runtime_path` of a plan's lane program (the plan as the runtime builds it: the
-    single-GPU plan, ``schedule.build_plan`` on the rank's budget); ``device`` as there."""
-    return simulate_runtime_path(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster, device=device)
+    single-GPU plan, ``schedule.build_plan`` on the rank's budget); ``device`` and ``shared`` as there."""
+    return simulate_runtime_path(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster, device=device,
+                                 shared=shared)
 
 
 def simulate_runtime_deferred(program: Program, hw: HardwareModel, cluster: Cluster, micro_batches: int = 1,
-                              no_sync: bool = False, record: list | None = None) -> RuntimePathResult:
+                              no_sync: bool = False, record: list | None = None,
+                              shared: bool = False) -> RuntimePathResult:
     """One rank's step of ``micro_batches`` forward and backward passes of ``program`` (the single-GPU lane
     program the rank runs) and ``step()``, with deferred updates: [Note: the runtime's deferred data-parallel
     step]. ``no_sync``: the first ``micro_batches - 1`` backward passes end inside ``no_sync()`` (no
     collective). ``record`` as :func:`simulate_runtime_path`'s, every micro-batch's work at its time; the CPU
     lane's work recorded as ``"accumulate"`` (copy index), ``"check"`` (-2: a backward's end, -1: ``step()``'s),
-    ``"all_reduce"``, ``"take_shard"``, ``"adam"`` and ``"all_gather"`` (copy index)."""
+    ``"all_reduce"``, ``"take_shard"``, ``"adam"`` and ``"all_gather"`` (copy index; ``"copy_ready"`` in its
+    place where ``shared``: [Note: the runtime's shared host copy])."""
     if not (isinstance(micro_batches, int) and micro_batches >= 1):
         raise ValueError(f"micro_batches must be an integer >= 1; got {micro_batches!r}")
     _refuse_device_optimizer(program)
-    lanes = _DeferredLanes(program, hw, cluster, record)
+    shared = _shared(shared, cluster)
+    lanes = _DeferredLanes(program, hw, cluster, record, shared)
     start = compute_end = ended = 0.0
     for j in range(micro_batches):
         compute_end = lanes.micro_batch(j, start)
@@ -271,17 +318,17 @@ def simulate_runtime_deferred(program: Program, hw: HardwareModel, cluster: Clus
     sim = lanes.result(step, add_up(program.compute_s) * k, lanes.h2d_total, d2h)
     return RuntimePathResult(
         sim, cluster.world, lanes.take_busy, lanes.ag_busy, lanes.check_busy, 0,
-        sum(program.d2h_bytes) if many else 0, cluster.gpus_per_node * (lanes.h2d_total + d2h),
+        sum(program.d2h_bytes) if many and not shared else 0, cluster.gpus_per_node * (lanes.h2d_total + d2h),
         deferred=True, micro_batches=k, no_sync=no_sync, all_reduce_busy_s=lanes.ar_busy,
-        all_reduce_bytes=lanes.ar_bytes, accumulate_busy_s=lanes.acc_busy)
+        all_reduce_bytes=lanes.ar_bytes, accumulate_busy_s=lanes.acc_busy, shared=shared)
 
 
 def simulate_runtime_deferred_plan(plan: Plan, hw: HardwareModel, cluster: Cluster,
                                    compute_s: Sequence[float] | None = None, micro_batches: int = 1,
-                                   no_sync: bool = False) -> RuntimePathResult:
+                                   no_sync: bool = False, shared: bool = False) -> RuntimePathResult:
     """:func:`simulate_runtime_deferred` of a plan's lane program (the single-GPU plan the runtime builds)."""
     return simulate_runtime_deferred(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster,
-                                     micro_batches, no_sync)
+                                     micro_batches, no_sync, shared=shared)
 
 
 def reduce_scatter_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) -> float:
@@ -298,6 +345,14 @@ def all_gather_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) ->
     if cluster.world == 1:
         return 0.0
     return gloo_all_gather_seconds(nbytes, cluster) + _copies(shard(nbytes, cluster.world) + 2 * nbytes, hw)
+
+
+def _shared(shared: bool, cluster: Cluster) -> bool:
+    """Whether the step runs with the node's shared copy: never with one rank (nothing to share)."""
+    if shared and cluster.nodes > 1:
+        raise ValueError(f"shared=True: the ranks share one host copy only on one node; the cluster has "
+                         f"{cluster.nodes} nodes (each rank keeps its own copy there: shared=False)")
+    return bool(shared) and cluster.world > 1
 
 
 def _copies(nbytes: int, hw: HardwareModel) -> float:
@@ -321,13 +376,14 @@ class _RuntimeLanes(Lanes):
     """One rank's lanes on the runtime's path: the single-GPU lanes (whole-bucket copies), with each
     bucket's reduce-scatter before, and all-gather after, its shard's AdamW on the CPU lane."""
 
-    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None):
+    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
+                 shared: bool = False):
         n_world, g = cluster.world, cluster.gpus_per_node
         super().__init__(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
                          [shard(x, n_world) for x in program.adam_numel],
                          hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g), record)
         self.world = n_world
-
+        self.shared = shared  # [Note: the runtime's shared host copy]: a check after each AdamW, no gather
         self.check_s = gloo_all_gather_seconds(CHECK_BYTES * n_world, cluster)
         self.rs_s = [reduce_scatter_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
         self.ag_s = [all_gather_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
@@ -346,14 +402,15 @@ class _RuntimeLanes(Lanes):
         if self.world == 1:  # no collective: the single-GPU step
             return
         # The CPU lane is one thread: where the AdamW started, the check and the reduce-scatter run first,
-        # then the AdamW, then the all-gather; the lane is free again only after it.
+        # then the AdamW, then the all-gather (or, with a shared copy, its check); the lane is free again only
+        # after it.
         adam = self.cpu.adam_seconds(self.adam_numel[k])
         start = self.cpu_free - adam
-        before, after = self.check_s + self.rs_s[k], self.ag_s[k]
+        before, after = self.check_s + self.rs_s[k], self.check_s if self.shared else self.ag_s[k]
         self.cpu_free += before + after
-        self.check_busy += self.check_s
+        self.check_busy += self.check_s + (after if self.shared else 0.0)
         self.rs_busy += self.rs_s[k]
-        self.ag_busy += after
+        self.ag_busy += 0.0 if self.shared else after
         self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
         if record is not None:
             mine = [x for x in record[mark:] if x[0] == "adam" and x[1] == k]
@@ -361,7 +418,7 @@ class _RuntimeLanes(Lanes):
                 record.remove(x)
             record.extend([("reduce_scatter", k, start, start + before),
                            ("adam", k, start + before, start + before + adam),
-                           ("all_gather", k, self.cpu_free - after, self.cpu_free)])
+                           ("copy_ready" if self.shared else "all_gather", k, self.cpu_free - after, self.cpu_free)])
 
     def step_end(self, compute_end: float) -> float:
         """When the step ends (call once, after :meth:`run`): every lane idle and, with several ranks,
@@ -382,8 +439,8 @@ class _DeviceReduceLanes(_RuntimeLanes):
     shard to the device, the all-gather, the gathered copy back), queued in the lanes' issue order."""
 
     def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
-                 device: Cluster):
-        super().__init__(program, hw, cluster, record)
+                 device: Cluster, shared: bool = False):
+        super().__init__(program, hw, cluster, record, shared)
         self.dev_rs_s = [reduce_scatter_seconds(s, device) for s in program.d2h_bytes]
         self.dev_ag_s = [all_gather_seconds(s, device) for s in program.d2h_bytes]
         self.shard_bytes = [shard(s, cluster.world) for s in program.d2h_bytes]
@@ -415,11 +472,18 @@ class _DeviceReduceLanes(_RuntimeLanes):
         self.adam_total += adam
         begin = max(self.cpu_free, self.d2h_free)
         self.cpu_free = begin + adam
-        self.pending.append((k, self.cpu_free))
-        self.pending_of[self.program.d2h_bucket[k]] = self.cpu_free
         if self.record is not None:
             self.record.extend([("device_reduce_scatter", k, rs_start, self.coll_free),
                                 ("d2h", k, start, self.d2h_free), ("adam", k, begin, self.cpu_free)])
+        if self.shared:  # [Note: the runtime's shared host copy]: written in place; the check says it is whole
+            if self.record is not None:
+                self.record.append(("copy_ready", k, self.cpu_free, self.cpu_free + self.check_s))
+            self.cpu_free += self.check_s
+            self.check_busy += self.check_s
+            self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
+            return
+        self.pending.append((k, self.cpu_free))
+        self.pending_of[self.program.d2h_bucket[k]] = self.cpu_free
 
     def flush(self, now: float) -> None:
         """Queue the weights' pieces issued by ``now``, in their order."""
@@ -465,12 +529,13 @@ class _DeferredLanes(Lanes):
     each grad copy followed by its accumulation on the CPU lane; the ends of synced backward passes
     (:meth:`average`) and ``step()`` (:meth:`step`) in absolute times."""
 
-    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None):
+    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
+                 shared: bool = False):
         n_world, g = cluster.world, cluster.gpus_per_node
         super().__init__(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
                          [shard(x, n_world) for x in program.adam_numel],
                          hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g), record)
-        self.world, self.micro = n_world, 0
+        self.world, self.micro, self.shared = n_world, 0, shared
         rate = hw.host_bytes_per_s
         sums = [4 * n for n in program.adam_numel]  # the fp32 sum of each copy's bucket
         # the step's first grads: fp32 ones land in the sum, 16-bit ones are widened into it (read S, write 2S)
@@ -555,17 +620,23 @@ class _DeferredLanes(Lanes):
         for k in range(len(self.ready)):
             adam = self.cpu.adam_seconds(self.adam_numel[k])
             self.adam_total += adam
-            take, gather = (self.take_s[k], self.ag_s[k]) if many else (0.0, 0.0)
+            # with a shared copy the check says every rank wrote its shard ([Note: the runtime's shared host copy])
+            gather = (self.check_s if self.shared else self.ag_s[k]) if many else 0.0
+            take = self.take_s[k] if many else 0.0
             start = max(self.cpu_free, self.ready[k], called)
             self.cpu_free = start + take + adam + gather if many else start + adam
             self.take_busy += take
-            self.ag_busy += gather
+            if self.shared:
+                self.check_busy += gather
+            else:
+                self.ag_busy += gather
             if record is not None:
                 if many:
                     record.append(("take_shard", k, start, start + take))
                 record.append(("adam", k, start + take, start + take + adam))
                 if many:
-                    record.append(("all_gather", k, self.cpu_free - gather, self.cpu_free))
+                    record.append(("copy_ready" if self.shared else "all_gather", k, self.cpu_free - gather,
+                                   self.cpu_free))
         self.stall = self.stall_sum
         end = self.idle_at(compute_end)
         if not many:
