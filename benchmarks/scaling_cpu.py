@@ -108,10 +108,10 @@ def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[
     the design's (see the module docstring). ``shared``: the run's ranks shared one host copy."""
     from offload.planning.collectives import Cluster, Link, gloo_all_reduce_seconds
     from offload.planning.data_parallel import simulate_rank_plan
+    from offload.planning.data_parallel_deferred import simulate_runtime_deferred_plan
     from offload.planning.data_parallel_runtime import (
         all_gather_lane_seconds,
         reduce_scatter_lane_seconds,
-        simulate_runtime_deferred_plan,
         simulate_runtime_plan,
     )
     from offload.planning.hw import HardwareModel, latency_curve

@@ -50,8 +50,8 @@ from ..errors import BudgetTooSmallError, ReportError
 from ..host.node_copy import node_copy_layout
 from ..planning.collectives import GLOO_INTER_OF, Link, cluster_of, gloo_cluster_of
 from ..planning.data_parallel import build_rank_plan, host_bytes_per_node, host_bytes_per_rank, simulate_rank_plan
-from ..planning.data_parallel_runtime import (WEIGHT_GATHER_BUFFERS, simulate_runtime_deferred_plan,
-                                              simulate_runtime_plan, weight_gather_bytes)
+from ..planning.data_parallel_deferred import simulate_runtime_deferred_plan
+from ..planning.data_parallel_runtime import WEIGHT_GATHER_BUFFERS, simulate_runtime_plan, weight_gather_bytes
 from ..planning.plan import Plan
 from ..planning.schedule import build_plan
 from ..host.shard import shard_layout, shard_of

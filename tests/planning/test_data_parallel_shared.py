@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload.planning.collectives import Cluster, Link, gloo_cluster_of
-from offload.planning.data_parallel_runtime import (CHECK_BYTES, simulate_runtime_deferred, simulate_runtime_path)
+from offload.planning.data_parallel_deferred import simulate_runtime_deferred
+from offload.planning.data_parallel_runtime import CHECK_BYTES, simulate_runtime_path
 from offload.planning.simulate import simulate_reference
 from tests.support.planning import drawn_program, flat_hw, lane_program, machines, traces
 
