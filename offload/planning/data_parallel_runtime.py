@@ -109,8 +109,9 @@ every path above; per bucket, on the CPU lane, in place of the weights' half:
   on the device, no gathered copy back, and no gather buffers on the device (the plan's fixed bytes do not
   hold ``weight_gather_bytes``: ``tools.baselines_dp.device_reduce_plan_inputs(..., shared=True)``; the grad
   slots are still padded to their shards);
-* **deferred** ([Note: the runtime's deferred data-parallel step], ``data_parallel_deferred.py``): in ``step()``, per bucket, the shard taken from the averaged sum, its
-  AdamW, then the check, in place of the all-gather.
+* **deferred** ([Note: the runtime's deferred data-parallel step], ``data_parallel_deferred.py``): in
+  ``step()``, per bucket, the shard taken from the averaged sum, its AdamW, then the check, in place of the
+  all-gather.
 
 The bucket's next host-to-device copy (a later one in this step, or the next step's) waits for its check, as
 it waited for the all-gather (``gathered_at``); ``step()``'s check is unchanged. With ranks on several nodes

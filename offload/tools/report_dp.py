@@ -18,11 +18,12 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   the default on one node, ``--share-host-copy``; [Note: the runtime's shared host copy]) nothing of the
   weights is gathered: each rank's AdamW writes its shard into the node's copy and a small check per bucket
   on the CPU lane says it is whole; no gather buffers (``weight_gather_bytes_per_rank`` 0), the grad slots
-  still padded; across nodes each rank keeps its own copy (``host_copy: "per rank"``). gloo, on its nominal presets (``collectives.GLOO_INTRA``, and over
-  ``--inter``'s NICs ``GLOO_INTER_OF``), runs only ``step()``'s check there. ``--grad-reduce host`` (the
+  still padded; across nodes each rank keeps its own copy (``host_copy: "per rank"``). gloo, on its nominal
+  presets (``collectives.GLOO_INTRA``, and over ``--inter``'s NICs ``GLOO_INTER_OF``), runs the checks there
+  (``step()``'s, and with a shared copy one per bucket). ``--grad-reduce host`` (the
   engine's ``grad_reduce="host"``, and what the CPU backend runs by default) costs the report's single-GPU
   plan, the whole buckets' grads copied to the host, reduce-scattered there by gloo and the updated shards
-  all-gathered by gloo, on the CPU lane, instead. float16 defers
+  all-gathered by gloo (a check instead where shared), on the CPU lane, instead. float16 defers
   every update to ``step()``, and so does gradient accumulation (``--micro-batches K``: K forward and backward
   passes per step, the engine with ``overlap_optimizer=False``): their figures are the deferred path's ([Note:
   the runtime's deferred data-parallel step]), whose synced backwards all-reduce every bucket's grads
@@ -35,7 +36,8 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   stay None and ``design_note`` says why.
 
 Host bytes are what the runtime allocates (``offload/host/shard.py``'s layout: its 1/N shard of the fp32
-master, Adam m and v and summed grad, plus the whole device-dtype copy and, where grads are reduced on the host,
+master, Adam m and v and summed grad, plus the whole device-dtype copy (shared: none in the arena, the node's
+one copy in ``host_shared_bytes_per_node`` and ``host_bytes_per_node``) and, where grads are reduced on the host,
 the whole landing grad; tested equal to the arena every rank allocates on either path), beside the design's (the copy once per node and only a 1/N grad shard on the
 host) as ``host_bytes_per_rank_design``."""
 
