@@ -5,11 +5,15 @@ per-GPU budgets, on traces of real model shapes built on the meta device (no wei
 * ``runtime`` (first: it is what the code runs): ``offload/planning/data_parallel_runtime.py`` ([Note: the
   runtime's data-parallel step]): each rank's single-GPU plan, what runs on CUDA (``grad_reduce="auto"``,
   [Note: the runtime's device reduce-scatter]): each bucket's grads reduce-scattered on the device over
-  NCCL's link presets and this rank's 1/N shard copied to the host, the shard's AdamW on the rank's CPU lane,
-  then the updated shard copied to the device, all-gathered there (NCCL) and the gathered bytes copied back
-  to the rank's whole host copy; whole buckets are copied to the device. Each rank's plan has its grad slots
-  padded to the shards and the weights' two gather buffers out of its budget (as the engine plans it); gloo
-  (NOMINAL presets, [Note: gloo's collectives]) runs only ``step()``'s check.
+  NCCL's link presets and this rank's 1/N shard copied to the host, the shard's AdamW on the rank's CPU lane.
+  Then, on ONE node (the engine's default ``share_host_copy=None`` shares there: [Note: the runtime's shared
+  host copy]), the AdamW writes the shard into the node's one host copy and a small gloo check per bucket on
+  the CPU lane says every rank has: nothing of the weights is gathered, and the plan has no gather buffers.
+  Over SEVERAL nodes (each rank its own host copy), the updated shard is copied to the device, all-gathered
+  there (NCCL) and the gathered bytes copied back to the rank's whole host copy, with the weights' two
+  gather buffers out of the plan's budget. Whole buckets are copied to the device; the grad slots are padded
+  to the shards (as the engine plans it); gloo (NOMINAL presets, [Note: gloo's collectives]) runs the
+  checks (``step()``'s, and the shared copy's per bucket).
 * ``design``: ``offload/planning/data_parallel.py`` ([Note: the data-parallel step]): what issue 20 asks
   the runtime to become (NCCL reduce-scatter of the grad slot on the device, a shard copied, an all-gather
   on the device before each use, from a 1/N shard), on NCCL's link presets. The runtime gathers after the
@@ -25,9 +29,11 @@ What is measured in this run: how long tracing and planning took on this machine
 Weak scaling: every rank runs the traced micro-batch (``batch x seq`` tokens), so ``tokens/s = N x batch x
 seq / step`` and the scaling efficiency is ``tokens/s at N / (N x tokens/s at 1) = step at 1 / step at N``.
 
-Host bytes: the runtime path's rows give the runtime's arena (``report_dp.runtime_host_bytes_per_rank``:
-the whole 16-bit copy on every rank, no landing grad: grads are reduced on the device), the design's rows the
-design's.
+Host bytes: the runtime path's rows give the runtime's arena (``report_dp.runtime_host_bytes_per_rank``: no
+landing grad, grads are reduced on the device; the whole 16-bit copy on every rank over several nodes, none on
+one node) and, on one node, the node's one shared copy (``host_shared_bytes_per_node``, in
+``host_bytes_per_node``; ``host_bytes_per_node_per_rank_copy`` is what the node would hold with a copy per
+rank); the design's rows the design's.
 
 Budgets (per GPU): ``zero-offload``: the smallest that holds ZeRO-Offload's rule (every 16-bit parameter on
 the device, the grad slots, activations), so both policies fit; and the step's non-parameter memory plus 25 %
@@ -49,6 +55,7 @@ from rich.console import Console
 from rich.table import Table
 
 from offload.config import format_bytes
+from offload.host.node_copy import node_copy_layout
 from offload.planning.collectives import GLOO_INTER_OF, GLOO_INTRA, INTER, INTRA, cluster_of, gloo_cluster_of
 from offload.planning.data_parallel import host_bytes_per_node, host_bytes_per_rank
 from offload.planning.hw import PRESETS
@@ -73,11 +80,14 @@ SHORT = {"zero-offload": "ZO-min"}  # the table's name of a budget
 GLOO_INTRA_PRESET = "loopback"
 RUNS = "runtime"  # the path the code runs today
 PATHS = {
-    "runtime": "what the code runs on CUDA (grad_reduce=\"device\"): grads reduce-scattered on the device "
-               "(NCCL), a 1/N shard copied to the host and updated by the shard's AdamW on each rank's CPU lane, "
-               "the updated shard copied back to the device, all-gathered there (NCCL, two gather buffers in "
-               "turn) and the gathered bytes copied to the rank's whole host copy; whole buckets copied to the "
-               "device as on one GPU; planned with the grad slots padded and the gather buffers out of the budget "
+    "runtime": "what the code runs on CUDA (grad_reduce=\"device\", share_host_copy=None): grads "
+               "reduce-scattered on the device (NCCL), a 1/N shard copied to the host and updated by the shard's "
+               "AdamW on each rank's CPU lane; on one node the AdamW writes it into the node's one shared host "
+               "copy and a gloo check per bucket says the copy is whole (no all-gather of the weights, no gather "
+               "buffers: [Note: the runtime's shared host copy]); over several nodes the updated shard is copied "
+               "back to the device, all-gathered there (NCCL, two gather buffers in turn) and the gathered bytes "
+               "copied to the rank's whole host copy (the gather buffers out of the budget); whole buckets copied "
+               "to the device as on one GPU; planned with the grad slots padded "
                "(offload/planning/data_parallel_runtime.py, [Note: the runtime's device reduce-scatter])",
     "design": "what issue 20 designs, NOT what runs: device NCCL reduce-scatter, a 1/N shard copied, the "
               "weights all-gathered on the device at each fetch from a 1/N shard (offload/planning/"
@@ -118,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {
         "benchmark": "scaling", "label": "SIMULATED: a cost model, not a measurement", "machine": brief_machine(),
         "runs": RUNS, "paths": PATHS,
+        "host_copy": "runtime path: shared (one host copy per node, share_host_copy=None's default) on one node, "
+                     "per rank over several nodes (each row's host_copy)",
         "itemsize": ITEMSIZE, "bucket_bytes": BUCKET_BYTES, "weak_scaling": "every rank runs batch x seq tokens",
         "efficiency": "tokens/s at N / (N x tokens/s at 1)",
         "budgets": {"zero-offload": "the smallest per-GPU budget ZeRO-Offload's rule fits in",
@@ -152,13 +164,19 @@ def main(argv: list[str] | None = None) -> int:
                         out["links"][link.name] = link.source
                     where = f"{name} {hw_name} {budget_name} {cluster.describe()}"
                     t1 = time.perf_counter()
+                    shared = nodes == 1 and gpus > 1  # the engine's default: one host copy per node on one node
                     with console.status(where):
-                        res = {"runtime": runtime_data_parallel(case, gloo, device=cluster)}
+                        res = {"runtime": runtime_data_parallel(case, gloo, device=cluster, shared=shared)}
                         res.update((p, f(case, cluster)) for p, f in POLICIES.items())
                     out["timings_s"][where] = time.perf_counter() - t1
+                    own_copy = runtime_host_bytes_per_rank(buckets, ITEMSIZE, cluster.world, False,
+                                                           landing=False)  # grads reduced on the device
                     host_rank = {"runtime": runtime_host_bytes_per_rank(buckets, ITEMSIZE, cluster.world, False,
-                                                                        landing=False),  # grads reduced on the device
+                                                                        landing=False, own_copy=not shared),
                                  "design": host_bytes_per_rank(buckets, ITEMSIZE, cluster)}
+                    node_copy = node_copy_layout(buckets, ITEMSIZE)[1] if shared else 0
+                    host_node = {"runtime": cluster.gpus_per_node * host_rank["runtime"] + node_copy,
+                                 "design": cluster.gpus_per_node * host_rank["design"]}
                     cells = {}
                     for p, r in res.items():
                         path = "runtime" if p == "runtime" else "design"
@@ -179,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                             "policy": "greedy" if p == "runtime" else p, "step_s": step,
                             "tokens_per_s": tok, "efficiency": eff, "fits": r.fits, "peak_bytes": r.peak_bytes,
                             "host_bytes_per_rank": host_rank[path],
-                            "host_bytes_per_node": cluster.gpus_per_node * host_rank[path],
+                            "host_bytes_per_node": host_node[path],
+                            # [Note: the runtime's shared host copy]: "shared" on one node, else "per rank"
+                            "host_copy": ("shared" if shared else "per rank") if path == "runtime" else None,
+                            "host_shared_bytes_per_node": node_copy if path == "runtime" else None,
+                            "host_bytes_per_node_per_rank_copy": (cluster.gpus_per_node * own_copy
+                                                                  if path == "runtime" else None),
+                            "check_busy_s": getattr(dp, "check_busy_s", None) if dp else None,
                             "h2d_bytes_per_rank": dp.sim.h2d_bytes if dp else None,
                             "stall_s": dp.sim.stall_s if dp else None,
                             "cpu_adam_s": dp.sim.adam_s if dp else None,
@@ -201,13 +225,15 @@ def main(argv: list[str] | None = None) -> int:
                         cluster.intra.name + (f"+{cluster.inter.name}" if nodes > 1 else ""),
                         *_cells(run), *_cells(ours), *_cells(zo)[::2],
                         f"{zo[0] / ours[0]:.2f}x" if ours[0] and zo[0] else "-",
-                        format_bytes(cluster.gpus_per_node * host_rank["runtime"]),
-                        format_bytes(cluster.gpus_per_node * host_rank["design"]),
+                        format_bytes(host_node["runtime"]) + (" sh" if shared else ""),
+                        format_bytes(host_node["design"]),
                         f"{rdp.device_reduce_busy_s + rdp.device_gather_busy_s:.3f}" if rdp else "-",
                         f"{rdp.sim.d2h_busy_s:.3f}" if rdp else "-")
                 out["goals"].extend(_goals(out["rows"], label, hw_name, budget_name))
     console.print(table)
     console.print(f"The code runs the [bold]{RUNS}[/] path: {PATHS[RUNS]}. The design path: {PATHS['design']}.")
+    console.print("host/node runtime: 'sh' marks one node, where the ranks share one host copy of the weights "
+                  "(share_host_copy=None, the default); without 'sh' each rank keeps its own copy")
     for g in out["goals"]:
         console.print(f"goal [{'green' if g['holds'] else 'red'}]{'holds' if g['holds'] else 'FAILS'}[/]: {g['what']}")
     console.print("SIMULATED: every number above is the cost model's (offload/planning/collectives.py, "

@@ -27,6 +27,13 @@ the runtime's lane makes), as a check of that part of the model.
 backward passes per step, accumulated on the host; ``--no-sync``: the first K - 1 inside ``engine.no_sync()``,
 DDP's idiom), beside ``simulate_runtime_deferred`` ([Note: the runtime's deferred data-parallel step]) of the
 same K and no_sync; the design path models no accumulation and is then not recorded.
+
+The ranks all run on this one host, so the engine shares one host copy of the weights between them by default
+(``share_host_copy=None``: [Note: one host copy per node]): each rank's AdamW writes its shard into it and a
+small check per bucket replaces the all-gather of the weights. ``--share-host-copy no`` runs each rank with its
+own copy (``share_host_copy=False``: gloo's all-gather per bucket), ``yes`` requires the shared one. Whether
+the run shared (``engine.memory_stats()["host_shared_bytes"]``) is recorded per row (``host_copy``) and the
+simulation models what ran ([Note: the runtime's shared host copy]: ``shared=``).
 """
 
 from __future__ import annotations
@@ -95,15 +102,16 @@ def _gloo_link(world: int, times: dict, sizes: tuple[int, int] = (1 << 12, 1 << 
     return bandwidth, latency
 
 
-def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[float, float]) -> dict:
+def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[float, float],
+             shared: bool = False) -> dict:
     """The simulated step of one rank of ``world`` running ``plan``, on the runtime's path and, beside it,
-    the design's (see the module docstring)."""
+    the design's (see the module docstring). ``shared``: the run's ranks shared one host copy."""
     from offload.planning.collectives import Cluster, Link, gloo_all_reduce_seconds
     from offload.planning.data_parallel import simulate_rank_plan
+    from offload.planning.data_parallel_deferred import simulate_runtime_deferred_plan
     from offload.planning.data_parallel_runtime import (
         all_gather_lane_seconds,
         reduce_scatter_lane_seconds,
-        simulate_runtime_deferred_plan,
         simulate_runtime_plan,
     )
     from offload.planning.hw import HardwareModel, latency_curve
@@ -115,16 +123,18 @@ def simulate(plan, compute_s, world: int, args: argparse.Namespace, link: tuple[
     gloo = Link("gloo-loopback", link[0], link[1], source="measured in this run (all-reduce, two sizes)")
     cluster = Cluster(gpus_per_node=world, intra=gloo)
     if args.micro_batches > 1:  # the deferred path; the design path models no accumulation
-        sim = simulate_runtime_deferred_plan(plan, hw, cluster, compute_s, args.micro_batches, args.no_sync)
+        sim = simulate_runtime_deferred_plan(plan, hw, cluster, compute_s, args.micro_batches, args.no_sync,
+                                             shared=shared)
         design_s = None
     else:
-        sim = simulate_runtime_plan(plan, hw, cluster, compute_s)
+        sim = simulate_runtime_plan(plan, hw, cluster, compute_s, shared=shared)
         design_s = simulate_rank_plan(plan, hw, cluster, compute_s).step_s
     return {"path": "runtime", "predicted_step_s": sim.step_s, "predicted_compute_s": sim.sim.compute_s,
             "deferred": sim.deferred, "micro_batches": sim.micro_batches, "no_sync": sim.no_sync,
             "predicted_all_reduce_s": sim.all_reduce_busy_s, "predicted_accumulate_s": sim.accumulate_busy_s,
             "predicted_all_gather_s": sim.all_gather_busy_s, "predicted_reduce_scatter_s": sim.reduce_scatter_busy_s,
-            "predicted_cpu_lane_s": sim.cpu_lane_busy_s, "predicted_step_s_design": design_s,
+            "predicted_cpu_lane_s": sim.cpu_lane_busy_s, "predicted_check_s": sim.check_busy_s,
+            "simulated_host_copy": sim.host_copy, "predicted_step_s_design": design_s,
             "modelled_8MiB_s": {"all_reduce": gloo_all_reduce_seconds(1 << 23, cluster),
                                 "reduce_scatter": reduce_scatter_lane_seconds(1 << 23, hw, cluster),
                                 "all_gather": all_gather_lane_seconds(1 << 23, hw, cluster)},
@@ -143,8 +153,10 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
     model = _model(args.width, args.depth)
     opt = offload.AdamW(model.parameters(), lr=1e-4)
     k = args.micro_batches
+    share = {"auto": None, "yes": True, "no": False}[args.share_host_copy]
     engine = offload.wrap(model, opt, budget=args.budget, dtype=torch.bfloat16, device="cpu",
-                          bucket_bytes=args.bucket, **({"overlap_optimizer": False} if k > 1 else {}))
+                          bucket_bytes=args.bucket, share_host_copy=share,
+                          **({"overlap_optimizer": False} if k > 1 else {}))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g)
     times = []
@@ -166,9 +178,12 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
         rt = engine._runtime  # the plan it executed and its last trace: the public API has only their summary
         plan, trace = rt.executor.plan, rt.executor.trace
         predicted = {}
+        shared = stats.get("host_shared_bytes", 0) > 0  # what ran: the node's one copy, or each rank's own
         if plan is not None and trace is not None:
-            predicted = simulate(plan, trace.compute_seconds, world, args, link)
+            predicted = simulate(plan, trace.compute_seconds, world, args, link, shared)
         Path(out).write_text(json.dumps({"step_s": times, "host_bytes_per_rank": stats["host_pinned_bytes"],
+                                         "host_copy": "shared" if shared else "per rank",
+                                         "host_shared_bytes": stats.get("host_shared_bytes", 0),
                                          "params": sum(p.numel() for p in model.parameters()),
                                          "resident": len(plan.resident) if plan else None,
                                          "buckets": len(plan.buckets) if plan else None,
@@ -218,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=1,
                     help="forward/backward passes per step; > 1: deferred updates (overlap_optimizer=False)")
     ap.add_argument("--no-sync", action="store_true", help="the first micro-batches - 1 inside engine.no_sync()")
+    ap.add_argument("--share-host-copy", choices=("auto", "yes", "no"), default="auto",
+                    help="OffloadConfig.share_host_copy: auto (None, the default: shared on one host), yes, no")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from offload.tools.probe import cpu_adam_params_per_s, host_bytes_per_s
@@ -238,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{k} {r['measured_8MiB_s'][k] * 1e3:.1f} / {v * 1e3:.1f} ms" for k, v in r["modelled_8MiB_s"].items())
         print(f"{r['ranks']} rank(s): step {r['median_step_s'] * 1e3:8.1f} ms  {r['samples_per_s']:9.1f} samples/s  "
               f"efficiency {r['scaling_efficiency']:.2f}  host arena/rank {r['host_bytes_per_rank'] / 2**20:.1f} MiB"
-              + sim)
+              f" + shared {r['host_shared_bytes'] / 2**20:.1f} MiB/node (host copy: {r['host_copy']})" + sim)
     if args.json:
         Path(args.json).write_text(json.dumps({"kind": "measured", "simulated_beside": True,
                                                "simulated_path": "runtime (offload/planning/data_parallel_runtime.py)"
                                                                  "; the design path's prediction beside it",
+                                               "host_copy": "per row: shared (the node's one copy, simulated with "
+                                                            "shared=True) or per rank, as the engine ran",
                                                "config": vars(args),
                                                "machine_before": before,
                                                "machine_after": machine(), "rows": rows}, indent=1))

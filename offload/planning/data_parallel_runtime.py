@@ -89,47 +89,39 @@ pieces are not issued yet is queued once they are (the main thread waits for the
 main thread issues in between is queued behind it; ``copy_credit`` counts the plan's copies only (the
 shards' copies hold the lane but take no credit).
 
-[Note: the runtime's deferred data-parallel step]
-With deferred updates (``overlap_optimizer=False``: gradient accumulation, clipping, float16) the runtime
-runs a step of ``k`` micro-batches (``micro_batches``), each the single-GPU plan's forward and backward, then
-``step()`` ([Note: averaged p.grad] and [Note: no_sync] in ``runtime/distributed.py``; ``runtime/grads.py``'s
-``_copy_piece``, ``_accumulate``, ``_step_deferred``). :func:`simulate_runtime_deferred` runs, per rank:
+[Note: the runtime's deferred data-parallel step] (accumulation, clipping, float16) is in
+``data_parallel_deferred.py``, with :func:`~offload.planning.data_parallel_deferred.simulate_runtime_deferred`.
 
-* **Per micro-batch, the single-GPU lanes**: the plan's copies and compute, each bucket's whole grads to
-  the host at its grad-copy point, then, on the CPU lane, their host accumulation into the bucket's fp32
-  sum (``ShardedHostState.take_staged``): the step's first grads of a 16-bit bucket are widened into it
-  (read ``S``, write ``2 S``), fp32 ones land in it (nothing to do); a later micro-batch's are added (read
-  the staged ``S``, read and write the sum) and the sum's norms renewed (one more read of it). No AdamW
-  runs during backward. Resident buckets are refreshed only at the step's start (``step()`` does it); a
-  later micro-batch's forward starts once the previous backward's grad copies are done (``wait_for_copies``).
-* **The end of a synced backward** (every backward, or with ``no_sync`` only the last: [Note: no_sync]),
-  with several ranks: on the main thread, once the CPU lane drained (the accumulation) and every grad
-  copy landed (``average_gathered``), one check all-gather of the bucket set, then per bucket gloo's ring
-  all-reduce of its fp32 sum (``4 x`` the trainable elements), its division by ``world`` and the norms'
-  read of it (host passes at ``host_bytes_per_s``), one after the other: they are charged to the CPU lane
-  (it is idle then) and the next micro-batch's forward (or ``step()``) starts after them.
-* **step()**: per bucket, on the CPU lane, the rank's shard of the averaged sum taken locally (no
-  reduce-scatter: ``_take_shard``'s copy and scaling of ``S_fp32 / N``), the shard's AdamW at ``1/G`` of
-  the node's rate, the all-gather of the 16-bit shards (as the overlapped path's); then the lane drains and
-  every rank joins ``agree_replan``'s check all-gather. With one rank: no collective, the AdamW of the
-  whole bucket from its sum.
+[Note: the runtime's shared host copy]
+Where every rank of the group runs on one node, the runtime keeps ONE device-dtype host copy of the weights
+for the node ([Note: one host copy per node] in ``host/node_copy.py``; ``OffloadConfig.share_host_copy``,
+None by default: shared where possible). Each rank's AdamW writes its shard's updated device-dtype elements
+straight into it (the kernel writes the 16-bit copy in the same pass: no copy more), so nothing of the
+weights is gathered, on the host or on the device. ``shared=True`` (one node, several ranks) models it on
+every path above; per bucket, on the CPU lane, in place of the weights' half:
 
-``micro_batches=k, no_sync=True`` is the usual DDP idiom (the first ``k - 1`` backward passes inside
-``no_sync``, the last outside: one all-reduce per bucket per step); ``no_sync=False`` all-reduces after every
-backward (``k`` per step). ``offload report --gpus N`` shows float16 as ``micro_batches=1`` (one backward per
-step, its end all-reduces): the report has no accumulation option.
+* **host grads** (the first note): the check and the reduce-scatter, the shard's AdamW, then one check
+  all-gather of ``CHECK_BYTES`` per rank (``DataParallel._node_copy_ready``: every rank wrote its shard), at
+  ``gloo_all_gather_seconds`` on the gloo links; recorded as ``"copy_ready"``. No gloo all-gather of the
+  weights, no copies of it;
+* **device grads** (the device note): the reduce-scatter on the device and the shard's copy to the host as
+  there, the shard's AdamW, then the same check on the CPU lane; no shard copied to the device, no all-gather
+  on the device, no gathered copy back, and no gather buffers on the device (the plan's fixed bytes do not
+  hold ``weight_gather_bytes``: ``tools.baselines_dp.device_reduce_plan_inputs(..., shared=True)``; the grad
+  slots are still padded to their shards);
+* **deferred** ([Note: the runtime's deferred data-parallel step], ``data_parallel_deferred.py``): in
+  ``step()``, per bucket, the shard taken from the averaged sum, its AdamW, then the check, in place of the
+  all-gather.
 
-Simplifications (stated), beyond the previous note's: the updates in ``step()`` run in the order the
-grads' copies were issued, not in bucket order (``sorted(pending)``): with several ranks every grad is on
-the host and averaged before ``step()``, so the order moves no time; with one rank the runtime's first
-update (bucket 0, whose grads land last) waits for the last copy, so its tail may be longer by up to that
-copy's landing after compute end; with it, one rank of ``k = 1`` in fp32 (grads land in the sum) is the
-single-GPU simulation with AdamW after backward (``Program.adam_after_backward``) bit for bit (tested). The
-16-bit widening and the norms are not in the single-GPU simulator (planning does not charge them). The
-device-side norms of the first grads (``_slot_norms``), the overflow check and ``clip_grad_norm_`` (no
-collective once averaged) are not charged; a step whose last backward ran inside ``no_sync`` (``step()``
-then reduce-scatters the local sums) is not modelled; copy credit over ``k > 1`` micro-batches sums each
-micro-batch's stalls on the last micro-batch's copy durations.
+The bucket's next host-to-device copy (a later one in this step, or the next step's) waits for its check, as
+it waited for the all-gather (``gathered_at``); ``step()``'s check is unchanged. With ranks on several nodes
+the runtime cannot share (each rank keeps its own copy: the paths above), and ``shared=True`` is refused.
+One rank shares nothing: ``N = 1`` is the single-GPU simulation whatever ``shared`` says (tested).
+
+Simplifications (stated), beyond the previous notes': the ranks' reads of the one copy by their
+host-to-device copies (``G`` GPUs reading the same pages) are not charged for host memory bandwidth, as the
+per-rank copies' were not; the check is the lane's only collective per bucket on the device path, its latency
+being all the weights' half costs there.
 """
 
 from __future__ import annotations
@@ -140,14 +132,14 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .buckets import Bucket
-from .collectives import (Cluster, all_gather_seconds, gloo_all_gather_seconds, gloo_all_reduce_seconds,
-                          gloo_reduce_scatter_seconds, reduce_scatter_seconds)
+from .collectives import (Cluster, all_gather_seconds, gloo_all_gather_seconds, gloo_reduce_scatter_seconds,
+                          reduce_scatter_seconds)
 from .data_parallel import shard
 from .greedy import compute_times
 from .hw import HardwareModel
 from .plan import Plan
 from .schedule import program_of
-from .simulate import STEP_START, Lanes, Program, SimResult, add_up
+from .simulate import Lanes, Program, SimResult, add_up
 
 PATHS = ("runtime", "design")
 """The two data-parallel cost models: what the runtime runs (this module), what issue 20 designs
@@ -196,6 +188,14 @@ class RuntimePathResult:
     grad_reduce: str = "host"
     device_reduce_busy_s: float = 0.0
     device_gather_busy_s: float = 0.0
+    # [Note: the runtime's shared host copy]: one copy per node, each bucket's check instead of a gather
+    # (check_busy_s counts those checks)
+    shared: bool = False
+
+    @property
+    def host_copy(self) -> str:
+        """``"shared"`` (one copy per node) or ``"per rank"``."""
+        return "shared" if self.shared else "per rank"
 
     @property
     def step_s(self) -> float:
@@ -209,7 +209,8 @@ class RuntimePathResult:
 
 
 def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
-                          record: list | None = None, device: Cluster | None = None) -> RuntimePathResult:
+                          record: list | None = None, device: Cluster | None = None,
+                          shared: bool = False) -> RuntimePathResult:
     """One rank's step of ``program`` (the single-GPU lane program the rank runs) under [Note: the runtime's
     data-parallel step], on ``cluster``'s gloo links (``collectives.gloo_cluster_of``). ``record`` gets
     ``(lane, index, start, end)`` as :func:`~offload.planning.simulate.simulate_reference`'s does; on the
@@ -218,13 +219,16 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     reduce-scattered and the weights all-gathered on the device over that cluster's (NCCL) links ([Note: the
     runtime's device reduce-scatter]; recorded per grad copy as ``"device_reduce_scatter"``, the grads' shard
     copy ``"d2h"``, ``"adam"``, the weights' shard copy ``"h2d_shard"``, ``"device_all_gather"`` and the
-    gathered copy back ``"d2h_gathered"``)."""
+    gathered copy back ``"d2h_gathered"``). ``shared``: the node's ranks share one host copy ([Note: the
+    runtime's shared host copy]): each bucket's check after its AdamW, recorded as ``"copy_ready"``, in place
+    of the weights' all-gather (gloo's, or the device's three pieces)."""
     _refuse_unmodelled(program)
+    shared = shared_copy_on(shared, cluster)
     on_device = device is not None and cluster.world > 1
     if device is not None and device.world != cluster.world:
         raise ValueError(f"the device cluster has {device.world} ranks and the gloo one {cluster.world}")
-    lanes = (_DeviceReduceLanes(program, hw, cluster, record, device) if on_device and device is not None
-             else _RuntimeLanes(program, hw, cluster, record))
+    lanes = (_DeviceReduceLanes(program, hw, cluster, record, device, shared) if on_device and device is not None
+             else _RuntimeLanes(program, hw, cluster, record, shared))
     compute_end = lanes.run(program.compute_s)
     step = lanes.step_end(compute_end)
     dev = lanes if isinstance(lanes, _DeviceReduceLanes) else None
@@ -234,54 +238,19 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     many = cluster.world > 1
     return RuntimePathResult(
         sim, cluster.world, lanes.rs_busy, lanes.ag_busy, lanes.check_busy,
-        sum(program.d2h_bytes) if many else 0, sum(program.d2h_bytes) if many else 0,
+        sum(program.d2h_bytes) if many else 0, sum(program.d2h_bytes) if many and not shared else 0,
         cluster.gpus_per_node * (h2d + d2h), grad_reduce="device" if on_device else "host",
         device_reduce_busy_s=dev.coll_busy if dev is not None else 0.0,
-        device_gather_busy_s=dev.gather_busy if dev is not None else 0.0)
+        device_gather_busy_s=dev.gather_busy if dev is not None else 0.0, shared=shared)
 
 
 def simulate_runtime_plan(plan: Plan, hw: HardwareModel, cluster: Cluster,
-                          compute_s: Sequence[float] | None = None, device: Cluster | None = None) -> RuntimePathResult:
+                          compute_s: Sequence[float] | None = None, device: Cluster | None = None,
+                          shared: bool = False) -> RuntimePathResult:
     """:func:`simulate_runtime_path` of a plan's lane program (the plan as the runtime builds it: the
-    single-GPU plan, ``schedule.build_plan`` on the rank's budget); ``device`` as there."""
-    return simulate_runtime_path(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster, device=device)
-
-
-def simulate_runtime_deferred(program: Program, hw: HardwareModel, cluster: Cluster, micro_batches: int = 1,
-                              no_sync: bool = False, record: list | None = None) -> RuntimePathResult:
-    """One rank's step of ``micro_batches`` forward and backward passes of ``program`` (the single-GPU lane
-    program the rank runs) and ``step()``, with deferred updates: [Note: the runtime's deferred data-parallel
-    step]. ``no_sync``: the first ``micro_batches - 1`` backward passes end inside ``no_sync()`` (no
-    collective). ``record`` as :func:`simulate_runtime_path`'s, every micro-batch's work at its time; the CPU
-    lane's work recorded as ``"accumulate"`` (copy index), ``"check"`` (-2: a backward's end, -1: ``step()``'s),
-    ``"all_reduce"``, ``"take_shard"``, ``"adam"`` and ``"all_gather"`` (copy index)."""
-    if not (isinstance(micro_batches, int) and micro_batches >= 1):
-        raise ValueError(f"micro_batches must be an integer >= 1; got {micro_batches!r}")
-    _refuse_device_optimizer(program)
-    lanes = _DeferredLanes(program, hw, cluster, record)
-    start = compute_end = ended = 0.0
-    for j in range(micro_batches):
-        compute_end = lanes.micro_batch(j, start)
-        synced = lanes.world > 1 and (not no_sync or j == micro_batches - 1)
-        ended = lanes.average(compute_end) if synced else compute_end  # where the backward call returns
-        start = max(ended, lanes.d2h_free)  # the next forward waits for this backward's grad copies
-    step = lanes.step(compute_end, ended)
-    k, many = micro_batches, cluster.world > 1
-    d2h = k * sum(program.d2h_bytes)
-    sim = lanes.result(step, add_up(program.compute_s) * k, lanes.h2d_total, d2h)
-    return RuntimePathResult(
-        sim, cluster.world, lanes.take_busy, lanes.ag_busy, lanes.check_busy, 0,
-        sum(program.d2h_bytes) if many else 0, cluster.gpus_per_node * (lanes.h2d_total + d2h),
-        deferred=True, micro_batches=k, no_sync=no_sync, all_reduce_busy_s=lanes.ar_busy,
-        all_reduce_bytes=lanes.ar_bytes, accumulate_busy_s=lanes.acc_busy)
-
-
-def simulate_runtime_deferred_plan(plan: Plan, hw: HardwareModel, cluster: Cluster,
-                                   compute_s: Sequence[float] | None = None, micro_batches: int = 1,
-                                   no_sync: bool = False) -> RuntimePathResult:
-    """:func:`simulate_runtime_deferred` of a plan's lane program (the single-GPU plan the runtime builds)."""
-    return simulate_runtime_deferred(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster,
-                                     micro_batches, no_sync)
+    single-GPU plan, ``schedule.build_plan`` on the rank's budget); ``device`` and ``shared`` as there."""
+    return simulate_runtime_path(program_of(plan, compute_times(plan.trace, compute_s)), hw, cluster, device=device,
+                                 shared=shared)
 
 
 def reduce_scatter_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) -> float:
@@ -289,7 +258,7 @@ def reduce_scatter_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster
     a clone, the clone and the rank's chunk copied out (host copies: read + write at ``host_bytes_per_s``)."""
     if cluster.world == 1:
         return 0.0
-    return gloo_reduce_scatter_seconds(nbytes, cluster) + _copies(nbytes + shard(nbytes, cluster.world), hw)
+    return gloo_reduce_scatter_seconds(nbytes, cluster) + host_copy_seconds(nbytes + shard(nbytes, cluster.world), hw)
 
 
 def all_gather_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) -> float:
@@ -297,10 +266,20 @@ def all_gather_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) ->
     gloo's ring all-gather, PyTorch's copy of the flat output into place and ``take_gathered_copy``'s."""
     if cluster.world == 1:
         return 0.0
-    return gloo_all_gather_seconds(nbytes, cluster) + _copies(shard(nbytes, cluster.world) + 2 * nbytes, hw)
+    return gloo_all_gather_seconds(nbytes, cluster) + host_copy_seconds(shard(nbytes, cluster.world) + 2 * nbytes, hw)
 
 
-def _copies(nbytes: int, hw: HardwareModel) -> float:
+def shared_copy_on(shared: bool, cluster: Cluster) -> bool:
+    """Whether the step runs with the node's shared copy ([Note: the runtime's shared host copy]): never with
+    one rank (nothing to share); ``shared`` over several nodes is refused."""
+    if shared and cluster.nodes > 1:
+        raise ValueError(f"shared=True: the ranks share one host copy only on one node; the cluster has "
+                         f"{cluster.nodes} nodes (each rank keeps its own copy there: shared=False)")
+    return bool(shared) and cluster.world > 1
+
+
+def host_copy_seconds(nbytes: int, hw: HardwareModel) -> float:
+    """A host copy of ``nbytes``: read + write at ``hw.host_bytes_per_s``."""
     return 2 * nbytes / hw.host_bytes_per_s
 
 
@@ -309,10 +288,11 @@ def _refuse_unmodelled(program: Program) -> None:
         raise ValueError("the runtime's data-parallel path updates each bucket as its grads land (overlapped); "
                          "a program whose AdamW waits for the end of backward is not modelled on it: use "
                          "data_parallel.simulate_data_parallel (path='design')")
-    _refuse_device_optimizer(program)
+    refuse_device_optimizer(program)
 
 
-def _refuse_device_optimizer(program: Program) -> None:
+def refuse_device_optimizer(program: Program) -> None:
+    """Device-optimizer buckets are not modelled on the runtime's data-parallel paths: a ValueError."""
     if any(program.device_adam_numel) or any(program.device_return_bytes):
         raise ValueError("device-optimizer buckets are not modelled on the runtime's data-parallel path")
 
@@ -321,13 +301,14 @@ class _RuntimeLanes(Lanes):
     """One rank's lanes on the runtime's path: the single-GPU lanes (whole-bucket copies), with each
     bucket's reduce-scatter before, and all-gather after, its shard's AdamW on the CPU lane."""
 
-    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None):
+    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
+                 shared: bool = False):
         n_world, g = cluster.world, cluster.gpus_per_node
         super().__init__(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
                          [shard(x, n_world) for x in program.adam_numel],
                          hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g), record)
         self.world = n_world
-
+        self.shared = shared  # [Note: the runtime's shared host copy]: a check after each AdamW, no gather
         self.check_s = gloo_all_gather_seconds(CHECK_BYTES * n_world, cluster)
         self.rs_s = [reduce_scatter_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
         self.ag_s = [all_gather_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
@@ -346,14 +327,15 @@ class _RuntimeLanes(Lanes):
         if self.world == 1:  # no collective: the single-GPU step
             return
         # The CPU lane is one thread: where the AdamW started, the check and the reduce-scatter run first,
-        # then the AdamW, then the all-gather; the lane is free again only after it.
+        # then the AdamW, then the all-gather (or, with a shared copy, its check); the lane is free again only
+        # after it.
         adam = self.cpu.adam_seconds(self.adam_numel[k])
         start = self.cpu_free - adam
-        before, after = self.check_s + self.rs_s[k], self.ag_s[k]
+        before, after = self.check_s + self.rs_s[k], self.check_s if self.shared else self.ag_s[k]
         self.cpu_free += before + after
-        self.check_busy += self.check_s
+        self.check_busy += self.check_s + (after if self.shared else 0.0)
         self.rs_busy += self.rs_s[k]
-        self.ag_busy += after
+        self.ag_busy += 0.0 if self.shared else after
         self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
         if record is not None:
             mine = [x for x in record[mark:] if x[0] == "adam" and x[1] == k]
@@ -361,7 +343,7 @@ class _RuntimeLanes(Lanes):
                 record.remove(x)
             record.extend([("reduce_scatter", k, start, start + before),
                            ("adam", k, start + before, start + before + adam),
-                           ("all_gather", k, self.cpu_free - after, self.cpu_free)])
+                           ("copy_ready" if self.shared else "all_gather", k, self.cpu_free - after, self.cpu_free)])
 
     def step_end(self, compute_end: float) -> float:
         """When the step ends (call once, after :meth:`run`): every lane idle and, with several ranks,
@@ -382,8 +364,8 @@ class _DeviceReduceLanes(_RuntimeLanes):
     shard to the device, the all-gather, the gathered copy back), queued in the lanes' issue order."""
 
     def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
-                 device: Cluster):
-        super().__init__(program, hw, cluster, record)
+                 device: Cluster, shared: bool = False):
+        super().__init__(program, hw, cluster, record, shared)
         self.dev_rs_s = [reduce_scatter_seconds(s, device) for s in program.d2h_bytes]
         self.dev_ag_s = [all_gather_seconds(s, device) for s in program.d2h_bytes]
         self.shard_bytes = [shard(s, cluster.world) for s in program.d2h_bytes]
@@ -415,11 +397,18 @@ class _DeviceReduceLanes(_RuntimeLanes):
         self.adam_total += adam
         begin = max(self.cpu_free, self.d2h_free)
         self.cpu_free = begin + adam
-        self.pending.append((k, self.cpu_free))
-        self.pending_of[self.program.d2h_bucket[k]] = self.cpu_free
         if self.record is not None:
             self.record.extend([("device_reduce_scatter", k, rs_start, self.coll_free),
                                 ("d2h", k, start, self.d2h_free), ("adam", k, begin, self.cpu_free)])
+        if self.shared:  # [Note: the runtime's shared host copy]: written in place; the check says it is whole
+            if self.record is not None:
+                self.record.append(("copy_ready", k, self.cpu_free, self.cpu_free + self.check_s))
+            self.cpu_free += self.check_s
+            self.check_busy += self.check_s
+            self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
+            return
+        self.pending.append((k, self.cpu_free))
+        self.pending_of[self.program.d2h_bucket[k]] = self.cpu_free
 
     def flush(self, now: float) -> None:
         """Queue the weights' pieces issued by ``now``, in their order."""
@@ -457,121 +446,3 @@ class _DeviceReduceLanes(_RuntimeLanes):
 
     def idle_at(self, compute_end: float) -> float:
         return max(super().idle_at(compute_end), self.coll_free)
-
-
-class _DeferredLanes(Lanes):
-    """One rank's lanes on the runtime's deferred path ([Note: the runtime's deferred data-parallel step]):
-    the single-GPU lanes run once per micro-batch (:meth:`micro_batch`, in times relative to its start),
-    each grad copy followed by its accumulation on the CPU lane; the ends of synced backward passes
-    (:meth:`average`) and ``step()`` (:meth:`step`) in absolute times."""
-
-    def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None):
-        n_world, g = cluster.world, cluster.gpus_per_node
-        super().__init__(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
-                         [shard(x, n_world) for x in program.adam_numel],
-                         hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g), record)
-        self.world, self.micro = n_world, 0
-        rate = hw.host_bytes_per_s
-        sums = [4 * n for n in program.adam_numel]  # the fp32 sum of each copy's bucket
-        # the step's first grads: fp32 ones land in the sum, 16-bit ones are widened into it (read S, write 2S)
-        self.acc_first = [0.0 if s == w else (s + w) / rate for s, w in zip(program.d2h_bytes, sums)]
-        # a later micro-batch's: read the staged S, read and write the sum, read it for the norms
-        self.acc_add = [(s + 3 * w) / rate for s, w in zip(program.d2h_bytes, sums)]
-        self.check_s = gloo_all_gather_seconds(CHECK_BYTES * n_world, cluster)
-        # the all-reduce of the sum, its division by world (read + write), the norms' read of it
-        self.ar_s = [gloo_all_reduce_seconds(w, cluster) + _copies(w, hw) + w / rate for w in sums]
-        self.sum_bytes = sums
-        # _take_shard: the shard of the averaged sum copied out and scaled by world (two read + write passes)
-        self.take_s = [_copies(2 * shard(w, n_world), hw) for w in sums]
-        self.ag_s = [all_gather_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
-        self.ready = [0.0] * len(program.d2h_bytes)  # per grad copy: when its sum is up to date (absolute)
-        self.stall_sum = [0.0] * len(program.compute_s)
-        self.h2d_total = 0
-        self.take_busy = self.ag_busy = self.check_busy = self.ar_busy = self.acc_busy = 0.0
-        self.ar_bytes = 0
-
-    def micro_batch(self, j: int, start: float) -> float:
-        """Micro-batch ``j``'s forward and backward from ``start``: returns when its compute ends."""
-        self.micro = j
-        self.h2d_free -= start
-        self.d2h_free -= start
-        self.cpu_free -= start
-        mark = len(self.record) if self.record is not None else 0
-        end = self.run(self.program.compute_s) + start
-        self.h2d_free += start
-        self.d2h_free += start
-        self.cpu_free += start
-        self.compute_end = end
-        self.ready = [x + start for x in self.ready]
-        self.stall_sum = [a + b for a, b in zip(self.stall_sum, self.stall)]
-        if self.record is not None:
-            self.record[mark:] = [(lane, i, a + start, b + start) for lane, i, a, b in self.record[mark:]]
-        return end
-
-    def issue_h2d(self, k: int, now: float) -> None:
-        if self.micro and self.program.h2d_event[k] == STEP_START:
-            # a resident bucket is refreshed in step() only: later micro-batches find it on the device
-            self.h2d_done[k], self.cum[k], self.period_of[k] = -1.0, 1.0, k
-            return
-        self.h2d_total += self.program.h2d_bytes[k]
-        super().issue_h2d(k, now)
-
-    def issue_d2h(self, k: int, now: float) -> None:
-        """The whole bucket's grads to the host, then their accumulation into its sum on the CPU lane."""
-        start = self.to_host(self.d2h_bytes[k], now)
-        self.d2h_done[k] = self.d2h_free
-        if self.record is not None:
-            self.record.append(("d2h", k, start, self.d2h_free))
-        acc = self.acc_add[k] if self.micro else self.acc_first[k]
-        if not acc:
-            self.ready[k] = self.d2h_free
-            return
-        self.cpu_free = max(self.cpu_free, self.d2h_free) + acc
-        self.ready[k] = self.cpu_free
-        self.acc_busy += acc
-        if self.record is not None:
-            self.record.append(("accumulate", k, self.cpu_free - acc, self.cpu_free))
-
-    def average(self, compute_end: float) -> float:
-        """The end of a synced backward ([Note: averaged p.grad]): once the lane drained and every copy
-        landed, the check and each bucket's all-reduce, one after the other; returns when they are done."""
-        t = max(compute_end, self.cpu_free, self.d2h_free)
-        pieces = [("check", -2, self.check_s)] + [("all_reduce", k, s) for k, s in enumerate(self.ar_s)]
-        for lane, k, s in pieces:
-            if self.record is not None:
-                self.record.append((lane, k, t, t + s))
-            t += s
-        self.check_busy += self.check_s
-        self.ar_busy += sum(self.ar_s)
-        self.ar_bytes += sum(self.sum_bytes)
-        self.cpu_free = t
-        return t
-
-    def step(self, compute_end: float, called: float) -> float:
-        """``step()``, called at ``called`` (the last backward's end): every bucket's update on the CPU lane
-        (with several ranks: its shard taken, AdamW, all-gather), then ``agree_replan``'s check; returns the
-        step's end."""
-        record, many = self.record, self.world > 1
-        for k in range(len(self.ready)):
-            adam = self.cpu.adam_seconds(self.adam_numel[k])
-            self.adam_total += adam
-            take, gather = (self.take_s[k], self.ag_s[k]) if many else (0.0, 0.0)
-            start = max(self.cpu_free, self.ready[k], called)
-            self.cpu_free = start + take + adam + gather if many else start + adam
-            self.take_busy += take
-            self.ag_busy += gather
-            if record is not None:
-                if many:
-                    record.append(("take_shard", k, start, start + take))
-                record.append(("adam", k, start + take, start + take + adam))
-                if many:
-                    record.append(("all_gather", k, self.cpu_free - gather, self.cpu_free))
-        self.stall = self.stall_sum
-        end = self.idle_at(compute_end)
-        if not many:
-            return end
-        check_start = max(called, self.cpu_free)
-        self.check_busy += self.check_s
-        if record is not None:
-            record.append(("check", -1, check_start, check_start + self.check_s))
-        return max(end, check_start + self.check_s)

@@ -19,7 +19,9 @@ against DeepSpeed ZeRO-Offload's data-parallel rule on the same trace, buckets, 
   runs on CUDA ([Note: the runtime's device reduce-scatter]: grads reduce-scattered on the device, a 1/N
   shard copied, the updated shards all-gathered on the device; planned with the grad slots padded and the
   gather buffers out of the budget); without it, whole buckets are copied and reduce-scattered by gloo (the
-  CPU backend's path).
+  CPU backend's path). ``shared``: the node's ranks share one host copy of the weights, as the runtime does
+  by default on one node ([Note: the runtime's shared host copy]: each rank writes its updated shard into
+  it, a small check per bucket, no all-gather of the weights and no gather buffers on the device).
 """
 
 from __future__ import annotations
@@ -79,30 +81,34 @@ def greedy_data_parallel(case: Case, cluster: Cluster) -> RankResult:
 
 
 def device_reduce_plan_inputs(buckets: Sequence[Bucket], itemsize: int, world: int,
-                              fixed_bytes: int) -> tuple[tuple[Bucket, ...], int]:
-    """The buckets and fixed bytes the engine plans a rank of ``world`` with where grads are reduced and
-    weights gathered on the device ([Note: the runtime's device reduce-scatter]): each grad slot padded to its
-    shards (the runtime's own ``pad_buckets``), and the weights' gather buffers (:func:`weight_gather_bytes`,
-    device memory outside the arena) counted beside ``fixed_bytes``."""
+                              fixed_bytes: int, shared: bool = False) -> tuple[tuple[Bucket, ...], int]:
+    """The buckets and fixed bytes the engine plans a rank of ``world`` with where grads are reduced on the
+    device ([Note: the runtime's device reduce-scatter]): each grad slot padded to its shards (the runtime's
+    own ``pad_buckets``), and, where the weights are gathered on the device (each rank its own host copy:
+    ``shared`` False), the gather buffers (:func:`weight_gather_bytes`, device memory outside the arena)
+    counted beside ``fixed_bytes``. With the node's shared copy (``shared``) the runtime makes no gather
+    buffer ([Note: the runtime's shared host copy]): ``fixed_bytes`` as given."""
     padded = pad_buckets(buckets, world)
-    return padded, fixed_bytes + weight_gather_bytes(padded, itemsize)
+    return padded, fixed_bytes + (0 if shared else weight_gather_bytes(padded, itemsize))
 
 
-def runtime_data_parallel(case: Case, gloo: Cluster, device: Cluster | None = None) -> RankResult:
-    """The runtime's path on ``gloo`` (a cluster with gloo's links), grads reduced and weights gathered on
-    ``device`` if given: the single-GPU plan within the rank's budget, as ``Executor._build`` makes it (on the
-    device path with the grad slots padded and the gather buffers out of the budget:
-    :func:`device_reduce_plan_inputs`), simulated by :func:`simulate_runtime_plan`."""
+def runtime_data_parallel(case: Case, gloo: Cluster, device: Cluster | None = None,
+                          shared: bool = False) -> RankResult:
+    """The runtime's path on ``gloo`` (a cluster with gloo's links), grads reduced (and, without ``shared``,
+    weights gathered) on ``device`` if given: the single-GPU plan within the rank's budget, as
+    ``Executor._build`` makes it (on the device path with the grad slots padded and any gather buffers out of
+    the budget: :func:`device_reduce_plan_inputs`), simulated by :func:`simulate_runtime_plan`. ``shared``: the
+    node's ranks share one host copy (one node only)."""
     buckets, fixed = case.buckets, case.fixed_bytes
     if device is not None and device.world > 1:
-        buckets, fixed = device_reduce_plan_inputs(buckets, case.itemsize, device.world, fixed)
+        buckets, fixed = device_reduce_plan_inputs(buckets, case.itemsize, device.world, fixed, shared)
     try:
         plan = build_plan(case.trace, buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
                           fixed_bytes=fixed, hw=case.hw, compute_s=case.compute_s)
     except BudgetTooSmallError as e:
         return RankResult("runtime", None, e.min_budget_bytes, False)
-    return RankResult("runtime", simulate_runtime_plan(plan, case.hw, gloo, case.compute_s, device), plan.peak_bytes,
-                      True)
+    return RankResult("runtime", simulate_runtime_plan(plan, case.hw, gloo, case.compute_s, device, shared),
+                      plan.peak_bytes, True)
 
 
 POLICIES = {"greedy": greedy_data_parallel, "zero-offload": zero_offload_data_parallel}

@@ -14,11 +14,16 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   ``device_gather_busy_s``); whole buckets copied to the device as on one GPU. That plan is the engine's on
   this path: the grad slots padded to their shards and the weights' two gather buffers
   (``weight_gather_bytes_per_rank``) out of the budget, so its ``device_peak_bytes_per_rank`` includes both
-  (not the report's single-GPU ``plan``). gloo, on its nominal presets (``collectives.GLOO_INTRA``, and over
-  ``--inter``'s NICs ``GLOO_INTER_OF``), runs only ``step()``'s check there. ``--grad-reduce host`` (the
+  (not the report's single-GPU ``plan``). Where the node's ranks share one host copy (``host_copy: "shared"``,
+  the default on one node, ``--share-host-copy``; [Note: the runtime's shared host copy]) nothing of the
+  weights is gathered: each rank's AdamW writes its shard into the node's copy and a small check per bucket
+  on the CPU lane says it is whole; no gather buffers (``weight_gather_bytes_per_rank`` 0), the grad slots
+  still padded; across nodes each rank keeps its own copy (``host_copy: "per rank"``). gloo, on its nominal
+  presets (``collectives.GLOO_INTRA``, and over ``--inter``'s NICs ``GLOO_INTER_OF``), runs the checks there
+  (``step()``'s, and with a shared copy one per bucket). ``--grad-reduce host`` (the
   engine's ``grad_reduce="host"``, and what the CPU backend runs by default) costs the report's single-GPU
   plan, the whole buckets' grads copied to the host, reduce-scattered there by gloo and the updated shards
-  all-gathered by gloo, on the CPU lane, instead. float16 defers
+  all-gathered by gloo (a check instead where shared), on the CPU lane, instead. float16 defers
   every update to ``step()``, and so does gradient accumulation (``--micro-batches K``: K forward and backward
   passes per step, the engine with ``overlap_optimizer=False``): their figures are the deferred path's ([Note:
   the runtime's deferred data-parallel step]), whose synced backwards all-reduce every bucket's grads
@@ -31,7 +36,8 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   stay None and ``design_note`` says why.
 
 Host bytes are what the runtime allocates (``offload/host/shard.py``'s layout: its 1/N shard of the fp32
-master, Adam m and v and summed grad, plus the whole device-dtype copy and, where grads are reduced on the host,
+master, Adam m and v and summed grad, plus the whole device-dtype copy (shared: none in the arena, the node's
+one copy in ``host_shared_bytes_per_node`` and ``host_bytes_per_node``) and, where grads are reduced on the host,
 the whole landing grad; tested equal to the arena every rank allocates on either path), beside the design's (the copy once per node and only a 1/N grad shard on the
 host) as ``host_bytes_per_rank_design``."""
 
@@ -46,8 +52,8 @@ from ..errors import BudgetTooSmallError, ReportError
 from ..host.node_copy import node_copy_layout
 from ..planning.collectives import GLOO_INTER_OF, Link, cluster_of, gloo_cluster_of
 from ..planning.data_parallel import build_rank_plan, host_bytes_per_node, host_bytes_per_rank, simulate_rank_plan
-from ..planning.data_parallel_runtime import (WEIGHT_GATHER_BUFFERS, simulate_runtime_deferred_plan,
-                                              simulate_runtime_plan, weight_gather_bytes)
+from ..planning.data_parallel_deferred import simulate_runtime_deferred_plan
+from ..planning.data_parallel_runtime import WEIGHT_GATHER_BUFFERS, simulate_runtime_plan, weight_gather_bytes
 from ..planning.plan import Plan
 from ..planning.schedule import build_plan
 from ..host.shard import shard_layout, shard_of
@@ -58,7 +64,10 @@ from .report import Report
 RUNS = "runtime"
 DEFERRED_FP16 = ("float16 defers every update to step() (loss scaling): the deferred path, one backward per step "
                  "(its end all-reduces every bucket's grads over the ranks; step() updates each rank's shard and "
-                 "all-gathers the 16-bit copy)")
+                 "{weights})")
+# what step() does with the updated 16-bit shards, per host copy ([Note: the runtime's shared host copy])
+WEIGHTS_BACK = {"shared": "writes it into the node's shared 16-bit copy (a check per bucket, no all-gather)",
+                "per rank": "all-gathers the 16-bit copy"}
 DESIGN_ONE_BACKWARD = ("the design path and ZeRO-Offload's data-parallel rule are modelled for one backward per "
                        "step only: no figure with --micro-batches above 1")
 
@@ -72,20 +81,25 @@ def check_accumulation(micro_batches: int, no_sync: bool) -> None:
                           "but the last of a step", usage=True)
 
 
-def deferred_note(fp16: bool, micro_batches: int, no_sync: bool) -> str:
-    """What the deferred figures stand for."""
+def deferred_note(fp16: bool, micro_batches: int, no_sync: bool, host_copy: str = "per rank") -> str:
+    """What the deferred figures stand for (``host_copy``: "shared" or "per rank")."""
     if micro_batches == 1:
-        return DEFERRED_FP16
+        return DEFERRED_FP16.format(weights=WEIGHTS_BACK[host_copy])
     why = "float16 and gradient accumulation defer" if fp16 else "gradient accumulation defers"
     synced = ("only the last backward all-reduces every bucket's grads over the ranks, the others run inside "
               "engine.no_sync()" if no_sync else "every backward's end all-reduces every bucket's grads over the ranks")
     return (f"{micro_batches} forward and backward passes per step; {why} every update to step() "
             f"(overlap_optimizer=False): the deferred path. Grads are summed on the host; {synced}; step() updates "
-            "each rank's shard and all-gathers the 16-bit copy")
+            f"each rank's shard and {WEIGHTS_BACK[host_copy]}")
 
 
 def device_peak_note(gather_bytes: int) -> str:
-    """What the device path's peak per rank counts beyond the single-GPU plan."""
+    """What the device path's peak per rank counts beyond the single-GPU plan (``gather_bytes``: 0 where the
+    node's ranks share one host copy and nothing is gathered on the device)."""
+    if not gather_bytes:
+        return ("grad_reduce=\"device\": the engine's plan on this path, with each grad slot padded to its shards "
+                "(the node's ranks share one host copy of the weights: nothing of them is all-gathered on the "
+                "device); the device peak includes the padding")
     return (f"grad_reduce=\"device\": the engine's plan on this path, with each grad slot padded to its shards "
             f"and the weights' {WEIGHT_GATHER_BUFFERS} gather buffers ({format_bytes(gather_bytes)}, outside the "
             "arena) out of the budget; the device peak includes both")
@@ -135,10 +149,15 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inte
         "links": {x.name: x.source for x in links},
         "simulated": "cost model on nominal link presets, not measured",
         "runs": "runtime: the flat keys are the path the engine runs with grad_reduce (the key; by default on "
-                "CUDA, overlapped: grads reduce-scattered on the device, a shard to the host, the updated shard "
-                "back to the device and all-gathered there, the gathered copy to the host; deferred: every "
-                "collective on the host); *_design keys are issue 20's design (weights gathered on the device "
-                "at each fetch), which does not run",
+                "CUDA, overlapped: grads reduce-scattered on the device, a shard to the host; deferred: every "
+                "collective on the host) and host_copy (the key; by default shared on one node: each rank writes "
+                "its updated shard into the node's one copy, a check per bucket, no all-gather of the weights; "
+                "per rank: the updated shards all-gathered, on the device with grad_reduce device, else by gloo); "
+                "*_design keys are issue 20's design (weights gathered on the device at each fetch), which does "
+                "not run",
+        # [Note: the runtime's shared host copy]: "shared" (one copy per node, a check per bucket instead of
+        # any all-gather of the weights) or "per rank" (each rank's own copy, all-gathered)
+        "host_copy": "shared" if shared else "per rank",
         "host_bytes_per_rank": per_rank, "host_bytes_per_node": cluster.gpus_per_node * per_rank + node_copy,
         "host_shared_bytes_per_node": node_copy,  # [Note: one host copy per node]: 0 where each rank keeps its own
         "host_bytes_per_rank_design": host_bytes_per_rank(plan.buckets, lowp, cluster, accumulate),
@@ -159,26 +178,29 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inte
         return out
     tokens = cluster.world * r.batch * r.seq * micro_batches
     run_plan: Plan | None = plan
-    if on_device:  # the engine's plan on this path: padded grad slots, the gather buffers out of the budget
-        buckets, fixed = device_reduce_plan_inputs(plan.buckets, plan.itemsize, cluster.world, plan.fixed_bytes)
-        gather = weight_gather_bytes(buckets, plan.itemsize)
+    if on_device:  # the engine's plan on this path: padded grad slots, any gather buffers out of the budget
+        buckets, fixed = device_reduce_plan_inputs(plan.buckets, plan.itemsize, cluster.world, plan.fixed_bytes,
+                                                   shared)
+        gather = 0 if shared else weight_gather_bytes(buckets, plan.itemsize)
         out.update(weight_gather_bytes_per_rank=gather, device_peak_note=device_peak_note(gather))
         try:
             run_plan = build_plan(plan.trace, buckets, itemsize=plan.itemsize, budget_bytes=r.budget_bytes,
                                   fixed_bytes=fixed, hw=r.hw, compute_s=report.compute_s,
                                   headroom_bytes=plan.headroom_bytes)
         except BudgetTooSmallError as e:
-            out.update(runtime_note=f"grad_reduce=\"device\" does not fit the budget: with the gather buffers "
-                                    f"and padded grad slots it needs at least {format_bytes(e.min_budget_bytes)}")
+            what = "padded grad slots" if shared else "the gather buffers and padded grad slots"
+            out.update(runtime_note=f"grad_reduce=\"device\" does not fit the budget: with {what} it needs at "
+                                    f"least {format_bytes(e.min_budget_bytes)}")
             run_plan = None
     if run_plan is not None:
         out.update(fits=True, device_peak_bytes_per_rank=run_plan.peak_bytes)
         if accumulate:  # updates deferred to step() ([Note: the runtime's deferred data-parallel step])
             rt = simulate_runtime_deferred_plan(run_plan, r.hw, gloo, report.compute_s, micro_batches=micro_batches,
-                                                no_sync=no_sync)
-            out.update(runtime_note=deferred_note(fp16, micro_batches, no_sync))
+                                                no_sync=no_sync, shared=shared)
+            out.update(runtime_note=deferred_note(fp16, micro_batches, no_sync, "shared" if shared else "per rank"))
         else:
-            rt = simulate_runtime_plan(run_plan, r.hw, gloo, report.compute_s, device=cluster if on_device else None)
+            rt = simulate_runtime_plan(run_plan, r.hw, gloo, report.compute_s, device=cluster if on_device else None,
+                                       shared=shared)
         out.update(predicted_step_s=rt.step_s, tokens_per_s=tokens / rt.step_s,
                    device_reduce_busy_s=rt.device_reduce_busy_s, device_gather_busy_s=rt.device_gather_busy_s,
                    all_gather_busy_s=rt.all_gather_busy_s, reduce_scatter_busy_s=rt.reduce_scatter_busy_s,
@@ -222,14 +244,21 @@ def render_data_parallel(dp: dict, console: Console) -> None:
     t.add_column("design path (issue 20, not run)", justify="right")
     nccl = dp["intra"] + (f" + {dp['inter']}" if dp["inter"] else "")
     gloo = "gloo on the host: " + dp["gloo_intra"] + (f" + {dp['gloo_inter']}" if dp["gloo_inter"] else "")
-    t.add_row("collectives", (f"grads and weights NCCL on the device ({nccl}), checks {gloo}"
-                              if dp["grad_reduce"] == "device" else gloo), "NCCL on the device: " + nccl)
+    shared = dp["host_copy"] == "shared"
+    if dp["grad_reduce"] == "device":
+        where = (f"grads NCCL on the device ({nccl}), checks {gloo}" if shared
+                 else f"grads and weights NCCL on the device ({nccl}), checks {gloo}")
+    else:
+        where = gloo + (" (grads; weights: a check)" if shared else "")
+    t.add_row("collectives", where, "NCCL on the device: " + nccl)
+    t.add_row("host copy of the weights", "one shared by the node's ranks" if shared else "one per rank",
+              "one per node")
     design = dp["design_note"] is None  # else: not modelled (the note says why)
     gather = dp["weight_gather_bytes_per_rank"]
-    t.add_row("device peak per rank" + (" (with the gather buffers)" if gather is not None else ""),
+    t.add_row("device peak per rank" + (" (with the gather buffers)" if gather else ""),
               _bytes(dp["device_peak_bytes_per_rank"]),
               _bytes(dp["device_peak_bytes_per_rank_design"]) if design else "not modelled")
-    if gather is not None:
+    if gather:
         t.add_row("  of which weights' gather buffers", format_bytes(gather), "")
     t.add_row("pinned host per rank", format_bytes(dp["host_bytes_per_rank"]),
               format_bytes(dp["host_bytes_per_rank_design"]))
@@ -240,10 +269,13 @@ def render_data_parallel(dp: dict, console: Console) -> None:
               _seconds(dp["predicted_step_s_design"]) if design else "not modelled")
     t.add_row("tokens/s (all ranks)", _rate(dp["tokens_per_s"]), _rate(dp["tokens_per_s_design"]))
     on_device = dp["grad_reduce"] == "device"  # the collectives row says where they run
+    reduce = dp["device_reduce_busy_s"] if on_device else dp["reduce_scatter_busy_s"]
     t.add_row("all-gather / reduce-scatter busy",
-              _pair(dp["device_gather_busy_s"], dp["device_reduce_busy_s"]) if on_device
-              else _pair(dp["all_gather_busy_s"], dp["reduce_scatter_busy_s"]),
+              (f"none / {reduce:.3f} s" if reduce is not None else "-") if shared
+              else _pair(dp["device_gather_busy_s"], reduce) if on_device else _pair(dp["all_gather_busy_s"], reduce),
               _pair(dp["all_gather_busy_s_design"], dp["reduce_scatter_busy_s_design"]))
+    if dp["check_busy_s"] is not None:  # with a shared copy, one per bucket on the CPU lane
+        t.add_row("checks busy (gloo, CPU lane)", f"{dp['check_busy_s']:.4f} s", "")
     if dp["runtime_path"] == "deferred" and dp["all_reduce_busy_s"] is not None:
         t.add_row("all-reduce busy (every synced backward)" if k > 1 else "all-reduce per backward busy",
                   f"{dp['all_reduce_busy_s']:.3f} s", "")

@@ -1,4 +1,4 @@
-"""The runtime's deferred data-parallel path as a cost model (offload/planning/data_parallel_runtime.py,
+"""The runtime's deferred data-parallel path as a cost model (offload/planning/data_parallel_deferred.py,
 [Note: the runtime's deferred data-parallel step]): one rank of one fp32 micro-batch reproducing the
 single-GPU simulation (AdamW after backward) bit for bit, a step worked out by hand, the all-reduce charged
 per synced backward (growing with micro-batches without no_sync, not with it), the accumulation charged
@@ -17,7 +17,8 @@ from offload.planning.collectives import (
     gloo_all_reduce_seconds,
     gloo_cluster_of,
 )
-from offload.planning.data_parallel_runtime import CHECK_BYTES, simulate_runtime_deferred
+from offload.planning.data_parallel_deferred import simulate_runtime_deferred
+from offload.planning.data_parallel_runtime import CHECK_BYTES
 from offload.planning.simulate import simulate, simulate_reference
 from tests.support.planning import drawn_program, flat_hw, lane_program, machines, traces
 

@@ -66,7 +66,14 @@ def test_report_gpus_float16_gives_the_deferred_runtime_path(capsys):
     rc, out = _json(capsys, "--gpus", "2", "--dtype", "fp16")
     dp = out["data_parallel"]
     assert rc == 0 and dp["fits"] and dp["runtime_path"] == "deferred" and dp["micro_batches"] == 1
-    assert dp["predicted_step_s"] > 0 and dp["all_reduce_busy_s"] > 0 and dp["all_gather_busy_s"] > 0
+    assert dp["predicted_step_s"] > 0 and dp["all_reduce_busy_s"] > 0
+    # one node: the shared host copy, step()'s updates write into it and check, nothing is all-gathered
+    assert dp["host_copy"] == "shared" and dp["all_gather_busy_s"] == 0 and "shared 16-bit copy" in dp["runtime_note"]
+    rc, own = _json(capsys, "--gpus", "2", "--dtype", "fp16", "--share-host-copy", "no")
+    own = own["data_parallel"]
+    assert rc == 0 and own["host_copy"] == "per rank" and own["all_gather_busy_s"] > 0
+    assert "all-gathers the 16-bit copy" in own["runtime_note"]
+    assert own["predicted_step_s"] > dp["predicted_step_s"]
     assert dp["accumulate_busy_s"] > 0  # float16 grads widened into the fp32 sums
     assert "deferred" in dp["runtime_note"] and dp["predicted_step_s_design"] > 0
     assert dp["grad_reduce"] == "host" and dp["device_reduce_busy_s"] == 0  # deferred: every collective on the host
@@ -87,6 +94,14 @@ def test_report_gpus_table_and_usage_errors(capsys):
     text = capsys.readouterr().out
     assert "data parallel on 4 GPUs" in text and "SIMULATED" in text and "pinned host per node" in text
     assert "runtime path (what runs)" in text and "design path" in text and "gloo-loopback" in text
+    # one node: the ranks share the host copy, so nothing is gathered on the device and no buffer is named
+    assert "one shared by the node's ranks" in text and "gather buffers" not in text
+    assert "none / 0.0" in text and "checks busy" in text  # no all-gather of the weights; the checks instead
+    assert "each grad slot padded to its shards" in text and "one shared copy" in text
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "4",
+                     "--share-host-copy", "no"]) == 0
+    text = capsys.readouterr().out
+    assert "one per rank" in text and "one shared" not in text
     assert "device peak per rank (with the gather buffers)" in text and "of which weights' gather buffers" in text
     assert "each grad slot padded to its shards" in text
     assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--gpus", "6", "--nodes", "4"]) == 2
@@ -125,8 +140,8 @@ def test_report_gpus_with_micro_batches_gives_the_deferred_path_per_step_of_k(ca
 def test_report_gpus_grad_reduce_host_and_its_usage_errors(capsys):
     # --grad-reduce host: the whole buckets' grads land on the host (2 B/param more per rank in bf16) and gloo
     # reduce-scatters them there on the CPU lane; the default reduces them on the device
-    rc, device = _json(capsys, "--gpus", "2")
-    rc2, host = _json(capsys, "--gpus", "2", "--grad-reduce", "host")
+    rc, device = _json(capsys, "--gpus", "2", "--share-host-copy", "no")  # each rank's own copy, all-gathered
+    rc2, host = _json(capsys, "--gpus", "2", "--grad-reduce", "host", "--share-host-copy", "no")
     assert rc == rc2 == 0
     d, h = device["data_parallel"], host["data_parallel"]
     assert (d["grad_reduce"], h["grad_reduce"]) == ("device", "host")
@@ -153,7 +168,8 @@ def test_report_gpus_device_peak_counts_the_gather_buffers_and_the_padding():
                                  hw=PRESETS["pcie4"], host_ram_bytes=64 << 30, host_ram_source="given",
                                  bucket_bytes="auto"))
     plan = report.plan
-    dp = data_parallel(report, 5, 1, "nvlink3", "ib200")  # 5: gpt2 prefixes (multiples of 384) need padding
+    # 5: gpt2 prefixes (multiples of 384) need padding; each rank's own host copy: the weights gathered on the device
+    dp = data_parallel(report, 5, 1, "nvlink3", "ib200", share_host_copy="no")
     slots = [-(-(-(-b.trainable_numel // 5)) // 16) * 16 * 5 for b in plan.buckets]
     assert any(n > b.trainable_numel for n, b in zip(slots, plan.buckets))  # some padding to plan with
     gather = 2 * max(slots) * 2  # two buffers of the largest padded prefix, in bf16
@@ -167,6 +183,39 @@ def test_report_gpus_device_peak_counts_the_gather_buffers_and_the_padding():
     # where the buffers and the padding do not fit, the device path says so and gives no figure
     tight = make_report(dataclasses.replace(report.request, budget_bytes=report.min_budget_bytes))
     assert tight.fits
-    squeezed = data_parallel(tight, 5, 1, "nvlink3", "ib200")
+    squeezed = data_parallel(tight, 5, 1, "nvlink3", "ib200", share_host_copy="no")
     assert not squeezed["fits"] and squeezed["predicted_step_s"] is None
     assert "does not fit the budget" in squeezed["runtime_note"]
+
+
+def test_report_gpus_shares_the_host_copy_on_one_node(capsys):
+    """The engine's default on one node ([Note: the runtime's shared host copy]): one host copy for the node, no
+    all-gather of the weights (neither on the device nor by gloo), no gather buffers in the plan; across nodes,
+    or with --share-host-copy no, each rank's own copy as before. The JSON and the table say which."""
+    rc, shared = _json(capsys, "--gpus", "8")
+    rc2, own = _json(capsys, "--gpus", "8", "--share-host-copy", "no")
+    rc3, nodes = _json(capsys, "--gpus", "16", "--nodes", "2")
+    assert rc == rc2 == rc3 == 0
+    s, o, n = shared["data_parallel"], own["data_parallel"], nodes["data_parallel"]
+    assert (s["host_copy"], o["host_copy"], n["host_copy"]) == ("shared", "per rank", "per rank")
+    assert s["grad_reduce"] == o["grad_reduce"] == "device"
+    assert s["device_gather_busy_s"] == 0 and s["all_gather_busy_s"] == 0 and o["device_gather_busy_s"] > 0
+    assert s["device_reduce_busy_s"] == pytest.approx(o["device_reduce_busy_s"], rel=0.2)
+    assert s["check_busy_s"] > o["check_busy_s"]  # a check per bucket on the CPU lane
+    # the step is not asserted faster: on the device path the CPU lane (the AdamW) gains a check per bucket and
+    # loses nothing (the gather ran on the device and the copy lanes); the saving is host and device memory
+    assert s["predicted_step_s"] > 0 and o["predicted_step_s"] > 0
+    # no gather buffers: planned with the padded grad slots alone, so within the budget at no more device peak
+    assert s["weight_gather_bytes_per_rank"] == 0 and o["weight_gather_bytes_per_rank"] > 0
+    assert "gather buffers" not in s["device_peak_note"] and "gather buffers" in o["device_peak_note"]
+    assert s["device_peak_bytes_per_rank"] <= o["device_peak_bytes_per_rank"] <= shared["budget_bytes"]
+    # host bytes: the rank's arena less its copy, the node's one copy beside them; 7 copies fewer on 8 GPUs
+    copy = s["host_shared_bytes_per_node"]
+    assert copy >= 2 * shared["trainable_params"] and o["host_shared_bytes_per_node"] == 0
+    assert s["host_bytes_per_node"] == 8 * s["host_bytes_per_rank"] + copy
+    assert o["host_bytes_per_rank"] - s["host_bytes_per_rank"] == copy
+    assert o["host_bytes_per_node"] - s["host_bytes_per_node"] == 7 * copy
+    assert n["host_shared_bytes_per_node"] == 0 and n["weight_gather_bytes_per_rank"] > 0
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "16",
+                     "--nodes", "2", "--share-host-copy", "yes"]) == 2
+    assert "one node" in capsys.readouterr().err

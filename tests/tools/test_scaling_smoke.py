@@ -73,10 +73,17 @@ def test_the_runtime_path_beside_the_design(result):
     for r, d in zip(runtime, design):
         assert (r["gpus"], r["budget"], r["inter_nics"]) == (d["gpus"], d["budget"], d["inter_nics"])
         assert r["intra"] == "gloo-loopback" and (r["inter"] is None) == (r["nodes"] == 1)
-        # the runtime's own arena (one definition: report_dp), the whole 16-bit copy on every rank
+        # the runtime's own arena (one definition: report_dp): on one node of several ranks the node's one shared
+        # copy beside it ([Note: the runtime's shared host copy]), over several nodes the whole copy on every rank
+        shared = r["nodes"] == 1 and r["gpus"] > 1
+        assert r["host_copy"] == ("shared" if shared else "per rank")
         assert r["host_bytes_per_rank"] == runtime_host_bytes_per_rank(buckets, scaling.ITEMSIZE, r["gpus"], False,
-                                                                       landing=False)  # grads reduced on the device
-        assert r["host_bytes_per_node"] == r["gpus_per_node"] * r["host_bytes_per_rank"]
+                                                                       landing=False, own_copy=not shared)
+        assert r["host_bytes_per_node"] == r["gpus_per_node"] * r["host_bytes_per_rank"] + r[
+            "host_shared_bytes_per_node"]
+        assert (r["host_shared_bytes_per_node"] > 0) == shared
+        copy = r["host_bytes_per_node_per_rank_copy"] - r["host_bytes_per_node"]
+        assert copy == ((r["gpus_per_node"] - 1) * r["host_shared_bytes_per_node"] if shared else 0)
         assert r["node_host_copy_bytes"] is None or r["node_host_copy_bytes"] >= r["gpus_per_node"] * r[
             "h2d_bytes_per_rank"] > 0
         assert r["fits"] == d["fits"]
@@ -85,18 +92,22 @@ def test_the_runtime_path_beside_the_design(result):
         if r["gpus"] == 1:  # one rank: no collective on either path, the same single-GPU step
             assert r["step_s"] == d["step_s"] and r["efficiency"] == d["efficiency"] == 1.0
             assert r["all_gather_busy_s"] == 0
-        elif r["gpus"] == 2:  # the engine's plan: grad slots padded to 2 shards of 16-element multiples, and
-            # two buffers of the largest padded prefix (bf16) out of the budget (worked out here by hand)
-            slots = [-(-(-(-b.trainable_numel // 2)) // 16) * 16 * 2 for b in buckets]
-            padded = [dataclasses.replace(b, grad_padding=n - b.trainable_numel) for n, b in zip(slots, buckets)]
-            gather = 2 * max(slots) * scaling.ITEMSIZE
+        else:  # the engine's plan: grad slots padded to N shards of 16-element multiples, and over several nodes
+            # two buffers of the largest padded prefix (bf16) out of the budget (worked out here by hand); on one
+            # node (the shared copy) no gather buffer
+            n = r["gpus"]
+            slots = [-(-(-(-b.trainable_numel // n)) // 16) * 16 * n for b in buckets]
+            padded = [dataclasses.replace(b, grad_padding=m - b.trainable_numel) for m, b in zip(slots, buckets)]
+            gather = 0 if shared else 2 * max(slots) * scaling.ITEMSIZE
             hw = PRESETS[r["hw"]]
             engine = build_plan(mt.trace, padded, itemsize=scaling.ITEMSIZE, budget_bytes=r["budget_bytes"],
                                 fixed_bytes=mt.buffer_bytes + gather, hw=hw, compute_s=mt.compute_s(hw))
             assert r["peak_bytes"] == engine.peak_bytes <= r["budget_bytes"]
         if r["gpus"] > 1:
-            assert r["host_bytes_per_rank"] > d["host_bytes_per_rank"]
-            # grads and weights on the device: both collectives there, none on the CPU lane
-            assert r["device_gather_busy_s"] > 0 and r["device_reduce_busy_s"] > 0
+            assert r["host_bytes_per_rank"] > d["host_bytes_per_rank"] or shared
+            # grads reduce-scattered on the device; the weights all-gathered there only without a shared copy,
+            # which has a check per bucket on the CPU lane instead; gloo's collectives never
+            assert (r["device_gather_busy_s"] > 0) != shared and r["device_reduce_busy_s"] > 0
+            assert r["check_busy_s"] > 0
             assert r["all_gather_busy_s"] == r["reduce_scatter_busy_s"] == 0
             assert r["tokens_per_s"] == pytest.approx(r["gpus"] * r["batch"] * r["seq"] / r["step_s"])
