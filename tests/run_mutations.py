@@ -223,8 +223,9 @@ sys.path.insert(0, {copy!r})
 os.environ["SKBUILD_EDITABLE_SKIP"] = os.pathsep.join(
     [os.environ.get("SKBUILD_EDITABLE_SKIP", ""), *(str(getattr(f, "path", "") or "") for f in drop)])
 os.environ["PYTHONPATH"] = os.pathsep.join([{copy!r}, os.environ.get("PYTHONPATH", "")])
-import pytest
-sys.exit(pytest.main(sys.argv[1:]))
+if __name__ == "__main__":  # a spawned rank imports this module again (as __mp_main__): no pytest there
+    import pytest
+    sys.exit(pytest.main(sys.argv[1:]))
 """
 
 
