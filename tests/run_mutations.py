@@ -191,12 +191,22 @@ MUTATIONS = [
     ("N3", "weights written outside a step (load_state_dict, p.data): no check that every rank's part of the node's "
      "copy is in (`copy_written`)", "offload/runtime/weights.py",
      "            self.ctx.dp.copy_written()", "            pass", SHARED),
+    ("G11", "a grad D2H into the host's staging ring does not wait for the ring bytes' previous CPU-lane reader "
+     "([Note: grad staging ring])", "offload/runtime/grads.py",
+     "after = [*waits, *dst.after] + (", "after = [*waits] + (",
+     ["TESTS", "tests/runtime/test_chaos.py::test_one_slot_grad_ring_bitwise_equal_under_chaos"]),
     # -- the fast path (commit 50c6a53) ----------------------------------------------------------------------
     ("F1", "the end of a fast backward marks no boundary (step()'s refresh copies vs the backward's reads)",
      "offload/runtime/core.py",
      "                self.slots.mark_boundary()\n            else:\n                executor.leave_unless_followed()",
      "                pass\n            else:\n                executor.leave_unless_followed()",
      [f"{_FAST}[overlap]", f"{_FAST}[deferred]"]),
+    ("R18", "a fast step's departure moves grad slots out without waiting for the copies (leave_keeping_weights)",
+     "offload/runtime/executor.py",
+     "        self.ctx.stats[\"plan_departures\"] += 1\n        with torch.no_grad():\n"
+     "            self.ctx.backend.synchronize()\n            for move_out in self._leaving:",
+     "        self.ctx.stats[\"plan_departures\"] += 1\n        with torch.no_grad():\n"
+     "            for move_out in self._leaving:", [f"{_FAST}[overlap]", f"{_FAST}[deferred]", "TESTS"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("B6+R7", "on-demand fetch: neither empty()'s wait nor the boundary orders the H2D after compute", "+",
      "B6+R7", ""),
@@ -249,7 +259,8 @@ def tests_of(mutation) -> list[str]:
     """The tests a mutation runs: its own list, TESTS if it has none, a pair's: its first part's."""
     if mutation[2] == "+":
         return tests_of(next(m for m in MUTATIONS if m[0] == mutation[3].split("+")[0]))
-    return list(mutation[5]) if len(mutation) > 5 else TESTS
+    listed = mutation[5] if len(mutation) > 5 else ["TESTS"]
+    return [t for name in listed for t in (TESTS if name == "TESTS" else [name])]
 
 
 def missing_patterns(mutations) -> list[str]:
@@ -292,6 +303,8 @@ def run_one(mutation, timeout: int) -> tuple[str, float, str]:
         for line in out.splitlines():
             if line.startswith("E ") and not reason:
                 reason = line[1:].strip()[:160]
+        if "SimulatedRace(" in out:  # a spawned rank's race, inside its traceback: name it, not the traceback
+            reason = out[out.index("SimulatedRace("):][:200].splitlines()[0]
         return ("caught by " + ", ".join(caught)) if caught else f"pytest exit {proc.returncode}", \
             time.time() - t0, reason
 
