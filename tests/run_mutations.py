@@ -7,8 +7,10 @@ Every selected mutation's text must occur exactly once in its file, or the runne
 anything (``--check`` only does that check): a mutation is never skipped silently.
 
 Each mutation is applied to a copy of the repository (the checkout is never touched), and pytest runs the
-simulated-GPU tests there (``-x``: the first test that fails is the one that caught it). The built
-``offload._C`` of this checkout is copied along. The table it prints is what tests/MUTATIONS.md records.
+simulated-GPU tests there (``-x``: the first test that fails is the one that caught it): ``TESTS``, or the
+mutation's own list (issue 20's data-parallel device path: the two-rank tests, whose spawned ranks import
+the copy too; the fast path's simulated-GPU test). The built ``offload._C`` of this checkout is copied along.
+The table it prints is what tests/MUTATIONS.md records.
 """
 
 from __future__ import annotations
