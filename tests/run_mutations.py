@@ -216,6 +216,8 @@ MUTATIONS = [
      "B7+P2", ""),
     ("B6+R12", "a new arena: neither empty()'s wait nor the boundary orders its first H2Ds after compute", "+",
      "B6+R12", ""),
+    ("G11+G10", "accumulation: a grad D2H into ring bytes waits neither for their previous reader nor for the "
+     "previous pass's add", "+", "G11+G10", ""),
 ]
 
 _BIT = "tests/backend/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"
