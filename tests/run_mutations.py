@@ -224,7 +224,8 @@ _BIT = "tests/backend/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bi
 TESTS = ["tests/backend/test_sim_strict.py", f"{_BIT}[mlp]", f"{_BIT}[gpt]", f"{_BIT}[reused_module]",
          "tests/backend/test_cuda_backend.py::test_simulated_gpu_training_features_bit_for_bit_like_the_cpu_backend"
          "[accumulate-clip]",
-         "tests/backend/test_cuda_backend.py::test_simulated_gpu_departures_evaluation_and_checkpoint"]
+         "tests/backend/test_cuda_backend.py::test_simulated_gpu_departures_evaluation_and_checkpoint",
+         "tests/backend/test_sim_update_order.py"]
 
 LAUNCH = """
 import os, sys
