@@ -308,8 +308,10 @@ def run_one(mutation, timeout: int) -> tuple[str, float, str]:
         for line in out.splitlines():
             if line.startswith("E ") and not reason:
                 reason = line[1:].strip()[:160]
-        if "SimulatedRace('" in out:  # a spawned rank's race, inside its traceback: name it, not the traceback
-            reason = out[out.index("SimulatedRace('"):][:200].splitlines()[0]
+        for mark in ("SimulatedRace: ", "SimulatedRace('"):  # a spawned rank's race, inside its traceback: name
+            if mark in out:  # it, not the traceback's first line
+                reason = out[out.index(mark):][:200].splitlines()[0]
+                break
         return ("caught by " + ", ".join(caught)) if caught else f"pytest exit {proc.returncode}", \
             time.time() - t0, reason
 
