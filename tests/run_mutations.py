@@ -208,7 +208,8 @@ MUTATIONS = [
      "        self.ctx.stats[\"plan_departures\"] += 1\n        with torch.no_grad():\n"
      "            self.ctx.backend.synchronize()\n            for move_out in self._leaving:",
      "        self.ctx.stats[\"plan_departures\"] += 1\n        with torch.no_grad():\n"
-     "            for move_out in self._leaving:", [f"{_FAST}[overlap]", f"{_FAST}[deferred]", "TESTS"]),
+     "            for move_out in self._leaving:", [f"{_FAST}[overlap]", f"{_FAST}[deferred]",
+                                               "tests/runtime/test_fast_departure_sim.py", "TESTS"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("B6+R7", "on-demand fetch: neither empty()'s wait nor the boundary orders the H2D after compute", "+",
      "B6+R7", ""),
