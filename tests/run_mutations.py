@@ -192,7 +192,8 @@ MUTATIONS = [
      "            pass  # every rank's part of it is in before any fetch reads it", SHARED),
     ("N3", "weights written outside a step (load_state_dict, p.data): no check that every rank's part of the node's "
      "copy is in (`copy_written`)", "offload/runtime/weights.py",
-     "            self.ctx.dp.copy_written()", "            pass", SHARED),
+     "            self.ctx.dp.copy_written()", "            pass",
+     [*SHARED, "tests/distributed/test_node_copy_written.py"]),
     ("G11", "a grad D2H into the host's staging ring does not wait for the ring bytes' previous CPU-lane reader "
      "([Note: grad staging ring])", "offload/runtime/grads.py",
      "after = [*waits, *dst.after] + (", "after = [*waits] + (",
