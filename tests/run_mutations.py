@@ -7,8 +7,10 @@ Every selected mutation's text must occur exactly once in its file, or the runne
 anything (``--check`` only does that check): a mutation is never skipped silently.
 
 Each mutation is applied to a copy of the repository (the checkout is never touched), and pytest runs the
-simulated-GPU tests there (``-x``: the first test that fails is the one that caught it). The built
-``offload._C`` of this checkout is copied along. The table it prints is what tests/MUTATIONS.md records.
+simulated-GPU tests there (``-x``: the first test that fails is the one that caught it): ``TESTS``, or the
+mutation's own list (issue 20's data-parallel device path: the two-rank tests, whose spawned ranks import
+the copy too; the fast path's simulated-GPU test). The built ``offload._C`` of this checkout is copied along.
+The table it prints is what tests/MUTATIONS.md records.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (id, what it breaks, file, old text, new text): old must occur exactly once in file
+_DP = "tests/distributed/test_data_parallel.py::test_a_forward_between_backward_and_step_sees_every_ranks_update"
+_DEV = "tests/distributed/test_device_reduce.py::test_two_ranks_reduced_on_the_simulated_gpu"
+_FAST = "tests/runtime/test_fast_path.py::test_fast_steps_on_the_simulated_gpu_order_the_refresh_after_backward"
+# issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
+GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
+SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
+REDUCED = [f"{_DEV}[gathered]", f"{_DEV}[shared]"]  # [Note: grads reduced on the device]
+
+# (id, what it breaks, file, old text, new text[, the tests to run: TESTS if absent]): old must occur exactly
+# once in file
 MUTATIONS = [
     # -- the backend (offload/backend/cuda.py): the mechanisms -----------------------------------------------
     ("B1", "copies wait for no device event (compute->copy, copy->copy, slot reuse)", "offload/backend/cuda.py",
@@ -50,7 +61,7 @@ MUTATIONS = [
      "            self._h2d.wait_stream(self._compute_stream())  # [Note: stream-ordered memory]",
      "            pass  # [Note: stream-ordered memory]"),
     ("B8", "synchronize() does not wait for the copies", "offload/backend/cuda.py",
-     "            for stream in (self._h2d, self._d2h):\n                if stream is not None:\n"
+     "            for stream in (self._h2d, self._d2h, self._coll, self._wcoll):\n                if stream is not None:\n"
      "                    stream.synchronize()",
      "            pass"),
     ("B9", "no compute stream bound at the first forward (defect 7: the user's stream)", "offload/backend/cuda.py",
@@ -66,8 +77,8 @@ MUTATIONS = [
     ("R3", "an H2D does not wait for the AdamW of its bucket (AdamW->H2D)", "offload/runtime/slots.py",
      "(*waits, self.adam_event.get(b))", "(*waits,)"),
     ("R4", "compute does not wait for a bucket's H2D (copy->compute)", "offload/runtime/slots.py",
-     "        self.ctx.backend.wait(self.h2d_event[b])\n        self.set_state(b, Residency.DEVICE)\n        self.touch(b)",
-     "        self.set_state(b, Residency.DEVICE)\n        self.touch(b)"),
+     "        self.ctx.backend.wait(self.h2d_event[b])\n        self.set_state(b, Residency.DEVICE)\n        if b not in",
+     "        self.set_state(b, Residency.DEVICE)\n        if b not in"),
     ("R5", "a prefetch does not wait for the slot's previous occupant (slot reuse)", "offload/runtime/executor.py",
      "        waits = [done[j] for j in x.after if j in done] + [slots.boundary]",
      "        waits = [slots.boundary]"),
@@ -92,17 +103,20 @@ MUTATIONS = [
      "            slots.copy_in(b, Slot(arena, plan.buffers[k].offset, k), [slots.boundary])",
      "            slots.copy_in(b, Slot(arena, plan.buffers[k].offset, k), [])"),
     ("R13", "the arena is dropped without waiting for the copies (PlanExecutor.deactivate)", "offload/runtime/executor.py",
-     "        self.ctx.backend.synchronize()\n        for b in list(slots.slot):",
-     "        for b in list(slots.slot):"),
+     "        self.ctx.backend.synchronize()\n        if self.device_state is not None:\n"
+     "            self.device_state.deactivate()",
+     "        if self.device_state is not None:\n            self.device_state.deactivate()"),
     ("R14", "a resident refresh does not wait for compute that reads the slot", "offload/runtime/executor.py",
-     "            slots.copy_in(b, slots.slot[b], [slots.boundary])", "            slots.copy_in(b, slots.slot[b], [])"),
+     "            slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep)",
+     "            slots.copy_in(b, slots.slot[b], [], keep_bound=keep)"),
     ("R15", "a resident refresh does not wait for a refresh still in flight", "offload/runtime/executor.py",
      "            if slots.state[b] is Residency.IN_FLIGHT:\n                self.need(b)\n            slots.copy_in",
      "            if slots.state[b] is Residency.IN_FLIGHT:\n                slots.set_state(b, Residency.DEVICE)\n"
      "            slots.copy_in"),
     ("R16", "departing the plan moves grad slots without waiting for the copies", "offload/runtime/executor.py",
-     "            self.ctx.backend.synchronize()\n            for move_out in self._leaving:",
-     "            for move_out in self._leaving:"),
+     "            self.stale = True\n        with torch.no_grad():\n            self.ctx.backend.synchronize()\n"
+     "            for move_out in self._leaving:",
+     "            self.stale = True\n        with torch.no_grad():\n            for move_out in self._leaving:"),
     ("R17", "load_state_dict writes host masters while copies read them", "offload/runtime/weights.py",
      "                self.ctx.backend.synchronize()\n                self.slots.hosted().write_master(p, value)",
      "                self.slots.hosted().write_master(p, value)"),
@@ -116,8 +130,8 @@ MUTATIONS = [
      "            for j in x.after:\n                if j in slots.done:\n                    ctx.backend.wait(slots.done[j])",
      "            for j in x.after:\n                pass"),
     ("G2", "a grad slot is used without waiting for the boundary", "offload/runtime/grads.py",
-     "            ctx.backend.wait(slots.boundary)\n            view = executor.arena_view",
-     "            view = executor.arena_view"),
+     "            ctx.backend.wait(slots.boundary)\n            rec.exclude_end()",
+     "            rec.exclude_end()"),
     ("G3", "a grad D2H does not wait for the compute that wrote the slot (compute->D2H)", "offload/runtime/grads.py",
      "        waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]",
      "        waits = [e for e in (slots.adam_event.get(b),) if e is not None]"),
@@ -125,9 +139,10 @@ MUTATIONS = [
      "        waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]",
      "        waits = [ctx.backend.record()]"),
     ("G5", "a grad slot's reuse does not wait for its D2H (slot reuse)", "offload/runtime/grads.py",
-     "        if k is not None:\n            slots.done[k] = d2h", "        if k is not None:\n            pass"),
+     "        if k is not None:\n            self.slots.done[k] = d2h", "        if k is not None:\n            pass"),
     ("G6", "accumulation adds the staged grads before their D2H (D2H->CPU)", "offload/runtime/grads.py",
-     "[d2h, earlier.ready]", "[earlier.ready]"),
+     "self._accumulate(b, got, first, staged, lo, last), [d2h, *(",
+     "self._accumulate(b, got, first, staged, lo, last), [*("),
     ("G7", "AdamW reads the host grads before their D2H (D2H->CPU AdamW)", "offload/runtime/grads.py",
      "        waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]",
      "        waits = [e for e in (slots.h2d_event.get(b),) if e is not None]"),
@@ -138,8 +153,64 @@ MUTATIONS = [
      "        self.slots.reclaim(block=True)  # every update", "        self.slots.reclaim()  # every update"),
     ("G10", "a grad D2H into the staging copy does not wait for the previous pass's add (it reads that copy)",
      "offload/runtime/grads.py",
-     "            waits.append(earlier.ready)  # the previous pass's sum",
-     "            pass  # the previous pass's sum"),
+     "+ ([earlier.ready] if earlier is not None else [])  # the previous sum is done",
+     "  # the previous sum is done"),
+    # -- issue 20's data-parallel device path (runtime/device_collectives.py, distributed.py, backend/base.py) --
+    ("D1", "a shard's H2D into a gather buffer does not wait for that buffer's previous copy back (`free`)",
+     "offload/runtime/device_collectives.py",
+     "copied = self.backend.h2d(mine[: s.numel], copy[s.start: s.end], free)",
+     "copied = self.backend.h2d(mine[: s.numel], copy[s.start: s.end], [])", GATHERED),
+    ("D2", "the weights' all-gather does not wait for the shard's H2D", "offload/runtime/device_collectives.py",
+     "group=self.group), [copied], weights=True)", "group=self.group), [], weights=True)", GATHERED),
+    ("D3", "the gathered bucket's copy back (D2H) does not wait for the all-gather",
+     "offload/runtime/device_collectives.py",
+     "self.backend.d2h(copy[:n], buf[:n], [gathered])", "self.backend.d2h(copy[:n], buf[:n], [])", GATHERED),
+    ("D4", "a bucket's update does not wait for its previous gather's copy back (`_gathered`, submit_update)",
+     "offload/runtime/distributed.py",
+     "updated = self.lane.submit(update, [reduce, *waits, *([last] if last is not None else [])],",
+     "updated = self.lane.submit(update, [reduce, *waits],", GATHERED),
+    ("D5", "a `Deferred` event's synchronize() waits for the lane item only, not its device work",
+     "offload/backend/base.py",
+     "        self.device[0].synchronize()", "        pass", GATHERED),
+    ("D6", "a `Deferred` event's query() says done once the lane item is, before its device work",
+     "offload/backend/base.py",
+     "        return self.host.query() and bool(self.device) and self.device[0].query()",
+     "        return self.host.query()", GATHERED),
+    ("D7", "the grads' reduce-scatter does not wait for the grads' event (compute->collective)",
+     "offload/runtime/distributed.py",
+     "_reduce_scatter, mine, slot, group=device.group), [ready])",
+     "_reduce_scatter, mine, slot, group=device.group), [])", REDUCED),
+    ("D8", "the shard's D2H does not wait for the reduce-scatter", "offload/runtime/distributed.py",
+     "return backend.d2h(dst, mine, [reduced, *waits])", "return backend.d2h(dst, mine, [*waits])", REDUCED),
+    ("N1", "a bucket's update on the node's shared copy is not followed by the check that every rank's is in "
+     "(`_node_copy_ready`)", "offload/runtime/distributed.py",
+     "            return self.lane.submit(lambda: self._node_copy_ready(b), [updated], f\"bucket {b}'s copy whole\")",
+     "            return updated", SHARED),
+    ("N2", "the first masters written into the node's shared copy: no check that every rank's part is in "
+     "(`copy_written`, traced step)", "offload/runtime/warmup.py",
+     "            ctx.dp.copy_written()  # every rank's part of it is in before any fetch reads it",
+     "            pass  # every rank's part of it is in before any fetch reads it", SHARED),
+    ("N3", "weights written outside a step (load_state_dict, p.data): no check that every rank's part of the node's "
+     "copy is in (`copy_written`)", "offload/runtime/weights.py",
+     "            self.ctx.dp.copy_written()", "            pass",
+     [*SHARED, "tests/distributed/test_node_copy_written.py"]),
+    ("G11", "a grad D2H into the host's staging ring does not wait for the ring bytes' previous CPU-lane reader "
+     "([Note: grad staging ring])", "offload/runtime/grads.py",
+     "after = [*waits, *dst.after] + (", "after = [*waits] + (",
+     ["TESTS", "tests/runtime/test_chaos.py::test_one_slot_grad_ring_bitwise_equal_under_chaos"]),
+    # -- the fast path (commit 50c6a53) ----------------------------------------------------------------------
+    ("F1", "the end of a fast backward marks no boundary (step()'s refresh copies vs the backward's reads)",
+     "offload/runtime/core.py",
+     "                self.slots.mark_boundary()\n            else:\n                executor.leave_unless_followed()",
+     "                pass\n            else:\n                executor.leave_unless_followed()",
+     [f"{_FAST}[overlap]", f"{_FAST}[deferred]"]),
+    ("R18", "a fast step's departure moves grad slots out without waiting for the copies (leave_keeping_weights)",
+     "offload/runtime/executor.py",
+     "        self.ctx.stats[\"plan_departures\"] += 1\n        with torch.no_grad():\n"
+     "            self.ctx.backend.synchronize()\n            for move_out in self._leaving:",
+     "        self.ctx.stats[\"plan_departures\"] += 1\n        with torch.no_grad():\n"
+     "            for move_out in self._leaving:", [f"{_FAST}[overlap]", f"{_FAST}[deferred]",
+                                               "tests/runtime/test_fast_departure_sim.py", "TESTS"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("B6+R7", "on-demand fetch: neither empty()'s wait nor the boundary orders the H2D after compute", "+",
      "B6+R7", ""),
@@ -147,22 +218,31 @@ MUTATIONS = [
      "B7+P2", ""),
     ("B6+R12", "a new arena: neither empty()'s wait nor the boundary orders its first H2Ds after compute", "+",
      "B6+R12", ""),
+    ("G11+G10", "accumulation: a grad D2H into ring bytes waits neither for their previous reader nor for the "
+     "previous pass's add", "+", "G11+G10", ""),
 ]
 
 _BIT = "tests/backend/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"
 TESTS = ["tests/backend/test_sim_strict.py", f"{_BIT}[mlp]", f"{_BIT}[gpt]", f"{_BIT}[reused_module]",
          "tests/backend/test_cuda_backend.py::test_simulated_gpu_training_features_bit_for_bit_like_the_cpu_backend"
          "[accumulate-clip]",
-         "tests/backend/test_cuda_backend.py::test_simulated_gpu_departures_evaluation_and_checkpoint"]
+         "tests/backend/test_cuda_backend.py::test_simulated_gpu_departures_evaluation_and_checkpoint",
+         "tests/backend/test_sim_update_order.py"]
 
 LAUNCH = """
-import sys
+import os, sys
 # the editable install's finder would import the checkout's offload: drop it, import the copy's
-sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__.lower()
-                    and 'ScikitBuild' not in type(f).__name__]
+drop = [f for f in sys.meta_path if 'editable' in type(f).__module__.lower() or 'ScikitBuild' in type(f).__name__]
+sys.meta_path[:] = [f for f in sys.meta_path if f not in drop]
 sys.path.insert(0, {copy!r})
-import pytest
-sys.exit(pytest.main(sys.argv[1:]))
+# and so do processes the tests spawn (the data-parallel ranks): the finder skips a build dir listed in
+# SKBUILD_EDITABLE_SKIP, and PYTHONPATH puts the copy first
+os.environ["SKBUILD_EDITABLE_SKIP"] = os.pathsep.join(
+    [os.environ.get("SKBUILD_EDITABLE_SKIP", ""), *(str(getattr(f, "path", "") or "") for f in drop)])
+os.environ["PYTHONPATH"] = os.pathsep.join([{copy!r}, os.environ.get("PYTHONPATH", "")])
+if __name__ == "__main__":  # a spawned rank imports this module again (as __mp_main__): no pytest there
+    import pytest
+    sys.exit(pytest.main(sys.argv[1:]))
 """
 
 
@@ -176,10 +256,18 @@ def copy_repo(dest: Path) -> None:
 
 def edits(mutation) -> list[tuple[str, str, str]]:
     """A mutation's (file, old, new) edits: its own, or those of the mutations it combines."""
-    ident, _, path, old, new = mutation
+    ident, _, path, old, new = mutation[:5]
     if path == "+":
         return [e for part in old.split("+") for m in MUTATIONS if m[0] == part for e in edits(m)]
     return [(path, old, new)]
+
+
+def tests_of(mutation) -> list[str]:
+    """The tests a mutation runs: its own list, TESTS if it has none, a pair's: its first part's."""
+    if mutation[2] == "+":
+        return tests_of(next(m for m in MUTATIONS if m[0] == mutation[3].split("+")[0]))
+    listed = mutation[5] if len(mutation) > 5 else ["TESTS"]
+    return [t for name in listed for t in (TESTS if name == "TESTS" else [name])]
 
 
 def missing_patterns(mutations) -> list[str]:
@@ -207,7 +295,8 @@ def run_one(mutation, timeout: int) -> tuple[str, float, str]:
         (dest / "launch.py").write_text(LAUNCH.format(copy=str(dest)))
         t0 = time.time()
         try:
-            proc = subprocess.run([sys.executable, "launch.py", "-x", "-q", "-p", "no:cacheprovider", *TESTS],
+            proc = subprocess.run([sys.executable, "launch.py", "-x", "-q", "-p", "no:cacheprovider",
+                                   *tests_of(mutation)],
                                   cwd=dest, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return "TIMEOUT", time.time() - t0, ""
@@ -221,6 +310,10 @@ def run_one(mutation, timeout: int) -> tuple[str, float, str]:
         for line in out.splitlines():
             if line.startswith("E ") and not reason:
                 reason = line[1:].strip()[:160]
+        for mark in ("SimulatedRace: ", "SimulatedRace('"):  # a spawned rank's race, inside its traceback: name
+            if mark in out:  # it, not the traceback's first line
+                reason = out[out.index(mark):][:200].splitlines()[0]
+                break
         return ("caught by " + ", ".join(caught)) if caught else f"pytest exit {proc.returncode}", \
             time.time() - t0, reason
 

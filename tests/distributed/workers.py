@@ -198,6 +198,12 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 result.setdefault("norms", []).append(float(engine.clip_grad_norm_(case.clip)))
             engine.step()
             engine.zero_grad()
+            if step == 0 and case.extra.get("load_between_steps"):  # tests/MUTATIONS.md N3: weights written
+                halved = {k: v * 0.5 for k, v in model.state_dict().items()}  # outside a step, rank 1 slowly
+                with (_slow_writes() if rank == 1 else contextlib.nullcontext()):
+                    engine.load_state_dict({"model": halved, "optimizer": opt.state_dict()})
+                with torch.no_grad():  # the same input on every rank: every rank must see every rank's writes
+                    result["after_load"] = engine(rank_slice(batch(step, 0)[0], 0, case.world)).float().clone()
             if step == 0 and rank != 0 and case.extra.get("others_sleep_s"):  # rank 0 is in a read meanwhile
                 time.sleep(case.extra["others_sleep_s"])
             if step == 0 and rank == 0 and case.extra.get("rank0_state_dict"):  # the usual rank-0-only save
@@ -308,6 +314,19 @@ def _close_after_error(engine, model: nn.Module, result: dict) -> None:
     result["host_after_close"] = engine._runtime.slots.host is None
     result["params_after_close"] = {k: (tuple(v.shape), v.dtype, bool(torch.isfinite(v).all()))
                                     for k, v in model.state_dict().items()}
+
+
+def _slow_writes():
+    """This rank's writes of the host state lag (20 ms each): another rank that does not wait for them reads
+    the node's shared copy before they land."""
+    from offload.host.shard import ShardedHostState
+
+    write = ShardedHostState.write_master
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)
+        return write(self, *args, **kwargs)
+    return mock.patch.object(ShardedHostState, "write_master", slow)
 
 
 def run_ranks(case: Case, tmp: Path, timeout_s: float = 120.0) -> list[dict]:
