@@ -53,7 +53,7 @@ from typing import Sequence
 from .collectives import Cluster, gloo_all_gather_seconds, gloo_all_reduce_seconds
 from .data_parallel import shard
 from .data_parallel_runtime import (CHECK_BYTES, RuntimePathResult, all_gather_lane_seconds, host_copy_seconds,
-                                    refuse_device_optimizer, shared_copy_on)
+                                    rank_lane_inputs, refuse_device_optimizer, shared_copy_on)
 from .greedy import compute_times
 from .hw import HardwareModel
 from .plan import Plan
@@ -109,10 +109,8 @@ class _DeferredLanes(Lanes):
 
     def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
                  shared: bool = False):
-        n_world, g = cluster.world, cluster.gpus_per_node
-        super().__init__(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
-                         [shard(x, n_world) for x in program.adam_numel],
-                         hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g), record)
+        n_world = cluster.world
+        super().__init__(program, *rank_lane_inputs(program, hw, cluster), record)
         self.world, self.micro, self.shared = n_world, 0, shared
         rate = hw.host_bytes_per_s
         sums = [4 * n for n in program.adam_numel]  # the fp32 sum of each copy's bucket

@@ -297,16 +297,24 @@ def refuse_device_optimizer(program: Program) -> None:
         raise ValueError("device-optimizer buckets are not modelled on the runtime's data-parallel path")
 
 
+def rank_lane_inputs(program: Program, hw: HardwareModel, cluster: Cluster) -> tuple[
+        list[float], Sequence[int], list[int], HardwareModel, HardwareModel]:
+    """What ``Lanes`` takes for one rank of ``cluster`` (after ``program``): the single-GPU copies, the AdamW of
+    the rank's shards, on ``1 / G`` of the node's CPU (its ``G`` ranks share it)."""
+    g = cluster.gpus_per_node
+    return ([hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
+            [shard(x, cluster.world) for x in program.adam_numel],
+            hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g))
+
+
 class _RuntimeLanes(Lanes):
     """One rank's lanes on the runtime's path: the single-GPU lanes (whole-bucket copies), with each
     bucket's reduce-scatter before, and all-gather after, its shard's AdamW on the CPU lane."""
 
     def __init__(self, program: Program, hw: HardwareModel, cluster: Cluster, record: list | None,
                  shared: bool = False):
-        n_world, g = cluster.world, cluster.gpus_per_node
-        super().__init__(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
-                         [shard(x, n_world) for x in program.adam_numel],
-                         hw, hw if g == 1 else hw.with_(adam_params_per_s=hw.adam_params_per_s / g), record)
+        n_world = cluster.world
+        super().__init__(program, *rank_lane_inputs(program, hw, cluster), record)
         self.world = n_world
         self.shared = shared  # [Note: the runtime's shared host copy]: a check after each AdamW, no gather
         self.check_s = gloo_all_gather_seconds(CHECK_BYTES * n_world, cluster)
