@@ -342,17 +342,15 @@ class DataParallel:
         else:
             reduce = self._submit_reduce(host, b, ready)
         self._averaged.pop(b, None)
-        weights = self.weights
-        if host.node_copy is not None:  # [Note: one host copy per node]: written in place, nothing to gather
-            updated = self.lane.submit(update, [reduce, *waits], f"AdamW of bucket {b}'s shard")
-            return self.lane.submit(lambda: self._node_copy_ready(b), [updated], f"bucket {b}'s copy whole")
-        if weights is None:
-            updated = self.lane.submit(update, [reduce, *waits], f"AdamW of bucket {b}'s shard")
-            return self.lane.submit(lambda: self._gather_copy(host, b), [updated], f"all-gather of bucket {b}")
         # [Note: weights gathered on the device]: the update rewrites the host copy the last gather wrote back
         last = self._gathered.get(b)
         updated = self.lane.submit(update, [reduce, *waits, *([last] if last is not None else [])],
                                    f"AdamW of bucket {b}'s shard")
+        weights = self.weights
+        if host.node_copy is not None:  # [Note: one host copy per node]: written in place, nothing to gather
+            return self.lane.submit(lambda: self._node_copy_ready(b), [updated], f"bucket {b}'s copy whole")
+        if weights is None:
+            return self.lane.submit(lambda: self._gather_copy(host, b), [updated], f"all-gather of bucket {b}")
         out: list[Event] = []
         issued = self.lane.submit(lambda: out.append(weights.gather(host, b)), [updated],
                                   f"all-gather of bucket {b} on the device")
