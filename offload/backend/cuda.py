@@ -97,7 +97,6 @@ upper bound (the earlier maximum may be the larger).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import weakref
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Sequence
@@ -105,20 +104,17 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Sequence
 import torch
 from torch.autograd.profiler import record_function
 
-from ..errors import EngineClosedError, HostMemoryError, InvariantError, OffloadError, StreamError
+from ..errors import EngineClosedError, InvariantError, StreamError
 from ..testing.chaos import ChaosConfig, chaos_delay
 from .base import Event, HostEvent, Lane
+from .cuda_host import HostRegistry, release_pinned
 
 if TYPE_CHECKING:
     from ..host.arena import HostArena
     from ..host.node_copy import NodeCopy
 
-__all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "HostRegistry", "StreamError"]
+__all__ = ["ARENA_ROUNDING_BYTES", "CUDABackend", "CudaAPI", "StreamError"]
 
-
-# cudaHostRegisterPortable: pinned for every CUDA context, not only the one current when registering (the
-# engine may run on cuda:1 while cuda:0 is current); as torch's own pin_memory utilities register.
-_HOST_REGISTER_PORTABLE = 1
 
 # The caching allocator's rounding (c10/cuda/CUDACachingAllocator.cpp, default settings): every block is a
 # multiple of 512 B (kMinBlockSize), and a block taken from a larger free one is split only if more than 1 MiB
@@ -225,107 +221,6 @@ class CudaAPI:
             torch.cuda.current_stream(self.device).synchronize()
 
 
-class HostRegistry:
-    """Host ranges page-locked with ``cudaHostRegister``, each registered once, until :meth:`release_all`.
-
-    Each range keeps a reference to its owner (the arena), so the memory cannot be unmapped while it is
-    registered. ``cudart`` is a callable returning ``torch.cuda.cudart()`` (or a fake, in tests).
-    """
-
-    def __init__(self, cudart: Callable[[], object]) -> None:
-        self._cudart = cudart
-        self._ranges: dict[int, tuple[int, object]] = {}  # address -> (bytes, owner kept alive)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(n for n, _ in self._ranges.values())
-
-    def ranges(self) -> list[tuple[int, int]]:
-        return sorted((ptr, n) for ptr, (n, _) in self._ranges.items())
-
-    def register(self, ptr: int, nbytes: int, owner: object) -> bool:
-        """Page-lock ``[ptr, ptr + nbytes)``; False if there is nothing to do (empty, or already registered)."""
-        if nbytes == 0:
-            return False
-        have = self._ranges.get(ptr)
-        if have is not None:
-            if have[0] != nbytes:
-                raise InvariantError(f"host range at {ptr:#x} is already pinned with {have[0]} bytes, not {nbytes}")
-            return False
-        for start, (n, _) in self._ranges.items():
-            if ptr < start + n and start < ptr + nbytes:
-                raise InvariantError(f"host range [{ptr:#x}, +{nbytes}) overlaps the pinned range [{start:#x}, +{n})")
-        cudart = self._cudart()
-        err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
-        if err != 0:
-            _clear_last_error(cudart)
-            raise HostMemoryError(
-                f"cudaHostRegister of the {nbytes}-byte host arena failed with CUDA error {err}. Without pinned "
-                "memory host/device copies cannot overlap compute. Check `ulimit -l` (locked-memory limit) and "
-                "free host RAM; an earlier asynchronous CUDA error can also surface here "
-                "(rerun with CUDA_LAUNCH_BLOCKING=1 to find it).")
-        self._ranges[ptr] = (nbytes, owner)
-        return True
-
-    def release(self, ptr: int) -> None:
-        """Unregister the range at ``ptr`` (registered by :meth:`register`; nothing to do if it is not)."""
-        if ptr not in self._ranges:
-            return
-        cudart = self._cudart()
-        err = int(cudart.cudaHostUnregister(ptr))
-        del self._ranges[ptr]  # forgotten either way: retrying an unregister cannot help
-        if err != 0:
-            _clear_last_error(cudart)
-            raise OffloadError(f"cudaHostUnregister failed for the range at {ptr:#x} (CUDA error {err})")
-
-    def release_all(self) -> None:
-        """Unregister every range (all are tried; the first failure is raised after)."""
-        failures = []
-        for ptr in list(self._ranges):
-            cudart = self._cudart()
-            err = int(cudart.cudaHostUnregister(ptr))
-            del self._ranges[ptr]  # forgotten either way: retrying an unregister cannot help
-            if err != 0:
-                _clear_last_error(cudart)
-                failures.append((ptr, err))
-        if failures:
-            raise OffloadError(f"cudaHostUnregister failed for {len(failures)} range(s): "
-                               + ", ".join(f"{p:#x} (CUDA error {e})" for p, e in failures))
-
-
-def _clear_last_error(cudart) -> None:
-    """Reset CUDA's last error (per host thread) after a runtime call that failed and was handled here.
-
-    torch's cudart bindings return the error of ``cudaHostRegister``/``cudaHostUnregister`` but leave it set
-    (``C10_CUDA_ERROR_HANDLED``); the next ``C10_CUDA_KERNEL_LAUNCH_CHECK`` (after any kernel) would read it
-    with ``cudaGetLastError`` and fail that kernel with our error. torch exposes no ``cudaGetLastError``, so
-    where ``cudart`` lacks it the function is called in the CUDA runtime torch loaded (found by soname,
-    never loaded anew: its error state is the one to clear)."""
-    get = getattr(cudart, "cudaGetLastError", None)
-    if get is not None:
-        get()
-        return
-    major = (torch.version.cuda or "").split(".")[0]
-    for name in (f"libcudart.so.{major}", "libcudart.so"):
-        try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        except OSError:  # not loaded under that name (or statically linked into torch: nothing to reach)
-            continue
-        lib.cudaGetLastError()
-        return
-
-
-def _release_pinned(streams: list, pinned: HostRegistry) -> None:
-    """Finalizer and close(): wait for the copy streams (a copy may still read or write the pinned arena),
-    then unregister it."""
-    try:
-        for stream in streams:
-            stream.synchronize()
-    finally:
-        streams.clear()
-        pinned.release_all()
-
-
 class CudaTimer:
     """A :class:`~offload.backend.base.Timer` on the compute stream: each mark is a timing event recorded
     there, so the seconds between two marks are the stream's, kernels and waits included, whenever the host
@@ -369,7 +264,7 @@ class CUDABackend:
         # Unregister pinned memory also if the engine is dropped without close(), after its copies ([Note:
         # pinning]); not at interpreter exit, where the process's teardown releases it and the CUDA runtime
         # may already be gone.
-        self._unpin = weakref.finalize(self, _release_pinned, self._copy_streams, self._pinned)
+        self._unpin = weakref.finalize(self, release_pinned, self._copy_streams, self._pinned)
         self._unpin.atexit = False
         self._closed = False
         # Device peak: the allocator's peak above what was allocated when this backend was made ([Note:
@@ -611,7 +506,7 @@ class CUDABackend:
         try:
             self.synchronize()
         finally:
-            self._unpin()  # runs _release_pinned once; a later call (or garbage collection) does nothing
+            self._unpin()  # runs release_pinned once; a later call (or garbage collection) does nothing
             self._h2d = self._d2h = self._coll = self._wcoll = None
 
     def _check_open(self) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 import offload
 import offload.api
 from offload.backend import DONE, CPUBackend, CUDABackend, HostEvent, make_backend
-from offload.backend.cuda import HostRegistry
+from offload.backend.cuda_host import HostRegistry
 from offload.errors import EngineClosedError, HostMemoryError, InvariantError
 from offload.host.arena import HostArena
 from tests.support.fake_cuda import FakeCuda, SimulatedRace, simulated_gpu, use_backend  # noqa: F401 (a fixture)
