@@ -84,13 +84,15 @@ def test_the_cpu_backend_does_not_calibrate_unless_asked():
 
 
 def test_a_slow_first_step_is_planned_again_from_the_first_timed_step():
-    lazy = 1.0  # far above a step of this model on a loaded 2-core VM (a 4x margin below, not 10x: load)
+    # Far above a step of this model on a loaded 2-core VM: its timed compute was seen at 0.43 s at load 4.3 (so a
+    # 2x margin, not 4x); a timed step that counted the sleep would measure >= lazy.
+    lazy = 2.0
     losses, state, stats, engine = _train(Branchy(lazy), 5, calibrate_compute=True)
     traced = stats[0]["plan"]["predicted_step_s"]
     assert traced >= lazy  # the traced step's sleep is in the first plan's compute
     timing = stats[1]["compute_timing"]
     assert timing["planned_from"] == "host" and timing["replanned"] is True
-    assert timing["planned_compute_s"] >= lazy > 4 * timing["measured_compute_s"]
+    assert timing["planned_compute_s"] >= lazy > 2 * timing["measured_compute_s"]
     counters = stats[-1]["counters"]
     assert counters["timed_steps"] == 1 and counters["compute_replans"] == 1 and counters["replans"] == 1
     assert counters["plan_departures"] == 0
