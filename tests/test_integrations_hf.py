@@ -205,20 +205,23 @@ def test_activation_checkpointing_equals_plain_trainer(tmp_path, factory, reentr
     norm and weight equals the plain Trainer's with the same checkpointing, streamed, within the budget. Except
     T5's mapped checkpointing: its decoder blocks also take the encoder's output and the position bias as
     arguments, which the engine's checkpoint passes through its region marker (transformers' binds them into a
-    partial), so autograd sums their grads from the blocks in another order: the losses and grad norms are the
-    same, the weights after 4 steps within 1 ulp (41 of 50 tensors differ by at most 1.2e-7 when measured)."""
+    partial), so autograd sums their grads from the blocks in another order: the losses and grad norms within a
+    few ulps (equal on an Intel Xeon; a loss 1 ulp apart at step 3 on an AMD EPYC), the weights after 4 steps
+    within 1 ulp (41 of 50 tensors differ by at most 1.2e-7 when measured)."""
     kw = {"activation_checkpointing_kwargs": {"use_reentrant": True}} if reentrant else {}
     args = _args(tmp_path, activation_checkpointing=True, gradient_accumulation_steps=2, max_grad_norm=0.5, **kw)
     plain, ref = _train(transformers.Trainer, factory, args)
     assert plain.model.is_activation_checkpointing  # the reference really checkpoints
     ours, got = _train(OffloadTrainer, factory, args)
-    assert got.train == ref.train
     if factory is hf_models.t5 and not reentrant:
+        assert [step for step, *_ in got.train] == [step for step, *_ in ref.train]
+        torch.testing.assert_close(got.train, ref.train, rtol=4e-7, atol=0)  # a few float32 ulps
         mine, theirs = _weights(ours), _weights(plain)
         assert mine.keys() == theirs.keys()
         for name in mine:
             torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=2.5e-7, msg=name)
     else:
+        assert got.train == ref.train
         _assert_same_weights(_weights(ours), _weights(plain))
     stats = ours.engine.memory_stats()
     assert stats["plan"]["streamed_buckets"] > 0

