@@ -196,8 +196,10 @@ def test_save_model_writes_real_weights(tmp_path):
         assert torch.equal(got[name], value), name
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["default", "reentrant"])
-@pytest.mark.parametrize("factory", [hf_models.gpt2, hf_models.llama, hf_models.t5], ids=["gpt2", "llama", "t5"])
+@pytest.mark.parametrize("factory,reentrant", [
+    pytest.param(f, r, id=f"{name}-{'reentrant' if r else 'default'}",
+                 marks=[pytest.mark.slow] if (name, r) == ("llama", True) else [])  # slow: ~15-35 s on 2 cores
+    for name, f in (("gpt2", hf_models.gpt2), ("llama", hf_models.llama), ("t5", hf_models.t5)) for r in (False, True)])
 def test_activation_checkpointing_equals_plain_trainer(tmp_path, factory, reentrant):
     """``TrainingArguments(activation_checkpointing=True)`` (alias ``gradient_checkpointing``; issue 19, refused
     before): transformers' default, non-reentrant, is mapped to the engine's checkpointing of the same layers;

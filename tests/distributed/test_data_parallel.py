@@ -522,6 +522,7 @@ def test_a_forward_between_backward_and_step_sees_every_ranks_update(tmp_path, s
         assert (r["host_shared_bytes"] > 0) == shared
 
 
+@pytest.mark.slow  # ~10-22 s on 2 cores (three spawned runs)
 def test_ranks_that_cannot_share_a_host_copy_keep_their_own_and_say_why(tmp_path):
     """[Note: one host copy per node]: rank 0 finds no room for the shared copy (a /dev/shm too small, faked):
     every rank warns, keeps its own copy (the arena that holds it) and trains as before; with

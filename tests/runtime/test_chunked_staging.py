@@ -63,6 +63,7 @@ def test_pieces_under_chaos_bit_for_bit(monkeypatch):
     assert_same(got, want)
 
 
+@pytest.mark.slow  # ~12-28 s on 2 cores; the fused and accumulate variants above run by default
 def test_pieces_are_plain_pytorch_bit_for_bit(monkeypatch):
     """fp32 through offload.AdamW(fused=False): torch.optim.AdamW's numbers, one piece at a time."""
     monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)

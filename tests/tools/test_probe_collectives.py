@@ -174,6 +174,7 @@ def test_a_rank_that_does_not_take_part_fails_the_others_within_the_timeout(tmp_
     assert r0["error_after_s"] < 10 + 5  # the group's timeout bounds it
 
 
+@pytest.mark.slow  # ~6 s on 2 cores; the default run keeps test_a_rank_that_does_not_take_part_fails_the_others_within_the_timeout
 def test_a_rank_that_dies_midway_fails_the_other_and_says_where(tmp_path):
     r0, r1 = _spawn(2, tmp_path, "dies")
     assert r1.get("exitcode") == 3
@@ -181,6 +182,7 @@ def test_a_rank_that_dies_midway_fails_the_other_and_says_where(tmp_path):
     assert "256.00 KiB" in r0["error"] and r0["error_after_s"] < 10 + 5
 
 
+@pytest.mark.slow  # ~4-9 s on 2 cores
 def test_every_rank_keeps_the_sizes_every_rank_has_the_memory_for(tmp_path):
     r0, r1 = _spawn(2, tmp_path, "capped")
     assert "error" not in r0 and "error" not in r1, (r0.get("traceback"), r1.get("traceback"))
