@@ -58,7 +58,7 @@ FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_")  # else torch's single-tensor 
 HOST_FMA = kernel_info().get("isa") != "baseline"
 MAX_PIECE_BYTES = 64 << 20  # the most a summed-grad piece takes on the device ([Note: deferred device updates])
 HParams = list[tuple[float, float, float, float, float]]  # AdamW.hparams(): per param group
-PARKED_HOME_SHARE = 16  # buckets coming home stay parked while they hold under 1/16 of the arena (_relayout_pays)
+RELAYOUT_SHARE = 16  # the host arena is laid out again where over 1/16 of it would move (_relayout_pays)
 
 
 class DeviceState(NamedTuple):
@@ -157,16 +157,21 @@ class DeviceOptimizer:
             self._run_postponed()
 
     def _relayout_pays(self, homed: frozenset[int]) -> bool:
-        """Whether the host arena is laid out again for ``homed``: where a bucket leaves the host (its regions
-        go), or where those coming home hold more than ``1/PARKED_HOME_SHARE`` of the arena. Else the buckets
-        coming home (a first plan that keeps home a bucket the warm-up's estimate did not: [Note: the first
-        step's host memory] in ``warmup.py``) keep their parked host copy, which serves the host optimizer
-        as well: a re-layout holds the old and the new arena at once."""
+        """Whether the host arena is laid out again for ``homed``: only where the state that would move (the
+        regions of the buckets leaving the host, the parked copies of those coming home) is more than
+        ``1/RELAYOUT_SHARE`` of the arena, since a re-layout holds the old and the new arena at once. Else a
+        bucket leaving keeps its (stale) regions, and one coming home its parked copy, which serves the host
+        optimizer as well: the small misses of the warm-up's estimate ([Note: the first step's host memory] in
+        ``warmup.py``) cost a little memory after the first step instead of a second arena during it."""
         host = self.slots.hosted()
-        if homed - host.away:
-            return True
-        coming = sum(host.parked_bytes_of(b) for b in host.away - homed)
-        return coming * PARKED_HOME_SHARE > host.nbytes
+        coming, leaving = host.away - homed, homed - host.away
+        if any(b not in host.parked for b in coming):
+            return True  # (rehome says what went wrong)
+        lowp = self.ctx.dtype.itemsize if self.ctx.dtype != torch.float32 else 0
+        moved = sum(host.parked_bytes_of(b) for b in coming) + sum(
+            host.master_numel[b] * 4 + host.buckets[b].numel * lowp + host.buckets[b].trainable_numel * 8
+            for b in leaving)
+        return moved * RELAYOUT_SHARE > host.nbytes
 
     def _rehome(self, homed: frozenset[int]) -> None:
         """The training plan changed which buckets are device-homed ([Note: device-homed buckets] in

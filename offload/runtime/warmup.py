@@ -44,10 +44,10 @@ device. So, with ``device_optimizer``:
   ``step()`` activates the plan (m and v start as zeros on the device: ``DeviceOptimizer.activate``,
   ``_run_postponed``), and the parked copy is freed. If the host needs the values first (a forward, a
   read of the state, ``close``), or the plan keeps the bucket home, it runs on the host, as before.
-* a wrong estimate costs memory, not numbers: a bucket the plan keeps home stays parked (its copy serves
-  the host optimizer) while the buckets in that case are small beside the arena, else the arena is laid
-  out again (``DeviceOptimizer._relayout_pays``); buckets the estimate missed leave the arena at the
-  plan's re-layout, as every bucket did before.
+* a wrong estimate costs memory, not numbers: where the buckets it got wrong hold little beside the
+  arena, a bucket the plan keeps home stays parked (its copy serves the host optimizer) and one the plan
+  puts on the device keeps its regions, stale; else the arena is laid out again, holding the old and the
+  new one for a moment, as every first step did before (``DeviceOptimizer._relayout_pays``).
 Peak host bytes, then: the plan's arena, the masters and 16-bit copies of the device-homed buckets until
 their first update, and (overlapped) the first step's held grads, instead of the whole host state plus
 the plan's arena. ``HostState.host_bytes`` counts what this state holds, ``memory_stats()["host_peak_bytes"]``.
