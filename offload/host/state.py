@@ -136,6 +136,7 @@ class HostState:
         # parked buckets whose m and v were never written: zeros, not made (:meth:`park`)
         self.fresh: set[int] = set()
         self._current = self._peak = 0  # host bytes this state holds, and their most (see ``host_bytes``)
+        self._arena_counted = True
         self.arena, self.layout = self._allocate(frozenset(away))
         for b in sorted(away):
             self.park(b, fresh=True)
@@ -160,7 +161,8 @@ class HostState:
     # absent copy raises :class:`InvariantError`.
     away: frozenset[int] = frozenset()  # device-homed buckets (a class default: ShardedHostState has none)
     fresh: set[int] | frozenset[int] = frozenset()  # (ShardedHostState: none)
-    _current = _peak = 0  # (ShardedHostState: its arena, see host_bytes)
+    _current = _peak = 0  # (ShardedHostState: none but held tensors; its arena, see host_bytes)
+    _arena_counted = False
 
     def _allocate(self, away: frozenset[int]) -> tuple[HostArena, HostLayout]:
         """Lay out and allocate the arena with ``away`` device-homed; point every region's view into it
@@ -305,9 +307,8 @@ class HostState:
         """(now, most since this state was made): the host bytes it holds: its arena (an old one until it is
         let go after a re-layout), the parked copies of device-homed state and the tensors of :meth:`hold`.
         Not counted: the user's own tensors, temporaries of a single call, and ``state_dict``/``save`` copies."""
-        if not self._peak:  # ShardedHostState: its one arena
-            return self.nbytes, self.nbytes
-        return self._current, self._peak
+        base = 0 if self._arena_counted else self.nbytes  # ShardedHostState: its one arena, never counted
+        return base + self._current, base + self._peak
 
     def has_copy(self, b: int) -> bool:
         """Bucket ``b``'s state has a host copy: home, or device-homed and parked."""
