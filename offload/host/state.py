@@ -137,7 +137,9 @@ class HostState:
         self.fresh: set[int] = set()
         self._current = self._peak = 0  # host bytes this state holds, and their most (see ``host_bytes``)
         self._arena_counted = True
-        self.arena, self.layout = self._allocate(frozenset(away))
+        lowp_bytes = lowp_dtype.itemsize if lowp_dtype is not None else 0
+        parked = sum(self.master_numel[b] * 4 + buckets[b].numel * lowp_bytes for b in away)  # (park, below)
+        self.arena, self.layout = self._allocate(frozenset(away), parked)
         for b in sorted(away):
             self.park(b, fresh=True)
         self.bucket_of, self.offset = locate(buckets)  # offset: element offset inside the bucket
@@ -164,14 +166,14 @@ class HostState:
     _current = _peak = 0  # (ShardedHostState: none but held tensors; its arena, see host_bytes)
     _arena_counted = False
 
-    def _allocate(self, away: frozenset[int]) -> tuple[HostArena, HostLayout]:
+    def _allocate(self, away: frozenset[int], parked: int = 0) -> tuple[HostArena, HostLayout]:
         """Lay out and allocate the arena with ``away`` device-homed; point every region's view into it
         (device-homed buckets' views: absent, for ``rehome`` or ``park`` to fill)."""
         lowp_dtype, buckets = self.lowp_dtype, self.buckets
         lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
         layout = host_layout(buckets, lowp_itemsize, self.accumulate, ring=self.ring_slots, away=away,
                              chunk_bytes=self.chunk_bytes)
-        check_host_ram(layout.total_bytes, layout, lowp_itemsize)
+        check_host_ram(layout.total_bytes + parked, layout, lowp_itemsize)  # parked: copies made beside it
         arena = HostArena(layout.total_bytes)
         self._count_bytes(arena.size_bytes)
         home = [b.index not in away for b in buckets]
