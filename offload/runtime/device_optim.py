@@ -209,6 +209,14 @@ class DeviceOptimizer:
     def postpone(self, update: Postponed) -> None:
         self.postponed.append(update)
 
+    def before_host_update(self, b: int) -> None:
+        """The CPU lane is about to update bucket ``b``: a fresh one gets its m and v (zeros) on the host now,
+        and ``optimizer.state`` shows them."""
+        host = self.slots.hosted()
+        if b in host.fresh:
+            host.materialize(b)
+            host.show_state(self.ctx.optimizer, list(self.ctx.params), (b,))
+
     def flush_postponed(self) -> None:
         """Something needs the host's values before the plan is active (a forward, a read of the state,
         ``close``): the postponed updates run on the host after all."""

@@ -395,9 +395,7 @@ class GradPipeline:
         hp = hparams or self.hparams
         ps = frozenset(params)
         host = slots.hosted()
-        if b in host.fresh:  # issue 18: device-homed before any plan, updated on the host after all
-            host.materialize(b)
-            host.show_state(self.ctx.optimizer, list(self.ctx.params), (b,))
+        self.device.before_host_update(b)  # issue 18: a fresh device-homed bucket updated on the host after all
         waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]
         dp = self.ctx.dp
         if dp is not None:  # issue 20: reduce-scatter, AdamW of this rank's shard, all-gather (runtime/distributed.py)
