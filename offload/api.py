@@ -159,6 +159,10 @@ class Engine:
             "device_parts": dict(memory.parts),
             "arena_bytes": plan.arena_bytes if plan is not None else 0,
             "host_pinned_bytes": host.nbytes if host is not None else 0,
+            # issue 18: the host bytes the engine holds (arena, an old one during a re-layout, parked copies of
+            # device-homed state, the first step's held grads), now and at most since wrap; not the user's tensors
+            "host_current_bytes": host.host_bytes()[0] if host is not None else 0,
+            "host_peak_bytes": host.host_bytes()[1] if host is not None else 0,
             # issue 20: the node's shared copy of the weights this rank maps (once per node, not per rank: [Note: one
             # host copy per node] in host/node_copy.py); 0 without one
             "host_shared_bytes": (ctx.dp.node_copy.size_bytes if ctx.dp is not None and ctx.dp.node_copy is not None

@@ -41,6 +41,9 @@ def memory_table(engine_or_stats: Any, title: str = "device memory (engine.memor
     table.add_row("arena", format_bytes(stats["arena_bytes"]), "the one device buffer the plan lays out" + lower)
     table.add_row("pinned host", format_bytes(stats["host_pinned_bytes"]),
                   "host arena: fp32 weights, AdamW m/v, grads (pinned on CUDA)")
+    if "host_peak_bytes" in stats:  # a stats dict saved before issue 18's count may lack it
+        table.add_row("host peak", format_bytes(stats["host_peak_bytes"]),
+                      "most host memory the engine held at once (arenas, parked copies, held grads)")
     if plan:
         table.add_row("activations", format_bytes(plan["activation_bytes"]), "saved for backward, as traced")
         buckets = f"{plan['num_buckets']} x ~{format_bytes(plan['bucket_bytes'])}"

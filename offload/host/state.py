@@ -4,6 +4,8 @@ and the bucket update."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import psutil
@@ -20,6 +22,7 @@ from .cpu_adam import KERNEL_AVAILABLE, adamw_step_unchecked
 if TYPE_CHECKING:
     from ..backend.base import Event
 
+_COUNT_LOCK = threading.Lock()
 HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when sizing the host arena
 
 
@@ -97,14 +100,16 @@ def step_tensors(n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
 class HostState:
     def __init__(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
                  lowp_dtype: torch.dtype | None = None, fused: bool = KERNEL_AVAILABLE, accumulate: bool = False,
-                 ring_slots: int | None = None):
+                 ring_slots: int | None = None, away: frozenset[int] = frozenset()):
         """``lowp_dtype``: the device's 16-bit compute dtype, whose copy of each bucket is kept here for the
         host-to-device copy and rewritten by every update; None when the device computes in fp32.
         ``fused``: updates run on the C++ kernel (``offload.AdamW.fused``); False: torch ops.
         ``accumulate``: grads may be summed over several backward passes (updates deferred to ``step()``):
         an fp32 sum per bucket (see [Note: host grads] in ``buckets.py``).
         ``ring_slots``: the grad copies land in a ring with room for that many of the largest buckets ([Note:
-        grad staging ring]); None: ``GRAD_RING_SLOTS``."""
+        grad staging ring]); None: ``GRAD_RING_SLOTS``.
+        ``away``: buckets device-homed from the start, before any plan ([Note: the first step's host memory] in
+        ``runtime/warmup.py``): each gets a fresh parked copy (master and 16-bit copy; m and v zeros, not made)."""
         if fused and not KERNEL_AVAILABLE:
             raise KernelUnavailableError("fused=True needs the C++ AdamW kernel, which this build of offload._C lacks "
                                          "(offload.host.cpu_adam.KERNEL_AVAILABLE is False): rebuild offload "
@@ -128,7 +133,15 @@ class HostState:
         # A frozen parameter has no fp32 master beside its 16-bit copy (see buckets.HostLayout).
         self.master_numel = [b.trainable_numel if lowp_dtype else b.numel for b in buckets]
         self.parked: set[int] = set()  # device-homed buckets whose state has a host copy now ([Note: device-homed buckets])
-        self.arena, self.layout = self._allocate(frozenset())
+        # parked buckets whose m and v were never written: zeros, not made (:meth:`park`)
+        self.fresh: set[int] = set()
+        self._current = self._peak = 0  # host bytes this state holds, and their most (see ``host_bytes``)
+        self._arena_counted = True
+        lowp_bytes = lowp_dtype.itemsize if lowp_dtype is not None else 0
+        parked = sum(self.master_numel[b] * 4 + buckets[b].numel * lowp_bytes for b in away)  # (park, below)
+        self.arena, self.layout = self._allocate(frozenset(away), parked)
+        for b in sorted(away):
+            self.park(b, fresh=True)
         self.bucket_of, self.offset = locate(buckets)  # offset: element offset inside the bucket
         self.steps = [0] * len(specs)  # AdamW step count per parameter
         # the same, as optimizer.state[p]["step"]: 0-dim views of one vector ([Note: step tensors])
@@ -149,16 +162,20 @@ class HostState:
     # serve (reads, writes, a CPU update after a departure, the copy in at the next activation). Reading an
     # absent copy raises :class:`InvariantError`.
     away: frozenset[int] = frozenset()  # device-homed buckets (a class default: ShardedHostState has none)
+    fresh: set[int] | frozenset[int] = frozenset()  # (ShardedHostState: none)
+    _current = _peak = 0  # (ShardedHostState: none but held tensors; its arena, see host_bytes)
+    _arena_counted = False
 
-    def _allocate(self, away: frozenset[int]) -> tuple[HostArena, HostLayout]:
+    def _allocate(self, away: frozenset[int], parked: int = 0) -> tuple[HostArena, HostLayout]:
         """Lay out and allocate the arena with ``away`` device-homed; point every region's view into it
         (device-homed buckets' views: absent, for ``rehome`` or ``park`` to fill)."""
         lowp_dtype, buckets = self.lowp_dtype, self.buckets
         lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
         layout = host_layout(buckets, lowp_itemsize, self.accumulate, ring=self.ring_slots, away=away,
                              chunk_bytes=self.chunk_bytes)
-        check_host_ram(layout.total_bytes, layout, lowp_itemsize)
+        check_host_ram(layout.total_bytes + parked, layout, lowp_itemsize)  # parked: copies made beside it
         arena = HostArena(layout.total_bytes)
+        self._count_bytes(arena.size_bytes)
         home = [b.index not in away for b in buckets]
         for b in buckets:  # claim each region, so the arena's own stats account for every byte
             if home[b.index] and self.master_numel[b.index]:
@@ -208,6 +225,9 @@ class HostState:
         if missing:
             raise InvariantError(f"buckets {missing} come back to the host without a host copy of their state: "
                                  "a bug in offload, please report it")
+        for b in coming:
+            self.materialize(b)  # its zeros are copied into the new arena like any m and v
+        freed = sum(self.parked_bytes_of(b) for b in coming)  # once copied into the new arena
         old_arena, old, old_grad = self.arena, self._state_views(), self.grad
         self.arena, self.layout = self._allocate(away)
         new = self._state_views()
@@ -220,11 +240,14 @@ class HostState:
         for dst, src in zip(self.grad, old_grad):
             dst.copy_(src)
         self.parked -= coming
+        self._count_bytes(-old_arena.size_bytes - freed)  # the caller lets the old arena go once it is unpinned
         return old_arena
 
-    def park(self, b: int) -> None:
+    def park(self, b: int, fresh: bool = False) -> None:
         """Device-homed bucket ``b`` gets a host copy of its state (pageable; its values are the caller's to
-        write, from the device); nothing to do if it has one."""
+        write, from the device); nothing to do if it has one. ``fresh``: before any update, a master and 16-bit
+        copy only (the warm-up writes them); m and v are zeros, made only where the host needs them
+        (:meth:`materialize`; [Note: the first step's host memory] in ``runtime/warmup.py``)."""
         if b not in self.away:
             raise InvariantError(f"bucket {b} is not device-homed: its state has its place in the host arena")
         if b in self.parked:
@@ -233,17 +256,61 @@ class HostState:
         self.master[b] = torch.empty(self.master_numel[b], dtype=torch.float32)
         if self.lowp is not None:
             self.lowp[b] = torch.empty(bucket.numel, dtype=self.lowp_dtype)
-        self.exp_avg[b] = torch.empty(bucket.trainable_numel, dtype=torch.float32)
-        self.exp_avg_sq[b] = torch.empty(bucket.trainable_numel, dtype=torch.float32)
+        if fresh:
+            self.fresh.add(b)
+        else:
+            self.exp_avg[b] = torch.empty(bucket.trainable_numel, dtype=torch.float32)
+            self.exp_avg_sq[b] = torch.empty(bucket.trainable_numel, dtype=torch.float32)
         self.parked.add(b)
+        self._count_bytes(self.parked_bytes_of(b))
+
+    def materialize(self, b: int) -> None:
+        """A fresh parked bucket's m and v as tensors (zeros): the host reads or updates them."""
+        if b not in self.fresh:
+            return
+        n = self.buckets[b].trainable_numel
+        self.exp_avg[b] = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg_sq[b] = torch.zeros(n, dtype=torch.float32)
+        self.fresh.discard(b)
+        self._count_bytes(n * 8)
 
     def drop(self, b: int) -> None:
         """Free device-homed bucket ``b``'s host copy: the device holds newer values."""
         if b not in self.parked:
             return
+        self._count_bytes(-self.parked_bytes_of(b))
         for views in self._state_views().values():
             views[b] = _absent(views[b].dtype)
         self.parked.discard(b)
+        self.fresh.discard(b)
+
+    def parked_bytes_of(self, b: int) -> int:
+        """Host bytes of bucket ``b``'s parked copy (0 if none)."""
+        if b not in self.parked:
+            return 0
+        return sum(t[b].numel() * t[b].element_size() for t in self._state_views().values())
+
+    # -- host bytes ([Note: the first step's host memory] in runtime/warmup.py) ------------------------------
+
+    def _count_bytes(self, n: int) -> None:
+        with _COUNT_LOCK:  # held tensors are freed on the CPU lane's thread
+            self._current += n
+            self._peak = max(self._peak, self._current)
+
+    def hold(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pageable host tensor counted in :meth:`host_bytes` until it is freed (the first step's held grads)."""
+        t = torch.empty(numel, dtype=dtype)
+        nbytes = numel * dtype.itemsize
+        self._count_bytes(nbytes)
+        weakref.finalize(t, self._count_bytes, -nbytes)
+        return t
+
+    def host_bytes(self) -> tuple[int, int]:
+        """(now, most since this state was made): the host bytes it holds: its arena (an old one until it is
+        let go after a re-layout), the parked copies of device-homed state and the tensors of :meth:`hold`.
+        Not counted: the user's own tensors, temporaries of a single call, and ``state_dict``/``save`` copies."""
+        base = 0 if self._arena_counted else self.nbytes  # ShardedHostState: its one arena, never counted
+        return base + self._current, base + self._peak
 
     def has_copy(self, b: int) -> bool:
         """Bucket ``b``'s state has a host copy: home, or device-homed and parked."""
@@ -258,7 +325,7 @@ class HostState:
     @property
     def parked_bytes(self) -> int:
         """Host bytes of the parked copies (outside the arena)."""
-        return sum(t[b].numel() * t[b].element_size() for b in self.parked for t in self._state_views().values())
+        return sum(self.parked_bytes_of(b) for b in self.parked)
 
     def region_bytes(self, b: int) -> int:
         """Host arena bytes of bucket ``b``'s regions (unaligned): 0 for master, copy, m and v when device-homed."""
@@ -291,6 +358,8 @@ class HostState:
         bucket's: a copy of those elements (the parked tensor is not the arena)."""
         self.require_copy(b)
         if b in self.away:
+            if region in ("exp_avg", "exp_avg_sq"):
+                self.materialize(b)
             return getattr(self, region)[b][start: start + numel].clone()
         offset = getattr(self.layout, region)[b] + start * 4
         return self.arena.exact_view(offset, numel, torch.float32)
@@ -333,6 +402,7 @@ class HostState:
 
     def param_state(self, p: int, which: str) -> torch.Tensor:
         self.require_copy(self.bucket_of[p])
+        self.materialize(self.bucket_of[p])
         off = self.offset[p]
         flat = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[which][self.bucket_of[p]]
         return flat[off: off + self.specs[p].numel].view(self.shapes[p])
@@ -354,6 +424,7 @@ class HostState:
         go up with the piece that ends the bucket's trainable prefix.
         """
         self.require_copy(b)
+        self.materialize(b)  # a fresh device-homed bucket updated on the host (its plan keeps it home after all)
         bucket = self.buckets[b]
         grad = self.grad_sum(b) if grads is None else grads
         lo, hi = span if span is not None else (0, bucket.trainable_numel)
@@ -489,10 +560,10 @@ class HostState:
         for p, param in enumerate(params):
             if self.specs[p].group is None:
                 continue
-            if not self.has_copy(self.bucket_of[p]):
+            old = optimizer.state.get(param, {})
+            if not self.has_copy(self.bucket_of[p]) or (self.bucket_of[p] in self.fresh and "exp_avg" not in old):
                 self.show_state(optimizer, params, (self.bucket_of[p],))
                 continue
-            old = optimizer.state.get(param, {})
             m, v = self.param_state(p, "exp_avg"), self.param_state(p, "exp_avg_sq")
             if "exp_avg" in old and old["exp_avg"] is not m:
                 m.copy_(old["exp_avg"].reshape(m.shape))
@@ -513,7 +584,7 @@ class HostState:
             if b not in wanted or self.specs[p].group is None:
                 continue
             entry: dict = {"step": self.step_tensor[p]}
-            if self.has_copy(b):
+            if self.has_copy(b) and b not in self.fresh:  # a fresh bucket's m and v: zeros, not made until read
                 entry["exp_avg"], entry["exp_avg_sq"] = self.param_state(p, "exp_avg"), self.param_state(p, "exp_avg_sq")
             optimizer.state[param] = entry
 

@@ -520,6 +520,7 @@ class Runtime:
     def wait_for_updates(self) -> None:
         """Every update is done and the host holds its result (for a reader of the host arena)."""
         try:
+            self.grads.device.flush_postponed()  # issue 18: first updates waiting for the device run on the host
             self.ctx.cpu.drain()
             if self.ctx.dp is not None:  # issue 20: the weights' copies back from their gather on the device
                 self.ctx.dp.settle()

@@ -58,6 +58,7 @@ FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_")  # else torch's single-tensor 
 HOST_FMA = kernel_info().get("isa") != "baseline"
 MAX_PIECE_BYTES = 64 << 20  # the most a summed-grad piece takes on the device ([Note: deferred device updates])
 HParams = list[tuple[float, float, float, float, float]]  # AdamW.hparams(): per param group
+RELAYOUT_SHARE = 16  # the host arena is laid out again where over 1/16 of it would move (_relayout_pays)
 
 
 class DeviceState(NamedTuple):
@@ -67,6 +68,18 @@ class DeviceState(NamedTuple):
     master: torch.Tensor  # fp32, the trainable prefix (``weights`` itself with fp32 compute)
     exp_avg: torch.Tensor  # fp32, the trainable prefix
     exp_avg_sq: torch.Tensor
+
+
+class Postponed(NamedTuple):
+    """A first update held until the plan that keeps the bucket's optimizer on the device is active
+    ([Note: the first step's host memory] in ``runtime/warmup.py``)."""
+
+    bucket: int
+    params: frozenset[int]
+    ready: Event  # after it, ``grads`` (or the fp32 sum) is final
+    hparams: HParams
+    factors: tuple[float, ...]  # loss-scale inverse, clipping coefficient (deferred updates; none overlapped)
+    grads: torch.Tensor | None  # overlapped: the step's grads held on the host, device dtype; None: the fp32 sum
 
 
 class DeviceOptimizer:
@@ -83,6 +96,11 @@ class DeviceOptimizer:
         self._kernel_asked = False
         self.counters = {"updates": 0, "state_h2d_bytes": 0, "state_d2h_bytes": 0, "grad_h2d_bytes": 0}
         self.demoted = 0  # device-optimizer buckets of the active plan run with the host optimizer instead
+        # first updates of fresh device-homed buckets, run on the device once the first plan is active; any
+        # left when something else needs them are handed to ``on_host`` (the CPU lane)
+        self.postponed: list[Postponed] = []
+        self.on_host: Callable[[Postponed], None] | None = None
+        self._ahead_homed: tuple[Plan, frozenset[int]] | None = None
 
     @property
     def stale(self) -> bool:
@@ -122,15 +140,38 @@ class DeviceOptimizer:
                 state = DeviceState(weights, weights, fp32[:n], fp32[n: 2 * n])
             waits = [self.slots.boundary] + [e for e in (self.slots.adam_event.get(b),) if e is not None]
             copies = [(state.exp_avg, host.exp_avg[b]), (state.exp_avg_sq, host.exp_avg_sq[b])]
+            if b in host.fresh:  # never updated: m and v are zeros, made here, not copied
+                copies = []
+                state.exp_avg.zero_()
+                state.exp_avg_sq.zero_()
             if lowp:
                 copies.insert(0, (state.master, host.master[b][:n]))
             for dst, src in copies:  # one copy queue, in order: the last one's event covers all three
                 self.filled[b] = ctx.backend.h2d(dst, src, waits)
                 self.counters["state_h2d_bytes"] += dst.numel() * 4
             self.state[b] = state
-            self.fills[b] = tuple(e for e in (self.filled[b], self.slots.h2d_event.get(b)) if e is not None)
-        if homed != host.away:
+            self.fills[b] = tuple(e for e in (self.filled.get(b), self.slots.h2d_event.get(b)) if e is not None)
+        if homed != host.away and self._relayout_pays(homed):
             self._rehome(homed)
+        if plan is self.executor.train_plan:
+            self._run_postponed()
+
+    def _relayout_pays(self, homed: frozenset[int]) -> bool:
+        """Whether the host arena is laid out again for ``homed``: only where the state that would move (the
+        regions of the buckets leaving the host, the parked copies of those coming home) is more than
+        ``1/RELAYOUT_SHARE`` of the arena, since a re-layout holds the old and the new arena at once. Else a
+        bucket leaving keeps its (stale) regions, and one coming home its parked copy, which serves the host
+        optimizer as well: the small misses of the warm-up's estimate ([Note: the first step's host memory] in
+        ``warmup.py``) cost a little memory after the first step instead of a second arena during it."""
+        host = self.slots.hosted()
+        coming, leaving = host.away - homed, homed - host.away
+        if any(b not in host.parked for b in coming):
+            return True  # (rehome says what went wrong)
+        lowp = self.ctx.dtype.itemsize if self.ctx.dtype != torch.float32 else 0
+        moved = sum(host.parked_bytes_of(b) for b in coming) + sum(
+            host.master_numel[b] * 4 + host.buckets[b].numel * lowp + host.buckets[b].trainable_numel * 8
+            for b in leaving)
+        return moved * RELAYOUT_SHARE > host.nbytes
 
     def _rehome(self, homed: frozenset[int]) -> None:
         """The training plan changed which buckets are device-homed ([Note: device-homed buckets] in
@@ -148,6 +189,55 @@ class DeviceOptimizer:
         for b in leaving:
             self.fills.pop(b, None)  # nothing parked to free
         host.show_state(ctx.optimizer, list(ctx.params), range(len(host.buckets)))  # every view moved
+
+    # -- the first updates ([Note: the first step's host memory] in warmup.py) ------------------------------
+
+    def will_own(self, b: int) -> bool:
+        """Bucket ``b`` is fresh (device-homed before any plan, never updated) and the first training plan,
+        built and about to be activated by ``step()``, keeps its optimizer on the device: its first update
+        can wait for that plan and run there, so the host never holds its m and v."""
+        ex = self.executor
+        if b not in self.slots.hosted().fresh or ex.train_plan is not None or ex.ahead is None:
+            return False
+        trace, plan = ex.ahead
+        if trace is not ex.trace or not trace.complete:
+            return False  # step() will not activate this plan (executor.replan)
+        if self._ahead_homed is None or self._ahead_homed[0] is not plan:
+            self._ahead_homed = (plan, frozenset(plan.device_optimizer) - read_after_update(plan))
+        return b in self._ahead_homed[1]
+
+    def postpone(self, update: Postponed) -> None:
+        self.postponed.append(update)
+
+    def before_host_update(self, b: int) -> None:
+        """The CPU lane is about to update bucket ``b``: a fresh one gets its m and v (zeros) on the host now,
+        and ``optimizer.state`` shows them."""
+        host = self.slots.hosted()
+        if b in host.fresh:
+            host.materialize(b)
+            host.show_state(self.ctx.optimizer, list(self.ctx.params), (b,))
+
+    def flush_postponed(self) -> None:
+        """Something needs the host's values before the plan is active (a forward, a read of the state,
+        ``close``): the postponed updates run on the host after all."""
+        todo, self.postponed = self.postponed, []
+        for x in todo:
+            if self.on_host is None:
+                raise InvariantError("postponed device updates with no host lane to hand them to")
+            self.on_host(x)
+
+    def _run_postponed(self) -> None:
+        """The first training plan is active: its device-optimizer buckets take their first update here."""
+        todo, self.postponed = self.postponed, []
+        for x in todo:
+            if x.bucket not in self.state:  # not kept on the device after all: the host updates it
+                if self.on_host is None:
+                    raise InvariantError("postponed device updates with no host lane to hand them to")
+                self.on_host(x)
+                continue
+            # the update rewrites the weights the activation is still copying in
+            self.ctx.backend.wait(self.slots.h2d_event[x.bucket])
+            self.update_summed(x.bucket, x.params, x.ready, x.hparams, x.factors, grads=x.grads)
 
     def deactivate(self) -> None:
         """The arena goes (the backend synchronized): hand the state back to the host first."""
@@ -219,20 +309,24 @@ class DeviceOptimizer:
 
     @torch.no_grad()
     def update_summed(self, b: int, params: frozenset[int], ready: Event, hparams: HParams,
-                      factors: tuple[float, ...]) -> Event:
+                      factors: tuple[float, ...], grads: torch.Tensor | None = None) -> Event:
         """``step()`` with ``overlap_optimizer=False``: bucket ``b``'s grads were summed on the host like any
         bucket's (accumulation, norms, clipping, the float16 overflow check); they come back a piece at a
         time (see [Note: deferred device updates]) and AdamW runs on the device, each piece's grads
         multiplied by ``factors`` first (the loss-scale inverse, then the clipping coefficient), as the host
-        update does."""
+        update does. ``grads``: host grads to use instead of the sum (a first update postponed from an
+        overlapped backward, in the device dtype: 16-bit grads are widened on the device, as ``update`` does)."""
         ctx, host = self.ctx, self.slots.hosted()
         ready.synchronize()  # the host sum is final (its copy, or the CPU lane's widening or adding)
         state = self._ready(b)
         step = self._step_fn()
-        summed = host.grad_sum(b)  # raises a clear InvariantError if there are no sums
-        chunk = self._step_chunk(summed.numel())
-        piece = ctx.backend.empty(chunk * 4).view(torch.float32)
-        ctx.memory.add("slots", chunk * 4)
+        summed = host.grad_sum(b) if grads is None else grads  # raises a clear InvariantError if there are no sums
+        widen = summed.dtype != torch.float32 and step != self._onepass
+        # a piece, and its widened copy where the update needs fp32 grads
+        per = summed.element_size() + (4 if widen else 0)
+        chunk = max(1, self._step_chunk(summed.numel()) * 4 // per)
+        piece = ctx.backend.empty(chunk * summed.element_size()).view(summed.dtype)
+        ctx.memory.add("slots", chunk * per)
         fused = step is self._fused or step == self._onepass
         scale = 1.0
         for f in factors:
@@ -244,6 +338,8 @@ class DeviceOptimizer:
                     g = piece[: hi - lo]
                     # the piece is rewritten only after the compute that read the previous one
                     ctx.backend.wait(ctx.backend.h2d(g, summed[lo:hi], [ctx.backend.record()]))
+                    if widen:  # exactly, as both tiers widen 16-bit grads ([Note: widening 16-bit grads])
+                        g = g.float()
                     if fused and scale != 1.0:  # as the host kernel: one multiply by the product
                         g.mul_(scale)
                     elif not fused:  # as the host's torch path: one factor after the other
@@ -251,9 +347,9 @@ class DeviceOptimizer:
                             if f != 1.0:
                                 g.mul_(f)
                     step(state, g, 0, hi - lo, lo, hi, count, hp)
-                    self.counters["grad_h2d_bytes"] += (hi - lo) * 4
+                    self.counters["grad_h2d_bytes"] += (hi - lo) * summed.element_size()
         finally:
-            ctx.memory.add("slots", -chunk * 4)
+            ctx.memory.add("slots", -chunk * per)
         return self._updated(b, state, rounded=step == self._onepass)
 
     def _ready(self, b: int) -> DeviceState:

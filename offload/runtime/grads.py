@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import InvariantError, OffloadError
 from .clipping import clip_gathered, norms_on_host
-from .device_optim import DeviceOptimizer
+from .device_optim import DeviceOptimizer, Postponed
 from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
 from .plain_grads import Exposure
 from .scaler import LossScaler
@@ -66,6 +66,7 @@ class GradPipeline:
         self._warned = False
         self.exposure = Exposure(ctx, self)  # issue 19: the gathered grads in p.grad (plain_grads.py)
         self.device = DeviceOptimizer(ctx, slots, executor)  # issue 18: updates on the device (device_optim.py)
+        self.device.on_host = lambda x: self._submit_update(x.bucket, x.params, x.ready, x.hparams, x.factors, x.grads)
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -298,7 +299,7 @@ class GradPipeline:
         ctx.stats["d2h_bytes"] += nbytes
         first = earlier is None
         # The issue-18 first step's held grads are copied out whole, whatever pieces they crossed in.
-        kept = torch.empty(view.numel(), dtype=view.dtype) if self.held is not None else None
+        kept = host.hold(view.numel(), view.dtype) if self.held is not None else None
         spans = host.chunks(b, first)  # [Note: chunked grad staging] in buckets.py
         for lo, hi in spans:
             ready, d2h = self._copy_piece(b, got, view, waits, earlier, lo, hi, last=hi == spans[-1][1],
@@ -394,6 +395,7 @@ class GradPipeline:
         hp = hparams or self.hparams
         ps = frozenset(params)
         host = slots.hosted()
+        self.device.before_host_update(b)  # issue 18: a fresh device-homed bucket updated on the host after all
         waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]
         dp = self.ctx.dp
         if dp is not None:  # issue 20: reduce-scatter, AdamW of this rank's shard, all-gather (runtime/distributed.py)
@@ -409,6 +411,9 @@ class GradPipeline:
         were complete; the hyperparameters read as backward began)."""
         held, self.held = self.held, None
         for b, got, ready, grads in held or ():
+            if self.device.will_own(b):  # its first update, on the device once step() activates the plan
+                self.device.postpone(Postponed(b, got, ready, self.hparams or [], (), grads))
+                continue
             self._submit_update(b, got, ready, grads=grads)
 
     def flush(self) -> None:
@@ -441,7 +446,9 @@ class GradPipeline:
 
     def wait_for_copies(self) -> None:
         """A forward starts: grad copies of an earlier backward of this step (accumulation) may still be
-        reading their slots, and the plan reuses those bytes: everything this pass issues comes after them."""
+        reading their slots, and the plan reuses those bytes: everything this pass issues comes after them.
+        (Issue 18: first updates postponed for the device run on the host now: this forward reads them.)"""
+        self.device.flush_postponed()
         for event in self.copies:
             self.ctx.backend.wait(event)
         self.copies = []
@@ -493,6 +500,10 @@ class GradPipeline:
             params, ready = self.pending[b]
             if self.device.owns(b):  # issue 18: summed on the host, updated on the device (device_optim.py)
                 self.device.update_summed(b, params, ready, hparams, tuple(factors))
+                continue
+            if self.device.will_own(b):  # its first update, once the plan is active ([Note: the first step's
+                # host memory] in warmup.py)
+                self.device.postpone(Postponed(b, params, ready, hparams, tuple(factors), None))
                 continue
             self._submit_update(b, params, ready, hparams, tuple(factors))
         return False

@@ -27,6 +27,30 @@ it (the implied minimum at or under the budget: the plan fits where fetching on 
 of another bucket lands beside it); the first forward of a budget under its floor may go over before the
 floor refuses it; ``activation_checkpointing="auto"`` keeps refusing at ``step()`` (it answers a budget too
 small by checkpointing more blocks there); a later re-plan (a step that departs) still fails at ``step()``.
+
+[Note: the first step's host memory] (issue 18)
+The first step runs before any plan exists (the traced warm-up), yet the host must hold the masters from
+its first forward on. Laying out every bucket's master, 16-bit copy, m and v then (as before) made the
+peak host RAM of a run that of a host-only run, however much of the optimizer the plan puts on the
+device. So, with ``device_optimizer``:
+* when the first forward ends, the warm-up estimates the first plan's device-homed buckets from that
+  forward and the backward it implies (``_predicted_away``); they start device-homed and *fresh*: a
+  parked copy of their master and 16-bit copy (what the first backward fetches and the device state
+  starts from), no m and v (zeros until the first update: ``HostState.materialize`` makes them
+  only where the host needs them) and no arena region. The arena is the plan's from the start.
+* the first step's update of such a bucket waits for the plan (overlapped: its grads are held on the
+  host until the plan is known anyway, [Note: refusing the first step whole] above; deferred: its fp32 sum).
+  If the first plan keeps the bucket's optimizer on the device, the update runs there, right after
+  ``step()`` activates the plan (m and v start as zeros on the device: ``DeviceOptimizer.activate``,
+  ``_run_postponed``), and the parked copy is freed. If the host needs the values first (a forward, a
+  read of the state, ``close``), or the plan keeps the bucket home, it runs on the host, as before.
+* a wrong estimate costs memory, not numbers: where the buckets it got wrong hold little beside the
+  arena, a bucket the plan keeps home stays parked (its copy serves the host optimizer) and one the plan
+  puts on the device keeps its regions, stale; else the arena is laid out again, holding the old and the
+  new one for a moment, as every first step did before (``DeviceOptimizer._relayout_pays``).
+Peak host bytes, then: the plan's arena, the masters and 16-bit copies of the device-homed buckets until
+their first update, and (overlapped) the first step's held grads, instead of the whole host state plus
+the plan's arena. ``HostState.host_bytes`` counts what this state holds, ``memory_stats()["host_peak_bytes"]``.
 """
 
 from __future__ import annotations
@@ -40,6 +64,7 @@ from ..host.state import HostState
 from ..planning.buckets import make_buckets
 from ..planning.budget import mirrored_step
 from ..planning.schedule import budget_error, build_plan, forward_min_budget
+from .device_optim import read_after_update
 from .idle_params import bind_placeholder, show
 from .phases import Lifecycle, Pass
 from .residency import ParamRef
@@ -144,6 +169,26 @@ class TracedWarmup:
             return e.breakdown
         raise InvariantError("a step with parameters planned in a device budget of 0 bytes")
 
+    def _predicted_away(self, forward: Trace, activations: int, buckets, recompute: RecomputeCoordinator
+                        ) -> frozenset[int]:
+        """The buckets the first training plan will likely keep with their optimizer on the device, from this
+        forward and the backward it implies (:func:`mirrored_step`, as the minimum budget is estimated), at the
+        engine's budget: their host state starts parked and fresh ([Note: the first step's host memory]).
+        None without ``device_optimizer``, with "auto" checkpointing (its first plan comes later), or where
+        that plan does not fit."""
+        ctx = self.ctx
+        if not ctx.config.device_optimizer or recompute.auto:
+            return frozenset()
+        step = mirrored_step(forward.events, forward.uses, forward.ends, buckets, list(ctx.specs), ctx.itemsize,
+                             activations=activations, seconds=forward.compute_seconds)
+        try:
+            plan = build_plan(step, buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
+                              fixed_bytes=ctx.memory.fixed, hw=ctx.hw, headroom_bytes=ctx.memory.parts["headroom"],
+                              device_optimizer=True, deferred=not ctx.config.overlap_optimizer)
+        except BudgetTooSmallError:
+            return frozenset()
+        return frozenset(plan.device_optimizer) - read_after_update(plan)
+
     def finish(self, recorder: Recorder, recompute: RecomputeCoordinator, accumulate: bool) -> None:
         """First forward done: pack buckets in first-use order, check the budget, build the host side."""
         ctx = self.ctx
@@ -168,7 +213,9 @@ class TracedWarmup:
         shapes = [p.shape for p in ctx.params]
         host: HostState  # may raise HostMemoryError
         if ctx.dp is None:
-            host = HostState(buckets, list(ctx.specs), shapes, lowp, fused=ctx.optimizer.fused, accumulate=accumulate)
+            away = self._predicted_away(forward, memory.activation_peak, buckets, recompute)
+            host = HostState(buckets, list(ctx.specs), shapes, lowp, fused=ctx.optimizer.fused, accumulate=accumulate,
+                             away=away)
         else:  # issue 20: this rank's shard of the optimizer state (offload/host/shard.py)
             host = ctx.dp.host_state(buckets, list(ctx.specs), shapes, ctx.dtype, ctx.optimizer.fused, accumulate)
         ctx.backend.pin_host(host.arena)  # page-locked once, after first touch (CUDA; no-op on the CPU backend)
