@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                             "reduce_scatter_busy_s": dp.reduce_scatter_busy_s if dp else None,
                             "device_reduce_busy_s": getattr(dp, "device_reduce_busy_s", None) if dp else None,
                             "device_gather_busy_s": getattr(dp, "device_gather_busy_s", None) if dp else None,
+                            # [Note: resident weights gathered in their slots]: the node's all-gathers after step()
+                            "refresh_gather_busy_s": getattr(dp, "refresh_gather_busy_s", None) if dp else None,
                             "compute_s": dp.sim.compute_s if dp else None,
                             "h2d_busy_s": dp.sim.h2d_busy_s if dp else None,
                             "d2h_busy_s": dp.sim.d2h_busy_s if dp else None,
@@ -227,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{zo[0] / ours[0]:.2f}x" if ours[0] and zo[0] else "-",
                         format_bytes(host_node["runtime"]) + (" sh" if shared else ""),
                         format_bytes(host_node["design"]),
-                        f"{rdp.device_reduce_busy_s + rdp.device_gather_busy_s:.3f}" if rdp else "-",
+                        f"{rdp.device_reduce_busy_s + rdp.device_gather_busy_s + rdp.refresh_gather_busy_s:.3f}"
+                        if rdp else "-",
                         f"{rdp.sim.d2h_busy_s:.3f}" if rdp else "-")
                 out["goals"].extend(_goals(out["rows"], label, hw_name, budget_name))
     console.print(table)
