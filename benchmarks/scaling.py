@@ -11,9 +11,11 @@ per-GPU budgets, on traces of real model shapes built on the meta device (no wei
   the CPU lane says every rank has: nothing of the weights is gathered, and the plan has no gather buffers.
   Over SEVERAL nodes (each rank its own host copy), the updated shard is copied to the device, all-gathered
   there (NCCL) and the gathered bytes copied back to the rank's whole host copy, with the weights' two
-  gather buffers out of the plan's budget. Whole buckets are copied to the device; the grad slots are padded
-  to the shards (as the engine plans it); gloo (NOMINAL presets, [Note: gloo's collectives]) runs the
-  checks (``step()``'s, and the shared copy's per bucket).
+  gather buffers out of the plan's budget. After ``step()`` each resident bucket updated comes up as this
+  rank's 1/G chunk, all-gathered in its slot over the node's G GPUs (NVLink; [Note: resident weights gathered
+  in their slots]); other copies are of whole buckets, as on one GPU. The grad slots are padded to the
+  shards (as the engine plans it); gloo (NOMINAL presets, [Note: gloo's collectives]) runs the checks
+  (``step()``'s two, and the shared copy's per bucket).
 * ``design``: ``offload/planning/data_parallel.py`` ([Note: the data-parallel step]): what issue 20 asks
   the runtime to become (NCCL reduce-scatter of the grad slot on the device, a shard copied, an all-gather
   on the device before each use, from a 1/N shard), on NCCL's link presets. The runtime gathers after the
@@ -86,8 +88,10 @@ PATHS = {
                "copy and a gloo check per bucket says the copy is whole (no all-gather of the weights, no gather "
                "buffers: [Note: the runtime's shared host copy]); over several nodes the updated shard is copied "
                "back to the device, all-gathered there (NCCL, two gather buffers in turn) and the gathered bytes "
-               "copied to the rank's whole host copy (the gather buffers out of the budget); whole buckets copied "
-               "to the device as on one GPU; planned with the grad slots padded "
+               "copied to the rank's whole host copy (the gather buffers out of the budget); after step() each "
+               "updated resident bucket comes up as a 1/G chunk all-gathered in its slot over the node's GPUs "
+               "([Note: resident weights gathered in their slots]), other copies whole as on one GPU; planned "
+               "with the grad slots padded "
                "(offload/planning/data_parallel_runtime.py, [Note: the runtime's device reduce-scatter])",
     "design": "what issue 20 designs, NOT what runs: device NCCL reduce-scatter, a 1/N shard copied, the "
               "weights all-gathered on the device at each fetch from a 1/N shard (offload/planning/"
