@@ -33,7 +33,9 @@ main thread is its only user: the per-bucket checks, and every check that pairs 
 named], [Note: re-plans agreed], [Note: a read on one rank] all use it then), so a rank that completed another
 bucket, raised in backward or reads alone still meets the others' next check and is named. The CPU lane's
 all-gathers of the weights have a third group (``DeviceGroup.weights``, made the same way); the user's group
-keeps the collective reads of the host state (lane drained).
+keeps the collective reads of the host state (lane drained). The main thread's refresh of the resident buckets
+after ``step()`` all-gathers on ``DeviceGroup.node`` ([Note: resident weights gathered in their slots]): the
+device group itself where every rank is on one host, else a fourth group of this host's ranks.
 
 *Which modes.* Only overlapped updates (``overlap_optimizer=True``). Deferred updates (accumulation, clipping,
 float16, ``no_sync``, the averaged ``p.grad``) keep the host path: they sum whole buckets on the host over
@@ -183,7 +185,7 @@ class DeviceGroup:
     def __init__(self, group: Any, device: torch.device) -> None:
         backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
         ranks, timeout = dist.get_process_group_ranks(group), _timeout_of(group)
-        try:  # every rank makes both, in this order
+        try:  # every rank makes both, in this order (then its host's group, where the ranks span hosts)
             self.group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
             self.weights = dist.new_group(ranks=ranks, backend=backend, timeout=timeout,
                                           use_local_synchronization=True)
