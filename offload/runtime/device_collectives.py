@@ -108,8 +108,10 @@ during backward), so the inter-node links carry nothing more; on one node the no
 buckets are those updated (the same on every rank) that this rank holds on the device, and each rank plans
 its own device side: ``DataParallel.agree_refresh`` all-gathers a checksum of the list (one check of the
 usual format, on the main thread's group, where every check pairs) and the gather runs only where every rank
-sent the same; otherwise every bucket is copied whole (as before; correct, slower). A refresh outside
-``step()`` (after a backward that raised) copies whole. ``grad_reduce="host"`` has no device group: whole.
+sent the same (a CRC-32 and the length: two different lists pass once in about 4e9); otherwise every bucket
+is copied whole (as before; correct, slower). A refresh outside
+``step()`` (after a backward that raised) copies whole; so does a rank alone on its host (nothing to gather
+from). ``grad_reduce="host"`` has no device group: whole.
 
 *Cost.* Per rank and step, ``1/G`` of each refreshed bucket over PCIe (plus a tail under
 ``REFRESH_ALIGN x G`` elements), one all-gather over the node's links (NVLink) on the main thread's collective

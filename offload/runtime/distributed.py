@@ -71,8 +71,8 @@ A rank whose backward raises waits for the collectives it issued before the faul
 the others will issue (always the all-gather of a check, which precedes every sum) with a fault tag: they
 raise a :class:`DistributedError` naming it, at once rather than after the group's timeout. A rank that hangs
 or dies cannot tell, and gloo's error says neither who (a timeout names no peer; a death names an address)
-nor lets the group be used again (a timeout closes its pairs). So the group's store does (``RollCall`` in node_share.py):
-a rank whose collective failed writes that it saw the failure (one small key), then waits up to
+nor lets the group be used again (a timeout closes its pairs). So the group's store does (``RollCall``, in
+node_share.py): a rank whose collective failed writes that it saw the failure (one small key), then waits up to
 ``ROLL_CALL_S`` for the others to write theirs (a death fails every peer's collective at once; a hang fails
 the others' after the same timeout). The ranks that never answer are named: they died or hang. Nothing is
 written while training goes well (a FileStore would grow with every write). Where the store cannot be read
