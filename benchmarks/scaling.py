@@ -11,9 +11,11 @@ per-GPU budgets, on traces of real model shapes built on the meta device (no wei
   the CPU lane says every rank has: nothing of the weights is gathered, and the plan has no gather buffers.
   Over SEVERAL nodes (each rank its own host copy), the updated shard is copied to the device, all-gathered
   there (NCCL) and the gathered bytes copied back to the rank's whole host copy, with the weights' two
-  gather buffers out of the plan's budget. Whole buckets are copied to the device; the grad slots are padded
-  to the shards (as the engine plans it); gloo (NOMINAL presets, [Note: gloo's collectives]) runs the
-  checks (``step()``'s, and the shared copy's per bucket).
+  gather buffers out of the plan's budget. After ``step()`` each resident bucket updated comes up as this
+  rank's 1/G chunk, all-gathered in its slot over the node's G GPUs (NVLink; [Note: resident weights gathered
+  in their slots]); other copies are of whole buckets, as on one GPU. The grad slots are padded to the
+  shards (as the engine plans it); gloo (NOMINAL presets, [Note: gloo's collectives]) runs the checks
+  (``step()``'s two, and the shared copy's per bucket).
 * ``design``: ``offload/planning/data_parallel.py`` ([Note: the data-parallel step]): what issue 20 asks
   the runtime to become (NCCL reduce-scatter of the grad slot on the device, a shard copied, an all-gather
   on the device before each use, from a 1/N shard), on NCCL's link presets. The runtime gathers after the
@@ -86,8 +88,10 @@ PATHS = {
                "copy and a gloo check per bucket says the copy is whole (no all-gather of the weights, no gather "
                "buffers: [Note: the runtime's shared host copy]); over several nodes the updated shard is copied "
                "back to the device, all-gathered there (NCCL, two gather buffers in turn) and the gathered bytes "
-               "copied to the rank's whole host copy (the gather buffers out of the budget); whole buckets copied "
-               "to the device as on one GPU; planned with the grad slots padded "
+               "copied to the rank's whole host copy (the gather buffers out of the budget); after step() each "
+               "updated resident bucket comes up as a 1/G chunk all-gathered in its slot over the node's GPUs "
+               "([Note: resident weights gathered in their slots]), other copies whole as on one GPU; planned "
+               "with the grad slots padded "
                "(offload/planning/data_parallel_runtime.py, [Note: the runtime's device reduce-scatter])",
     "design": "what issue 20 designs, NOT what runs: device NCCL reduce-scatter, a 1/N shard copied, the "
               "weights all-gathered on the device at each fetch from a 1/N shard (offload/planning/"
@@ -211,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                             "reduce_scatter_busy_s": dp.reduce_scatter_busy_s if dp else None,
                             "device_reduce_busy_s": getattr(dp, "device_reduce_busy_s", None) if dp else None,
                             "device_gather_busy_s": getattr(dp, "device_gather_busy_s", None) if dp else None,
+                            # [Note: resident weights gathered in their slots]: the node's all-gathers after step()
+                            "refresh_gather_busy_s": getattr(dp, "refresh_gather_busy_s", None) if dp else None,
                             "compute_s": dp.sim.compute_s if dp else None,
                             "h2d_busy_s": dp.sim.h2d_busy_s if dp else None,
                             "d2h_busy_s": dp.sim.d2h_busy_s if dp else None,
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{zo[0] / ours[0]:.2f}x" if ours[0] and zo[0] else "-",
                         format_bytes(host_node["runtime"]) + (" sh" if shared else ""),
                         format_bytes(host_node["design"]),
-                        f"{rdp.device_reduce_busy_s + rdp.device_gather_busy_s:.3f}" if rdp else "-",
+                        f"{rdp.device_reduce_busy_s + rdp.device_gather_busy_s + rdp.refresh_gather_busy_s:.3f}"
+                        if rdp else "-",
                         f"{rdp.sim.d2h_busy_s:.3f}" if rdp else "-")
                 out["goals"].extend(_goals(out["rows"], label, hw_name, budget_name))
     console.print(table)

@@ -71,6 +71,19 @@ by the CPU lane when that AdamW ends, bucket after bucket in the lane's order (t
    device-to-host lane, after it. The bucket's next host-to-device copy (a later one in this step, or the
    next step's) waits for it, as a copy waits for the update's event on the host path.
 
+Then, at the start of the step, each resident bucket updated in the step before ([Note: resident weights
+gathered in their slots] in ``runtime/device_collectives.py``; the program's ``STEP_START`` copies of updated
+buckets), where the node has ``G > 1`` ranks:
+
+7. the host-to-device copy of this rank's ``1/G`` chunk of the bucket (``S / G`` bytes, rounded up) into the
+   bucket's slot, on the host-to-device lane, in the plan's order;
+8. the all-gather of the slot over the node's ``G`` ranks, on the collective lane after that copy
+   (``collectives.intra_seconds`` of the bucket's bytes: NVLink, never the network); compute waits for it,
+   not for the copy. Recorded as ``"refresh_gather"``; its seconds in ``refresh_gather_busy_s``.
+
+and ``step()`` joins one more check (``DataParallel.agree_refresh``: every rank gathers the same buckets)
+after the re-plan's. With one GPU per node the buckets are copied whole, as on one GPU.
+
 Every lane is one queue in issue order, as a CUDA stream is: the weights' three pieces are queued when the
 AdamW ends, behind what the main thread issued before (prefetches, reduce-scatters, grads' shards) and ahead
 of what it issues after, and a piece waiting at the head of its lane (for its buffer, its copy, its gather)
@@ -84,7 +97,8 @@ Simplifications (stated), beyond the first note's: the per-bucket check runs on 
 ahead of the device); NCCL's kernels take no SMs from compute and its NVLink or network traffic does not
 share the PCIe link with the copies (the PCIe peer-to-peer presets' ``shares_host_link`` is not applied
 here); the copy lanes keep the single-GPU plan's duplex factor; the copy back of step 6 is of the padded
-slot (at most ``SHARD_ALIGN x N`` elements more than the prefix); a plan copy of a bucket whose weights'
+slot (at most ``SHARD_ALIGN x N`` elements more than the prefix); a refreshed bucket's tail (under
+``REFRESH_ALIGN x G`` elements, copied whole beside the chunk) is left out of step 7's bytes; a plan copy of a bucket whose weights'
 pieces are not issued yet is queued once they are (the main thread waits for the update), so lane work the
 main thread issues in between is queued behind it; ``copy_credit`` counts the plan's copies only (the
 shards' copies hold the lane but take no credit).
@@ -133,13 +147,13 @@ from typing import Sequence
 
 from .buckets import Bucket
 from .collectives import (Cluster, all_gather_seconds, gloo_all_gather_seconds, gloo_reduce_scatter_seconds,
-                          reduce_scatter_seconds)
+                          intra_seconds, reduce_scatter_seconds)
 from .data_parallel import shard
 from .greedy import compute_times
 from .hw import HardwareModel
 from .plan import Plan
 from .schedule import program_of
-from .simulate import Lanes, Program, SimResult, add_up
+from .simulate import STEP_START, Lanes, Program, SimResult, add_up
 
 PATHS = ("runtime", "design")
 """The two data-parallel cost models: what the runtime runs (this module), what issue 20 designs
@@ -191,6 +205,8 @@ class RuntimePathResult:
     # [Note: the runtime's shared host copy]: one copy per node, each bucket's check instead of a gather
     # (check_busy_s counts those checks)
     shared: bool = False
+    # [Note: resident weights gathered in their slots]: the collective lane in the resident buckets' refreshes
+    refresh_gather_busy_s: float = 0.0
 
     @property
     def host_copy(self) -> str:
@@ -241,7 +257,8 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
         sum(program.d2h_bytes) if many else 0, sum(program.d2h_bytes) if many and not shared else 0,
         cluster.gpus_per_node * (h2d + d2h), grad_reduce="device" if on_device else "host",
         device_reduce_busy_s=dev.coll_busy if dev is not None else 0.0,
-        device_gather_busy_s=dev.gather_busy if dev is not None else 0.0, shared=shared)
+        device_gather_busy_s=dev.gather_busy if dev is not None else 0.0, shared=shared,
+        refresh_gather_busy_s=dev.refresh_busy if dev is not None else 0.0)
 
 
 def simulate_runtime_plan(plan: Plan, hw: HardwareModel, cluster: Cluster,
@@ -322,6 +339,7 @@ class _RuntimeLanes(Lanes):
         self.ag_s = [all_gather_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
         self.gathered_at: dict[int, float] = {}  # bucket -> when its all-gather ended (its new copy is whole)
         self.rs_busy = self.ag_busy = self.check_busy = 0.0
+        self.step_checks = 1  # step()'s checks after the lane drained (agree_replan's)
 
     def issue_h2d(self, k: int, now: float) -> None:
         # a bucket updated earlier in this step is copied from its host copy once the all-gather made it whole
@@ -360,10 +378,11 @@ class _RuntimeLanes(Lanes):
         if self.world == 1:
             return end
         check_start = max(compute_end, self.cpu_free)
-        self.check_busy += self.check_s
+        checks = self.step_checks * self.check_s
+        self.check_busy += checks
         if self.record is not None:
-            self.record.append(("check", -1, check_start, check_start + self.check_s))
-        return max(end, check_start + self.check_s)
+            self.record.append(("check", -1, check_start, check_start + checks))
+        return max(end, check_start + checks)
 
 
 class _DeviceReduceLanes(_RuntimeLanes):
@@ -385,6 +404,19 @@ class _DeviceReduceLanes(_RuntimeLanes):
         self.pending_of: dict[int, float] = {}  # bucket -> when its latest pending pieces are issued
         self.buffer_free = [0.0] * WEIGHT_GATHER_BUFFERS  # per gather buffer: when its last copy back is done
         self.turn = 0
+        # [Note: resident weights gathered in their slots]: the step's first copies of the buckets updated in
+        # the step before, each a 1/G chunk all-gathered over the node (G > 1), and agree_refresh's check
+        g, updated = cluster.gpus_per_node, set(program.d2h_bucket)
+        self.refreshed = [g > 1 and e == STEP_START and b in updated
+                          for e, b in zip(program.h2d_event, program.h2d_bucket)]
+        self.refresh_s = [intra_seconds(x, device) if f else 0.0 for x, f in zip(program.h2d_bytes, self.refreshed)]
+        self.refresh_busy = 0.0
+        self.step_checks = 2
+        if any(self.refreshed):
+            self.h2d_solo = [hw.h2d_seconds(shard(x, g)) if f else t
+                             for x, f, t in zip(program.h2d_bytes, self.refreshed, self.h2d_solo)]
+            self.h2d_extra = sum(shard(x, g) - x for x, f in zip(program.h2d_bytes, self.refreshed) if f)
+            self.arrival = [0.0] * len(self.h2d_solo)  # compute waits for the all-gather, not the copy
 
     def issue_h2d(self, k: int, now: float) -> None:
         issued = self.pending_of.get(self.program.h2d_bucket[k])
@@ -392,6 +424,15 @@ class _DeviceReduceLanes(_RuntimeLanes):
             now = issued
         self.flush(now)
         super().issue_h2d(k, now)  # waits for the gathered copy back (gathered_at)
+        if self.arrival is self.h2d_done:
+            return
+        self.arrival[k] = self.h2d_done[k]
+        if self.refreshed[k]:  # the chunk landed: the node's all-gather in the slot
+            start = max(self.h2d_done[k], self.coll_free)
+            self.coll_free = self.arrival[k] = start + self.refresh_s[k]
+            self.refresh_busy += self.refresh_s[k]
+            if self.record is not None:
+                self.record.append(("refresh_gather", k, start, self.coll_free))
 
     def issue_d2h(self, k: int, now: float) -> None:
         self.flush(now)

@@ -122,5 +122,8 @@ def _new_stats() -> dict[str, int]:
             "timed_steps": 0, "compute_replans": 0,  # [Note: timing compute] in runtime/executor.py
             # issue 20, [Note: weights gathered on the device]: the copies of the weights' gathers (the CPU lane's
             # thread counts them: apart from h2d_bytes and d2h_bytes, which the main thread counts)
-            "gather_h2d_bytes": 0, "gather_d2h_bytes": 0}
+            "gather_h2d_bytes": 0, "gather_d2h_bytes": 0,
+            # issue 20, [Note: resident weights gathered in their slots]: resident buckets refreshed after step()
+            # from the node's ranks (their chunk copied, all-gathered in the slot; h2d_bytes counts the chunks)
+            "refresh_gathers": 0}
 

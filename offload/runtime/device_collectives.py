@@ -33,13 +33,17 @@ main thread is its only user: the per-bucket checks, and every check that pairs 
 named], [Note: re-plans agreed], [Note: a read on one rank] all use it then), so a rank that completed another
 bucket, raised in backward or reads alone still meets the others' next check and is named. The CPU lane's
 all-gathers of the weights have a third group (``DeviceGroup.weights``, made the same way); the user's group
-keeps the collective reads of the host state (lane drained).
+keeps the collective reads of the host state (lane drained). The main thread's refresh of the resident buckets
+after ``step()`` all-gathers on ``DeviceGroup.node`` ([Note: resident weights gathered in their slots]): the
+device group itself where every rank is on one host, else a fourth group of this host's ranks.
 
 *Which modes.* Only overlapped updates (``overlap_optimizer=True``). Deferred updates (accumulation, clipping,
 float16, ``no_sync``, the averaged ``p.grad``) keep the host path: they sum whole buckets on the host over
 backward passes. ``grad_reduce="device"`` with deferred updates is refused (``OffloadConfig``).
 
-The weights come back through the device too: [Note: weights gathered on the device].
+The weights come back through the device too: [Note: weights gathered on the device]. The resident buckets'
+new weights go up to the device after ``step()`` through the device too: [Note: resident weights gathered
+in their slots].
 
 [Note: weights gathered on the device]
 With grads reduced on the device and no host copy shared by the node's ranks (ranks on several hosts, or
@@ -80,14 +84,49 @@ of the whole host copy (``Runtime.wait_for_updates``: ``state_dict``, ``save``) 
 *Cost.* Per rank and step: the shard host-to-device (``1/N`` of the bucket), the all-gather on the
 device's links, the gathered prefix device-to-host (the single-GPU's grad copy's size, the other direction
 of the link than the fetches). The host keeps the whole copy per rank (2 B/param in 16 bits), as before.
+
+[Note: resident weights gathered in their slots]
+After ``step()`` every resident bucket that was updated gets its new weights (``Executor.refresh``). Copied
+whole from the host, that is the whole model over every GPU's PCIe link each step, where ZeRO-Offload copies
+``1/N`` and all-gathers on the device (``benchmarks/scaling.py`` found the runtime slower than ZeRO-Offload's
+rule at 11 of 80 configurations for that reason: the whole-bucket copies sit between the last AdamW and the
+next forward). With grads reduced on the device, each such bucket comes up from the node's ranks instead:
+
+    host copy (whole: the bucket's update event, which the copies wait for, says so) ─► this rank's chunk
+    ``[i c, (i + 1) c)`` to the device, into the bucket's own slot, plus the tail ``[G c, n)``
+    ─► all-gather of ``[0, G c)`` in place in the slot over the node's ``G`` ranks (``i``: this rank's
+       index among them; ``c``: ``n // G`` elements rounded down to :data:`REFRESH_ALIGN`)
+
+Compute waits for the all-gather (it is the bucket's ``h2d_event``), which waits for both copies. Each rank
+reads only its own *whole* host copy (the node's shared one, whole once every rank's check said so; or its
+own, whole once its gather's copy back landed), so the chunks need not be the AdamW's shards, frozen tails
+and padding need nothing special, and every other reader of the host copy is unchanged. Over the node's
+ranks only: across nodes every rank already holds the whole bucket on its host (per-rank copies, gathered
+during backward), so the inter-node links carry nothing more; on one node the node is the group.
+
+*Agreement.* Collectives pair by order, so every rank must gather the same buckets in the same order. The
+buckets are those updated (the same on every rank) that this rank holds on the device, and each rank plans
+its own device side: ``DataParallel.agree_refresh`` all-gathers a checksum of the list (one check of the
+usual format, on the main thread's group, where every check pairs) and the gather runs only where every rank
+sent the same (a CRC-32 and the length: two different lists pass once in about 4e9); otherwise every bucket
+is copied whole (as before; correct, slower). A refresh outside
+``step()`` (after a backward that raised) copies whole; so does a rank alone on its host (nothing to gather
+from). ``grad_reduce="host"`` has no device group: whole.
+
+*Cost.* Per rank and step, ``1/G`` of each refreshed bucket over PCIe (plus a tail under
+``REFRESH_ALIGN x G`` elements), one all-gather over the node's links (NVLink) on the main thread's collective
+stream, and one small check; modelled in ``planning/data_parallel_runtime.py`` ([Note: the runtime's device
+reduce-scatter]).
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 import warnings
+import zlib
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -103,6 +142,22 @@ if TYPE_CHECKING:
 # torch 2.13 names the single-tensor collectives *_single (the *_tensor names warn); older torch has only those
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+REFRESH_ALIGN = 16
+"""Elements a rank's chunk of a resident bucket's refresh is rounded down to ([Note: resident weights gathered
+in their slots])."""
+
+
+def refresh_chunk(numel: int, parts: int) -> int:
+    """Elements of each of ``parts`` ranks' chunk when a bucket of ``numel`` elements is gathered in its slot
+    (0: too small to split, copied whole)."""
+    return numel // parts // REFRESH_ALIGN * REFRESH_ALIGN if parts > 1 else 0
+
+
+RefreshCopy = Callable[[int, torch.Tensor, torch.Tensor, Sequence["Event"]], Optional[Tuple["Event", int]]]
+"""(bucket, its slot, its whole host copy, waits) -> (the event compute waits for, bytes copied), or None: copy it
+whole ([Note: resident weights gathered in their slots]; ``DataParallel.agree_refresh`` makes one)."""
 
 
 def resolve_grad_reduce(mode: str, device: torch.device, overlap: bool) -> str:
@@ -125,21 +180,47 @@ def pad_buckets(buckets: Sequence[Bucket], world: int) -> tuple[Bucket, ...]:
 class DeviceGroup:
     """The groups over a data-parallel group's ranks for the device collectives: ``group`` for the main
     thread's (the grads' reduce-scatters and every check), ``weights`` for the CPU lane's (the weights'
-    all-gathers: [Note: weights gathered on the device])."""
+    all-gathers: [Note: weights gathered on the device]), ``node`` over this host's ranks for the main thread's
+    refresh of the resident buckets ([Note: resident weights gathered in their slots]; ``group`` itself where
+    every rank is on this host)."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
         backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
         ranks, timeout = dist.get_process_group_ranks(group), _timeout_of(group)
-        try:  # every rank makes both, in this order
+        try:  # every rank makes both, in this order (then its host's group, where the ranks span hosts)
             self.group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
             self.weights = dist.new_group(ranks=ranks, backend=backend, timeout=timeout,
                                           use_local_synchronization=True)
+            # [Note: resident weights gathered in their slots]: the ranks on this host (the whole group on one)
+            hosts = torch.empty(len(ranks), dtype=torch.int64)
+            _all_gather(hosts, torch.tensor([host_key()], dtype=torch.int64), group=group)
+            me, keys = dist.get_rank(), hosts.tolist()
+            node = [r for r, h in zip(ranks, keys) if h == keys[ranks.index(me)]]
+            self.node = self.group if len(node) == len(ranks) else dist.new_group(
+                ranks=node, backend=backend, timeout=timeout, use_local_synchronization=True)
         except Exception as e:  # noqa: BLE001 - a backend this torch lacks, a store that failed
             raise OffloadError(
-                f"grad_reduce=\"device\" needs two more process groups over the same ranks (backend {backend!r}) "
-                f"for the device collectives, and torch.distributed.new_group failed: {e}. Use "
+                f"grad_reduce=\"device\" needs two or three more process groups over the same ranks (backend "
+                f"{backend!r}) for the device collectives, and torch.distributed failed: {e}. Use "
                 "grad_reduce=\"host\" to keep every collective on the host") from e
         self.device = device
+        self.node_rank, self.node_size = node.index(me), len(node)
+
+    def refresh(self, backend: Backend, dst: torch.Tensor, src: torch.Tensor, waits: Sequence[Event],
+                call: Callable[..., None], what: str) -> tuple[Event, int] | None:
+        """[Note: resident weights gathered in their slots]: bring the whole host copy ``src`` into the slot
+        ``dst`` as this rank's chunk and the tail after ``waits``, then the all-gather over the node's ranks;
+        return (the all-gather's event, the bytes copied), or None where the bucket is too small to split."""
+        size, i = self.node_size, self.node_rank
+        c = refresh_chunk(dst.numel(), size)
+        if not c:
+            return None
+        end, mine = c * size, dst[i * c: (i + 1) * c]
+        copies = [backend.h2d(mine, src[i * c: (i + 1) * c], waits)]
+        if end < dst.numel():
+            copies.append(backend.h2d(dst[end:], src[end:], waits))
+        gathered = backend.collective(lambda: call(what, _all_gather, dst[:end], mine, group=self.node), copies)
+        return gathered, (c + dst.numel() - end) * dst.element_size()
 
 
 class WeightGather:
@@ -189,6 +270,11 @@ class WeightGather:
         if self.buffers:
             self.buffers, self.free = [], []
             self.memory.add("gather", -self.nbytes)
+
+
+def host_key() -> int:
+    """This process's host, as a number the ranks on one host share (their node's group)."""
+    return zlib.crc32(socket.gethostname().encode())
 
 
 def _timeout_of(group: Any) -> datetime.timedelta | None:

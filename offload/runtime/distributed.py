@@ -71,8 +71,8 @@ A rank whose backward raises waits for the collectives it issued before the faul
 the others will issue (always the all-gather of a check, which precedes every sum) with a fault tag: they
 raise a :class:`DistributedError` naming it, at once rather than after the group's timeout. A rank that hangs
 or dies cannot tell, and gloo's error says neither who (a timeout names no peer; a death names an address)
-nor lets the group be used again (a timeout closes its pairs). So the group's store does (``_RollCall``):
-a rank whose collective failed writes that it saw the failure (one small key), then waits up to
+nor lets the group be used again (a timeout closes its pairs). So the group's store does (``RollCall``, in
+node_share.py): a rank whose collective failed writes that it saw the failure (one small key), then waits up to
 ``ROLL_CALL_S`` for the others to write theirs (a death fails every peer's collective at once; a hang fails
 the others' after the same timeout). The ranks that never answer are named: they died or hang. Nothing is
 written while training goes well (a FileStore would grow with every write). Where the store cannot be read
@@ -95,30 +95,24 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import socket
-import time
-import uuid
-import warnings
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError, HostMemoryError, InvariantError, OffloadError, OffloadWarning
-from ..host.node_copy import SHM_DIR, NodeCopy, no_room_for, node_copy_layout
+from ..errors import DistributedError, InvariantError, OffloadError
+from ..host.node_copy import NodeCopy
 from ..host.shard import ShardedHostState
 from ..host.state import HostState
 from ..backend.base import Deferred
-from .device_collectives import DeviceGroup, WeightGather, _all_gather, _reduce_scatter, pad_buckets
+from .device_collectives import DeviceGroup, RefreshCopy, WeightGather, _all_gather, _reduce_scatter, pad_buckets
+from .node_share import RollCall, make_node_copy
 
-
-_PATH_BYTES = 128  # the node copy's file name, broadcast by rank 0 ([Note: one host copy per node])
 
 # The tags of the checks before a sum ([Note: a fault named]): (kind, two values, checks so far)
 _TAG = 4
-_ONE_BUCKET, _BUCKET_SET, _REPLAN, _COPY_READY, _COPY_WRITTEN, _FAULT, _JOIN = 0, 1, 2, 3, 4, -1, -2
+_ONE_BUCKET, _BUCKET_SET, _REPLAN, _COPY_READY, _COPY_WRITTEN, _REFRESH, _FAULT, _JOIN = 0, 1, 2, 3, 4, 5, -1, -2
 
 if TYPE_CHECKING:
     from ..backend.base import Backend, Event, Lane
@@ -151,7 +145,7 @@ class DataParallel:
         # bucket -> its grads' ready event when :meth:`average_gathered` averaged its landing grad over the
         # ranks (then its shard of the sum is taken locally, no reduce-scatter: [Note: averaged p.grad])
         self._averaged: dict[int, Event] = {}
-        self.roll_call = _RollCall.of(group, self.rank, self.world)  # [Note: a fault named]: hangs and deaths
+        self.roll_call = RollCall.of(group, self.rank, self.world)  # [Note: a fault named]: hangs and deaths
         self.syncing = True  # False inside engine.no_sync(): a backward's end issues no collective ([Note: no_sync])
         # [Note: weights gathered on the device]: the gather buffers (made at the end of the first forward), and
         # each bucket's latest gather (the host copy is whole after it)
@@ -200,73 +194,11 @@ class DataParallel:
         each rank's own, all-gathered on the device where grads are reduced there ([Note: weights gathered on the
         device]: the gather buffers, counted in ``memory``) or by gloo on the CPU lane."""
         if self.node_copy is None and self.weights is None and self.share is not False:
-            self.node_copy = self._make_node_copy(buckets, itemsize)
+            self.node_copy = make_node_copy(buckets, itemsize, self._call, self.tag_group, self.rank, self.world,
+                                            self.share)
         if self.node_copy is None and self.device is not None and self.weights is None:
             self.weights = WeightGather(backend, memory, stats, buckets, itemsize, dtype, self.rank, self.world,
                                         self.device.weights, self._call)
-
-    def _make_node_copy(self, buckets: Sequence[Bucket], itemsize: int) -> NodeCopy | None:
-        """[Note: one host copy per node]: rank 0 makes the file, every rank maps it; None (after a warning, or
-        an error with ``share_host_copy=True``) where the ranks are not on one host or a rank cannot map it."""
-        _, nbytes = node_copy_layout(buckets, itemsize)
-        if nbytes == 0:
-            return None
-        name = socket.gethostname().encode()
-        hosts = torch.empty(self.world, dtype=torch.int64)
-        self._call("all-gather of the host names", _all_gather, hosts,
-                   torch.tensor([zlib.crc32(name)], dtype=torch.int64), group=self.tag_group)
-        several_hosts = len(set(hosts.tolist())) > 1
-        why = "the group's ranks run on more than one host" if several_hosts else ""
-        node: NodeCopy | None = None
-        path = ""
-        if not why and self.rank == 0:
-            why = no_room_for(nbytes)
-            if not why:
-                path = os.path.join(SHM_DIR, f"offload-{uuid.uuid4().hex}")
-                try:
-                    node = NodeCopy(path, nbytes, create=True)
-                except (OSError, RuntimeError, HostMemoryError) as e:
-                    why, path = f"rank 0 could not make {path}: {e}", ""
-        try:
-            path, node, why, mapped = self._share_node_copy(path, node, why, nbytes)
-        finally:
-            if self.rank == 0 and path:
-                NodeCopy.unlink(path)  # every rank has tried to map it (or failed): the memory lives while mapped
-        missing = [r for r in range(self.world) if not int(mapped[r])]
-        if path and missing:
-            node = None
-            why = why or f"rank {', '.join(map(str, missing))} could not map {path} (its warning says why)"
-        if node is not None:
-            return node
-        if self.share:
-            raise OffloadError(f"rank {self.rank} of {self.world}: share_host_copy=True, but the node's ranks cannot "
-                               f"share one host copy of the weights: {why}. Use share_host_copy=None (share where "
-                               "possible) or False")
-        if several_hosts:
-            return None  # what runs across hosts: each rank its own copy, nothing to warn about
-        warnings.warn(f"offload: rank {self.rank} keeps its own host copy of the weights ({why}); the node holds one "
-                      "per rank ([Note: one host copy per node]; share_host_copy=False: no warning)", OffloadWarning,
-                      stacklevel=2)
-        return None
-
-    def _share_node_copy(self, path: str, node: NodeCopy | None, why: str,
-                         nbytes: int) -> tuple[str, NodeCopy | None, str, torch.Tensor]:
-        """Rank 0 sends the file's name ("" if it made none), the others map it; every rank says whether it did."""
-        sent = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
-        sent[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8) if path else sent[:0]
-        self._call("broadcast of the node copy's name", dist.broadcast, sent, group_src=0, group=self.tag_group)
-        path = bytes(sent.tolist()).rstrip(b"\0").decode()
-        if not why and not path:
-            why = "rank 0 could not make it (its warning says why)"
-        if path and self.rank != 0:
-            try:
-                node = NodeCopy(path, nbytes, create=False)
-            except (OSError, RuntimeError) as e:
-                why = f"rank {self.rank} could not map {path} ({e}): another /dev/shm (a container of its own?)"
-        mapped = torch.empty(self.world, dtype=torch.int64)
-        self._call("all-gather of the node copy's mappings", _all_gather, mapped,
-                   torch.tensor([int(node is not None)], dtype=torch.int64), group=self.tag_group)
-        return path, node, why, mapped
 
     def copy_written(self) -> None:
         """The main thread wrote this rank's part of the node's copy (the first masters, ``load_state_dict``, a
@@ -448,13 +380,33 @@ class DataParallel:
         Collective: every rank calls it in ``step()``, its lane drained."""
         self.check_usable()
         tag = torch.tensor([_REPLAN, int(stale), 0, self._reduces], dtype=torch.int64)
-        others = self._check(tag, "agreement on re-planning")
-        if not bool((others[:, 0] == _REPLAN).all()) or not bool((others[:, 3] == tag[3]).all()):
+        return bool(self._agree(tag, "agreement on re-planning")[:, 1].any())
+
+    def _agree(self, tag: torch.Tensor, what: str) -> torch.Tensor:
+        """:meth:`_check` of a ``step()`` tag; raise unless every rank sent its kind at the same count."""
+        others = self._check(tag, what)
+        if not bool((others[:, 0] == tag[0]).all()) or not bool((others[:, 3] == tag[3]).all()):
             self.failed = f"ranks out of step at step() ({others.tolist()})"
             raise DistributedError(f"rank {self.rank} of {self.world}: at step() the ranks are at different "
                                    f"collectives (kind and collectives so far per rank: {others.tolist()}): every "
                                    "rank must run the same backward passes and steps")
-        return bool(others[:, 1].any())
+        return others
+
+    def agree_refresh(self, buckets: Sequence[int], backend: Backend) -> RefreshCopy | None:
+        """[Note: resident weights gathered in their slots] (device_collectives.py): where every rank brings the
+        same ``buckets``, in this order, to the device after ``step()``, how: each gathered in its slot over the
+        node's ranks; None (copy them whole) where the ranks differ or grads are reduced on the host. Collective
+        on the device path: every rank calls it in ``step()`` after :meth:`agree_replan`, unless they re-plan."""
+        device = self.device
+        if device is None:
+            return None
+        self.check_usable()
+        tag = torch.tensor([_REFRESH, zlib.crc32(",".join(map(str, buckets)).encode()), len(buckets),
+                            self._reduces], dtype=torch.int64)
+        if not bool((self._agree(tag, "agreement on the buckets gathered after step()")[:, 1:3] == tag[1:3]).all()):
+            return None
+        return lambda b, dst, src, waits: device.refresh(backend, dst, src, waits, self._call,
+                                                         f"all-gather of bucket {b}'s new weights in its slot")
 
     def average_gathered(self, grads: GradPipeline) -> None:
         """[Note: averaged p.grad]: the end of a backward with deferred updates, before the grads are exposed
@@ -638,45 +590,6 @@ class DataParallel:
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {self.failed}, so this data-parallel engine is out of step "
                 "with the other ranks and cannot train on. Restart every rank from the last checkpoint")
-
-
-class _RollCall:
-    """[Note: a fault named]: which ranks of the group say they saw a collective fail, in the group's store."""
-
-    ROLL_CALL_S = 5.0  # how long a rank whose collective failed waits for the others to say they saw it too
-
-    def __init__(self, store: Any, rank: int, world: int) -> None:
-        self.store, self.rank, self.world = store, rank, world
-
-    @classmethod
-    def of(cls, group: Any, rank: int, world: int) -> _RollCall | None:
-        """None where torch gives no store for the group (the errors then name no other rank)."""
-        try:
-            from torch.distributed.distributed_c10d import _get_process_group_store
-            return cls(dist.PrefixStore("offload/failed/", _get_process_group_store(group)), rank, world)
-        except Exception:  # noqa: BLE001 - a private torch API: without it, only the naming is lost
-            return None
-
-    def silent(self) -> str:
-        """After a failed collective: the ranks that do not say they saw it fail too (dead or hung), in words."""
-        others = [r for r in range(self.world) if r != self.rank]
-        try:
-            self.store.set(str(self.rank), "1")
-            deadline = time.monotonic() + self.ROLL_CALL_S
-            while True:
-                answered = [r for r in others if self.store.check([str(r)])]
-                if len(answered) == len(others) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        except Exception as e:  # noqa: BLE001 - the store's server was on a rank that died
-            return (f"The group's store cannot be read to say which rank stopped ({type(e).__name__}: {e}): most "
-                    "likely the rank it ran on (rank 0 with torchrun) died or hangs")
-        silent = [r for r in others if r not in answered]
-        if not silent:
-            return ("Every other rank saw it fail too: another process of the group failed (its own error says "
-                    "why)")
-        return (f"Rank {', '.join(map(str, silent))} did not say it saw this collective fail within "
-                f"{self.ROLL_CALL_S:g} s: it died or hangs (its own log says why)")
 
 
 _COLLECTIVE_READS = ("Call model.state_dict() on every rank (sd = model.state_dict(); if rank == 0: torch.save(sd, "

@@ -345,16 +345,20 @@ class PlanExecutor:
         """Buckets on the device that the plan does not keep there."""
         return sum(1 for b, slot in self.slots.slot.items() if not self.is_resident(b, slot))
 
-    def refresh(self, buckets: Iterable[int]) -> None:
-        """Updated buckets that stay on the device get their new weights (the next forward waits)."""
-        slots = self.slots
+    def refresh(self, buckets: Iterable[int], in_step: bool = False) -> None:
+        """Updated buckets that stay on the device get their new weights (the next forward waits). ``in_step``:
+        every rank refreshes here (``step()``), so with data parallel they may agree to gather them ([Note:
+        resident weights gathered in their slots] in device_collectives.py)."""
+        slots, dp = self.slots, self.ctx.dp
         keep = any(f() for f in self._lands_at_once)
-        for b in sorted(set(buckets) & set(slots.slot)):
-            if self.device_state is not None and self.device_state.owns(b):
-                continue  # issue 18: updated in place on the device; the host copy is stale
+        # issue 18: a bucket whose update ran on the device is updated in place there; its host copy is stale
+        order = [b for b in sorted(set(buckets) & set(slots.slot))
+                 if self.device_state is None or not self.device_state.owns(b)]
+        copy = dp.agree_refresh(order, self.ctx.backend) if in_step and dp is not None else None
+        for b in order:
             if slots.state[b] is Residency.IN_FLIGHT:
                 self.need(b)
-            slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep)
+            slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep, copy=copy)
         for fn in self._copied_in:
             fn()
 
@@ -381,7 +385,7 @@ class PlanExecutor:
         if (self.train_plan is None or self.stale) and trace is not None and trace.complete:
             self.replan(trace, recompute)  # brings every resident bucket in afresh
         else:
-            self.refresh(updated)
+            self.refresh(updated, in_step=True)
         self.stale = False
 
     def replan(self, trace: Trace, recompute: RecomputeCoordinator) -> None:

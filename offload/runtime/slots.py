@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from ..host.state import HostState
     from ..planning.buckets import Bucket
+    from .device_collectives import RefreshCopy
     from .context import RuntimeContext
 
 
@@ -113,21 +114,29 @@ class SlotTable:
         check_move(b, self.state[b], new)
         self.state[b] = new
 
-    def copy_in(self, b: int, slot: Slot, waits: Iterable[Event], keep_bound: bool = False) -> None:
+    def copy_in(self, b: int, slot: Slot, waits: Iterable[Event], keep_bound: bool = False,
+                copy: RefreshCopy | None = None) -> None:
         """Issue the host-to-device copy of bucket ``b`` into ``slot``. ``keep_bound``: a refresh that compute
         waits for before anything else runs (the fast path's ``settle``): its parameters stay bound to the slot
-        (no placeholder in between, which nothing could read), and ``land`` finds them bound."""
+        (no placeholder in between, which nothing could read), and ``land`` finds them bound. ``copy``: how
+        (issue 20: [Note: resident weights gathered in their slots] in device_collectives.py), if not whole."""
         ctx = self.ctx
         n = self.buckets[b].numel
         dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
         waits = [w for w in (*waits, self.adam_event.get(b)) if w is not None]
         fresh = b not in self.slot
-        ctx.stats["h2d_bytes"] += n * ctx.itemsize
-        self.h2d_by_bucket[b] += n * ctx.itemsize
         self.set_state(b, Residency.IN_FLIGHT)
         self.slot[b] = slot
-        self.h2d_event[b] = ctx.backend.h2d(dst, self.hosted().source(b), waits)
-        ctx.lane_log.add("h2d", b, n * ctx.itemsize, self.h2d_event[b])
+        src = self.hosted().source(b)
+        gathered = copy(b, dst, src, waits) if copy is not None else None
+        if gathered is None:
+            gathered = ctx.backend.h2d(dst, src, waits), n * ctx.itemsize
+        else:
+            ctx.stats["refresh_gathers"] += 1
+        self.h2d_event[b], nbytes = gathered
+        ctx.stats["h2d_bytes"] += nbytes
+        self.h2d_by_bucket[b] += nbytes
+        ctx.lane_log.add("h2d", b, nbytes, self.h2d_event[b])
         if fresh:
             self._index(b, slot)
         elif keep_bound:

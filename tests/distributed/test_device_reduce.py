@@ -44,6 +44,11 @@ def _assert_device_path(r: dict, case: Case, itemsize: int, budget: int) -> None
         assert r["host_shared_bytes"] > 0
         assert r["counters"]["gather_h2d_bytes"] == r["counters"]["gather_d2h_bytes"] == 0
     assert shards <= whole / case.world + 16 * itemsize * len(r["buckets"])  # 1/N, up to the shard alignment
+    # [Note: resident weights gathered in their slots]: every step after the first that does not plan again
+    # brings each resident bucket's new weights up as this rank's chunk, all-gathered in the slot over the node
+    assert len(r["resident"]) == len(r["buckets"])  # these budgets keep every bucket resident
+    refreshes = case.steps - 1 - r["counters"]["replans"]
+    assert r["counters"]["refresh_gathers"] == refreshes * len(r["buckets"]), r["counters"]
     assert r["grad_slot_numel"] == [shard_of(t, 0, case.world).size * case.world for _, t in r["buckets"]]
     assert 0 < r["device_peak_bytes"] <= budget
 
@@ -61,6 +66,35 @@ def test_two_ranks_reduced_on_the_device_equal_one_process(tmp_path):
         _assert_device_path(r, case, 4, 48 << 10)
     # no whole grad lands on the host: the arena is the one `offload report --grad-reduce device` predicts
     _assert_report_host_bytes(results, "fp32", "device")
+
+
+def test_ranks_that_keep_other_buckets_resident_copy_them_whole(tmp_path):
+    """[Note: resident weights gathered in their slots]: rank 1's budget keeps no bucket resident, rank 0's
+    keeps all: the ranks do not agree on the buckets to gather after step(), so each copies its own whole (no
+    all-gather that nothing pairs with on the other rank), and both train bit for bit as the reference."""
+    case = Case(world=2, extra={**DEVICE, "budget": "48KiB", "rank_budget": {1: "16KiB"}})
+    results = _ok(run_ranks(case, tmp_path))
+    exact = reference(case, emulate_ranks=True)
+    assert results[0]["resident"] == [0, 1, 2] and results[1]["resident"] == []
+    for r in results:
+        _assert_weights(r["weights"], exact["weights"])
+        assert r["counters"]["refresh_gathers"] == 0
+
+
+@pytest.mark.slow
+def test_four_ranks_on_two_hosts_gather_resident_buckets_within_each_host(tmp_path):
+    """Four ranks on two hosts (faked: ``host_key``), chaos on: no shared copy (each rank its own, gathered on
+    the device during backward, [Note: weights gathered on the device]), and after step() each resident bucket
+    comes up as this rank's half, all-gathered over its host's two ranks only (a group of its own); within
+    1e-6 of the rank-ordered sum (gloo sums four addends in its own order)."""
+    case = Case(world=4, chaos=True, extra={**DEVICE, "hosts": 2})
+    results = _ok(run_ranks(case, tmp_path))
+    exact = reference(case, emulate_ranks=True)
+    for r in results:
+        _assert_weights(r["weights"], exact["weights"], 1e-6)
+        _assert_weights(r["weights"], results[0]["weights"])
+        assert r["host_shared_bytes"] == 0 and r["counters"]["gather_h2d_bytes"] > 0
+        assert r["counters"]["refresh_gathers"] == (case.steps - 1) * len(r["buckets"]), r["counters"]
 
 
 @pytest.mark.slow

@@ -109,8 +109,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             from offload.runtime.distributed import DataParallel
             DataParallel.JOIN_WINDOW_S = case.extra["join_window_s"]  # this spawned process only
         if "roll_call_s" in case.extra:
-            from offload.runtime.distributed import _RollCall
-            _RollCall.ROLL_CALL_S = case.extra["roll_call_s"]  # this spawned process only
+            from offload.runtime.node_share import RollCall
+            RollCall.ROLL_CALL_S = case.extra["roll_call_s"]  # this spawned process only
         collectives = _count_collectives()
         sim = _simulated_gpu(stack) if case.extra.get("simulated_gpu") else None
         model = make_model()
@@ -130,7 +130,11 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         if caught is not None:
             warnings.simplefilter("always")
         if case.extra.get("no_shm_room"):  # [Note: one host copy per node]: rank 0 finds no room for the copy
-            stack.enter_context(mock.patch("offload.runtime.distributed.no_room_for", lambda n: "no room (a test)"))
+            stack.enter_context(mock.patch("offload.runtime.node_share.no_room_for", lambda n: "no room (a test)"))
+        if "hosts" in case.extra:  # [Note: resident weights gathered in their slots]: ranks on this many "hosts"
+            key = rank * case.extra["hosts"] // case.world  # (consecutive ranks share one, as torchrun's)
+            for where in ("offload.runtime.device_collectives.host_key", "offload.runtime.node_share.host_key"):
+                stack.enter_context(mock.patch(where, lambda: key))
         if rank == case.extra.get("slow_update_rank"):  # this rank's AdamW of every shard lags behind the others'
             from offload.host.shard import ShardedHostState
 
@@ -141,7 +145,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 return update(self, *args, **kwargs)
             stack.enter_context(mock.patch.object(ShardedHostState, "update", slow))
         with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
-            engine = offload.wrap(model, opt, budget=case.extra.get("budget", "64MiB"), dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
+            budget = case.extra.get("rank_budget", {}).get(rank, case.extra.get("budget", "64MiB"))
+            engine = offload.wrap(model, opt, budget=budget, dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
                                   overlap_optimizer=case.overlap, **options)
         lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
         if case.overlap:  # updates run during backward: no_sync() cannot hold their collectives back
@@ -221,6 +226,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             result["warnings"] = [str(w.message) for w in caught]
         result["device_peak_bytes"] = stats["device_peak_bytes"]
         result["grad_slot_numel"] = [b.grad_numel for b in engine._runtime.slots.buckets]
+        plan = engine._runtime.executor.train_plan
+        result["resident"] = sorted(plan.resident) if plan is not None else []
         result["optimizer"] = stats["optimizer"]
         result["buckets"] = [(b.numel, b.trainable_numel) for b in engine._runtime.slots.hosted().buckets]
         if case.save is not None:
@@ -269,7 +276,7 @@ def _count_collectives() -> list[str]:
     the returned list gets each one's name as it is called, on whichever thread."""
     import torch.distributed as dist
 
-    from offload.runtime import distributed
+    from offload.runtime import device_collectives, distributed, node_share
     calls: list[str] = []
 
     def counted(name: str, fn):
@@ -278,8 +285,10 @@ def _count_collectives() -> list[str]:
             return fn(*args, **kwargs)
         return call
 
-    for name in ("_reduce_scatter", "_all_gather"):
-        setattr(distributed, name, counted(name, getattr(distributed, name)))
+    for module in (distributed, device_collectives, node_share):
+        for name in ("_reduce_scatter", "_all_gather"):
+            if hasattr(module, name):
+                setattr(module, name, counted(name, getattr(module, name)))
     for name in ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "reduce_scatter",
                  "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all", "send", "recv"):
         if hasattr(dist, name):

@@ -202,13 +202,14 @@ def test_both_halves_on_the_device_by_hand():
         "d2h_gathered": [approx((3.5, 4.5)), approx((4.5, 5.5))],  # BACK after each gather, one after the other
     }
     assert (DEV_RS, SHARD_D2H, ADAM_DEV, SHARD_H2D, DEV_AG, BACK) == (0.5, 0.5, 0.5, 0.5, 0.5, 1.0)
-    assert _span(record, "check", -1) == approx((3.5, 3.5 + CHECK))  # once the CPU lane drained
+    # once the CPU lane drained: step()'s two checks (re-plans, then the buckets gathered in their slots)
+    assert _span(record, "check", -1) == approx((3.5, 3.5 + 2 * CHECK))
     assert got.step_s == approx(5.5)
     assert not [r for r in record if r[0] in ("reduce_scatter", "all_gather")]  # nothing of gloo's
     assert (got.grad_reduce, got.reduce_scatter_busy_s, got.all_gather_busy_s) == ("device", 0.0, 0.0)
     assert got.device_reduce_busy_s == approx(2 * DEV_RS) and got.device_gather_busy_s == approx(2 * DEV_AG)
-    assert got.check_busy_s == approx(CHECK)  # step()'s only: the buckets' checks are not on the lane
-    assert got.cpu_lane_busy_s == approx(2 * ADAM_DEV + CHECK)
+    assert got.check_busy_s == approx(2 * CHECK)  # step()'s only: the buckets' checks are not on the lane
+    assert got.cpu_lane_busy_s == approx(2 * ADAM_DEV + 2 * CHECK)
     assert (got.sim.d2h_bytes, got.sim.h2d_bytes) == (2 * 500 + 2 * 1000, 2 * 500)  # shards down, gathers back
     assert got.node_host_copy_bytes == 2 * (2 * 500 + 2 * 1000 + 2 * 500)
     one = simulate_runtime_path(program, HW, gloo_cluster_of(1), device=Cluster(1, 1, intra=LINK))
@@ -256,7 +257,7 @@ def test_a_buckets_next_copy_waits_for_its_gathered_copy_back():
         approx((1.5, 2.0)), approx((2.0, 2.5)), approx((2.5, 3.5)))
     assert _span(record, "h2d") == approx((3.5, 4.5))
     assert got.sim.stall_s == approx(4.5 - 2.0)  # event 2 waits for that copy
-    assert got.step_s == approx(5.5 + CHECK)  # compute ends at 5.5; step()'s check after it
+    assert got.step_s == approx(5.5 + 2 * CHECK)  # compute ends at 5.5; step()'s two checks after it
     # another bucket's copy waits for nothing
     record = []
     other = simulate_runtime_path(dataclasses.replace(program, h2d_bucket=(1,)), HW, TWO, record, device=NV)

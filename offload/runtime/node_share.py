@@ -1,0 +1,127 @@
+"""Set-up and fault naming for data parallel (issue 20), apart from ``distributed.py``'s collectives: the
+node's one shared host copy made and mapped by every rank ([Note: one host copy per node] in
+host/node_copy.py), and the group store's roll call that names a rank that died or hangs ([Note: a fault
+named] in distributed.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import HostMemoryError, OffloadError, OffloadWarning
+from ..host.node_copy import SHM_DIR, NodeCopy, no_room_for, node_copy_layout
+from .device_collectives import _all_gather, host_key
+
+if TYPE_CHECKING:
+    from ..planning.buckets import Bucket
+
+_PATH_BYTES = 128  # the node copy's file name, broadcast by rank 0 ([Note: one host copy per node])
+
+
+def make_node_copy(buckets: Sequence[Bucket], itemsize: int, call: Callable[..., None], group: Any, rank: int,
+                   world: int, share: bool | None) -> NodeCopy | None:
+    """[Note: one host copy per node]: rank 0 makes the file, every rank maps it; None (after a warning, or
+    an error with ``share_host_copy=True``) where the ranks are not on one host or a rank cannot map it."""
+    _, nbytes = node_copy_layout(buckets, itemsize)
+    if nbytes == 0:
+        return None
+    hosts = torch.empty(world, dtype=torch.int64)
+    call("all-gather of the host names", _all_gather, hosts, torch.tensor([host_key()], dtype=torch.int64),
+         group=group)
+    several_hosts = len(set(hosts.tolist())) > 1
+    why = "the group's ranks run on more than one host" if several_hosts else ""
+    node: NodeCopy | None = None
+    path = ""
+    if not why and rank == 0:
+        why = no_room_for(nbytes)
+        if not why:
+            path = os.path.join(SHM_DIR, f"offload-{uuid.uuid4().hex}")
+            try:
+                node = NodeCopy(path, nbytes, create=True)
+            except (OSError, RuntimeError, HostMemoryError) as e:
+                why, path = f"rank 0 could not make {path}: {e}", ""
+    try:
+        path, node, why, mapped = _share_node_copy(path, node, why, nbytes, call, group, rank, world)
+    finally:
+        if rank == 0 and path:
+            NodeCopy.unlink(path)  # every rank has tried to map it (or failed): the memory lives while mapped
+    missing = [r for r in range(world) if not int(mapped[r])]
+    if path and missing:
+        node = None
+        why = why or f"rank {', '.join(map(str, missing))} could not map {path} (its warning says why)"
+    if node is not None:
+        return node
+    if share:
+        raise OffloadError(f"rank {rank} of {world}: share_host_copy=True, but the node's ranks cannot "
+                           f"share one host copy of the weights: {why}. Use share_host_copy=None (share where "
+                           "possible) or False")
+    if several_hosts:
+        return None  # what runs across hosts: each rank its own copy, nothing to warn about
+    warnings.warn(f"offload: rank {rank} keeps its own host copy of the weights ({why}); the node holds one "
+                  "per rank ([Note: one host copy per node]; share_host_copy=False: no warning)", OffloadWarning,
+                  stacklevel=2)
+    return None
+
+def _share_node_copy(path: str, node: NodeCopy | None, why: str, nbytes: int, call: Callable[..., None],
+                     group: Any, rank: int, world: int) -> tuple[str, NodeCopy | None, str, torch.Tensor]:
+    """Rank 0 sends the file's name ("" if it made none), the others map it; every rank says whether it did."""
+    sent = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
+    sent[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8) if path else sent[:0]
+    call("broadcast of the node copy's name", dist.broadcast, sent, group_src=0, group=group)
+    path = bytes(sent.tolist()).rstrip(b"\0").decode()
+    if not why and not path:
+        why = "rank 0 could not make it (its warning says why)"
+    if path and rank != 0:
+        try:
+            node = NodeCopy(path, nbytes, create=False)
+        except (OSError, RuntimeError) as e:
+            why = f"rank {rank} could not map {path} ({e}): another /dev/shm (a container of its own?)"
+    mapped = torch.empty(world, dtype=torch.int64)
+    call("all-gather of the node copy's mappings", _all_gather, mapped,
+               torch.tensor([int(node is not None)], dtype=torch.int64), group=group)
+    return path, node, why, mapped
+
+
+class RollCall:
+    """[Note: a fault named]: which ranks of the group say they saw a collective fail, in the group's store."""
+
+    ROLL_CALL_S = 5.0  # how long a rank whose collective failed waits for the others to say they saw it too
+
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+
+    @classmethod
+    def of(cls, group: Any, rank: int, world: int) -> RollCall | None:
+        """None where torch gives no store for the group (the errors then name no other rank)."""
+        try:
+            from torch.distributed.distributed_c10d import _get_process_group_store
+            return cls(dist.PrefixStore("offload/failed/", _get_process_group_store(group)), rank, world)
+        except Exception:  # noqa: BLE001 - a private torch API: without it, only the naming is lost
+            return None
+
+    def silent(self) -> str:
+        """After a failed collective: the ranks that do not say they saw it fail too (dead or hung), in words."""
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            self.store.set(str(self.rank), "1")
+            deadline = time.monotonic() + self.ROLL_CALL_S
+            while True:
+                answered = [r for r in others if self.store.check([str(r)])]
+                if len(answered) == len(others) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - the store's server was on a rank that died
+            return (f"The group's store cannot be read to say which rank stopped ({type(e).__name__}: {e}): most "
+                    "likely the rank it ran on (rank 0 with torchrun) died or hangs")
+        silent = [r for r in others if r not in answered]
+        if not silent:
+            return ("Every other rank saw it fail too: another process of the group failed (its own error says "
+                    "why)")
+        return (f"Rank {', '.join(map(str, silent))} did not say it saw this collective fail within "
+                f"{self.ROLL_CALL_S:g} s: it died or hangs (its own log says why)")
