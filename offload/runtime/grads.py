@@ -400,8 +400,8 @@ class GradPipeline:
             slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors, grads),
                                                    waits)
         else:
-            slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors, grads, span), waits,
-                                                      f"AdamW of bucket {b}")
+            slots.adam_event[b] = self.ctx.cpu.issue(lambda: host.update(b, ps, hp, factors, grads, span), waits,
+                                                     f"AdamW of bucket {b}")  # [Note: inline copies] (backend/cpu.py)
         self.ctx.lane_log.add("cpu_adam", b, 0, slots.adam_event[b])
 
     def release_held(self) -> None:
