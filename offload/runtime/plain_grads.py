@@ -250,14 +250,17 @@ class Exposure:
         grads = self.grads
         self.final = False
         params, exposed = self.ctx.params, self.exposed
-        spare, epoch, deferred = self._spare, self.epoch, grads.deferred
+        spare, epoch, deferred, made = self._spare, self.epoch, grads.deferred, self._stride_cache
         for p in grads.sums.pending_params():
             param = params[p]
             if deferred:
                 g = ExposedGrad(self, p, grads.sums.grad_sum(p).view(param.shape), param)
             else:
                 again = spare.pop(p, None)
-                if again is not None and again.shape == param.shape:
+                # A spare has the shape the stride cache holds for its parameter (it was made with it, and the
+                # cache changes only when a grad of another shape is made, after its spare was popped): that
+                # compare costs half of reading a wrapper subclass's shape (issue 17, the hot path)
+                if again is not None and made[p][0] == param.shape:
                     again._epoch = epoch
                     g = again
                 else:
