@@ -224,8 +224,8 @@ class Exposure:
     """The grad pipeline's side of [Note: gradients in p.grad]: which parameters' ``grad`` it set, and the
     state of the host sums they show. Owned by :class:`offload.runtime.grads.GradPipeline` (``grads.exposure``),
     which owns the sums, their norms and the clip factor: it changes them only through ``grads.sums``
-    (grad_sums.py). The pipeline calls :meth:`expose` at the end of backward, :meth:`drop` when gathered grads are cleared
-    and :meth:`zero_grad`; the runtime calls :meth:`before_backward_of`, :meth:`before_step`,
+    (grad_sums.py). The pipeline calls :meth:`expose` at the end of backward, :meth:`drop` when gathered grads
+    are cleared and :meth:`zero_grad`; the runtime calls :meth:`before_backward_of`, :meth:`before_step`,
     :meth:`to_engine_form` (before ``engine.clip_grad_norm_``) and :meth:`close`."""
 
     def __init__(self, ctx: RuntimeContext, grads: GradPipeline) -> None:

@@ -98,7 +98,8 @@ def test_issue_runs_work_inline_only_on_a_lane_made_inline():
             assert lane.ran_inline == int(inline) and lane.alive is not inline
         finally:
             lane.close()
-    for backend, inline in ((CPUBackend(), True), (CPUBackend(inline_copies=False), False), (CPUBackend(1e9, 1e9), False)):
+    backends = ((CPUBackend(), True), (CPUBackend(inline_copies=False), False), (CPUBackend(1e9, 1e9), False))
+    for backend, inline in backends:
         lane = backend.host_lane("cpu-adam")
         assert lane.inline is inline
         lane.close()
