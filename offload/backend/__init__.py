@@ -39,8 +39,8 @@ def make_backend(device: str | torch.device, chaos: ChaosConfig | None = None) -
 
 def cpu_copies() -> str:
     """How the CPU backend runs its copies ([Note: inline copies] in backend/cpu.py): ``OFFLOAD_CPU_COPIES``,
-    ``inline`` (the default: a copy that could start now runs on the issuing thread) or ``lanes`` (every copy
-    on its lane's thread, as the test suite runs)."""
+    ``inline`` (the default: a copy, or a bucket's AdamW, that could start now runs on the issuing thread) or
+    ``lanes`` (every copy and update on its lane's thread, as the test suite runs)."""
     mode = os.environ.get("OFFLOAD_CPU_COPIES", "inline")
     if mode not in ("inline", "lanes"):
         raise ValueError(f"OFFLOAD_CPU_COPIES must be 'inline' or 'lanes'; got {mode!r}")

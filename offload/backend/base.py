@@ -231,9 +231,12 @@ class Lane:
     garbage-collected) is finalized like any object: its finalizer tells the thread to stop and joins it.
     """
 
-    def __init__(self, name: str, before: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str, before: Callable[[], None] | None = None, inline: bool = False) -> None:
         self.name = name
         self._before = before  # called before and after each item (chaos delays, offload.testing.chaos)
+        # :meth:`issue` runs work at once on the calling thread where the lane could start it now (the CPU
+        # backend's host lanes: [Note: inline copies] in backend/cpu.py)
+        self.inline = inline
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -277,6 +280,13 @@ class Lane:
             if self._before is not None or not self._last.query() or not all(w.query() for w in waits):
                 return self._submit(fn, waits, what)
             return self._run_now(fn, waits, what)
+
+    def issue(self, fn: Callable[[], object], waits: Iterable[Event] = (), what: str = "") -> HostEvent:
+        """:meth:`run` on a lane made ``inline``, else :meth:`submit`: for work that may run on the calling
+        thread only where the backend says so (the CPU backend's AdamW: [Note: inline copies] in backend/cpu.py)."""
+        if self.inline:
+            return self.run(fn, waits, what)
+        return self.submit(fn, waits, what)
 
     def _run_now(self, fn: Callable[[], object], waits: tuple[Event, ...], what: str) -> HostEvent:
         ev = HostEvent(what=what or self.name)

@@ -18,6 +18,19 @@ the lane, in order. ``inline_copies=False`` (``OFFLOAD_CPU_COPIES=lanes`` for ``
 copy to its lane: the test suite runs so (tests/conftest.py), where a copy that runs late is what exposes a
 missing wait, and chaos delays (which always use the lanes) make it later still. Throttled copies
 (``h2d_bytes_per_s``, the simulator check) always use the lanes: they model an asynchronous link.
+
+The same holds for each bucket's AdamW on the CPU lane (``host_lane`` lanes are made ``inline`` in this mode;
+the runtime issues the update with ``Lane.issue``, grads.py): on this backend compute is a host thread too, so
+handing each bucket's update to the lane thread cost its wake-up, a GIL hand-off and a core shared with compute
+per bucket. Measured (issue 17, 2-vCPU VM, the mlp of ``benchmarks/overhead.py`` all resident, engines with and
+without it in one process; benchmarks/results/cpu-2026-11-26/overhead-profile.md, section 12): process CPU
+-1.0 to -1.2 ms a step of 9.4-10.5, and the main thread's own time did not grow although it now runs the
+updates (~0.6 ms): the update beside compute slowed compute by as much. An update whose waits are not done, or
+one behind queued lane work (a gradient accumulation), still goes to the lane, in order. Only updates are
+issued so (in backward, at ``step()`` when deferred, the first step's held ones); the other CPU-lane work
+(gradient accumulation, the first step's grads copied out, data parallel's shard updates and collectives) is
+submitted as before. The CUDA backend's lanes are never ``inline``: there the host thread must keep issuing
+kernels while updates run.
 """
 
 from __future__ import annotations
@@ -143,8 +156,9 @@ class CPUBackend:
         self._d2h.drain()
 
     def host_lane(self, name: str) -> Lane:
-        """A new lane for the runtime's host work (the CPU AdamW), with this backend's chaos delays if any."""
-        return Lane(f"offload-{name}", before=chaos_delay(self._chaos, name))
+        """A new lane for the runtime's host work (the CPU AdamW), with this backend's chaos delays if any; work
+        the runtime ``issue``s to it runs inline where the copies do ([Note: inline copies])."""
+        return Lane(f"offload-{name}", before=chaos_delay(self._chaos, name), inline=self.inline_copies)
 
     def threads_alive(self) -> int:
         """The copy lanes' threads still running (each starts at its first copy)."""

@@ -81,6 +81,32 @@ def adamw_step_unchecked(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
         float(grad_scale), bool(check_finite), int(threads))
 
 
+def adamw_step_at(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  start: int, grad_start: int, numel: int, lowp_out: torch.Tensor | None = None, *, step: int,
+                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
+                  check_finite: bool = False) -> bool:
+    """:func:`adamw_step_unchecked` of ``param[start:start + numel]`` (and the same elements of ``exp_avg``,
+    ``exp_avg_sq``, ``lowp_out``) with ``grad[grad_start:grad_start + numel]``, given by address: no slice is
+    made (four or five tensor views a call, ~1-3 us each inside a training step: issue 17's hot path). For the
+    host state's flat buffers only (``HostState.update``): ``param``, ``exp_avg``, ``exp_avg_sq`` fp32, all of
+    them 1-D and contiguous, the ranges inside them by construction (a slice would not check that either:
+    the unchecked call trusts the same lengths). Without the kernel, the reference on slices."""
+    end = start + numel
+    if not KERNEL_AVAILABLE:
+        return adamw_step_unchecked(param[start:end], grad[grad_start:grad_start + numel], exp_avg[start:end],
+                                    exp_avg_sq[start:end], step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                    weight_decay=weight_decay, grad_scale=grad_scale, check_finite=check_finite,
+                                    lowp_out=None if lowp_out is None else lowp_out[start:end])
+    fp32 = 4  # param, exp_avg, exp_avg_sq: the host state's fp32 buffers
+    return _C.adamw_step(
+        param.data_ptr() + fp32 * start, exp_avg.data_ptr() + fp32 * start, exp_avg_sq.data_ptr() + fp32 * start,
+        grad.data_ptr() + grad.element_size() * grad_start, _DTYPE_NAMES[grad.dtype],
+        0 if lowp_out is None else lowp_out.data_ptr() + lowp_out.element_size() * start,
+        "bfloat16" if lowp_out is None else _DTYPE_NAMES[lowp_out.dtype],
+        numel, int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        float(grad_scale), bool(check_finite), int(torch.get_num_threads()))
+
+
 @torch.no_grad()
 def adamw_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                          exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float, eps: float,

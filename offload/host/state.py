@@ -17,7 +17,7 @@ from ..optim import adamw_
 from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec,
                                 chunk_numel, host_layout, locate)
 from .arena import HostArena
-from .cpu_adam import KERNEL_AVAILABLE, adamw_step_unchecked
+from .cpu_adam import KERNEL_AVAILABLE, adamw_step_at
 
 if TYPE_CHECKING:
     from ..backend.base import Event
@@ -436,9 +436,8 @@ class HostState:
             scale *= f
 
         def fused(s: int, e: int, step: int, hp: dict) -> None:
-            found_inf = adamw_step_unchecked(master[s:e], grad[s - base:e - base], m[s:e], v[s:e], step=step, **hp,
-                                             grad_scale=scale, lowp_out=None if lowp is None else lowp[s:e],
-                                             check_finite=self.check_finite)
+            found_inf = adamw_step_at(master, grad, m, v, s, s - base, e - s, lowp, step=step, **hp, grad_scale=scale,
+                                      check_finite=self.check_finite)
             if found_inf:
                 self._inf_error(b)
 
@@ -458,7 +457,7 @@ class HostState:
         for run in bucket.runs:
             lr, b1, b2, eps, wd = hparams[run.group]
             hp = dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
-            steps = {self.steps[p] for p in run.params}
+            steps = set(map(self.steps.__getitem__, run.params))
             if params.issuperset(run.params) and len(steps) == 1:
                 segments.append((run.start, run.end, steps.pop() + 1, hp, run.params))
                 continue
@@ -542,7 +541,7 @@ class HostState:
         steps = self.steps
         for p in params:
             steps[p] += 1
-        counts = {steps[p] for p in params}
+        counts = set(map(steps.__getitem__, params))
         if len(counts) != 1 or len(params) == 1:
             for p in params:
                 self.step_tensor[p].fill_(float(steps[p]))

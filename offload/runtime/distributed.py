@@ -415,7 +415,7 @@ class DataParallel:
         backward here."""
         self.check_usable()
         self.lane.drain()  # the accumulation into the sums runs on the lane
-        grads.wait_gathered()
+        grads.sums.wait_gathered()
         host = _sharded(grads.slots.hosted(), self.rank)
         buckets = sorted(grads.pending)
         self._check_same_buckets(buckets)
@@ -424,7 +424,7 @@ class DataParallel:
             self._call(f"all-reduce of bucket {b}'s grads", dist.all_reduce, landed, group=self.group)
             landed.div_(self.world)  # exact for a power of two
             self._averaged[b] = grads.pending[b].ready
-        grads.refresh_norms(grads.pending_params())
+        grads.sums.refresh_norms(grads.sums.pending_params())
 
     def _check_same_buckets(self, buckets: list[int]) -> None:
         """As :meth:`_check_same_bucket`, for the set of buckets :meth:`average_gathered` is about to sum:
@@ -467,7 +467,7 @@ class DataParallel:
         for b in sorted(grads.pending):
             if self._averaged.get(b) is grads.pending[b].ready:  # mixed: its shard for the norms' all-reduce
                 self._take_shard(host, b)
-        params = grads.pending_params()
+        params = grads.sums.pending_params()
         sq = host.shard_sq_norms(params)
         self._call("all-reduce of the grad norms", dist.all_reduce, sq, group=self.group)
         total = (sq.sqrt() / self.world).float()  # the norms of the averaged grads (world: exact if a power of 2)

@@ -13,7 +13,7 @@ Grads exposed to the user in ``p.grad`` (issue 19, offload/runtime/plain_grads.p
 backward). The runtime has them collected (the user's edits in) when the backward of a forward with grad
 enabled reaches that forward's outputs (``Exposure.before_backward_of``), at ``step()`` and before
 ``engine.clip_grad_norm_``. They change the
-sums, norms and clip factor only through this pipeline's methods (``pending_params`` ... ``refresh_norms``).
+sums, norms and clip factor only through ``sums`` (offload/runtime/grad_sums.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..errors import InvariantError, OffloadError
 from .clipping import clip_gathered, norms_on_host
 from .device_optim import DeviceOptimizer, Postponed
 from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
+from .grad_sums import GatheredSums
 from .plain_grads import Exposure
 from .scaler import LossScaler
 
@@ -64,6 +65,7 @@ class GradPipeline:
         self.backward_seen = False  # a backward ran since the last step() (guards.check_step_has_grads)
         self.last_step_skipped = False
         self._warned = False
+        self.sums = GatheredSums(self)  # the sums, norms and clip factor as p.grad and data parallel see them
         self.exposure = Exposure(ctx, self)  # issue 19: the gathered grads in p.grad (plain_grads.py)
         self.device = DeviceOptimizer(ctx, slots, executor)  # issue 18: updates on the device (device_optim.py)
         self.device.on_host = lambda x: self._submit_update(x.bucket, x.params, x.ready, x.hparams, x.factors, x.grads)
@@ -402,8 +404,8 @@ class GradPipeline:
             slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors, grads),
                                                    waits)
         else:
-            slots.adam_event[b] = self.ctx.cpu.submit(lambda: host.update(b, ps, hp, factors, grads, span), waits,
-                                                      f"AdamW of bucket {b}")
+            slots.adam_event[b] = self.ctx.cpu.issue(lambda: host.update(b, ps, hp, factors, grads, span), waits,
+                                                     f"AdamW of bucket {b}")  # [Note: inline copies] (backend/cpu.py)
         self.ctx.lane_log.add("cpu_adam", b, 0, slots.adam_event[b])
 
     def release_held(self) -> None:
@@ -576,71 +578,3 @@ class GradPipeline:
         self.next_backward_scale = None
         self.backward_seen = False  # the failed backward does not count for step()
         return BackwardDiscard(arrived, updated, dropped, problems)
-
-    # -- the gathered sums, for grads exposed in p.grad (issue 19, offload/runtime/plain_grads.py) -----------
-
-    def pending_params(self) -> list[int]:
-        """The parameters with a gradient gathered since the last ``step()``, in order."""
-        return sorted(p for pending in self.pending.values() for p in pending.params)
-
-    def grad_sum(self, p: int) -> torch.Tensor:
-        """Parameter ``p``'s slice (flat) of its bucket's host gradient sum (writes go into the update)."""
-        host = self.slots.hosted()
-        off = host.offset[p]
-        return host.grad_sum(host.bucket_of[p])[off: off + self.ctx.specs[p].numel]
-
-    def wait_gathered(self) -> None:
-        """Wait until every gathered sum is final: its copy to the host, or the CPU lane's widening or
-        accumulation into it, is done (each ``PendingGrads.ready``)."""
-        for pending in self.pending.values():
-            pending.ready.synchronize()
-
-    def scale_sums(self, factor: float) -> None:
-        """Multiply every gathered sum by ``factor`` (after :meth:`wait_gathered`); norms are not renewed."""
-        host = self.slots.hosted()
-        with torch.no_grad():
-            for b in self.pending:
-                host.grad_sum(b).mul_(factor)
-
-    def zero_sums(self) -> None:
-        """Every gathered sum becomes zeros, still gathered (after :meth:`wait_gathered`): the next step
-        updates with zero grads, the next backward adds to zeros; no clipping is pending."""
-        host = self.slots.hosted()
-        with torch.no_grad():
-            for b in self.pending:
-                host.grad_sum(b).zero_()
-        zero = torch.zeros(())
-        self.norms.update({p: zero for p in self.pending_params()})
-        self.clip_factor = 1.0
-
-    def take_clip_factor(self) -> float:
-        """The clipping coefficient the next step would apply, handed over: from now on it is 1.0 (the
-        caller applied it to the sums)."""
-        factor, self.clip_factor = self.clip_factor, 1.0
-        return factor
-
-    def drop_param(self, p: int) -> None:
-        """Parameter ``p``'s gathered grad is dropped (``p.grad = None``): the step skips it, as torch's
-        optimizers skip a parameter without a grad; its sum is zeroed (a later backward adds to zeros)."""
-        b = self.slots.bucket_of[p]
-        with torch.no_grad():
-            self.grad_sum(p).zero_()
-        params, ready = self.pending[b]
-        rest = params - {p}
-        if rest:
-            self.pending[b] = PendingGrads(rest, ready)
-        else:
-            del self.pending[b]
-        self.norms.pop(p, None)
-
-    def refresh_norms(self, params: Iterable[int]) -> None:
-        """The sums of ``params`` changed outside the pipeline: recompute the norms of those still gathered
-        (the clip and the float16 overflow check read them)."""
-        host = self.slots.hosted()
-        by_bucket: dict[int, list[int]] = {}
-        for p in params:
-            if host.bucket_of[p] in self.pending:
-                by_bucket.setdefault(host.bucket_of[p], []).append(p)
-        for b, ps in by_bucket.items():
-            self.norms.update(host.grad_norms(b, ps))
-

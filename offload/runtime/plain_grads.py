@@ -223,9 +223,9 @@ def _result_dtypes(func, args, kwargs) -> list[torch.dtype | None] | None:
 class Exposure:
     """The grad pipeline's side of [Note: gradients in p.grad]: which parameters' ``grad`` it set, and the
     state of the host sums they show. Owned by :class:`offload.runtime.grads.GradPipeline` (``grads.exposure``),
-    which owns the sums, their norms and the clip factor: it changes them only through the pipeline's methods.
-    The pipeline calls :meth:`expose` at the end of backward, :meth:`drop` when gathered grads are cleared
-    and :meth:`zero_grad`; the runtime calls :meth:`before_backward_of`, :meth:`before_step`,
+    which owns the sums, their norms and the clip factor: it changes them only through ``grads.sums``
+    (grad_sums.py). The pipeline calls :meth:`expose` at the end of backward, :meth:`drop` when gathered grads
+    are cleared and :meth:`zero_grad`; the runtime calls :meth:`before_backward_of`, :meth:`before_step`,
     :meth:`to_engine_form` (before ``engine.clip_grad_norm_``) and :meth:`close`."""
 
     def __init__(self, ctx: RuntimeContext, grads: GradPipeline) -> None:
@@ -250,14 +250,17 @@ class Exposure:
         grads = self.grads
         self.final = False
         params, exposed = self.ctx.params, self.exposed
-        spare, epoch, deferred = self._spare, self.epoch, grads.deferred
-        for p in grads.pending_params():
+        spare, epoch, deferred, made = self._spare, self.epoch, grads.deferred, self._stride_cache
+        for p in grads.sums.pending_params():
             param = params[p]
             if deferred:
-                g = ExposedGrad(self, p, grads.grad_sum(p).view(param.shape), param)
+                g = ExposedGrad(self, p, grads.sums.grad_sum(p).view(param.shape), param)
             else:
                 again = spare.pop(p, None)
-                if again is not None and again.shape == param.shape:
+                # A spare has the shape the stride cache holds for its parameter (it was made with it, and the
+                # cache changes only when a grad of another shape is made, after its spare was popped): that
+                # compare costs half of reading a wrapper subclass's shape (issue 17, the hot path)
+                if again is not None and made[p][0] == param.shape:
                     again._epoch = epoch
                     g = again
                 else:
@@ -328,9 +331,9 @@ class Exposure:
         ``step()`` now updates with zero gradients (weight decay and Adam's momentum), and the next backward
         adds to zeros; p.grad shows the zeros."""
         self.sync()
-        self.grads.wait_gathered()
+        self.grads.sums.wait_gathered()
         self.final = True
-        self.grads.zero_sums()
+        self.grads.sums.zero_sums()
         self.materialized_scale = None
         self.dirty = set()
 
@@ -354,15 +357,15 @@ class Exposure:
         loss scale divided out and the engine's clipping coefficient applied."""
         grads = self.grads
         if not self.final:
-            grads.wait_gathered()  # the D2H copy, or the CPU lane's widening / accumulation, of each bucket
+            grads.sums.wait_gathered()  # the D2H copy, or the CPU lane's widening / accumulation, of each bucket
             self.final = True
-        factor = grads.take_clip_factor()
+        factor = grads.sums.take_clip_factor()
         scale = grads.step_scale if self.materialized_scale is None else None
         if scale is not None and scale != 1.0:
             factor /= scale
         if factor != 1.0:
-            grads.scale_sums(factor)
-            self.dirty |= set(grads.pending_params())
+            grads.sums.scale_sums(factor)
+            self.dirty |= set(grads.sums.pending_params())
         if scale is not None and scale != 1.0:
             self.materialized_scale = scale
 
@@ -398,10 +401,10 @@ class Exposure:
                 if isinstance(src, ExposedGrad):
                     src._usable("p.grad = ...")
                     src = src._host_data()
-                grads.grad_sum(p).copy_(src.reshape(-1))
+                grads.sums.grad_sum(p).copy_(src.reshape(-1))
                 self.dirty.add(p)
         for p in dropped:
-            grads.drop_param(p)
+            grads.sums.drop_param(p)
             self.dirty.discard(p)
             del self.exposed[p]
 
@@ -437,10 +440,10 @@ class Exposure:
         """Multiply the loss scale back into the sums (exact: a power of two), refresh the norms of changed
         sums (the engine's clip_grad_norm_ and float16 overflow check read them)."""
         if self.materialized_scale is not None:
-            self.grads.scale_sums(self.materialized_scale)
+            self.grads.sums.scale_sums(self.materialized_scale)
             self.materialized_scale = None
         if self.dirty:
-            self.grads.refresh_norms(self.dirty)
+            self.grads.sums.refresh_norms(self.dirty)
             self.dirty = set()
 
 

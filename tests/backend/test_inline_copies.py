@@ -86,6 +86,26 @@ def test_a_lane_with_chaos_delays_never_runs_inline():
         lane.close()
 
 
+def test_issue_runs_work_inline_only_on_a_lane_made_inline():
+    """``Lane.issue`` (the runtime's AdamW updates): on the calling thread where the lane is ``inline`` and could
+    start the work now, else on the lane's thread; the CPU backend makes its host lanes inline in inline mode."""
+    for inline in (True, False):
+        lane = Lane("offload-test", inline=inline)
+        try:
+            ran_on = []
+            lane.issue(lambda: ran_on.append(threading.current_thread())).synchronize()
+            assert (ran_on == [threading.current_thread()]) is inline
+            assert lane.ran_inline == int(inline) and lane.alive is not inline
+        finally:
+            lane.close()
+    backends = ((CPUBackend(), True), (CPUBackend(inline_copies=False), False), (CPUBackend(1e9, 1e9), False))
+    for backend, inline in backends:
+        lane = backend.host_lane("cpu-adam")
+        assert lane.inline is inline
+        lane.close()
+        backend.close()
+
+
 def test_the_mode_comes_from_the_environment_and_throttled_copies_stay_on_the_lanes(monkeypatch):
     monkeypatch.setenv("OFFLOAD_CPU_COPIES", "inline")
     assert cpu_copies() == "inline"
@@ -139,6 +159,7 @@ def test_training_with_inline_copies_matches_pytorch(name, budget, monkeypatch):
         assert_same_model_state(engine, ref.final, "cpu")
         assert_memory(engine, budget, param_bytes(case.model))
         assert backend._h2d.ran_inline > 0 and backend._d2h.ran_inline > 0
+        assert engine._runtime.ctx.cpu.ran_inline > 0  # AdamW updates too ([Note: inline copies])
         # on plan too (a copy whose waits are not done yet, e.g. grad-ring bytes an AdamW still reads, goes to
         # its lane: how many do depends on timing, so only "some" is checked)
         inline = backend._h2d.ran_inline + backend._d2h.ran_inline

@@ -12,6 +12,7 @@ from offload import _C
 from offload.host.cpu_adam import (
     KERNEL_AVAILABLE,
     adamw_step,
+    adamw_step_at,
     adamw_step_reference,
     kernel_info,
 )
@@ -340,6 +341,28 @@ def test_no_check_lets_inf_through_like_torch():
 
 
 # --- the Python wrapper's checks ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lowp_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_a_step_at_an_offset_is_the_step_of_those_slices_and_touches_nothing_else(grad_dtype, lowp_dtype):
+    """``adamw_step_at`` (HostState.update's call, by address) updates exactly the range it names, as
+    ``adamw_step`` of those slices does, bit for bit; every element outside the range is untouched."""
+    g = torch.Generator().manual_seed(7)
+    n, start, grad_start, numel = 300, 37, 11, 200
+    master, m, v = torch.randn(n, generator=g), torch.rand(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4
+    grad = torch.randn(n, generator=g).to(grad_dtype)
+    lowp = None if lowp_dtype is None else master.to(lowp_dtype)
+    want = [t.clone() for t in (master, m, v)] + ([] if lowp is None else [lowp.clone()])
+    before = master.clone()
+    adamw_step(want[0][start:start + numel], grad[grad_start:grad_start + numel], want[1][start:start + numel],
+               want[2][start:start + numel], step=3, **HP, grad_scale=0.5,
+               lowp_out=None if lowp is None else want[3][start:start + numel])
+    adamw_step_at(master, grad, m, v, start, grad_start, numel, lowp, step=3, **HP, grad_scale=0.5)
+    for got, expected in zip((master, m, v) + (() if lowp is None else (lowp,)), want):
+        assert torch.equal(got, expected)
+    changed = (master != before).nonzero().flatten()
+    assert changed.min() == start and changed.max() == start + numel - 1  # that range, and only it, moved
 
 
 def test_kernel_info():
