@@ -26,7 +26,8 @@ slot's reuse waits for the copy (``slots.done``).
 by the main thread, the weights' all-gathers by the CPU-lane thread; on one group the two threads'
 orders would interleave differently on each rank. So ``wrap`` makes a second group over the same ranks
 (:class:`DeviceGroup`, ``dist.new_group`` with ``use_local_synchronization``: only these ranks call it):
-``gloo`` on the CPU backend, ``cpu:gloo,cuda:nccl`` on CUDA (its NCCL side reduce-scatters the slots, its gloo
+``gloo`` on the CPU backend, ``cpu:gloo,cuda:nccl`` on CUDA (``gloo`` in the one-GPU tests only:
+``DeviceGroup.CUDA_BACKEND``; its NCCL side reduce-scatters the slots, its gloo
 side runs the checks, which must finish before the sum is issued: an NCCL result would need a host sync), with
 the user's group's timeout, so a rank that hangs fails the others as soon on either group. The
 main thread is its only user: the per-bucket checks, and every check that pairs with them ([Note: a fault
@@ -184,8 +185,14 @@ class DeviceGroup:
     refresh of the resident buckets ([Note: resident weights gathered in their slots]; ``group`` itself where
     every rank is on this host)."""
 
+    CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+    """The groups' backend on CUDA. Tests only may set ``"gloo"`` (in a spawned rank's process): gloo moves CUDA
+    tensors through pinned host buffers, on its own streams ordered after the issuing stream and before it again
+    (its reduce-scatter is an all-reduce of a copy), so several ranks can share ONE GPU, which NCCL refuses
+    (tests/distributed/test_cuda_ranks.py: [Note: data parallel on one GPU] there)."""
+
     def __init__(self, group: Any, device: torch.device) -> None:
-        backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
+        backend = "gloo" if device.type == "cpu" else self.CUDA_BACKEND
         ranks, timeout = dist.get_process_group_ranks(group), _timeout_of(group)
         try:  # every rank makes both, in this order (then its host's group, where the ranks span hosts)
             self.group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=True)

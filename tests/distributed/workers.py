@@ -7,6 +7,7 @@ writes what it saw to ``<out>/rank<r>.pt``. Every wait has a timeout, so a bug c
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import multiprocessing as mp
 import os
@@ -44,6 +45,8 @@ class Case:
     load: str | None = None  # a checkpoint loaded at wrap; after one no-grad forward, the state_dict is recorded
     start_step: int = 0  # the first step's batches (a resumed run goes on with the next ones)
     chaos: bool = False  # random delays on every lane (offload.testing.chaos), seeded per rank
+    device: str = "cpu"  # "cuda": every rank an engine on cuda:0, the device groups gloo ([Note: data parallel on
+    # one GPU] in test_cuda_ranks.py)
     extra: dict = field(default_factory=dict)
 
 
@@ -112,6 +115,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             from offload.runtime.node_share import RollCall
             RollCall.ROLL_CALL_S = case.extra["roll_call_s"]  # this spawned process only
         collectives = _count_collectives()
+        if case.device == "cuda":
+            _one_gpu()
         sim = _simulated_gpu(stack) if case.extra.get("simulated_gpu") else None
         model = make_model()
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
@@ -146,8 +151,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             stack.enter_context(mock.patch.object(ShardedHostState, "update", slow))
         with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
             budget = case.extra.get("rank_budget", {}).get(rank, case.extra.get("budget", "64MiB"))
-            engine = offload.wrap(model, opt, budget=budget, dtype=case.dtype, device="cpu", bucket_bytes="4KiB",
-                                  overlap_optimizer=case.overlap, **options)
+            engine = offload.wrap(model, opt, budget=budget, dtype=case.dtype, device=case.device,
+                                  bucket_bytes="4KiB", overlap_optimizer=case.overlap, **options)
         lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
         if case.overlap:  # updates run during backward: no_sync() cannot hold their collectives back
             try:
@@ -163,7 +168,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         losses = []
         for step in range(case.start_step, case.start_step + case.steps):
             for micro in range(case.micro):
-                x, y = (rank_slice(t, rank, case.world) for t in batch(step, micro))
+                x, y = (rank_slice(t, rank, case.world).to(case.device) for t in batch(step, micro))
                 hook = None
                 if step == 1 and rank in (case.fail_rank, case.hang_rank):
                     fn = (_FAIL_IN_BACKWARD if rank == case.fail_rank
@@ -225,6 +230,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         if caught is not None:
             result["warnings"] = [str(w.message) for w in caught]
         result["device_peak_bytes"] = stats["device_peak_bytes"]
+        result["backend"] = type(engine._runtime.ctx.backend).__name__
+        result["collective_devices"] = sorted(collectives.devices)
         result["grad_slot_numel"] = [b.grad_numel for b in engine._runtime.slots.buckets]
         plan = engine._runtime.executor.train_plan
         result["resident"] = sorted(plan.resident) if plan is not None else []
@@ -235,9 +242,9 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         result["losses"] = losses
         if case.extra.get("every_rank_state_dict"):
             result["model_state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
-        result["weights"] = {k: v.clone() for k, v in engine.state_dict()["model"].items()}
+        result["weights"] = {k: v.detach().cpu().clone() for k, v in engine.state_dict()["model"].items()}
         engine.close()
-        result["after_close"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        result["after_close"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         if sim is not None:
             result["races"], result["sim_log"] = list(sim.races), [x[0] for x in sim.log]
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
@@ -256,6 +263,25 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 pass
 
 
+def _one_gpu() -> None:
+    """[Note: data parallel on one GPU] (test_cuda_ranks.py), in this spawned rank: the device groups are gloo
+    (NCCL refuses two ranks on one GPU); fp32 means fp32 (as tests/conftest.py's ``device`` fixture sets); and
+    what the process keeps for good on first use (the CUDA context, cuBLAS workspaces on this thread and on
+    autograd's device thread) is made before the engine measures its device peak (conftest's ``_warm_cuda``)."""
+    from offload.runtime.device_collectives import DeviceGroup
+    if not torch.cuda.is_available():
+        raise RuntimeError("Case(device=\"cuda\") without CUDA: the test should have been skipped")
+    DeviceGroup.CUDA_BACKEND = "gloo"  # this spawned process only
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = False, False
+    torch.backends.cudnn.deterministic = True
+    if torch.backends.cuda.matmul.allow_tf32:
+        raise RuntimeError("TF32 matmuls are on: fp32 would not be fp32")
+    layer = torch.nn.Linear(8, 8, device="cuda")
+    layer(torch.randn(4, 8, device="cuda", requires_grad=True)).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+
+
 def _simulated_gpu(stack: contextlib.ExitStack):
     """Engines wrapped from now on (this spawned process) get the CUDA backend on the simulated GPU
     (tests/support/fake_cuda.py), entered: compute is watched; returns it (its ``races`` are recorded)."""
@@ -271,17 +297,26 @@ def _simulated_gpu(stack: contextlib.ExitStack):
     return sim
 
 
-def _count_collectives() -> list[str]:
+class _Calls(list):
+    """The collectives' names in call order; ``devices``: each (name, the device type of its tensors) seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: set[tuple[str, str]] = set()
+
+
+def _count_collectives() -> _Calls:
     """Wrap every collective offload can issue (the process group's calls, in this spawned process only):
     the returned list gets each one's name as it is called, on whichever thread."""
     import torch.distributed as dist
 
     from offload.runtime import device_collectives, distributed, node_share
-    calls: list[str] = []
+    calls = _Calls()
 
     def counted(name: str, fn):
         def call(*args, **kwargs):
             calls.append(name)
+            calls.devices.update((name, a.device.type) for a in args if isinstance(a, torch.Tensor))
             return fn(*args, **kwargs)
         return call
 
@@ -371,10 +406,15 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
     ranks' sums added in rank order and scaled by ``1 / world``: what the engine's reduce-scatter computes,
     bit for bit where gloo adds in the same order (two ranks: a + b either way). Otherwise the grads of the
     concatenated batch, as one process training on the whole global batch. ``start``: a checkpoint written
-    by ``Engine.save`` to resume from (its weights, m, v and step counts), at ``case.start_step``."""
+    by ``Engine.save`` to resume from (its weights, m, v and step counts), at ``case.start_step``.
+    ``case.device`` "cuda": the grads are computed (and summed, and scaled) on a CUDA twin of the model that gets
+    the weights before each step, AdamW runs on the CPU: the engine's split of the work, so fp32 stays bit for
+    bit (IEEE adds and multiplies round alike on both; matmuls are compared on the same GPU)."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, foreach=False)
     params = list(model.parameters())
+    twin = model if case.device == "cpu" else copy.deepcopy(model).to(case.device)
+    twins = list(twin.parameters())
     if start is not None:
         model.load_state_dict(start["model"])
         for i, p in enumerate(params):  # by hand: offload.AdamW's param groups carry fewer keys than torch's
@@ -387,14 +427,18 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
             x, y = batch(step, micro)
             if rank is not None:
                 x, y = rank_slice(x, rank, case.world), rank_slice(y, rank, case.world)
-            model.zero_grad(set_to_none=True)
-            (nn.functional.mse_loss(model(x), y) / case.micro).backward()
-            g = [p.grad.clone() for p in params]
+            twin.zero_grad(set_to_none=True)
+            (nn.functional.mse_loss(twin(x.to(case.device)), y.to(case.device)) / case.micro).backward()
+            g = [p.grad.clone() for p in twins]
             total = g if total is None else [t + gi for t, gi in zip(total, g)]
         assert total is not None
         return total
 
     for step in range(case.start_step, case.start_step + case.steps):
+        if twin is not model:
+            with torch.no_grad():
+                for t, p in zip(twins, params):
+                    t.copy_(p)
         if emulate_ranks:
             sums = [grads_of(step, r) for r in range(case.world)]
             total = sums[0]
@@ -404,7 +448,7 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
         else:
             grads = grads_of(step, None)
         for p, g in zip(params, grads):
-            p.grad = g
+            p.grad = g.cpu()
         if case.clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, case.clip, foreach=False)))
         opt.step()
