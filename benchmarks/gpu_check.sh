@@ -10,12 +10,16 @@
 # with the figures they print (overlap ratio, device peak, memory after the first planned step), summary.txt the
 # exit status and those figures. The pytest call is cut at TEST_DEADLINE seconds (SIGINT: pytest still writes its
 # summary; a pytest still busy 30 s later is killed), so the script ends well inside the device tool's 10-minute limit.
+# The last line of summary.txt is the verdict: FAIL (and a non-zero exit) where pytest failed, where no `gpu` test
+# passed, where any `gpu` test was skipped (a GPU run verifies nothing by skipping), or where a file named in
+# REQUIRE ("path:count ...") has fewer than `count` passed `gpu` tests (cut by the deadline, skipped, failed).
 set -uo pipefail
 : "${RESULTS:?set RESULTS to a folder that comes back, e.g. \$OUT}"
 WORKERS=${WORKERS:-8}                 # 1: no pytest-xdist
 MARKS=${MARKS:-gpu or not slow}       # gpu_lease.sh: "gpu" alone (the CPU suite crowded the GPU tests out of 210 s)
 TEST_PATHS=${TEST_PATHS:-}            # test files/folders in the order to run them (default: the whole suite)
 TEST_DEADLINE=${TEST_DEADLINE:-420}
+REQUIRE=${REQUIRE:-}                  # "path:count ...": that many `gpu` tests of that file must pass
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 start=$SECONDS
@@ -55,10 +59,22 @@ timeout -k 30 -s INT "$TEST_DEADLINE" python3 -m pytest -m "$MARKS" -v -rfEs -p 
   "${parallel[@]}" --junitxml="$RESULTS/junit.xml" $TEST_PATHS 2>&1 | tee "$RESULTS/tests.log"
 status=${PIPESTATUS[0]}
 
+passed=$(grep -c '^PASSED' "$OFFLOAD_GPU_LOG") skipped=$(grep -c '^SKIPPED' "$OFFLOAD_GPU_LOG")
+why=()
+[ "$status" -ne 0 ] && why+=("pytest exit status $status")
+[ "$passed" -eq 0 ] && why+=("no gpu test passed")
+[ "$skipped" -ne 0 ] && why+=("$skipped gpu tests skipped")
+for need in $REQUIRE; do
+  got=$(grep -c "^PASSED *${need%:*}::" "$OFFLOAD_GPU_LOG")
+  [ "$got" -lt "${need##*:}" ] && why+=("${need%:*}: $got of ${need##*:} gpu tests passed")
+done
 {
   echo "pytest exit status: $status (124/130: cut at ${TEST_DEADLINE} s) after $(( SECONDS - start )) s; ${#parallel[@]} xdist args: ${parallel[*]:-none}"
-  echo "gpu tests: $(grep -c '^PASSED' "$OFFLOAD_GPU_LOG") passed, $(grep -c '^FAILED' "$OFFLOAD_GPU_LOG") failed, $(grep -c '^SKIPPED' "$OFFLOAD_GPU_LOG") skipped"
-  grep -hE "^ +(overlap|device peak|after the first planned step)" "$OFFLOAD_GPU_LOG" | sed 's/^ *//'
+  echo "gpu tests: $passed passed, $(grep -c '^FAILED' "$OFFLOAD_GPU_LOG") failed, $skipped skipped"
+  grep -hE "^ +(overlap|device peak|after the first planned step|rank [0-9]+ .* on cuda)" "$OFFLOAD_GPU_LOG" \
+    | sed 's/^ *//'
   tail -1 "$RESULTS/tests.log"
+  msg=$(printf '%s; ' "${why[@]}")
+  if [ ${#why[@]} -eq 0 ]; then echo "verdict: PASS"; else echo "verdict: FAIL (${msg%; })"; fi
 } | tee "$RESULTS/summary.txt"
-exit "$status"
+[ ${#why[@]} -eq 0 ] || exit $(( status ? status : 1 ))
