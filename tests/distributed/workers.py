@@ -120,6 +120,7 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         sim = _simulated_gpu(stack) if case.extra.get("simulated_gpu") else None
         model = make_model()
         opt = offload.AdamW(model.parameters(), lr=case.lr, weight_decay=0.1, fused=case.fused)
+        from offload.config import parse_bytes
         from offload.testing.chaos import ChaosConfig
         from tests.support.fake_cuda import with_chaos
         options = {}
@@ -151,6 +152,10 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
             stack.enter_context(mock.patch.object(ShardedHostState, "update", slow))
         with with_chaos(ChaosConfig(seed=rank, max_delay_ms=2.0) if case.chaos else None):
             budget = case.extra.get("rank_budget", {}).get(rank, case.extra.get("budget", "64MiB"))
+            if case.device != "cpu":  # the plan's bytes plus what the CUDA backend keeps out of the plan
+                from tests.support.budgets import with_headroom
+                budget = with_headroom(parse_bytes(budget), case.device)
+            result["budget_bytes"] = parse_bytes(budget)
             engine = offload.wrap(model, opt, budget=budget, dtype=case.dtype, device=case.device,
                                   bucket_bytes="4KiB", overlap_optimizer=case.overlap, **options)
         lane = engine._runtime.ctx.cpu  # the lane of the updates and the collectives
