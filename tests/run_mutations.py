@@ -107,8 +107,8 @@ MUTATIONS = [
      "            self.device_state.deactivate()",
      "        if self.device_state is not None:\n            self.device_state.deactivate()"),
     ("R14", "a resident refresh does not wait for compute that reads the slot", "offload/runtime/executor.py",
-     "            slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep)",
-     "            slots.copy_in(b, slots.slot[b], [], keep_bound=keep)"),
+     "            slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep, copy=copy)",
+     "            slots.copy_in(b, slots.slot[b], [], keep_bound=keep, copy=copy)"),
     ("R15", "a resident refresh does not wait for a refresh still in flight", "offload/runtime/executor.py",
      "            if slots.state[b] is Residency.IN_FLIGHT:\n                self.need(b)\n            slots.copy_in",
      "            if slots.state[b] is Residency.IN_FLIGHT:\n                slots.set_state(b, Residency.DEVICE)\n"
