@@ -222,18 +222,20 @@ class DeviceOptimizer:
         ``close``): the postponed updates run on the host after all."""
         todo, self.postponed = self.postponed, []
         for x in todo:
-            if self.on_host is None:
-                raise InvariantError("postponed device updates with no host lane to hand them to")
-            self.on_host(x)
+            self._to_host(x)
+
+    def _to_host(self, x: Postponed) -> None:
+        """Hand a postponed first update to the CPU lane (``on_host``)."""
+        if self.on_host is None:
+            raise InvariantError("postponed device updates with no host lane to hand them to")
+        self.on_host(x)
 
     def _run_postponed(self) -> None:
         """The first training plan is active: its device-optimizer buckets take their first update here."""
         todo, self.postponed = self.postponed, []
         for x in todo:
             if x.bucket not in self.state:  # not kept on the device after all: the host updates it
-                if self.on_host is None:
-                    raise InvariantError("postponed device updates with no host lane to hand them to")
-                self.on_host(x)
+                self._to_host(x)
                 continue
             # the update rewrites the weights the activation is still copying in
             self.ctx.backend.wait(self.slots.h2d_event[x.bucket])
