@@ -351,7 +351,17 @@ class GradPipeline:
         # itself ([Note: grad staging ring]); it waits for the readers of what those bytes held before.
         dst = host.landing(b, first, lo, hi)
         after = [*waits, *dst.after] + ([earlier.ready] if earlier is not None else [])  # the previous sum is done
-        d2h = ctx.backend.d2h(dst.view, view if lo == 0 and hi == view.numel() else view[lo:hi], after)
+        src = view if lo == 0 and hi == view.numel() else view[lo:hi]
+        if len(after) > 1:  # CPU-lane work among the waits (the ring's readers, this bucket's last update, the sum)
+            # The host waits for it before it issues the copy: while backward outruns a CPU lane that is the wall,
+            # compute stands still here, a stall the cost model simulates itself (the lane), not compute ([Note:
+            # timing compute] in executor.py: counted as compute, the first H200 run measured a step's compute at
+            # 4.6x the model's forward + backward)
+            (rec := self.executor.recorder).exclude_begin()
+            d2h = ctx.backend.d2h(dst.view, src, after)
+            rec.exclude_end()
+        else:
+            d2h = ctx.backend.d2h(dst.view, src, after)
         if not self.deferred or dst.view is host.grad_sum(b):  # the update reads the landed grads (or the sum)
             ready = d2h
         else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane

@@ -190,6 +190,32 @@ def test_on_a_simulated_gpu_the_marks_are_timing_events_on_the_compute_stream(si
     assert timer.seconds([a, b])[1] >= 0.01
 
 
+def test_waiting_for_the_cpu_lane_is_not_compute(simulated_gpu, monkeypatch):
+    """A backward that outruns the CPU AdamW waits (on the host) before a grad copy may overwrite ring bytes the
+    lane has not read yet ([Note: grad staging ring] in planning/buckets.py): compute stands still there, and
+    the timed step must not count it. The first H200 run counted it: a step's compute read 4.6x the model's
+    forward + backward (tests/backend/test_cuda.py::test_the_first_planned_step_measures_compute_on_the_stream)."""
+    from offload.host.state import HostState
+
+    simulated_gpu()
+    adam_s = 0.1
+    update = HostState.update
+
+    def slow_update(self, *args, **kwargs):
+        time.sleep(adam_s)  # a CPU AdamW far slower than this model's backward
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostState, "update", slow_update)
+    monkeypatch.setattr(executor_module, "RETIME_BEYOND", float("inf"))  # keep the plan: this test reads the check
+    *_, stats, engine = _train(Branchy(), 3, calibrate_compute=True)
+    buckets = stats[-1]["plan"]["num_buckets"]
+    assert stats[-1]["counters"]["timed_steps"] == 1 and buckets == 6  # one layer a bucket, the ring holds 3
+    # The 4th, 5th and 6th grad copies wait for the AdamW of the 1st, 2nd and 3rd bucket, which run one after
+    # the other from the 1st's grads on: backward stands still >= 3 x adam_s. Counted, compute would be above.
+    measured = stats[1]["compute_timing"]["measured_compute_s"]
+    assert measured < adam_s, (measured, buckets)
+
+
 def test_a_timer_that_fails_warns_once_and_training_goes_on(monkeypatch):
     class Broken(HostTimer):
         def seconds(self, marks):

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import offload
-from tests.support.budgets import with_headroom
+from tests.support.budgets import fresh_device_peak, with_headroom
 from tests.support.compare import (
     FusedStepChecker,
     assert_bitwise,
@@ -67,6 +67,7 @@ def offloaded(model: torch.nn.Module, budget: str = "streaming", params=None, de
     optimizer) and close the engine afterwards, whatever happens. ``fused=False``: torch's arithmetic."""
     nbytes = param_bytes(model)
     opt = offload.AdamW(model.parameters() if params is None else params, fused=fused, **ADAMW)
+    fresh_device_peak(device)  # the reference may have trained on this GPU just before
     engine = offload.wrap(
         model,
         opt,

@@ -20,10 +20,15 @@ from torch import nn
 import offload
 from offload.planning.schedule import validate_plan
 from offload.runtime.idle_params import IdleParameter
-from tests.support.budgets import with_headroom
+from tests.support.budgets import fresh_device_peak, with_headroom
 
 
-def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, device="cpu", fused=None, **kw):
+def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, device="cpu", fused=None,
+                    ref_first=None, **kw):
+    """The engine over ``model`` and a plain-PyTorch reference (a copy, and its AdamW). ``ref_first(ref,
+    ref_opt)``: trains the reference before the engine is wrapped, for a test that checks the engine's device
+    peak -- on CUDA that peak is the process's ([Note: peaks] in offload/backend/cuda.py), so a reference
+    training beside the engine on the same GPU (its grads, AdamW state and activations) would be in it."""
     torch.manual_seed(0)
     if torch.device(device).type != "cpu":
         # Host AdamW against the GPU's: rounding differences grow with lr (test_numerics' [Note: why lr 3e-4
@@ -33,24 +38,31 @@ def _ref_and_engine(model, budget_frac, bucket_frac=0.1, lr=1e-2, wd=0.01, devic
     ref = copy.deepcopy(model).to(device)
     pbytes = sum(p.numel() * 4 for p in model.parameters())
     opt = offload.AdamW(model.parameters(), lr=lr, weight_decay=wd, fused=fused)
-    engine = offload.wrap(model, opt, budget=with_headroom(pbytes * budget_frac, device), device=device,
-                          bucket_bytes=max(1024, int(pbytes * bucket_frac)), **kw)
     if torch.device(device).type == "cpu":  # the same update arithmetic as the engine's: see the docstring
         ref_opt = offload.AdamW(ref.parameters(), lr=lr, weight_decay=wd, fused=opt.fused)
     else:
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, foreach=False)
+    if ref_first is not None:
+        ref_first(ref, ref_opt)
+        fresh_device_peak(device)
+    engine = offload.wrap(model, opt, budget=with_headroom(pbytes * budget_frac, device), device=device,
+                          bucket_bytes=max(1024, int(pbytes * bucket_frac)), **kw)
     return engine, opt, ref, ref_opt
+
+
+def _step(module, opt, loss, *inputs, device):
+    """One training step of the engine or of the plain-PyTorch reference."""
+    inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
+    loss(module(*inputs)).backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def _step_both(engine, opt, ref, ref_opt, loss, *inputs):
     """One training step of the engine and of the plain-PyTorch reference on the same inputs."""
     device = next(ref.parameters()).device
-    inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
-    loss(engine(*inputs)).backward()
-    opt.step()
-    loss(ref(*inputs)).backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
+    _step(engine, opt, loss, *inputs, device=device)
+    _step(ref, ref_opt, loss, *inputs, device=device)
 
 
 def _tol(device) -> dict:
@@ -85,11 +97,14 @@ class Branchy(nn.Module):
 
 @pytest.mark.parametrize("fused", [None, False], ids=["default", "torch_update"])
 def test_departure_from_plan_is_correct_and_replans(device, fused):
-    engine, opt, ref, ref_opt = _ref_and_engine(Branchy(), budget_frac=0.6, device=device, fused=fused)
-    for step in range(12):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        odd = step % 4 == 3
-        _step_both(engine, opt, ref, ref_opt, lambda out: out.square().mean(), x, odd)
+    def steps(module, optimizer):
+        for step in range(12):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            _step(module, optimizer, lambda out: out.square().mean(), x, step % 4 == 3, device=device)
+
+    # the reference first: this test checks the engine's device peak (see _ref_and_engine)
+    engine, opt, ref, _ = _ref_and_engine(Branchy(), budget_frac=0.6, device=device, fused=fused, ref_first=steps)
+    steps(engine, opt)
     _assert_same(engine, ref)
     stats = engine.memory_stats()
     assert stats["counters"]["plan_departures"] >= 3
@@ -303,20 +318,31 @@ class EvalDetour(Branchy):
 
 
 def test_eval_on_a_different_path_keeps_the_training_plan(device):
-    engine, opt, ref, ref_opt = _ref_and_engine(EvalDetour(), budget_frac=0.6, device=device)
     x_eval = torch.randn(4, 16, generator=torch.Generator().manual_seed(99)).to(device)
-    with torch.no_grad():  # evaluation first: the engine must cope before it has seen a training step
-        torch.testing.assert_close(engine(x_eval), ref(x_eval), **_tol(device))
-    for step in range(8):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        _step_both(engine, opt, ref, ref_opt, lambda out: out.square().mean(), x)
-        if step % 3 == 2:
-            engine.module.eval()
-            ref.eval()
-            with torch.no_grad():
-                torch.testing.assert_close(engine(x_eval), ref(x_eval), **_tol(device))
-            engine.module.train()
-            ref.train()
+
+    def run(module, optimizer, train_mode) -> list[torch.Tensor]:
+        """Evaluation first (the engine must cope before it has seen a training step), then 8 steps with an
+        evaluation in eval mode after every third; the evaluations' outputs."""
+        with torch.no_grad():
+            outs = [module(x_eval)]
+        for step in range(8):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            _step(module, optimizer, lambda out: out.square().mean(), x, device=device)
+            if step % 3 == 2:
+                train_mode.eval()
+                with torch.no_grad():
+                    outs.append(module(x_eval))
+                train_mode.train()
+        return outs
+
+    # the reference first: this test checks the engine's device peak (see _ref_and_engine)
+    ref_outs = []
+    engine, opt, ref, _ = _ref_and_engine(EvalDetour(), budget_frac=0.6, device=device,
+                                          ref_first=lambda ref, ref_opt: ref_outs.extend(run(ref, ref_opt, ref)))
+    outs = run(engine, opt, engine.module)
+    assert len(outs) == len(ref_outs) == 3
+    for got, want in zip(outs, ref_outs):
+        torch.testing.assert_close(got, want, **_tol(device))
     _assert_same(engine, ref)
     stats = engine.memory_stats()
     # Evaluation runs on forward-only plans of its own, one per no-grad path: the first evaluation (the
