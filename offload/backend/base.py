@@ -114,6 +114,12 @@ class Backend(Protocol):
         """Copy device ``src`` into host ``dst`` after ``waits``; the event marks the copy's end."""
         ...
 
+    def copy_waits_on_host(self, waits: Iterable[Event]) -> bool:
+        """Whether a copy issued now after ``waits`` would first block the calling thread: a wait for host work
+        not done yet (a CPU-lane event) that no stream can wait for. The timed step leaves such a wait out of
+        compute ([Note: timing compute] in runtime/executor.py)."""
+        ...
+
     def record(self) -> Event:
         """An event marking all compute issued so far."""
         ...

@@ -124,6 +124,10 @@ class CPUBackend:
         issue = self._d2h.run if self.inline_copies else self._d2h.submit
         return issue(self._copy(dst, src, self._bandwidth[1]), waits, "device-to-host copy")
 
+    def copy_waits_on_host(self, waits: Iterable[Event]) -> bool:
+        """Never: a copy whose waits are not done goes to its lane (``Lane.run``); the caller does not wait."""
+        return False
+
     @staticmethod
     def _copy(dst: torch.Tensor, src: torch.Tensor, bandwidth: float | None):
         if bandwidth is None:

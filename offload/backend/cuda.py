@@ -463,6 +463,11 @@ class CUDABackend:
             self._stream_wait(self._compute_stream(), event)
 
     @staticmethod
+    def copy_waits_on_host(waits: Iterable[Event]) -> bool:
+        """A CPU-lane event among ``waits`` not done yet: ``_stream_wait`` blocks the calling thread on it."""
+        return any(isinstance(event, HostEvent) and not event.query() for event in waits)
+
+    @staticmethod
     def _stream_wait(stream, event: Event) -> None:
         if isinstance(event, HostEvent):
             event.synchronize()  # CPU-lane work (or DONE): no stream can wait on a host thread

@@ -352,11 +352,11 @@ class GradPipeline:
         dst = host.landing(b, first, lo, hi)
         after = [*waits, *dst.after] + ([earlier.ready] if earlier is not None else [])  # the previous sum is done
         src = view if lo == 0 and hi == view.numel() else view[lo:hi]
-        if len(after) > 1:  # CPU-lane work among the waits (the ring's readers, this bucket's last update, the sum)
-            # The host waits for it before it issues the copy: while backward outruns a CPU lane that is the wall,
-            # compute stands still here, a stall the cost model simulates itself (the lane), not compute ([Note:
-            # timing compute] in executor.py: counted as compute, the first H200 run measured a step's compute at
-            # 4.6x the model's forward + backward)
+        if ctx.backend.copy_waits_on_host(after):  # CPU-lane work not done: the ring's readers, the last update
+            # On CUDA the host waits for it before it issues the copy: while backward outruns a CPU lane that is the
+            # wall, compute stands still here, a stall the cost model simulates itself (the lane), not compute
+            # ([Note: timing compute] in executor.py; counted as compute, a timed step on an H200 read 4.6x the
+            # model's forward + backward). The CPU backend hands such a copy to its lane instead: no wait.
             (rec := self.executor.recorder).exclude_begin()
             d2h = ctx.backend.d2h(dst.view, src, after)
             rec.exclude_end()
