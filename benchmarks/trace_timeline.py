@@ -51,6 +51,7 @@ BACKWARD_OP = "autograd::engine::evaluate_function"
 LANE_WAIT = "cudaEventSynchronize"
 HOST_WAIT_SPANS = ("offload::d2h", "offload::h2d", "offload::wait")
 US = 1e-6  # trace times are microseconds; the JSON's are seconds
+SMALL_ITEM = 1 << 15  # parameters: the C++ AdamW runs on the calling thread below this (cpp/cpu_adam.cpp)
 
 
 @dataclass(frozen=True)
@@ -316,12 +317,28 @@ def _rates(items, grad_bytes_per_param: int, have_submits: bool) -> dict:
     big = [p / g * 1e6 for p, g in q if p >= 1 << 20 and g > 0]
     out["params_per_s_queued"] = rate
     out["params_per_s_queued_median_large"] = statistics.median(big) if big else None
+    fit = fit_line([(p, g * US) for p, g in q])
+    if fit is not None:  # seconds per item at no parameters, and the rate per parameter beyond it
+        out["fit_per_item_s"], out["fit_params_per_s"] = fit[0], (1 / fit[1] if fit[1] > 0 else None)
+    small = [g * US for p, g in q if p < SMALL_ITEM]
+    out["small_items"] = len(small)  # their AdamW runs on the lane's thread in microseconds: the rest is per item
+    out["small_items_median_s"] = statistics.median(small) if small else None
     rest = [(p, g) for p, g, queued in items if not queued and g is not None]
     out["unqueued_items"] = len(rest)
     out["unqueued_gap_s"] = sum(g for _, g in rest) * US
     # Idle in each such gap: what the queued rate says its AdamW did not take (an estimate).
     out["idle_est_s"] = sum(max(0.0, g * US - p / rate) for p, g in rest)
     return out
+
+
+def fit_line(points) -> tuple[float, float] | None:
+    """Least squares ``y = a + b x`` over ``(x, y)`` points: ``(a, b)``; None with fewer than two distinct x."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - b * mx, b
 
 
 def _end_of_step(lanes, rs, phases, t0: float, t1: float) -> dict:
@@ -433,7 +450,11 @@ def _render_adam(a: dict, console) -> None:
         med = a["params_per_s_queued_median_large"]
         line += (f"; queued items {a['queued_items']}: {a['params_per_s_queued'] / 1e9:.2f}e9 params/s"
                  f" (median of >= 1 Mi-param items {'-' if med is None else f'{med / 1e9:.2f}e9'}); "
-                 f"unqueued {a['unqueued_items']}: {_ms(a['unqueued_gap_s'])} ms of gaps, idle est "
+                 + (f"fit over them: {a['fit_per_item_s'] * 1e6:.0f} us per item + "
+                    f"{a['fit_params_per_s'] / 1e9:.2f}e9 params/s; " if a.get("fit_params_per_s") else "")
+                 + (f"{a['small_items']} small items (< 32 Ki params): median "
+                    f"{a['small_items_median_s'] * 1e6:.0f} us; " if a.get("small_items") else "")
+                 + f"unqueued {a['unqueued_items']}: {_ms(a['unqueued_gap_s'])} ms of gaps, idle est "
                  f"{_ms(a['idle_est_s'])} ms")
     if "busy_est_s" in a:
         line += f"; AdamW busy est {_ms(a['busy_est_s'])} ms"

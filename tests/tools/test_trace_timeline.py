@@ -38,7 +38,8 @@ def synthetic() -> dict:
         _x(MAIN, "cpu_op", "aten::linear", 0, 100),
         _x(MAIN, "user_annotation", "offload::h2d", 100, 150), _x(MAIN, "cuda_runtime", "cudaMemcpyAsync", 110, 120),
         _x(MAIN, "cpu_op", "aten::add", 150, 200),
-        _x(MAIN, "user_annotation", "offload::h2d", 1300, 1320), _x(MAIN, "cuda_runtime", "cudaMemcpyAsync", 1305, 1310),
+        _x(MAIN, "user_annotation", "offload::h2d", 1300, 1320),
+        _x(MAIN, "cuda_runtime", "cudaMemcpyAsync", 1305, 1310),
         _x(MAIN, "cuda_runtime", "cudaDeviceSynchronize", 1500, 1510),
         _x(AUTOGRAD, "cpu_op", "autograd::engine::evaluate_function: AddmmBackward0", 200, 260),
         _x(AUTOGRAD, "cpu_op", "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 260, 700),
@@ -60,7 +61,8 @@ def synthetic() -> dict:
            _x(COMPUTE, "gpu_memset", "Memset (Device)", 800, 805),
            _x(COMPUTE, "gpu_user_annotation", "a region", 90, 210)]  # spans idle time: not busy
     ev += [{"ph": "M", "name": "thread_name", "pid": MAIN, "tid": MAIN, "args": {"name": "python3"}},
-           {"ph": "X", "cat": "overhead", "name": "Activity Buffer Request", "pid": -1, "tid": 0, "ts": -500, "dur": 5},
+           {"ph": "X", "cat": "overhead", "name": "Activity Buffer Request", "pid": -1, "tid": 0, "ts": -500,
+            "dur": 5},
            {"ph": "f", "cat": "ac2g", "name": "flow", "pid": MAIN, "tid": MAIN, "ts": 5}]
     return {"traceEvents": ev}
 
@@ -110,7 +112,8 @@ def test_cpu_adam_lane_read_from_its_waits():
     assert a["params"] == 3_600_000
     # item 0 (2e6 params): the next one was submitted (320) before its waits ended (322): 200 us of AdamW
     assert (a["queued_items"], a["queued_params"]) == (1, 2_000_000)
-    assert a["params_per_s_queued"] == pytest.approx(1e10) and a["params_per_s_queued_median_large"] == pytest.approx(1e10)
+    assert a["params_per_s_queued"] == pytest.approx(1e10)
+    assert a["params_per_s_queued_median_large"] == pytest.approx(1e10)
     # the others waited for their successor: gaps 168, 396 and (to the main thread's resume) 194 us, less
     # 100, 50 and 10 us of AdamW at the queued rate
     assert a["unqueued_items"] == 3 and a["unqueued_gap_s"] == pytest.approx((168 + 396 + 194) * 1e-6)
@@ -181,3 +184,11 @@ def test_a_cpu_backend_profile(tmp_path):
     assert s["copies"]["h2d"]["copies"] == 0 and s["gpu_kernels"]["kernels"] == 0
     assert not s["cpu_adam"]["found"]
     json.dumps(s)  # JSON-ready
+
+
+def test_fit_line():
+    a, b = tt.fit_line([(0, 1.0), (10, 21.0), (20, 41.0)])
+    assert (a, b) == pytest.approx((1.0, 2.0))
+    assert tt.fit_line([(5, 1.0), (5, 2.0)]) is None  # one size: no rate to separate from the per-item cost
+    a = tt.summarise(synthetic())["cpu_adam"]
+    assert "fit_per_item_s" not in a and a["small_items"] == 0  # one queued item, of 2e6 parameters
