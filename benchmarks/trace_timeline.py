@@ -21,12 +21,16 @@ Phases: ``forward`` from the first event to the first backward op, ``backward`` 
 autograd thread (its end-of-backward callback included), ``after`` to the last event (``step()``'s wait for the
 CPU lane, the refresh copies it issues, ``zero_grad``, the harness's device synchronize).
 
-The CPU AdamW lane ([Note: reading the CPU lane from its waits]): each lane item waits for its events (the grad
-copy, then the bucket's last weight copy) with ``cudaEventSynchronize`` and then runs AdamW on one piece of the
-grad ring. So an item's AdamW is the time from the end of its last wait to the start of the next item's first
-wait, when the next item was already queued then (it is submitted when the thread issuing backward returns from
-its ``offload::d2h``); otherwise that gap holds idle time too. The rate of the queued items is the lane's
-achieved AdamW rate; the idle time of the others is estimated from it (``idle_est_s``).
+[Note: reading the CPU lane from its waits]
+Each lane item waits for its events (the grad copy, then the bucket's last weight copy) with
+``cudaEventSynchronize`` and then runs AdamW on one piece of the grad ring. So an item's AdamW is the time from the
+end of its last wait to the start of the next item's first wait, when the next item was already queued then (it
+is submitted when the thread issuing backward returns from its ``offload::d2h``); otherwise that gap holds idle
+time too. The queued items give the lane's achieved rate (``params_per_s_queued``) and, by a least-squares line
+through their (parameters, time), a cost per item and a rate per parameter (``fit_per_item_s``,
+``fit_params_per_s``); the idle time in the other gaps is estimated at the queued rate (``idle_est_s``), and the
+busy time as the window less waits and idle (``busy_est_s``). The last item's gap ends when the main thread
+resumes after the lane's last wait (``step()``'s drain returned): an upper bound.
 
 Host waits for the CPU lane (the grad ring's readers, an update a copy must follow) block inside the backend's
 ``offload::d2h`` / ``offload::h2d`` / ``offload::wait`` annotations on a lock the profiler does not see: the
