@@ -149,7 +149,8 @@ def roles(lanes: dict[tuple, list[Ev]]) -> dict[tuple, str]:
     return out
 
 
-def _one(rs: dict[tuple, str], role: str) -> tuple | None:
+def lane_with_role(rs: dict[tuple, str], role: str) -> tuple | None:
+    """The one lane of ``role`` (None: none, or several)."""
     ks = [k for k, r in rs.items() if r == role]
     return ks[0] if len(ks) == 1 else None
 
@@ -187,7 +188,7 @@ def _phases(lanes, rs, t0: float, t1: float) -> dict[str, tuple[float, float]]:
     if not bwd:
         return {"step": (t0, t1)}
     start = min(e.start for e in bwd)
-    ag = _one(rs, "autograd")
+    ag = lane_with_role(rs, "autograd")
     end = max(e.end for e in lanes[ag]) if ag is not None else max(e.end for e in bwd)
     return {"forward": (t0, start), "backward": (start, end), "after": (end, t1)}
 
@@ -247,7 +248,7 @@ def _host_waits(lanes, rs, phases) -> dict:
             blocked = []
             starts = [e.start for e in evs]
             for sp in spans:
-                inner = union((e.start, e.end) for e in _inside(evs, starts, sp))
+                inner = union((e.start, e.end) for e in inside(evs, starts, sp))
                 blocked.append((sp.start, (sp.end - sp.start) - covered(inner, sp.start, sp.end)))
             times = sorted(b for _, b in blocked)
             out[f"{rs[k]}:{name}"] = {
@@ -259,7 +260,7 @@ def _host_waits(lanes, rs, phases) -> dict:
     return out
 
 
-def _inside(evs: list[Ev], starts: list[float], sp: Ev) -> list[Ev]:
+def inside(evs: list[Ev], starts: list[float], sp: Ev) -> list[Ev]:
     """Events of ``evs`` (sorted by start; ``starts`` theirs) that lie within ``sp``, ``sp`` itself not."""
     lo, hi = bisect.bisect_left(starts, sp.start), bisect.bisect_right(starts, sp.end)
     return [e for e in evs[lo:hi] if e is not sp and e.end <= sp.end]
@@ -267,7 +268,7 @@ def _inside(evs: list[Ev], starts: list[float], sp: Ev) -> list[Ev]:
 
 def _cpu_adam(lanes, rs, t0: float, grad_bytes_per_param: int) -> dict:
     """The CPU lane read from its waits ([Note: reading the CPU lane from its waits], the module docstring)."""
-    key = _one(rs, "cpu_adam")
+    key = lane_with_role(rs, "cpu_adam")
     if key is None:
         return {"found": False, "note": "no thread whose only events are cudaEventSynchronize: the CPU lane is not "
                                         "in this trace (on the CPU backend the profiler records nothing of it)"}
@@ -287,7 +288,7 @@ def _cpu_adam(lanes, rs, t0: float, grad_bytes_per_param: int) -> dict:
     out["waits_per_item"] = per
     out["wait_by_position_s"] = [sum(waits[i].end - waits[i].start for i in range(j, len(waits), per)) * US
                                  for j in range(per)]
-    main = _one(rs, "main")
+    main = lane_with_role(rs, "main")
     later = [e.start for e in lanes[main] if e.start >= waits[-1].end] if main is not None else []
     resume = min(later) if later else None  # step()'s drain returned: the last AdamW ended before
     items = []  # (params, gap after the item's last wait, next item already queued then)
@@ -350,7 +351,7 @@ def _end_of_step(lanes, rs, phases, t0: float, t1: float) -> dict:
         return {"note": "no backward op in this trace"}
     bwd_end = phases["backward"][1]
     out: dict = {"backward_end_s": (bwd_end - t0) * US, "step_end_s": (t1 - t0) * US}
-    main = _one(rs, "main")
+    main = lane_with_role(rs, "main")
     if main is not None:
         evs = lanes[main]
         after = [e for e in evs if e.start >= bwd_end]

@@ -23,7 +23,7 @@ def blocked_spans(evs):
     starts = [e.start for e in evs]
     out = []
     for sp in (e for e in evs if e.name == "offload::d2h"):
-        inner = tt.union((e.start, e.end) for e in tt._inside(evs, starts, sp))
+        inner = tt.union((e.start, e.end) for e in tt.inside(evs, starts, sp))
         out += tt.gaps(inner, sp.start, sp.end)
     return tt.union(out)
 
@@ -40,7 +40,7 @@ def main(paths) -> None:
     for path in paths:
         lanes = tt.lanes_of(tt.load(path))
         rs = tt.roles(lanes)
-        lane, ag, main_ = (lanes[tt._one(rs, r)] for r in ("cpu_adam", "autograd", "main"))
+        lane, ag, main_ = (lanes[tt.lane_with_role(rs, r)] for r in ("cpu_adam", "autograd", "main"))
         copies = sorted((e for k, es in lanes.items() if rs[k] == "d2h" for e in es if e.cat == "gpu_memcpy"),
                         key=lambda e: e.start)
         dma = tt.union((e.start, e.end) for k, es in lanes.items() if rs[k] in ("h2d", "d2h") for e in es)
@@ -69,7 +69,7 @@ def main(paths) -> None:
         bare = 0.0
         for a in acc:
             kids, end = [], -1.0
-            for e in tt._inside(ag, starts, a):
+            for e in tt.inside(ag, starts, a):
                 if e.start >= end:
                     kids.append(e)
                     end = e.end
