@@ -44,6 +44,9 @@ ITEMSIZE = 2
 # the saved-activation peak the engine traced on the GPU (plan.activation_bytes in vs_baselines.json): the meta
 # trace's estimate (math attention, every intermediate) is far above it (7.67 GiB for gpt2-xl) and fits no plan
 ACTIVATIONS = {"gpt3-2.7b": 3247555076, "gpt2-xl": 3053806852}
+# the CPU lane's params per busy second in the run-3 traces (analysis/trace_timeline.json: params / busy_est_s),
+# per-item cost included: a sensitivity case, the lane priced as it ran rather than at the probe's kernel rate
+LANE_RATE = {"gpt3-2.7b": 2651553280 / 0.947910, "gpt2-xl": 1557611200 / 0.507767}
 # model -> (compute the engine planned with after calibrate_compute, compute measured outside the engine), s
 COMPUTE = {"gpt3-2.7b": (1.091296590059997, 0.054195660000004864), "gpt2-xl": (0.7958330298364166, 0.0905232979999937)}
 
@@ -94,12 +97,15 @@ def main() -> int:
                 "activation_peak_bytes_meta": meta_activations, "activation_peak_bytes_used": ACTIVATIONS[name],
                 "max_grad_bytes": mt.trace.max_grad_bytes, "buffer_bytes": mt.buffer_bytes,
                 "bound_all_cpu_s_measured_compute": bound.seconds, "bound_limit": bound.limit, "plans": []}
-        for total in (believed, measured):
+        lane_hw = dataclasses.replace(hw, name=f"{hw.name}, CPU AdamW at the traced lane's rate",
+                                      adam_params_per_s=LANE_RATE[name])
+        for total, h in ((believed, hw), (measured, hw), (measured, lane_hw)):
             for dev in (False, True):
-                r = one(mt, buckets, hw, total, dev)
+                r = one(mt, buckets, h, total, dev)
+                r["hw"], r["adam_params_per_s"] = h.name, h.adam_params_per_s
                 case["plans"].append(r)
                 pl = ", ".join(f"{k} {v['buckets']} ({v['bytes'] / 2**30:.2f} GiB)" for k, v in r["placement"].items())
-                print(f"{name} compute {total:.3f} s device_optimizer={dev}: predicted {r['predicted_step_s']:.3f} s "
+                print(f"{name} compute {total:.3f} s, CPU AdamW {h.adam_params_per_s:.3g}/s, device_optimizer={dev}: predicted {r['predicted_step_s']:.3f} s "
                       f"[{pl}] sim {json.dumps({k: round(v, 4) for k, v in r['sim'].items()})} causal bound "
                       f"{r['bound_placement_causal_s']:.3f} ({r['bound_placement_causal_limit']})", flush=True)
         out["cases"].append(case)
