@@ -15,7 +15,7 @@ from ..config import format_bytes
 from ..errors import HostMemoryError, InvariantError, KernelUnavailableError
 from ..optim import adamw_
 from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec,
-                                chunk_numel, host_layout, locate)
+                                chunk_numel, grad_ring_chunk_bytes, host_layout, locate)
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step_at
 
@@ -127,7 +127,7 @@ class HostState:
             raise ValueError(f"ring_slots must be >= 1, got {ring_slots}")
         self.lowp_dtype, self.accumulate, self.ring_slots = lowp_dtype, accumulate, ring_slots
         # grads cross the ring in pieces of at most this many elements ([Note: chunked grad staging])
-        self.chunk_bytes = GRAD_RING_CHUNK_BYTES
+        self.chunk_bytes = grad_ring_chunk_bytes(buckets, self.device_dtype.itemsize, GRAD_RING_CHUNK_BYTES)
         self.chunk = chunk_numel(self.chunk_bytes, self.device_dtype.itemsize)
         self.buckets, self.specs, self.shapes = tuple(buckets), list(specs), list(shapes)
         # A frozen parameter has no fp32 master beside its 16-bit copy (see buckets.HostLayout).

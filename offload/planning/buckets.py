@@ -31,8 +31,11 @@ GRAD_RING_SLOTS = 3
 # The most bytes one grad copy puts in the ring ([Note: chunked grad staging] at HostLayout): larger buckets
 # (a vocabulary embedding) go through it in pieces of this size, so the ring no longer scales with the largest
 # bucket. 4 MiB: past the size at which a copy reaches ~90 % of the link's bandwidth on the pcie4/pcie5 curves
-# (what bucket_bytes="auto" picks, 2.5 MiB on pcie4), so the pieces cost the copy engine next to nothing.
+# (what bucket_bytes="auto" picks, 2.5 MiB on pcie4), so the pieces cost the copy engine next to nothing. That is
+# the floor: a larger model's pieces are larger ([Note: ring pieces scale with the model], grad_ring_chunk_bytes).
 GRAD_RING_CHUNK_BYTES = 4 << 20
+GRAD_RING_CHUNK_MAX_BYTES = 32 << 20  # the most: a piece of 16 M bf16 grads, ~4 ms of CPU AdamW at 4e9 params/s
+GRAD_RING_CHUNK_SHARE = 128  # between the two: 1/128 of the model's trainable grads in the device dtype
 
 
 @dataclass(frozen=True)
@@ -270,6 +273,27 @@ def host_layout(buckets: Sequence[Bucket], lowp_itemsize: int = 0, accumulate: b
     ring_offset = take(ring_bytes)
     return HostLayout(**{k: tuple(v) for k, v in fields.items()}, total_bytes=off, grad_itemsize=grad_itemsize,
                       staging_itemsize=staging_itemsize, ring=ring_offset, ring_bytes=ring_bytes)
+
+
+def grad_ring_chunk_bytes(buckets: Sequence[Bucket], itemsize: int, floor: int = GRAD_RING_CHUNK_BYTES) -> int:
+    """The most bytes one grad copy puts in the ring for these buckets in the device dtype of ``itemsize`` bytes:
+    1/``GRAD_RING_CHUNK_SHARE`` of their trainable grads, at least ``floor`` (0: no cap at all) and at most
+    ``GRAD_RING_CHUNK_MAX_BYTES``.
+
+    [Note: ring pieces scale with the model] Each ring piece is one item of the CPU lane: its grad copy's wait,
+    then the update (or the widening into the fp32 sum) of those elements. Read from the first H200 traces
+    (benchmarks/results/2026-11-27-h200/analysis.md, run 3): an item costs a fixed 128-205 us besides its AdamW
+    (the lane's hand-off, two host waits, the update's Python, an OpenMP region), and with 4 MiB pieces gpt3-2.7b's
+    step had 1474 of them (0.25 s of a 1.26 s step; gpt2-xl 904, 0.13 s of 0.65 s), and three 4 MiB pieces held
+    ~1.5 ms of AdamW, less than the autograd thread's host work between buckets, so the lane ran dry (0.16 s).
+    Pieces of 1/128 of the grads keep the ring (``GRAD_RING_SLOTS`` pieces) under 2.5 % of the 16-bit grads
+    (0.05 B a parameter in bf16), so small models keep their 4 MiB and the host bytes per parameter of issue 18;
+    from ~1B parameters on (2 GiB of bf16 grads) pieces are whole buckets up to 32 MiB, where the fixed cost is a
+    few percent of a piece's AdamW. Not yet measured on a GPU."""
+    if not floor:
+        return 0
+    grad_bytes = sum(b.trainable_numel for b in buckets) * itemsize
+    return max(floor, min(GRAD_RING_CHUNK_MAX_BYTES, grad_bytes // GRAD_RING_CHUNK_SHARE))
 
 
 def chunk_numel(chunk_bytes: int, itemsize: int) -> int:

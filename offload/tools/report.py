@@ -30,7 +30,7 @@ from ..errors import BudgetTooSmallError, InvariantError, ReportError
 from ..host.state import HOST_RAM_HEADROOM
 from ..planning.activations import ActivationProfile, CheckpointChoice, activation_bytes, choose_checkpoints
 from ..planning.checkpoint_choice import TimedChoice, choose_by_step_time
-from ..planning.buckets import GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, host_layout, make_buckets, resolve_bucket_bytes
+from ..planning.buckets import GRAD_RING_SLOTS, grad_ring_chunk_bytes, host_layout, make_buckets, resolve_bucket_bytes
 from ..planning.placement import placement_bound, placement_bytes
 from ..runtime.device_optim import read_after_update
 from ..planning.plan import BufferKind, Plan, align
@@ -202,7 +202,7 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
         away = frozenset(dev.device_optimizer) - read_after_update(dev)
         device_plan["host_bytes"] = host_layout(buckets, lowp_size, request.dtype == torch.float16,
                                                 ring=GRAD_RING_SLOTS, away=away,
-                                                chunk_bytes=GRAD_RING_CHUNK_BYTES).total_bytes
+                                                chunk_bytes=grad_ring_chunk_bytes(buckets, itemsize)).total_bytes
     acts = None
     if overflow == "activations":  # what per-block checkpointing would save: one more forward, per block
         progress("counting activations per block")
@@ -299,7 +299,8 @@ def host_breakdown(buckets, lowp_itemsize: int, accumulate: bool = False) -> dic
     ``buckets.py``)."""
     numel = sum(b.numel for b in buckets)
     trainable = sum(b.trainable_numel for b in buckets)
-    layout = host_layout(buckets, lowp_itemsize, accumulate, ring=GRAD_RING_SLOTS, chunk_bytes=GRAD_RING_CHUNK_BYTES)
+    layout = host_layout(buckets, lowp_itemsize, accumulate, ring=GRAD_RING_SLOTS,
+                         chunk_bytes=grad_ring_chunk_bytes(buckets, lowp_itemsize or 4))
     out = dict.fromkeys(BREAKDOWN, 0)
     master = trainable if lowp_itemsize else numel  # with a 16-bit copy, frozen parameters have no fp32 master
     ring = layout.ring_bytes

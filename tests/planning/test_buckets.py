@@ -157,3 +157,29 @@ def test_auto_bucket_size_reaches_90_percent_of_the_link_and_stays_small_next_to
     assert resolve_bucket_bytes("auto", small, 2, hw) == size and resolve_bucket_bytes(4096, small, 2, hw) == 4096
     with pytest.raises(TypeError):
         resolve_bucket_bytes("32MiB", small, 2, hw)  # OffloadConfig parses sizes; here only ints or "auto"
+
+
+def test_ring_pieces_scale_with_the_model_between_4_and_32_mib():
+    """[Note: ring pieces scale with the model]: 1/128 of the trainable grads in the device dtype, at least
+    GRAD_RING_CHUNK_BYTES (small models keep their ring, issue 18's bytes per parameter) and at most 32 MiB."""
+    from offload.planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_CHUNK_MAX_BYTES, GRAD_RING_SLOTS,
+                                          grad_ring_chunk_bytes)
+    assert GRAD_RING_CHUNK_BYTES == 4 << 20 and GRAD_RING_CHUNK_MAX_BYTES == 32 << 20
+
+    def buckets(n_params: int, frozen: int = 0):
+        specs = [ParamSpec(n_params // 8, 0)] * 8 + [ParamSpec(frozen, None)] * bool(frozen)  # None: frozen
+        return make_buckets(specs, range(len(specs)), 2 * n_params // 8, 2)
+
+    gpt2 = buckets(124_000_000)  # 248 MB of bf16 grads: 1/128 is 1.9 MB, under the floor
+    assert grad_ring_chunk_bytes(gpt2, 2) == 4 << 20
+    xl = buckets(1_558_000_000)  # 3.1 GB: 24.3 MB, between
+    assert grad_ring_chunk_bytes(xl, 2) == 2 * 1_558_000_000 // 8 * 8 // 128
+    assert grad_ring_chunk_bytes(buckets(2_652_000_000), 2) == 32 << 20  # 5.3 GB: the cap
+    assert grad_ring_chunk_bytes(buckets(2_652_000_000), 4) == 32 << 20  # fp32 grads
+    # frozen parameters send no grads: they do not count
+    assert grad_ring_chunk_bytes(buckets(124_000_000, frozen=10**9), 2) == 4 << 20
+    assert grad_ring_chunk_bytes(xl, 2, floor=0) == 0  # no cap at all, as chunk_bytes=0
+    # the ring stays a small share of the grads it stages, and the host layout follows the pieces
+    lay = host_layout(xl, 2, ring=GRAD_RING_SLOTS, chunk_bytes=grad_ring_chunk_bytes(xl, 2))
+    assert lay.ring_bytes <= GRAD_RING_SLOTS * grad_ring_chunk_bytes(xl, 2) + GRAD_RING_SLOTS * HOST_ALIGN
+    assert lay.ring_bytes < 0.025 * 2 * 1_558_000_000

@@ -10,12 +10,20 @@ import pytest
 import torch
 
 import offload.host.state
+import offload.planning.buckets
 from offload.planning.buckets import GRAD_RING_SLOTS, HOST_ALIGN
 from offload.testing.chaos import ChaosConfig
 from tests.support.loops import torch_losses, train_streamed
 from tests.support.models import CASES
 
 PIECE = 4 * HOST_ALIGN  # bytes: 64 fp32 or 128 bf16 grads, far below the test GPT's buckets
+
+
+def _pieces_of(monkeypatch, nbytes: int) -> None:
+    """Ring pieces of ``nbytes`` whatever the model's size ([Note: ring pieces scale with the model]: the floor
+    and the cap both)."""
+    monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", nbytes)
+    monkeypatch.setattr(offload.planning.buckets, "GRAD_RING_CHUNK_MAX_BYTES", nbytes)
 
 
 def _pieces(engine) -> dict:
@@ -44,7 +52,7 @@ FEATURES = {
 @pytest.mark.parametrize("features", FEATURES.values(), ids=FEATURES.keys())
 def test_pieces_train_as_whole_buckets_bit_for_bit(monkeypatch, features):
     want = train_streamed(CASES["gpt"](), 3, inspect=_pieces, **features)
-    monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)
+    _pieces_of(monkeypatch, PIECE)
     got = train_streamed(CASES["gpt"](), 3, inspect=_pieces, **features)
     assert_same(got, want)
     ring = got[3]
@@ -53,12 +61,27 @@ def test_pieces_train_as_whole_buckets_bit_for_bit(monkeypatch, features):
     assert ring["ring_bytes"] < want[3]["ring_bytes"] and ring["chunk"] * 8 < ring["largest"]
 
 
+def test_the_engine_sizes_its_pieces_by_the_model(monkeypatch):
+    """[Note: ring pieces scale with the model]: the engine's pieces are 1/GRAD_RING_CHUNK_SHARE of the model's
+    trainable grads where that is above the floor (here the share is 16 and the floor one PIECE, so that the test
+    GPT's pieces are sized by the share), and train as whole buckets, bit for bit."""
+    want = train_streamed(CASES["gpt"](), 3, inspect=_pieces, dtype=torch.bfloat16)
+    monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)  # the floor
+    monkeypatch.setattr(offload.planning.buckets, "GRAD_RING_CHUNK_SHARE", 16)
+    got = train_streamed(CASES["gpt"](), 3, inspect=lambda e: _pieces(e) | {
+        "grad_bytes": sum(b.trainable_numel for b in e._runtime.slots.hosted().buckets) * 2}, dtype=torch.bfloat16)
+    assert_same(got, want)
+    ring = got[3]
+    share = ring["grad_bytes"] // 16 // HOST_ALIGN * HOST_ALIGN // 2
+    assert ring["chunk"] == share and PIECE // 2 < share < ring["largest"]
+
+
 @pytest.mark.slow  # ~65 s on 2 cores: the default run keeps the pieces' non-chaos tests
 def test_pieces_under_chaos_bit_for_bit(monkeypatch):
     """Every lane delayed at random: a piece's copy must wait for the reader of the ring bytes it reuses
     (the update of an earlier piece, of this bucket or another)."""
     want = train_streamed(CASES["gpt"](), 4, dtype=torch.bfloat16)
-    monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)
+    _pieces_of(monkeypatch, PIECE)
     got = train_streamed(CASES["gpt"](), 4, dtype=torch.bfloat16, chaos=ChaosConfig(seed=0, max_delay_ms=2))
     assert_same(got, want)
 
@@ -66,7 +89,7 @@ def test_pieces_under_chaos_bit_for_bit(monkeypatch):
 @pytest.mark.slow  # ~12-28 s on 2 cores; the fused and accumulate variants above run by default
 def test_pieces_are_plain_pytorch_bit_for_bit(monkeypatch):
     """fp32 through offload.AdamW(fused=False): torch.optim.AdamW's numbers, one piece at a time."""
-    monkeypatch.setattr(offload.host.state, "GRAD_RING_CHUNK_BYTES", PIECE)
+    _pieces_of(monkeypatch, PIECE)
     case = CASES["gpt"]()
     want, ref = torch_losses(case, 4)
     got = train_streamed(case, 4, fused=False)
