@@ -354,9 +354,10 @@ class GradPipeline:
         src = view if lo == 0 and hi == view.numel() else view[lo:hi]
         if ctx.backend.copy_waits_on_host(after):  # CPU-lane work not done: the ring's readers, the last update
             # On CUDA the host waits for it before it issues the copy: while backward outruns a CPU lane that is the
-            # wall, compute stands still here, a stall the cost model simulates itself (the lane), not compute
-            # ([Note: timing compute] in executor.py; counted as compute, a timed step on an H200 read 4.6x the
-            # model's forward + backward). The CPU backend hands such a copy to its lane instead: no wait.
+            # wall, compute stands still here, a stall of the lane's making, not the model's compute ([Note: timing
+            # compute] in executor.py; counted as compute, a timed step on an H200 read 4.6x the model's forward +
+            # backward; the cost model does not have the ring's depth yet, analysis.md in the H200 results). The
+            # CPU backend hands such a copy to its lane instead: no wait.
             (rec := self.executor.recorder).exclude_begin()
             d2h = ctx.backend.d2h(dst.view, src, after)
             rec.exclude_end()
