@@ -25,13 +25,14 @@ all ranks ([Note: no_sync], :meth:`DataParallel.reduce_pending`).
 [Note: collectives on one thread]
 gloo and NCCL match collectives by the order each rank issues them. Every collective of a step is issued by
 the one CPU-lane thread, in submission order; those of the main thread (the norms' all-reduce, the gathers
-that read values other ranks own) are issued only after the lane drained. With grads reduced on the device the
-main thread issues collectives during backward too (the checks and the slots' reduce-scatters): on a group of
-their own, ``self.tag_group``, where every check then pairs ([Note: grads reduced on the device] in
-device_collectives.py); the lane's all-gathers then run on the device, on a third group of their own. A collective that fails (a peer
-raised, hung past the group's timeout, or died) raises :class:`DistributedError` naming this rank, and the
-engine refuses to go on: its ranks are no longer in step, and a later collective could pair with the wrong
-one on another rank. So does a rank whose backward raised after a collective was issued.
+that read values other ranks own, the shared copy's checks) are issued only after the lane drained. With
+grads reduced on the device the main thread issues collectives during backward too (the checks and the
+slots' reduce-scatters): on a group of their own, ``self.tag_group``, where every check then pairs ([Note:
+grads reduced on the device] in device_collectives.py); the lane's all-gathers then run on the device, on a
+third group of their own. A collective that fails (a peer raised, hung past the group's timeout, or died)
+raises :class:`DistributedError` naming this rank, and the engine refuses to go on: its ranks are no longer
+in step, and a later collective could pair with the wrong one on another rank. So does a rank whose backward
+raised after a collective was issued.
 
 [Note: averaged p.grad]
 DDP users expect ``p.grad`` after backward to be the average over the ranks (``clip_grad_norm_`` on
@@ -151,9 +152,8 @@ class DataParallel:
         # each bucket's latest gather (the host copy is whole after it)
         self.weights: WeightGather | None = None
         self._gathered: dict[int, Deferred] = {}
-        # [Note: one host copy per node]: OffloadConfig.share_host_copy; the shared copy once made; the buckets
-        # written since the last check that it is whole (an ordered set: [Note: the shared copy checked once per
-        # backward])
+        # [Note: one host copy per node]: OffloadConfig.share_host_copy; the shared copy; the buckets written since
+        # the last check that it is whole (an ordered set: [Note: the shared copy checked once per backward])
         self.share = share
         self.node_copy: NodeCopy | None = None
         self.unchecked: dict[int, None] = {}
@@ -225,10 +225,10 @@ class DataParallel:
             raise
         tag = torch.tensor([kind, len(buckets), zlib.crc32(",".join(map(str, buckets)).encode()), self._reduces],
                            dtype=torch.int64)
-        self._require_same(tag, "check that every rank wrote its part of the node's copy of the weights", "ranks "
-                           "wrote the weights apart", "the ranks reached the check that the node's copy of the weights "
-                           "is whole at different points ((kind, buckets, their checksum, checks so far)", "update "
-                           "the same parameters in the same order and write parameters on every rank alike")
+        self._require_same(tag, "check that every rank wrote its part of the node's copy of the weights", "ranks wrote "
+                           "the weights apart", "the ranks reached the check that the node's copy of the weights is "
+                           "whole at different points ((kind, buckets, their checksum, checks so far)", "update the "
+                           "same parameters in the same order and write parameters on every rank alike")
 
     def settle(self) -> None:
         """The CPU lane drained: block until the host copy is whole (the weights' copies back are done)."""
