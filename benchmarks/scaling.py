@@ -7,15 +7,16 @@ per-GPU budgets, on traces of real model shapes built on the meta device (no wei
   [Note: the runtime's device reduce-scatter]): each bucket's grads reduce-scattered on the device over
   NCCL's link presets and this rank's 1/N shard copied to the host, the shard's AdamW on the rank's CPU lane.
   Then, on ONE node (the engine's default ``share_host_copy=None`` shares there: [Note: the runtime's shared
-  host copy]), the AdamW writes the shard into the node's one host copy and a small gloo check per bucket on
-  the CPU lane says every rank has: nothing of the weights is gathered, and the plan has no gather buffers.
+  host copy]), the AdamW writes the shard into the node's one host copy and one small gloo check per backward
+  says every rank has ([Note: the shared copy checked once per backward]; until 2026-11-27 one per bucket):
+  nothing of the weights is gathered, and the plan has no gather buffers.
   Over SEVERAL nodes (each rank its own host copy), the updated shard is copied to the device, all-gathered
   there (NCCL) and the gathered bytes copied back to the rank's whole host copy, with the weights' two
   gather buffers out of the plan's budget. After ``step()`` each resident bucket updated comes up as this
   rank's 1/G chunk, all-gathered in its slot over the node's G GPUs (NVLink; [Note: resident weights gathered
   in their slots]); other copies are of whole buckets, as on one GPU. The grad slots are padded to the
   shards (as the engine plans it); gloo (NOMINAL presets, [Note: gloo's collectives]) runs the checks
-  (``step()``'s two, and the shared copy's per bucket).
+  (``step()``'s two, and the shared copy's one per backward).
 * ``design``: ``offload/planning/data_parallel.py`` ([Note: the data-parallel step]): what issue 20 asks
   the runtime to become (NCCL reduce-scatter of the grad slot on the device, a shard copied, an all-gather
   on the device before each use, from a 1/N shard), on NCCL's link presets. The runtime gathers after the
@@ -85,7 +86,7 @@ PATHS = {
     "runtime": "what the code runs on CUDA (grad_reduce=\"device\", share_host_copy=None): grads "
                "reduce-scattered on the device (NCCL), a 1/N shard copied to the host and updated by the shard's "
                "AdamW on each rank's CPU lane; on one node the AdamW writes it into the node's one shared host "
-               "copy and a gloo check per bucket says the copy is whole (no all-gather of the weights, no gather "
+               "copy and one gloo check per backward says the copy is whole (no all-gather of the weights, no gather "
                "buffers: [Note: the runtime's shared host copy]); over several nodes the updated shard is copied "
                "back to the device, all-gathered there (NCCL, two gather buffers in turn) and the gathered bytes "
                "copied to the rank's whole host copy (the gather buffers out of the budget); after step() each "

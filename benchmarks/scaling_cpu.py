@@ -29,8 +29,9 @@ DDP's idiom), beside ``simulate_runtime_deferred`` ([Note: the runtime's deferre
 same K and no_sync; the design path models no accumulation and is then not recorded.
 
 The ranks all run on this one host, so the engine shares one host copy of the weights between them by default
-(``share_host_copy=None``: [Note: one host copy per node]): each rank's AdamW writes its shard into it and a
-small check per bucket replaces the all-gather of the weights. ``--share-host-copy no`` runs each rank with its
+(``share_host_copy=None``: [Note: one host copy per node]): each rank's AdamW writes its shard into it and one
+small check per backward replaces the all-gathers of the weights ([Note: the shared copy checked once per
+backward]; one per bucket until 2026-11-27). ``--share-host-copy no`` runs each rank with its
 own copy (``share_host_copy=False``: gloo's all-gather per bucket), ``yes`` requires the shared one. Whether
 the run shared (``engine.memory_stats()["host_shared_bytes"]``) is recorded per row (``host_copy``) and the
 simulation models what ran ([Note: the runtime's shared host copy]: ``shared=``).

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _DP = "tests/distributed/test_data_parallel.py::test_a_forward_between_backward_and_step_sees_every_ranks_update"
 _DEV = "tests/distributed/test_device_reduce.py::test_two_ranks_reduced_on_the_simulated_gpu"
+_CLIP = "tests/distributed/test_data_parallel.py::test_torch_clip_grad_norm_on_p_grad_sees_the_average_over_ranks"
 _FAST = "tests/runtime/test_fast_path.py::test_fast_steps_on_the_simulated_gpu_order_the_refresh_after_backward"
 # issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
@@ -197,10 +198,23 @@ MUTATIONS = [
      '        if not bool((self._agree(tag, "agreement on the buckets gathered after step()")[:, 1:3] == tag[1:3]).all()):',
      '        if not bool((self._agree(tag, "agreement on the buckets gathered after step()")[:, 1:3] == tag[1:3]).any()):',
      ["tests/distributed/test_device_reduce.py::test_ranks_that_keep_other_buckets_resident_copy_them_whole"]),
-    ("N1", "a bucket's update on the node's shared copy is not followed by the check that every rank's is in "
-     "(`_node_copy_ready`)", "offload/runtime/distributed.py",
-     "            return self.lane.submit(lambda: self._node_copy_ready(b), [updated], f\"bucket {b}'s copy whole\")",
-     "            return updated", SHARED),
+    # [Note: the shared copy checked once per backward] (runtime/node_share.py): one check per backward or step()
+    ("N1", "a bucket's update on the node's shared copy is never checked whole (not recorded for the batched "
+     "check)", "offload/runtime/distributed.py",
+     "            self.unchecked[b] = None  # checked", "            pass  # checked",
+     [f"{_DP}[True]", f"{_DEV}[shared]"]),  # the numbers' test first
+    ("N4", "the check that the shared copy is whole does not wait for this rank's own updates (the CPU lane)",
+     "offload/runtime/distributed.py", "            self.lane.drain()  # this rank's writes are done",
+     "            pass  # this rank's writes are done", SHARED),
+    ("N5", "no check at the end of a backward: a later read issues it (then a read forces it: `copy_checks_early`)",
+     "offload/runtime/core.py", "            self.slots.check_shared_copies()  # issue 20",
+     "            pass  # issue 20", SHARED),
+    ("N6", "a read inside the backward that updated the bucket does not issue the check first",
+     "offload/runtime/slots.py", "            self.check_shared_copies(early=True)  # that updated it",
+     "            pass  # that updated it", SHARED),
+    ("N7", "deferred updates: no check in step() (the next reads force it, or the end of the next backward)",
+     "offload/runtime/core.py", "                self.slots.check_shared_copies()  # deferred",
+     "                pass  # deferred", [_CLIP]),
     ("N2", "the first masters written into the node's shared copy: no check that every rank's part is in "
      "(`copy_written`, traced step)", "offload/runtime/warmup.py",
      "            ctx.dp.copy_written()  # every rank's part of it is in before any fetch reads it",

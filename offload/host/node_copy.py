@@ -10,10 +10,11 @@ laid out as the per-rank copy was, bucket after bucket (:func:`node_copy_layout`
 Each element has one writer: the owner of its shard for the trainable prefix ([Note: host shards] in
 shard.py; the update writes its shard's new device-dtype values straight into the shared copy), rank 0 for
 the rest (frozen parameters, written once). So the all-gather of the updated shards is not needed at all:
-a bucket's copy is whole once every rank has updated its shard, which one small all-gather of a tag per
-bucket on the CPU lane tells (``DataParallel``, runtime/distributed.py). Writes outside a step (the first
-masters, ``load_state_dict``, a write to ``p.data``) are followed by one such check on the main thread
-before anything reads the copy.
+a bucket's copy is whole once every rank has updated its shard, which one small all-gather of a tag says,
+once per backward for every bucket it updated ([Note: the shared copy checked once per backward] in
+runtime/node_share.py; ``DataParallel.check_copies``). Writes outside a step (the first masters,
+``load_state_dict``, a write to ``p.data``) are followed by one such check on the main thread before anything
+reads the copy.
 
 Reads by another rank cannot overlap a write: a rank updates bucket ``b`` only after the reduce-scatter of
 ``b``'s grads of the next step, which every rank joins after its backward used ``b`` (so after its copies of

@@ -196,28 +196,29 @@ class _DeferredLanes(Lanes):
         for k in range(len(self.ready)):
             adam = self.cpu.adam_seconds(self.adam_numel[k])
             self.adam_total += adam
-            # with a shared copy the check says every rank wrote its shard ([Note: the runtime's shared host copy])
-            gather = (self.check_s if self.shared else self.ag_s[k]) if many else 0.0
+            # a shared copy is written in place: checked whole once, below ([Note: the runtime's shared host copy])
+            gather = self.ag_s[k] if many and not self.shared else 0.0
             take = self.take_s[k] if many else 0.0
             start = max(self.cpu_free, self.ready[k], called)
             self.cpu_free = start + take + adam + gather if many else start + adam
             self.take_busy += take
-            if self.shared:
-                self.check_busy += gather
-            else:
-                self.ag_busy += gather
+            self.ag_busy += gather
             if record is not None:
                 if many:
                     record.append(("take_shard", k, start, start + take))
                 record.append(("adam", k, start + take, start + take + adam))
-                if many:
-                    record.append(("copy_ready" if self.shared else "all_gather", k, self.cpu_free - gather,
-                                   self.cpu_free))
+                if gather:
+                    record.append(("all_gather", k, self.cpu_free - gather, self.cpu_free))
         self.stall = self.stall_sum
         end = self.idle_at(compute_end)
         if not many:
             return end
         check_start = max(called, self.cpu_free)
+        if self.shared:  # the check that every rank wrote the step's updates, then agree_replan's
+            if record is not None:
+                record.append(("copy_ready", -1, check_start, check_start + self.check_s))
+            self.check_busy += self.check_s
+            check_start += self.check_s
         self.check_busy += self.check_s
         if record is not None:
             record.append(("check", -1, check_start, check_start + self.check_s))

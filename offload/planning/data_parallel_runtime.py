@@ -112,30 +112,36 @@ for the node ([Note: one host copy per node] in ``host/node_copy.py``; ``Offload
 None by default: shared where possible). Each rank's AdamW writes its shard's updated device-dtype elements
 straight into it (the kernel writes the 16-bit copy in the same pass: no copy more), so nothing of the
 weights is gathered, on the host or on the device. ``shared=True`` (one node, several ranks) models it on
-every path above; per bucket, on the CPU lane, in place of the weights' half:
+every path above; per bucket, on the CPU lane, in place of the weights' half, nothing:
 
-* **host grads** (the first note): the check and the reduce-scatter, the shard's AdamW, then one check
-  all-gather of ``CHECK_BYTES`` per rank (``DataParallel._node_copy_ready``: every rank wrote its shard), at
-  ``gloo_all_gather_seconds`` on the gloo links; recorded as ``"copy_ready"``. No gloo all-gather of the
-  weights, no copies of it;
+* **host grads** (the first note): the check and the reduce-scatter, the shard's AdamW; no gloo all-gather
+  of the weights, no copies of it;
 * **device grads** (the device note): the reduce-scatter on the device and the shard's copy to the host as
-  there, the shard's AdamW, then the same check on the CPU lane; no shard copied to the device, no all-gather
-  on the device, no gathered copy back, and no gather buffers on the device (the plan's fixed bytes do not
-  hold ``weight_gather_bytes``: ``tools.baselines_dp.device_reduce_plan_inputs(..., shared=True)``; the grad
-  slots are still padded to their shards);
+  there, the shard's AdamW; no shard copied to the device, no all-gather on the device, no gathered copy
+  back, and no gather buffers on the device (the plan's fixed bytes do not hold ``weight_gather_bytes``:
+  ``tools.baselines_dp.device_reduce_plan_inputs(..., shared=True)``; the grad slots are still padded to
+  their shards);
 * **deferred** ([Note: the runtime's deferred data-parallel step], ``data_parallel_deferred.py``): in
-  ``step()``, per bucket, the shard taken from the averaged sum, its AdamW, then the check, in place of the
-  all-gather.
+  ``step()``, per bucket, the shard taken from the averaged sum and its AdamW, in place of the all-gather.
 
-The bucket's next host-to-device copy (a later one in this step, or the next step's) waits for its check, as
-it waited for the all-gather (``gathered_at``); ``step()``'s check is unchanged. With ranks on several nodes
-the runtime cannot share (each rank keeps its own copy: the paths above), and ``shared=True`` is refused.
-One rank shares nothing: ``N = 1`` is the single-GPU simulation whatever ``shared`` says (tested).
+Then ONE check that every rank wrote its shards ([Note: the shared copy checked once per backward] in
+``runtime/node_share.py``, ``DataParallel.check_copies``): a gloo all-gather of ``CHECK_BYTES`` per rank
+(``gloo_all_gather_seconds`` on the gloo links), on the main thread once the CPU lane drained, at the end of
+backward (the overlapped paths: at compute's end, before ``step()``'s checks) or after ``step()``'s updates
+(deferred: before its check); recorded as ``("copy_ready", -1, ...)``, the lane idle meanwhile. Every bucket
+updated is whole (``gathered_at``) when it ends, and the next step's copies come after it. A host-to-device
+copy in the same step of a bucket updated earlier in it forces the check of what is written so far when it
+is issued (recorded as ``("copy_ready", k, ...)``, ``k`` that copy) and waits for it, as it waited for the
+all-gather. Until 2026-11-27 the runtime checked each bucket on its own, on the CPU lane after its AdamW
+(one ``CHECK_BYTES`` all-gather per bucket; ``benchmarks/results/cpu-2026-11-27/scaling_sim_shared.json``
+was simulated so). With ranks on several nodes the runtime cannot share (each rank keeps its own copy: the
+paths above), and ``shared=True`` is refused. One rank shares nothing: ``N = 1`` is the single-GPU
+simulation whatever ``shared`` says (tested).
 
 Simplifications (stated), beyond the previous notes': the ranks' reads of the one copy by their
 host-to-device copies (``G`` GPUs reading the same pages) are not charged for host memory bandwidth, as the
-per-rank copies' were not; the check is the lane's only collective per bucket on the device path, its latency
-being all the weights' half costs there.
+per-rank copies' were not; the main thread's wait for the check holds no compute back in the model (on CUDA
+the host issues the next kernels after it; compute waits for the copies anyway).
 """
 
 from __future__ import annotations
@@ -184,7 +190,7 @@ class RuntimePathResult:
     world: int
     reduce_scatter_busy_s: float  # the CPU lane in reduce-scatters (gloo: all-reduces) and their copies
     all_gather_busy_s: float  # ... in all-gathers of the updated shards and their copies
-    check_busy_s: float  # ... in the check all-gathers (one per bucket, one in step())
+    check_busy_s: float  # ... in the check all-gathers (one per bucket's sum, the shared copy's, step()'s)
     reduce_scatter_bytes: int  # bytes of the grad buffers reduce-scattered, over the step
     all_gather_bytes: int  # bytes of the copies gathered, over the step
     node_host_copy_bytes: int  # host <-> device bytes of the node's G ranks together, over the step
@@ -202,8 +208,8 @@ class RuntimePathResult:
     grad_reduce: str = "host"
     device_reduce_busy_s: float = 0.0
     device_gather_busy_s: float = 0.0
-    # [Note: the runtime's shared host copy]: one copy per node, each bucket's check instead of a gather
-    # (check_busy_s counts those checks)
+    # [Note: the runtime's shared host copy]: one copy per node, one check of it instead of the gathers
+    # (check_busy_s counts it)
     shared: bool = False
     # [Note: resident weights gathered in their slots]: the collective lane in the resident buckets' refreshes
     refresh_gather_busy_s: float = 0.0
@@ -236,8 +242,9 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     runtime's device reduce-scatter]; recorded per grad copy as ``"device_reduce_scatter"``, the grads' shard
     copy ``"d2h"``, ``"adam"``, the weights' shard copy ``"h2d_shard"``, ``"device_all_gather"`` and the
     gathered copy back ``"d2h_gathered"``). ``shared``: the node's ranks share one host copy ([Note: the
-    runtime's shared host copy]): each bucket's check after its AdamW, recorded as ``"copy_ready"``, in place
-    of the weights' all-gather (gloo's, or the device's three pieces)."""
+    runtime's shared host copy]): no gather of the weights (gloo's, or the device's three pieces), one check of
+    the buckets written at the end of backward, recorded as ``("copy_ready", -1, ...)`` (or earlier, forced by
+    a copy ``k`` of one: ``("copy_ready", k, ...)``)."""
     _refuse_unmodelled(program)
     shared = shared_copy_on(shared, cluster)
     on_device = device is not None and cluster.world > 1
@@ -338,13 +345,33 @@ class _RuntimeLanes(Lanes):
         self.rs_s = [reduce_scatter_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
         self.ag_s = [all_gather_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
         self.gathered_at: dict[int, float] = {}  # bucket -> when its all-gather ended (its new copy is whole)
+        self.unchecked: list[int] = []  # shared: buckets written since the last check that they are whole
         self.rs_busy = self.ag_busy = self.check_busy = 0.0
         self.step_checks = 1  # step()'s checks after the lane drained (agree_replan's)
 
     def issue_h2d(self, k: int, now: float) -> None:
-        # a bucket updated earlier in this step is copied from its host copy once the all-gather made it whole
-        ready = self.gathered_at.get(self.program.h2d_bucket[k])
+        # a bucket updated earlier in this step is copied from its host copy once the all-gather made it whole,
+        # or (shared) once the check of what is written so far, which this read forces, said so
+        b = self.program.h2d_bucket[k]
+        if b in self.unchecked:
+            self.check_copies(now, k)
+        ready = self.gathered_at.get(b)
         super().issue_h2d(k, now if ready is None else max(now, ready))
+
+    def check_copies(self, now: float, at: int) -> float:
+        """[Note: the runtime's shared host copy]: the check that every rank wrote the buckets written since the
+        last one, on the main thread at ``now`` once the CPU lane drained; returns when it ends (the lane is
+        idle until then). Recorded as ``("copy_ready", at, ...)``: ``at`` the copy that forced it, -1 the end
+        of backward (or ``step()``'s updates)."""
+        start = max(now, self.cpu_free)
+        self.cpu_free = start + self.check_s
+        self.check_busy += self.check_s
+        for b in self.unchecked:
+            self.gathered_at[b] = self.cpu_free
+        self.unchecked = []
+        if self.record is not None:
+            self.record.append(("copy_ready", at, start, self.cpu_free))
+        return self.cpu_free
 
     def issue_d2h(self, k: int, now: float) -> None:
         record = self.record
@@ -353,27 +380,34 @@ class _RuntimeLanes(Lanes):
         if self.world == 1:  # no collective: the single-GPU step
             return
         # The CPU lane is one thread: where the AdamW started, the check and the reduce-scatter run first,
-        # then the AdamW, then the all-gather (or, with a shared copy, its check); the lane is free again only
-        # after it.
+        # then the AdamW, then the all-gather (with a shared copy nothing: checked with the others, later); the
+        # lane is free again only after it.
         adam = self.cpu.adam_seconds(self.adam_numel[k])
         start = self.cpu_free - adam
-        before, after = self.check_s + self.rs_s[k], self.check_s if self.shared else self.ag_s[k]
+        before, after = self.check_s + self.rs_s[k], 0.0 if self.shared else self.ag_s[k]
         self.cpu_free += before + after
-        self.check_busy += self.check_s + (after if self.shared else 0.0)
+        self.check_busy += self.check_s
         self.rs_busy += self.rs_s[k]
-        self.ag_busy += 0.0 if self.shared else after
-        self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
+        self.ag_busy += after
+        if self.shared:
+            self.unchecked.append(self.program.d2h_bucket[k])
+        else:
+            self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
         if record is not None:
             mine = [x for x in record[mark:] if x[0] == "adam" and x[1] == k]
             for x in mine:
                 record.remove(x)
             record.extend([("reduce_scatter", k, start, start + before),
-                           ("adam", k, start + before, start + before + adam),
-                           ("copy_ready" if self.shared else "all_gather", k, self.cpu_free - after, self.cpu_free)])
+                           ("adam", k, start + before, start + before + adam)])
+            if not self.shared:
+                record.append(("all_gather", k, self.cpu_free - after, self.cpu_free))
 
     def step_end(self, compute_end: float) -> float:
         """When the step ends (call once, after :meth:`run`): every lane idle and, with several ranks,
-        ``step()``'s check after the CPU lane drained (every rank joins it: ``DataParallel.agree_replan``)."""
+        ``step()``'s check after the CPU lane drained (every rank joins it: ``DataParallel.agree_replan``),
+        after the end of backward's check of the shared copy, if any."""
+        if self.unchecked:  # the end of backward (the main thread waits for it, then calls step())
+            compute_end = self.check_copies(compute_end, -1)
         end = self.idle_at(compute_end)
         if self.world == 1:
             return end
@@ -449,12 +483,8 @@ class _DeviceReduceLanes(_RuntimeLanes):
         if self.record is not None:
             self.record.extend([("device_reduce_scatter", k, rs_start, self.coll_free),
                                 ("d2h", k, start, self.d2h_free), ("adam", k, begin, self.cpu_free)])
-        if self.shared:  # [Note: the runtime's shared host copy]: written in place; the check says it is whole
-            if self.record is not None:
-                self.record.append(("copy_ready", k, self.cpu_free, self.cpu_free + self.check_s))
-            self.cpu_free += self.check_s
-            self.check_busy += self.check_s
-            self.gathered_at[self.program.d2h_bucket[k]] = self.cpu_free
+        if self.shared:  # [Note: the runtime's shared host copy]: written in place, checked whole later
+            self.unchecked.append(self.program.d2h_bucket[k])
             return
         self.pending.append((k, self.cpu_free))
         self.pending_of[self.program.d2h_bucket[k]] = self.cpu_free

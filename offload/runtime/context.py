@@ -125,5 +125,8 @@ def _new_stats() -> dict[str, int]:
             "gather_h2d_bytes": 0, "gather_d2h_bytes": 0,
             # issue 20, [Note: resident weights gathered in their slots]: resident buckets refreshed after step()
             # from the node's ranks (their chunk copied, all-gathered in the slot; h2d_bytes counts the chunks)
-            "refresh_gathers": 0}
+            "refresh_gathers": 0,
+            # issue 20, [Note: the shared copy checked once per backward]: checks that the node's shared copy is
+            # whole (one per backward or step() that updated), and those of them a read inside a backward forced
+            "copy_checks": 0, "copy_checks_early": 0}
 

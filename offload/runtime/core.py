@@ -454,6 +454,7 @@ class Runtime:
                 executor.release_all()
             self.slots.reclaim()
             self.grads.release_held()  # issue 18: the first step's overlapped updates, now that its plan fits
+            self.slots.check_shared_copies()  # issue 20: [Note: the shared copy checked once per backward]
         self.grads.backward_done()
         ctx.phases.enter(Pass.IDLE)
         executor.rewind()
@@ -499,7 +500,8 @@ class Runtime:
             self.guard.snapshot()
             updated = self.grads.run_step()
             if ctx.dp is not None:  # issue 20: every rank re-plans, or none ([Note: re-plans agreed])
-                executor.stale = ctx.dp.agree_replan(executor.stale)
+                self.slots.check_shared_copies()  # deferred updates: [Note: the shared copy checked once per
+                executor.stale = ctx.dp.agree_replan(executor.stale)  # backward] (node_share.py)
             with torch.no_grad():
                 executor.after_step(updated, self.recompute)
             ctx.lane_log.step_done(executor.recorder, ctx.memory)
@@ -521,6 +523,7 @@ class Runtime:
         """Every update is done and the host holds its result (for a reader of the host arena)."""
         try:
             self.grads.device.flush_postponed()  # issue 18: first updates waiting for the device run on the host
+            self.slots.check_shared_copies(early=True)  # issue 20: a read inside the backward that updated
             self.ctx.cpu.drain()
             if self.ctx.dp is not None:  # issue 20: the weights' copies back from their gather on the device
                 self.ctx.dp.settle()

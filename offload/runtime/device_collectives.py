@@ -93,17 +93,18 @@ whole from the host, that is the whole model over every GPU's PCIe link each ste
 rule at 11 of 80 configurations for that reason: the whole-bucket copies sit between the last AdamW and the
 next forward). With grads reduced on the device, each such bucket comes up from the node's ranks instead:
 
-    host copy (whole: the bucket's update event, which the copies wait for, says so) ─► this rank's chunk
+    host copy (whole: see below) ─► this rank's chunk
     ``[i c, (i + 1) c)`` to the device, into the bucket's own slot, plus the tail ``[G c, n)``
     ─► all-gather of ``[0, G c)`` in place in the slot over the node's ``G`` ranks (``i``: this rank's
        index among them; ``c``: ``n // G`` elements rounded down to :data:`REFRESH_ALIGN`)
 
 Compute waits for the all-gather (it is the bucket's ``h2d_event``), which waits for both copies. Each rank
-reads only its own *whole* host copy (the node's shared one, whole once every rank's check said so; or its
-own, whole once its gather's copy back landed), so the chunks need not be the AdamW's shards, frozen tails
-and padding need nothing special, and every other reader of the host copy is unchanged. Over the node's
-ranks only: across nodes every rank already holds the whole bucket on its host (per-rank copies, gathered
-during backward), so the inter-node links carry nothing more; on one node the node is the group.
+reads only its own *whole* host copy (the node's shared one, whole since the check at the end of backward
+or of step()'s updates; or its own, whole once its gather's copy back landed), so the chunks need not be the
+AdamW's shards, frozen tails and padding need nothing special, and every other reader of the host copy is
+unchanged. Over the node's ranks only: across nodes every rank already holds the whole bucket on its host
+(per-rank copies, gathered during backward), so the inter-node links carry nothing more; on one node the
+node is the group.
 
 *Agreement.* Collectives pair by order, so every rank must gather the same buckets in the same order. The
 buckets are those updated (the same on every rank) that this rank holds on the device, and each rank plans

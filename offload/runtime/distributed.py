@@ -25,13 +25,14 @@ all ranks ([Note: no_sync], :meth:`DataParallel.reduce_pending`).
 [Note: collectives on one thread]
 gloo and NCCL match collectives by the order each rank issues them. Every collective of a step is issued by
 the one CPU-lane thread, in submission order; those of the main thread (the norms' all-reduce, the gathers
-that read values other ranks own) are issued only after the lane drained. With grads reduced on the device the
-main thread issues collectives during backward too (the checks and the slots' reduce-scatters): on a group of
-their own, ``self.tag_group``, where every check then pairs ([Note: grads reduced on the device] in
-device_collectives.py); the lane's all-gathers then run on the device, on a third group of their own. A collective that fails (a peer
-raised, hung past the group's timeout, or died) raises :class:`DistributedError` naming this rank, and the
-engine refuses to go on: its ranks are no longer in step, and a later collective could pair with the wrong
-one on another rank. So does a rank whose backward raised after a collective was issued.
+that read values other ranks own, the shared copy's checks) are issued only after the lane drained. With
+grads reduced on the device the main thread issues collectives during backward too (the checks and the
+slots' reduce-scatters): on a group of their own, ``self.tag_group``, where every check then pairs ([Note:
+grads reduced on the device] in device_collectives.py); the lane's all-gathers then run on the device, on a
+third group of their own. A collective that fails (a peer raised, hung past the group's timeout, or died)
+raises :class:`DistributedError` naming this rank, and the engine refuses to go on: its ranks are no longer
+in step, and a later collective could pair with the wrong one on another rank. So does a rank whose backward
+raised after a collective was issued.
 
 [Note: averaged p.grad]
 DDP users expect ``p.grad`` after backward to be the average over the ranks (``clip_grad_norm_`` on
@@ -151,11 +152,11 @@ class DataParallel:
         # each bucket's latest gather (the host copy is whole after it)
         self.weights: WeightGather | None = None
         self._gathered: dict[int, Deferred] = {}
-        # [Note: one host copy per node]: OffloadConfig.share_host_copy; the shared copy once made; the CPU lane's
-        # checks that a bucket's shared copy is whole (counted by the lane's thread only)
+        # [Note: one host copy per node]: OffloadConfig.share_host_copy; the shared copy; the buckets written since
+        # the last check that it is whole (an ordered set: [Note: the shared copy checked once per backward])
         self.share = share
         self.node_copy: NodeCopy | None = None
-        self._ready = 0
+        self.unchecked: dict[int, None] = {}
 
     @classmethod
     def resolve(cls, process_group: Any, lane: Lane, device: torch.device | None = None,
@@ -203,24 +204,31 @@ class DataParallel:
     def copy_written(self) -> None:
         """The main thread wrote this rank's part of the node's copy (the first masters, ``load_state_dict``, a
         write to ``p.data``): every rank's must be in before any reads it. A check every rank joins."""
-        if self.node_copy is None:
-            return
-        self.check_usable()
-        self.lane.drain()
-        tag = torch.tensor([_COPY_WRITTEN, 0, 0, self._reduces], dtype=torch.int64)
-        self._require_same(tag, "check that every rank wrote its part of the node's copy of the weights",
-                           "ranks wrote the weights apart", "ranks wrote the node's copy of the weights at different "
-                           "points ((kind, -, -, checks so far)", "and write parameters on every rank alike")
+        if self.node_copy is not None:
+            self.check_usable()
+            self._written_whole(_COPY_WRITTEN, ())
 
-    def _node_copy_ready(self, b: int) -> None:
-        """On the CPU lane, this rank's shard of bucket ``b`` updated: once every rank's is, the node's copy
-        of ``b`` is whole ([Note: one host copy per node])."""
-        tag = torch.tensor([_COPY_READY, b, 0, self._ready], dtype=torch.int64)
-        self._ready += 1
-        self._require_same(tag, f"check that bucket {b}'s shared copy is whole", "ranks updated different buckets",
-                           "the ranks updated different buckets ((kind, bucket, -, updates so far)",
-                           "so that the same parameters get grads in the same order",
-                           group=self.group if self.device is None else self.device.weights)
+    def check_copies(self) -> int:
+        """[Note: the shared copy checked once per backward] (node_share.py): the buckets written since the last
+        check, checked whole once this rank's lane drained; how many (0 also once out of step). Collective."""
+        buckets, self.unchecked = tuple(self.unchecked), {}
+        if not buckets or self.failed is not None or self.error is not None:
+            return 0
+        self._written_whole(_COPY_READY, buckets)
+        return len(buckets)
+
+    def _written_whole(self, kind: int, buckets: tuple[int, ...]) -> None:
+        try:
+            self.lane.drain()  # this rank's writes are done
+        except OffloadError as e:
+            self.raise_failure(e)
+            raise
+        tag = torch.tensor([kind, len(buckets), zlib.crc32(",".join(map(str, buckets)).encode()), self._reduces],
+                           dtype=torch.int64)
+        self._require_same(tag, "check that every rank wrote its part of the node's copy of the weights", "ranks wrote "
+                           "the weights apart", "the ranks reached the check that the node's copy of the weights is "
+                           "whole at different points ((kind, buckets, their checksum, checks so far)", "update the "
+                           "same parameters in the same order and write parameters on every rank alike")
 
     def settle(self) -> None:
         """The CPU lane drained: block until the host copy is whole (the weights' copies back are done)."""
@@ -279,8 +287,9 @@ class DataParallel:
         updated = self.lane.submit(update, [reduce, *waits, *([last] if last is not None else [])],
                                    f"AdamW of bucket {b}'s shard")
         weights = self.weights
-        if host.node_copy is not None:  # [Note: one host copy per node]: written in place, nothing to gather
-            return self.lane.submit(lambda: self._node_copy_ready(b), [updated], f"bucket {b}'s copy whole")
+        if host.node_copy is not None:  # [Note: one host copy per node]: written in place, nothing to gather,
+            self.unchecked[b] = None  # checked whole later ([Note: the shared copy checked once per backward])
+            return updated
         if weights is None:
             return self.lane.submit(lambda: self._gather_copy(host, b), [updated], f"all-gather of bucket {b}")
         out: list[Event] = []
@@ -315,14 +324,12 @@ class DataParallel:
                            "the ranks are about to sum different buckets' grads ((bucket, reduce-scatters so far)",
                            "so that the same parameters get grads in the same order")
 
-    def _check(self, tag: torch.Tensor, what: str, group: Any = None) -> torch.Tensor:
+    def _check(self, tag: torch.Tensor, what: str) -> torch.Tensor:
         """All-gather every rank's ``tag`` (the checks before a sum: [Note: a fault named]); raise naming the
-        ranks that sent a fault instead. ``group``: another group than the checks' (the CPU lane's on the
-        device path: then it is not counted in ``_reduces``, the main thread's count)."""
+        ranks that sent a fault instead."""
         tags = tag.new_empty(_TAG * self.world)
-        self._call(what, _all_gather, tags, tag, group=self.tag_group if group is None else group)
-        if group is None or group is self.tag_group:
-            self._reduces += 1
+        self._call(what, _all_gather, tags, tag, group=self.tag_group)
+        self._reduces += 1
         others = tags.view(self.world, _TAG)
         alone = [r for r in range(self.world) if int(others[r, 0]) == _JOIN]
         if alone:
@@ -435,10 +442,9 @@ class DataParallel:
                            "the ranks' backward passes reached different parameters ((buckets, checksum, "
                            "collectives so far)", "so that the same parameters get grads")
 
-    def _require_same(self, tag: torch.Tensor, what: str, failed: str, differ: str, why: str,
-                      group: Any = None) -> None:
+    def _require_same(self, tag: torch.Tensor, what: str, failed: str, differ: str, why: str) -> None:
         """All-gather ``tag`` (:meth:`_check`); where the ranks' tags differ, this rank is out of step: raise."""
-        others = self._check(tag, what, group)
+        others = self._check(tag, what)
         if not bool((others == tag).all()):
             self.failed = f"{failed} ({others.tolist()})"
             raise DistributedError(f"rank {self.rank} of {self.world}: {differ} per rank: {others.tolist()}): "

@@ -1,7 +1,39 @@
 """Set-up and fault naming for data parallel (issue 20), apart from ``distributed.py``'s collectives: the
 node's one shared host copy made and mapped by every rank ([Note: one host copy per node] in
-host/node_copy.py), and the group store's roll call that names a rank that died or hangs ([Note: a fault
-named] in distributed.py)."""
+host/node_copy.py) and when it is checked whole ([Note: the shared copy checked once per backward];
+``DataParallel.check_copies``), and the group store's roll call that names a rank that died or hangs ([Note:
+a fault named] in distributed.py).
+
+[Note: the shared copy checked once per backward]
+A bucket's shared copy is whole once every rank has written its shard of it, and only a collective can say
+so. That check was one small all-gather per bucket on the CPU lane, after the bucket's AdamW: ~145 a step
+for gpt2-xl in 32 MiB buckets, each a gloo ring's latency (31 ms a step at 8 ranks on the nominal preset) on
+the lane that bounds the step (up to 5 % of it in the model, benchmarks/scaling.py). Nothing
+reads a bucket's copy between its update and the end of the backward that updated it (overlapped updates)
+or the end of ``step()``'s updates (deferred ones), but in one case (below), so one check of every bucket
+written since the last one is enough there:
+
+* **When.** At the end of a backward (``Runtime._end_backward``, after its last update was submitted) and in
+  ``step()`` after its updates, before the re-plan's agreement. Every rank reaches both with the same
+  buckets written in the same order (the grads' order, checked before each reduce-scatter), so the checks
+  pair one to one; the tag carries the number of buckets and a CRC-32 of their list (and the checks so far,
+  as every check's), and ranks that differ raise.
+* **How it orders the reads.** The check runs on the main thread once this rank's CPU lane drained (its own
+  writes are done), on the checks' group ([Note: collectives on one thread]: where a faulty rank's tag is
+  sent, so a rank that raised mid-backward is named there, never waited for), and returns once every rank's
+  has: every later read of the copy (a host-to-device copy, a read of ``p``) is issued after it. Blocking the
+  main thread at the end of backward costs a usual step nothing (``step()`` would drain the lane there); what
+  a user runs between ``backward()`` and ``step()`` no longer overlaps the last updates.
+* **The one case.** A bucket read again inside the backward that updated it (a weight that a later node of
+  that backward reads without sending it a grad, ``x @ w.detach()``, streamed on this rank), or a read of
+  ``p`` there (``Runtime.wait_for_updates``): the check of what is written so far runs at once, before the
+  read (counted in ``copy_checks_early``). Every rank reaches that point only where every rank reads there
+  (the same plan); ranks whose plans differ there (other budgets) send different tags and raise, loudly,
+  never with a wrong number: a limit, stated.
+* **Writes.** A rank writes its shard of ``b`` only after the reduce-scatter (or all-reduce) of ``b``'s
+  grads, which every rank joins after its backward read ``b``, so a write never overlaps another rank's read
+  ([Note: one host copy per node]); batching the checks changes nothing there.
+"""
 
 from __future__ import annotations
 

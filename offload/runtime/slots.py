@@ -108,6 +108,15 @@ class SlotTable:
     def items(self) -> Iterator[tuple[int, Slot]]:
         return iter(list(self.slot.items()))
 
+    def check_shared_copies(self, early: bool = False) -> None:
+        """Issue 20: every rank wrote its shard of the node's shared copy of the buckets updated since the last
+        check, checked once this rank's CPU lane drained; nothing reads them before ([Note: the shared copy
+        checked once per backward] in runtime/node_share.py). ``early``: a read inside a backward forced it."""
+        dp = self.ctx.dp
+        if dp is not None and dp.check_copies():
+            self.ctx.stats["copy_checks"] += 1
+            self.ctx.stats["copy_checks_early"] += int(early)
+
     # -- transitions --------------------------------------------------------------------------------------
 
     def set_state(self, b: int, new: Residency) -> None:
@@ -123,6 +132,9 @@ class SlotTable:
         ctx = self.ctx
         n = self.buckets[b].numel
         dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
+        dp = ctx.dp
+        if dp is not None and b in dp.unchecked:  # issue 20: a read in the backward
+            self.check_shared_copies(early=True)  # that updated it: [Note: the shared copy checked once per backward]
         waits = [w for w in (*waits, self.adam_event.get(b)) if w is not None]
         fresh = b not in self.slot
         self.set_state(b, Residency.IN_FLIGHT)

@@ -21,7 +21,7 @@ against DeepSpeed ZeRO-Offload's data-parallel rule on the same trace, buckets, 
   gather buffers out of the budget); without it, whole buckets are copied and reduce-scattered by gloo (the
   CPU backend's path). ``shared``: the node's ranks share one host copy of the weights, as the runtime does
   by default on one node ([Note: the runtime's shared host copy]: each rank writes its updated shard into
-  it, a small check per bucket, no all-gather of the weights and no gather buffers on the device).
+  it, one small check per backward, no all-gather of the weights and no gather buffers on the device).
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   (``weight_gather_bytes_per_rank``) out of the budget, so its ``device_peak_bytes_per_rank`` includes both
   (not the report's single-GPU ``plan``). Where the node's ranks share one host copy (``host_copy: "shared"``,
   the default on one node, ``--share-host-copy``; [Note: the runtime's shared host copy]) nothing of the
-  weights is gathered: each rank's AdamW writes its shard into the node's copy and a small check per bucket
-  on the CPU lane says it is whole; no gather buffers (``weight_gather_bytes_per_rank`` 0), the grad slots
+  weights is gathered: each rank's AdamW writes its shard into the node's copy and one small check per
+  backward says it is whole; no gather buffers (``weight_gather_bytes_per_rank`` 0), the grad slots
   still padded; across nodes each rank keeps its own copy (``host_copy: "per rank"``). gloo, on its nominal
   presets (``collectives.GLOO_INTRA``, and over ``--inter``'s NICs ``GLOO_INTER_OF``), runs the checks there
-  (``step()``'s, and with a shared copy one per bucket). ``--grad-reduce host`` (the
+  (``step()``'s, and with a shared copy one per backward). ``--grad-reduce host`` (the
   engine's ``grad_reduce="host"``, and what the CPU backend runs by default) costs the report's single-GPU
   plan, the whole buckets' grads copied to the host, reduce-scattered there by gloo and the updated shards
   all-gathered by gloo (a check instead where shared), on the CPU lane, instead. float16 defers
@@ -66,7 +66,7 @@ DEFERRED_FP16 = ("float16 defers every update to step() (loss scaling): the defe
                  "(its end all-reduces every bucket's grads over the ranks; step() updates each rank's shard and "
                  "{weights})")
 # what step() does with the updated 16-bit shards, per host copy ([Note: the runtime's shared host copy])
-WEIGHTS_BACK = {"shared": "writes it into the node's shared 16-bit copy (a check per bucket, no all-gather)",
+WEIGHTS_BACK = {"shared": "writes it into the node's shared 16-bit copy (a check per backward, no all-gather)",
                 "per rank": "all-gathers the 16-bit copy"}
 DESIGN_ONE_BACKWARD = ("the design path and ZeRO-Offload's data-parallel rule are modelled for one backward per "
                        "step only: no figure with --micro-batches above 1")
@@ -151,11 +151,11 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inte
         "runs": "runtime: the flat keys are the path the engine runs with grad_reduce (the key; by default on "
                 "CUDA, overlapped: grads reduce-scattered on the device, a shard to the host; deferred: every "
                 "collective on the host) and host_copy (the key; by default shared on one node: each rank writes "
-                "its updated shard into the node's one copy, a check per bucket, no all-gather of the weights; "
+                "its updated shard into the node's one copy, a check per backward, no all-gather of the weights; "
                 "per rank: the updated shards all-gathered, on the device with grad_reduce device, else by gloo); "
                 "*_design keys are issue 20's design (weights gathered on the device at each fetch), which does "
                 "not run",
-        # [Note: the runtime's shared host copy]: "shared" (one copy per node, a check per bucket instead of
+        # [Note: the runtime's shared host copy]: "shared" (one copy per node, a check per backward instead of
         # any all-gather of the weights) or "per rank" (each rank's own copy, all-gathered)
         "host_copy": "shared" if shared else "per rank",
         "host_bytes_per_rank": per_rank, "host_bytes_per_node": cluster.gpus_per_node * per_rank + node_copy,
@@ -274,7 +274,7 @@ def render_data_parallel(dp: dict, console: Console) -> None:
               (f"none / {reduce:.3f} s" if reduce is not None else "-") if shared
               else _pair(dp["device_gather_busy_s"], reduce) if on_device else _pair(dp["all_gather_busy_s"], reduce),
               _pair(dp["all_gather_busy_s_design"], dp["reduce_scatter_busy_s_design"]))
-    if dp["check_busy_s"] is not None:  # with a shared copy, one per bucket on the CPU lane
+    if dp["check_busy_s"] is not None:  # with a shared copy, one more per backward
         t.add_row("checks busy (gloo, CPU lane)", f"{dp['check_busy_s']:.4f} s", "")
     if dp["runtime_path"] == "deferred" and dp["all_reduce_busy_s"] is not None:
         t.add_row("all-reduce busy (every synced backward)" if k > 1 else "all-reduce per backward busy",

@@ -78,6 +78,14 @@ def _assert_report_host_bytes(results: list[dict], dtype: str, grad_reduce: str 
     assert dp["host_bytes_per_node"] == sum(r["host_bytes"] for r in results) + shared
 
 
+def _assert_copy_checks(r: dict, steps: int) -> None:
+    """[Note: the shared copy checked once per backward] (runtime/node_share.py): with the node's shared copy,
+    one check per step that updated (at the end of its backward, or in step()), none forced by a read; none
+    without it."""
+    c = r["counters"]
+    assert (c["copy_checks"], c["copy_checks_early"]) == ((steps if r["host_shared_bytes"] else 0), 0), c
+
+
 def _assert_weights(got: dict, want: dict, atol: float = 0.0) -> None:
     assert got.keys() == want.keys()
     for k in want:
@@ -126,6 +134,7 @@ def test_two_ranks_equal_one_process(tmp_path):
         _assert_weights(r["after_close"], exact["weights"])  # close() gives every rank the whole fp32 model
         _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
         _assert_host_bytes(r, case.world, accumulate=False)
+        _assert_copy_checks(r, case.steps)
     _assert_report_host_bytes(results, "fp32")
     # the ranks' shards of masters, m and v, gathered into one file: torch's AdamW state, bit for bit
     ck = _assert_checkpoint(case.save, exact["weights"], exact["optimizer"])
@@ -324,6 +333,7 @@ def test_torch_clip_grad_norm_on_p_grad_sees_the_average_over_ranks(tmp_path):
         _assert_weights(r["weights"], results[0]["weights"])
         _assert_weights(r["weights"], exact["weights"], 1e-6)
         _assert_weights(r["weights"], concat["weights"], CONCAT_ATOL)
+        _assert_copy_checks(r, case.steps)  # deferred: one in each step()
 
 
 @pytest.mark.parametrize("others_sleep_s", [0.0, pytest.param(6.0, marks=pytest.mark.slow)])
@@ -520,6 +530,7 @@ def test_a_forward_between_backward_and_step_sees_every_ranks_update(tmp_path, s
     for r in results:
         _assert_weights(r["weights"], exact["weights"])
         assert (r["host_shared_bytes"] > 0) == shared
+        _assert_copy_checks(r, case.steps)  # at each backward's end: the forward before step() waited for it
 
 
 @pytest.mark.slow  # ~10-22 s on 2 cores (three spawned runs)

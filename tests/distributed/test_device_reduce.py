@@ -40,9 +40,10 @@ def _assert_device_path(r: dict, case: Case, itemsize: int, budget: int) -> None
         assert r["host_shared_bytes"] == 0
         assert r["counters"]["gather_h2d_bytes"] == case.steps * own, (r["counters"], own)
         assert r["counters"]["gather_d2h_bytes"] == case.steps * whole, (r["counters"], whole)
-    else:  # [Note: one host copy per node]: written in place by the owners, nothing gathered
-        assert r["host_shared_bytes"] > 0
+    else:  # [Note: one host copy per node]: written in place by the owners, nothing gathered; checked whole once
+        assert r["host_shared_bytes"] > 0  # per backward ([Note: the shared copy checked once per backward])
         assert r["counters"]["gather_h2d_bytes"] == r["counters"]["gather_d2h_bytes"] == 0
+        assert (r["counters"]["copy_checks"], r["counters"]["copy_checks_early"]) == (case.steps, 0), r["counters"]
     assert shards <= whole / case.world + 16 * itemsize * len(r["buckets"])  # 1/N, up to the shard alignment
     # [Note: resident weights gathered in their slots]: every step after the first that does not plan again
     # brings each resident bucket's new weights up as this rank's chunk, all-gathered in the slot over the node
@@ -113,14 +114,16 @@ def test_bfloat16_reduced_on_the_device_is_the_host_path_bit_for_bit(tmp_path):
 
 
 def test_ranks_whose_grads_complete_other_buckets_fail_naming_the_mismatch(tmp_path):
-    """Rank 1's second backward stops above the lower layers: its main thread goes on to step() while rank 0
-    checks its next bucket on the device group. Both raise at once (not after the 30 s timeout: the test's is
-    25 s), rank 0 naming the buckets per rank: never a sum of different buckets, never a hang."""
+    """Rank 1's second backward stops above the lower layers: at its end its main thread checks the node's
+    shared copy ([Note: the shared copy checked once per backward]) while rank 0 checks its next bucket on the
+    device group. Both raise at once (not after the 30 s timeout: the test's is 25 s), naming the tags per
+    rank: never a sum of different buckets, never a hang."""
     case = Case(world=2, branch_rank=1, extra=DEVICE)
     results = run_ranks(case, tmp_path, timeout_s=25.0)
     assert not any(r.get("hung") for r in results), results
     assert "DistributedError: rank 0 of 2: the ranks are about to sum different buckets' grads" in results[0]["error"]
-    assert "DistributedError: rank 1 of 2: at step() the ranks are at different collectives" in results[1]["error"]
+    assert ("DistributedError: rank 1 of 2: the ranks reached the check that the node's copy of the weights is whole "
+            "at different points") in results[1]["error"], results[1]
 
 
 def test_a_rank_raising_in_backward_is_named_on_the_device_group(tmp_path):

@@ -27,7 +27,7 @@ def test_scaling_cpu_smoke(tmp_path):
         assert r["predicted_step_s"] > 0 and r["buckets"] >= 1
         assert r["relative_error"] == pytest.approx((r["predicted_step_s"] - r["median_step_s"]) / r["median_step_s"])
     assert one["predicted_all_gather_s"] == 0  # one rank: no collective
-    # two ranks on one host share one host copy by default: simulated so, a check per bucket and no all-gather
+    # two ranks on one host share one host copy by default: simulated so, one check of it and no all-gather
     assert (one["host_copy"], two["host_copy"]) == ("per rank", "shared") and two["host_shared_bytes"] > 0
     assert two["simulated_host_copy"] == "shared" and two["predicted_all_gather_s"] == 0
     assert two["predicted_check_s"] > 0

@@ -1,9 +1,10 @@
 """The runtime's data-parallel paths with one host copy per node, as a cost model
 (offload/planning/data_parallel_runtime.py, [Note: the runtime's shared host copy]): per bucket the CPU lane
-runs the shard's AdamW then one small check instead of any all-gather of the weights (gloo's on the host
-path, the device's three pieces on the device path, gloo's in step() on the deferred path), a bucket's next
-host-to-device copy waits for that check, worked out by hand on each path; one rank is still the single-GPU
-simulation bit for bit; several nodes are refused."""
+runs the shard's AdamW and no gather of the weights (gloo's on the host path, the device's three pieces on
+the device path, gloo's in step() on the deferred path); one small check of every bucket written follows at
+the end of backward (or of step()'s updates), or earlier where a copy reads a bucket updated in the same
+step, and a bucket's next host-to-device copy waits for it, worked out by hand on each path; one rank is
+still the single-GPU simulation bit for bit; several nodes are refused."""
 
 import dataclasses
 
@@ -45,35 +46,38 @@ def _cpu_lane(record):
 # -- host grads -----------------------------------------------------------------------------------------------
 
 
-def test_host_path_runs_a_check_instead_of_the_all_gather():
+def test_host_path_runs_one_check_instead_of_the_all_gathers():
     record: list = []
     got = simulate_runtime_path(TWO_BUCKETS, HW, TWO, record, shared=True)
     landed = _span(record, "d2h")[1]  # the first bucket's grads on the host (1 s of copy)
-    per_bucket = CHECK + RS + ADAM + CHECK  # the bucket check and reduce-scatter, AdamW, the copy's check
-    assert got.step_s == pytest.approx(landed + 2 * per_bucket + CHECK)  # then step()'s check
+    per_bucket = CHECK + RS + ADAM  # the bucket check and reduce-scatter, AdamW; the copy checked later
+    # the end of backward's check of both buckets' copies, then step()'s
+    assert got.step_s == pytest.approx(landed + 2 * per_bucket + 2 * CHECK)
     cpu = _cpu_lane(record)
-    assert [r[0] for r in cpu] == ["reduce_scatter", "adam", "copy_ready"] * 2 + ["check"]
+    assert [r[0] for r in cpu] == ["reduce_scatter", "adam"] * 2 + ["copy_ready", "check"]
     for a, b in zip(cpu, cpu[1:]):  # back to back, never two at once
         assert b[2] == pytest.approx(a[3])
-    assert _span(record, "copy_ready") == pytest.approx((landed + CHECK + RS + ADAM, landed + per_bucket))
+    assert _span(record, "copy_ready", -1) == pytest.approx((landed + 2 * per_bucket, landed + 2 * per_bucket + CHECK))
     assert (got.all_gather_busy_s, got.all_gather_bytes) == (0.0, 0)  # no gather of the weights at all
-    assert got.check_busy_s == pytest.approx(5 * CHECK)  # two per bucket and step()'s
+    assert got.check_busy_s == pytest.approx(4 * CHECK)  # one per bucket's sum, the copies' one and step()'s
     assert (got.shared, got.host_copy) == (True, "shared")
     per_rank = simulate_runtime_path(TWO_BUCKETS, HW, TWO)
     assert (per_rank.shared, per_rank.host_copy) == (False, "per rank")
-    assert per_rank.step_s - got.step_s == pytest.approx(2 * (AG - CHECK))
+    assert per_rank.step_s - got.step_s == pytest.approx(2 * AG - CHECK)
 
 
-def test_host_path_next_copy_waits_for_the_check():
+def test_host_path_copy_in_the_same_step_forces_the_check_and_waits_for_it():
     record: list = []
     got = simulate_runtime_path(REFETCH, HW, TWO, record, shared=True)
-    ready = _span(record, "copy_ready")[1]
+    ready = _span(record, "copy_ready", 0)[1]  # forced by copy 0, issued at 1 s: once the lane drained
     assert ready == pytest.approx(1.0 + CHECK + RS + ADAM + CHECK)  # the grads landed at 1 s
-    assert _span(record, "h2d")[0] == pytest.approx(ready)  # issued at 1 s, started once every rank wrote
+    assert _span(record, "h2d")[0] == pytest.approx(ready)  # started once every rank wrote
     assert got.sim.stall_s == pytest.approx(ready + 1.0 - 2.0)  # event 2 waits for the copy (1 s)
-    record = []  # another bucket's copy waits for nothing
+    assert [r[1] for r in record if r[0] == "copy_ready"] == [0]  # nothing left for the end of backward
+    record = []  # another bucket's copy waits for nothing, and the check comes at the end of backward
     simulate_runtime_path(dataclasses.replace(REFETCH, h2d_bucket=(1,)), HW, TWO, record, shared=True)
     assert _span(record, "h2d")[0] == pytest.approx(1.0)
+    assert [r[1] for r in record if r[0] == "copy_ready"] == [-1]
 
 
 # -- device grads ---------------------------------------------------------------------------------------------
@@ -82,43 +86,42 @@ DEV_RS = 0.25 + 0.5 * 1000 / 2000  # a ring reduce-scatter of 1000 B over 2 GPUs
 SHARD_D2H = 500 / 1000  # the rank's 500-byte shard over the 1000 B/s link
 
 
-def test_device_path_gathers_nothing_and_checks_on_the_cpu_lane():
+def test_device_path_gathers_nothing_and_checks_once():
     """Two buckets of 1000 grad bytes final at 1 s and 2 s: reduce-scattered on the device, the shard copied
-    down, its AdamW, then the check on the CPU lane; nothing goes back to the device, nothing is gathered."""
+    down, its AdamW; nothing goes back to the device, nothing is gathered; one check of both copies at the
+    end of backward, once the lane drained."""
     record: list = []
     got = simulate_runtime_path(TWO_BUCKETS, HW, TWO, record, device=NV, shared=True)
     approx = pytest.approx
     assert (DEV_RS, SHARD_D2H, ADAM) == (0.5, 0.5, 0.5)
-    spans = {lane: [_span(record, lane, k) for k in (0, 1)]
-             for lane in ("device_reduce_scatter", "d2h", "adam", "copy_ready")}
+    spans = {lane: [_span(record, lane, k) for k in (0, 1)] for lane in ("device_reduce_scatter", "d2h", "adam")}
     assert spans == {
         "device_reduce_scatter": [approx((1.0, 1.5)), approx((2.0, 2.5))],
         "d2h": [approx((1.5, 2.0)), approx((2.5, 3.0))],
-        # the second shard landed at 3 s, but the lane runs the first check until 2.5 + CHECK
-        "adam": [approx((2.0, 2.5)), approx((2.5 + CHECK, 3.0 + CHECK))],
-        "copy_ready": [approx((2.5, 2.5 + CHECK)), approx((3.0 + CHECK, 3.0 + 2 * CHECK))],  # after each AdamW
+        "adam": [approx((2.0, 2.5)), approx((3.0, 3.5))],  # the second shard landed at 3 s
     }
+    assert _span(record, "copy_ready", -1) == approx((3.5, 3.5 + CHECK))  # after the last AdamW
     assert not [r for r in record if r[0] in ("h2d_shard", "device_all_gather", "d2h_gathered", "all_gather")]
-    # the lane drained: step()'s two checks (re-plans; the buckets gathered in their slots, none here)
-    assert _span(record, "check", -1) == approx((3.0 + 2 * CHECK, 3.0 + 4 * CHECK))
-    assert got.step_s == approx(3.0 + 4 * CHECK)
+    # then step()'s two checks (re-plans; the buckets gathered in their slots, none here)
+    assert _span(record, "check", -1) == approx((3.5 + CHECK, 3.5 + 3 * CHECK))
+    assert got.step_s == approx(3.5 + 3 * CHECK)
     assert (got.grad_reduce, got.device_gather_busy_s, got.all_gather_busy_s, got.all_gather_bytes) == (
         "device", 0.0, 0.0, 0)
-    assert got.device_reduce_busy_s == approx(2 * DEV_RS) and got.check_busy_s == approx(4 * CHECK)
-    assert got.cpu_lane_busy_s == approx(2 * ADAM + 4 * CHECK)
+    assert got.device_reduce_busy_s == approx(2 * DEV_RS) and got.check_busy_s == approx(3 * CHECK)
+    assert got.cpu_lane_busy_s == approx(2 * ADAM + 3 * CHECK)
     assert (got.sim.d2h_bytes, got.sim.h2d_bytes) == (2 * 500, 0)  # the grads' shards down, nothing up
     assert got.node_host_copy_bytes == 2 * 2 * 500
     per_rank = simulate_runtime_path(TWO_BUCKETS, HW, TWO, device=NV)
     assert per_rank.step_s == approx(5.5)  # the device gather's three pieces (test_data_parallel_runtime)
 
 
-def test_device_path_next_copy_waits_for_the_check():
+def test_device_path_copy_in_the_same_step_forces_the_check_and_waits_for_it():
     record: list = []
     got = simulate_runtime_path(REFETCH, HW, TWO, record, device=NV, shared=True)
     approx = pytest.approx
     assert _span(record, "adam") == approx((1.0, 1.5))  # reduce-scatter 0-0.5, shard down 0.5-1
-    assert _span(record, "copy_ready") == approx((1.5, 1.5 + CHECK))
-    assert _span(record, "h2d") == approx((1.5 + CHECK, 2.5 + CHECK))  # issued at 1 s, waits for the check
+    assert _span(record, "copy_ready", 0) == approx((1.5, 1.5 + CHECK))  # issued at 1 s, once the lane drained
+    assert _span(record, "h2d") == approx((1.5 + CHECK, 2.5 + CHECK))
     assert got.sim.stall_s == approx(2.5 + CHECK - 2.0)
     record = []
     other = simulate_runtime_path(dataclasses.replace(REFETCH, h2d_bucket=(1,)), HW, TWO, record, device=NV,
@@ -133,15 +136,15 @@ AR = 2 * (0.5 + 1000 / 1000) + 2 * 2000 / 4000 + 2000 / 4000  # all-reduce of th
 TAKE = 2 * 2 * 1000 / 4000  # the shard (1000 B) copied out and scaled: two read + write passes
 
 
-def test_deferred_step_checks_instead_of_gathering():
+def test_deferred_step_checks_once_instead_of_gathering():
     record: list = []
     got = simulate_runtime_deferred(FP32, HW, TWO, record=record, shared=True)
-    # as test_a_deferred_step_by_hand, with step()'s all-gathers replaced by the copy's checks
-    assert got.step_s == pytest.approx(5 + CHECK + 2 * AR + 2 * (TAKE + ADAM + CHECK) + CHECK)
+    # as test_a_deferred_step_by_hand, with step()'s all-gathers replaced by one check of the copies
+    assert got.step_s == pytest.approx(5 + CHECK + 2 * AR + 2 * (TAKE + ADAM) + CHECK + CHECK)
     assert [r[0] for r in _cpu_lane(record)] == ["check", "all_reduce", "all_reduce"] + [
-        "take_shard", "adam", "copy_ready"] * 2 + ["check"]
+        "take_shard", "adam"] * 2 + ["copy_ready", "check"]
     assert (got.all_gather_busy_s, got.all_gather_bytes) == (0.0, 0)
-    assert got.check_busy_s == pytest.approx(4 * CHECK) and got.shared
+    assert got.check_busy_s == pytest.approx(3 * CHECK) and got.shared
     per_rank = simulate_runtime_deferred(FP32, HW, TWO)
     assert not per_rank.shared and per_rank.all_gather_busy_s > 0
     assert per_rank.step_s > got.step_s
@@ -175,8 +178,9 @@ def test_one_rank_sharing_is_the_single_gpu_simulation_bit_for_bit(case, hw, dat
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), machines(), st.data())
 def test_shared_lanes_keep_their_order_on_any_plan(case, hw, data):
-    """On random plans, either grad path: per grad copy the AdamW then its check; one thing at a time on the
-    CPU lane; a bucket's copy to the device issued after its grads waits for its check; nothing gathered."""
+    """On random plans, either grad path: one thing at a time on the CPU lane; every updated bucket's copy is
+    checked whole after its AdamW and before the step ends, once at the end of backward unless a copy of it
+    to the device in the same step forced the check earlier, which that copy then waits for; nothing gathered."""
     program = drawn_program(case, hw, data)
     g = data.draw(st.integers(2, 4))
     device = data.draw(st.sampled_from([None, Cluster(g, 1, intra=LINK)]))
@@ -187,13 +191,16 @@ def test_shared_lanes_keep_their_order_on_any_plan(case, hw, data):
     for lane, k, a, b in record:
         by.setdefault(lane, {})[k] = (a, b)
     assert not set(by) & {"all_gather", "h2d_shard", "device_all_gather", "d2h_gathered"}
-    for k in range(len(program.d2h_bytes)):
-        assert by["copy_ready"][k][0] >= by["adam"][k][1] - eps
-        assert got.step_s >= by["copy_ready"][k][1] - eps
+    checks = sorted(x[2:] for x in record if x[0] == "copy_ready")
+    assert len(checks) <= 1 + len(program.h2d_bucket)  # the end of backward's, and those copies forced
     cpu = sorted(s for lane in ("reduce_scatter", "adam", "copy_ready") for s in by.get(lane, {}).values())
     for (_, end), (start, _) in zip(cpu, cpu[1:]):
         assert start >= end - eps
+    for k in range(len(program.d2h_bytes)):  # checked after its AdamW, before the step ends
+        covering = [c for c in checks if c[0] >= by["adam"][k][1] - eps]
+        assert covering and got.step_s >= covering[0][1] - eps
     for j, b in enumerate(program.h2d_bucket):
         for k, kb in enumerate(program.d2h_bucket):
-            if kb == b and program.d2h_event[k] < program.h2d_event[j]:
-                assert by["h2d"][j][0] >= by["copy_ready"][k][1] - eps
+            if kb == b and program.d2h_event[k] < program.h2d_event[j]:  # read after its update in this step
+                covering = [c for c in checks if c[0] >= by["adam"][k][1] - eps]
+                assert by["h2d"][j][0] >= covering[0][1] - eps

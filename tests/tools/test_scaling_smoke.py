@@ -106,7 +106,7 @@ def test_the_runtime_path_beside_the_design(result):
         if r["gpus"] > 1:
             assert r["host_bytes_per_rank"] > d["host_bytes_per_rank"] or shared
             # grads reduce-scattered on the device; the weights all-gathered there only without a shared copy,
-            # which has a check per bucket on the CPU lane instead; gloo's collectives never
+            # which has one check of it per backward instead; gloo's collectives never
             assert (r["device_gather_busy_s"] > 0) != shared and r["device_reduce_busy_s"] > 0
             assert r["check_busy_s"] > 0
             assert r["all_gather_busy_s"] == r["reduce_scatter_busy_s"] == 0
