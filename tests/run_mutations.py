@@ -241,6 +241,10 @@ MUTATIONS = [
      "            for move_out in self._leaving:", [f"{_FAST}[overlap]", f"{_FAST}[deferred]",
                                                "tests/runtime/test_fast_departure_sim.py", "TESTS"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
+    ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
+     "offload/runtime/grads.py", "            self.held, self.hold_only = ([], late) if late else (None, None)",
+     "            self.held, self.hold_only = None, None",
+     ["tests/runtime/test_device_optimizer.py::test_a_streamed_weight_read_after_its_update_trains_as_torch"]),
     ("B6+R7", "on-demand fetch: neither empty()'s wait nor the boundary orders the H2D after compute", "+",
      "B6+R7", ""),
     ("B7+P2", "traced step: neither the new stream's wait nor the boundary orders the H2D after compute", "+",

@@ -33,7 +33,7 @@ The step counts are host metadata both tiers share (``HostState.steps``, the ten
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -539,7 +539,31 @@ def read_after_update(plan: Plan) -> set[int]:
     AdamW would not have moved it yet. Such a bucket runs as what its buffers also make it, a resident
     bucket with the host optimizer (its grads to the host, the CPU AdamW, its new weights in after
     ``step()``): numbers stay torch's; only the plan's timing for it is off (``stats()["demoted_buckets"]``)."""
-    device = set(plan.device_optimizer)
+    return reads_after_last_grad(plan, plan.device_optimizer)
+
+
+def streamed_reads_after_update(plan: Plan) -> frozenset[int]:
+    """The buckets ``plan`` streams whose weights its step reads after their last grad.
+
+    [Note: streamed weights read after their update] Overlapped, a bucket's CPU AdamW runs as soon as its grads
+    are complete and writes its host weights in place. Autograd reads a weight only in the nodes that give it a
+    grad, so nothing normally reads it after; but a node may read a weight it sends no grad to
+    (``F.linear(h, w.detach())`` before ``w``'s own module), and its backward comes after ``w``'s grads are
+    complete. A resident bucket's device slot keeps the old weights until ``step()`` refreshes it, as torch
+    does; a streamed one is fetched again from the host, whose weights the update has changed: silently wrong
+    grads (found on the CPU backend, ``DetachedReuse`` at 1.2x its weights: losses off in the 7th digit). So the
+    update of such a bucket waits for the end of backward (``GradPipeline``'s held updates), as the first
+    step's do ([Note: the first step's host memory] in warmup.py: the grads copied out of the ring on the CPU
+    lane, the update submitted by ``release_held``). Device-optimizer buckets have their own rule
+    (``read_after_update``). A step that leaves its plan reads what the plan did not say: not covered."""
+    resident = set(plan.resident)
+    return frozenset(reads_after_last_grad(plan, (b for b in range(len(plan.buckets)) if b not in resident)))
+
+
+def reads_after_last_grad(plan: Plan, buckets: Iterable[int]) -> set[int]:
+    """Those of ``buckets`` whose weights an event of ``plan``'s step reads after their last grad ([Note: read
+    after the update]; [Note: streamed weights read after their update])."""
+    device = set(buckets)
     if not device:
         return set()
     bucket_of = locate(plan.buckets)[0]

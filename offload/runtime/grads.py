@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import InvariantError, OffloadError
 from .clipping import clip_gathered, norms_on_host
-from .device_optim import DeviceOptimizer, Postponed
+from .device_optim import DeviceOptimizer, Postponed, streamed_reads_after_update
 from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
 from .grad_sums import GatheredSums
 from .plain_grads import Exposure
@@ -78,6 +78,7 @@ class GradPipeline:
         # issue 18: overlapped updates of a step with no training plan yet, submitted once its backward ended
         # and the plan was built (release_held): a budget too small is refused before any update is applied
         self.held: list[tuple[int, frozenset[int], Event, torch.Tensor | None]] | None = None
+        self.hold_only: frozenset[int] | None = None  # with ``held``: only these buckets' updates wait (None: all)
         self._expected_cache: dict[int, tuple[dict[int, None], int, frozenset[int]]] = {}  # bucket -> _expected
 
     # -- backward --------------------------------------------------------------------------------------------
@@ -109,7 +110,25 @@ class GradPipeline:
         self.backward_seen = True
         self.ctx.stats["backwards"] += 1
         self.hparams = self.ctx.optimizer.hparams()
-        self.held = [] if not self.deferred and self.executor.train_plan is None else None  # issue 18
+        plan = self.executor.train_plan
+        if self.deferred:
+            self.held, self.hold_only = None, None
+        elif plan is None:  # issue 18: the first step's updates wait for its plan
+            self.held, self.hold_only = [], None
+        else:  # [Note: streamed weights read after their update]
+            late = self._read_late(plan)
+            self.held, self.hold_only = ([], late) if late else (None, None)
+
+    def _read_late(self, plan) -> frozenset[int]:
+        """``streamed_reads_after_update(plan)``, once per plan ([Note: streamed weights read after their update])."""
+        cached = getattr(self, "_late", None)
+        if cached is None or cached[0] is not plan:
+            self._late = cached = (plan, streamed_reads_after_update(plan))
+        return cached[1]
+
+    def _holds(self, b: int) -> bool:
+        """Bucket ``b``'s update waits for the end of this backward (``release_held``)."""
+        return self.held is not None and (self.hold_only is None or b in self.hold_only)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Engine.backward: the loss multiplied by the loss scale (float16), which the backward records."""
@@ -301,7 +320,7 @@ class GradPipeline:
         ctx.stats["d2h_bytes"] += nbytes
         first = earlier is None
         # The issue-18 first step's held grads are copied out whole, whatever pieces they crossed in.
-        kept = host.hold(view.numel(), view.dtype) if self.held is not None else None
+        kept = host.hold(view.numel(), view.dtype) if self._holds(b) else None
         spans = host.chunks(b, first)  # [Note: chunked grad staging] in buckets.py
         for lo, hi in spans:
             ready, d2h = self._copy_piece(b, got, view, waits, earlier, lo, hi, last=hi == spans[-1][1],
@@ -325,8 +344,8 @@ class GradPipeline:
         self.copies.append(d2h)
         self._slot_free_after(d2h, view, k)  # the copy came after the reduce-scatter
         self.pending[b] = PendingGrads(got, d2h)
-        if self.held is not None:  # issue 18: the first step's update waits for its plan (release_held)
-            self.held.append((b, got, d2h, None))
+        if self._holds(b) and self.held is not None:  # issue 18: the first step's update waits for its plan
+            self.held.append((b, got, d2h, None))  # (release_held), as a weight read after the update does
         else:
             self._submit_update(b, got, d2h)
 
@@ -422,7 +441,7 @@ class GradPipeline:
     def release_held(self) -> None:
         """The end of backward, its plan checked: submit the updates held back (in the order their grads
         were complete; the hyperparameters read as backward began)."""
-        held, self.held = self.held, None
+        held, self.held, self.hold_only = self.held, None, None
         for b, got, ready, grads in held or ():
             if self.device.will_own(b):  # its first update, on the device once step() activates the plan
                 self.device.postpone(Postponed(b, got, ready, self.hparams or [], (), grads))
@@ -581,7 +600,7 @@ class GradPipeline:
         else:  # overlap: every bucket in pending had its update submitted (and now run), unless held (issue 18)
             held = {b for b, _, _, _ in self.held or ()}
             updated, dropped = sorted(set(self.pending) - held), sorted(held)
-            self.held = None
+            self.held, self.hold_only = None, None
         for p in ctx.params:
             p.grad = None
         ctx.memory.add("grads", -ctx.memory.parts["grads"])  # counted as autograd made them; none is left now

@@ -472,6 +472,38 @@ def test_a_weight_read_after_its_update_point_keeps_the_host_optimizer(monkeypat
         engine.close()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_a_streamed_weight_read_after_its_update_trains_as_torch(fused):
+    """[Note: streamed weights read after their update] (runtime/device_optim.py): host optimizer, overlapped, a budget
+    that streams: ``b.weight`` is fetched again in backward after ``b``'s grads are complete (for the detached
+    read), and must be the weights before this step's update. Before the fix the refetch read the updated host
+    copy: losses off from the third step on (found by a data-parallel helper, 2026-11-27)."""
+    torch.manual_seed(0)
+    model = DetachedReuse()
+    ref = copy.deepcopy(model)
+    ref_opt = offload.AdamW(ref.parameters(), fused=fused, **ADAMW)  # unbound: the engine's arithmetic on the CPU
+    engine, opt = wrap(model, frac=1.2, device_optimizer=False, fused=fused)
+    losses, ref_losses = [], []
+    try:
+        for i in range(6):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+            for forward, o, out in ((engine, opt, losses), (ref, ref_opt, ref_losses)):
+                loss = (forward(x) - y).square().mean()
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                out.append(loss.item())
+        rt = engine._runtime
+        plan = rt.executor.train_plan
+        assert plan.summary()["streamed_buckets"] > 0 and rt.grads._read_late(plan)  # the case is exercised
+        assert engine.memory_stats()["counters"]["plan_departures"] == 0
+        assert_losses_bitwise(losses, ref_losses)
+        assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "weights")
+    finally:
+        engine.close()
+
+
 def test_memory_stats_report_bytes_per_placement():
     case = CASES["gpt"]()
     engine, opt = wrap(case.model)
