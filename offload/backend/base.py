@@ -333,7 +333,9 @@ class Lane:
 #   update] in runtime/grads.py);
 # * grad mode is off on the lane's thread for its life, not entered per item (``torch.no_grad()``: ~5 us).
 # Left: the C++ AdamW's own release of the GIL (cpp/bindings.cpp), the hand-off when the lane is idle (a
-# blocking ``SimpleQueue.get``), ``HostState.update``'s Python. ``benchmarks/lane_items.py`` measures it.
+# blocking ``SimpleQueue.get``), ``HostState.update``'s Python. ``benchmarks/lane_items.py`` measures it: with
+# events emulating CUDA's for the lane, on the 2-vCPU VM while backward ran, an item's waits went from 155 to
+# 6 us (benchmarks/results/cpu-2026-11-27/lane_items.md; not measured on a GPU).
 
 
 def _run_lane(work: queue.SimpleQueue, before: Callable[[], None] | None) -> None:
