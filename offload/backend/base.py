@@ -316,8 +316,33 @@ class Lane:
         return self._thread is not None and self._thread.is_alive()
 
 
+# [Note: the cost of a lane item]
+# Every grad-ring piece is one item of the CPU lane (runtime/grads.py), so what an item costs besides its AdamW
+# is paid for each piece: ~1500 times a step for gpt3-2.7b, 128-205 us an item in the H200 traces
+# (benchmarks/results/2026-11-27-h200/analysis.md, finding 1). On a GPU host the lane's thread shares the GIL
+# with autograd's thread (the grad hooks' Python) and the main thread: every call that releases the GIL (a
+# blocking wait; torch's ``Event.synchronize``, which releases it around ``cudaEventSynchronize``; the C++
+# AdamW) must take it back, and with those threads running Python that take waits for them. So an item makes
+# no such call that its order does not need:
+# * a device event among its waits that ``query()`` finds complete is not synchronized (torch's
+#   ``Event.query`` keeps the GIL; complete is what ``synchronize`` would wait for). The simulated GPU
+#   (tests/support/fake_cuda.py) treats a true ``query()`` as a synchronize: the asking thread joins the
+#   event's clock, so the race checker sees the same order. A :class:`HostEvent` is always synchronized: that
+#   is cheap once it is set, and raises the failure of the work it marks;
+# * a bucket's H2D is waited for by the update of its first piece only ([Note: one H2D wait per bucket's
+#   update] in runtime/grads.py);
+# * grad mode is off on the lane's thread for its life, not entered per item (``torch.no_grad()``: ~5 us).
+# Left: the C++ AdamW's own release of the GIL (cpp/bindings.cpp), the hand-off when the lane is idle (a
+# blocking ``SimpleQueue.get``), ``HostState.update``'s Python. ``benchmarks/lane_items.py`` measures it: with
+# events emulating CUDA's for the lane, on the 2-vCPU VM while backward ran, an item's waits went from 155 to
+# 6 us (benchmarks/results/cpu-2026-11-27/lane_items.md; not measured on a GPU).
+
+
 def _run_lane(work: queue.SimpleQueue, before: Callable[[], None] | None) -> None:
-    """The lane's thread: runs items until it gets None."""
+    """The lane's thread: runs items until it gets None. Grad mode is thread-local and off here for the thread's
+    life: no lane item records autograd history, and each then skips entering ``no_grad`` ([Note: the cost of a
+    lane item])."""
+    torch.set_grad_enabled(False)
     while True:
         item = work.get()
         if item is None:
@@ -335,7 +360,10 @@ def _run_item(fn: Callable[[], object], waits: Iterable[Event], ev: HostEvent,
     mode, timed for the timeline; its failure (or a wait's) set on ``ev``."""
     try:
         for w in waits:
-            w.synchronize()
+            # A device event already complete is not synchronized ([Note: the cost of a lane item]); a host
+            # event always is (cheap once set): its synchronize() raises the failure of the work it marks.
+            if isinstance(w, HostEvent) or not w.query():
+                w.synchronize()
         if before:
             before()
         ev.started = time.perf_counter()

@@ -418,6 +418,15 @@ class GradPipeline:
         if not first and last:
             self.norms.update(host.grad_norms(b, got))
 
+    # [Note: one H2D wait per bucket's update]
+    # An update rewrites the host master and 16-bit copy that the bucket's last H2D may still read, so it waits
+    # for ``slots.h2d_event[b]``; a bucket crossing in pieces ([Note: chunked grad staging] in buckets.py) waits
+    # in its first piece's item only (each wait may cost a GIL hand-off: [Note: the cost of a lane item] in
+    # backend/base.py). ``finish`` submits the pieces in order, with no H2D of the bucket in between (the same
+    # event), to one lane, which runs each item after the one before ended: every later piece runs after the
+    # first piece's wait returned. (Implied twice over: a piece waits for its grads' D2H, which followed the
+    # compute that waited for the H2D; mutation G8, tests/MUTATIONS.md.) Shard updates are never piecewise.
+
     def _submit_update(self, b: int, params: Iterable[int], ready: Event, hparams: HParams | None = None,
                        factors: tuple[float, ...] = (), grads: torch.Tensor | None = None,
                        span: tuple[int, int] | None = None) -> None:
@@ -429,6 +438,8 @@ class GradPipeline:
         host = slots.hosted()
         self.device.before_host_update(b)  # issue 18: a fresh device-homed bucket updated on the host after all
         waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]
+        if span is not None and span[0] > 0:  # [Note: one H2D wait per bucket's update]
+            del waits[1:]
         dp = self.ctx.dp
         if dp is not None:  # issue 20: reduce-scatter, AdamW of this rank's shard, all-gather (runtime/distributed.py)
             slots.adam_event[b] = dp.submit_update(host, b, ready, lambda: host.update(b, ps, hp, factors, grads),

@@ -82,3 +82,66 @@ def test_a_deferred_event_is_done_after_its_lane_item_and_the_device_work_it_iss
         failed.synchronize()
     assert not failed.query()
     lane.close()
+
+
+class _DeviceEvent:
+    """A device event as a lane sees one (not a HostEvent): counts the calls that would release the GIL."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.synchronized = done, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.done = True
+
+
+def test_a_lane_item_synchronizes_only_device_events_not_yet_complete():
+    """[Note: the cost of a lane item]: a complete device event is not synchronized (on CUDA that would release
+    and retake the GIL for nothing); one not complete is, before the item runs; host events always are (their
+    failure travels with them)."""
+    from offload.backend.base import HostEvent
+    from offload.errors import OffloadError
+
+    complete, running = _DeviceEvent(done=True), _DeviceEvent(done=False)
+    order: list[str] = []
+    lane = Lane("test-waits")
+    try:
+        lane.submit(lambda: order.append(f"ran after {running.synchronized}"), [complete, running]).synchronize()
+        assert order == ["ran after 1"] and complete.synchronized == 0 and running.synchronized == 1
+        failed = HostEvent(what="a copy")
+        failed.set(RuntimeError("boom"))
+        item = lane.submit(lambda: order.append("must not run"), [complete, failed])
+        with pytest.raises(OffloadError, match="boom"):
+            item.synchronize()
+        assert order == ["ran after 1"]
+    finally:
+        lane.close()
+
+
+def test_the_lane_thread_runs_items_with_grad_mode_off_entering_no_context_per_item(monkeypatch):
+    """[Note: the cost of a lane item]: grad mode is off on the lane's thread for its life; an item does not
+    enter ``torch.no_grad()`` (~5 us each). The calling thread's grad mode is its own."""
+    import torch
+
+    entered = []
+    real = torch.no_grad
+
+    class Counting(real):
+        def __enter__(self):
+            entered.append(1)
+            return super().__enter__()
+
+    seen = []
+    lane = Lane("test-grad-mode")
+    try:
+        lane.submit(lambda: None).synchronize()  # the thread exists before no_grad is counted
+        monkeypatch.setattr(torch, "no_grad", Counting)
+        for _ in range(5):
+            lane.submit(lambda: seen.append(torch.is_grad_enabled()))
+        lane.drain()
+    finally:
+        lane.close()
+    assert seen == [False] * 5 and entered == [] and torch.is_grad_enabled()

@@ -12,7 +12,9 @@ import torch
 import offload.host.state
 import offload.planning.buckets
 from offload.planning.buckets import GRAD_RING_SLOTS, HOST_ALIGN
+from offload.backend.base import Lane
 from offload.testing.chaos import ChaosConfig
+from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 from tests.support.loops import torch_losses, train_streamed
 from tests.support.models import CASES
 
@@ -96,3 +98,41 @@ def test_pieces_are_plain_pytorch_bit_for_bit(monkeypatch):
     assert got[0] == want
     for name, value in ref.state_dict().items():
         assert torch.equal(got[1][name], value), name
+
+
+def test_only_a_buckets_first_piece_waits_for_its_h2d(monkeypatch):
+    """[Note: one H2D wait per bucket's update] (runtime/grads.py): the update of a bucket's first piece waits
+    for its grads' copy and the bucket's H2D; each later piece's, for its grads' copy only (the lane runs them
+    after the first). The numbers are the whole buckets' (test_pieces_train_as_whole_buckets_bit_for_bit)."""
+    issued: list[tuple[str, int]] = []
+    issue = Lane.issue
+
+    def spy(self, fn, waits=(), what=""):
+        waits = tuple(waits)
+        if what.startswith("AdamW of bucket"):
+            issued.append((what, len(waits)))
+        return issue(self, fn, waits, what)
+
+    monkeypatch.setattr(Lane, "issue", spy)
+    _pieces_of(monkeypatch, PIECE)
+    train_streamed(CASES["gpt"](), 3, dtype=torch.bfloat16)
+    groups: list[list[int]] = []  # the waits of each bucket's consecutive pieces
+    for i, (what, n) in enumerate(issued):
+        if i == 0 or issued[i - 1][0] != what:
+            groups.append([])
+        groups[-1].append(n)
+    pieced = [g for g in groups if len(g) > 1 and g[0] == 2]
+    assert len(pieced) >= 4, groups  # buckets of many pieces, whose first piece waited for the H2D too
+    assert all(g[1:] == [1] * (len(g) - 1) for g in groups), groups
+
+
+def test_pieces_on_the_simulated_gpu_bit_for_bit(monkeypatch, simulated_gpu):  # noqa: F811 (the fixture)
+    """The CUDA backend's ordering with pieces ([Note: the cost of a lane item] in backend/base.py: the lane
+    synchronizes only device events not yet complete, a bucket's later pieces do not wait for its H2D): no race
+    on the simulated GPU, and the CPU backend's whole-bucket numbers."""
+    want = train_streamed(CASES["gpt"](), 3, dtype=torch.bfloat16)
+    _pieces_of(monkeypatch, PIECE)
+    made = simulated_gpu()
+    got = train_streamed(CASES["gpt"](), 3, dtype=torch.bfloat16, inspect=_pieces)
+    assert_same(got, want)
+    assert got[3]["chunk"] * 8 < got[3]["largest"] and made[0]._api.copies > 0
