@@ -89,3 +89,19 @@ class GatheredSums:
         for b, ps in by_bucket.items():
             self.grads.norms.update(host.grad_norms(b, ps))
 
+    def slot_norms(self, view: torch.Tensor, params: Iterable[int]) -> dict[int, torch.Tensor]:
+        """The norms of ``params``' grads in a device grad slot ``view`` (the bucket's layout), in fp32."""
+        grads = self.grads
+        dtype = None if grads.ctx.dtype == torch.float32 else torch.float32
+        off, specs = grads.slots.hosted().offset, grads.ctx.specs
+        return {p: torch.linalg.vector_norm(view[off[p]: off[p] + specs[p].numel], dtype=dtype) for p in params}
+
+    def fold(self, b: int, got: frozenset[int], first: bool, staged: torch.Tensor, lo: int = 0,
+             last: bool = True) -> None:
+        """CPU lane: fold one backward's grads of bucket ``b`` (in the grad ring, ``staged``, from element ``lo``)
+        into the fp32 sum: widen them (the step's ``first``) or add them, and, with the ``last`` piece, renew
+        the norms of an added sum."""
+        host = self.grads.slots.hosted()
+        host.take_staged(b, first, staged, lo)
+        if not first and last:
+            self.grads.norms.update(host.grad_norms(b, got))

@@ -110,14 +110,11 @@ class GradPipeline:
         self.backward_seen = True
         self.ctx.stats["backwards"] += 1
         self.hparams = self.ctx.optimizer.hparams()
+        # Overlapped updates held to the end of backward: all of the first step's (issue 18: they wait for its
+        # plan), after it those of streamed buckets read after it ([Note: streamed weights read after their update])
         plan = self.executor.train_plan
-        if self.deferred:
-            self.held, self.hold_only = None, None
-        elif plan is None:  # issue 18: the first step's updates wait for its plan
-            self.held, self.hold_only = [], None
-        else:  # [Note: streamed weights read after their update]
-            late = self._read_late(plan)
-            self.held, self.hold_only = ([], late) if late else (None, None)
+        self.hold_only = None if self.deferred or plan is None else self._read_late(plan)
+        self.held = None if self.deferred or self.hold_only == frozenset() else []
 
     def _read_late(self, plan) -> frozenset[int]:
         """``streamed_reads_after_update(plan)``, once per plan ([Note: streamed weights read after their update])."""
@@ -313,7 +310,7 @@ class GradPipeline:
         nbytes = view.numel() * ctx.itemsize
         if self.deferred and earlier is None:  # the norms clipping needs, where the grads are
             with torch.no_grad():
-                self.norms.update(self._slot_norms(view, got))
+                self.norms.update(self.sums.slot_norms(view, got))
         waits = [ctx.backend.record()] + [e for e in (slots.adam_event.get(b),) if e is not None]
         if ctx.dp is not None and ctx.dp.device is not None:  # issue 20: reduce-scattered on the device
             return self._send_shard(b, view, k, got, waits)
@@ -386,7 +383,7 @@ class GradPipeline:
             ready = d2h
         else:  # widened into the fp32 sum (the step's first grads) or added to it, on the CPU lane
             staged = dst.view
-            ready = ctx.cpu.submit(lambda: self._accumulate(b, got, first, staged, lo, last), [d2h, *(
+            ready = ctx.cpu.submit(lambda: self.sums.fold(b, got, first, staged, lo, last), [d2h, *(
                 [earlier.ready] if earlier is not None else [])], f"gradient accumulation of bucket {b}")
             host.staged_read_by(dst.lent, ready)
         ctx.lane_log.add("d2h", b, (hi - lo) * ctx.itemsize, d2h)
@@ -401,22 +398,6 @@ class GradPipeline:
             self._submit_update(b, got, ready, grads=dst.view, span=(lo, hi) if piecewise else None)
             host.staged_read_by(dst.lent, slots.adam_event[b])
         return ready, d2h
-
-    def _slot_norms(self, view: torch.Tensor, params: Iterable[int]) -> dict[int, torch.Tensor]:
-        dtype = None if self.ctx.dtype == torch.float32 else torch.float32
-        off = self.slots.hosted().offset
-        specs = self.ctx.specs
-        return {p: torch.linalg.vector_norm(view[off[p]: off[p] + specs[p].numel], dtype=dtype) for p in params}
-
-    def _accumulate(self, b: int, got: frozenset[int], first: bool, staged: torch.Tensor, lo: int = 0,
-                    last: bool = True) -> None:
-        """CPU lane: fold one backward's grads of bucket ``b`` (in the grad ring, ``staged``, from element ``lo``)
-        into the fp32 sum: widen them (the step's ``first``) or add them, and, with the ``last`` piece, renew
-        the norms of an added sum."""
-        host = self.slots.hosted()
-        host.take_staged(b, first, staged, lo)
-        if not first and last:
-            self.norms.update(host.grad_norms(b, got))
 
     # [Note: one H2D wait per bucket's update]
     # An update rewrites the host master and 16-bit copy that the bucket's last H2D may still read, so it waits
