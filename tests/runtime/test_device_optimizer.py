@@ -442,6 +442,21 @@ class DetachedReuse(nn.Module):
         return self.out(self.c(h).tanh())
 
 
+def _train_detached_reuse(engine, opt, ref, ref_opt, steps: int) -> tuple[list[float], list[float]]:
+    """``steps`` steps of DetachedReuse's regression, the engine's then the reference's; their losses."""
+    losses: tuple[list[float], list[float]] = ([], [])
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+        for forward, o, out in ((engine, opt, losses[0]), (ref, ref_opt, losses[1])):
+            loss = (forward(x) - y).square().mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    return losses
+
+
 def test_a_weight_read_after_its_update_point_keeps_the_host_optimizer(monkeypatch):
     # A clock of 10 us a reading: this model's demotion case shows up in plans from short compute times (at 1 ms a
     # reading its plan keeps those buckets on the host outright, and there is nothing to demote). Measured times
@@ -451,17 +466,8 @@ def test_a_weight_read_after_its_update_point_keeps_the_host_optimizer(monkeypat
     model = DetachedReuse()
     ref, ref_opt = reference(model)
     engine, opt = wrap(model, frac=4.0)
-    losses, ref_losses = [], []
     try:
-        for i in range(STEPS):
-            g = torch.Generator().manual_seed(i)
-            x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
-            for forward, o, out in ((engine, opt, losses), (ref, ref_opt, ref_losses)):
-                loss = (forward(x) - y).square().mean()
-                loss.backward()
-                o.step()
-                o.zero_grad()
-                out.append(loss.item())
+        losses, ref_losses = _train_detached_reuse(engine, opt, ref, ref_opt, STEPS)
         plan = engine._runtime.executor.train_plan
         demoted = read_after_update(plan)
         assert demoted and plan.device_optimizer != tuple(sorted(demoted))  # some stay on the device
@@ -483,17 +489,8 @@ def test_a_streamed_weight_read_after_its_update_trains_as_torch(fused):
     ref = copy.deepcopy(model)
     ref_opt = offload.AdamW(ref.parameters(), fused=fused, **ADAMW)  # unbound: the engine's arithmetic on the CPU
     engine, opt = wrap(model, frac=1.2, device_optimizer=False, fused=fused)
-    losses, ref_losses = [], []
     try:
-        for i in range(6):
-            g = torch.Generator().manual_seed(i)
-            x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
-            for forward, o, out in ((engine, opt, losses), (ref, ref_opt, ref_losses)):
-                loss = (forward(x) - y).square().mean()
-                loss.backward()
-                o.step()
-                o.zero_grad()
-                out.append(loss.item())
+        losses, ref_losses = _train_detached_reuse(engine, opt, ref, ref_opt, 6)
         rt = engine._runtime
         plan = rt.executor.train_plan
         assert plan.summary()["streamed_buckets"] > 0 and rt.grads._read_late(plan)  # the case is exercised
