@@ -563,16 +563,16 @@ def streamed_reads_after_update(plan: Plan) -> frozenset[int]:
 def reads_after_last_grad(plan: Plan, buckets: Iterable[int]) -> set[int]:
     """Those of ``buckets`` whose weights an event of ``plan``'s step reads after their last grad ([Note: read
     after the update]; [Note: streamed weights read after their update])."""
-    device = set(buckets)
-    if not device:
+    chosen = set(buckets)
+    if not chosen:
         return set()
     bucket_of = locate(plan.buckets)[0]
     last_grad: dict[int, int] = {}
     last_use: dict[int, int] = {}
     for i, (event, uses) in enumerate(zip(plan.trace.events, plan.trace.uses)):
-        if event.kind is EventKind.GRAD and bucket_of[event.key] in device:
+        if event.kind is EventKind.GRAD and bucket_of[event.key] in chosen:
             last_grad[bucket_of[event.key]] = i
         for p in uses:
-            if bucket_of[p] in device:
+            if bucket_of[p] in chosen:
                 last_use[bucket_of[p]] = i
-    return {b for b in device if last_use.get(b, -1) > last_grad.get(b, len(plan.trace.events))}
+    return {b for b in chosen if last_use.get(b, -1) > last_grad.get(b, len(plan.trace.events))}

@@ -69,6 +69,7 @@ class GradPipeline:
         self.exposure = Exposure(ctx, self)  # issue 19: the gathered grads in p.grad (plain_grads.py)
         self.device = DeviceOptimizer(ctx, slots, executor)  # issue 18: updates on the device (device_optim.py)
         self.device.on_host = lambda x: self._submit_update(x.bucket, x.params, x.ready, x.hparams, x.factors, x.grads)
+        self._late: tuple[object, frozenset[int]] | None = None  # (plan, streamed_reads_after_update): once a plan
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -118,7 +119,7 @@ class GradPipeline:
 
     def _read_late(self, plan) -> frozenset[int]:
         """``streamed_reads_after_update(plan)``, once per plan ([Note: streamed weights read after their update])."""
-        cached = getattr(self, "_late", None)
+        cached = self._late
         if cached is None or cached[0] is not plan:
             self._late = cached = (plan, streamed_reads_after_update(plan))
         return cached[1]

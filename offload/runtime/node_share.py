@@ -27,7 +27,9 @@ written since the last one is enough there:
 * **The one case.** A bucket read again inside the backward that updated it (a weight that a later node of
   that backward reads without sending it a grad, ``x @ w.detach()``, streamed on this rank), or a read of
   ``p`` there (``Runtime.wait_for_updates``): the check of what is written so far runs at once, before the
-  read (counted in ``copy_checks_early``). Every rank reaches that point only where every rank reads there
+  read (counted in ``copy_checks_early``). On its plan such a streamed bucket's update waits for the end of
+  backward anyway ([Note: streamed weights read after their update] in device_optim.py: it must not be
+  written before that read), so the early check is for a step off its plan and for reads of ``p``. Every rank reaches that point only where every rank reads there
   (the same plan); ranks whose plans differ there (other budgets) send different tags and raise, loudly,
   never with a wrong number: a limit, stated.
 * **Writes.** A rank writes its shard of ``b`` only after the reduce-scatter (or all-reduce) of ``b``'s
