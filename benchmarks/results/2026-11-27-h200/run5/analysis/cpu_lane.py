@@ -1,5 +1,5 @@
 """The CPU lane of a run-5 trace, which ``benchmarks/trace_timeline.py`` (as of 287f0af) does not find: since
-8253c00 a lane item queries a device event (``cudaEventQuery``) and synchronizes it only when it is not complete
+c9adf4c a lane item queries a device event (``cudaEventQuery``) and synchronizes it only when it is not complete
 ([Note: the cost of a lane item] in offload/backend/base.py), so the lane's thread is no longer "only
 ``cudaEventSynchronize``" and the tool calls it ``other``. This reads it the same way
 ([Note: reading the CPU lane from its waits] in trace_timeline.py), with two changes:
