@@ -229,6 +229,7 @@ def sys_offload(spec, device, idx):
         out = {k: stats[k] for k in ("budget_bytes", "device_peak_bytes", "device_peak_accounted_bytes",
                                      "arena_bytes", "host_pinned_bytes", "counters")}
         out["headroom_bytes"] = stats["device_parts"]["headroom"]  # measured on CUDA, kept out of the plan
+        out["transient_bytes"] = stats["transient_bytes"]  # the part of it learnt from the allocator
         out["plan"] = stats["plan"]
         if plan is not None:
             t = plan.trace

@@ -157,6 +157,9 @@ class Engine:
             "device_peak_accounted_bytes": memory.peak,
             "device_current_bytes": memory.current,
             "device_parts": dict(memory.parts),
+            # the part of device_parts["headroom"] learnt from the allocator's peaks ([Note: transients] in
+            # runtime/accounting.py): what forward and backward allocate beyond the plan; 0 on the CPU backend
+            "transient_bytes": memory.transients,
             "arena_bytes": plan.arena_bytes if plan is not None else 0,
             "host_pinned_bytes": host.nbytes if host is not None else 0,
             # issue 18: the host bytes the engine holds (arena, an old one during a re-layout, parked copies of

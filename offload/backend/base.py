@@ -106,6 +106,11 @@ class Backend(Protocol):
         """Peak device bytes allocated since the backend was made; None where no allocator can say."""
         ...
 
+    def allocated_bytes(self) -> tuple[int, int] | None:
+        """(now, peak): device bytes allocated since the backend was made, and their peak; None where no
+        allocator can say ([Note: transients] in offload/runtime/accounting.py)."""
+        ...
+
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> Event:
         """Copy host ``src`` into device ``dst`` after ``waits``; the event marks the copy's end."""
         ...

@@ -116,6 +116,10 @@ class CPUBackend:
         """None: no allocator to ask; the runtime's own accounting is the device peak on this backend."""
         return None
 
+    def allocated_bytes(self) -> tuple[int, int] | None:
+        """None: no allocator to ask, so no transients to learn ([Note: transients] in runtime/accounting.py)."""
+        return None
+
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, waits: Iterable[Event] = ()) -> HostEvent:
         issue = self._h2d.run if self.inline_copies else self._h2d.submit
         return issue(self._copy(dst, src, self._bandwidth[0]), waits, "host-to-device copy")

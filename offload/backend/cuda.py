@@ -81,9 +81,10 @@ rest would be 1 MiB or less. So the backend measures, once, what matmuls on the 
 * plus the allocator's rounding of the arena, the one large block the engine allocates per plan
   (:data:`ARENA_ROUNDING_BYTES`, the caching allocator's rule with its default settings).
 
-Not in it: tensors a user makes outside forward (inputs, targets, the loss), transients of backward
-(activation gradients, a logits gradient), cuDNN or attention workspaces, and the rounding of each saved
-activation; a budget must leave room for them. A workspace cuBLAS allocates itself (outside PyTorch's
+Not in it: tensors a user makes outside forward (inputs, targets), transients of forward and backward (a
+loss's fp32 logits, activation gradients, cuDNN or attention workspaces), and the rounding of each saved
+activation. The runtime learns the transients from the allocator and adds them to the headroom
+([Note: transients] in offload/runtime/accounting.py). A workspace cuBLAS allocates itself (outside PyTorch's
 allocator, where a torch build does not cache workspaces) is neither in the headroom nor in the peak.
 
 [Note: peaks]
@@ -187,6 +188,11 @@ class CudaAPI:
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
+
+    def allocation(self) -> tuple[int, int]:
+        """(current, peak) allocated bytes, from one statistics call (the nested form: no flattening)."""
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)["allocated_bytes"]["all"]
+        return stats["current"], stats["peak"]
 
     def allocated_total(self) -> int:
         """Bytes allocated since the process started (a counter that only grows, unless a user resets it)."""
@@ -386,6 +392,15 @@ class CUDABackend:
         if self._peak_base is None:
             return None
         return max(0, self._api.max_allocated() - self._peak_base)
+
+    def allocated_bytes(self) -> tuple[int, int] | None:
+        """(now, peak) device bytes allocated through PyTorch above what was allocated when this backend was
+        made ([Note: peaks]); the runtime learns transients from them ([Note: transients] in
+        runtime/accounting.py). None where there is no allocator to ask."""
+        if self._peak_base is None:
+            return None
+        now, peak = self._api.allocation()
+        return max(0, now - self._peak_base), max(0, peak - self._peak_base)
 
     def headroom_bytes(self) -> int:
         """Device bytes the process holds beyond what the plan lays out, measured once when the backend was

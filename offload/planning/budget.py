@@ -82,7 +82,7 @@ def budget_error(budget: int, **parts: int) -> BudgetTooSmallError:
     names = {"arena": "parameter buckets and grad slots (streaming everything just in time)",
              "activations": "saved activations", "fixed": "module buffers",
              "grad": "largest parameter gradient in flight", "buckets": "buckets one module call needs at once",
-             "headroom": "runtime headroom (cuBLAS workspaces, allocator rounding)"}
+             "headroom": "runtime headroom (cuBLAS workspaces, allocator rounding, transients measured)"}
     need = sum(parts.values())
     parts = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
     detail = ", ".join(f"{names.get(k, k)} {format_bytes(v)}" for k, v in parts.items() if v)

@@ -347,6 +347,7 @@ class Runtime:
             executor.release_all()
         executor.choose(root, grad_enabled)  # [Note: forward-only plans]
         self._reset_step()
+        ctx.memory.window_begins(ctx.backend.allocated_bytes())  # [Note: transients] (accounting.py)
         ctx.phases.enter(Pass.FORWARD)
         self.grads.wait_for_copies()
         self.slots.mark_boundary()
@@ -405,6 +406,7 @@ class Runtime:
             return
         self.grads.begin()
         phases.enter(Pass.BACKWARD)
+        self.ctx.memory.backward_begins(self.ctx.backend.allocated_bytes())  # [Note: transients]
         executor = self.executor
         between, self._between_passes = self._between_passes, False
         if (not self.fast.on and executor.on_plan and executor.plan is not None
@@ -434,6 +436,7 @@ class Runtime:
             return
         memory = ctx.memory
         with ctx.backend.compute(), torch.no_grad():
+            executor.check_transients()  # before the first plan is built below ([Note: transients])
             self._gather_waiting()  # a fast step whose last grads did not come (a missing grad departs below)
             self.grads.flush()
             if self.fast.on:  # no record to plan from, nothing streamed ([Note: the fast path])
@@ -501,7 +504,7 @@ class Runtime:
             updated = self.grads.run_step()
             if ctx.dp is not None:  # issue 20: every rank re-plans, or none ([Note: re-plans agreed])
                 self.slots.check_shared_copies()  # deferred updates: [Note: the shared copy checked once per
-                executor.stale = ctx.dp.agree_replan(executor.stale)  # backward] (node_share.py)
+                executor.agree(ctx.dp.agree_replan(executor.stale or executor.refit))  # backward] (node_share.py)
             with torch.no_grad():
                 executor.after_step(updated, self.recompute)
             ctx.lane_log.step_done(executor.recorder, ctx.memory)

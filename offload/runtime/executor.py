@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
+from ..config import format_bytes
 from ..errors import BudgetTooSmallError, InvariantError, OffloadWarning
 from ..planning.schedule import Plan, build_plan, validate_plan
 from ..planning.trace import EventKind, Recorder, Trace
@@ -73,6 +74,10 @@ class PlanExecutor:
         self.pos = 0  # next plan event
         self.on_plan = False  # this step follows ``plan`` so far
         self.stale = False  # this step departed (or outgrew the plan): plan again at step()
+        # the plan no longer fits beside the transients learnt ([Note: transients] in accounting.py): plan again
+        # at step()
+        self.refit = False
+        self._short_said = 0  # the transients a plan could not keep out of the budget (warned once per figure)
         self.grad_enabled = True  # grad mode of this step's forward
         self._leaving: list[Callable[[], None]] = []  # what must move out of the arena before it goes
         self.device_state: DeviceOptimizer | None = None  # issue 18: optimizer state kept in the arena
@@ -381,11 +386,30 @@ class PlanExecutor:
             trace = self.plan.trace if followed and self.plan is not None else self.recorder.finish()
             self.evals.record(trace, self.slots.buckets)
 
+    def check_transients(self) -> None:
+        """A backward ended: learn what the allocator's peak says the accounting missed ([Note: transients] in
+        accounting.py); if the training plan no longer fits beside it, plan again at ``step()``."""
+        ctx = self.ctx
+        gap = ctx.memory.window_ends(ctx.backend.allocated_bytes())
+        if not gap:
+            return
+        self.evals.plans.clear()  # forward-only plans were laid out without it
+        plan = self.train_plan
+        if plan is not None and plan.peak_bytes - plan.headroom_bytes + ctx.memory.parts["headroom"] > ctx.budget:
+            self.refit = True
+
+    def agree(self, replan: bool) -> None:
+        """Data parallel: whether any rank re-plans ([Note: re-plans agreed] in distributed.py)."""
+        self.stale = replan
+        self.refit = False
+
     def after_step(self, updated: set[int], recompute: RecomputeCoordinator) -> None:
-        """``step()`` updated ``updated``: plan again if there is no plan or this one is stale, else bring
-        the new weights of the resident buckets in."""
+        """``step()`` updated ``updated``: plan again if there is no plan, this one is stale, or it no longer
+        fits beside the transients learnt since ([Note: transients] in accounting.py); else bring the new
+        weights of the resident buckets in."""
         trace = self.trace
-        if (self.train_plan is None or self.stale) and trace is not None and trace.complete:
+        refit, self.refit = self.refit and self.train_plan is not None, False
+        if (self.train_plan is None or self.stale or refit) and trace is not None and trace.complete:
             self.replan(trace, recompute)  # brings every resident bucket in afresh
         else:
             self.refresh(updated, in_step=True)
@@ -438,9 +462,32 @@ class PlanExecutor:
     def _build(self, trace: Trace) -> Plan:
         """The training plan for ``trace`` at the budget, validated (raises :class:`BudgetTooSmallError`)."""
         ctx = self.ctx
-        parts = ctx.memory.parts
+        memory = ctx.memory
+        headroom = memory.parts["headroom"]
+        try:
+            plan = self._plan(trace, headroom)
+        except BudgetTooSmallError as e:
+            # [Note: transients]: no plan keeps all the transients learnt out of the budget; one keeps what it
+            # can (the minimum named is exact: [Note: the tight minimum budget] in planning/budget.py)
+            short = e.min_budget_bytes - ctx.budget
+            if short > memory.transients:
+                raise
+            plan = self._plan(trace, headroom - short)
+            if short != self._short_said:
+                self._short_said = short
+                warnings.warn(
+                    f"offload: no plan keeps all {format_bytes(memory.transients)} of the transients measured "
+                    f"(what forward and backward allocate beyond the plan: [Note: transients] in "
+                    f"offload/runtime/accounting.py) out of the budget of {format_bytes(ctx.budget)}; this one keeps "
+                    f"{format_bytes(memory.transients - short)}, so the device may go over the budget by up to "
+                    f"{format_bytes(short)}. A larger budget, or activation checkpointing, makes room.",
+                    OffloadWarning, stacklevel=4)
+        return plan
+
+    def _plan(self, trace: Trace, headroom: int) -> Plan:
+        ctx = self.ctx
         plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
-                          fixed_bytes=ctx.memory.fixed, hw=ctx.hw, headroom_bytes=parts["headroom"],
+                          fixed_bytes=ctx.memory.fixed, hw=ctx.hw, headroom_bytes=headroom,
                           device_optimizer=ctx.config.device_optimizer,
                           deferred=not ctx.config.overlap_optimizer)
         validate_plan(plan)

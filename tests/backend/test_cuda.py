@@ -266,22 +266,31 @@ def test_the_first_planned_step_measures_compute_on_the_stream():
         opt = offload.AdamW(model.parameters(), lr=1e-4)
         with offload.wrap(model, opt, budget=with_headroom(4 * nbytes, "cuda"), device="cuda", **options) as engine:
             assert engine.config.calibrate_compute is True  # the default on CUDA
+            walls = []  # each step's wall time, the device synchronized (a diagnostic: is the timed step host-bound?)
             for _ in range(4):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
                 engine.backward(engine(x).square().mean())
                 opt.step()
                 opt.zero_grad()
-            return engine.memory_stats(), engine._runtime.executor.train_plan
+                torch.cuda.synchronize()
+                walls.append((time.perf_counter() - start) * 1e3)
+            return engine.memory_stats(), engine._runtime.executor.train_plan, walls
 
     # First the same model with its updates in step() (nothing runs on the CPU lane during backward): a
     # diagnostic only. Of the second H200 run's 13.07 ms against 4.55 (the grad copies' waits for the CPU lane
     # already left out), it tells whether the rest comes with the CPU AdamW running beside backward.
-    deferred = timed(copy.deepcopy(model), overlap_optimizer=False)[0]["compute_timing"]["measured_compute_s"] * 1e3
-    stats, plan = timed(model)
+    deferred_stats, _, deferred_walls = timed(copy.deepcopy(model), overlap_optimizer=False)
+    deferred = deferred_stats["compute_timing"]["measured_compute_s"] * 1e3
+    stats, plan, walls = timed(model)
     timing, counters = stats["compute_timing"], stats["counters"]
     measured_ms = timing["measured_compute_s"] * 1e3
     print(f"\ntimed step: compute {measured_ms:.2f} ms (plain forward + backward {plain_ms:.2f} ms; with the updates "
           f"in step() {deferred:.2f} ms), traced {timing['planned_compute_s'] * 1e3:.2f} ms, re-planned "
-          f"{timing['replanned']} ({torch.cuda.get_device_name()}, {torch.get_num_threads()} CPU threads)")
+          f"{timing['replanned']} ({torch.cuda.get_device_name()}, {torch.get_num_threads()} CPU threads); step walls "
+          f"(synchronized; traced, timed, then fast steps: {stats['counters']['fast_steps']}) "
+          f"{', '.join(f'{w:.2f}' for w in walls)} ms, with the updates in step() "
+          f"{', '.join(f'{w:.2f}' for w in deferred_walls)} ms")
     assert counters["timed_steps"] == 1 and counters["plan_departures"] == 0
     assert 0.5 < measured_ms / plain_ms < 2.0
     if timing["replanned"]:

@@ -74,6 +74,9 @@ class AllocatingCuda(FakeCuda):
     def allocated_total(self) -> int:
         return self.allocator.total
 
+    def allocation(self) -> tuple[int, int]:
+        return self.allocator.current, self.allocator.peak
+
     def clear_blas_workspaces(self) -> None:
         self.allocator.free(self.workspace * len(self.allocator.workspaces))
         self.allocator.workspaces.clear()
