@@ -10,26 +10,38 @@ gpt3-2.7b at 8 GiB ran out of memory in the loss once a plan filled the budget.
 
 So on a backend with an allocator to ask (``Backend.allocated_bytes``: CUDA), each forward to the end of its
 backward is a *window*, and the bytes allocated beyond this accounting when it begins are the process's own
-(a user's tensors, another model: not the engine's to plan for; ``outside``). The window shows transients
-two ways:
+(a user's tensors, another model: not the engine's to plan for; ``outside``). What matters is how far the
+process went above the accounting's own peak of the window (the plan bounds that peak by the budget), and a
+window shows it two ways:
 
-* live: at the backward's first hook (``backward_begins``), what is allocated beyond the accounting and
-  ``outside`` (the loss's saved tensors, the logits' gradient): a size, wherever the plan puts its peak;
-* the peak: if the allocator's peak rose in the window, the window's peak is known, and at that instant the
-  accounting held at most its own peak of the window, so at least ``allocator peak - accounted window peak
-  - outside`` more was held (an op's workspace gone before any hook sees it).
+* the peak: if the allocator's peak rose in the window, the window's peak is known: ``allocator peak -
+  outside - accounted peak of the window`` (an op's workspace, gone before any hook sees it);
+* live: at the backward's first hook (``backward_begins``), ``allocated now - outside - accounted peak of
+  the window`` (the loss's saved tensors and the logits' gradient, where the accounting peaks too), which
+  counts where the peak did not rise (the allocator keeps one peak per process, and the engine never resets
+  it: [Note: peaks]).
 
-The larger joins ``headroom`` (``transients``: the learnt part; it only grows), so every later plan keeps it
-out of the budget and the accounting holds it from then on: once the reserve is right, later windows show
-no more. The first step teaches it before the first plan is built (``PlanExecutor.check_transients`` runs at
-the end of the backward, before ``check_ahead``); a later, larger one makes ``step()`` plan again where the
-plan no longer fits beside it. Where no plan keeps all of it out, the plan keeps what it can and says so
-(``PlanExecutor._build``): training that ran before still runs.
+Both are measured against the window's peak, never against the accounting at that instant: the process's
+allocations bound them, so nothing can be learnt that the process did not hold above what the plan counts.
+The larger joins ``headroom`` (``transients``: the learnt part, which the accounting holds from then on; it
+only grows): every later plan keeps it out of the budget, and once it is right later windows show no more.
+The traced first step teaches nothing (its accounting is the warm-up's, not a plan's). The first planned step
+does (``PlanExecutor.check_transients`` runs at the end of its backward), and ``step()`` plans again where the
+plan no longer fits beside it, as for a later, larger one. Where no plan keeps all of it out, the plan keeps
+what it can and says so (``PlanExecutor._build``): training that ran before still runs.
 
-Not covered: the peak is one per process and the engine never resets it ([Note: peaks]), so a window whose
-peak did not rise says nothing, and the peak's excess is measured against the accounting's peak of its
-window: a plan that moves its own peak to the instant of an instant transient goes over by the difference
-(tests/runtime/test_transients.py shows one). No-grad forwards end no window.
+Measured on the H200 (run 6, benchmarks/results/2026-11-27-h200): gpt3-2.7b at 8 GiB, which ran out of memory
+in run 5, trained (0.945 s a step, peak 7.91 GiB); a first version, which took what was live at the backward's
+first hook beyond the accounting at that instant and learnt in the traced step too, reserved 3.0 GB for
+gpt2-xl (whose allocator peak stood 0.41 GB over the accounting's in run 5), cut its resident
+buckets from 386 to 239 and slowed its step from 0.53 to 0.80 s. What made that 3.0 GB is not known. This
+version has not run on a GPU.
+
+Not covered: the first planned step runs before its transients are known (it may go over); a window whose
+peak did not rise shows only what is live at its backward's first hook; the excess is measured against the
+window's peak, so a plan that moves its own peak to the instant of a transient goes over by the difference;
+what the traced step allocates and keeps (a cuBLAS workspace for a user's stream) counts as outside from then
+on; no-grad forwards end no window.
 """
 
 from __future__ import annotations
@@ -66,7 +78,8 @@ class DeviceMemory:
         self.allocator_peak: int | None = None
         self.outside = 0  # bytes allocated outside this accounting when the window began (a user's tensors)
         self.transients = 0
-        self.live = 0  # the most live at a backward's first hook beyond the accounting, in this window
+        self.live = 0  # the most allocated (less ``outside``) at a backward's first hook, in this window
+        self.learning = True  # this window teaches (not the traced first step's)
         self.activation_peak = 0  # of the current step
         # Largest storage saved for backward (or that a checkpointed block would save) since wrap: off plan,
         # the room kept free for the next one to land in (see SlotTable.cache_limit).
@@ -108,34 +121,37 @@ class DeviceMemory:
             if self.window_peak > self.peak:
                 self.peak = self.window_peak
 
-    def window_begins(self, allocation: tuple[int, int] | None) -> None:
+    def window_begins(self, allocation: tuple[int, int] | None, learn: bool = True) -> None:
         """A forward begins: ``allocation`` is the allocator's (now, peak) above the backend's base (None where
-        there is no allocator to ask). See [Note: transients]."""
+        there is no allocator to ask); ``learn``: False for the traced first step (see [Note: transients])."""
         self.window_peak = self.current
+        self.learning = learn
         if allocation is None:
             return
         now, self.allocator_peak = allocation  # a rise outside forward and backward is not theirs
         self.outside = max(0, now - (self.current - self.transients))
 
     def backward_begins(self, allocation: tuple[int, int] | None) -> None:
-        """The first hook of a backward: what is allocated now beyond this accounting and what was outside it
-        when the forward began is live and nobody's (a loss's saved fp32 logits, the logits' gradient). See
-        [Note: transients]."""
-        if allocation is not None and self.allocator_peak is not None:
-            self.live = max(self.live, allocation[0] - (self.current - self.transients) - self.outside)
+        """The first hook of a backward: what is allocated now, less what was outside the accounting when the
+        forward began (a loss's saved fp32 logits and the logits' gradient are in it). See [Note: transients]."""
+        if allocation is not None and self.allocator_peak is not None and self.learning:
+            self.live = max(self.live, allocation[0] - self.outside)
 
     def window_ends(self, allocation: tuple[int, int] | None) -> int:
-        """A backward ended: the transients this window shows (the largest of what was live at its backward's
-        first hook and, if the allocator's peak rose in it, what that peak held beyond this accounting and what
-        was outside it) beyond those learnt already, now kept out of every later plan's budget as part of
-        ``headroom``; 0 if none. See [Note: transients]."""
+        """A backward ended: how far the process went above the accounting's peak of the window (at its
+        backward's first hook, and at the allocator's peak if that rose in the window), beyond the transients
+        learnt already, now kept out of every later plan's budget as part of ``headroom``; 0 if none. See
+        [Note: transients]."""
         window, self.window_peak = self.window_peak, self.current
         live, self.live = self.live, 0
         if allocation is None or self.allocator_peak is None:
             return 0
-        need = max(self.transients, live)
         peak, seen = allocation[1], self.allocator_peak
         self.allocator_peak = max(seen, peak)
+        if not self.learning:
+            return 0
+        # ``window`` holds the reserve learnt already: what the process held beyond it is its excess
+        need = max(self.transients, self.transients + live - window) if live else self.transients
         if peak > seen:  # else this window's own peak is not known, only that it was no higher than an earlier one
             need = max(need, self.transients + peak - window - self.outside)  # ``window`` holds the reserve
         gap = need - self.transients

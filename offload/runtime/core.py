@@ -347,7 +347,8 @@ class Runtime:
             executor.release_all()
         executor.choose(root, grad_enabled)  # [Note: forward-only plans]
         self._reset_step()
-        ctx.memory.window_begins(ctx.backend.allocated_bytes())  # [Note: transients] (accounting.py)
+        # [Note: transients] (accounting.py): the traced first step teaches nothing
+        ctx.memory.window_begins(ctx.backend.allocated_bytes(), learn=not ctx.phases.tracing)
         ctx.phases.enter(Pass.FORWARD)
         self.grads.wait_for_copies()
         self.slots.mark_boundary()
