@@ -11,9 +11,10 @@ Lanes, and how each is recognised:
 
 * host threads: ``main`` (the thread whose id is the process id: it runs forward and ``step()``), ``autograd``
   (another thread with ``autograd::engine::evaluate_function`` ops: CUDA backward runs on autograd's device
-  thread), ``cpu_adam`` (a thread whose only events are ``cudaEventSynchronize``: the engine's CPU lane. The
-  profiler records no op on a thread it did not start on, so its AdamW calls themselves are invisible; its
-  waits for the copies its items depend on are CUDA API calls, which CUPTI records on every thread);
+  thread), ``cpu_adam`` (a thread whose only events are its waits: ``cudaEventSynchronize``, or since c9adf4c
+  ``cudaEventQuery``, each followed by a ``cudaEventSynchronize`` at most: the engine's CPU lane. The profiler
+  records no op on a thread it did not start on, so its AdamW calls themselves are invisible; its waits for the
+  copies its items depend on are CUDA API calls, which CUPTI records on every thread);
 * GPU streams: ``h2d`` / ``d2h`` (the stream whose copies are mostly host-to-device / device-to-host, the
   backend's two copy streams), ``compute`` (any other stream with kernels).
 
@@ -22,8 +23,19 @@ autograd thread (its end-of-backward callback included), ``after`` to the last e
 CPU lane, the refresh copies it issues, ``zero_grad``, the harness's device synchronize).
 
 [Note: reading the CPU lane from its waits]
-Each lane item waits for its events (the grad copy, then the bucket's last weight copy) with
-``cudaEventSynchronize`` and then runs AdamW on one piece of the grad ring. So an item's AdamW is the time from the
+Each lane item waits for its events (the grad copy, then the bucket's last weight copy) and then runs AdamW on one
+piece of the grad ring. The items are the D2H copies, in order; the lane's waits are read in one of two ways:
+* traces made before c9adf4c: a wait is one ``cudaEventSynchronize``, and every item has as many
+  (``waits_per_item``: the waits over the copies; a count that does not divide is not read);
+* since c9adf4c: a wait is a ``cudaEventQuery``, with the ``cudaEventSynchronize`` right after it where the event
+  was not complete ([Note: the cost of a lane item] in offload/backend/base.py), the two one wait from the query's
+  start to the synchronize's end (``queries``, ``synchronizes``). An item has two waits, but the later pieces of
+  a bucket that crosses the grad ring in pieces wait for their grad copy only ([Note: one H2D wait per bucket's
+  update] in offload/runtime/grads.py). A later piece is a copy that follows a copy of the ring's piece size (the
+  largest copy size that repeats: ``ring_piece_bytes``; ``later_pieces``), and the count is checked: where two
+  waits an item less one per later piece is not the number of waits (a wait for a host event calls no CUDA API,
+  so it is not in the trace), the items are not read.
+``wait_by_position_s`` sums the items' first waits, their second ones, ... An item's AdamW is the time from the
 end of its last wait to the start of the next item's first wait, when the next item was already queued then (it
 is submitted when the thread issuing backward returns from its ``offload::d2h``); otherwise that gap holds idle
 time too. The queued items give the lane's achieved rate (``params_per_s_queued``) and, by a least-squares line
@@ -42,7 +54,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import gzip
+import itertools
 import json
 import statistics
 import sys
@@ -53,6 +67,7 @@ GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 HOST_CATS = frozenset({"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function"})
 BACKWARD_OP = "autograd::engine::evaluate_function"
 LANE_WAIT = "cudaEventSynchronize"
+LANE_QUERY = "cudaEventQuery"  # a lane item's waits since c9adf4c ([Note: reading the CPU lane from its waits])
 HOST_WAIT_SPANS = ("offload::d2h", "offload::h2d", "offload::wait")
 US = 1e-6  # trace times are microseconds; the JSON's are seconds
 SMALL_ITEM = 1 << 15  # parameters: the C++ AdamW runs on the calling thread below this (cpp/cpu_adam.cpp)
@@ -140,12 +155,33 @@ def roles(lanes: dict[tuple, list[Ev]]) -> dict[tuple, str]:
         evs = lanes[k]
         if k in mains[:1]:
             out[k] = "main"
-        elif all(e.name == LANE_WAIT for e in evs):
+        elif is_lane(evs):
             out[k] = "cpu_adam"
         elif any(e.name.startswith(BACKWARD_OP) for e in evs):
             out[k] = "autograd"
         else:
             out[k] = "other"
+    return out
+
+
+def is_lane(evs: list[Ev]) -> bool:
+    """Whether a host thread's events are all the CPU lane's waits: synchronizes, or queries each followed by a
+    synchronize at most ([Note: reading the CPU lane from its waits])."""
+    names = [e.name for e in evs]
+    if any(n not in (LANE_WAIT, LANE_QUERY) for n in names):
+        return False
+    return LANE_QUERY not in names or all(n != LANE_WAIT or (i > 0 and names[i - 1] == LANE_QUERY)
+                                          for i, n in enumerate(names))
+
+
+def lane_waits(evs: list[Ev]) -> list[tuple[float, float]]:
+    """The lane's waits, ``(start, end)``: each synchronize, but one right after a query is part of its wait."""
+    out: list[tuple[float, float]] = []
+    for i, e in enumerate(evs):
+        if e.name == LANE_WAIT and i > 0 and evs[i - 1].name == LANE_QUERY:
+            out[-1] = (out[-1][0], e.end)
+        else:
+            out.append((e.start, e.end))
     return out
 
 
@@ -270,44 +306,69 @@ def _cpu_adam(lanes, rs, t0: float, grad_bytes_per_param: int) -> dict:
     """The CPU lane read from its waits ([Note: reading the CPU lane from its waits], the module docstring)."""
     key = lane_with_role(rs, "cpu_adam")
     if key is None:
-        return {"found": False, "note": "no thread whose only events are cudaEventSynchronize: the CPU lane is not "
-                                        "in this trace (on the CPU backend the profiler records nothing of it)"}
-    waits = lanes[key]
+        return {"found": False, "note": "no thread whose only events are event synchronizes or queries: the CPU lane "
+                                        "is not in this trace (on the CPU backend the profiler records nothing of it)"}
+    evs = lanes[key]
+    waits = lane_waits(evs)
     copies = sorted((e for k, es in lanes.items() if rs[k] in ("d2h", "compute", "h2d") for e in es
                      if e.cat == "gpu_memcpy" and "DtoH" in e.name), key=lambda e: e.start)
     submits = sorted(e.end for k, es in lanes.items() if rs[k] in ("main", "autograd", "other") for e in es
                      if e.name == "offload::d2h" and e.cat == "user_annotation")
     n = len(copies)
     out: dict = {"found": True, "thread": label(key, "cpu_adam"), "waits": len(waits),
-                 "wait_s": sum(e.end - e.start for e in waits) * US, "first_s": (waits[0].start - t0) * US,
-                 "items": n}
-    if n == 0 or len(waits) % n:
-        out["note"] = f"{len(waits)} waits for {n} grad copies: not one item per copy, items not read"
+                 "wait_s": sum(e - s for s, e in waits) * US, "first_s": (waits[0][0] - t0) * US, "items": n}
+    counts = _item_waits(evs, copies, len(waits), out)
+    if counts is None:
         return out
-    per = len(waits) // n
-    out["waits_per_item"] = per
-    out["wait_by_position_s"] = [sum(waits[i].end - waits[i].start for i in range(j, len(waits), per)) * US
-                                 for j in range(per)]
+    firsts = list(itertools.accumulate(counts, initial=0))  # item k's waits: firsts[k] to firsts[k + 1]
+    out["wait_by_position_s"] = [sum(waits[f + j][1] - waits[f + j][0] for f, c in zip(firsts, counts) if j < c) * US
+                                 for j in range(max(counts))]
     main = lane_with_role(rs, "main")
-    later = [e.start for e in lanes[main] if e.start >= waits[-1].end] if main is not None else []
+    later = [e.start for e in lanes[main] if e.start >= waits[-1][1]] if main is not None else []
     resume = min(later) if later else None  # step()'s drain returned: the last AdamW ended before
     items = []  # (params, gap after the item's last wait, next item already queued then)
     for k in range(n):
-        ready = waits[per * k + per - 1].end
-        nxt = waits[per * (k + 1)].start if k + 1 < n else resume
+        ready = waits[firsts[k + 1] - 1][1]
+        nxt = waits[firsts[k + 1]][0] if k + 1 < n else resume
         queued = k + 1 < n and len(submits) == n and submits[k + 1] <= ready
         items.append((copies[k].bytes // grad_bytes_per_param, None if nxt is None else nxt - ready, queued))
     out.update(_rates(items, grad_bytes_per_param, len(submits) == n))
     params = sum(p for p, _, _ in items)
     out["params"] = params
     if resume is not None:
-        window = resume - waits[0].start
+        window = resume - waits[0][0]
         out["last_adam_end_at_most_s"] = (resume - t0) * US
         out["window_s"] = window * US
         out["achieved_params_per_s_window"] = params / window * 1e6
         if out.get("idle_est_s") is not None:
             out["busy_est_s"] = out["window_s"] - out["wait_s"] - out["idle_est_s"]
     return out
+
+
+def _item_waits(evs: list[Ev], copies: list[Ev], nwaits: int, out: dict) -> list[int] | None:
+    """How many of the lane's waits each item (D2H copy) has, or None with ``out["note"]`` where the count does not
+    check ([Note: reading the CPU lane from its waits]); adds how the waits were read to ``out``."""
+    n = len(copies)
+    queries = sum(e.name == LANE_QUERY for e in evs)
+    if not queries:  # before c9adf4c: every item synchronizes as many events
+        if n == 0 or nwaits % n:
+            out["note"] = f"{nwaits} waits for {n} grad copies: not one item per copy, items not read"
+            return None
+        out["waits_per_item"] = nwaits // n
+        return [nwaits // n] * n
+    syncs = [e for e in evs if e.name == LANE_WAIT]
+    sizes = collections.Counter(c.bytes for c in copies)
+    piece = max((b for b, m in sizes.items() if m > 1), default=None)
+    later = [k > 0 and copies[k - 1].bytes == piece for k in range(n)]
+    out.update({"queries": queries, "synchronizes": len(syncs),
+                "synchronize_s": sum(e.end - e.start for e in syncs) * US, "ring_piece_bytes": piece,
+                "later_pieces": sum(later)})
+    counts = [1 if x else 2 for x in later]
+    if n == 0 or sum(counts) != nwaits:
+        out["note"] = (f"{nwaits} waits for {n} grad copies, {sum(later)} of them later pieces of a bucket: not two "
+                       "waits per item less one per later piece, items not read")
+        return None
+    return counts
 
 
 def _rates(items, grad_bytes_per_param: int, have_submits: bool) -> dict:
@@ -445,7 +506,12 @@ def _render_adam(a: dict, console) -> None:
         console.print(f"CPU AdamW lane: {a['note']}")
         return
     line = (f"CPU AdamW lane ({a['thread']}): {a['items']} items, {a['waits']} waits ({_ms(a['wait_s'])} ms waiting "
-            f"for copies)")
+            f"for copies")
+    if "queries" in a:
+        line += (f"; {a['queries']} cudaEventQuery, {a['synchronizes']} cudaEventSynchronize after one: "
+                 f"{_ms(a['synchronize_s'])} ms; {a['later_pieces']} later pieces of a bucket in ring pieces of "
+                 f"{a['ring_piece_bytes']} B")
+    line += ")"
     if "params" in a:
         line += f", {a['params'] / 1e9:.3f}e9 params"
     if "window_s" in a:

@@ -67,6 +67,80 @@ def synthetic() -> dict:
     return {"traceEvents": ev}
 
 
+def queried() -> dict:
+    """The same step as :func:`synthetic` with the CPU lane as traced since c9adf4c ([Note: reading the CPU lane
+    from its waits]): each wait a ``cudaEventQuery``, followed by a ``cudaEventSynchronize`` where the event was
+    not complete; five items (D2H copies of 4, 2, 2, 1 and 0.2 MB: one bucket of 4 MB, one crossing the ring in
+    pieces of 2 MB, 2 + 2 + 1, one of 0.2 MB), the later two pieces waiting for their grad copy only. Each item's
+    AdamW takes 20 us + 1e10 params/s; the fourth item's successor is submitted (1010) after its wait (848)."""
+    ev = [e for e in synthetic()["traceEvents"]
+          if e.get("tid") not in (LANE, D2H) and not (e.get("tid") == AUTOGRAD and e["name"] in
+                                                      ("offload::d2h", "cudaMemcpyAsync"))]
+    for start, end in ((270, 300), (300, 320), (320, 330), (330, 600), (1000, 1010)):
+        ev += [_x(AUTOGRAD, "user_annotation", "offload::d2h", start, end),
+               _x(AUTOGRAD, "cuda_runtime", "cudaMemcpyAsync", start + 1, start + 3)]
+    q, sync = "cudaEventQuery", "cudaEventSynchronize"
+    for name, start, end in ((q, 302, 303), (sync, 305, 382), (q, 383, 384),  # 2e6 params, ready at 384
+                             (q, 604, 605), (q, 605, 606),  # 1e6: its AdamW 220 us after 384; ready 606
+                             (q, 726, 727),  # a later piece (1e6): one wait
+                             (q, 847, 848),  # a later piece (5e5); its successor is submitted at 1010
+                             (q, 1011, 1012), (sync, 1012, 1016), (q, 1017, 1018)):  # 1e5; the main thread at 1300
+        ev.append(_x(LANE, "cuda_runtime", name, start, end))
+    for start, end, nbytes in ((300, 380, 4_000_000), (380, 420, 2_000_000), (420, 460, 2_000_000),
+                               (600, 620, 1_000_000), (1010, 1014, 200_000)):
+        ev += _copy(D2H, "d2h", start, end, nbytes)
+    return {"traceEvents": ev}
+
+
+def test_cpu_adam_lane_of_queries_and_later_pieces():
+    s = tt.summarise(queried())
+    assert [ln["tid"] for ln in s["lanes"] if ln["role"] == "cpu_adam"] == [LANE]
+    a = s["cpu_adam"]
+    assert a["found"] and (a["items"], a["waits"], a["queries"], a["synchronizes"]) == (5, 8, 8, 2)
+    assert (a["ring_piece_bytes"], a["later_pieces"]) == (2_000_000, 2) and "waits_per_item" not in a
+    # a query and the synchronize after it are one wait: 302-382 and 1011-1016
+    assert a["wait_s"] == pytest.approx(91e-6) and a["synchronize_s"] == pytest.approx(81e-6)
+    assert a["wait_by_position_s"] == pytest.approx([88e-6, 3e-6]) and a["first_s"] == pytest.approx(302e-6)
+    assert a["params"] == 4_600_000
+    assert (a["queued_items"], a["queued_params"], a["queued_s"]) == (3, 4_000_000, pytest.approx(460e-6))
+    rate = 4e6 / 460e-6
+    assert a["params_per_s_queued"] == pytest.approx(rate)
+    assert a["params_per_s_queued_median_large"] == pytest.approx(2e6 / 220e-6)  # the one item of >= 1 Mi params
+    assert (a["fit_per_item_s"], a["fit_params_per_s"]) == pytest.approx((20e-6, 1e10))
+    # not queued: the fourth item (gap 848-1011) and the last (gap 1018 to the main thread's 1300)
+    assert a["unqueued_items"] == 2 and a["unqueued_gap_s"] == pytest.approx((163 + 282) * 1e-6)
+    assert a["idle_est_s"] == pytest.approx(163e-6 - 5e5 / rate + 282e-6 - 1e5 / rate)
+    assert a["last_adam_end_at_most_s"] == pytest.approx(1300e-6) and a["window_s"] == pytest.approx(998e-6)
+    assert a["busy_est_s"] == pytest.approx(998e-6 - 91e-6 - a["idle_est_s"])
+
+
+def test_a_lane_of_queries_whose_count_does_not_check_is_not_read():
+    trace = queried()  # the second item's H2D wait dropped: 7 waits, where 5 items less 2 later pieces need 8
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if not (e.get("tid") == LANE and e["ts"] == 605)]
+    a = tt.summarise(trace)["cpu_adam"]
+    assert a["found"] and a["waits"] == 7 and a["later_pieces"] == 2
+    assert "not two waits per item less one per later piece" in a["note"] and "params_per_s_queued" not in a
+
+
+def test_a_thread_of_queries_is_the_lane_only_with_nothing_but_its_waits():
+    for extra in (_x(LANE, "cuda_runtime", "cudaEventSynchronize", 250, 260),  # a synchronize after no query
+                  _x(LANE, "cuda_runtime", "cudaStreamSynchronize", 1100, 1101)):  # not a wait of the lane
+        trace = queried()
+        trace["traceEvents"].append(extra)
+        s = tt.summarise(trace)
+        assert [ln["role"] for ln in s["lanes"] if ln["tid"] == LANE] == ["other"]
+        assert not s["cpu_adam"]["found"]
+
+
+def test_cli_prints_a_lane_of_queries(capsys):
+    from rich.console import Console
+
+    tt.render("step", tt.summarise(queried()), Console(width=400))
+    printed = capsys.readouterr().out
+    assert "5 items, 8 waits" in printed and "8 cudaEventQuery, 2 cudaEventSynchronize after one" in printed
+    assert "2 later pieces of a bucket in ring pieces of 2000000 B" in printed and "fit over them: 20 us" in printed
+
+
 def test_lanes_phases_and_busy_times():
     s = tt.summarise(synthetic())
     lanes = {ln["role"]: ln for ln in s["lanes"]}
