@@ -119,8 +119,11 @@ def test_tied_gpt_fp32_departs_nowhere(device):
     uses (which would give it a second grad accumulator), so the planned steps follow the plan."""
     state, want, losses, ref_losses, stats, _ = _train_both(CASES["gpt"], device, 4)
     print(f"\ntied GPT fp32 on {torch.cuda.get_device_name()}: counters {stats['counters']}")
-    counters = stats["counters"]  # the one re-plan allowed: the first planned step's timing ([Note: timing compute])
-    assert counters["plan_departures"] == 0 and counters["replans"] == counters["compute_replans"] <= 1
+    # the one re-plan allowed: at the first planned step, for its timing ([Note: timing compute]) or its measured
+    # transients ([Note: transients])
+    counters = stats["counters"]
+    assert counters["plan_departures"] == 0
+    assert counters["replans"] == counters["compute_replans"] + counters["transient_replans"] <= 1
     _close(state, want)
 
 

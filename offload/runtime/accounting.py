@@ -25,10 +25,14 @@ Both are measured against the window's peak, never against the accounting at tha
 allocations bound them, so nothing can be learnt that the process did not hold above what the plan counts.
 The larger joins ``headroom`` (``transients``: the learnt part, which the accounting holds from then on; it
 only grows): every later plan keeps it out of the budget, and once it is right later windows show no more.
-The traced first step teaches nothing (its accounting is the warm-up's, not a plan's). The first planned step
-does (``PlanExecutor.check_transients`` runs at the end of its backward), and ``step()`` plans again where the
-plan no longer fits beside it, as for a later, larger one. Where no plan keeps all of it out, the plan keeps
-what it can and says so (``PlanExecutor._build``): training that ran before still runs.
+The traced first step teaches nothing (its accounting is the warm-up's, not a plan's): at its end the largest
+storage saved for backward stands in (a loss's fp32 logits are about the size of its saved log-softmax), so
+the first plan does not fill the budget to the byte. The first planned step measures (``PlanExecutor.
+check_transients`` runs at the end of its backward): its figure replaces the stand-in, up or down, and
+``step()`` plans again (counted in ``transient_replans`` unless the compute timing re-plans at that step too);
+later it only grows, and ``step()`` plans again where the plan no longer fits beside it. Where no plan keeps
+all of it out, the plan keeps what it can and says so (``PlanExecutor._build``): training that ran before
+still runs.
 
 Measured on the H200 (run 6, benchmarks/results/2026-11-27-h200): gpt3-2.7b at 8 GiB, which ran out of memory
 in run 5, trained (0.945 s a step, peak 7.91 GiB); a first version, which took what was live at the backward's
@@ -37,7 +41,8 @@ gpt2-xl (whose allocator peak stood 0.41 GB over the accounting's in run 5), cut
 buckets from 386 to 239 and slowed its step from 0.53 to 0.80 s. What made that 3.0 GB is not known. This
 version has not run on a GPU.
 
-Not covered: the first planned step runs before its transients are known (it may go over); a window whose
+Not covered: the first planned step runs before its transients are measured (beside the stand-in only, it
+may go over); a window whose
 peak did not rise shows only what is live at its backward's first hook; the excess is measured against the
 window's peak, so a plan that moves its own peak to the instant of a transient goes over by the difference;
 what the traced step allocates and keeps (a cuBLAS workspace for a user's stream) counts as outside from then
@@ -80,6 +85,8 @@ class DeviceMemory:
         self.transients = 0
         self.live = 0  # the most allocated (less ``outside``) at a backward's first hook, in this window
         self.learning = True  # this window teaches (not the traced first step's)
+        # ``transients`` is the traced step's stand-in (True), measured (False), or nothing yet (None)
+        self.provisional: bool | None = None
         self.activation_peak = 0  # of the current step
         # Largest storage saved for backward (or that a checkpointed block would save) since wrap: off plan,
         # the room kept free for the next one to land in (see SlotTable.cache_limit).
@@ -140,24 +147,32 @@ class DeviceMemory:
     def window_ends(self, allocation: tuple[int, int] | None) -> int:
         """A backward ended: how far the process went above the accounting's peak of the window (at its
         backward's first hook, and at the allocator's peak if that rose in the window), beyond the transients
-        learnt already, now kept out of every later plan's budget as part of ``headroom``; 0 if none. See
-        [Note: transients]."""
+        learnt already, now kept out of every later plan's budget as part of ``headroom``: the change of
+        ``transients`` (0 if none; below 0 where the first measured window replaces the traced step's stand-in
+        by less). See [Note: transients]."""
         window, self.window_peak = self.window_peak, self.current
         live, self.live = self.live, 0
         if allocation is None or self.allocator_peak is None:
             return 0
         peak, seen = allocation[1], self.allocator_peak
         self.allocator_peak = max(seen, peak)
-        if not self.learning:
+        if not self.learning:  # the traced step: its largest saved storage stands in until a plan's window
+            if self.provisional is None:
+                self.provisional = True
+                return self._set_transients(self.largest_saved)
             return 0
-        # ``window`` holds the reserve learnt already: what the process held beyond it is its excess
-        need = max(self.transients, self.transients + live - window) if live else self.transients
+        # ``window`` holds the reserve learnt already (``transients``): what the process held beyond the rest
+        reserve = self.transients
+        excess = live - window + reserve if live else 0
         if peak > seen:  # else this window's own peak is not known, only that it was no higher than an earlier one
-            need = max(need, self.transients + peak - window - self.outside)  # ``window`` holds the reserve
-        gap = need - self.transients
-        if gap <= 0:
-            return 0
-        self.transients += gap
+            excess = max(excess, peak - self.outside - window + reserve)
+        if self.provisional:  # the first measured window replaces the stand-in, up or down
+            self.provisional = False
+            return self._set_transients(max(0, excess))
+        return self._set_transients(excess) if excess > reserve else 0
+
+    def _set_transients(self, nbytes: int) -> int:
+        gap, self.transients = nbytes - self.transients, nbytes
         self.add("headroom", gap)
         return gap
 

@@ -120,6 +120,7 @@ def _new_stats() -> dict[str, int]:
             "eval_plans_built": 0, "h2d_bytes": 0, "d2h_bytes": 0,
             "fast_steps": 0,  # training steps that ran the fast path (offload/runtime/fast_path.py)
             "timed_steps": 0, "compute_replans": 0,  # [Note: timing compute] in runtime/executor.py
+            "transient_replans": 0,  # [Note: transients] in runtime/accounting.py
             # issue 20, [Note: weights gathered on the device]: the copies of the weights' gathers (the CPU lane's
             # thread counts them: apart from h2d_bytes and d2h_bytes, which the main thread counts)
             "gather_h2d_bytes": 0, "gather_d2h_bytes": 0,

@@ -387,15 +387,19 @@ class PlanExecutor:
             self.evals.record(trace, self.slots.buckets)
 
     def check_transients(self) -> None:
-        """A backward ended: learn what the allocator's peak says the accounting missed ([Note: transients] in
-        accounting.py); if the training plan no longer fits beside it, plan again at ``step()``."""
+        """A backward ended: learn what the allocator says the accounting missed ([Note: transients] in
+        accounting.py); if the training plan no longer fits beside it, or keeps more than it needs now that
+        the traced step's stand-in is measured, plan again at ``step()``."""
         ctx = self.ctx
         gap = ctx.memory.window_ends(ctx.backend.allocated_bytes())
         if not gap:
             return
-        self.evals.plans.clear()  # forward-only plans were laid out without it
+        self.evals.plans.clear()  # forward-only plans were laid out with the reserve as it was
         plan = self.train_plan
-        if plan is not None and plan.peak_bytes - plan.headroom_bytes + ctx.memory.parts["headroom"] > ctx.budget:
+        # plan again where the plan no longer fits beside the reserve, or where the traced step's stand-in was
+        # replaced by less (the plan would keep room it does not need for as long as it lasts)
+        if plan is not None and (gap < 0 or plan.peak_bytes - plan.headroom_bytes + ctx.memory.parts["headroom"]
+                                 > ctx.budget):
             self.refit = True
 
     def agree(self, replan: bool) -> None:
@@ -410,6 +414,8 @@ class PlanExecutor:
         trace = self.trace
         refit, self.refit = self.refit and self.train_plan is not None, False
         if (self.train_plan is None or self.stale or refit) and trace is not None and trace.complete:
+            if refit and not self.stale:
+                self.ctx.stats["transient_replans"] += 1  # the re-plan's only cause ([Note: transients])
             self.replan(trace, recompute)  # brings every resident bucket in afresh
         else:
             self.refresh(updated, in_step=True)

@@ -350,8 +350,10 @@ def test_eval_on_a_different_path_keeps_the_training_plan(device):
     # the plain path's plan and then has its own. Training keeps its plan throughout.
     assert stats["counters"]["eval_plans_built"] == 2
     assert stats["counters"]["plan_departures"] == 1
-    # on CUDA the first planned step is timed and may plan again ([Note: timing compute]); nothing else does
-    assert stats["plan"]["replans"] == stats["counters"]["compute_replans"] <= (0 if device == "cpu" else 1)
+    # on CUDA the first planned step is timed and may plan again ([Note: timing compute]), or its measured
+    # transients replace the traced step's stand-in ([Note: transients]): one re-plan at most; nothing else does
+    c = stats["counters"]
+    assert stats["plan"]["replans"] == c["compute_replans"] + c["transient_replans"] <= (0 if device == "cpu" else 1)
     assert stats["device_peak_bytes"] <= stats["budget_bytes"]
 
 

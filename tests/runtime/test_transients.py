@@ -120,7 +120,10 @@ def _train(monkeypatch, budget: int, spikes, outside=lambda step: 0, steps: int 
 
 
 BUDGET = NBYTES * 6 // 10  # a plan streams, and fills its budget to within a few buckets
-LIVE = NBYTES // 6  # without a reserve for it, the planned steps go over BUDGET by about 12 KiB
+# Without a reserve for it, the planned steps go over BUDGET by about 110 KB; its excess over the accounting's
+# peak is more than any plan of this model leaves free under the budget, whatever compute times the plan was
+# made from (plans follow the measured times, which vary with the load: a smaller one left some plans room).
+LIVE = NBYTES // 3
 
 
 def _not_learning(monkeypatch) -> None:
@@ -132,18 +135,22 @@ def _not_learning(monkeypatch) -> None:
 
 
 def test_a_live_transient_is_kept_out_of_the_plans(monkeypatch):
-    """What a backward holds beyond the accounting, over the accounting's own peak, is learnt in the first planned
-    step (the traced one teaches nothing), and step() plans again beside it: no later step's allocator peak goes
-    over the budget (every one did before), and the plan's headroom is the learnt reserve."""
+    """The first plan keeps the traced step's stand-in (its largest saved storage) out of the budget; what a
+    backward holds over the accounting's own peak is measured in the first planned step, replaces it, and step()
+    plans again beside it: no later step's allocator peak goes over the budget (every one did before), and the
+    plan's headroom is the learnt reserve. With no transient the measure replaces the stand-in by 0."""
     base_losses, base, _ = _train(monkeypatch, BUDGET, lambda step: 0)
     losses, stats, backend = _train(monkeypatch, BUDGET, lambda step: 0, live=lambda step: LIVE)
     learnt = [s["transient_bytes"] for s in stats]
-    assert learnt[0] == 0 and 0 < learnt[1] <= LIVE and learnt[1:] == [learnt[1]] * (STEPS - 1)
+    seed = backend.memory.largest_saved  # the traced step's stand-in (a storage of the model's activations)
+    assert learnt[0] == seed == stats[0]["plan"]["headroom_bytes"] > 0  # the first plan keeps it out
+    assert seed < learnt[1] <= LIVE and learnt[1:] == [learnt[1]] * (STEPS - 1)
+    assert stats[0]["plan"]["planned_peak_bytes"] - seed + learnt[1] > BUDGET  # the plan no longer fits
     assert stats[1]["plan"]["replans"] == stats[0]["plan"]["replans"] + 1
     assert stats[-1]["plan"]["headroom_bytes"] == learnt[1]  # the CPU backend's own headroom is 0
     assert stats[-1]["plan"]["planned_peak_bytes"] <= BUDGET
     assert max(backend.peaks[2:]) <= BUDGET  # every step after the one that taught it
-    assert base[-1]["transient_bytes"] == 0 and base[-1]["plan"]["headroom_bytes"] == 0
+    assert [s["transient_bytes"] for s in base] == [seed] + [0] * (STEPS - 1)  # measured: none
     assert losses == base_losses  # another plan, the same arithmetic
     _not_learning(monkeypatch)
     _, _, before = _train(monkeypatch, BUDGET, lambda step: 0, live=lambda step: LIVE)
@@ -155,7 +162,8 @@ def test_a_plan_that_outgrows_a_later_transient_is_planned_again(monkeypatch):
     base_losses, _, _ = _train(monkeypatch, BUDGET, lambda step: 0)
     losses, stats, backend = _train(monkeypatch, BUDGET, lambda step: 0, live=lambda step: LIVE if step >= 4 else 0)
     learnt = [s["transient_bytes"] for s in stats]
-    assert learnt[:4] == [0] * 4 and learnt[4] > 0 and learnt[4:] == [learnt[4]] * (STEPS - 4)
+    assert learnt[1:4] == [0] * 3 and learnt[4] > 0 and learnt[4:] == [learnt[4]] * (STEPS - 4)
+    assert stats[3]["plan"]["planned_peak_bytes"] + learnt[4] > BUDGET  # the plan no longer fits
     assert stats[4]["plan"]["replans"] == stats[3]["plan"]["replans"] + 1
     assert stats[-1]["plan"]["planned_peak_bytes"] <= BUDGET
     assert max(backend.peaks[5:]) <= BUDGET
@@ -177,7 +185,7 @@ def test_bytes_a_user_holds_outside_the_engine_are_not_its_transients(monkeypatc
     """A tensor the user put on the device (held from step 3 on) raises the allocator's peak, but it was there
     when the forward began: nothing is learnt, and the plan stays."""
     _, stats, _ = _train(monkeypatch, BUDGET, lambda step: 0, outside=lambda step: NBYTES if step >= 3 else 0)
-    assert [s["transient_bytes"] for s in stats] == [0] * STEPS
+    assert [s["transient_bytes"] for s in stats][1:] == [0] * (STEPS - 1)  # after the traced step's stand-in
     assert stats[-1]["plan"]["replans"] == stats[2]["plan"]["replans"]
 
 
