@@ -70,21 +70,21 @@ elements (``GradPipeline.gather_bucket``). What this changes, and why it is safe
 * what a user's hook sees: between its arrival and its bucket's last grad a parameter shows its grad in
   ``p.grad`` (as plain torch would), where it showed None before.
 
-[Note: sent after backward] (issue 17, the hot path) Where the CPU lane runs its work on the thread that issues
-it (the CPU backend's inline mode, the users' default there: [Note: inline copies] in backend/cpu.py), sending a
-bucket at its last grad overlaps nothing: the copies and the AdamW run on autograd's thread between its nodes,
-and only evict backward's working set from the caches. So there (``allows``: ``at_end``, and only where all of
-the grads held at once fit the budget beside the plan's peak) every grad of a fast step waits in ``p.grad``, the
-closing ones too, and the runtime sends the complete buckets at the end of backward (``complete``, from
-``Runtime._gather_waiting``), in the order their last grads came, each by the same routine ([Note: one routine
-per fast bucket] in bucket_send.py): the same copies and updates in the same order, after the same waits, later.
-A departure sends the complete ones first, as the end of backward does, then the rest grad by grad as before.
-What changes: the accounted peak holds all of the grads at once (``DeviceMemory.passing``), and a user's grad hook
-sees every earlier grad still in ``p.grad``, as plain torch shows it. Measured on the 200-module MLP of
-``benchmarks/overhead.py`` (AMD EPYC VM): ~0.2 ms of CPU a step less (overhead-profile.md, section 14); the same
-work moved after backward in plain torch (a copy of each bucket's grads and an AdamW-like pass, by hooks or
-after) costs 0.37 ms less there. On CUDA, and with the CPU backend's lanes on threads, nothing changes: the lane
-is a thread, and each bucket still goes at its last grad, overlapped with backward.
+[Note: sent after backward] (issue 17, the hot path) Where the CPU lane runs its work on the thread that issues it
+(the CPU backend's inline mode, the users' default there: [Note: inline copies] in backend/cpu.py), sending a bucket
+at its last grad overlaps nothing: the copies and the AdamW run on autograd's thread between its nodes, and only
+evict backward's working set from the caches. So there (``allows``: ``at_end``; with overlapped updates and no data
+parallel, and only where all of the grads held at once fit the budget beside the plan's peak) every grad of a fast
+step waits in ``p.grad``, the closing ones too, and the runtime sends the complete buckets at the end of backward
+(``complete``, from ``Runtime._gather_waiting``), in the order their last grads came, each by the same routine
+([Note: one routine per fast bucket] in bucket_send.py): the same copies and updates in the same order, after the
+same waits, later. A departure sends the complete ones first, as the end of backward does, then the rest grad by
+grad as before. What changes: the accounted peak holds all of the grads at once (``DeviceMemory.passing``), and a
+user's grad hook sees every earlier grad still in ``p.grad``, as plain torch shows it. Measured on the 200-module
+MLP of ``benchmarks/overhead.py`` (AMD EPYC VM): ~0.2 ms of CPU a step less (overhead-profile.md, section 14); the
+same work moved after backward in plain torch (a copy of each bucket's grads and an AdamW-like pass, by hooks or
+after) costs 0.37 ms less there. On CUDA, and with the CPU backend's lanes on threads, nothing changes: the lane is
+a thread, and each bucket still goes at its last grad, overlapped with backward.
 """
 
 from __future__ import annotations
@@ -213,9 +213,10 @@ class FastPath:
 
     def _at_end(self, plan: Plan, closes: dict[int, Closing] | None) -> bool:
         """Whether a fast step's buckets are sent after backward ([Note: sent after backward]): where the CPU
-        lane runs its work on the thread that issues it (nothing would overlap backward) and all of the grads
-        held at once fit the budget beside the plan's peak."""
-        if closes is None or not self.ctx.cpu.inline:
+        lane runs its work on the thread that issues it (nothing would overlap backward), the buckets go by the
+        one routine (overlapped updates, no data parallel: bucket_send.py), and all of the grads held at once
+        fit the budget beside the plan's peak."""
+        if closes is None or not self.ctx.cpu.inline or self.grads.deferred or self.ctx.dp is not None:
             return False
         held = sum(c[2] for c in closes.values())
         return plan.peak_bytes - plan.trace.max_grad_bytes + held <= plan.budget_bytes
