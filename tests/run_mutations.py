@@ -30,6 +30,9 @@ _DP = "tests/distributed/test_data_parallel.py::test_a_forward_between_backward_
 _DEV = "tests/distributed/test_device_reduce.py::test_two_ranks_reduced_on_the_simulated_gpu"
 _CLIP = "tests/distributed/test_data_parallel.py::test_torch_clip_grad_norm_on_p_grad_sees_the_average_over_ranks"
 _FAST = "tests/runtime/test_fast_path.py::test_fast_steps_on_the_simulated_gpu_order_the_refresh_after_backward"
+# the routine's own simulated-GPU test, the fast path's, and the usual set
+_SEND = ["tests/runtime/test_bucket_send.py::test_on_the_simulated_gpu_a_fast_steps_buckets_go_by_the_routine_as_by_"
+         "the_cpu_backend", f"{_FAST}[overlap]", "TESTS"]
 # issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
@@ -249,6 +252,30 @@ MUTATIONS = [
      "        self.ctx.stats[\"plan_departures\"] += 1\n        with torch.no_grad():\n"
      "            for move_out in self._leaving:", [f"{_FAST}[overlap]", f"{_FAST}[deferred]",
                                                "tests/runtime/test_fast_departure_sim.py", "TESTS"]),
+    # -- a fast step's bucket sent by one routine ([Note: one routine per fast bucket], bucket_send.py) --------
+    ("S1", "a fast bucket's grad slot is refilled before its previous occupant's copy/compute (slot reuse)",
+     "offload/runtime/bucket_send.py",
+     "        for j in r.after:\n            if j in done:\n                backend.wait(done[j])",
+     "        for j in r.after:\n            pass", _SEND),
+    ("S2", "a fast bucket's grad slot is used without waiting for the boundary", "offload/runtime/bucket_send.py",
+     "        backend.wait(slots.boundary)\n        rec.exclude_end()", "        rec.exclude_end()", _SEND),
+    ("S3", "a fast bucket's grad D2H does not wait for the compute that wrote the slot (compute->D2H)",
+     "offload/runtime/bucket_send.py",
+     "waits = [backend.record()] if last is None else [backend.record(), last]",
+     "waits = [] if last is None else [last]", _SEND),
+    ("S4", "a fast bucket's grad D2H does not wait for the bucket's previous AdamW (it read the host grads)",
+     "offload/runtime/bucket_send.py",
+     "waits = [backend.record()] if last is None else [backend.record(), last]", "waits = [backend.record()]",
+     _SEND),
+    ("S5", "a fast bucket's grad slot's reuse does not wait for its D2H (slot reuse)", "offload/runtime/bucket_send.py",
+     "        slots.done[r.k] = d2h", "        pass", _SEND),
+    ("S6", "a fast bucket's AdamW reads the host grads before their D2H (D2H->CPU AdamW)",
+     "offload/runtime/bucket_send.py", "[d2h] if h2d is None else [d2h, h2d]", "[] if h2d is None else [h2d]", _SEND),
+    ("S7", "a fast bucket's AdamW rewrites its host copy while its H2D may read it", "offload/runtime/bucket_send.py",
+     "[d2h] if h2d is None else [d2h, h2d]", "[d2h]", _SEND),
+    ("S8", "a fast bucket's grad D2H does not wait for the ring bytes' previous CPU-lane reader ([Note: grad staging "
+     "ring])", "offload/runtime/bucket_send.py", "after = [*waits, *landing.after]", "after = [*waits]",
+     [*_SEND, "tests/runtime/test_chaos.py::test_one_slot_grad_ring_bitwise_equal_under_chaos"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

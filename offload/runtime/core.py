@@ -284,7 +284,7 @@ class Runtime:
                 self.grads.gather_in_order(p, param)
             else:  # [Note: one hook's work per bucket]: wait in p.grad for the bucket's last grad
                 closing = closes.get(p)
-                if closing is not None:
+                if closing is not None and not fast.at_end:  # [Note: sent after backward] (fast_path.py)
                     self.grads.gather_bucket(*closing)
             return
         if fast.on:
@@ -307,6 +307,11 @@ class Runtime:
     def _gather_waiting(self) -> None:
         """The grads a fast step left in ``p.grad`` for their bucket's last grad, gathered now, in the order
         they came, as each would have been when it came ([Note: one hook's work per bucket])."""
+        complete = self.fast.complete()  # [Note: sent after backward]: whole buckets first, their grads held at once
+        if complete:
+            self.ctx.memory.passing(sum(c[2] for c in complete))
+            for closing in complete:
+                self.grads.gather_bucket(*closing)
         params, gather = self.ctx.params, self.grads.gather_in_order
         for q in self.fast.waiting():
             gather(q, params[q])

@@ -69,6 +69,22 @@ elements (``GradPipeline.gather_bucket``). What this changes, and why it is safe
   rest: ``Runtime.abort_backward``);
 * what a user's hook sees: between its arrival and its bucket's last grad a parameter shows its grad in
   ``p.grad`` (as plain torch would), where it showed None before.
+
+[Note: sent after backward] (issue 17, the hot path) Where the CPU lane runs its work on the thread that issues it
+(the CPU backend's inline mode, the users' default there: [Note: inline copies] in backend/cpu.py), sending a bucket
+at its last grad overlaps nothing: the copies and the AdamW run on autograd's thread between its nodes, and only
+evict backward's working set from the caches. So there (``allows``: ``at_end``; with overlapped updates and no data
+parallel, and only where all of the grads held at once fit the budget beside the plan's peak) every grad of a fast
+step waits in ``p.grad``, the closing ones too, and the runtime sends the complete buckets at the end of backward
+(``complete``, from ``Runtime._gather_waiting``), in the order their last grads came, each by the same routine
+([Note: one routine per fast bucket] in bucket_send.py): the same copies and updates in the same order, after the
+same waits, later. A departure sends the complete ones first, as the end of backward does, then the rest grad by
+grad as before. What changes: the accounted peak holds all of the grads at once (``DeviceMemory.passing``), and a
+user's grad hook sees every earlier grad still in ``p.grad``, as plain torch shows it. Measured on the 200-module
+MLP of ``benchmarks/overhead.py`` (AMD EPYC VM): ~0.2 ms of CPU a step less (overhead-profile.md, section 14); the
+same work moved after backward in plain torch (a copy of each bucket's grads and an AdamW-like pass, by hooks or
+after) costs 0.37 ms less there. On CUDA, and with the CPU backend's lanes on threads, nothing changes: the lane is
+a thread, and each bucket still goes at its last grad, overlapped with backward.
 """
 
 from __future__ import annotations
@@ -130,15 +146,16 @@ Closing = tuple[int, tuple[int, ...], int]  # a bucket, its parameters in the pl
 class _Allowed:
     """What ``FastPath.allows`` found for one plan (computed once per plan)."""
 
-    __slots__ = ("plan", "ok", "grad_keys", "closes", "waiters")
+    __slots__ = ("plan", "ok", "grad_keys", "closes", "at_end", "waiters")
 
     def __init__(self, plan: Plan, ok: bool, grad_keys: tuple[int, ...], closes: dict[int, Closing] | None,
-                 params: Sequence[torch.nn.Parameter]) -> None:
-        self.plan, self.ok, self.grad_keys, self.closes = plan, ok, grad_keys, closes
+                 at_end: bool, params: Sequence[torch.nn.Parameter]) -> None:
+        self.plan, self.ok, self.grad_keys, self.closes, self.at_end = plan, ok, grad_keys, closes, at_end
         # per position in grad_keys: the parameter whose grad only waits there (None: it closes a bucket, or
-        # every grad is gathered as it comes); one None past the end ([Note: one hook's work per bucket])
+        # every grad is gathered as it comes); one None past the end ([Note: one hook's work per bucket]).
+        # ``at_end``: every grad waits, its bucket sent at the end of backward ([Note: sent after backward])
         self.waiters: tuple[torch.nn.Parameter | None, ...] = (
-            tuple(None if closes is None or k in closes else params[k] for k in grad_keys) + (None,))
+            tuple(None if closes is None or (k in closes and not at_end) else params[k] for k in grad_keys) + (None,))
 
 
 class FastPath:
@@ -165,6 +182,7 @@ class FastPath:
         self._pos = 0  # next GRAD event of the plan
         # this step's last grad of each bucket -> what to gather then; None: each grad gathered as it comes
         self.closes: dict[int, Closing] | None = None
+        self.at_end = False  # this step's buckets are sent after its backward ([Note: sent after backward])
         self.departed = False
         # The parameter whose grad is the plan's next one and only waits in p.grad: set (``arm``) once a fast
         # step's backward began, kept in step with the position, None otherwise. The grad hook compares its
@@ -189,8 +207,19 @@ class FastPath:
               and all(e.kind is not EventKind.RECOMPUTE for e in trace.events)
               and len(set(grads)) == len(grads) and set(grads) == set(self._trainable)
               and set(self._trainable) <= set(trace.touched))
-        self._allowed = _Allowed(plan, ok, grads, self._closings(plan, grads) if ok else None, self.ctx.params)
+        closes = self._closings(plan, grads) if ok else None
+        self._allowed = _Allowed(plan, ok, grads, closes, self._at_end(plan, closes), self.ctx.params)
         return self._allowed
+
+    def _at_end(self, plan: Plan, closes: dict[int, Closing] | None) -> bool:
+        """Whether a fast step's buckets are sent after backward ([Note: sent after backward]): where the CPU
+        lane runs its work on the thread that issues it (nothing would overlap backward), the buckets go by the
+        one routine (overlapped updates, no data parallel: bucket_send.py), and all of the grads held at once
+        fit the budget beside the plan's peak."""
+        if closes is None or not self.ctx.cpu.inline or self.grads.deferred or self.ctx.dp is not None:
+            return False
+        held = sum(c[2] for c in closes.values())
+        return plan.peak_bytes - plan.trace.max_grad_bytes + held <= plan.budget_bytes
 
     def _closings(self, plan: Plan, grads: tuple[int, ...]) -> dict[int, Closing] | None:
         """Per bucket's last grad in the plan's order: the bucket, its grads in that order and their bytes
@@ -271,6 +300,7 @@ class FastPath:
         allowed = self.allows(plan)
         self._grad_keys = allowed.grad_keys
         self.closes = allowed.closes
+        self.at_end = allowed.at_end
         self._waiters = allowed.waiters
         executor.recorder.touched = self._trainable
         self.ctx.stats["fast_steps"] += 1
@@ -321,6 +351,15 @@ class FastPath:
         received, bucket_of = self.grads.received, self.slots.bucket_of
         got = [p for p in self._grad_keys[:pos] if p not in received.get(bucket_of[p], ())]
         return got
+
+    def complete(self) -> list[Closing]:
+        """[Note: sent after backward]: the buckets whose grads all came in the plan's order and wait in
+        ``p.grad``, in the order their last grads came; the caller sends them (before :meth:`waiting`'s rest)."""
+        closes, pos = self.closes, self._pos
+        if not self.at_end or closes is None or not self.on or self.departed:
+            return []
+        finished = self.grads.finished
+        return [c for c in map(closes.get, self._grad_keys[:pos]) if c is not None and c[0] not in finished]
 
     def grad(self, p: int) -> None:
         """Parameter ``p``'s grad arrives (before it is gathered): in the plan's order, or the step departs."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import InvariantError, OffloadError
+from .bucket_send import FastSend
 from .clipping import clip_gathered, norms_on_host
 from .device_optim import DeviceOptimizer, Postponed, streamed_reads_after_update
 from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
@@ -68,6 +69,7 @@ class GradPipeline:
         self.sums = GatheredSums(self)  # the sums, norms and clip factor as p.grad and data parallel see them
         self.exposure = Exposure(ctx, self)  # issue 19: the gathered grads in p.grad (plain_grads.py)
         self.device = DeviceOptimizer(ctx, slots, executor)  # issue 18: updates on the device (device_optim.py)
+        self.fast_send = FastSend(self)  # issue 17: a fast step's bucket sent by one routine (bucket_send.py)
         self.device.on_host = lambda x: self._submit_update(x.bucket, x.params, x.ready, x.hparams, x.factors, x.grads)
         self._late: tuple[object, frozenset[int]] | None = None  # (plan, streamed_reads_after_update): once a plan
         self.reset_step()
@@ -124,7 +126,7 @@ class GradPipeline:
             self._late = cached = (plan, streamed_reads_after_update(plan))
         return cached[1]
 
-    def _holds(self, b: int) -> bool:
+    def holds(self, b: int) -> bool:
         """Bucket ``b``'s update waits for the end of this backward (``release_held``)."""
         return self.held is not None and (self.hold_only is None or b in self.hold_only)
 
@@ -200,6 +202,8 @@ class GradPipeline:
         once, counted in the peak), then sent. A slot without cached views goes grad by grad, as gather."""
         if b in self.finished:
             raise OffloadError(SECOND_BACKWARD)
+        if (route := self.fast_send.route(b, ps, nbytes)) is not None:  # [Note: one routine per fast bucket]
+            return self.fast_send.send(route)
         params = self.ctx.params
         grads = [g for g in (params[q].grad for q in ps) if g is not None]
         if len(grads) != len(ps):
@@ -274,7 +278,7 @@ class GradPipeline:
             ctx.backend.wait(slots.boundary)
             rec.exclude_end()
             view = executor.arena_view(x.offset, n)
-            self.param_views[b] = executor.arena_views(("grads", b, k), lambda: self._views_of(b, view))
+            self.param_views[b] = executor.arena_views(("grads", b, k), lambda: self.views_of(b, view))
         else:
             slots.make_room(n * ctx.itemsize, b)
             view = ctx.backend.empty(n * ctx.itemsize).view(ctx.dtype)
@@ -288,7 +292,7 @@ class GradPipeline:
         self.gathering[b] = GradSlot(view, k)
         return view
 
-    def _views_of(self, b: int, view: torch.Tensor) -> dict[int, torch.Tensor]:
+    def views_of(self, b: int, view: torch.Tensor) -> dict[int, torch.Tensor]:
         """Bucket ``b``'s parameters in its grad slot ``view`` (a plan buffer), each shaped as the parameter."""
         off, specs, params = self.slots.hosted().offset, self.ctx.specs, self.ctx.params
         return {p: view[off[p]: off[p] + specs[p].numel].view(params[p].shape)
@@ -318,7 +322,7 @@ class GradPipeline:
         ctx.stats["d2h_bytes"] += nbytes
         first = earlier is None
         # The issue-18 first step's held grads are copied out whole, whatever pieces they crossed in.
-        kept = host.hold(view.numel(), view.dtype) if self._holds(b) else None
+        kept = host.hold(view.numel(), view.dtype) if self.holds(b) else None
         spans = host.chunks(b, first)  # [Note: chunked grad staging] in buckets.py
         for lo, hi in spans:
             ready, d2h = self._copy_piece(b, got, view, waits, earlier, lo, hi, last=hi == spans[-1][1],
@@ -342,7 +346,7 @@ class GradPipeline:
         self.copies.append(d2h)
         self._slot_free_after(d2h, view, k)  # the copy came after the reduce-scatter
         self.pending[b] = PendingGrads(got, d2h)
-        if self._holds(b) and self.held is not None:  # issue 18: the first step's update waits for its plan
+        if self.holds(b) and self.held is not None:  # issue 18: the first step's update waits for its plan
             self.held.append((b, got, d2h, None))  # (release_held), as a weight read after the update does
         else:
             self._submit_update(b, got, d2h)

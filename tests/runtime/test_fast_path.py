@@ -518,6 +518,16 @@ def test_a_grad_slot_the_bucket_fills_whole_is_not_cleared_first(width):
             view.fill_(float("nan"))
         return view
     grads._grad_slot = spy
+    send = grads.fast_send  # [Note: one routine per fast bucket]: its slot, taken the same way
+    send_slot = send._slot
+
+    def send_spy(r):
+        view, views = send_slot(r)
+        cleared.append(not r.whole)
+        if r.whole:
+            view.fill_(float("nan"))
+        return view, views
+    send._slot = send_spy
     try:
         losses, ref_losses = [], []
         for step in range(6):

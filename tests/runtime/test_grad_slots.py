@@ -86,8 +86,29 @@ class _SlotWaits:
                 self.waited.append((self.taking, self.copy_of[id(event)]))
             return wait(event)
 
+        # a fast step's bucket is taken and sent by one routine ([Note: one routine per fast bucket]): the same
+        # slot waits and copies, seen through its two methods
+        fast_send = grads.fast_send
+        send, send_slot = fast_send.send, fast_send._slot
+
+        def spy_send(r):
+            self.finishing = r.b
+            try:
+                return send(r)
+            finally:
+                self.finishing = None
+
+        def spy_send_slot(r):
+            self.taking = r.b
+            try:
+                return send_slot(r)
+            finally:
+                self.taking = None
+
         monkeypatch.setattr(grads, "finish", spy_finish)
         monkeypatch.setattr(grads, "_grad_slot", spy_grad_slot)
+        monkeypatch.setattr(fast_send, "send", spy_send)
+        monkeypatch.setattr(fast_send, "_slot", spy_send_slot)
         monkeypatch.setattr(backend, "d2h", spy_d2h)
         monkeypatch.setattr(backend, "wait", spy_wait)
 
