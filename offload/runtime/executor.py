@@ -482,8 +482,9 @@ class PlanExecutor:
             if short != self._short_said:
                 self._short_said = short
                 warnings.warn(
-                    f"offload: no plan keeps all {format_bytes(memory.transients)} of the transients measured "
-                    f"(what forward and backward allocate beyond the plan: [Note: transients] in "
+                    f"offload: no plan keeps all {format_bytes(memory.transients)} of the transients (what forward "
+                    f"and backward allocate beyond the plan, measured or, before the first planned step, estimated "
+                    f"as the largest saved activation: [Note: transients] in "
                     f"offload/runtime/accounting.py) out of the budget of {format_bytes(ctx.budget)}; this one keeps "
                     f"{format_bytes(memory.transients - short)}, so the device may go over the budget by up to "
                     f"{format_bytes(short)}. A larger budget, or activation checkpointing, makes room.",
