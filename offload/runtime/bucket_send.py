@@ -46,6 +46,21 @@ if TYPE_CHECKING:
 _is_none = partial(operator.is_, None)
 
 
+def copy_into_slot(params, ps, views, grads: list[torch.Tensor], memory, nbytes: int) -> None:
+    """The grads of ``ps`` (held in ``p.grad``, in the plan's order) into their slot ``views`` with one
+    multi-tensor copy, their ``nbytes`` held at once for an instant (``memory.passing``), then out of ``p.grad``.
+    Shared by the general chain (``GradPipeline.gather_bucket``) and :meth:`FastSend.send`."""
+    memory.passing(nbytes)
+    dst = [views[q] for q in ps]
+    if torch.is_grad_enabled():  # backward(create_graph=True)
+        with torch.no_grad():
+            torch._foreach_copy_(dst, grads)
+    else:
+        torch._foreach_copy_(dst, grads)
+    for q in ps:
+        params[q].grad = None
+
+
 class Route:
     """What the plan fixed about sending bucket ``b`` on a fast step (see [Note: one routine per fast bucket])."""
 
@@ -134,16 +149,8 @@ class FastSend:
             raise InvariantError(f"bucket {b}: a grad of its plan's order is missing at its last grad")
         got = cast("list[torch.Tensor]", maybe)
         view, views = self._slot(r)
-        ctx.memory.passing(r.nbytes)
-        dst = [views[q] for q in ps]
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            with torch.no_grad():
-                torch._foreach_copy_(dst, got)
-        else:
-            torch._foreach_copy_(dst, got)
-        for q in ps:
-            params[q].grad = None
-        del maybe, got, dst
+        copy_into_slot(params, ps, views, got, ctx.memory, r.nbytes)
+        del maybe, got
         grads.received[b] = set(ps)
         grads.finished.add(b)
         # to the host: after the compute, the bucket's last update and the ring's earlier readers

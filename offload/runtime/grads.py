@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import InvariantError, OffloadError
-from .bucket_send import FastSend
+from .bucket_send import FastSend, copy_into_slot
 from .clipping import clip_gathered, norms_on_host
 from .device_optim import DeviceOptimizer, Postponed, streamed_reads_after_update
 from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
@@ -222,16 +222,8 @@ class GradPipeline:
                 for q in ps:
                     self.gather_in_order(q, params[q])
                 return
-        self.ctx.memory.passing(nbytes)
-        dst = [views[q] for q in ps]
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            with torch.no_grad():
-                torch._foreach_copy_(dst, grads)
-        else:
-            torch._foreach_copy_(dst, grads)
-        for q in ps:
-            params[q].grad = None
-        del grads, dst
+        copy_into_slot(params, ps, views, grads, self.ctx.memory, nbytes)
+        del grads
         got = self.received.setdefault(b, set())
         got.update(ps)
         if got >= self._expected(b):
