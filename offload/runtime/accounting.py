@@ -34,19 +34,22 @@ later it only grows, and ``step()`` plans again where the plan no longer fits be
 all of it out, the plan keeps what it can and says so (``PlanExecutor._build``): training that ran before
 still runs.
 
-Measured on the H200 (run 6, benchmarks/results/2026-11-27-h200): gpt3-2.7b at 8 GiB, which ran out of memory
-in run 5, trained (0.945 s a step, peak 7.91 GiB); a first version, which took what was live at the backward's
-first hook beyond the accounting at that instant and learnt in the traced step too, reserved 3.0 GB for
-gpt2-xl (whose allocator peak stood 0.41 GB over the accounting's in run 5), cut its resident
-buckets from 386 to 239 and slowed its step from 0.53 to 0.80 s. What made that 3.0 GB is not known. This
-version has not run on a GPU.
+Measured on the H200 (benchmarks/results/2026-11-27-h200): in run 6, gpt3-2.7b at 8 GiB, which ran out of memory
+in run 5, trained (0.945 s a step, peak 7.91 GiB). Runs 6 (a first version) and 7 (the one before this fix)
+reserved 3.0 and 2.84 GB for gpt2-xl (whose allocator peak stood 0.41 GB over the accounting's in run 5), which
+then streamed 147 and 379 of its 386 buckets: 0.80 and 0.78 s a step against 0.53. The cause: a fast step's
+accounting leaves its activations out ([Note: the fast path] in fast_path.py) while the allocator holds them, so
+its window took them (3.05 GB) for transients. A fast step's window teaches nothing now (its root call is that of
+a full step on the same plan, whose window measured): in run 8 gpt2-xl learnt 0.41 GB, kept every bucket resident
+(0.550 s a step), and gpt3-2.7b at 8 GiB trained within the budget (0.924 s a step, the device optimizer 0.721 s;
+peak 7.97 GiB).
 
 Not covered: the first planned step runs before its transients are measured (beside the stand-in only, it
 may go over); a window whose
 peak did not rise shows only what is live at its backward's first hook; the excess is measured against the
 window's peak, so a plan that moves its own peak to the instant of a transient goes over by the difference;
 what the traced step allocates and keeps (a cuBLAS workspace for a user's stream) counts as outside from then
-on; no-grad forwards end no window.
+on; no-grad forwards end no window; a fast step's transients beyond those of the full step it repeats.
 """
 
 from __future__ import annotations

@@ -352,8 +352,9 @@ class Runtime:
             executor.release_all()
         executor.choose(root, grad_enabled)  # [Note: forward-only plans]
         self._reset_step()
-        # [Note: transients] (accounting.py): the traced first step teaches nothing
-        ctx.memory.window_begins(ctx.backend.allocated_bytes(), learn=not ctx.phases.tracing)
+        # [Note: transients] (accounting.py): neither the traced first step nor a fast step (whose activations
+        # the accounting does not see) teaches
+        ctx.memory.window_begins(ctx.backend.allocated_bytes(), learn=not (ctx.phases.tracing or fast))
         ctx.phases.enter(Pass.FORWARD)
         self.grads.wait_for_copies()
         self.slots.mark_boundary()

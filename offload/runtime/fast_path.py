@@ -44,8 +44,9 @@ for the first step that is not fast), no use detector and no saved-tensor hooks.
   grads come in the planned order (a data-dependent loop count) keeps its resident weights correct but its
   activations are not measured; it is noticed only if its grads differ. Nor does it count activations at
   all: on the CPU backend (no allocator to ask) ``memory_stats()``'s accounted current bytes and parts leave
-  a fast step's activations out (the peak keeps what full steps measured), and ``export_timeline`` shows a
-  fast step's root call only.
+  a fast step's activations out (the peak keeps what full steps measured), a fast step's window learns no
+  transients (on CUDA it took its activations for some: [Note: transients] in accounting.py), and
+  ``export_timeline`` shows a fast step's root call only.
 
 [Note: one hook's work per bucket] (issue 17, the hot path) Per grad, the full work (a ``copy_`` into the slot,
 ``p.grad = None``, the completion test) cost ~8 us of Python per parameter on our CPU. On a fast step every

@@ -20,6 +20,7 @@ import offload.api
 from offload import OffloadWarning
 from offload.backend import CPUBackend
 from offload.runtime import accounting
+from offload.runtime.phases import Pass
 from tests.support.fake_cuda import use_backend
 
 STEPS = 8
@@ -38,10 +39,21 @@ class AllocatingCPU(CPUBackend):
         self.peak = 0  # since wrap (what the engine reads: it never resets it)
         self.step_peak = 0  # since the step began (what the test reads: ``peaks``, one per step)
         self.peaks: list[int] = []
+        self.runtime = None  # the engine's Runtime, set once wrapped: a fast step's activations are unaccounted
+        self.activations = 0  # the most activation bytes a full step's accounting held
 
     def _real(self) -> int:
         m = self.memory
-        return m.current - m.transients + self.outside + self.held
+        return m.current - m.transients + self.outside + self.held + self._unseen()
+
+    def _unseen(self) -> int:
+        """What a fast step's backward holds that its accounting does not (its activations: [Note: the fast
+        path]), as a full step's accounting measured them."""
+        rt = self.runtime
+        if rt is None or not rt.fast.on:
+            self.activations = max(self.activations, self.memory.parts["activations"])
+            return 0
+        return self.activations if rt.ctx.phases.current is Pass.BACKWARD else 0
 
     def _reached(self, nbytes: int) -> None:
         self.peak = max(self.peak, nbytes)
@@ -92,9 +104,11 @@ def _model() -> nn.Sequential:
 NBYTES = sum(p.numel() * 4 for p in _model().parameters())
 
 
-def _train(monkeypatch, budget: int, spikes, outside=lambda step: 0, steps: int = STEPS, live=lambda step: 0):
+def _train(monkeypatch, budget: int, spikes, outside=lambda step: 0, steps: int = STEPS, live=lambda step: 0,
+           fast_activations: bool = False):
     """Train at ``budget`` with ``spikes(step)`` unaccounted bytes for an instant and ``live(step)`` held through
-    each backward; the losses, the engine's memory_stats() per step, and the backend."""
+    each backward (and, with ``fast_activations``, a fast step's activations held unaccounted, as on CUDA); the
+    losses, the engine's memory_stats() per step, and the backend."""
     backend = AllocatingCPU()
     use_backend(monkeypatch, lambda device, chaos: backend)
     Spike.backend = backend
@@ -104,6 +118,8 @@ def _train(monkeypatch, budget: int, spikes, outside=lambda step: 0, steps: int 
     losses, stats = [], []
     with offload.wrap(model, opt, budget=budget, bucket_bytes=NBYTES // 10, device="cpu") as engine:
         backend.memory = engine._runtime.ctx.memory
+        if fast_activations:
+            backend.runtime = engine._runtime
         for step in range(steps):
             backend.spike, backend.outside, backend.live = spikes(step), outside(step), live(step)
             loss = engine(x).square().mean()
@@ -198,6 +214,17 @@ def test_transients_no_plan_keeps_out_are_kept_out_in_part_with_a_warning(monkey
     assert stats[-1]["transient_bytes"] > BUDGET // 2
     assert 0 < stats[-1]["plan"]["headroom_bytes"] < BUDGET and stats[-1]["plan"]["planned_peak_bytes"] == BUDGET
     assert losses == base_losses
+
+
+def test_a_fast_steps_unaccounted_activations_are_not_transients(monkeypatch):
+    """A fast step's accounting leaves its activations out ([Note: the fast path]) while the allocator holds them:
+    its window teaches nothing, or the activations would be reserved a second time (on the H200, run 7, gpt2-xl
+    at 8 GiB learnt 2.84 GB so, and streamed 379 of 386 buckets: 0.78 s a step against 0.55 s)."""
+    _, stats, backend = _train(monkeypatch, NBYTES * 4, lambda step: 0, fast_activations=True)
+    assert stats[-1]["plan"]["streamed_buckets"] == 0 and stats[-1]["counters"]["fast_steps"] >= STEPS - 3
+    assert backend.activations > 0  # held unaccounted by every fast step's backward
+    assert [s["transient_bytes"] for s in stats][1:] == [0] * (STEPS - 1)
+    assert stats[-1]["plan"]["replans"] == stats[1]["plan"]["replans"]
 
 
 class _GPT(nn.Module):
