@@ -521,8 +521,11 @@ int type_index(ScalarType t) { return static_cast<int>(t); }
 // the next chunk when it is done with its last. One equal run per worker (the split before issue 18) made
 // the whole update wait for its slowest worker, and inside a training step one worker shares a core with
 // autograd's or the launching thread (H200 runs 5, 7, 8: the lane reached 2.9-4.2e9 params/s where the
-// kernel alone does 5.2e9). A slowed worker now takes fewer chunks; benchmarks/cpu_adam.py --contend
-// measures both splits (benchmarks/results/cpu-2026-11-27/README.md).
+// kernel alone does 5.2e9). A slowed worker now takes fewer chunks. Measured on a 2-vCPU VM beside a busy
+// core (benchmarks/cpu_adam.py --contend; benchmarks/results/cpu-2026-11-27/README.md): 1.00-1.16x at 32 Mi
+// elements on 2 threads, within that machine's noise at 1-4 Mi. What the split cannot help: a worker that is
+// not running when a region starts holds it up all the same (every worker passes the region's barrier);
+// there libgomp's wait policy mattered far more (12 ms against 0.6 ms for 1 Mi with OMP_WAIT_POLICY=passive).
 // - Up to kChunksPerWorker chunks per worker, so the others wait for the last chunk of a slowed worker, not
 //   for its whole share. The count of chunks is a multiple of the workers, so that equally fast workers
 //   still finish together, as with one run each.

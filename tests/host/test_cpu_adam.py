@@ -288,7 +288,8 @@ def test_split_into_chunks_is_bitwise_the_reference(isa, grad_dtype, lowp_dtype)
             p, m, v = clones(p0, m0, v0)
             lowp = None if lowp0 is None else lowp0.clone()
             assert run_kernel(p, g, m, v, isa=isa, lowp=lowp, num_threads=threads, **kw) is False
-            for name, a, ref in (("param", p, rp), ("exp_avg", m, rm), ("exp_avg_sq", v, rv), ("lowp_out", lowp, rlowp)):
+            outputs = (("param", p, rp), ("exp_avg", m, rm), ("exp_avg_sq", v, rv), ("lowp_out", lowp, rlowp))
+            for name, a, ref in outputs:
                 same = a is None or torch.equal(a.view(INT_OF[a.element_size()]), ref.view(INT_OF[a.element_size()]))
                 if not same:  # (a fast check first: assert_bitwise takes ~60 ms on these sizes)
                     assert_bitwise(a, ref, f"{name}, n={n}, {threads} threads")
