@@ -530,9 +530,10 @@ int type_index(ScalarType t) { return static_cast<int>(t); }
 //   for its whole share. The count of chunks is a multiple of the workers, so that equally fast workers
 //   still finish together, as with one run each.
 // - A chunk is at least kMinChunk elements (128 KiB of each fp32 stream, ~0.9 MiB of traffic): long enough
-//   to stream. Measured on the 2-vCPU EPYC VM (chunk size forced, 32 Mi elements, 2 threads, no contention,
-//   medians of 31-61, two runs): against one run per worker chunks of 4 Ki elements cost 10 %, 16 Ki 3-12 %,
-//   32 Ki -2 to +5 %, 64 Ki to 1 Mi -8 to +2 % (the noise of this shared machine).
+//   to stream. Measured on the 2-vCPU EPYC VM (chunk size forced in a throwaway build, 32 Mi elements,
+//   2 threads, no spinner, load 0.9-2.0, medians of 31-61, one to three runs): against one run per worker,
+//   chunks of 4 Ki elements cost 10 %, 16 Ki 3-12 %, 32 Ki -2 to +5 %, 64 Ki to 1 Mi -8 to +2 % (the noise
+//   of this shared machine).
 // - Borders are multiples of a cache line of fp32 (16 elements), as before: no two workers write one line
 //   of master, m or v, and the fused AVX-512 loop's 32-byte alignment of the 16-bit copy is the same in
 //   every chunk as in the whole buffer.
