@@ -19,14 +19,23 @@ them alike; each case reports the median and the minimum, and the ratios of both
     python benchmarks/cpu_adam.py --json benchmarks/results/cpu-<date>/cpu_adam.json
 
 Goals (issue 6): (a) >= 1.8x faster than (b), >= 1.6x faster than (c), and >= 90 % of the bound.
+
+``--contend K`` (issue 18) times (a) alone and with K busy-spinning processes beside it, on 1..N threads,
+with the kernel's work split as it is (dynamic chunks) and as it was before issue 18 (one static run per
+worker, brought back by the private OFFLOAD_CPU_ADAM_STATIC_SPLIT=1), all cases interleaved call by call in
+one process (the spinners pause between contended calls). See [Note: work split under contention] in cpp/cpu_adam.cpp.
+
+    python benchmarks/cpu_adam.py --contend 1 --params 32Mi,4Mi --json .../cpu_adam-contend.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,8 +58,12 @@ def bytes_per_param(grad_dtype: torch.dtype) -> int:
 
 
 def parse_count(text: str) -> int:
+    """``50M`` (10**6), ``32Mi`` (2**20), ``1.5B``, ``4096``."""
     text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1], 1)
+    binary = text.endswith("I")
+    text = text.rstrip("I")
+    scale = ({"K": 2**10, "M": 2**20, "G": 2**30} if binary else
+             {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}).get(text[-1], 1)
     return int(float(text.rstrip("KMBG")) * scale)
 
 
@@ -155,19 +168,197 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
+# --- --contend: the kernel's work split beside busy cores (issue 18) ----------------------------------------
+
+SPLITS = {"static": "1", "dynamic": "0"}  # OFFLOAD_CPU_ADAM_STATIC_SPLIT: the split before issue 18, and now
+
+
+_STOP, _PAUSE, _SPIN = 0, 1, 2
+
+
+def _spin(state) -> None:
+    """A busy core while ``state`` says so: a pure-Python loop in its own process (it holds no lock this
+    process needs); paused, it sleeps."""
+    x = 0
+    while (now := state.value) != _STOP:
+        if now == _SPIN:
+            x += 1
+        else:
+            time.sleep(0.0005)
+
+
+class Spinners:
+    """K processes that spin beside the update while switched on, and sleep while paused, so that alone and
+    contended calls can be interleaved call by call (load from other processes then hits both alike).
+    Processes, not threads: a Python thread spinning in this process does run beside the kernel (it releases
+    the GIL), but the caller then waits up to sys.getswitchinterval() (5 ms) for the GIL back after every
+    call, which is not the kernel's time (see spinner_check)."""
+
+    def __init__(self, k: int):
+        self.state = multiprocessing.Value("i", _PAUSE, lock=False)
+        self.procs = [multiprocessing.Process(target=_spin, args=(self.state,), daemon=True) for _ in range(k)]
+
+    def __enter__(self) -> "Spinners":
+        for p in self.procs:
+            p.start()
+        return self
+
+    def spin(self, on: bool) -> None:
+        if self.state.value != (_SPIN if on else _PAUSE):
+            self.state.value = _SPIN if on else _PAUSE
+            time.sleep(0.003)  # a paused spinner wakes within 0.5 ms; a spinning one sees the pause at once
+
+    def __exit__(self, *exc) -> None:
+        self.state.value = _STOP
+        for p in self.procs:
+            p.join()
+
+
+def spinner_check(impl: Offload, threads: int) -> dict:
+    """Whether a pure-Python spinning *thread* runs while the kernel holds no GIL: its loop count advances
+    during the call (it could not if the kernel kept the GIL). Also times the call with that thread beside
+    at the default switch interval and at 0.1 ms, to show the GIL hand-back after the call."""
+    count, stop = [0], [False]
+
+    def spin() -> None:
+        while not stop[0]:
+            count[0] += 1
+
+    os.environ["OFFLOAD_CPU_ADAM_STATIC_SPLIT"] = SPLITS["dynamic"]
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    time.sleep(0.05)
+    out = {}
+    try:
+        for interval in (sys.getswitchinterval(), 1e-4):
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(interval)
+            try:
+                ms, advanced = [], []
+                for _ in range(5):
+                    before = count[0]
+                    t0 = time.perf_counter()
+                    impl.step(threads)
+                    ms.append((time.perf_counter() - t0) * 1e3)
+                    advanced.append(count[0] - before)
+            finally:
+                sys.setswitchinterval(old)
+            out[f"switch_interval_{interval:g}"] = {"median_ms": round(median(ms), 2),
+                                                    "spinner_loops_during_call": advanced}
+    finally:
+        stop[0] = True
+        th.join()
+    return out
+
+
+class Contended(Offload):
+    """(a) with an explicit thread count."""
+
+    def step(self, threads: int) -> None:  # type: ignore[override]
+        self.step_count += 1
+        adamw_step(self.p, self.grad, self.m, self.v, step=self.step_count, lowp_out=self.lowp, num_threads=threads,
+                   **HP)
+
+
+def time_round(impl: Contended, spinners: Spinners, thread_counts: list[int], times: dict, flip: bool) -> None:
+    """One call of every case: each thread count, alone and contended, each split (static then dynamic, or
+    the other way round when ``flip``: the second of two calls over the same buffers can find some of them
+    in cache)."""
+    for t in thread_counts:
+        for contended in (False, True):
+            spinners.spin(contended)
+            for name, flag in (reversed(SPLITS.items()) if flip else SPLITS.items()):
+                os.environ["OFFLOAD_CPU_ADAM_STATIC_SPLIT"] = flag
+                t0 = time.perf_counter()
+                impl.step(t)
+                times[(t, contended, name)].append((time.perf_counter() - t0) * 1e3)
+    spinners.spin(False)
+    os.environ.pop("OFFLOAD_CPU_ADAM_STATIC_SPLIT", None)
+
+
+def contend_main(args, console: Console, info: dict) -> int:
+    grad_dtype = DTYPES[args.grad_dtype]
+    max_threads = args.threads or os.cpu_count() or 1
+    thread_counts = list(range(1, max_threads + 1))
+    cases, rows, paired = [], [], []
+    for n in (parse_count(x) for x in args.params.split(",")):
+        impl = Contended(n, torch.randn(n).to(grad_dtype))
+        keys = [(t, c, name) for t in thread_counts for c in (False, True) for name in SPLITS]
+        times: dict = {k: [] for k in keys}
+        load_before = list(os.getloadavg())
+        with Spinners(args.contend) as spinners:
+            time_round(impl, spinners, thread_counts, {k: [] for k in keys}, False)  # warm-up: pages, pools
+            for r in range(args.repeats):
+                time_round(impl, spinners, thread_counts, times, flip=r % 2 == 1)
+        load_after = list(os.getloadavg())
+        for (t, contended, name), ms in times.items():
+            med = median(ms)
+            cases.append({"params": n, "grad_dtype": args.grad_dtype, "spinners": args.contend if contended else 0,
+                          "threads": t, "split": name, "median_ms": round(med, 3), "min_ms": round(min(ms), 3),
+                          "params_per_s": round(n / med * 1e3), "times_ms": [round(x, 3) for x in ms],
+                          "load_before": load_before, "load_after": load_after})
+        for t in thread_counts:  # paired: the static call over the dynamic call next to it, per round
+            for contended in (False, True):
+                pairs = [a / b for a, b in zip(times[(t, contended, "static")], times[(t, contended, "dynamic")])]
+                paired.append({"params": n, "threads": t, "spinners": args.contend if contended else 0,
+                               "median_static_over_dynamic": round(median(pairs), 3)})
+        for t in thread_counts:
+            got = {(c["spinners"] > 0, c["split"]): c for c in cases if c["params"] == n and c["threads"] == t}
+            alone_s, alone_d = got[(False, "static")], got[(False, "dynamic")]
+            busy_s, busy_d = got[(True, "static")], got[(True, "dynamic")]
+            rows.append([f"{n / 2**20:.0f}Mi", t, f"{alone_s['median_ms']:.1f} / {alone_d['median_ms']:.1f}",
+                         f"{busy_s['median_ms']:.1f} / {busy_d['median_ms']:.1f}",
+                         f"{alone_s['params_per_s'] / 1e9:.2f} / {alone_d['params_per_s'] / 1e9:.2f}",
+                         f"{busy_s['params_per_s'] / 1e9:.2f} / {busy_d['params_per_s'] / 1e9:.2f}",
+                         f"{busy_s['median_ms'] / busy_d['median_ms']:.2f}x",
+                         *(f"{p['median_static_over_dynamic']:.2f}x" for p in paired
+                           if p["params"] == n and p["threads"] == t)])
+        check = spinner_check(impl, 1) if n == parse_count(args.params.split(",")[0]) else None
+        if check is not None:
+            info["spinner_thread_check"] = check
+        del impl
+        gc.collect()
+    print_table(f"CPU AdamW beside {args.contend} busy process(es), {args.grad_dtype} grads + bf16 copy, median of "
+                f"{args.repeats}, static (before issue 18) / dynamic (now), all interleaved",
+                ["params", "threads", "alone ms", "contended ms", "alone e9/s", "contended e9/s",
+                 "contended static/dynamic", "paired alone", "paired contended"], rows, console)
+    if "spinner_thread_check" in info:
+        console.print(f"a spinning Python thread beside the kernel: {info['spinner_thread_check']}")
+    write_json(args.json, {
+        "benchmark": "cpu_adam_contend", "machine": info, "load_average_after": machine()["load_average"],
+        "settings": {"params": args.params, "grad_dtype": args.grad_dtype, "repeats": args.repeats,
+                     "spinners": args.contend, "spinner": "process", "threads": thread_counts,
+                     "order": "per round: each thread count, alone then contended, static then dynamic (odd rounds: "
+                              "dynamic then static)", "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                     "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
+                     "bytes_per_param": bytes_per_param(grad_dtype), "hparams": HP,
+                     "splits": {"static": "one run per worker, schedule(static, 1): before issue 18",
+                                "dynamic": "chunks handed out dynamically: [Note: work split under contention]"}},
+        "cases": cases, "paired": paired,
+    })
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--params", default="50M,200M", help="comma-separated parameter counts")
     ap.add_argument("--grad-dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (default: as is); with --contend, the most threads timed "
+                         "(default: the logical CPUs)")
+    ap.add_argument("--contend", type=int, default=None, metavar="K",
+                    help="time the kernel alone and beside K busy processes, old and new work split, 1..N threads")
     args = ap.parse_args()
-    if args.threads:
+    if args.threads and args.contend is None:
         torch.set_num_threads(args.threads)
     console = Console(width=150)
     info = machine()
     info["cpu_adam"] = kernel_info()
+    if args.contend is not None:
+        describe(console, info)
+        return contend_main(args, console, info)
     info["deepspeed"] = deepspeed_version()
     describe(console, info)
     grad_dtype = DTYPES[args.grad_dtype]

@@ -1,7 +1,9 @@
 #include "cpu_adam.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -514,30 +516,89 @@ const Kernels& kernels_for(const std::string& isa) {
 
 int type_index(ScalarType t) { return static_cast<int>(t); }
 
-// Splits [0, n) into one contiguous run per worker (cache-line aligned borders) and calls fn(begin, end)
-// on each, on OpenMP threads. Small inputs stay on the calling thread: below ~32 Ki elements (about
-// 1 MB of traffic) waking a thread costs more than it saves.
-template <typename Fn>
-void parallel_runs(std::size_t n, int num_threads, Fn&& fn) {
-  constexpr std::size_t kMinPerWorker = std::size_t{1} << 15;
+// [Note: work split under contention]
+// parallel_runs cuts [0, n) into chunks, several per worker, and hands them out dynamically: a worker takes
+// the next chunk when it is done with its last. One equal run per worker (the split before issue 18) made
+// the whole update wait for its slowest worker, and inside a training step one worker shares a core with
+// autograd's or the launching thread (H200 runs 5, 7, 8: the lane reached 2.9-4.2e9 params/s where the
+// kernel alone does 5.2e9). A slowed worker now takes fewer chunks. Measured on a 2-vCPU VM beside a busy
+// core (benchmarks/cpu_adam.py --contend; benchmarks/results/cpu-2026-11-27/README.md): 1.00-1.16x at 32 Mi
+// elements on 2 threads, within that machine's noise at 1-4 Mi. What the split cannot help: a worker that is
+// not running when a region starts holds it up all the same (every worker passes the region's barrier);
+// there libgomp's wait policy mattered far more (12 ms against 0.6 ms for 1 Mi with OMP_WAIT_POLICY=passive).
+// - Up to kChunksPerWorker chunks per worker, so the others wait for the last chunk of a slowed worker, not
+//   for its whole share. The count of chunks is a multiple of the workers, so that equally fast workers
+//   still finish together, as with one run each.
+// - A chunk is at least kMinChunk elements (128 KiB of each fp32 stream, ~0.9 MiB of traffic): long enough
+//   to stream. Measured on the 2-vCPU EPYC VM (chunk size forced in a throwaway build, 32 Mi elements,
+//   2 threads, no spinner, load 0.9-2.0, medians of 31-61, one to three runs): against one run per worker,
+//   chunks of 4 Ki elements cost 10 %, 16 Ki 3-12 %, 32 Ki -2 to +5 %, 64 Ki to 1 Mi -8 to +2 % (the noise
+//   of this shared machine).
+// - Borders are multiples of a cache line of fp32 (16 elements), as before: no two workers write one line
+//   of master, m or v, and the fused AVX-512 loop's 32-byte alignment of the 16-bit copy is the same in
+//   every chunk as in the whole buffer.
+// - The update is element-wise, so the split cannot change a result: every element is computed by the same
+//   instructions whichever worker takes it (tests/host/test_cpu_adam.py: test_split_into_chunks_*, bit for
+//   bit against the reference on 1, 2, 3 and 7 threads). The finite check sets one atomic flag.
+// - Small inputs stay on the calling thread, as before: below ~32 Ki elements a worker (about 1 MB of
+//   traffic) waking a thread costs more than it saves.
+// OFFLOAD_CPU_ADAM_STATIC_SPLIT=1 in the environment brings back the old split (one run per worker,
+// schedule(static, 1)); it exists only so that benchmarks/cpu_adam.py --contend can time both in one
+// process, and is read on every call (a getenv: well under a microsecond).
+constexpr std::size_t kMinPerWorker = std::size_t{1} << 15;
+constexpr std::size_t kChunksPerWorker = 8;
+constexpr std::size_t kMinChunk = std::size_t{1} << 15;
+constexpr std::size_t kLine = 16;  // fp32 elements per 64-byte cache line
+
+struct Split {
+  std::size_t workers;  // threads the loop runs on (1: the calling thread alone)
+  std::size_t chunk;    // elements per chunk (a multiple of kLine), the last chunk may be shorter
+  std::size_t chunks;   // ceil(n / chunk)
+  bool legacy;          // the old split: one run per worker, statically assigned
+};
+
+bool static_split_requested() {
+  const char* env = std::getenv("OFFLOAD_CPU_ADAM_STATIC_SPLIT");
+  return env != nullptr && env[0] == '1';
+}
+
+Split split_of(std::size_t n, int num_threads) {
   const std::size_t workers = std::min<std::size_t>(static_cast<std::size_t>(num_threads),
                                                     std::max<std::size_t>(1, n / kMinPerWorker));
+  const bool legacy = static_split_requested();
+  // A multiple of the workers: equally fast workers then finish together, as with one run each.
+  const std::size_t per_worker = legacy ? 1 : std::clamp<std::size_t>(n / (workers * kMinChunk), 1, kChunksPerWorker);
+  const std::size_t parts = workers * per_worker;
+  const std::size_t chunk = ((n + parts - 1) / parts + kLine - 1) / kLine * kLine;
+  return Split{workers, chunk, chunk == 0 ? 0 : (n + chunk - 1) / chunk, legacy};
+}
+
+// Calls fn(begin, end) on every chunk of split_of(n, num_threads), on up to that many OpenMP threads (see
+// [Note: work split under contention]).
+template <typename Fn>
+void parallel_runs(std::size_t n, int num_threads, Fn&& fn) {
+  const Split s = split_of(n, num_threads);
 #ifdef _OPENMP
-  if (workers > 1) {
-    constexpr std::size_t kLine = 16;  // floats per 64-byte cache line
-    const std::size_t per = ((n + workers - 1) / workers + kLine - 1) / kLine * kLine;
-    const long count = static_cast<long>(workers);
-#pragma omp parallel for num_threads(static_cast<int>(workers)) schedule(static, 1)
-    for (long w = 0; w < count; ++w) {
-      const std::size_t begin = static_cast<std::size_t>(w) * per;
-      const std::size_t end = std::min(n, begin + per);
-      if (begin < end) fn(w, begin, end);
+  if (s.workers > 1) {
+    const long count = static_cast<long>(s.chunks);
+    const int workers = static_cast<int>(s.workers);
+    if (s.legacy) {
+#pragma omp parallel for num_threads(workers) schedule(static, 1)
+      for (long c = 0; c < count; ++c) {
+        const std::size_t begin = static_cast<std::size_t>(c) * s.chunk;
+        fn(begin, std::min(n, begin + s.chunk));
+      }
+    } else {
+#pragma omp parallel for num_threads(workers) schedule(dynamic, 1)
+      for (long c = 0; c < count; ++c) {
+        const std::size_t begin = static_cast<std::size_t>(c) * s.chunk;
+        fn(begin, std::min(n, begin + s.chunk));
+      }
     }
     return;
   }
 #endif
-  (void)workers;
-  fn(0L, std::size_t{0}, n);
+  fn(std::size_t{0}, n);
 }
 
 void validate(const AdamWBuffers& b, const AdamWHyper& h, int num_threads, const std::string& isa) {
@@ -575,23 +636,21 @@ bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check
   const int g = type_index(buffers.grad_type);
 
   if (check_finite) {
-    // A separate pass: nothing may be written unless every grad is finite.
+    // A separate pass: nothing may be written unless every grad is finite. One flag for all chunks; a chunk
+    // taken after a bad one was found is not read (the answer is known).
     const FiniteFn finite = k.finite[g];
-    bool all_finite = true;
-    constexpr int kMaxWorkers = 256;
-    bool worker_ok[kMaxWorkers];
-    std::fill(worker_ok, worker_ok + kMaxWorkers, true);
-    parallel_runs(buffers.numel, std::min(num_threads, kMaxWorkers), [&](long w, std::size_t begin, std::size_t end) {
-      worker_ok[w] = finite(buffers.grad, coeffs.grad_scale, begin, end);
+    std::atomic<bool> found_bad{false};
+    parallel_runs(buffers.numel, num_threads, [&](std::size_t begin, std::size_t end) {
+      if (found_bad.load(std::memory_order_relaxed)) return;
+      if (!finite(buffers.grad, coeffs.grad_scale, begin, end)) found_bad.store(true, std::memory_order_relaxed);
     });
-    for (bool ok : worker_ok) all_finite = all_finite && ok;
-    if (!all_finite) return true;
+    if (found_bad.load(std::memory_order_relaxed)) return true;
   }
 
   const int lowp = buffers.lowp_out == nullptr ? 0 : buffers.lowp_type == ScalarType::kBFloat16 ? 1 : 2;
   const UpdateFn update = k.update[g][lowp];
   parallel_runs(buffers.numel, num_threads,
-                [&](long, std::size_t begin, std::size_t end) { update(buffers, coeffs, begin, end); });
+                [&](std::size_t begin, std::size_t end) { update(buffers, coeffs, begin, end); });
   return false;
 }
 
@@ -600,7 +659,7 @@ void adamw_memory_traffic(const AdamWBuffers& buffers, int num_threads) {
   if (buffers.numel == 0) return;
   const TrafficFn traffic =
       kernels_for(best_isa()).traffic[type_index(buffers.grad_type)][buffers.lowp_out == nullptr ? 0 : 1];
-  parallel_runs(buffers.numel, num_threads, [&](long, std::size_t begin, std::size_t end) { traffic(buffers, begin, end); });
+  parallel_runs(buffers.numel, num_threads, [&](std::size_t begin, std::size_t end) { traffic(buffers, begin, end); });
 }
 
 const char* adamw_isa() { return best_isa(); }

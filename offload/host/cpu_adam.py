@@ -51,7 +51,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     None, or a bf16/fp16 tensor of the same length that receives the new master rounded to nearest even.
     With ``check_finite``, if any ``grad * grad_scale`` is inf or nan nothing is written and True is
     returned. ``num_threads`` defaults to ``torch.get_num_threads()``, so the kernel uses the cores torch
-    was told to use and no more. Releases the GIL.
+    was told to use and no more; the work is handed out in chunks, so a worker slowed by a busy core takes
+    fewer (see [Note: work split under contention] in ``cpp/cpu_adam.cpp``, which also says what that does not
+    help). Releases the GIL.
     """
     _check(param, grad, exp_avg, exp_avg_sq, lowp_out, step)
     return adamw_step_unchecked(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

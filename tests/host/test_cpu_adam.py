@@ -244,6 +244,83 @@ def test_thread_count_does_not_change_results(threads):
         assert_bitwise(a, b, f"{threads} threads")
 
 
+# --- the work split ([Note: work split under contention] in cpp/cpu_adam.cpp) ---------------------------
+
+MIN_PER_WORKER, CHUNKS_PER_WORKER, MIN_CHUNK, LINE = 1 << 15, 8, 1 << 15, 16  # cpp/cpu_adam.cpp's constants
+
+
+def chunk_bounds(n: int, threads: int) -> list[tuple[int, int]]:
+    """The chunks cpp/cpu_adam.cpp's split_of cuts [0, n) into on ``threads`` threads: a copy of its arithmetic,
+    used only to place values at chunk borders (were the two to drift apart, the tests below would still check
+    every element bit for bit, but no longer exactly at the borders)."""
+    workers = min(threads, max(1, n // MIN_PER_WORKER))
+    if workers == 1:
+        return [(0, n)]
+    per_worker = min(max(n // (workers * MIN_CHUNK), 1), CHUNKS_PER_WORKER)
+    chunk = (-(-n // (workers * per_worker)) + LINE - 1) // LINE * LINE
+    return [(begin, min(n, begin + chunk)) for begin in range(0, n, chunk)]
+
+
+# Sizes not a multiple of a chunk (the last is shorter) nor of a cache line. On 2, 3 and 7 threads the first
+# gets the most chunks per worker (16, 24, 56 chunks), the second fewer (8, 9 and 7: one per worker).
+SPLIT_SIZES = (7 * CHUNKS_PER_WORKER * MIN_CHUNK + 777, 3 * 3 * MIN_CHUNK + 4321)
+SPLIT_THREADS = (1, 2, 3, 7)
+INT_OF = {4: torch.int32, 2: torch.int16}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("grad_dtype", "lowp_dtype"),
+                         [(torch.float32, None), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                          (torch.float32, torch.bfloat16)])
+def test_split_into_chunks_is_bitwise_the_reference(isa, grad_dtype, lowp_dtype):
+    # Every element, at every chunk border, exactly as the reference computes it, on 1, 2, 3 and 7 threads:
+    # a chunk dropped, repeated or overlapping its neighbour by one element shows here.
+    kw = dict(step=2, grad_scale=0.25, **HP)
+    fused = isa != "baseline" or not X86  # see test_bitwise_every_dtype_combination
+    for n in SPLIT_SIZES:
+        assert [len(chunk_bounds(n, t)) for t in SPLIT_THREADS] in ([1, 16, 24, 56], [1, 8, 9, 7])
+        p0, g, m0, v0 = state(n, grad_dtype, seed=n, offset=1)
+        lowp0 = None if lowp_dtype is None else torch.full((n,), 7.0, dtype=lowp_dtype)
+        rp, rm, rv = clones(p0, m0, v0)
+        rlowp = None if lowp0 is None else lowp0.clone()
+        adamw_step_reference(rp, g, rm, rv, lowp_out=rlowp, exact_sqrt=True, fused=fused, **kw)
+        for threads in SPLIT_THREADS:
+            p, m, v = clones(p0, m0, v0)
+            lowp = None if lowp0 is None else lowp0.clone()
+            assert run_kernel(p, g, m, v, isa=isa, lowp=lowp, num_threads=threads, **kw) is False
+            outputs = (("param", p, rp), ("exp_avg", m, rm), ("exp_avg_sq", v, rv), ("lowp_out", lowp, rlowp))
+            for name, a, ref in outputs:
+                same = a is None or torch.equal(a.view(INT_OF[a.element_size()]), ref.view(INT_OF[a.element_size()]))
+                if not same:  # (a fast check first: assert_bitwise takes ~60 ms on these sizes)
+                    assert_bitwise(a, ref, f"{name}, n={n}, {threads} threads")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_found_inf_in_any_chunk_skips_the_update(grad_dtype):
+    # One non-finite grad anywhere (first element, a middle chunk's first and last, the last element of the
+    # shorter last chunk), whichever worker checks its chunk and in whatever order the chunks are taken:
+    # found, and nothing written, on 1, 2, 3 and 7 threads. With the grad finite again the update happens.
+    n = SPLIT_SIZES[0]
+    p, g, m, v = state(n, grad_dtype, seed=11)
+    lowp = torch.full((n,), 3.0, dtype=torch.bfloat16)
+    before = clones(p, m, v, lowp)
+    for threads in SPLIT_THREADS:
+        chunks = chunk_bounds(n, threads)
+        middle = chunks[len(chunks) // 2]
+        for at in (0, middle[0], middle[1] - 1, n - 1):
+            good = g[at].item()
+            for bad in (float("nan"), float("inf")):
+                g[at] = bad
+                found = run_kernel(p, g, m, v, lowp=lowp, check_finite=True, num_threads=threads)
+                assert found is True, f"{bad} at {at} of {n}, {threads} threads"
+                for a, b in zip((p, m, v, lowp), before):
+                    size = a.element_size()
+                    assert torch.equal(a.view(INT_OF[size]), b.view(INT_OF[size])), "found-inf must write nothing"
+            g[at] = good
+    assert run_kernel(p, g, m, v, lowp=lowp, check_finite=True, num_threads=7) is False
+    assert not torch.equal(p, before[0])
+
+
 def test_default_threads_follow_torch(monkeypatch):
     seen = []
     monkeypatch.setattr(_C, "adamw_step", lambda *args: seen.append(args[-1]) or False)
