@@ -3,8 +3,9 @@ resident bucket's new weights to the device as soon as that bucket's update on t
 order the lane runs them, instead of after the last one. Checked with the lane slowed (its updates still run
 when ``step()`` is called), on the CPU backend and on the simulated GPU (which checks every copy against the
 events that order it): the first refresh copy begins before the last update ends, the copies follow the lane's
-order, a re-planning step issues nothing before its plan is built, and what the device holds after every
-``step()`` is plain torch's after torch.optim.AdamW's step, bit for bit."""
+order, a step that plans (the first, and one whose batch outgrew its plan) issues no copy before the lane's
+last update (its old plan's slots go), and the next training forward, which reads the refreshed slots, gives
+plain torch's output after torch.optim.AdamW's step, bit for bit."""
 
 import time
 
@@ -14,9 +15,10 @@ import torch
 import offload
 from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 from tests.support.loops import ADAMW
-from tests.support.models import CASES, run
+from tests.support.models import CASES, Batch, run
 
 LANE_DELAY_S = 0.02  # before and after each CPU-lane item: the lane, not backward, is the wall
+REPLAN_AT = 2  # the step whose larger batch makes step() plan again
 
 
 def _step_lanes(engine, since: float) -> tuple[list[tuple[int, float, float]], list[tuple[int, float]]]:
@@ -44,13 +46,21 @@ def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, g
     rt = engine._runtime
     rt.ctx.cpu._before = lambda: time.sleep(LANE_DELAY_S)  # read when the lane's thread starts: now
     with engine:
-        for step in range(4):
+        for step in range(6):
             batch = case.make_batch(step)
-            engine.backward(case.loss_fn(run(engine, batch), batch))
-            ref.loss_fn(run(ref.model, batch), batch).backward()
+            if step == REPLAN_AT:  # twice the activations: the plan is stale, step() plans again
+                more = case.make_batch(50 + step)
+                batch = Batch((torch.cat([batch.args[0], more.args[0]]),), target=torch.cat([batch.target,
+                                                                                             more.target]))
+            # The training forward reads the resident slots, as step() refreshed them (an evaluation forward
+            # would not: its own plan brings every bucket in afresh)
+            got, want = run(engine, batch), run(ref.model, batch)
+            assert torch.equal(got, want), (step, (got - want).abs().max())
+            engine.backward(case.loss_fn(got, batch))
+            ref.loss_fn(want, batch).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-            called = time.perf_counter()
+            replans, called = rt.ctx.stats["replans"], time.perf_counter()
             opt.step()
             opt.zero_grad()
             copies, updates = _step_lanes(engine, called)
@@ -58,13 +68,11 @@ def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, g
             plan = rt.executor.train_plan
             assert plan is not None and len(plan.resident) == len(rt.slots.buckets) > 2  # all resident
             assert {b for b, _ in updates} == set(range(len(rt.slots.buckets))), (step, updates)
-            if step == 0:  # the first step plans: its resident buckets come in only once the plan is built
+            assert rt.ctx.stats["replans"] == replans + (step == REPLAN_AT), step
+            if step in (0, REPLAN_AT):  # a step that plans: its resident buckets come in once its plan is built
                 assert copies and all(began > last_update for _, _, began in copies), step
             else:
                 lane_order = list(dict.fromkeys(b for b, _ in updates))
                 assert [b for b, _, _ in copies] == lane_order, step  # every bucket once, in the lane's order
                 first = min(began for _, _, began in copies)
                 assert first < last_update, (step, first - last_update)  # the point: before the lane's end
-            with torch.no_grad():  # what the device holds now: the refreshed weights
-                got, want = run(engine, case.make_batch(100)), run(ref.model, case.make_batch(100))
-            assert torch.equal(got, want), (step, (got - want).abs().max())
