@@ -50,8 +50,9 @@ the next one, so each copy runs beside the lane's later updates and only the cop
 are left after the last update. On the CPU backend a copy whose update has not ended goes to the copy lane,
 which waits for it. Then the lane drains and ``after_step`` refreshes what is left (nothing, or buckets whose
 update did not run on this lane), in the same way, and the fast path's ``settle`` runs once, after both.
-What stays as it was: a failed update raises from ``step()`` (from the copy's wait on CUDA, after the lane has
-drained: ``run_step``'s ``finally``; or from the drain); ``after_step`` re-plans without a copy issued into the old
+What stays as it was: a failed update raises where it did (on CUDA from the copy's wait in ``step()``, now once
+the lane has drained: ``run_step``'s ``finally``; from the drain if it was the lane's last item; else from the next
+forward's wait for its bucket's copy, which fails with it); ``after_step`` re-plans without a copy issued into the old
 plan's slots (``replans_at_step`` is asked first, and nothing between changes its answer without data parallel);
 device-optimizer buckets are not refreshed; deferred updates (and so the float16 overflow skip) and data parallel
 (whose refresh all ranks agree on, ``agree_refresh``) keep the refresh after the drain; a forward between backward
