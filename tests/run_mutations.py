@@ -30,6 +30,7 @@ _DP = "tests/distributed/test_data_parallel.py::test_a_forward_between_backward_
 _DEV = "tests/distributed/test_device_reduce.py::test_two_ranks_reduced_on_the_simulated_gpu"
 _CLIP = "tests/distributed/test_data_parallel.py::test_torch_clip_grad_norm_on_p_grad_sees_the_average_over_ranks"
 _FAST = "tests/runtime/test_fast_path.py::test_fast_steps_on_the_simulated_gpu_order_the_refresh_after_backward"
+_PIPE = "tests/runtime/test_refresh_pipelined.py::test_step_refreshes_each_resident_bucket_as_its_update_ends"
 # the routine's own simulated-GPU test, the fast path's, and the usual set
 _SEND = ["tests/runtime/test_bucket_send.py::test_on_the_simulated_gpu_a_fast_steps_buckets_go_by_the_routine_as_by_"
          "the_cpu_backend", f"{_FAST}[overlap]", "TESTS"]
@@ -111,12 +112,12 @@ MUTATIONS = [
      "            self.device_state.deactivate()",
      "        if self.device_state is not None:\n            self.device_state.deactivate()"),
     ("R14", "a resident refresh does not wait for compute that reads the slot", "offload/runtime/executor.py",
-     "            slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep, copy=copy)",
-     "            slots.copy_in(b, slots.slot[b], [], keep_bound=keep, copy=copy)"),
+     "        slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep, copy=copy)",
+     "        slots.copy_in(b, slots.slot[b], [], keep_bound=keep, copy=copy)"),
     ("R15", "a resident refresh does not wait for a refresh still in flight", "offload/runtime/executor.py",
-     "            if slots.state[b] is Residency.IN_FLIGHT:\n                self.need(b)\n            slots.copy_in",
-     "            if slots.state[b] is Residency.IN_FLIGHT:\n                slots.set_state(b, Residency.DEVICE)\n"
-     "            slots.copy_in"),
+     "        if slots.state[b] is Residency.IN_FLIGHT:\n            self.need(b)\n        slots.copy_in",
+     "        if slots.state[b] is Residency.IN_FLIGHT:\n            slots.set_state(b, Residency.DEVICE)\n"
+     "        slots.copy_in"),
     ("R16", "departing the plan moves grad slots without waiting for the copies", "offload/runtime/executor.py",
      "            self.stale = True\n        with torch.no_grad():\n            self.ctx.backend.synchronize()\n"
      "            for move_out in self._leaving:",
@@ -239,6 +240,16 @@ MUTATIONS = [
      "([Note: grad staging ring])", "offload/runtime/grads.py",
      "after = [*waits, *dst.after] + (", "after = [*waits] + (",
      ["TESTS", "tests/runtime/test_chaos.py::test_one_slot_grad_ring_bitwise_equal_under_chaos"]),
+    # [Note: the refresh pipelined] (executor.py): step() issues a resident bucket's refresh before the lane drained
+    ("R20", "step()'s pipelined refresh: a copy does not wait for its bucket's update (AdamW->H2D, lane not drained)",
+     "offload/runtime/executor.py",
+     "                self._refresh_one(b, keep, None)\n",
+     "                update = self.slots.adam_event.pop(b, None)\n                self._refresh_one(b, keep, None)\n"
+     "                if update is not None:\n                    self.slots.adam_event[b] = update\n",
+     [f"{_PIPE}[simulated_gpu]", f"{_PIPE}[cpu_backend]", "TESTS"]),
+    ("R21", "step()'s pipelined refresh copies into the slots of a plan that step() then replaces (a re-plan)",
+     "offload/runtime/executor.py", "        if self.replans_at_step():\n            return  # the arena goes",
+     "        if False:\n            return  # the arena goes", [f"{_PIPE}[simulated_gpu]", f"{_PIPE}[cpu_backend]"]),
     # -- the fast path (commit 50c6a53) ----------------------------------------------------------------------
     ("F1", "the end of a fast backward marks no boundary (step()'s refresh copies vs the backward's reads)",
      "offload/runtime/core.py",

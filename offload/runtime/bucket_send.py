@@ -18,9 +18,9 @@ grads fill it whole; one multi-tensor copy of the grads into it; the device-to-h
 the compute, the bucket's last update and the ring's earlier readers; its AdamW on the CPU lane after that copy and
 the bucket's last host-to-device copy; the ring's bytes lent to that update, the buffer free after the copy. Every
 record the rest of the pipeline reads afterwards is left as the general chain leaves it (``received``, ``finished``,
-``pending``, ``copies``, ``slots.done``, ``slots.adam_event``, the lane log, ``d2h_bytes``), so a departure, the end
-of backward, ``step()`` and a fault see no difference. Anything else (data parallel, accumulation, held or device
-updates, a bucket crossing in pieces, a slot off the plan) takes the general chain.
+``pending``, ``copies``, ``slots.done``, ``slots.adam_event``, ``lane_order``, the lane log, ``d2h_bytes``), so a
+departure, the end of backward, ``step()`` and a fault see no difference. Anything else (data parallel,
+accumulation, held or device updates, a bucket crossing in pieces, a slot off the plan) takes the general chain.
 
 Measured (benchmarks/results/cpu-2026-11-26/overhead-profile.md, section 14; the 200-module MLP, AMD EPYC VM):
 ~0.2 ms of CPU a step less over 10 buckets, i.e. ~20 us a bucket of the chain's bookkeeping; what is left of a
@@ -176,6 +176,7 @@ class FastSend:
         adam = ctx.cpu.issue(lambda: host.update(b, covered, hp, (), staged), [d2h] if h2d is None else [d2h, h2d],
                              r.what)  # [Note: inline copies] (backend/cpu.py)
         slots.adam_event[b] = adam
+        grads.lane_order[b] = None  # [Note: the refresh pipelined] (executor.py)
         log.add("cpu_adam", b, 0, adam)
         host.staged_read_by(landing.lent, adam)
         slots.done[r.k] = d2h  # the slot is free once the copy read it

@@ -33,6 +33,35 @@ full path's hooks, so a GPU that outruns them idles between kernels and the meas
 path feeds it. On an H200 (benchmarks/results/2026-11-27-h200, run 4) a timed step of 8 x Linear(2048) read 13.1
 ms against 4.5 ms of the same forward + backward outside the engine, the ring waits left out: that gap is not
 explained yet (host-bound hooks, or the CPU AdamW's threads beside the launching ones).
+
+[Note: the refresh pipelined] (issue 18) With overlapped updates, ``step()`` used to wait for the CPU lane to end
+every update (``GradPipeline.run_step``'s ``drain``) and only then copy the resident buckets' new 16-bit weights
+to the device (``refresh``, in bucket order: the first layers first, whose grads come last and whose updates the
+lane runs last). PCIe stood idle while the lane finished, and the lane while PCIe refreshed; the next forward
+waits for those copies. On the H200 (benchmarks/results/2026-11-27-h200, run 5's trace, runs 7-8), gpt2-xl at 8
+GiB all resident: 386 copies, 3.1 GB, ~57-64 ms at 54 GB/s after the lane's last update, in a 0.53-0.55 s step
+whose bound is the CPU AdamW's 0.30 s. So now, before it waits for the lane, ``step()`` (``refresh_as_updated``)
+issues the refresh of each bucket the lane updated this step in the order the lane runs them
+(``GradPipeline.lane_order``: the order their updates were issued, general chain and fast send alike; one
+lane runs them in that order, a bucket's pieces in a row), each copy after its own bucket's update and nothing
+else: the one wait ``SlotTable.copy_in`` adds (``adam_event``). On CUDA no stream can wait for a host thread,
+so the backend waits at issue: ``step()`` blocks until bucket b's update ends, enqueues b's copy, then waits for
+the next one, so each copy runs beside the lane's later updates and only the copies of the buckets updated last
+are left after the last update. On the CPU backend a copy whose update has not ended goes to the copy lane,
+which waits for it. Then the lane drains and ``after_step`` refreshes what is left (nothing, or buckets whose
+update did not run on this lane), in the same way, and the fast path's ``settle`` runs once, after both.
+What stays as it was: a failed update raises where it did (on CUDA from the copy's wait in ``step()``, now once
+the lane has drained: ``run_step``'s ``finally``; from the drain if it was the lane's last item; else from the next
+forward's wait for its bucket's copy, which fails with it); ``after_step`` re-plans without a copy issued into the old
+plan's slots (``replans_at_step`` is asked first, and nothing between changes its answer without data parallel);
+device-optimizer buckets are not refreshed; deferred updates (and so the float16 overflow skip) and data parallel
+(whose refresh all ranks agree on, ``agree_refresh``) keep the refresh after the drain; a forward between backward
+and ``step()`` reads the weights before the update, since the copies are issued only inside ``step()``.
+What it saves is predicted, not measured (no GPU since): on that H200 case up to the ~57-64 ms of refresh a step,
+if the lane's tail after backward is at least as long, leaving one ~8 MB bucket's copy (~0.15 ms); it costs one
+host wake-up and GIL take per bucket on the main thread while the lane runs ([Note: the cost of a lane item] in
+backend/base.py). The simulator (planning/simulate.py) still copies resident buckets in at the step's start,
+after the lane is idle: it does not count the overlap.
 """
 
 from __future__ import annotations
@@ -53,6 +82,7 @@ RETIME_BEYOND = 0.25  # [Note: timing compute]: plan again where the measured co
 if TYPE_CHECKING:
     from ..backend.base import Timer
     from .context import RuntimeContext
+    from .device_collectives import RefreshCopy
     from .device_optim import DeviceOptimizer
     from .forward_only import EvalPlans
     from .recompute_hooks import RecomputeCoordinator
@@ -88,6 +118,7 @@ class PlanExecutor:
         self._arena_views: dict[object, dict[int, torch.Tensor]] = {}
         self._arena_slices: dict[tuple[int, int], torch.Tensor] = {}  # arena_view's, by (offset, numel)
         self.ahead: tuple[Trace, Plan] | None = None  # issue 18: the first plan, built as its backward ended
+        self._issued_early: set[int] = set()  # refreshes step() issued as their updates ended (refresh_as_updated)
         # [Note: timing compute]: the training plan whose compute times were checked (or came from a timed
         # record), the backend's timer once made, and what the last check found
         self.checked: Plan | None = None
@@ -356,19 +387,51 @@ class PlanExecutor:
     def refresh(self, buckets: Iterable[int], in_step: bool = False) -> None:
         """Updated buckets that stay on the device get their new weights (the next forward waits). ``in_step``:
         every rank refreshes here (``step()``), so with data parallel they may agree to gather them ([Note:
-        resident weights gathered in their slots] in device_collectives.py)."""
-        slots, dp = self.slots, self.ctx.dp
-        keep = any(f() for f in self._lands_at_once)
-        # issue 18: a bucket whose update ran on the device is updated in place there; its host copy is stale
-        order = [b for b in sorted(set(buckets) & set(slots.slot))
-                 if self.device_state is None or not self.device_state.owns(b)]
+        resident weights gathered in their slots] in device_collectives.py); the copies ``refresh_as_updated``
+        issued in this ``step()`` are not issued again."""
+        dp, issued = self.ctx.dp, set()
+        if in_step:
+            issued, self._issued_early = self._issued_early, set()
+        keep = self._keeps_bound()
+        order = [b for b in self._refreshable(sorted(set(buckets))) if b not in issued]
         copy = dp.agree_refresh(order, self.ctx.backend) if in_step and dp is not None else None
         for b in order:
-            if slots.state[b] is Residency.IN_FLIGHT:
-                self.need(b)
-            slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep, copy=copy)
+            self._refresh_one(b, keep, copy)
         for fn in self._copied_in:
             fn()
+
+    def refresh_as_updated(self, order: Iterable[int]) -> None:
+        """``step()`` with overlapped updates and no data parallel, before it waits for the CPU lane ([Note: the
+        refresh pipelined]): issue the refresh ``after_step`` would issue for each bucket of ``order`` (updated
+        this step, in the order the lane runs their updates), each copy after its own bucket's update."""
+        self._issued_early = set()
+        if self.replans_at_step():
+            return  # the arena goes: nothing may be copied into its slots
+        keep = self._keeps_bound()
+        try:
+            for b in self._refreshable(order):
+                self._refresh_one(b, keep, None)
+                self._issued_early.add(b)
+        except BaseException:  # a failed update (its copy's wait raised): what was issued lands as refresh's would
+            for fn in self._copied_in:
+                fn()
+            raise
+
+    def _refreshable(self, buckets: Iterable[int]) -> list[int]:
+        """Those of ``buckets`` that ``refresh`` copies in: on the device, and not updated there."""
+        slots, device = self.slots, self.device_state
+        # issue 18: a bucket whose update ran on the device is updated in place there; its host copy is stale
+        return [b for b in buckets if b in slots.slot and (device is None or not device.owns(b))]
+
+    def _keeps_bound(self) -> bool:
+        """Whether a refreshed bucket's parameters stay bound to its slot (``SlotTable.copy_in``'s ``keep_bound``)."""
+        return any(f() for f in self._lands_at_once)
+
+    def _refresh_one(self, b: int, keep: bool, copy: RefreshCopy | None) -> None:
+        slots = self.slots
+        if slots.state[b] is Residency.IN_FLIGHT:
+            self.need(b)
+        slots.copy_in(b, slots.slot[b], [slots.boundary], keep_bound=keep, copy=copy)  # after b's update too
 
     def close(self) -> None:
         self.arena = None
@@ -412,14 +475,22 @@ class PlanExecutor:
         fits beside the transients learnt since ([Note: transients] in accounting.py); else bring the new
         weights of the resident buckets in."""
         trace = self.trace
-        refit, self.refit = self.refit and self.train_plan is not None, False
-        if (self.train_plan is None or self.stale or refit) and trace is not None and trace.complete:
-            if refit and not self.stale:
+        if self.replans_at_step() and trace is not None:
+            self._issued_early = set()  # none: refresh_as_updated saw the same
+            if self.refit and self.train_plan is not None and not self.stale:
                 self.ctx.stats["transient_replans"] += 1  # the re-plan's only cause ([Note: transients])
+            self.refit = False
             self.replan(trace, recompute)  # brings every resident bucket in afresh
         else:
+            self.refit = False
             self.refresh(updated, in_step=True)
         self.stale = False
+
+    def replans_at_step(self) -> bool:
+        """Whether ``after_step`` plans again (no plan yet, or this one is stale or no longer fits beside the
+        transients learnt) rather than refresh the resident buckets."""
+        trace = self.trace
+        return (self.train_plan is None or self.stale or self.refit) and trace is not None and trace.complete
 
     def replan(self, trace: Trace, recompute: RecomputeCoordinator) -> None:
         """Plan training steps from ``trace`` (or, with "auto" checkpointing, choose other blocks first)."""

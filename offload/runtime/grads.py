@@ -58,6 +58,7 @@ class GradPipeline:
         self.param_views: dict[int, dict[int, torch.Tensor]] = {}
         self.copies: list[Event] = []  # device-to-host grad copies of the last backward, not yet waited for
         self.pending: dict[int, PendingGrads] = {}  # bucket -> its grads gathered since the last step()
+        self.lane_order: dict[int, None] = {}  # buckets whose update went to the CPU lane since, in its order
         self.norms: dict[int, torch.Tensor] = {}  # param -> 2-norm of its gathered grad (deferred mode)
         self.clip_factor = 1.0  # set by clip_grad_norm_, applied by the next step()
         self.next_backward_scale: float | None = None  # set by Engine.backward just before loss.backward()
@@ -425,6 +426,7 @@ class GradPipeline:
         else:
             slots.adam_event[b] = self.ctx.cpu.issue(lambda: host.update(b, ps, hp, factors, grads, span), waits,
                                                      f"AdamW of bucket {b}")  # [Note: inline copies] (backend/cpu.py)
+            self.lane_order[b] = None  # a bucket's pieces go in a row: its first says where its last is
         self.ctx.lane_log.add("cpu_adam", b, 0, slots.adam_event[b])
 
     def release_held(self) -> None:
@@ -487,7 +489,11 @@ class GradPipeline:
         if self.deferred and self.pending:
             skipped = self._step_deferred()
         try:
-            self.ctx.cpu.drain()
+            try:
+                if not self.deferred and self.ctx.dp is None:  # [Note: the refresh pipelined] (executor.py)
+                    self.executor.refresh_as_updated([b for b in self.lane_order if b in self.pending])
+            finally:  # a failed update raised there: the lane's other work ends first, as it does here
+                self.ctx.cpu.drain()
         except OffloadError as e:
             if self.ctx.dp is not None:  # issue 20: the collective's DistributedError, not the lane's wrappings
                 self.ctx.dp.raise_failure(e)
@@ -557,6 +563,7 @@ class GradPipeline:
         """Gathered grads are consumed (step) or dropped (zero_grad, a failed backward)."""
         self.exposure.drop()  # issue 19: no exposed p.grad outlives the sums it shows
         self.pending = {}
+        self.lane_order = {}
         self.norms = {}
         self.clip_factor = 1.0
         self.step_scale = None

@@ -1,0 +1,78 @@
+"""[Note: the refresh pipelined] (offload/runtime/executor.py): with overlapped updates, ``step()`` copies each
+resident bucket's new weights to the device as soon as that bucket's update on the CPU lane has ended, in the
+order the lane runs them, instead of after the last one. Checked with the lane slowed (its updates still run
+when ``step()`` is called), on the CPU backend and on the simulated GPU (which checks every copy against the
+events that order it): the first refresh copy begins before the last update ends, the copies follow the lane's
+order, a step that plans (the first, and one whose batch outgrew its plan) issues no copy before the lane's
+last update (its old plan's slots go), and the next training forward, which reads the refreshed slots, gives
+plain torch's output after torch.optim.AdamW's step, bit for bit."""
+
+import time
+
+import pytest
+import torch
+
+import offload
+from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
+from tests.support.loops import ADAMW
+from tests.support.models import CASES, Batch, run
+
+LANE_DELAY_S = 0.02  # before and after each CPU-lane item: the lane, not backward, is the wall
+REPLAN_AT = 2  # the step whose larger batch makes step() plan again
+
+
+def _step_lanes(engine, since: float) -> tuple[list[tuple[int, float, float]], list[tuple[int, float]]]:
+    """The last step()'s work: (bucket, issued, began) of each host-to-device copy issued from ``since`` on, in
+    issue order, and (bucket, finished) of each update of the step, in the lane's order. ``began``: when the
+    copy started (the CPU backend's copy lane says; on the simulated GPU, its issue: the host waited for the
+    update before it enqueued the copy)."""
+    recorder, _, entries, _ = engine._runtime.ctx.lane_log.last_step
+    engine._runtime.ctx.backend.synchronize()  # every copy ran: its lane's times are set
+    copies = [(b, issued, getattr(ev, "started", None) or issued) for lane, b, _, issued, ev in entries
+              if lane == "h2d" and issued >= since]
+    updates = [(b, ev.finished) for lane, b, _, _, ev in entries if lane == "cpu_adam"]
+    return copies, updates
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu_backend", "simulated_gpu"])
+def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, gpu):
+    if gpu:
+        simulated_gpu()
+    case, ref = CASES["mlp"](), CASES["mlp"]()
+    ref_opt = torch.optim.AdamW(ref.model.parameters(), foreach=False, **ADAMW)
+    opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
+    nbytes = sum(p.numel() * 4 for p in case.model.parameters())
+    engine = offload.wrap(case.model, opt, budget=4 * nbytes, bucket_bytes=nbytes // 10, device="cpu")
+    rt = engine._runtime
+    rt.ctx.cpu._before = lambda: time.sleep(LANE_DELAY_S)  # read when the lane's thread starts: now
+    with engine:
+        for step in range(6):
+            batch = case.make_batch(step)
+            if step == REPLAN_AT:  # twice the activations: the plan is stale, step() plans again
+                more = case.make_batch(50 + step)
+                batch = Batch((torch.cat([batch.args[0], more.args[0]]),), target=torch.cat([batch.target,
+                                                                                             more.target]))
+            # The training forward reads the resident slots, as step() refreshed them (an evaluation forward
+            # would not: its own plan brings every bucket in afresh)
+            got, want = run(engine, batch), run(ref.model, batch)
+            assert torch.equal(got, want), (step, (got - want).abs().max())
+            engine.backward(case.loss_fn(got, batch))
+            ref.loss_fn(want, batch).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            replans, called = rt.ctx.stats["replans"], time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            copies, updates = _step_lanes(engine, called)
+            last_update = max(t for _, t in updates)
+            plan = rt.executor.train_plan
+            assert plan is not None and len(plan.resident) == len(rt.slots.buckets) > 2  # all resident
+            assert {b for b, _ in updates} == set(range(len(rt.slots.buckets))), (step, updates)
+            assert rt.ctx.stats["replans"] == replans + (step == REPLAN_AT), step
+            if step in (0, REPLAN_AT):  # a step that plans: its resident buckets come in once its plan is built
+                assert copies and all(began > last_update for _, _, began in copies), step
+            else:
+                lane_order = list(dict.fromkeys(b for b, _ in updates))
+                assert [b for b, _, _ in copies] == lane_order, step  # every bucket once, in the lane's order
+                first = min(began for _, _, began in copies)
+                assert first < last_update, (step, first - last_update)  # the point: before the lane's end
