@@ -7,13 +7,12 @@ copies not yet waited for, and per bucket the grads gathered since the last ``st
 Like the rest of the runtime it executes the plan (``plan.grad_buffer``) and touches streams only through
 the backend.
 
-Grads exposed to the user in ``p.grad`` (issue 19, offload/runtime/plain_grads.py, owned here as
-``exposure``): ``backward_done`` exposes them, once per backward after every bucket's copy was issued;
-``clear`` takes them back when gathered grads are consumed or dropped (``step()``, ``zero_grad()``, a failed
-backward). The runtime has them collected (the user's edits in) when the backward of a forward with grad
-enabled reaches that forward's outputs (``Exposure.before_backward_of``), at ``step()`` and before
-``engine.clip_grad_norm_``. They change the
-sums, norms and clip factor only through ``sums`` (offload/runtime/grad_sums.py).
+Grads exposed to the user in ``p.grad`` (issue 19, offload/runtime/plain_grads.py, owned here as ``exposure``):
+``backward_done`` exposes them, once per backward after every bucket's copy was issued; ``clear`` takes them back
+when gathered grads are consumed or dropped (``step()``, ``zero_grad()``, a failed backward). The runtime has them
+collected (the user's edits in) when the backward of a forward with grad enabled reaches that forward's outputs
+(``Exposure.before_backward_of``), at ``step()`` and before ``engine.clip_grad_norm_``. They change the sums, norms
+and clip factor only through ``sums`` (offload/runtime/grad_sums.py).
 """
 
 from __future__ import annotations
@@ -367,11 +366,9 @@ class GradPipeline:
         after = [*waits, *dst.after] + ([earlier.ready] if earlier is not None else [])  # the previous sum is done
         src = view if lo == 0 and hi == view.numel() else view[lo:hi]
         if ctx.backend.copy_waits_on_host(after):  # CPU-lane work not done: the ring's readers, the last update
-            # On CUDA the host waits for it before it issues the copy: while backward outruns a CPU lane that is the
-            # wall, compute stands still here, a stall of the lane's making, not the model's compute ([Note: timing
-            # compute] in executor.py; counted as compute, a timed step on an H200 read 4.6x the model's forward +
-            # backward; the cost model does not have the ring's depth yet, analysis.md in the H200 results). The
-            # CPU backend hands such a copy to its lane instead: no wait.
+            # On CUDA the host waits for it before it issues the copy: a stall of the lane's making, not the model's
+            # compute ([Note: timing compute] in executor.py: counted, an H200 timed step read 4.6x the model's
+            # compute; the cost model lacks the ring's depth). The CPU backend hands the copy to its lane: no wait.
             (rec := self.executor.recorder).exclude_begin()
             d2h = ctx.backend.d2h(dst.view, src, after)
             rec.exclude_end()
@@ -386,9 +383,8 @@ class GradPipeline:
             host.staged_read_by(dst.lent, ready)
         ctx.lane_log.add("d2h", b, (hi - lo) * ctx.itemsize, d2h)
         self.copies.append(d2h)
-        if kept is not None:  # issue 18: the first step's updates wait for its plan (release_held)
-            # The ring cannot wait with them (a later copy over these bytes would need their reader): the
-            # grads are copied out to pageable memory on the CPU lane, first step only, and the ring bytes go.
+        if kept is not None:  # issue 18: the first step's updates wait for its plan (release_held); the ring
+            # cannot (a later copy over these bytes needs their reader): the grads go to pageable memory, on the lane.
             src, out_view = dst.view, kept[lo:hi]
             ready = ctx.cpu.submit(lambda: out_view.copy_(src), [ready], f"first-step grads of bucket {b} held")
             host.staged_read_by(dst.lent, ready)
@@ -502,8 +498,7 @@ class GradPipeline:
         updated = set() if skipped else set(self.pending)
         self.clear()
         self.last_step_skipped = skipped
-        if updated:
-            self.ctx.stats["steps"] += 1
+        self.ctx.stats["steps"] += bool(updated)
         return updated
 
     def _step_deferred(self) -> bool:
