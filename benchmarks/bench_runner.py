@@ -120,6 +120,9 @@ def machine() -> dict:
         "load_average": list(os.getloadavg()), "versions": versions(),
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        # the host threads the CPU AdamW lane runs on (torch's count) and what sets them or their idling
+        "torch_threads": torch.get_num_threads(),
+        "omp_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ},
         "gpu": None,
     }
     if torch.cuda.is_available():
