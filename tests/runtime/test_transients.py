@@ -279,7 +279,8 @@ def test_gpu_a_loss_transient_fits_the_budget(monkeypatch):
     stats, peak = _gpu_steps(budget, 7)
     _not_learning(monkeypatch)
     before, peak_before = _gpu_steps(budget, 7)
-    print(f"\ntransients learnt {learnt} B (roomy budget), {stats['transient_bytes']} B at the budget of {budget} B: "
+    print(f"\ntransients learnt {learnt} B (roomy budget, {roomy['counters']['fast_steps']} fast steps of 4), "
+          f"{stats['transient_bytes']} B at the budget of {budget} B: "
           f"allocator peak after the second step {peak} B ({peak_before} B learning nothing); plan "
           f"{stats['plan']['resident_buckets']}/{stats['plan']['num_buckets']} buckets resident "
           f"({before['plan']['resident_buckets']} learning nothing), planned peak "
