@@ -474,15 +474,14 @@ class PlanExecutor:
         """``step()`` updated ``updated``: plan again if there is no plan, this one is stale, or it no longer
         fits beside the transients learnt since ([Note: transients] in accounting.py); else bring the new
         weights of the resident buckets in."""
-        trace = self.trace
-        if self.replans_at_step() and trace is not None:
+        trace, replan = self.trace, self.replans_at_step()
+        refit, self.refit = self.refit and self.train_plan is not None, False
+        if replan and trace is not None:
             self._issued_early = set()  # none: refresh_as_updated saw the same
-            if self.refit and self.train_plan is not None and not self.stale:
+            if refit and not self.stale:
                 self.ctx.stats["transient_replans"] += 1  # the re-plan's only cause ([Note: transients])
-            self.refit = False
             self.replan(trace, recompute)  # brings every resident bucket in afresh
         else:
-            self.refit = False
             self.refresh(updated, in_step=True)
         self.stale = False
 
