@@ -5,11 +5,13 @@ post-hook, the use detector (a ``TorchFunctionMode``) on every tensor op and the
 hooks; their mechanisms alone cost ~20 us per call on our CPU (benchmarks/results/cpu-2026-11-26/
 overhead-profile.md, 1a). On a plan where every bucket is resident for the whole step and nothing is
 checkpointed they decide nothing: every weight is on the device, in a slot nothing else writes during the
-step, so saved weight views stay valid as they are. A step runs the fast path when its root call
+step (but the bucket's own device update, after its last grad: [Note: device updates on a fast step]), so
+saved weight views stay valid as they are. A step runs the fast path when its root call
 
 * is a training forward (grad enabled, not inference mode) of the root module, with no other forward open;
-* follows ``train_plan``, and that plan keeps every bucket resident, checkpoints nothing, and gave every
-  trainable parameter a grad in the step it was planned from (``allows``);
+* follows ``train_plan``, and that plan keeps every bucket's weights resident (with the host optimizer, or
+  the device's: [Note: device updates on a fast step]), checkpoints nothing, and gave every trainable
+  parameter a grad in the step it was planned from (``allows``);
 * has the *signature* (shapes, dtypes, devices of the tensors in its arguments, the other arguments' values,
   the root's training flag, the caller's autocast) of a full step that followed this same plan to its end
   (``verify``; up to ``_MAX_VERIFIED`` signatures per plan: a full step with larger activations would have
@@ -86,6 +88,38 @@ MLP of ``benchmarks/overhead.py`` (AMD EPYC VM): ~0.2 ms of CPU a step less (ove
 same work moved after backward in plain torch (a copy of each bucket's grads and an AdamW-like pass, by hooks or
 after) costs 0.37 ms less there. On CUDA, and with the CPU backend's lanes on threads, nothing changes: the lane is
 a thread, and each bucket still goes at its last grad, overlapped with backward.
+
+[Note: device updates on a fast step] (issue 18's placement on the fast path) A plan whose buckets all keep their
+weights in their slot for the whole step runs fast whether a bucket's optimizer is on the host
+(``Placement.RESIDENT``) or on the device (``DEVICE_OPTIMIZER``). Before, only the former did: on an H200 (run 8)
+gpt2-xl at 8 GiB with ``device_optimizer=True`` had one device bucket and 385 resident ones, and took the full
+path every step (0.690 s a step against 0.550 s without the device tier, 4 of 5 of whose steps were fast). A device
+bucket's grads go by the general chain (``FastSend.route`` declines a bucket the device owns): ``gather_bucket``,
+``_grad_slot`` (its waits), ``finish``, ``DeviceOptimizer.update`` at the bucket's last grad; deferred, through the
+host sums to ``update_summed`` in ``step()``, where the float16 overflow skip and the clip factor apply: the same
+calls, waits and numbers as the full path's. What the full path's hooks did that a fast step does without:
+
+* saved weight views: the update writes the bucket's weights in place during backward. The full path's unpack
+  rebuilds a saved view from the bucket's slot as it is then, so it would read the new weights too: neither
+  path's hooks protect a read after the update, the plan does. Autograd reads a weight only in the nodes that
+  give it a grad, all before its accumulator fires (tied weights, a module called twice: one accumulator, after
+  every use); a bucket some node reads after its last grad (a detached use) is run with the host optimizer by
+  ``DeviceOptimizer.activate`` on both paths ([Note: read after the update] in device_optim.py). A fast step
+  follows a plan a full step of the same root call verified, and one whose grads come in another order departs;
+* ``create_graph``: the full path's unpack hands a graph-building backward a copy of the weight view
+  (``ParamAccess.graph_copy``), a fast step the view itself. The graph it builds reads it in nodes that give the
+  weight a grad, before its update (a gradient penalty, ``backward(create_graph=True)``: torch's numbers, tested).
+  A graph kept past the step reads the new weights, as on a host-optimizer fast step after ``step()``'s refresh;
+* where the update runs: at its bucket's last grad, as on the full path, never at the end of backward ([Note: sent
+  after backward]: ``_at_end`` is off for such plans): a 16-bit bucket's update widens its grads piecewise in the
+  room the plan keeps for the largest grad ([Note: widening 16-bit grads]), which grads held to the end of backward
+  would take;
+* a departure keeps the arena (``leave_keeping_weights``), so the device still owns its buckets: the rest of the
+  step's device buckets are updated on the device from on-demand slots (a full step's departure hands the state
+  to the host and updates them on the CPU); the same numbers, tested. A re-plan's new placement runs the full path
+  until a full step verifies it; the state moves between tiers as before (``activate``/``deactivate``).
+
+Not measured on a GPU: what a fast step saves for gpt2-xl's device-optimizer plan.
 """
 
 from __future__ import annotations
@@ -141,6 +175,8 @@ def _describe(a: Any, depth: int = 0) -> Hashable:
     raise _Unknown
 
 
+# placements whose weights stay in their slot for the whole step ([Note: device updates on a fast step])
+_WHOLE_STEP = (Placement.RESIDENT, Placement.DEVICE_OPTIMIZER)
 Closing = tuple[int, tuple[int, ...], int]  # a bucket, its parameters in the plan's grad order, their grads' bytes
 
 
@@ -195,8 +231,9 @@ class FastPath:
     # -- which steps ---------------------------------------------------------------------------------------
 
     def allows(self, plan: Plan) -> _Allowed:
-        """Whether ``plan`` can run fast at all (cached per plan): every bucket resident, no recompute, every
-        trainable parameter touched and given a grad by the step it was planned from."""
+        """Whether ``plan`` can run fast at all (cached per plan): every bucket's weights resident for the whole
+        step (with the host optimizer, or the device's: [Note: device updates on a fast step]), no recompute,
+        every trainable parameter touched and given a grad by the step it was planned from."""
         hit = self._allowed
         if hit is not None and hit.plan is plan:
             return hit
@@ -204,7 +241,7 @@ class FastPath:
         grads = tuple(e.key for e in trace.events[trace.num_forward:] if e.kind is EventKind.GRAD)
         ok = (self.ctx.config.activation_checkpointing is None
               and len(plan.resident) == len(plan.buckets)
-              and all(plan.placement_of(b) is Placement.RESIDENT for b in range(len(plan.buckets)))
+              and all(plan.placement_of(b) in _WHOLE_STEP for b in range(len(plan.buckets)))
               and all(e.kind is not EventKind.RECOMPUTE for e in trace.events)
               and len(set(grads)) == len(grads) and set(grads) == set(self._trainable)
               and set(self._trainable) <= set(trace.touched))
@@ -215,9 +252,10 @@ class FastPath:
     def _at_end(self, plan: Plan, closes: dict[int, Closing] | None) -> bool:
         """Whether a fast step's buckets are sent after backward ([Note: sent after backward]): where the CPU
         lane runs its work on the thread that issues it (nothing would overlap backward), the buckets go by the
-        one routine (overlapped updates, no data parallel: bucket_send.py), and all of the grads held at once
-        fit the budget beside the plan's peak."""
-        if closes is None or not self.ctx.cpu.inline or self.grads.deferred or self.ctx.dp is not None:
+        one routine (overlapped updates, no data parallel: bucket_send.py), all of the grads held at once
+        fit the budget beside the plan's peak, and no bucket's optimizer is on the device."""
+        if (closes is None or not self.ctx.cpu.inline or self.grads.deferred or self.ctx.dp is not None
+                or plan.device_optimizer):  # [Note: device updates on a fast step]: at their last grad
             return False
         held = sum(c[2] for c in closes.values())
         return plan.peak_bytes - plan.trace.max_grad_bytes + held <= plan.budget_bytes
