@@ -254,11 +254,14 @@ def test_a_weight_read_after_its_bucket_s_last_grad_is_demoted_on_fast_steps_too
         engine.close()
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "simulated-gpu"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "deferred"])
-def test_a_fast_step_with_device_buckets_departs_and_trains_as_torch(overlap, monkeypatch):
-    """Gated skips a module now and then (same input shapes: the step runs fast and departs in backward, its
-    device buckets updated where they are, or, deferred, at step()); plain torch's numbers bit for bit."""
+def test_a_fast_step_with_device_buckets_departs_and_trains_as_torch(overlap, gpu, monkeypatch, simulated_gpu):
+    """Gated skips a module now and then (same input shapes: the step runs fast and departs in backward; its
+    device buckets whose grads come after the departure are updated on the device from on-demand slots, as the
+    arena stays; deferred, at step()); plain torch's numbers bit for bit, on the simulated GPU too (no race)."""
     monkeypatch.setattr(offload.planning.trace, "time", _SteadyClock(1e-5))
+    made = simulated_gpu() if gpu else None
     model = Gated()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
@@ -276,6 +279,8 @@ def test_a_fast_step_with_device_buckets_departs_and_trains_as_torch(overlap, mo
         c = counters(engine)
         assert c["fast_steps"] >= 3 and c["plan_departures"] >= 1, c
         assert engine.memory_stats()["device_optimizer"]["updates"] > 0
+        if made is not None:
+            assert made and made[0]._api.copies > 0  # on the simulated GPU
         assert_losses_bitwise(losses, ref_losses)
         assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "weights")
         assert_optimizer_state_bitwise(opt.state_dict(), ref_opt.state_dict())
