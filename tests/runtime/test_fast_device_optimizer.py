@@ -490,3 +490,34 @@ def test_simulated_gpu_fast_steps_with_device_buckets_are_the_cpu_backend_s(simu
     assert got[3]["fast_steps"] >= 3, got[3]
     _assert_same_session(got, want)
     assert made[0]._api.copies > 0 and made[0]._api.pending() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fast_steps_with_device_buckets_are_the_full_path_bit_for_bit():
+    """On a GPU: the device updates of fast steps run on the compute stream at each bucket's last grad, with the
+    full path's waits; the same plan trained both ways gives the same numbers bit for bit (not run on a GPU yet:
+    this task had none)."""
+    from tests.runtime.test_device_optimizer import SLOW_CPU, param_bytes
+    from tests.support.budgets import with_headroom
+
+    runs = {}
+    for fast in (True, False):
+        case = CASES["gpt"]()
+        with contextlib.nullcontext() if fast else full_path():
+            opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
+            nbytes = param_bytes(case.model)
+            engine = offload.wrap(case.model, opt, budget=with_headroom(LOWP_RESIDENT * nbytes, "cuda"),
+                                  dtype=torch.bfloat16, device="cuda", hw=SLOW_CPU, device_optimizer=True,
+                                  bucket_bytes=nbytes // 10)
+            try:
+                losses = [step(engine, opt, case, i, "cuda") for i in range(STEPS)]
+                assert_resident_with_device_buckets(engine)
+                assert counters(engine)["fast_steps"] == (STEPS - 2 if fast else 0)
+                runs[fast] = losses, engine.state_dict(), placements(engine)
+            finally:
+                engine.close()
+    assert runs[True][2] == runs[False][2]  # the same plan both ways (else the comparison is of two plans)
+    assert_losses_bitwise(runs[True][0], runs[False][0])
+    assert_bitwise(runs[True][1]["model"], runs[False][1]["model"], "bf16 weights")
+    assert_optimizer_state_bitwise(runs[True][1]["optimizer"], runs[False][1]["optimizer"])
