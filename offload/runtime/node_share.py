@@ -29,9 +29,12 @@ written since the last one is enough there:
   ``p`` there (``Runtime.wait_for_updates``): the check of what is written so far runs at once, before the
   read (counted in ``copy_checks_early``). On its plan such a streamed bucket's update waits for the end of
   backward anyway ([Note: streamed weights read after their update] in device_optim.py: it must not be
-  written before that read), so the early check is for a step off its plan and for reads of ``p``. Every rank reaches that point only where every rank reads there
-  (the same plan); ranks whose plans differ there (other budgets) send different tags and raise, loudly,
-  never with a wrong number: a limit, stated.
+  written before that read), so the early check is for a step off its plan (a read the plan did not foresee,
+  of a bucket fetched on demand after its update: tests/distributed/test_node_copy_written.py, N6 in
+  tests/MUTATIONS.md; what that read sees is the updated weights, on every rank alike, where torch's backward
+  reads them before the update: a limit of such a step) and for reads of ``p``. Every rank reaches that point
+  only where every rank reads there (the same plan); ranks whose plans differ there (other budgets) send
+  different tags and raise, loudly, never with a wrong number: a limit, stated.
 * **Writes.** A rank writes its shard of ``b`` only after the reduce-scatter (or all-reduce) of ``b``'s
   grads, which every rank joins after its backward read ``b``, so a write never overlaps another rank's read
   ([Note: one host copy per node]); batching the checks changes nothing there.

@@ -98,6 +98,29 @@ def _die():
 _FAIL_IN_BACKWARD, _HANG_IN_BACKWARD, _DIE_IN_BACKWARD = _in_backward(_raise), _in_backward(_hang), _in_backward(_die)
 
 
+class _ReadInBackward(torch.autograd.Function):
+    """``F.linear(h, w)`` with ``w`` a detached weight (it gets no grad): its backward reads ``w`` again, after
+    the grads of ``w``'s own layer are complete, and keeps what it read in ``seen`` (tests/MUTATIONS.md, N6)."""
+
+    @staticmethod
+    def forward(ctx, h, w, seen):
+        ctx.save_for_backward(w)
+        ctx.seen = seen
+        return nn.functional.linear(h, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        ctx.seen.append(w.detach().clone())
+        return g.mm(w), None, None
+
+
+def read_late(model: nn.Module, seen: list) -> torch.utils.hooks.RemovableHandle:
+    """After the first layer, ``F.linear(h, model[2].weight.detach())`` (``extra={"late_read_step": k}``): in
+    backward the middle layer's weight is read after its own grads, so after its overlapped update was issued."""
+    return model[1].register_forward_hook(lambda m, i, o: _ReadInBackward.apply(o, model[2].weight.detach(), seen))
+
+
 def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -183,6 +206,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                     hook = model[3].register_forward_hook(lambda m, i, o: o.detach())
                 if step == 1 and rank == case.extra.get("replan_rank"):  # one more module call: a departure
                     hook = model[3].register_forward_hook(lambda m, i, o: model[1](o))
+                if step == case.extra.get("late_read_step"):  # every rank: a read the plan did not foresee
+                    hook = read_late(model, result.setdefault("late_reads", []))
                 # no_sync: every micro-batch but the last inside it ("all": the last too; step() then reduces)
                 local = bool(case.extra.get("no_sync")) and (micro < case.micro - 1 or case.extra["no_sync"] == "all")
                 # rank 0 through the model's no_sync (DDP's spelling), the others through the engine's
@@ -412,6 +437,8 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
     bit for bit where gloo adds in the same order (two ranks: a + b either way). Otherwise the grads of the
     concatenated batch, as one process training on the whole global batch. ``start``: a checkpoint written
     by ``Engine.save`` to resume from (its weights, m, v and step counts), at ``case.start_step``.
+    ``extra["late_read_step"]``: the ranks' late read (``read_late``) at that step too (torch's backward reads the
+    weight before the step's update).
     ``case.device`` "cuda": the grads are computed (and summed, and scaled) on a CUDA twin of the model that gets
     the weights before each step, AdamW runs on the CPU: the engine's split of the work, so fp32 stays bit for
     bit (IEEE adds and multiplies round alike on both; matmuls are compared on the same GPU)."""
@@ -433,7 +460,10 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
             if rank is not None:
                 x, y = rank_slice(x, rank, case.world), rank_slice(y, rank, case.world)
             twin.zero_grad(set_to_none=True)
+            late = read_late(twin, []) if step == case.extra.get("late_read_step") else None
             (nn.functional.mse_loss(twin(x.to(case.device)), y.to(case.device)) / case.micro).backward()
+            if late is not None:
+                late.remove()
             g = [p.grad.clone() for p in twins]
             total = g if total is None else [t + gi for t, gi in zip(total, g)]
         assert total is not None
