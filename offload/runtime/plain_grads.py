@@ -42,6 +42,17 @@ With ``overlap_optimizer=True`` the grads were consumed during backward (each bu
 its grads were in): ``p.grad`` is then an ``ExposedGrad`` without data, so ``p.grad is None`` is False (code
 that checks it goes on) but any op on it raises an :class:`OffloadError` naming the supported way, before
 any silent result (``torch.nn.utils.clip_grad_norm_`` raises instead of returning 0).
+
+[Note: grads left for the exposure] (issue 17, the hot path) Where a fast step's whole buckets are sent at the
+end of backward ([Note: sent after backward] in fast_path.py), the one routine (bucket_send.py) leaves each grad
+it copied in ``p.grad`` instead of setting it to None: the exposure that follows in the same end of backward
+(``GradPipeline.backward_done``) gives every one of those parameters its ``ExposedGrad``, which replaces (and
+frees) the grad. Nothing runs between the two that reads ``p.grad`` (no user code, no hook: the backward is
+over), and a fault between them goes through ``GradPipeline.abort``, which sets every ``p.grad`` to None. Only
+there: a bucket sent during backward (a departure's, CUDA's, lanes mode's) still sets its grads to None at
+once, as a later hook of the same backward could see them. The 200 writes a step it saves, and reading and
+taking back the exposed grads in one pass at ``step()`` (``Exposure._take_back_consumed``), were ~0.1-0.2 ms of
+a ~9 ms step of the 200-module MLP on our CPU (benchmarks/results/cpu-2026-11-26/overhead-profile.md, 15).
 """
 
 from __future__ import annotations
@@ -246,26 +257,34 @@ class Exposure:
     # -- the runtime's calls ------------------------------------------------------------------------------
 
     def expose(self) -> None:
-        """End of backward: every parameter that has a gathered gradient gets it in ``param.grad``."""
+        """End of backward: every parameter that has a gathered gradient gets it in ``param.grad`` (replacing
+        what the grad pipeline left there: [Note: grads left for the exposure])."""
         grads = self.grads
         self.final = False
         params, exposed = self.ctx.params, self.exposed
-        spare, epoch, deferred, made = self._spare, self.epoch, grads.deferred, self._stride_cache
+        if grads.deferred:
+            for p in grads.sums.pending_params():
+                param = params[p]
+                g = ExposedGrad(self, p, grads.sums.grad_sum(p).view(param.shape), param)
+                param.grad = g
+                exposed[p] = g
+            return
+        spare, epoch = self._spare, self.epoch
         for p in grads.sums.pending_params():
             param = params[p]
-            if deferred:
-                g = ExposedGrad(self, p, grads.sums.grad_sum(p).view(param.shape), param)
-            else:
-                again = spare.pop(p, None)
-                # A spare has the shape the stride cache holds for its parameter (it was made with it, and the
-                # cache changes only when a grad of another shape is made, after its spare was popped): that
-                # compare costs half of reading a wrapper subclass's shape (issue 17, the hot path)
-                if again is not None and made[p][0] == param.shape:
-                    again._epoch = epoch
-                    g = again
-                else:
-                    g = ExposedGrad(self, p, None, param, strides=self._strides(p, param.shape))
-            param.grad = g
+            g = spare.pop(p, None)
+            if g is not None:
+                g._epoch = epoch
+                try:
+                    # torch's grad setter checks that a grad has its parameter's shape, dtype and device
+                    # before it sets anything: a spare made for another shape is refused there (a parameter's
+                    # shape read and compared here cost a third of this loop; issue 17, the hot path)
+                    param.grad = g
+                except RuntimeError:
+                    g = None
+            if g is None:
+                g = ExposedGrad(self, p, None, param, strides=self._strides(p, param.shape))
+                param.grad = g
             exposed[p] = g
 
     def _strides(self, p: int, shape: torch.Size) -> tuple[int, ...]:
@@ -303,8 +322,39 @@ class Exposure:
 
     def before_step(self) -> None:
         """``step()``: the user's changes to p.grad are in, the sums are back in the engine's form."""
-        self.sync()
-        self.take_back()
+        if self.grads.deferred:
+            self.sync()
+            self.take_back()
+        else:
+            self._take_back_consumed()
+
+    def _take_back_consumed(self) -> None:
+        """:meth:`sync` then :meth:`take_back` with overlapped updates, in one pass over the exposed grads:
+        each ``param.grad`` is read once, then set to None (issue 17, the hot path: the two passes cost ~0.1 ms a
+        step of a 200-parameter model on our CPU). Nothing can be honoured there, so a grad dropped or replaced
+        since :meth:`expose` raises after every grad was taken back, as :meth:`sync` raises after its
+        ``take_back``; the grads no one else holds are kept to be given again, as :meth:`_retire` keeps them."""
+        self._unmaterialize()
+        params, spare = self.ctx.params, self._spare
+        exposed, self.exposed = self.exposed, {}
+        dropped: list[int] = []
+        replaced: list[int] = []
+        while exposed:  # popped (the last exposed first): a grad only this loop holds is one sys.getrefcount
+            p, g = exposed.popitem()  # sees as _UNHELD, as in _retire
+            param = params[p]
+            if param.grad is not g:
+                (dropped if param.grad is None else replaced).append(p)
+            param.grad = None
+            if g._data is None and sys.getrefcount(g) <= _UNHELD:
+                spare[p] = g
+            del g
+        self.epoch += 1
+        if dropped or replaced:  # named in the order they were exposed, the dropped first (as sync names them)
+            names = _names(self.ctx, dropped[::-1] + replaced[::-1])
+            raise OffloadError(f"p.grad was set to None or replaced ({', '.join(names)}) between backward and "
+                               "step(), but this engine applied each bucket's AdamW update during backward "
+                               "(overlap_optimizer=True), so the change cannot be honoured. Wrap with "
+                               "overlap_optimizer=False to drop or change gradients before step()")
 
     def to_engine_form(self) -> None:
         """Before ``engine.clip_grad_norm_``: user changes in, loss scale back in, norms fresh; p.grad stays."""
