@@ -58,6 +58,7 @@ a ~9 ms step of the 200-module MLP on our CPU (benchmarks/results/cpu-2026-11-26
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
     from .grads import GradPipeline
 
 _UNHELD = 2  # sys.getrefcount of an object referenced by one local name only (the call adds one)
+_GRAD = operator.attrgetter("grad")
 _HOW_TO_READ_GRADS = ("To read, clip or scale gradients in p.grad (torch.nn.utils.clip_grad_norm_, "
                       "clip_grad_value_, p.grad.norm()), wrap with overlap_optimizer=False: gradients then stay "
                       "readable in p.grad until step(); engine.clip_grad_norm_(max_norm) needs it too")
@@ -335,22 +337,29 @@ class Exposure:
         since :meth:`expose` raises after every grad was taken back, as :meth:`sync` raises after its
         ``take_back``; the grads no one else holds are kept to be given again, as :meth:`_retire` keeps them."""
         self._unmaterialize()
-        params, spare = self.ctx.params, self._spare
         exposed, self.exposed = self.exposed, {}
-        dropped: list[int] = []
-        replaced: list[int] = []
-        while exposed:  # popped (the last exposed first): a grad only this loop holds is one sys.getrefcount
-            p, g = exposed.popitem()  # sees as _UNHELD, as in _retire
-            param = params[p]
-            if param.grad is not g:
-                (dropped if param.grad is None else replaced).append(p)
+        ps = list(exposed)
+        gs = list(exposed.values())
+        del exposed
+        owners = list(map(self.ctx.params.__getitem__, ps))
+        now = list(map(_GRAD, owners))
+        changed = not all(map(operator.is_, now, gs))
+        dropped = [p for p, t, g in zip(ps, now, gs) if t is None] if changed else []
+        replaced = [p for p, t, g in zip(ps, now, gs) if t is not None and t is not g] if changed else []
+        del now
+        for param in owners:
             param.grad = None
-            if g._data is None and sys.getrefcount(g) <= _UNHELD:
+        # a grad that only ``gs`` holds now is one sys.getrefcount sees as _UNHELD (the list, the call's
+        # argument), as _retire sees one only its local name holds: kept to be given again
+        held = list(map(sys.getrefcount, gs))
+        spare = self._spare
+        for p, g, n in zip(ps, gs, held):
+            if n <= _UNHELD and g._data is None:
                 spare[p] = g
-            del g
+        del gs
         self.epoch += 1
         if dropped or replaced:  # named in the order they were exposed, the dropped first (as sync names them)
-            names = _names(self.ctx, dropped[::-1] + replaced[::-1])
+            names = _names(self.ctx, dropped + replaced)
             raise OffloadError(f"p.grad was set to None or replaced ({', '.join(names)}) between backward and "
                                "step(), but this engine applied each bucket's AdamW update during backward "
                                "(overlap_optimizer=True), so the change cannot be honoured. Wrap with "
