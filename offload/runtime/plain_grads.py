@@ -274,20 +274,20 @@ class Exposure:
         spare, epoch = self._spare, self.epoch
         for p in grads.sums.pending_params():
             param = params[p]
-            g = spare.pop(p, None)
-            if g is not None:
-                g._epoch = epoch
+            again: ExposedGrad | None = spare.pop(p, None)
+            if again is not None:
+                again._epoch = epoch
                 try:
                     # torch's grad setter checks that a grad has its parameter's shape, dtype and device
                     # before it sets anything: a spare made for another shape is refused there (a parameter's
                     # shape read and compared here cost a third of this loop; issue 17, the hot path)
-                    param.grad = g
+                    param.grad = again
                 except RuntimeError:
-                    g = None
-            if g is None:
-                g = ExposedGrad(self, p, None, param, strides=self._strides(p, param.shape))
-                param.grad = g
-            exposed[p] = g
+                    again = None
+            if again is None:
+                again = ExposedGrad(self, p, None, param, strides=self._strides(p, param.shape))
+                param.grad = again
+            exposed[p] = again
 
     def _strides(self, p: int, shape: torch.Size) -> tuple[int, ...]:
         """The contiguous strides of ``shape``, a data-less grad's (cached per parameter: the meta tensor that
