@@ -44,7 +44,7 @@ from .grad_records import BackwardDiscard
 from .grads import GradPipeline
 from .param_access import ParamAccess
 from .phases import Lifecycle, Pass
-from .plain_grads import EngineHook, module_hooks
+from .module_state import EngineHook, module_hooks
 from .recompute_hooks import RecomputeCoordinator
 from .residency import ParamRef
 from .saved_hooks import UnderUserHooks, check_enabled, engine_hook, user_hooks

@@ -20,7 +20,7 @@ from torch import nn
 from ..config import format_bytes
 from ..errors import BudgetTooSmallError, OffloadError
 from .idle_params import show
-from .plain_grads import describe_conversion
+from .module_state import describe_conversion
 
 if TYPE_CHECKING:
     from .context import Backend, RuntimeContext
