@@ -200,8 +200,7 @@ class GradPipeline:
         """A fast step's bucket ``b`` whose grads all came in the plan's order and wait in ``p.grad`` ([Note:
         one hook's work per bucket] in fast_path.py): one multi-tensor copy into its slot (``nbytes`` held at
         once, counted in the peak), then sent. A slot without cached views goes grad by grad, as gather.
-        ``leave``: at the end of backward, a bucket sent by the one routine leaves its grads in ``p.grad`` for
-        the exposure to replace ([Note: grads left for the exposure] in plain_grads.py)."""
+        ``leave``: ([Note: grads left for the exposure] in plain_grads.py) the routine leaves them in p.grad."""
         if b in self.finished:
             raise OffloadError(SECOND_BACKWARD)
         if (route := self.fast_send.route(b, ps, nbytes)) is not None:  # [Note: one routine per fast bucket]

@@ -256,7 +256,7 @@ def test_rehome_moves_every_region_exactly_and_parks_on_demand():
 
 
 def test_step_counts_are_0_dim_views_that_follow_every_count():
-    """[Note: step tensors]: a run's count is one index_fill_ where its parameters agree, per parameter where
+    """[Note: step tensors]: a run's count is one op where its parameters agree, per parameter where
     they do not; each optimizer.state[p]["step"] is a 0-dim fp32 tensor with its own count."""
     from offload.host.state import HostState, step_tensors
 
