@@ -41,7 +41,8 @@ from ..planning.buckets import HOST_ALIGN, Bucket, ParamSpec, locate
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step_unchecked
 from .node_copy import NodeCopy, node_copy_layout
-from .state import HOST_RAM_HEADROOM, HostState, Landing, step_tensors
+from .state import HOST_RAM_HEADROOM, HostState, Landing
+from .steps import step_tensors
 
 SHARD_ALIGN = 16  # elements: every shard starts 64-byte aligned in fp32 (the SIMD loads of the CPU AdamW)
 
@@ -171,7 +172,7 @@ class ShardedHostState(HostState):
             t.zero_()  # the padding of a short last shard is gathered: zeros, never stale bytes
         self.bucket_of, self.offset = locate(buckets)
         self.steps = [0] * len(specs)
-        self.step_values, self.step_tensor = step_tensors(len(specs))  # [Note: step tensors] in state.py
+        self.step_values, self.step_tensor = step_tensors(len(specs))  # [Note: step tensors] in steps.py
         self._step_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._full: dict[tuple[str, int], torch.Tensor] = {}  # gathered regions, until the next update
 

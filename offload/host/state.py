@@ -18,6 +18,7 @@ from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, HOST_ALI
                                 chunk_numel, grad_ring_chunk_bytes, host_layout, locate)
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step_at
+from .steps import count_run, step_tensors
 
 if TYPE_CHECKING:
     from ..backend.base import Event
@@ -82,19 +83,6 @@ class GradRing:
         """Every copy and reader is done (the runtime drained and synchronized): forget them."""
         self.head = 0
         self.live = []
-
-
-def step_tensors(n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``n`` step counts as ``optimizer.state[p]["step"]`` shows them: 0-dim fp32 tensors, as torch.optim's.
-
-    [Note: step tensors]
-    They are views of one vector, so that counting a bucket's step is one ``index_fill_`` on the CPU lane, not
-    one ``fill_`` per parameter (~5 us each: about a quarter of that lane's busy time on a model of small
-    tensors, sampled with py-spy on the 200-module MLP of ``benchmarks/overhead.py``). Each stays a 0-dim
-    float32 tensor that reads, prints, compares and saves like one (``torch.save`` of a state dict stores the
-    vector once); ``HostState.steps`` holds the same counts as Python ints, which the runtime reads."""
-    values = torch.zeros(n, dtype=torch.float32)
-    return values, [values[i] for i in range(n)]
 
 
 class HostState:
@@ -546,11 +534,7 @@ class HostState:
             for p in params:
                 self.step_tensor[p].fill_(float(steps[p]))
             return
-        key = tuple(params)
-        index = self._step_index.get(key)
-        if index is None:
-            index = self._step_index[key] = torch.tensor(key, dtype=torch.int64)
-        self.step_values.index_fill_(0, index, float(counts.pop()))  # one op for the run ([Note: step tensors])
+        count_run(self.step_values, self._step_index, tuple(params), counts.pop())  # [Note: step tensors]
 
     @torch.no_grad()
     def adopt_optimizer_state(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:

@@ -46,10 +46,11 @@ if TYPE_CHECKING:
 _is_none = partial(operator.is_, None)
 
 
-def copy_into_slot(params, ps, views, grads: list[torch.Tensor], memory, nbytes: int) -> None:
+def copy_into_slot(params, ps, views, grads: list[torch.Tensor], memory, nbytes: int, leave: bool = False) -> None:
     """The grads of ``ps`` (held in ``p.grad``, in the plan's order) into their slot ``views`` with one
-    multi-tensor copy, their ``nbytes`` held at once for an instant (``memory.passing``), then out of ``p.grad``.
-    Shared by the general chain (``GradPipeline.gather_bucket``) and :meth:`FastSend.send`."""
+    multi-tensor copy, their ``nbytes`` held at once for an instant (``memory.passing``), then out of ``p.grad``
+    (``leave``: left there for the exposure to replace, [Note: grads left for the exposure]). Shared by the
+    general chain (``GradPipeline.gather_bucket``) and :meth:`FastSend.send`."""
     memory.passing(nbytes)
     dst = [views[q] for q in ps]
     if torch.is_grad_enabled():  # backward(create_graph=True)
@@ -57,8 +58,9 @@ def copy_into_slot(params, ps, views, grads: list[torch.Tensor], memory, nbytes:
             torch._foreach_copy_(dst, grads)
     else:
         torch._foreach_copy_(dst, grads)
-    for q in ps:
-        params[q].grad = None
+    if not leave:
+        for q in ps:
+            params[q].grad = None
 
 
 class Route:
@@ -138,9 +140,10 @@ class FastSend:
             view.zero_()
         return view, views
 
-    def send(self, r: Route) -> None:
+    def send(self, r: Route, leave: bool = False) -> None:
         """Gather bucket ``r.b``'s grads (waiting in ``p.grad``) into its slot and send them: what
-        ``GradPipeline.gather_bucket`` and ``finish`` do for it, in the same order (see the Note)."""
+        ``GradPipeline.gather_bucket`` and ``finish`` do for it, in the same order (see the Note). ``leave``: the
+        grads stay in ``p.grad`` for the exposure to replace ([Note: grads left for the exposure])."""
         grads = self.grads
         ctx, slots, executor = grads.ctx, grads.slots, grads.executor
         backend, b, ps, params = ctx.backend, r.b, r.ps, ctx.params
@@ -149,7 +152,7 @@ class FastSend:
             raise InvariantError(f"bucket {b}: a grad of its plan's order is missing at its last grad")
         got = cast("list[torch.Tensor]", maybe)
         view, views = self._slot(r)
-        copy_into_slot(params, ps, views, got, ctx.memory, r.nbytes)
+        copy_into_slot(params, ps, views, got, ctx.memory, r.nbytes, leave)
         del maybe, got
         grads.received[b] = set(ps)
         grads.finished.add(b)

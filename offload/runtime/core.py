@@ -44,7 +44,7 @@ from .grad_records import BackwardDiscard
 from .grads import GradPipeline
 from .param_access import ParamAccess
 from .phases import Lifecycle, Pass
-from .plain_grads import EngineHook, module_hooks
+from .module_state import EngineHook, module_hooks
 from .recompute_hooks import RecomputeCoordinator
 from .residency import ParamRef
 from .saved_hooks import UnderUserHooks, check_enabled, engine_hook, user_hooks
@@ -304,14 +304,16 @@ class Runtime:
         self.executor.advance(EventKind.GRAD, p)
         self.grads.gather(p, param, nbytes)
 
-    def _gather_waiting(self) -> None:
+    def _gather_waiting(self, at_end: bool = False) -> None:
         """The grads a fast step left in ``p.grad`` for their bucket's last grad, gathered now, in the order
-        they came, as each would have been when it came ([Note: one hook's work per bucket])."""
+        they came, as each would have been when it came ([Note: one hook's work per bucket]). ``at_end``: the
+        end of backward, whose exposure replaces what the whole buckets leave in ``p.grad`` ([Note: grads left
+        for the exposure] in plain_grads.py)."""
         complete = self.fast.complete()  # [Note: sent after backward]: whole buckets first, their grads held at once
         if complete:
             self.ctx.memory.passing(sum(c[2] for c in complete))
             for closing in complete:
-                self.grads.gather_bucket(*closing)
+                self.grads.gather_bucket(*closing, leave=at_end)
         params, gather = self.ctx.params, self.grads.gather_in_order
         for q in self.fast.waiting():
             gather(q, params[q])
@@ -444,7 +446,7 @@ class Runtime:
         memory = ctx.memory
         with ctx.backend.compute(), torch.no_grad():
             executor.check_transients()  # before the first plan is built below ([Note: transients])
-            self._gather_waiting()  # a fast step whose last grads did not come (a missing grad departs below)
+            self._gather_waiting(at_end=True)  # a fast step whose last grads did not come (a missing one departs below)
             self.grads.flush()
             if self.fast.on:  # no record to plan from, nothing streamed ([Note: the fast path])
                 self.fast.backward_ended()

@@ -196,14 +196,15 @@ class GradPipeline:
         del grad
         self._arrived(b, p)
 
-    def gather_bucket(self, b: int, ps: tuple[int, ...], nbytes: int) -> None:
+    def gather_bucket(self, b: int, ps: tuple[int, ...], nbytes: int, leave: bool = False) -> None:
         """A fast step's bucket ``b`` whose grads all came in the plan's order and wait in ``p.grad`` ([Note:
         one hook's work per bucket] in fast_path.py): one multi-tensor copy into its slot (``nbytes`` held at
-        once, counted in the peak), then sent. A slot without cached views goes grad by grad, as gather."""
+        once, counted in the peak), then sent. A slot without cached views goes grad by grad, as gather.
+        ``leave``: ([Note: grads left for the exposure] in plain_grads.py) the routine leaves them in p.grad."""
         if b in self.finished:
             raise OffloadError(SECOND_BACKWARD)
         if (route := self.fast_send.route(b, ps, nbytes)) is not None:  # [Note: one routine per fast bucket]
-            return self.fast_send.send(route)
+            return self.fast_send.send(route, leave)
         params = self.ctx.params
         grads = [g for g in (params[q].grad for q in ps) if g is not None]
         if len(grads) != len(ps):

@@ -20,7 +20,7 @@ from torch import nn
 from ..config import format_bytes
 from ..errors import BudgetTooSmallError, OffloadError
 from .idle_params import show
-from .plain_grads import describe_conversion
+from .module_state import describe_conversion
 
 if TYPE_CHECKING:
     from .context import Backend, RuntimeContext
@@ -58,8 +58,10 @@ class ParamGuard:
             self._tree = _Tree.of(ctx.module)
         moved = self._moved()
         written = []
-        if self.versions is not None:
-            written = [p for p, param in enumerate(ctx.params) if param._version != self.versions[p] and p not in moved]
+        versions = self.versions
+        # the usual case (nothing written) is one compare of two lists of counters read at C speed
+        if versions is not None and list(map(_VERSION, ctx.params)) != versions:
+            written = [p for p, param in enumerate(ctx.params) if param._version != versions[p] and p not in moved]
         if moved or written:
             # issue 19: model.to()/.half()/... named (dtype/device read before the restore rebinds)
             conversion = describe_conversion(ctx, self.warmup.original, moved, self.names)
@@ -86,7 +88,7 @@ class ParamGuard:
         to the original tensors, which the traced first forward reads)."""
         if self.slots.host is not None:
             with torch._C.DisableTorchFunctionSubclass():  # idle parameters' counters at C speed
-                self.versions = [param._version for param in self.ctx.params]
+                self.versions = list(map(_VERSION, self.ctx.params))
 
     def _changed_set(self, current: list[nn.Parameter]) -> None:
         ctx = self.ctx
@@ -195,6 +197,7 @@ class _Tree:
 
 _DICTS = (operator.attrgetter("_parameters"), operator.attrgetter("_modules"))
 _DATA_PTR = torch.Tensor.data_ptr
+_VERSION = operator.attrgetter("_version")
 
 
 def refuse_forward_in_backward(ctx: RuntimeContext, module: int) -> None:

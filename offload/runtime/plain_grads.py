@@ -1,6 +1,6 @@
-"""Plain PyTorch code on a wrapped model: ``p.grad`` after backward, ``model.state_dict()`` and
-``model.load_state_dict()`` during training. Each works as in plain PyTorch or raises a clear error; none
-silently does nothing (issue 19).
+"""Plain PyTorch code on a wrapped model: ``p.grad`` after backward (``model.state_dict()`` and
+``model.load_state_dict()`` during training: module_state.py). Each works as in plain PyTorch or raises a clear
+error; none silently does nothing (issue 19).
 
 [Note: gradients in p.grad] Gradients never stay on the device: each bucket's go to the host as soon as
 they are final (offload/runtime/grads.py), where, with ``overlap_optimizer=False``, they are summed in a flat
@@ -42,28 +42,37 @@ With ``overlap_optimizer=True`` the grads were consumed during backward (each bu
 its grads were in): ``p.grad`` is then an ``ExposedGrad`` without data, so ``p.grad is None`` is False (code
 that checks it goes on) but any op on it raises an :class:`OffloadError` naming the supported way, before
 any silent result (``torch.nn.utils.clip_grad_norm_`` raises instead of returning 0).
+
+[Note: grads left for the exposure] (issue 17, the hot path) Where a fast step's whole buckets are sent at the
+end of backward ([Note: sent after backward] in fast_path.py), the one routine (bucket_send.py) leaves each grad
+it copied in ``p.grad`` instead of setting it to None: the exposure that follows in the same end of backward
+(``GradPipeline.backward_done``) gives every one of those parameters its ``ExposedGrad``, which replaces (and
+frees) the grad. Nothing runs between the two that reads ``p.grad`` (no user code, no hook: the backward is
+over), and a fault between them goes through ``GradPipeline.abort``, which sets every ``p.grad`` to None. Only
+there: a bucket sent during backward (a departure's, CUDA's, lanes mode's) still sets its grads to None at
+once, as a later hook of the same backward could see them. It saves 200 writes of ``p.grad`` a step of the
+200-module MLP (the grads are freed in ``expose`` instead); beside the same engine without it, in one process, no
+difference was measurable on our CPU (benchmarks/results/cpu-2026-11-26/overhead-profile.md, section 15).
 """
 
 from __future__ import annotations
 
-import functools
+import operator
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.hooks import RemovableHandle
 
 from ..errors import InvariantError, OffloadError
 
 if TYPE_CHECKING:
     from .context import RuntimeContext
-    from .core import Runtime
     from .grads import GradPipeline
 
 _UNHELD = 2  # sys.getrefcount of an object referenced by one local name only (the call adds one)
+_GRAD = operator.attrgetter("grad")
 _HOW_TO_READ_GRADS = ("To read, clip or scale gradients in p.grad (torch.nn.utils.clip_grad_norm_, "
                       "clip_grad_value_, p.grad.norm()), wrap with overlap_optimizer=False: gradients then stay "
                       "readable in p.grad until step(); engine.clip_grad_norm_(max_norm) needs it too")
@@ -246,27 +255,35 @@ class Exposure:
     # -- the runtime's calls ------------------------------------------------------------------------------
 
     def expose(self) -> None:
-        """End of backward: every parameter that has a gathered gradient gets it in ``param.grad``."""
+        """End of backward: every parameter that has a gathered gradient gets it in ``param.grad`` (replacing
+        what the grad pipeline left there: [Note: grads left for the exposure])."""
         grads = self.grads
         self.final = False
         params, exposed = self.ctx.params, self.exposed
-        spare, epoch, deferred, made = self._spare, self.epoch, grads.deferred, self._stride_cache
+        if grads.deferred:
+            for p in grads.sums.pending_params():
+                param = params[p]
+                g = ExposedGrad(self, p, grads.sums.grad_sum(p).view(param.shape), param)
+                param.grad = g
+                exposed[p] = g
+            return
+        spare, epoch = self._spare, self.epoch
         for p in grads.sums.pending_params():
             param = params[p]
-            if deferred:
-                g = ExposedGrad(self, p, grads.sums.grad_sum(p).view(param.shape), param)
-            else:
-                again = spare.pop(p, None)
-                # A spare has the shape the stride cache holds for its parameter (it was made with it, and the
-                # cache changes only when a grad of another shape is made, after its spare was popped): that
-                # compare costs half of reading a wrapper subclass's shape (issue 17, the hot path)
-                if again is not None and made[p][0] == param.shape:
-                    again._epoch = epoch
-                    g = again
-                else:
-                    g = ExposedGrad(self, p, None, param, strides=self._strides(p, param.shape))
-            param.grad = g
-            exposed[p] = g
+            again: ExposedGrad | None = spare.pop(p, None)
+            if again is not None:
+                again._epoch = epoch
+                try:
+                    # torch's grad setter checks that a grad has its parameter's shape, dtype and device
+                    # before it sets anything: a spare made for another shape is refused there (a parameter's
+                    # shape read and compared here cost a third of this loop; issue 17, the hot path)
+                    param.grad = again
+                except RuntimeError:
+                    again = None
+            if again is None:
+                again = ExposedGrad(self, p, None, param, strides=self._strides(p, param.shape))
+                param.grad = again
+            exposed[p] = again
 
     def _strides(self, p: int, shape: torch.Size) -> tuple[int, ...]:
         """The contiguous strides of ``shape``, a data-less grad's (cached per parameter: the meta tensor that
@@ -303,8 +320,46 @@ class Exposure:
 
     def before_step(self) -> None:
         """``step()``: the user's changes to p.grad are in, the sums are back in the engine's form."""
-        self.sync()
-        self.take_back()
+        if self.grads.deferred:
+            self.sync()
+            self.take_back()
+        else:
+            self._take_back_consumed()
+
+    def _take_back_consumed(self) -> None:
+        """:meth:`sync` then :meth:`take_back` with overlapped updates, in one pass over the exposed grads:
+        each ``param.grad`` is read once, then set to None (issue 17, the hot path: the two passes cost ~0.1 ms a
+        step of a 200-parameter model on our CPU). Nothing can be honoured there, so a grad dropped or replaced
+        since :meth:`expose` raises after every grad was taken back, as :meth:`sync` raises after its
+        ``take_back``; the grads no one else holds are kept to be given again, as :meth:`_retire` keeps them."""
+        self._unmaterialize()
+        exposed, self.exposed = self.exposed, {}
+        ps = list(exposed)
+        gs = list(exposed.values())
+        del exposed
+        owners = list(map(self.ctx.params.__getitem__, ps))
+        now = list(map(_GRAD, owners))
+        changed = not all(map(operator.is_, now, gs))
+        dropped = [p for p, t, g in zip(ps, now, gs) if t is None] if changed else []
+        replaced = [p for p, t, g in zip(ps, now, gs) if t is not None and t is not g] if changed else []
+        del now
+        for param in owners:
+            param.grad = None
+        # a grad that only ``gs`` holds now is one sys.getrefcount sees as _UNHELD (the list, the call's
+        # argument), as _retire sees one only its local name holds: kept to be given again
+        held = list(map(sys.getrefcount, gs))
+        spare = self._spare
+        for p, g, n in zip(ps, gs, held):
+            if n <= _UNHELD and g._data is None:
+                spare[p] = g
+        del gs
+        self.epoch += 1
+        if dropped or replaced:  # named in the order they were exposed, the dropped first (as sync names them)
+            names = _names(self.ctx, dropped + replaced)
+            raise OffloadError(f"p.grad was set to None or replaced ({', '.join(names)}) between backward and "
+                               "step(), but this engine applied each bucket's AdamW update during backward "
+                               "(overlap_optimizer=True), so the change cannot be honoured. Wrap with "
+                               "overlap_optimizer=False to drop or change gradients before step()")
 
     def to_engine_form(self) -> None:
         """Before ``engine.clip_grad_norm_``: user changes in, loss scale back in, norms fresh; p.grad stays."""
@@ -451,121 +506,3 @@ def _names(ctx: RuntimeContext, params: list[int], most: int = 4) -> list[str]:
     """The names of (the first ``most`` of) ``params`` in the wrapped module (for error messages)."""
     name = {ctx.param_index.get(id(param)): n for n, param in ctx.module.named_parameters()}
     return [name.get(p, f"parameter {p}") for p in params[:most]]
-
-
-# -- state dicts ------------------------------------------------------------------------------------------------
-
-def module_hooks(rt: Runtime) -> list[RemovableHandle]:
-    """``module.state_dict()`` (of the wrapped model or any submodule) returns the real fp32 weights (the
-    parameters themselves are placeholders outside forward), and ``module.load_state_dict()`` after the first
-    forward raises, naming the engine's way; ``copy.deepcopy(module)`` and pickling raise (``_StateDictHook``).
-    The runtime registers them (``Runtime._register_hooks``) and
-    removes them at close; they hold it weakly (an engine dropped without close() must still be freed)."""
-    ref = weakref.ref(rt)
-    handles = []
-    for module in rt.ctx.module.modules():
-        handles.append(module.register_state_dict_pre_hook(_saving(ref)))
-        handles.append(module.register_state_dict_post_hook(_StateDictHook(ref)))
-        handles.append(module.register_load_state_dict_pre_hook(_load_hook(ref)))
-    return handles
-
-
-_HOW_TO_COPY = (
-    "copy.deepcopy (or pickling, e.g. torch.save(model)) of a module wrapped by offload is refused: outside a "
-    "forward its parameters point at the engine's placeholders and device memory (the weights live in the engine's "
-    "host memory) and its hooks belong to this engine, so the copy would drive this engine's hooks. Copy the weights "
-    "instead: build a new model and new.load_state_dict(model.state_dict()) (model.state_dict() and "
-    "engine.state_dict()[\"model\"] give the real fp32 weights), or engine.close() first (the module gets its "
-    "trained weights back, unwrapped). Save with engine.save(path) or torch.save(model.state_dict(), path)")
-
-
-class EngineHook(functools.partial):
-    """A module hook of the engine's (the runtime's forward pre/post hooks): pickling it, as ``torch.save(model)``
-    or ``copy.deepcopy(model)`` of the module it is registered on do, raises the engine's error naming the way
-    (issue 19; before: pickle's "Can't pickle local object 'Runtime._post_hook.<locals>.hook'"). A partial
-    calls its function at C speed: these hooks run at every module call."""
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise OffloadError(_HOW_TO_COPY)
-
-    def __deepcopy__(self, memo: dict) -> None:
-        raise OffloadError(_HOW_TO_COPY)
-
-
-class _StateDictHook:
-    """``module.state_dict()``'s post-hook (see :func:`module_hooks`). It sits in every wrapped module's
-    hooks, so it also turns ``copy.deepcopy(module)`` and pickling, which copy a module's hooks with its
-    placeholder parameters, into a clear error (issue 19) rather than a copy that drives this engine's hooks."""
-
-    def __init__(self, ref: weakref.ref[Runtime]) -> None:
-        self.ref = ref
-
-    def __deepcopy__(self, memo: dict) -> None:
-        raise OffloadError(_HOW_TO_COPY)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise OffloadError(_HOW_TO_COPY)
-
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        rt = self.ref()
-        if rt is not None:
-            rt.saving = max(rt.saving - 1, 0)  # counted by _saving
-        if rt is None or rt.slots.host is None:  # before the first forward the parameters hold their values
-            return
-        rt.wait_for_updates()
-        ctx = rt.ctx
-        with torch.no_grad(), ctx.backend.compute():
-            for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-                key = prefix + name
-                p = ctx.param_index.get(id(param))
-                if p is not None and key in state_dict and state_dict[key] is not param:  # not keep_vars=True
-                    state_dict[key] = rt.weights.read(p)
-            for name, buf in module.named_buffers(recurse=False, remove_duplicate=False):
-                key = prefix + name
-                if key in state_dict and state_dict[key] is not buf:
-                    state_dict[key] = buf.detach().to("cpu", copy=True)  # as engine.state_dict()["model"]
-
-
-def _saving(ref: weakref.ref[Runtime]) -> Callable[..., None]:
-    """``module.state_dict()``'s pre-hook: idle parameters pass ``detach()`` through while it saves (no device copy
-    of each weight, which the post-hook replaces by its fp32 master): [Note: parameters between forwards]."""
-    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        rt = ref()
-        if rt is not None:
-            rt.saving += 1
-    return hook
-
-
-def _load_hook(ref: weakref.ref[Runtime]) -> Callable[..., None]:
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        rt = ref()
-        if rt is None or rt.slots.host is None:  # before the first forward: loads into the parameters as usual
-            return
-        raise OffloadError(
-            "load_state_dict on a module wrapped by offload after its first step: its parameters are "
-            "placeholders and the weights live in the engine's host memory, so a plain load would not reach "
-            "them. Use engine.load_state_dict({\"model\": state_dict, \"optimizer\": optimizer.state_dict()}) "
-            "(names as in model.state_dict()), or engine.load(path) for a checkpoint written by engine.save")
-    return hook
-
-
-def describe_conversion(ctx: RuntimeContext, original: Sequence[torch.Tensor] | None, moved: list[int],
-                        names: Sequence[str]) -> str | None:
-    """For the guard: a message when reassigned parameters changed dtype or device, as ``model.to(...)``,
-    ``.cuda()``, ``.half()``, ``.float()`` or ``.double()`` after wrapping do; None otherwise. ``original``:
-    the parameters' own tensors while the first forward is not yet traced (``TracedWarmup.original``)."""
-    def before(p: int) -> tuple[torch.dtype, torch.device]:  # what the engine gave the parameter
-        if original is not None:  # before the first forward: its own (fp32, CPU) tensor
-            return original[p].dtype, original[p].device
-        return ctx.placeholders[p].dtype, ctx.placeholders[p].device  # a slot view's or its placeholder's
-
-    changed = [p for p in moved if (ctx.params[p].dtype, ctx.params[p].device) != before(p)]
-    if not changed:
-        return None
-    param = ctx.params[changed[0]]
-    dtype, device = before(changed[0])
-    return (f"the wrapped model was converted after offload.wrap (e.g. model.to(...), .cuda(), .half(), "
-            f".float(), .double()): parameter {names[changed[0]]} is now {param.dtype} on "
-            f"{param.device}, where the engine keeps it as {dtype} on {device}. The engine owns where "
-            f"and in what precision the model runs (fp32 masters on the host): pass dtype=/device= to "
-            f"offload.wrap instead (engine.close(), convert, wrap again). The conversion was undone.")

@@ -71,6 +71,7 @@ class SlotTable:
         # bucket -> (the slot it holds, its parameters' views into it, those parameters, the views' addresses):
         # built once per slot (issue 17, hot path)
         self._param_views: dict[int, tuple[Slot, list[torch.Tensor], list[nn.Parameter], list[int]]] = {}
+        self._dst: dict[int, tuple[Slot, torch.Tensor]] = {}  # bucket -> (its slot, the slot's bytes as its dtype)
         self._kept: set[int] = set()  # refreshed buckets whose parameters stayed bound while in flight (copy_in)
         # issue 18: told (bytes, bucket) when an on-demand allocation cannot fit the budget; may raise (warmup.py)
         self.over_budget: Callable[[int, int | None], None] | None = None
@@ -102,6 +103,7 @@ class SlotTable:
         """The engine closed: nothing is on the device any more, and the host arena goes."""
         self.slot.clear()
         self._param_views.clear()
+        self._dst.clear()
         self._kept.clear()
         self.host = None
 
@@ -131,7 +133,12 @@ class SlotTable:
         (issue 20: [Note: resident weights gathered in their slots] in device_collectives.py), if not whole."""
         ctx = self.ctx
         n = self.buckets[b].numel
-        dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
+        hit = self._dst.get(b)
+        if hit is not None and hit[0] is slot:  # refreshed in the slot it holds (after every step()): one view
+            dst = hit[1]
+        else:
+            dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
+            self._dst[b] = (slot, dst)
         dp = ctx.dp
         if dp is not None and b in dp.unchecked:  # issue 20: a read in the backward
             self.check_shared_copies(early=True)  # that updated it: [Note: the shared copy checked once per backward]
@@ -191,6 +198,7 @@ class SlotTable:
         ctx = self.ctx
         slot = self.slot.pop(b)
         self._param_views.pop(b, None)
+        self._dst.pop(b, None)
         self._kept.discard(b)
         if self.state[b] is Residency.IN_FLIGHT:
             ctx.backend.wait(self.h2d_event[b])  # never free memory a copy is still writing

@@ -256,7 +256,7 @@ def test_rehome_moves_every_region_exactly_and_parks_on_demand():
 
 
 def test_step_counts_are_0_dim_views_that_follow_every_count():
-    """[Note: step tensors]: a run's count is one index_fill_ where its parameters agree, per parameter where
+    """[Note: step tensors]: a run's count is one op where its parameters agree, per parameter where
     they do not; each optimizer.state[p]["step"] is a 0-dim fp32 tensor with its own count."""
     from offload.host.state import HostState, step_tensors
 
@@ -307,3 +307,20 @@ def test_step_views_load_into_plain_torch_adamw_and_count_apart():
     model[2].weight.grad = torch.ones_like(model[2].weight)  # one parameter steps: the others must not count
     plain.step()
     assert [float(plain.state[p]["step"]) for p in model.parameters()] == [3.0, 3.0, 4.0, 3.0]
+
+
+def test_a_runs_count_is_one_op_on_its_slice_where_its_parameters_are_consecutive_else_on_their_indices():
+    """[Note: step tensors] (host/steps.py): ``count_run`` fills a run of consecutive parameters' counts through
+    their slice of the vector (cached per run, a view of it: nothing copied) and any other run's through
+    ``index_fill_`` with their indices; both give every count of the run the new value and touch no other."""
+    from offload.host.steps import count_run, step_tensors
+
+    values, steps = step_tensors(6)
+    cache: dict = {}
+    count_run(values, cache, (1, 2, 3), 4)
+    count_run(values, cache, (0, 2, 5), 7)
+    count_run(values, cache, (1, 2, 3), 5)
+    assert [float(t) for t in steps] == [7.0, 5.0, 5.0, 5.0, 0.0, 7.0]
+    consecutive, spread = cache[(1, 2, 3)], cache[(0, 2, 5)]
+    assert consecutive.dtype == torch.float32 and consecutive.data_ptr() == values[1:].data_ptr()
+    assert spread.dtype == torch.int64 and spread.tolist() == [0, 2, 5]

@@ -144,3 +144,37 @@ def test_where_the_cpu_lane_runs_inline_a_fast_steps_grads_wait_in_p_grad_to_the
             assert all(n < len(params) for n in most[-fast:]), most
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("mode", ["inline", "lanes"])
+def test_grads_sent_at_the_end_of_backward_stay_in_p_grad_until_the_exposure_replaces_them(mode, monkeypatch):
+    """[Note: grads left for the exposure] (plain_grads.py): where a fast step's buckets are sent after backward
+    (inline mode), the routine leaves each grad it copied in ``p.grad``, and the exposure that follows gives every
+    parameter its data-less ``ExposedGrad`` in their place; sent during backward (lanes mode), each bucket's grads
+    are out of ``p.grad`` at once, as before. Either way the user sees the same ``p.grad`` after backward, and
+    training is bit for bit torch."""
+    from offload.runtime.plain_grads import ExposedGrad
+
+    monkeypatch.setenv("OFFLOAD_CPU_COPIES", mode)
+    engine, opt, ref, ref_opt = _pair()
+    rt = engine._runtime
+    params = list(engine.module.parameters())
+    exposure = rt.grads.exposure
+    expose, seen = exposure.expose, []
+
+    def spy():  # what p.grad holds when the exposure begins: a real grad, or None
+        seen.append([type(p.grad) for p in params])
+        expose()
+    exposure.expose = spy
+    try:
+        _train(engine, opt, ref, ref_opt)
+        fast = rt.ctx.stats["fast_steps"]
+        assert fast >= STEPS - 3 and rt.grads.fast_send.sent == fast * len(rt.slots.buckets)
+        kinds = {t for step in seen[-fast:] for t in step}
+        assert kinds == ({torch.Tensor} if mode == "inline" else {type(None)}), kinds
+        engine(_x(0)).square().mean().backward()  # after backward, as before: every p.grad an ExposedGrad
+        assert all(type(p.grad) is ExposedGrad for p in params)
+        opt.step()
+        assert all(p.grad is None for p in params)
+    finally:
+        engine.close()

@@ -575,6 +575,49 @@ def test_overlapped_updates_give_a_data_less_grad_again_only_where_nobody_holds_
     engine.close()
 
 
+def test_a_spare_data_less_grad_that_torchs_grad_setter_refuses_is_replaced_by_a_new_one():
+    """[Note: reusing a data-less grad]: ``expose`` gives a spare through torch's grad setter, which checks shape,
+    dtype and device before it sets anything; a spare it refuses (here one of another shape, planted) is
+    replaced by a new data-less grad of the parameter's own shape, and the step goes on, bit for bit torch."""
+    from offload.runtime.plain_grads import ExposedGrad
+
+    case, engine, opt, ref, ref_opt = _pair("mlp")  # overlap_optimizer=True (the fp32 default)
+    model = engine.module
+    exposure = engine._runtime.grads.exposure
+    params = list(model.parameters())
+    for step in range(2):
+        assert _backward(case, model, step) == _backward(case, ref, step)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    wrong = ExposedGrad(exposure, 0, None, params[0], shape=torch.Size([params[0].numel() + 1]))
+    exposure._spare[0] = wrong
+    assert _backward(case, model, 2) == _backward(case, ref, 2)
+    assert params[0].grad is not wrong and params[0].grad.shape == params[0].shape
+    assert all(params[p].grad is g for p, g in exposure.exposed.items())
+    opt.step(), ref_opt.step()
+    _same_state(engine, ref)
+    engine.close()
+
+
+def test_overlapped_updates_name_dropped_then_replaced_grads_at_step_and_take_every_grad_back():
+    """``step()`` reads and takes back the exposed grads in one pass (``Exposure._take_back_consumed``): a grad
+    dropped and one replaced are named as before (the dropped first, each in model order), every p.grad is None
+    afterwards, and the next step trains on."""
+    case, engine, opt, _, _ = _pair("mlp")
+    model = engine.module
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    _backward(case, model, 0)
+    params[3].grad = torch.zeros_like(params[3])
+    params[1].grad = None
+    with pytest.raises(offload.OffloadError, match=f"\\({names[1]}, {names[3]}\\) between backward"):
+        opt.step()
+    assert all(p.grad is None for p in params)
+    opt.step()  # told once; the engine goes on
+    _backward(case, model, 1)
+    opt.step()
+    engine.close()
+
+
 @pytest.mark.parametrize("how", ["model.zero_grad", "p.grad = None", "p.grad = t", "opt.zero_grad",
                                  "opt.zero_grad(False)"])
 def test_overlapped_updates_refuse_dropping_grads_before_step(how):
