@@ -572,7 +572,7 @@ def streamed_reads_after_update(plan: Plan) -> frozenset[int]:
     the node's copy before the read, tests/distributed/test_node_copy_written.py). (2) A departure noticed only
     in backward, after an update was issued (``W (W.detach() h)`` inside ``W``'s own call touches what the plan's
     call does): that update rewrote the host copy and the departure dropped the arena, so copying the bucket in
-    again in that backward raises an OffloadError (``SlotTable.updated``, ``raise_read_after_update`` in slots.py).
+    again in that backward raises an OffloadError (``SlotTable.updated``, ``fetch_on_demand`` in slots.py).
     (3) A fast step sees no calls ([Note: the fast path]): a device bucket updated in its slot and then read by a
     node no plan foresaw would give the new weights; ``update`` bumps its parameters' version counters, so autograd
     refuses that read, as torch refuses a saved tensor written in place. A host-optimizer slot is not written in

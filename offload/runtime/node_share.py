@@ -26,13 +26,14 @@ written since the last one is enough there:
   a user runs between ``backward()`` and ``step()`` no longer overlaps the last updates.
 * **The one case.** A read of ``p`` inside the backward that updated its bucket (``Runtime.wait_for_updates``):
   the check of what is written so far runs at once, before the read (counted in ``copy_checks_early``). A bucket
-  copied in again inside that backward is not such a case any more: on its plan a streamed bucket read after
+  fetched again inside that backward is not such a case any more: on its plan a streamed bucket read after
   its last grad has its update held to the end of backward ([Note: streamed weights read after their update]
   in device_optim.py), a step off its plan holds all of its updates from the departure on, and a bucket updated
   before a departure noticed only in backward is refused when copied in again ([Note: a departed step's
-  updates wait]): no rank has written a shard of what a backward copies in (tests/distributed/
+  updates wait]): no rank has written a shard of what a backward fetches (tests/distributed/
   test_node_copy_written.py: every rank reads torch's weight from before the update, ``copy_checks_early``
-  0; N6 in tests/MUTATIONS.md). Every rank reaches a read of ``p`` there only where every rank reads there
+  0; N6 in tests/MUTATIONS.md: the early check in ``copy_in`` stays, reached by a fault's refresh only, where
+  it does nothing). Every rank reaches a read of ``p`` there only where every rank reads there
   (the same plan); ranks whose plans differ there (other budgets) send different tags and raise, loudly,
   never with a wrong number: a limit, stated.
 * **Writes.** A rank writes its shard of ``b`` only after the reduce-scatter (or all-reduce) of ``b``'s

@@ -134,8 +134,10 @@ class SlotTable:
         ctx = self.ctx
         n = self.buckets[b].numel
         dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
-        if b in self.updated and ctx.phases.in_backward:  # [Note: a departed step's updates wait] (device_optim.py)
-            raise_read_after_update(b)
+        dp = ctx.dp
+        if dp is not None and b in dp.unchecked:  # issue 20: a read in the backward (since a fetch there raises,
+            # fetch_on_demand, only a fault's refresh, out of step: a no-op; tests/MUTATIONS.md, N6)
+            self.check_shared_copies(early=True)  # that updated it: [Note: the shared copy checked once per backward]
         waits = [w for w in (*waits, self.adam_event.get(b)) if w is not None]
         fresh = b not in self.slot
         self.set_state(b, Residency.IN_FLIGHT)
@@ -179,6 +181,8 @@ class SlotTable:
 
     def fetch_on_demand(self, b: int) -> None:
         ctx = self.ctx
+        if b in self.updated and ctx.phases.in_backward:  # [Note: a departed step's updates wait] (device_optim.py)
+            raise_read_after_update(b)
         nbytes = self.buckets[b].nbytes(ctx.itemsize)
         self.make_room(nbytes, b)
         storage = ctx.backend.empty(nbytes)
