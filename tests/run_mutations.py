@@ -38,7 +38,7 @@ _SEND = ["tests/runtime/test_bucket_send.py::test_on_the_simulated_gpu_a_fast_st
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
 REDUCED = [f"{_DEV}[gathered]", f"{_DEV}[shared]"]  # [Note: grads reduced on the device]
-# N6, R20-R22: the off-plan read (a step that departed) of a bucket inside the backward that updated it
+# N6, R24-R27: the off-plan read (a step that departed) of a bucket inside the backward that updated it
 _LATE = ("tests/distributed/test_node_copy_written.py::test_a_bucket_read_inside_the_backward_that_updated_it_is_every_"
          "ranks_update")
 _FAULT = "tests/distributed/test_data_parallel.py::test_a_rank_raising_in_backward_makes_every_rank_error"
@@ -228,25 +228,25 @@ MUTATIONS = [
     ("N5", "no check at the end of a backward: a later read issues it (then a read forces it: `copy_checks_early`)",
      "offload/runtime/core.py", "            self.slots.check_shared_copies()  # issue 20",
      "            pass  # issue 20", SHARED),
-    # N6: since a fetch inside the backward that updated its bucket raises (R23), the check is reached only by the
+    # N6: since a fetch inside the backward that updated its bucket raises (R27), the check is reached only by the
     # refresh after a fault, where it does nothing (the rank is out of step): expected not caught (tests/MUTATIONS.md)
     ("N6", "a read inside the backward that updated the bucket does not issue the check first",
      "offload/runtime/slots.py", "            self.check_shared_copies(early=True)  # that updated it",
      "            pass  # that updated it", [*SHARED, _LATE, _FAULT]),
-    ("R23", "a bucket fetched again inside the backward that updated it is not refused (it reads the new weights)",
-     "offload/runtime/slots.py", "            raise_read_after_update(b)", "            pass",
-     [f"{_OFF}test_a_read_only_the_backward_shows_after_the_update_is_refused"]),
-    ("R20", "a step off its plan: its updates do not wait for the end of its backward",
+    ("R24", "a step off its plan: its updates do not wait for the end of its backward",
      "offload/runtime/grads.py",
      "            self.held, self.hold_only = [] if self.held is None else self.held, None  # [Note: a departed step's",
      "            pass  # [Note: a departed step's", [f"{_TORCHS}[streamed-simulated-gpu]", _LATE]),
-    ("R21", "a forward call reading a parameter its planned call did not stays on the plan (check_use)",
+    ("R25", "a forward call reading a parameter its planned call did not stays on the plan (check_use)",
      "offload/runtime/executor.py", "        if i >= len(uses[1]) or p not in uses[1][i]:\n            self.leave()",
      "        if i >= len(uses[1]) or p not in uses[1][i]:\n            pass",
      [f"{_TORCHS}[resident-simulated-gpu]", f"{_TORCHS}[device-optimizer-simulated-gpu]"]),
-    ("R22", "a device update in backward does not bump its parameters' version counters",
+    ("R26", "a device update in backward does not bump its parameters' version counters",
      "offload/runtime/device_optim.py", "            torch.autograd.graph.increment_version(ctx.params[p])",
      "            pass", [f"{_OFF}test_on_a_fast_step_a_device_bucket_read_after_its_update_raises"]),
+    ("R27", "a bucket fetched again inside the backward that updated it is not refused (it reads the new weights)",
+     "offload/runtime/slots.py", "            raise_read_after_update(b)", "            pass",
+     [f"{_OFF}test_a_read_only_the_backward_shows_after_the_update_is_refused"]),
     ("N7", "deferred updates: no check in step() (the next reads force it, or the end of the next backward)",
      "offload/runtime/core.py", "                self.slots.check_shared_copies()  # deferred",
      "                pass  # deferred", [_CLIP]),
