@@ -323,6 +323,10 @@ MUTATIONS = [
      "B6+R12", ""),
     ("G11+G10", "accumulation: a grad D2H into ring bytes waits neither for their previous reader nor for the "
      "previous pass's add", "+", "G11+G10", ""),
+    ("R24+R27", "a step off its plan neither holds its updates nor refuses a bucket fetched after its update", "+",
+     "R24+R27", ""),
+    ("R25+R27", "a read its planned call did not have departs only in backward, and the fetch after the update is not "
+     "refused", "+", "R25+R27", ""),
 ]
 
 _BIT = "tests/backend/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"
