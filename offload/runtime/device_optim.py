@@ -303,7 +303,7 @@ class DeviceOptimizer:
         for s, e, count, hp in self._segments(b, params, hparams):
             self._chunked(step, state, grad, s, e, count, hp, chunk)
         event = self._updated(b, state, rounded=step == self._onepass)
-        self.slots.updated.add(b)  # copied in again in this backward (after a departure): refused (slots.py)
+        self.slots.updated.add(b)  # fetched again in this backward (after a departure): refused (slots.py)
         for p in params:  # [Note: a departed step's updates wait]: a saved view read after this raises, as torch's
             torch.autograd.graph.increment_version(ctx.params[p])  # does for an in-place write of a saved tensor
         if buffer is not None:

@@ -368,8 +368,8 @@ class SlotTable:
 
 
 def raise_read_after_update(b: int) -> None:
-    """Bucket ``b`` is copied in inside the backward that already updated it ([Note: a departed step's updates
-    wait] in device_optim.py): the copy would read the updated weights, where torch's backward reads them from
+    """Bucket ``b`` is fetched again inside the backward that already updated it ([Note: a departed step's updates
+    wait] in device_optim.py): its copy would read the updated weights, where torch's backward reads them from
     before the step. Refused, loudly."""
     raise OffloadError(
         f"bucket {b}'s weights are read inside the backward that already applied its AdamW update (overlapped "
@@ -378,4 +378,3 @@ def raise_read_after_update(b: int) -> None:
         "module call that reads w anyway, taken in this step only). It would read the updated weights where "
         "torch's backward reads them from before the step. Wrap with overlap_optimizer=False (updates in step()), "
         "or take that read in every step (the plan then holds the update back for it)")
-

@@ -3,7 +3,9 @@
 and the read, fetched again from the host copy the update rewrote, would see the updated weight, where torch's
 backward reads the weight from before the step. [Note: a departed step's updates wait] (runtime/device_optim.py):
 once a step has departed, every update not yet submitted waits for the end of its backward, so the read is
-torch's. On the plan such a read is foreseen ([Note: streamed weights read after their update])."""
+torch's. On the plan such a read is foreseen ([Note: streamed weights read after their update]). Where the departure
+shows only in backward, after the update, fetching the bucket again raises; on a fast step, a device bucket's read
+after its in-place update raises autograd's in-place error: loud, never the updated weights."""
 
 import copy
 import dataclasses
@@ -15,8 +17,8 @@ from torch import nn
 
 import offload
 import offload.planning.trace
-from offload.runtime import fast_path
 from offload.planning.hw import PRESETS
+from offload.runtime import fast_path
 from tests.support.compare import assert_bitwise
 from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 
