@@ -38,9 +38,12 @@ _SEND = ["tests/runtime/test_bucket_send.py::test_on_the_simulated_gpu_a_fast_st
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
 REDUCED = [f"{_DEV}[gathered]", f"{_DEV}[shared]"]  # [Note: grads reduced on the device]
-# N6: the off-plan read (a step that departed) of a bucket inside the backward that updated it
+# N6, R24-R27: the off-plan read (a step that departed) of a bucket inside the backward that updated it
 _LATE = ("tests/distributed/test_node_copy_written.py::test_a_bucket_read_inside_the_backward_that_updated_it_is_every_"
          "ranks_update")
+_FAULT = "tests/distributed/test_data_parallel.py::test_a_rank_raising_in_backward_makes_every_rank_error"
+_OFF = "tests/runtime/test_off_plan_late_read.py::"  # [Note: a departed step's updates wait]
+_TORCHS = f"{_OFF}test_an_off_plan_read_after_the_update_reads_the_weights_torch_reads"
 
 # (id, what it breaks, file, old text, new text[, the tests to run: TESTS if absent]): old must occur exactly
 # once in file
@@ -225,9 +228,25 @@ MUTATIONS = [
     ("N5", "no check at the end of a backward: a later read issues it (then a read forces it: `copy_checks_early`)",
      "offload/runtime/core.py", "            self.slots.check_shared_copies()  # issue 20",
      "            pass  # issue 20", SHARED),
+    # N6: since a fetch inside the backward that updated its bucket raises (R27), the check is reached only by the
+    # refresh after a fault, where it does nothing (the rank is out of step): expected not caught (tests/MUTATIONS.md)
     ("N6", "a read inside the backward that updated the bucket does not issue the check first",
      "offload/runtime/slots.py", "            self.check_shared_copies(early=True)  # that updated it",
-     "            pass  # that updated it", [*SHARED, _LATE]),
+     "            pass  # that updated it", [*SHARED, _LATE, _FAULT]),
+    ("R24", "a step off its plan: its updates do not wait for the end of its backward",
+     "offload/runtime/grads.py",
+     "            self.held, self.hold_only = [] if self.held is None else self.held, None  # [Note: a departed step's",
+     "            pass  # [Note: a departed step's", [f"{_TORCHS}[streamed-simulated-gpu]", _LATE]),
+    ("R25", "a forward call reading a parameter its planned call did not stays on the plan (check_use)",
+     "offload/runtime/executor.py", "        if i >= len(uses[1]) or p not in uses[1][i]:\n            self.leave()",
+     "        if i >= len(uses[1]) or p not in uses[1][i]:\n            pass",
+     [f"{_TORCHS}[resident-simulated-gpu]", f"{_TORCHS}[device-optimizer-simulated-gpu]"]),
+    ("R26", "a device update in backward does not bump its parameters' version counters",
+     "offload/runtime/device_optim.py", "            torch.autograd.graph.increment_version(ctx.params[p])",
+     "            pass", [f"{_OFF}test_on_a_fast_step_a_device_bucket_read_after_its_update_raises"]),
+    ("R27", "a bucket fetched again inside the backward that updated it is not refused (it reads the new weights)",
+     "offload/runtime/slots.py", "            raise_read_after_update(b)", "            pass",
+     [f"{_OFF}test_a_read_only_the_backward_shows_after_the_update_is_refused"]),
     ("N7", "deferred updates: no check in step() (the next reads force it, or the end of the next backward)",
      "offload/runtime/core.py", "                self.slots.check_shared_copies()  # deferred",
      "                pass  # deferred", [_CLIP]),
@@ -304,6 +323,10 @@ MUTATIONS = [
      "B6+R12", ""),
     ("G11+G10", "accumulation: a grad D2H into ring bytes waits neither for their previous reader nor for the "
      "previous pass's add", "+", "G11+G10", ""),
+    ("R24+R27", "a step off its plan neither holds its updates nor refuses a bucket fetched after its update", "+",
+     "R24+R27", ""),
+    ("R25+R27", "a read its planned call did not have departs only in backward, and the fetch after the update is not "
+     "refused", "+", "R25+R27", ""),
 ]
 
 _BIT = "tests/backend/test_cuda_backend.py::test_simulated_gpu_trains_bit_for_bit_like_the_cpu_backend"

@@ -303,6 +303,9 @@ class DeviceOptimizer:
         for s, e, count, hp in self._segments(b, params, hparams):
             self._chunked(step, state, grad, s, e, count, hp, chunk)
         event = self._updated(b, state, rounded=step == self._onepass)
+        self.slots.updated.add(b)  # fetched again in this backward (after a departure): refused (slots.py)
+        for p in params:  # [Note: a departed step's updates wait]: a saved view read after this raises, as torch's
+            torch.autograd.graph.increment_version(ctx.params[p])  # does for an in-place write of a saved tensor
         if buffer is not None:
             self.slots.done[buffer] = event  # the grad slot may be reused after the update read it
         else:
@@ -555,7 +558,25 @@ def streamed_reads_after_update(plan: Plan) -> frozenset[int]:
     update of such a bucket waits for the end of backward (``GradPipeline``'s held updates), as the first
     step's do ([Note: the first step's host memory] in warmup.py: the grads copied out of the ring on the CPU
     lane, the update submitted by ``release_held``). Device-optimizer buckets have their own rule
-    (``read_after_update``). A step that leaves its plan reads what the plan did not say: not covered."""
+    (``read_after_update``). A step that leaves its plan reads what the plan did not say: the next Note.
+
+    [Note: a departed step's updates wait] Off its plan a backward may read a weight after its bucket's update in
+    ways the trace did not say; torch reads it from before the step. (1) A departure noticed in forward (a bucket
+    needed that the plan did not bring, other calls, or a call reading a parameter its planned call did not:
+    ``PlanExecutor.check_use``, without which a read of a resident weight showed only at its backward's unpack):
+    ``GradPipeline.finish`` holds every update of the step not yet issued to the end of its backward
+    (``release_held``, in the order the grads completed, as above), so every read sees the weights before the step;
+    the same from a departure inside backward on. Cost, once per change of path (the engine re-plans after it):
+    that step's CPU AdamW runs after its backward instead of beside it, its grads copied out of the ring to
+    pageable memory first (tests/runtime/test_off_plan_late_read.py; data parallel: no rank writes its shard of
+    the node's copy before the read, tests/distributed/test_node_copy_written.py). (2) A departure noticed only
+    in backward, after an update was issued (``W (W.detach() h)`` inside ``W``'s own call touches what the plan's
+    call does): that update rewrote the host copy and the departure dropped the arena, so copying the bucket in
+    again in that backward raises an OffloadError (``SlotTable.updated``, ``fetch_on_demand`` in slots.py).
+    (3) A fast step sees no calls ([Note: the fast path]): a device bucket updated in its slot and then read by a
+    node no plan foresaw would give the new weights; ``update`` bumps its parameters' version counters, so autograd
+    refuses that read, as torch refuses a saved tensor written in place. A host-optimizer slot is not written in
+    backward. Deferred updates run in ``step()``: nothing to hold."""
     resident = set(plan.resident)
     return frozenset(reads_after_last_grad(plan, (b for b in range(len(plan.buckets)) if b not in resident)))
 

@@ -125,6 +125,7 @@ class PlanExecutor:
         self._timer: Timer | None = None
         self.timing: dict[str, object] | None = None
         self._untimed = False  # the timer failed once: no step is timed again
+        self._planned_uses: tuple[Plan, list[frozenset[int]]] | None = None  # check_use's, once per plan
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
@@ -193,6 +194,21 @@ class PlanExecutor:
         if actions.need:
             for b in actions.need:
                 self.need(b)
+
+    def check_use(self, p: int) -> None:
+        """A training forward's call reads parameter ``p``: if its planned call did not, the step departs now, in
+        forward, so that its backward's reads count as unknown ([Note: a departed step's updates wait] in
+        device_optim.py). Otherwise a read of a resident weight (``F.linear(h, w.detach())``) went unnoticed until
+        its backward read it, maybe after the update of its bucket, which the departure then fetched again."""
+        plan, stack = self.plan, self.recorder.stack
+        if plan is None or not stack or not self.grad_enabled or self.pos > plan.trace.num_forward:
+            return
+        uses = self._planned_uses
+        if uses is None or uses[0] is not plan:
+            uses = self._planned_uses = (plan, [frozenset(u) for u in plan.trace.uses])
+        i = stack[-1]
+        if i >= len(uses[1]) or p not in uses[1][i]:
+            self.leave()
 
     def need(self, b: int) -> None:
         """Make compute wait until bucket ``b`` is on the device; fetch it now if it is not coming."""

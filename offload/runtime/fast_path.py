@@ -43,7 +43,8 @@ for the first step that is not fast), no use detector and no saved-tensor hooks.
   always did. A fast step's record (no uses, no saved-weight reads) is never planned from: nothing in it
   marks the plan stale, and ``PlanExecutor.record_step`` is not called;
 * what the fast path cannot see: a forward with the verified signature whose module calls differ but whose
-  grads come in the planned order (a data-dependent loop count) keeps its resident weights correct but its
+  grads come in the planned order (a data-dependent loop count) keeps its resident weights correct (a device
+  bucket read after its update in place is refused: [Note: a departed step's updates wait]) but its
   activations are not measured; it is noticed only if its grads differ. Nor does it count activations at
   all: on the CPU backend (no allocator to ask) ``memory_stats()``'s accounted current bytes and parts leave
   a fast step's activations out (the peak keeps what full steps measured), a fast step's window learns no
@@ -106,6 +107,8 @@ calls, waits and numbers as the full path's. What the full path's hooks did that
   every use); a bucket some node reads after its last grad (a detached use) is run with the host optimizer by
   ``DeviceOptimizer.activate`` on both paths ([Note: read after the update] in device_optim.py). A fast step
   follows a plan a full step of the same root call verified, and one whose grads come in another order departs;
+  a read its plan did not have (a data-dependent branch) raises, since the update bumps the version counters
+  ([Note: a departed step's updates wait] in device_optim.py);
 * ``create_graph``: the full path's unpack hands a graph-building backward a copy of the weight view
   (``ParamAccess.graph_copy``), a fast step the view itself. The graph it builds reads it in nodes that give the
   weight a grad, before its update (a gradient penalty, ``backward(create_graph=True)``: torch's numbers, tested).

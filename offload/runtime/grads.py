@@ -296,6 +296,9 @@ class GradPipeline:
         if b in self.finished:
             return
         self.finished.add(b)
+        if not (self.deferred or self.executor.on_plan or self.held is not None and self.hold_only is None):
+            self.held, self.hold_only = [] if self.held is None else self.held, None  # [Note: a departed step's
+            # updates wait] (device_optim.py): off its plan, this backward's reads are not known
         ctx, slots = self.ctx, self.slots
         view, k = self.gathering.pop(b)
         self.param_views.pop(b, None)
@@ -413,6 +416,7 @@ class GradPipeline:
         ps = frozenset(params)
         host = slots.hosted()
         self.device.before_host_update(b)  # issue 18: a fresh device-homed bucket updated on the host after all
+        slots.updated.add(b)  # [Note: a departed step's updates wait] (device_optim.py)
         waits = [ready] + [e for e in (slots.h2d_event.get(b),) if e is not None]
         if span is not None and span[0] > 0:  # [Note: one H2D wait per bucket's update]
             del waits[1:]

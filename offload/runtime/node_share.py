@@ -24,17 +24,18 @@ written since the last one is enough there:
   has: every later read of the copy (a host-to-device copy, a read of ``p``) is issued after it. Blocking the
   main thread at the end of backward costs a usual step nothing (``step()`` would drain the lane there); what
   a user runs between ``backward()`` and ``step()`` no longer overlaps the last updates.
-* **The one case.** A bucket read again inside the backward that updated it (a weight that a later node of
-  that backward reads without sending it a grad, ``x @ w.detach()``, streamed on this rank), or a read of
-  ``p`` there (``Runtime.wait_for_updates``): the check of what is written so far runs at once, before the
-  read (counted in ``copy_checks_early``). On its plan such a streamed bucket's update waits for the end of
-  backward anyway ([Note: streamed weights read after their update] in device_optim.py: it must not be
-  written before that read), so the early check is for a step off its plan (a read the plan did not foresee,
-  of a bucket fetched on demand after its update: tests/distributed/test_node_copy_written.py, N6 in
-  tests/MUTATIONS.md; what that read sees is the updated weights, on every rank alike, where torch's backward
-  reads them before the update: a limit of such a step) and for reads of ``p``. Every rank reaches that point
-  only where every rank reads there (the same plan); ranks whose plans differ there (other budgets) send
-  different tags and raise, loudly, never with a wrong number: a limit, stated.
+* **The one case.** A read of ``p`` inside the backward that updated its bucket (``Runtime.wait_for_updates``):
+  the check of what is written so far runs at once, before the read (counted in ``copy_checks_early``). A bucket
+  fetched again inside that backward is not such a case any more: on its plan a streamed bucket read after
+  its last grad has its update held to the end of backward ([Note: streamed weights read after their update]
+  in device_optim.py), a step off its plan holds all of its updates from the departure on, and a bucket updated
+  before a departure noticed only in backward is refused when copied in again ([Note: a departed step's
+  updates wait]): no rank has written a shard of what a backward fetches (tests/distributed/
+  test_node_copy_written.py: every rank reads torch's weight from before the update, ``copy_checks_early``
+  0; N6 in tests/MUTATIONS.md: the early check in ``copy_in`` stays, reached by a fault's refresh only, where
+  it does nothing). Every rank reaches a read of ``p`` there only where every rank reads there
+  (the same plan); ranks whose plans differ there (other budgets) send different tags and raise, loudly,
+  never with a wrong number: a limit, stated.
 * **Writes.** A rank writes its shard of ``b`` only after the reduce-scatter (or all-reduce) of ``b``'s
   grads, which every rank joins after its backward read ``b``, so a write never overlaps another rank's read
   ([Note: one host copy per node]); batching the checks changes nothing there.

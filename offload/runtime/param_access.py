@@ -128,6 +128,8 @@ class ParamAccess:
             check_on_top()  # issue 19: [Note: a user's saved-tensor hooks] entered inside the forward
         executor = self.executor
         executor.recorder.touch(p)
+        if executor.on_plan:  # a read its plan did not foresee: [Note: a departed step's updates wait]
+            executor.check_use(p)
         if self._phases.lifecycle is Lifecycle.TRACING:
             with self._busy:
                 self.warmup.fetch(p, executor.recorder, self.slots.boundary)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..backend.base import DONE, Event
-from ..errors import InvariantError
+from ..errors import InvariantError, OffloadError
 from .idle_params import PLAIN_OF, bind_placeholder
 from .residency import Freeing, ParamRef, Residency, Slot, check_move
 
@@ -58,6 +58,7 @@ class SlotTable:
         self.index: dict[int, tuple[list[int], list[int]]] = {}  # storage ptr -> (offsets, buckets)
         self.h2d_event: dict[int, Event] = {}  # bucket -> its latest host-to-device copy
         self.adam_event: dict[int, Event] = {}  # bucket -> its latest AdamW (host master is written)
+        self.updated: set[int] = set()  # buckets whose update was issued since this step's forward began
         self.lru: OrderedDict[int, None] = OrderedDict()  # buckets fetched on demand, oldest first
         self.h2d_by_bucket: list[int] = []  # host-to-device bytes per bucket since wrap
         self.freeing: list[Freeing] = []  # on-demand grad slots until their D2H copy has read them
@@ -98,6 +99,7 @@ class SlotTable:
 
     def reset_step(self) -> None:
         self.done = {}
+        self.updated = set()
 
     def close(self) -> None:
         """The engine closed: nothing is on the device any more, and the host arena goes."""
@@ -140,7 +142,8 @@ class SlotTable:
             dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
             self._dst[b] = (slot, dst)
         dp = ctx.dp
-        if dp is not None and b in dp.unchecked:  # issue 20: a read in the backward
+        if dp is not None and b in dp.unchecked:  # issue 20: a read in the backward (since a fetch there raises,
+            # fetch_on_demand, only a fault's refresh, out of step: a no-op; tests/MUTATIONS.md, N6)
             self.check_shared_copies(early=True)  # that updated it: [Note: the shared copy checked once per backward]
         waits = [w for w in (*waits, self.adam_event.get(b)) if w is not None]
         fresh = b not in self.slot
@@ -185,6 +188,8 @@ class SlotTable:
 
     def fetch_on_demand(self, b: int) -> None:
         ctx = self.ctx
+        if b in self.updated and ctx.phases.in_backward:  # [Note: a departed step's updates wait] (device_optim.py)
+            raise_read_after_update(b)
         nbytes = self.buckets[b].nbytes(ctx.itemsize)
         self.make_room(nbytes, b)
         storage = ctx.backend.empty(nbytes)
@@ -368,3 +373,16 @@ class SlotTable:
         del starts[i], owners[i]
         if not starts:
             del self.index[key]
+
+
+def raise_read_after_update(b: int) -> None:
+    """Bucket ``b`` is fetched again inside the backward that already updated it ([Note: a departed step's updates
+    wait] in device_optim.py): its copy would read the updated weights, where torch's backward reads them from
+    before the step. Refused, loudly."""
+    raise OffloadError(
+        f"bucket {b}'s weights are read inside the backward that already applied its AdamW update (overlapped "
+        "updates run as each bucket's grads complete): this step left its plan only in backward, after that "
+        "update, so the read was not foreseen (a weight read without a grad, e.g. F.linear(h, w.detach()), in a "
+        "module call that reads w anyway, taken in this step only). It would read the updated weights where "
+        "torch's backward reads them from before the step. Wrap with overlap_optimizer=False (updates in step()), "
+        "or take that read in every step (the plan then holds the update back for it)")

@@ -438,7 +438,7 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
     concatenated batch, as one process training on the whole global batch. ``start``: a checkpoint written
     by ``Engine.save`` to resume from (its weights, m, v and step counts), at ``case.start_step``.
     ``extra["late_read_step"]``: the ranks' late read (``read_late``) at that step too (torch's backward reads the
-    weight before the step's update).
+    weight before the step's update); what it read, in ``"late_reads"``.
     ``case.device`` "cuda": the grads are computed (and summed, and scaled) on a CUDA twin of the model that gets
     the weights before each step, AdamW runs on the CPU: the engine's split of the work, so fp32 stays bit for
     bit (IEEE adds and multiplies round alike on both; matmuls are compared on the same GPU)."""
@@ -451,7 +451,8 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
         model.load_state_dict(start["model"])
         for i, p in enumerate(params):  # by hand: offload.AdamW's param groups carry fewer keys than torch's
             opt.state[p] = {k: v.clone() for k, v in start["optimizer"]["state"][i].items()}
-    norms = []
+    norms: list[float] = []
+    late_reads: list[torch.Tensor] = []  # what the late read's backward read (``read_late``), per rank
 
     def grads_of(step: int, rank: int | None) -> list[torch.Tensor]:
         total: list[torch.Tensor] | None = None
@@ -460,7 +461,7 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
             if rank is not None:
                 x, y = rank_slice(x, rank, case.world), rank_slice(y, rank, case.world)
             twin.zero_grad(set_to_none=True)
-            late = read_late(twin, []) if step == case.extra.get("late_read_step") else None
+            late = read_late(twin, late_reads) if step == case.extra.get("late_read_step") else None
             (nn.functional.mse_loss(twin(x.to(case.device)), y.to(case.device)) / case.micro).backward()
             if late is not None:
                 late.remove()
@@ -489,7 +490,7 @@ def reference(case: Case, emulate_ranks: bool, start: dict | None = None) -> dic
         opt.step()
     state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
     return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms,
-            "optimizer": state}
+            "optimizer": state, "late_reads": [t.cpu() for t in late_reads]}
 
 
 def report_model(batch: int, seq: int) -> tuple[nn.Module, torch.Tensor]:
