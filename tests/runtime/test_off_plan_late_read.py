@@ -8,7 +8,6 @@ shows only in backward, after the update, fetching the bucket again raises; on a
 after its in-place update raises autograd's in-place error: loud, never the updated weights."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -17,28 +16,23 @@ from torch import nn
 
 import offload
 import offload.planning.trace
-from offload.planning.hw import PRESETS
 from offload.runtime import fast_path
+from tests.runtime.test_device_optimizer import SLOW_CPU, DetachedReuse, _SteadyClock
 from tests.support.compare import assert_bitwise
 from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 LATE_STEP = 3  # the one step that takes the late read (the data-dependent branch)
 STEPS = 6
-SLOW_CPU = dataclasses.replace(PRESETS["pcie4"], name="pcie4-slow-cpu-adam", adam_params_per_s=1e6)
 
 
-class LateRead(nn.Module):
-    """``b.weight`` read detached before ``b`` runs, only while ``late`` (a data-dependent branch): in backward
-    that read comes after ``b``'s grads are complete."""
+class LateRead(DetachedReuse):
+    """DetachedReuse (the same layers and weights) whose detached read of ``b.weight`` before ``b`` runs is
+    taken only while ``late`` (a data-dependent branch): in backward that read comes after ``b``'s grads are
+    complete."""
 
     def __init__(self):
         super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.a0, self.a, self.b, self.c = (nn.Linear(32, 32) for _ in range(4))
-        self.out = nn.Linear(32, 4)
-        for m in (self.a0, self.a, self.b, self.c, self.out):
-            nn.init.normal_(m.weight, std=0.2, generator=g)
         self.late = False
 
     def forward(self, x):
@@ -80,17 +74,6 @@ def _train(pairs, steps: int = STEPS) -> list[list[float]]:
             o.zero_grad()
             out.append(loss.item())
     return losses
-
-
-class _SteadyClock:
-    """The trace's clock, ``tick`` seconds a reading: the same plans on any machine and load."""
-
-    def __init__(self, tick: float) -> None:
-        self.now, self.tick = 0.0, tick
-
-    def perf_counter(self) -> float:
-        self.now += self.tick
-        return self.now
 
 
 CASES = {  # id: (budget / weight bytes, overlap_optimizer, device_optimizer, the fast path allowed)
