@@ -10,9 +10,11 @@ per-GPU budgets, on traces of real model shapes built on the meta device (no wei
   host copy]), the AdamW writes the shard into the node's one host copy and one small gloo check per backward
   says every rank has ([Note: the shared copy checked once per backward]; until 2026-11-27 one per bucket):
   nothing of the weights is gathered, and the plan has no gather buffers.
-  Over SEVERAL nodes (each rank its own host copy), the updated shard is copied to the device, all-gathered
-  there (NCCL) and the gathered bytes copied back to the rank's whole host copy, with the weights' two
-  gather buffers out of the plan's budget. After ``step()`` each resident bucket updated comes up as this
+  Over SEVERAL nodes each node keeps one host copy too ([Note: one host copy per host]; until 2026-11-28 each
+  rank its own): the updated shard is copied to the device, all-gathered there (NCCL) and only the rank's
+  column's other shards (its local rank on the other nodes: ``(M - 1) / N`` of the bucket) copied back into
+  the node's copy, with the weights' two gather buffers out of the plan's budget; the same check per
+  backward. After ``step()`` each resident bucket updated comes up as this
   rank's 1/G chunk, all-gathered in its slot over the node's G GPUs (NVLink; [Note: resident weights gathered
   in their slots]); other copies are of whole buckets, as on one GPU. The grad slots are padded to the
   shards (as the engine plans it); gloo (NOMINAL presets, [Note: gloo's collectives]) runs the checks
@@ -33,10 +35,10 @@ Weak scaling: every rank runs the traced micro-batch (``batch x seq`` tokens), s
 seq / step`` and the scaling efficiency is ``tokens/s at N / (N x tokens/s at 1) = step at 1 / step at N``.
 
 Host bytes: the runtime path's rows give the runtime's arena (``report_dp.runtime_host_bytes_per_rank``: no
-landing grad, grads are reduced on the device; the whole 16-bit copy on every rank over several nodes, none on
-one node) and, on one node, the node's one shared copy (``host_shared_bytes_per_node``, in
-``host_bytes_per_node``; ``host_bytes_per_node_per_rank_copy`` is what the node would hold with a copy per
-rank); the design's rows the design's.
+landing grad, grads are reduced on the device; no 16-bit copy in it where the node's ranks share one) and the
+node's one shared copy (``host_shared_bytes_per_node``, in ``host_bytes_per_node``; every config with more
+than one GPU a node; ``host_bytes_per_node_per_rank_copy`` is what the node would hold with a copy per rank);
+the design's rows the design's.
 
 Budgets (per GPU): ``zero-offload``: the smallest that holds ZeRO-Offload's rule (every 16-bit parameter on
 the device, the grad slots, activations), so both policies fit; and the step's non-parameter memory plus 25 %
@@ -87,9 +89,10 @@ PATHS = {
                "reduce-scattered on the device (NCCL), a 1/N shard copied to the host and updated by the shard's "
                "AdamW on each rank's CPU lane; on one node the AdamW writes it into the node's one shared host "
                "copy and one gloo check per backward says the copy is whole (no all-gather of the weights, no gather "
-               "buffers: [Note: the runtime's shared host copy]); over several nodes the updated shard is copied "
-               "back to the device, all-gathered there (NCCL, two gather buffers in turn) and the gathered bytes "
-               "copied to the rank's whole host copy (the gather buffers out of the budget); after step() each "
+               "buffers: [Note: the runtime's shared host copy]); over several nodes each node keeps one copy "
+               "too: the updated shard is copied back to the device, all-gathered there (NCCL, two gather "
+               "buffers in turn, out of the budget) and the rank's column's other shards copied into the node's "
+               "copy ([Note: one host copy per host]); after step() each "
                "updated resident bucket comes up as a 1/G chunk all-gathered in its slot over the node's GPUs "
                "([Note: resident weights gathered in their slots]), other copies whole as on one GPU; planned "
                "with the grad slots padded "
@@ -133,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {
         "benchmark": "scaling", "label": "SIMULATED: a cost model, not a measurement", "machine": brief_machine(),
         "runs": RUNS, "paths": PATHS,
-        "host_copy": "runtime path: shared (one host copy per node, share_host_copy=None's default) on one node, "
-                     "per rank over several nodes (each row's host_copy)",
+        "host_copy": "runtime path: shared (one host copy per node, share_host_copy=None's default) wherever a "
+                     "node runs several GPUs, on one node or several (each row's host_copy)",
         "itemsize": ITEMSIZE, "bucket_bytes": BUCKET_BYTES, "weak_scaling": "every rank runs batch x seq tokens",
         "efficiency": "tokens/s at N / (N x tokens/s at 1)",
         "budgets": {"zero-offload": "the smallest per-GPU budget ZeRO-Offload's rule fits in",
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                         out["links"][link.name] = link.source
                     where = f"{name} {hw_name} {budget_name} {cluster.describe()}"
                     t1 = time.perf_counter()
-                    shared = nodes == 1 and gpus > 1  # the engine's default: one host copy per node on one node
+                    # the engine's default: one host copy per node wherever a node runs several ranks
+                    shared = cluster.gpus_per_node > 1
                     with console.status(where):
                         res = {"runtime": runtime_data_parallel(case, gloo, device=cluster, shared=shared)}
                         res.update((p, f(case, cluster)) for p, f in POLICIES.items())
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                             "tokens_per_s": tok, "efficiency": eff, "fits": r.fits, "peak_bytes": r.peak_bytes,
                             "host_bytes_per_rank": host_rank[path],
                             "host_bytes_per_node": host_node[path],
-                            # [Note: the runtime's shared host copy]: "shared" on one node, else "per rank"
+                            # [Note: the runtime's shared host copy]: "shared" where a node runs several GPUs
                             "host_copy": ("shared" if shared else "per rank") if path == "runtime" else None,
                             "host_shared_bytes_per_node": node_copy if path == "runtime" else None,
                             "host_bytes_per_node_per_rank_copy": (cluster.gpus_per_node * own_copy
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 out["goals"].extend(_goals(out["rows"], label, hw_name, budget_name))
     console.print(table)
     console.print(f"The code runs the [bold]{RUNS}[/] path: {PATHS[RUNS]}. The design path: {PATHS['design']}.")
-    console.print("host/node runtime: 'sh' marks one node, where the ranks share one host copy of the weights "
+    console.print("host/node runtime: 'sh' marks one host copy of the weights per node, shared by its ranks "
                   "(share_host_copy=None, the default); without 'sh' each rank keeps its own copy")
     for g in out["goals"]:
         console.print(f"goal [{'green' if g['holds'] else 'red'}]{'holds' if g['holds'] else 'FAILS'}[/]: {g['what']}")

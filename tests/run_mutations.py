@@ -42,7 +42,9 @@ REDUCED = [f"{_DEV}[gathered]", f"{_DEV}[shared]"]  # [Note: grads reduced on th
 _LATE = ("tests/distributed/test_node_copy_written.py::test_a_bucket_read_inside_the_backward_that_updated_it_is_every_"
          "ranks_update")
 _FAULT = "tests/distributed/test_data_parallel.py::test_a_rank_raising_in_backward_makes_every_rank_error"
-_OFF = "tests/runtime/test_off_plan_late_read.py::"  # [Note: a departed step's updates wait]
+_OFF = "tests/runtime/test_off_plan_late_read.py::"
+_XNODE = "tests/distributed/test_host_copy_per_host.py::"  # N8-N10: one host copy per host
+_SLOW_TOO = ["-m", "slow or not slow"]  # pytest's last -m wins over pyproject's: the slow tests listed run too  # [Note: a departed step's updates wait]
 _TORCHS = f"{_OFF}test_an_off_plan_read_after_the_update_reads_the_weights_torch_reads"
 
 # (id, what it breaks, file, old text, new text[, the tests to run: TESTS if absent]): old must occur exactly
@@ -233,6 +235,26 @@ MUTATIONS = [
     ("N6", "a read inside the backward that updated the bucket does not issue the check first",
      "offload/runtime/slots.py", "            self.check_shared_copies(early=True)  # that updated it",
      "            pass  # that updated it", [*SHARED, _LATE, _FAULT]),
+    # [Note: one host copy per host] (host/node_copy.py): ranks on two hosts (faked), one shared copy per host
+    ("N8", "over several hosts the column's all-gather does not run (the other hosts' shards never reach the copy)",
+     "offload/runtime/distributed.py",
+     "        if shards is not None:  # after the other hosts' shards came in",
+     "        if shards is not None and host.node_copy is None:  # after the other hosts' shards came in",
+     [f"{_XNODE}test_four_ranks_on_two_hosts_share_one_copy_per_host"]),
+    ("N9", "the check that the shared copy is whole does not wait for this rank's copies back from the device",
+     "offload/runtime/distributed.py", "        self.settle()  # and its copies back from the device",
+     "        pass  # and its copies back from the device",
+     [*_SLOW_TOO, f"{_XNODE}test_four_ranks_on_two_hosts_reduced_on_the_device_share_one_copy_per_host[True]",
+      f"{_XNODE}test_four_ranks_on_two_hosts_reduced_on_the_device_share_one_copy_per_host[False]"]),
+    ("N10", "weights written outside a step: a rank writes only its own shard of its host's copy, not its column's",
+     "offload/host/shard.py", "        shards = [shard_of(n, r, self.world) for r in hosts.column]",
+     "        shards = [self.shards[b]]",
+     [*_SLOW_TOO, f"{_XNODE}test_a_load_between_steps_on_two_hosts_is_seen_whole_by_every_rank"]),
+    ("N11", "grads reduced on the device over several hosts: nothing of the device's all-gather is copied back "
+     "into the host's shared copy", "offload/runtime/device_collectives.py",
+     "        self.column = None if column is None else tuple(r for r in column if r != rank)",
+     "        self.column = None if column is None else ()",
+     [f"{_XNODE}test_four_ranks_on_two_hosts_reduced_on_the_device_share_one_copy_per_host[False]"]),
     ("R24", "a step off its plan: its updates do not wait for the end of its backward",
      "offload/runtime/grads.py",
      "            self.held, self.hold_only = [] if self.held is None else self.held, None  # [Note: a departed step's",

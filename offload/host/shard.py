@@ -236,13 +236,15 @@ class ShardedHostState(HostState):
 
     def writes(self, b: int, lo: int, hi: int) -> list[tuple[int, int]]:
         """The parts of bucket ``b``'s elements ``[lo, hi)`` this rank writes in the device-dtype copy: all of
-        them in its own copy; in the node's ([Note: one host copy per node]) its shard of the trainable prefix,
-        and rank 0 the elements past it."""
+        them in its own copy; in the node's ([Note: one host copy per node]) the shards of its column of the
+        trainable prefix (its own alone, on one host: [Note: one host copy per host] in node_copy.py), and its
+        host's lowest rank the elements past it."""
         if self.node_copy is None:
             return [(lo, hi)]
-        s, n = self.shards[b], self.buckets[b].trainable_numel
-        owned = [(max(lo, s.start), min(hi, s.end))]
-        if self.rank == 0:
+        hosts, n = self.node_copy.hosts, self.buckets[b].trainable_numel
+        shards = [shard_of(n, r, self.world) for r in hosts.column]
+        owned = [(max(lo, s.start), min(hi, s.end)) for s in shards]
+        if self.rank == hosts.leader:
             owned.append((max(lo, n), hi))
         return [(a, e) for a, e in owned if a < e]
 
@@ -327,8 +329,17 @@ class ShardedHostState(HostState):
 
     def take_gathered_copy(self, b: int, full: torch.Tensor) -> None:
         """Every rank's updated shard of bucket ``b``'s device copy, concatenated: into the copy."""
-        n = self.buckets[b].trainable_numel
-        self.lowp[b][:n].copy_(full[:n])
+        self.take_copy_shards(b, full, range(self.world))
+
+    def take_copy_shards(self, b: int, full: torch.Tensor, ranks: Sequence[int]) -> None:
+        """The updated shards of bucket ``b``'s device copy of ``ranks`` (each padded to the shard size),
+        concatenated: into the copy, but for this rank's own (its update wrote it). ``ranks``: every rank
+        (this rank's own copy) or its column ([Note: one host copy per host] in node_copy.py)."""
+        n, size = self.buckets[b].trainable_numel, self.shards[b].size
+        for k, r in enumerate(ranks):
+            s = shard_of(n, r, self.world)
+            if r != self.rank and s.numel:
+                self.lowp[b][s.start: s.end].copy_(full[k * size: k * size + s.numel])
 
     # -- the local grads (as HostState) ------------------------------------------------------------------
 

@@ -52,8 +52,8 @@ from typing import Sequence
 
 from .collectives import Cluster, gloo_all_gather_seconds, gloo_all_reduce_seconds
 from .data_parallel import shard
-from .data_parallel_runtime import (CHECK_BYTES, RuntimePathResult, all_gather_lane_seconds, host_copy_seconds,
-                                    rank_lane_inputs, refuse_device_optimizer, shared_copy_on)
+from .data_parallel_runtime import (CHECK_BYTES, RuntimePathResult, gathered_bytes, host_copy_seconds,
+                                    rank_lane_inputs, refuse_device_optimizer, shared_copy_on, weights_lane_seconds)
 from .greedy import compute_times
 from .hw import HardwareModel
 from .plan import Plan
@@ -88,7 +88,7 @@ def simulate_runtime_deferred(program: Program, hw: HardwareModel, cluster: Clus
     sim = lanes.result(step, add_up(program.compute_s) * k, lanes.h2d_total, d2h)
     return RuntimePathResult(
         sim, cluster.world, lanes.take_busy, lanes.ag_busy, lanes.check_busy, 0,
-        sum(program.d2h_bytes) if many and not shared else 0, cluster.gpus_per_node * (lanes.h2d_total + d2h),
+        gathered_bytes(program.d2h_bytes, cluster, shared), cluster.gpus_per_node * (lanes.h2d_total + d2h),
         deferred=True, micro_batches=k, no_sync=no_sync, all_reduce_busy_s=lanes.ar_busy,
         all_reduce_bytes=lanes.ar_bytes, accumulate_busy_s=lanes.acc_busy, shared=shared)
 
@@ -124,7 +124,7 @@ class _DeferredLanes(Lanes):
         self.sum_bytes = sums
         # _take_shard: the shard of the averaged sum copied out and scaled by world (two read + write passes)
         self.take_s = [host_copy_seconds(2 * shard(w, n_world), hw) for w in sums]
-        self.ag_s = [all_gather_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
+        self.ag_s = [weights_lane_seconds(s, hw, cluster, shared) for s in program.d2h_bytes]
         self.ready = [0.0] * len(program.d2h_bytes)  # per grad copy: when its sum is up to date (absolute)
         self.stall_sum = [0.0] * len(program.compute_s)
         self.h2d_total = 0
@@ -196,8 +196,9 @@ class _DeferredLanes(Lanes):
         for k in range(len(self.ready)):
             adam = self.cpu.adam_seconds(self.adam_numel[k])
             self.adam_total += adam
-            # a shared copy is written in place: checked whole once, below ([Note: the runtime's shared host copy])
-            gather = self.ag_s[k] if many and not self.shared else 0.0
+            # a shared copy is written in place (over several nodes after its column's gather): checked whole
+            # once, below ([Note: the runtime's shared host copy])
+            gather = self.ag_s[k] if many else 0.0
             take = self.take_s[k] if many else 0.0
             start = max(self.cpu_free, self.ready[k], called)
             self.cpu_free = start + take + adam + gather if many else start + adam

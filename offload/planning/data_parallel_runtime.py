@@ -134,9 +134,25 @@ copy in the same step of a bucket updated earlier in it forces the check of what
 is issued (recorded as ``("copy_ready", k, ...)``, ``k`` that copy) and waits for it, as it waited for the
 all-gather. Until 2026-11-27 the runtime checked each bucket on its own, on the CPU lane after its AdamW
 (one ``CHECK_BYTES`` all-gather per bucket; ``benchmarks/results/cpu-2026-11-27/scaling_sim_shared.json``
-was simulated so). With ranks on several nodes the runtime cannot share (each rank keeps its own copy: the
-paths above), and ``shared=True`` is refused. One rank shares nothing: ``N = 1`` is the single-GPU
-simulation whatever ``shared`` says (tested).
+was simulated so). One rank shares nothing: ``N = 1`` is the single-GPU simulation whatever ``shared``
+says (tested); nor does one GPU per node (each rank keeps its own copy, as the runtime does).
+
+Over ``M > 1`` nodes of ``G > 1`` GPUs each node keeps one copy ([Note: one host copy per host] in
+``host/node_copy.py``): the optimizer state stays partitioned over all ``N`` ranks, so after its AdamW a rank
+brings its *column*'s other ``M - 1`` shards (its local rank on every other node) into its node's copy:
+
+* **host grads, deferred**: on the CPU lane after the AdamW, gloo's ring all-gather over the column's ``M``
+  ranks (one per node: every hop crosses nodes), the node's ``G`` columns at once charged as sharing one gloo
+  stream between nodes (each ring step moves ``G`` shards, ``S / M`` bytes: conservative, ``G`` TCP streams
+  may go faster up to the NIC), plus the shard's clone (``S / N``), PyTorch's copy of the flat output
+  (``S / G``) and ``take_copy_shards``'s copy of the ``M - 1`` shards (:func:`column_gather_lane_seconds`),
+  recorded as ``"all_gather"``;
+* **device grads**: the weights' three pieces as with a copy per rank (the shard up, the all-gather over
+  every rank, with its gather buffers in the budget), but the copy back brings only the column's ``M - 1``
+  shards (``(M - 1) / N`` of ``S``) into the node's copy.
+
+The bucket is then checked whole with the others (the check waits for the CPU lane and, on the device path,
+for the last copy back), as on one node; the check stays one all-gather over every rank.
 
 Simplifications (stated), beyond the previous notes': the ranks' reads of the one copy by their
 host-to-device copies (``G`` GPUs reading the same pages) are not charged for host memory bandwidth, as the
@@ -261,7 +277,7 @@ def simulate_runtime_path(program: Program, hw: HardwareModel, cluster: Cluster,
     many = cluster.world > 1
     return RuntimePathResult(
         sim, cluster.world, lanes.rs_busy, lanes.ag_busy, lanes.check_busy,
-        sum(program.d2h_bytes) if many else 0, sum(program.d2h_bytes) if many and not shared else 0,
+        sum(program.d2h_bytes) if many else 0, gathered_bytes(program.d2h_bytes, cluster, shared),
         cluster.gpus_per_node * (h2d + d2h), grad_reduce="device" if on_device else "host",
         device_reduce_busy_s=dev.coll_busy if dev is not None else 0.0,
         device_gather_busy_s=dev.gather_busy if dev is not None else 0.0, shared=shared,
@@ -293,13 +309,39 @@ def all_gather_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) ->
     return gloo_all_gather_seconds(nbytes, cluster) + host_copy_seconds(shard(nbytes, cluster.world) + 2 * nbytes, hw)
 
 
+def column_gather_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster) -> float:
+    """The CPU lane's seconds for one bucket's all-gather over this rank's column into its node's shared copy
+    of ``nbytes`` ([Note: the runtime's shared host copy], several nodes): gloo's ring over the column's ``M``
+    ranks, the node's ``G`` columns sharing one stream between nodes (a step moves ``S / M``), the shard's
+    clone, PyTorch's copy of the flat output (``S / G``) and the ``M - 1`` other shards into the copy."""
+    m, n = cluster.nodes, cluster.world
+    if m == 1:
+        return 0.0
+    column = Cluster(1, m, cluster.intra, cluster.inter)
+    return gloo_all_gather_seconds(nbytes, column) + host_copy_seconds(
+        shard(nbytes, n) + shard(nbytes, cluster.gpus_per_node) + (m - 1) * shard(nbytes, n), hw)
+
+
+def weights_lane_seconds(nbytes: int, hw: HardwareModel, cluster: Cluster, shared: bool) -> float:
+    """The CPU lane's seconds that bring one bucket's updated weights into this rank's host copy on the host
+    path: every rank's shards into its own copy (:func:`all_gather_lane_seconds`), nothing into one node's
+    shared copy, the column's into a node's shared copy over several (:func:`column_gather_lane_seconds`)."""
+    return column_gather_lane_seconds(nbytes, hw, cluster) if shared else all_gather_lane_seconds(nbytes, hw, cluster)
+
+
+def gathered_bytes(nbytes: Sequence[int], cluster: Cluster, shared: bool) -> int:
+    """The bytes of the weights' all-gathers (their outputs) over a step of buckets of ``nbytes``: every rank's
+    shards with a copy per rank, none into one node's shared copy, the column's ``M`` shards (``S / G``) into
+    a node's shared copy over several."""
+    if cluster.world == 1:
+        return 0
+    return sum(shard(s, cluster.gpus_per_node) if cluster.nodes > 1 else 0 for s in nbytes) if shared else sum(nbytes)
+
+
 def shared_copy_on(shared: bool, cluster: Cluster) -> bool:
-    """Whether the step runs with the node's shared copy ([Note: the runtime's shared host copy]): never with
-    one rank (nothing to share); ``shared`` over several nodes is refused."""
-    if shared and cluster.nodes > 1:
-        raise ValueError(f"shared=True: the ranks share one host copy only on one node; the cluster has "
-                         f"{cluster.nodes} nodes (each rank keeps its own copy there: shared=False)")
-    return bool(shared) and cluster.world > 1
+    """Whether the step runs with one shared copy per node ([Note: the runtime's shared host copy]): never
+    with one rank, nor with one GPU per node (nothing to share: each rank keeps its own, as the runtime)."""
+    return bool(shared) and cluster.world > 1 and cluster.gpus_per_node > 1
 
 
 def host_copy_seconds(nbytes: int, hw: HardwareModel) -> float:
@@ -340,12 +382,15 @@ class _RuntimeLanes(Lanes):
         n_world = cluster.world
         super().__init__(program, *rank_lane_inputs(program, hw, cluster), record)
         self.world = n_world
-        self.shared = shared  # [Note: the runtime's shared host copy]: a check after each AdamW, no gather
+        # [Note: the runtime's shared host copy]: one check of what was written, no gather (over several
+        # nodes the column's)
+        self.shared = shared
         self.check_s = gloo_all_gather_seconds(CHECK_BYTES * n_world, cluster)
         self.rs_s = [reduce_scatter_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
-        self.ag_s = [all_gather_lane_seconds(s, hw, cluster) for s in program.d2h_bytes]
+        self.ag_s = [weights_lane_seconds(s, hw, cluster, shared) for s in program.d2h_bytes]
         self.gathered_at: dict[int, float] = {}  # bucket -> when its all-gather ended (its new copy is whole)
         self.unchecked: list[int] = []  # shared: buckets written since the last check that they are whole
+        self.written_at = 0.0  # shared, device grads: when the last copy back into the node's copy ends
         self.rs_busy = self.ag_busy = self.check_busy = 0.0
         self.step_checks = 1  # step()'s checks after the lane drained (agree_replan's)
 
@@ -363,7 +408,7 @@ class _RuntimeLanes(Lanes):
         last one, on the main thread at ``now`` once the CPU lane drained; returns when it ends (the lane is
         idle until then). Recorded as ``("copy_ready", at, ...)``: ``at`` the copy that forced it, -1 the end
         of backward (or ``step()``'s updates)."""
-        start = max(now, self.cpu_free)
+        start = max(now, self.cpu_free, self.written_at)
         self.cpu_free = start + self.check_s
         self.check_busy += self.check_s
         for b in self.unchecked:
@@ -380,11 +425,11 @@ class _RuntimeLanes(Lanes):
         if self.world == 1:  # no collective: the single-GPU step
             return
         # The CPU lane is one thread: where the AdamW started, the check and the reduce-scatter run first,
-        # then the AdamW, then the all-gather (with a shared copy nothing: checked with the others, later); the
-        # lane is free again only after it.
+        # then the AdamW, then the all-gather (with a shared copy only the column's, over several nodes:
+        # checked with the others, later); the lane is free again only after it.
         adam = self.cpu.adam_seconds(self.adam_numel[k])
         start = self.cpu_free - adam
-        before, after = self.check_s + self.rs_s[k], 0.0 if self.shared else self.ag_s[k]
+        before, after = self.check_s + self.rs_s[k], self.ag_s[k]
         self.cpu_free += before + after
         self.check_busy += self.check_s
         self.rs_busy += self.rs_s[k]
@@ -399,7 +444,7 @@ class _RuntimeLanes(Lanes):
                 record.remove(x)
             record.extend([("reduce_scatter", k, start, start + before),
                            ("adam", k, start + before, start + before + adam)])
-            if not self.shared:
+            if after:
                 record.append(("all_gather", k, self.cpu_free - after, self.cpu_free))
 
     def step_end(self, compute_end: float) -> float:
@@ -430,6 +475,7 @@ class _DeviceReduceLanes(_RuntimeLanes):
         self.dev_rs_s = [reduce_scatter_seconds(s, device) for s in program.d2h_bytes]
         self.dev_ag_s = [all_gather_seconds(s, device) for s in program.d2h_bytes]
         self.shard_bytes = [shard(s, cluster.world) for s in program.d2h_bytes]
+        self.nodes = cluster.nodes
         self.coll_free = self.coll_busy = self.gather_busy = 0.0
         self.d2h_total = self.h2d_extra = 0
         # the weights' pieces the CPU lane issues when each AdamW ends, not yet queued on the lanes (the
@@ -485,7 +531,8 @@ class _DeviceReduceLanes(_RuntimeLanes):
                                 ("d2h", k, start, self.d2h_free), ("adam", k, begin, self.cpu_free)])
         if self.shared:  # [Note: the runtime's shared host copy]: written in place, checked whole later
             self.unchecked.append(self.program.d2h_bucket[k])
-            return
+            if self.nodes == 1:  # (over several nodes the column's shards come back from the device first)
+                return
         self.pending.append((k, self.cpu_free))
         self.pending_of[self.program.d2h_bucket[k]] = self.cpu_free
 
@@ -507,11 +554,16 @@ class _DeviceReduceLanes(_RuntimeLanes):
         ag_start = max(self.h2d_free, self.coll_free)
         self.coll_free = ag_start + self.dev_ag_s[k]
         self.gather_busy += self.dev_ag_s[k]
-        back = self.to_host(self.program.d2h_bytes[k], self.coll_free)
-        self.d2h_total += self.program.d2h_bytes[k]
+        # the gathered prefix into this rank's copy, or the column's other shards into the node's shared one
+        nbytes = (self.nodes - 1) * self.shard_bytes[k] if self.shared else self.program.d2h_bytes[k]
+        back = self.to_host(nbytes, self.coll_free)
+        self.d2h_total += nbytes
         self.buffer_free[buffer] = self.d2h_free
         b = self.program.d2h_bucket[k]
-        self.gathered_at[b] = self.d2h_free
+        if self.shared:  # whole once checked ([Note: the runtime's shared host copy])
+            self.written_at = max(self.written_at, self.d2h_free)
+        else:
+            self.gathered_at[b] = self.d2h_free
         if self.pending_of.get(b) == issued:
             del self.pending_of[b]
         if self.record is not None:

@@ -47,9 +47,12 @@ new weights go up to the device after ``step()`` through the device too: [Note: 
 in their slots].
 
 [Note: weights gathered on the device]
-With grads reduced on the device and no host copy shared by the node's ranks (ranks on several hosts, or
-``share_host_copy=False``; a shared copy needs no gather: [Note: one host copy per node] in host/node_copy.py),
-the updated weights are all-gathered on the device too: not on the host through gloo (which, on the CPU lane,
+With grads reduced on the device and no host copy shared by the node's ranks (``share_host_copy=False``, or
+the ranks cannot share; a shared copy on one host needs no gather: [Note: one host copy per node] in
+host/node_copy.py), or one shared copy per host over several hosts ([Note: one host copy per host]; then
+the copy back below brings only the rank's column's other shards, ``(M - 1) / N`` of the bucket, into its
+host's copy: together the host's ``G`` ranks write each element once), the updated weights are all-gathered
+on the device too: not on the host through gloo (which, on the CPU lane,
 bounded the simulated step: ``planning/data_parallel_runtime.py``). Per
 bucket, on the CPU lane, in the order its updates run (the same on every rank):
 
@@ -84,7 +87,8 @@ of the whole host copy (``Runtime.wait_for_updates``: ``state_dict``, ``save``) 
 
 *Cost.* Per rank and step: the shard host-to-device (``1/N`` of the bucket), the all-gather on the
 device's links, the gathered prefix device-to-host (the single-GPU's grad copy's size, the other direction
-of the link than the fetches). The host keeps the whole copy per rank (2 B/param in 16 bits), as before.
+of the link than the fetches; a host's shared copy: ``(M - 1) / N`` of it). The host keeps a whole copy per
+rank (2 B/param in 16 bits), as before, or one per host where shared.
 
 [Note: resident weights gathered in their slots]
 After ``step()`` every resident bucket that was updated gets its new weights (``Executor.refresh``). Copied
@@ -102,9 +106,9 @@ Compute waits for the all-gather (it is the bucket's ``h2d_event``), which waits
 reads only its own *whole* host copy (the node's shared one, whole since the check at the end of backward
 or of step()'s updates; or its own, whole once its gather's copy back landed), so the chunks need not be the
 AdamW's shards, frozen tails and padding need nothing special, and every other reader of the host copy is
-unchanged. Over the node's ranks only: across nodes every rank already holds the whole bucket on its host
-(per-rank copies, gathered during backward), so the inter-node links carry nothing more; on one node the
-node is the group.
+unchanged. Over the node's ranks only: across nodes every host already holds the whole bucket (its shared
+copy or per-rank copies, gathered during backward), so the inter-node links carry nothing more; on one
+node the node is the group.
 
 *Agreement.* Collectives pair by order, so every rank must gather the same buckets in the same order. The
 buckets are those updated (the same on every rank) that this rank holds on the device, and each rank plans
@@ -194,7 +198,7 @@ class DeviceGroup:
 
     def __init__(self, group: Any, device: torch.device) -> None:
         backend = "gloo" if device.type == "cpu" else self.CUDA_BACKEND
-        ranks, timeout = dist.get_process_group_ranks(group), _timeout_of(group)
+        ranks, timeout = dist.get_process_group_ranks(group), group_timeout(group)
         try:  # every rank makes both, in this order (then its host's group, where the ranks span hosts)
             self.group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
             self.weights = dist.new_group(ranks=ranks, backend=backend, timeout=timeout,
@@ -237,7 +241,10 @@ class WeightGather:
 
     def __init__(self, backend: Backend, memory: DeviceMemory, stats: dict[str, int], buckets: Sequence[Bucket],
                  itemsize: int, dtype: torch.dtype, rank: int, world: int, group: Any,
-                 call: Callable[..., None]) -> None:
+                 call: Callable[..., None], column: Sequence[int] | None = None) -> None:
+        """``column``: the ranks whose shards this rank copies back into its host's shared copy ([Note: one
+        host copy per host] in host/node_copy.py; its own is there already); None: the whole prefix, into
+        this rank's own copy."""
         from ..planning.data_parallel_runtime import WEIGHT_GATHER_BUFFERS, weight_gather_bytes
 
         self.backend, self.memory, self.dtype, self.rank, self.world, self.group = (backend, memory, dtype, rank,
@@ -250,6 +257,7 @@ class WeightGather:
         memory.add("gather", self.nbytes)
         self.free: list[Event | None] = [None] * len(self.buffers)  # each buffer's last copy out
         self.turn = 0
+        self.column = None if column is None else tuple(r for r in column if r != rank)
 
     def gather(self, host: ShardedHostState, b: int) -> Event:
         """On the CPU lane, the shard's update done: issue the copy in, the all-gather and the copy out of
@@ -263,9 +271,26 @@ class WeightGather:
         gathered = self.backend.collective(
             lambda: self._call(f"all-gather of bucket {b}'s weights on the device", _all_gather, buf, mine,
                                group=self.group), [copied], weights=True)
-        out = self.free[k] = self.backend.d2h(copy[:n], buf[:n], [gathered])
+        out = self.free[k] = self._copy_back(b, host, copy, buf, gathered)
         self.stats["gather_h2d_bytes"] += s.numel * self.dtype.itemsize
-        self.stats["gather_d2h_bytes"] += n * self.dtype.itemsize
+        return out
+
+    def _copy_back(self, b: int, host: ShardedHostState, copy: torch.Tensor, buf: torch.Tensor,
+                   gathered: Event) -> Event:
+        """The gathered prefix (or the column's other shards) into the host copy; the last copy's event (one
+        stream: the earlier ones are done by then)."""
+        from ..host.shard import shard_of
+
+        n = host.buckets[b].trainable_numel
+        if self.column is None:
+            self.stats["gather_d2h_bytes"] += n * self.dtype.itemsize
+            return self.backend.d2h(copy[:n], buf[:n], [gathered])
+        out = gathered
+        for r in self.column:
+            s = shard_of(n, r, self.world)
+            if s.numel:
+                out = self.backend.d2h(copy[s.start: s.end], buf[s.start: s.end], [gathered])
+                self.stats["gather_d2h_bytes"] += s.numel * self.dtype.itemsize
         return out
 
     def settle(self) -> None:
@@ -285,7 +310,7 @@ def host_key() -> int:
     return zlib.crc32(socket.gethostname().encode())
 
 
-def _timeout_of(group: Any) -> datetime.timedelta | None:
+def group_timeout(group: Any) -> datetime.timedelta | None:
     """The group's timeout, for the second group (None: torch's default) so a hang fails as soon on both."""
     try:
         return group._get_backend(torch.device("cpu")).options._timeout

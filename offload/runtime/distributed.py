@@ -8,16 +8,19 @@ rank, since every rank runs the same model):
 
     grads on the host ─► reduce-scatter (the rank's shard of the sum over ranks)
                      ─► AdamW of the shard (grads scaled by 1/world: the average, as DDP's)
-                     ─► all-gather of the updated device-dtype shards into the whole copy
+                     ─► all-gather of the updated device-dtype shards into the whole copy (none where
+                         the host's ranks share one copy: [Note: one host copy per node]; over several
+                         hosts, of the rank's column only: [Note: one host copy per host])
                      ─► (the next forward's host-to-device copy waits for it, as for any update)
 
 With ``overlap_optimizer`` this runs while backward goes on; with ``grad_reduce="device"`` the reduce-scatter
 runs on the device instead, before the copy, and only the rank's shard comes to the host ([Note: grads reduced
 on the device] in runtime/device_collectives.py), and the all-gather of the updated shards runs on the device
-too, its result copied back into the whole host copy ([Note: weights gathered on the device]). With deferred updates (accumulation, clipping, float16)
-the end of every backward outside ``engine.no_sync()`` all-reduces each gathered bucket's grads, so that
-``p.grad`` is the average over the ranks and every rank computes the same norms, clip coefficient and float16
-overflow check from it ([Note: averaged p.grad]); the update then takes its shard of that average locally. A
+too, its result copied back into the host copy ([Note: weights gathered on the device]). With deferred
+updates (accumulation, clipping, float16) the end of every backward outside ``engine.no_sync()`` all-reduces
+each gathered bucket's grads, so that ``p.grad`` is the average over the ranks and every rank computes the same
+norms, clip coefficient and float16 overflow check from it ([Note: averaged p.grad]); the update then takes its
+shard of that average locally. A
 step whose last backward ran inside ``no_sync`` reduce-scatters the local sums at the first of
 ``clip_grad_norm_`` and ``step()``, and one all-reduce of per-parameter sums of squares gives the norms over
 all ranks ([Note: no_sync], :meth:`DataParallel.reduce_pending`).
@@ -108,12 +111,12 @@ from ..host.shard import ShardedHostState
 from ..host.state import HostState
 from ..backend.base import Deferred
 from .device_collectives import DeviceGroup, RefreshCopy, WeightGather, _all_gather, _reduce_scatter, pad_buckets
-from .node_share import RollCall, make_node_copy
+from .node_share import COLLECTIVE_READS, FAULT, JOIN, RollCall, ShardGather, fault_in, make_node_copy
 
 
 # The tags of the checks before a sum ([Note: a fault named]): (kind, two values, checks so far)
 _TAG = 4
-_ONE_BUCKET, _BUCKET_SET, _REPLAN, _COPY_READY, _COPY_WRITTEN, _REFRESH, _FAULT, _JOIN = 0, 1, 2, 3, 4, 5, -1, -2
+_ONE_BUCKET, _BUCKET_SET, _REPLAN, _COPY_READY, _COPY_WRITTEN, _REFRESH = 0, 1, 2, 3, 4, 5
 
 if TYPE_CHECKING:
     from ..backend.base import Backend, Event, Lane
@@ -156,6 +159,7 @@ class DataParallel:
         # the last check that it is whole (an ordered set: [Note: the shared copy checked once per backward])
         self.share = share
         self.node_copy: NodeCopy | None = None
+        self.shards: ShardGather | None = None  # the host path's gather of the updated shards, if any
         self.unchecked: dict[int, None] = {}
 
     @classmethod
@@ -191,15 +195,23 @@ class DataParallel:
     def prepare_copy(self, backend: Backend, memory: DeviceMemory, stats: dict[str, int],
                      buckets: Sequence[Bucket], itemsize: int, dtype: torch.dtype) -> None:
         """The end of the first forward, before the host state is made: how the updated weights reach every
-        rank's host copy. One copy shared by the node ([Note: one host copy per node]: nothing to gather), else
-        each rank's own, all-gathered on the device where grads are reduced there ([Note: weights gathered on the
-        device]: the gather buffers, counted in ``memory``) or by gloo on the CPU lane."""
-        if self.node_copy is None and self.weights is None and self.share is not False:
+        rank's host copy. One copy shared by the node ([Note: one host copy per node]: nothing to gather on one
+        host, the rank's column over several: [Note: one host copy per host]), else each rank's own, all-gathered
+        on the device where grads are reduced there ([Note: weights gathered on the device]: the gather buffers,
+        counted in ``memory``) or by gloo on the CPU lane."""
+        if self.node_copy is None and self.weights is None and self.shards is None and self.share is not False:
             self.node_copy = make_node_copy(buckets, itemsize, self._call, self.tag_group, self.rank, self.world,
                                             self.share)
-        if self.node_copy is None and self.device is not None and self.weights is None:
+        # [Note: one host copy per host]: over several hosts the column's shards are gathered (on the device
+        # where grads are reduced there) into the host's copy
+        hosts = self.node_copy.hosts if self.node_copy is not None else None
+        column = hosts.column if hosts is not None and hosts.count > 1 else None
+        if self.device is None and self.shards is None and (hosts is None or column is not None):
+            self.shards = (ShardGather.every(self.group, self.world, self._call) if hosts is None
+                           else ShardGather.column(self.group, hosts, self._call))
+        if (hosts is None or column is not None) and self.device is not None and self.weights is None:
             self.weights = WeightGather(backend, memory, stats, buckets, itemsize, dtype, self.rank, self.world,
-                                        self.device.weights, self._call)
+                                        self.device.weights, self._call, column)
 
     def copy_written(self) -> None:
         """The main thread wrote this rank's part of the node's copy (the first masters, ``load_state_dict``, a
@@ -223,6 +235,7 @@ class DataParallel:
         except OffloadError as e:
             self.raise_failure(e)
             raise
+        self.settle()  # and its copies back from the device ([Note: one host copy per host])
         tag = torch.tensor([kind, len(buckets), zlib.crc32(",".join(map(str, buckets)).encode()), self._reduces],
                            dtype=torch.int64)
         self._require_same(tag, "check that every rank wrote its part of the node's copy of the weights", "ranks wrote "
@@ -286,12 +299,15 @@ class DataParallel:
         last = self._gathered.get(b)
         updated = self.lane.submit(update, [reduce, *waits, *([last] if last is not None else [])],
                                    f"AdamW of bucket {b}'s shard")
-        weights = self.weights
-        if host.node_copy is not None:  # [Note: one host copy per node]: written in place, nothing to gather,
-            self.unchecked[b] = None  # checked whole later ([Note: the shared copy checked once per backward])
-            return updated
+        weights, shards = self.weights, self.shards
+        # [Note: one host copy per node]: the shard written in place (over several hosts the column's gathered
+        # too: [Note: one host copy per host]), the bucket checked whole later
+        if host.node_copy is not None:
+            self.unchecked[b] = None  # checked once per backward ([Note: the shared copy checked once per backward])
+        if shards is not None:  # after the other hosts' shards came in
+            return self.lane.submit(lambda: shards.gather(host, b), [updated], f"all-gather of bucket {b}")
         if weights is None:
-            return self.lane.submit(lambda: self._gather_copy(host, b), [updated], f"all-gather of bucket {b}")
+            return updated
         out: list[Event] = []
         issued = self.lane.submit(lambda: out.append(weights.gather(host, b)), [updated],
                                   f"all-gather of bucket {b} on the device")
@@ -331,30 +347,11 @@ class DataParallel:
         self._call(what, _all_gather, tags, tag, group=self.tag_group)
         self._reduces += 1
         others = tags.view(self.world, _TAG)
-        alone = [r for r in range(self.world) if int(others[r, 0]) == _JOIN]
-        if alone:
-            names = ", ".join(str(r) for r in alone)
-            self.failed = f"rank {names} read the sharded state alone"
-            raise self._first(DistributedError(
-                f"rank {self.rank} of {self.world}: rank {names} called a collective read of the weights alone "
-                f"(model.state_dict(), engine.state_dict(), engine.save or close(), with a 16-bit dtype) while this "
-                f"rank trained on, so the ranks' collectives no longer pair. {_COLLECTIVE_READS} Restart every "
-                "rank from the last checkpoint"))
-        faulty = [r for r in range(self.world) if int(others[r, 0]) == _FAULT]
-        if faulty:
-            names = ", ".join(str(r) for r in faulty)
-            self.failed = f"the backward raised on rank {names}"
-            raise self._first(DistributedError(
-                f"rank {self.rank} of {self.world}: the backward raised on rank {names} (its own error says why), "
-                "which then left the collectives: this engine cannot go on in step with it. Restart every rank "
-                "from the last checkpoint"))
+        named = fault_in(others, self.rank, self.world)
+        if named is not None:
+            self.failed = named[0]
+            raise self._first(DistributedError(named[1]))
         return others
-
-    def _gather_copy(self, host: ShardedHostState, b: int) -> None:
-        mine = host.shard_of_copy(b)
-        full = mine.new_empty(mine.numel() * self.world)
-        self._call(f"all-gather of bucket {b}'s weights", _all_gather, full, mine, group=self.group)
-        host.take_gathered_copy(b, full)
 
     # -- on the main thread, the lane drained ([Note: collectives on one thread]) -------------------------
 
@@ -493,7 +490,7 @@ class DataParallel:
         joins one small all-gather, waited for at most ``JOIN_WINDOW_S``."""
         if self._joined == self._reduces:
             return
-        tag = torch.tensor([_JOIN, 0, 0, self._reduces], dtype=torch.int64)
+        tag = torch.tensor([JOIN, 0, 0, self._reduces], dtype=torch.int64)
         tags = tag.new_empty(_TAG * self.world)
         try:
             work = _all_gather(tags, tag, group=self.tag_group, async_op=True)
@@ -505,7 +502,7 @@ class DataParallel:
         self._joined = self._reduces
         others = tags.view(self.world, _TAG)
         if not bool((others == tag).all()):
-            trained = [r for r in range(self.world) if int(others[r, 0]) != _JOIN]
+            trained = [r for r in range(self.world) if int(others[r, 0]) != JOIN]
             raise self._read_alone(f"rank {', '.join(map(str, trained))} issued a training collective instead "
                                    f"(tags per rank: {others.tolist()})")
 
@@ -514,7 +511,7 @@ class DataParallel:
         return self._first(DistributedError(
             f"rank {self.rank} of {self.world}: reading the fp32 weights or Adam state (model.state_dict(), "
             f"engine.state_dict(), engine.save, close()) needs every rank: with a 16-bit dtype the fp32 masters "
-            f"and Adam state are spread over the ranks, but {why}. {_COLLECTIVE_READS} This engine is now out of "
+            f"and Adam state are spread over the ranks, but {why}. {COLLECTIVE_READS} This engine is now out of "
             "step with the others (their collectives fail, naming this rank): restart every rank from the last "
             "checkpoint"))
 
@@ -584,7 +581,7 @@ class DataParallel:
             return
         try:
             self.lane.drain()  # the collectives this rank issued before the fault: the others are in them too
-            tag = torch.tensor([_FAULT, self.rank, 0, self._reduces], dtype=torch.int64)
+            tag = torch.tensor([FAULT, self.rank, 0, self._reduces], dtype=torch.int64)
             _all_gather(tag.new_empty(_TAG * self.world), tag, group=self.tag_group)
         except Exception:  # noqa: BLE001 - a peer gone or timed out: it errs on its own; this rank's error stands
             pass
@@ -596,10 +593,6 @@ class DataParallel:
             raise DistributedError(
                 f"rank {self.rank} of {self.world}: {self.failed}, so this data-parallel engine is out of step "
                 "with the other ranks and cannot train on. Restart every rank from the last checkpoint")
-
-
-_COLLECTIVE_READS = ("Call model.state_dict() on every rank (sd = model.state_dict(); if rank == 0: torch.save(sd, "
-                     "path)), or engine.save(path) on every rank (rank 0 writes the file).")
 
 
 def _sharded(host: HostState, rank: int) -> ShardedHostState:

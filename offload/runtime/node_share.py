@@ -1,6 +1,7 @@
 """Set-up and fault naming for data parallel (issue 20), apart from ``distributed.py``'s collectives: the
-node's one shared host copy made and mapped by every rank ([Note: one host copy per node] in
-host/node_copy.py) and when it is checked whole ([Note: the shared copy checked once per backward];
+host's one shared host copy made and mapped by its ranks ([Note: one host copy per node], [Note: one host
+copy per host] in host/node_copy.py), the lane's all-gather of the updated shards into a host copy
+(:class:`ShardGather`), when the shared copy is checked whole ([Note: the shared copy checked once per backward];
 ``DataParallel.check_copies``), and the group store's roll call that names a rank that died or hangs ([Note:
 a fault named] in distributed.py).
 
@@ -38,7 +39,15 @@ written since the last one is enough there:
   never with a wrong number: a limit, stated.
 * **Writes.** A rank writes its shard of ``b`` only after the reduce-scatter (or all-reduce) of ``b``'s
   grads, which every rank joins after its backward read ``b``, so a write never overlaps another rank's read
-  ([Note: one host copy per node]); batching the checks changes nothing there.
+  ([Note: one host copy per node]); batching the checks changes nothing there. Over several hosts ([Note: one
+  host copy per host]) a rank also writes its column's other shards of ``b`` after its update (the column's
+  all-gather on its lane, or the copies back from the device's all-gather, which the check waits for:
+  ``DataParallel.settle``): still after that reduce-scatter, and before this rank's check.
+* **Over the whole group.** Over several hosts a host's copy is whole once its ``G`` ranks wrote their
+  columns, so a check among the host's ranks would do; the check stays one all-gather over every rank (the
+  main thread's group) instead: it costs one small collective per backward over the inter-host links, and
+  it is where every other check pairs, so a rank that raised after the last sum, or read alone, is still met
+  and named there ([Note: a fault named]), never waited for on a group it left.
 """
 
 from __future__ import annotations
@@ -53,77 +62,149 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HostMemoryError, OffloadError, OffloadWarning
-from ..host.node_copy import SHM_DIR, NodeCopy, no_room_for, node_copy_layout
-from .device_collectives import _all_gather, host_key
+from ..host.node_copy import SHM_DIR, Hosts, NodeCopy, hosts_of, no_room_for, node_copy_layout
+from .device_collectives import _all_gather, group_timeout, host_key
 
 if TYPE_CHECKING:
+    from ..host.shard import ShardedHostState
     from ..planning.buckets import Bucket
 
-_PATH_BYTES = 128  # the node copy's file name, broadcast by rank 0 ([Note: one host copy per node])
+# [Note: a fault named]: the kinds of the tags a rank sends in place of a check's (distributed.py's others)
+FAULT, JOIN = -1, -2
+COLLECTIVE_READS = ("Call model.state_dict() on every rank (sd = model.state_dict(); if rank == 0: torch.save(sd, "
+                     "path)), or engine.save(path) on every rank (rank 0 writes the file).")
+_PATH_BYTES = 128  # a host copy's file name, all-gathered ([Note: one host copy per node])
 
 
 def make_node_copy(buckets: Sequence[Bucket], itemsize: int, call: Callable[..., None], group: Any, rank: int,
                    world: int, share: bool | None) -> NodeCopy | None:
-    """[Note: one host copy per node]: rank 0 makes the file, every rank maps it; None (after a warning, or
-    an error with ``share_host_copy=True``) where the ranks are not on one host or a rank cannot map it."""
+    """[Note: one host copy per node], [Note: one host copy per host]: each host's lowest rank makes its file,
+    every rank maps its host's; None (after a warning, or an error with ``share_host_copy=True``) where the
+    ranks are not placed as torchrun places them or a rank cannot map its host's copy; None quietly where
+    each of several hosts runs one rank (nothing to share)."""
     _, nbytes = node_copy_layout(buckets, itemsize)
     if nbytes == 0:
         return None
-    hosts = torch.empty(world, dtype=torch.int64)
-    call("all-gather of the host names", _all_gather, hosts, torch.tensor([host_key()], dtype=torch.int64),
+    keys = torch.empty(world, dtype=torch.int64)
+    call("all-gather of the host names", _all_gather, keys, torch.tensor([host_key()], dtype=torch.int64),
          group=group)
-    several_hosts = len(set(hosts.tolist())) > 1
-    why = "the group's ranks run on more than one host" if several_hosts else ""
+    hosts = hosts_of(keys.tolist(), rank)
+    if isinstance(hosts, Hosts) and hosts.count > 1 and hosts.per_host == 1:
+        if share:
+            raise OffloadError(f"rank {rank} of {world}: share_host_copy=True, but every host runs one rank: "
+                               "there is nothing to share. Use share_host_copy=None (share where possible) or False")
+        return None  # each rank its own copy, nothing to warn about
+    why = hosts if isinstance(hosts, str) else ""
     node: NodeCopy | None = None
     path = ""
-    if not why and rank == 0:
+    if isinstance(hosts, Hosts) and rank == hosts.leader:
         why = no_room_for(nbytes)
         if not why:
             path = os.path.join(SHM_DIR, f"offload-{uuid.uuid4().hex}")
             try:
-                node = NodeCopy(path, nbytes, create=True)
+                node = NodeCopy(path, nbytes, create=True, hosts=hosts)
             except (OSError, RuntimeError, HostMemoryError) as e:
-                why, path = f"rank 0 could not make {path}: {e}", ""
+                why, path = f"rank {rank} could not make {path}: {e}", ""
     try:
-        path, node, why, mapped = _share_node_copy(path, node, why, nbytes, call, group, rank, world)
+        path, node, why, mapped = _share_node_copy(path, node, why, nbytes, hosts, call, group, rank, world)
     finally:
-        if rank == 0 and path:
+        if isinstance(hosts, Hosts) and rank == hosts.leader and path:
             NodeCopy.unlink(path)  # every rank has tried to map it (or failed): the memory lives while mapped
     missing = [r for r in range(world) if not int(mapped[r])]
-    if path and missing:
-        node = None
-        why = why or f"rank {', '.join(map(str, missing))} could not map {path} (its warning says why)"
-    if node is not None:
+    if node is not None and not missing:
         return node
+    node = None
+    why = why or f"rank {', '.join(map(str, missing))} could not map its host's copy (its warning says why)"
     if share:
-        raise OffloadError(f"rank {rank} of {world}: share_host_copy=True, but the node's ranks cannot "
-                           f"share one host copy of the weights: {why}. Use share_host_copy=None (share where "
+        raise OffloadError(f"rank {rank} of {world}: share_host_copy=True, but the ranks cannot share one host "
+                           f"copy of the weights per host: {why}. Use share_host_copy=None (share where "
                            "possible) or False")
-    if several_hosts:
-        return None  # what runs across hosts: each rank its own copy, nothing to warn about
     warnings.warn(f"offload: rank {rank} keeps its own host copy of the weights ({why}); the node holds one "
                   "per rank ([Note: one host copy per node]; share_host_copy=False: no warning)", OffloadWarning,
                   stacklevel=2)
     return None
 
-def _share_node_copy(path: str, node: NodeCopy | None, why: str, nbytes: int, call: Callable[..., None],
-                     group: Any, rank: int, world: int) -> tuple[str, NodeCopy | None, str, torch.Tensor]:
-    """Rank 0 sends the file's name ("" if it made none), the others map it; every rank says whether it did."""
-    sent = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
-    sent[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8) if path else sent[:0]
-    call("broadcast of the node copy's name", dist.broadcast, sent, group_src=0, group=group)
-    path = bytes(sent.tolist()).rstrip(b"\0").decode()
-    if not why and not path:
-        why = "rank 0 could not make it (its warning says why)"
-    if path and rank != 0:
-        try:
-            node = NodeCopy(path, nbytes, create=False)
-        except (OSError, RuntimeError) as e:
-            why = f"rank {rank} could not map {path} ({e}): another /dev/shm (a container of its own?)"
+
+def _share_node_copy(path: str, node: NodeCopy | None, why: str, nbytes: int, hosts: Hosts | str,
+                     call: Callable[..., None], group: Any, rank: int,
+                     world: int) -> tuple[str, NodeCopy | None, str, torch.Tensor]:
+    """Each host's lowest rank says its file's name ("" if it made none: an all-gather over the group), the
+    host's other ranks map it; every rank says whether it did."""
+    mine = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
+    mine[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8) if path else mine[:0]
+    names = torch.empty(world * _PATH_BYTES, dtype=torch.uint8)
+    call("all-gather of the host copies' names", _all_gather, names, mine, group=group)
+    if isinstance(hosts, Hosts):
+        leader = hosts.leader
+        sent = names[leader * _PATH_BYTES: (leader + 1) * _PATH_BYTES]
+        path = bytes(sent.tolist()).rstrip(b"\0").decode()
+        if not why and not path:
+            why = f"rank {leader} could not make its host's copy (its warning says why)"
+        if path and rank != leader:
+            try:
+                node = NodeCopy(path, nbytes, create=False, hosts=hosts)
+            except (OSError, RuntimeError) as e:
+                why = f"rank {rank} could not map {path} ({e}): another /dev/shm (a container of its own?)"
     mapped = torch.empty(world, dtype=torch.int64)
     call("all-gather of the node copy's mappings", _all_gather, mapped,
-               torch.tensor([int(node is not None)], dtype=torch.int64), group=group)
+         torch.tensor([int(node is not None)], dtype=torch.int64), group=group)
     return path, node, why, mapped
+
+
+class ShardGather:
+    """The all-gather, on the CPU lane after this rank's update of a bucket, that brings other ranks' updated
+    shards into this rank's host copy: every rank's into its own copy, over the group (:meth:`every`), or
+    its column's into its host's shared copy, over a group of the column (:meth:`column`, [Note: one host
+    copy per host] in host/node_copy.py)."""
+
+    def __init__(self, group: Any, ranks: Sequence[int], call: Callable[..., None], what: str) -> None:
+        self.group, self.ranks, self.what = group, tuple(ranks), what  # ranks: the group's, in gather order
+        self.call = call  # DataParallel._call: a failed collective named
+
+    @classmethod
+    def every(cls, group: Any, world: int, call: Callable[..., None]) -> ShardGather:
+        return cls(group, range(world), call, "weights")
+
+    @classmethod
+    def column(cls, group: Any, hosts: Hosts, call: Callable[..., None]) -> ShardGather:
+        """Every rank of ``group`` makes its column's group (only the column's ranks join each one:
+        ``use_local_synchronization``)."""
+        ranks = dist.get_process_group_ranks(group)
+        try:
+            column = dist.new_group(ranks=[ranks[r] for r in hosts.column], backend="gloo",
+                                    timeout=group_timeout(group), use_local_synchronization=True)
+        except Exception as e:  # noqa: BLE001 - a store that failed
+            raise OffloadError(f"one host copy of the weights per host needs a process group over each local "
+                               f"rank's ranks, and torch.distributed failed: {e}. Use share_host_copy=False") from e
+        return cls(column, hosts.column, call, "column of weights over the hosts")
+
+    def gather(self, host: ShardedHostState, b: int) -> None:
+        mine = host.shard_of_copy(b)
+        full = mine.new_empty(mine.numel() * len(self.ranks))
+        self.call(f"all-gather of bucket {b}'s {self.what}", _all_gather, full, mine, group=self.group)
+        host.take_copy_shards(b, full, self.ranks)
+
+
+def fault_in(tags: torch.Tensor, rank: int, world: int) -> tuple[str, str] | None:
+    """[Note: a fault named]: in a check's all-gathered ``tags`` (one row per rank), the ranks that read alone
+    ([Note: a read on one rank]) or whose backward raised, sent in place of their check: (why this rank is out
+    of step, the text of its error), or None."""
+    alone = [r for r in range(world) if int(tags[r, 0]) == JOIN]
+    if alone:
+        names = ", ".join(str(r) for r in alone)
+        return f"rank {names} read the sharded state alone", (
+            f"rank {rank} of {world}: rank {names} called a collective read of the weights alone "
+            f"(model.state_dict(), engine.state_dict(), engine.save or close(), with a 16-bit dtype) while this "
+            f"rank trained on, so the ranks' collectives no longer pair. {COLLECTIVE_READS} Restart every "
+            "rank from the last checkpoint")
+    faulty = [r for r in range(world) if int(tags[r, 0]) == FAULT]
+    if faulty:
+        names = ", ".join(str(r) for r in faulty)
+        return f"the backward raised on rank {names}", (
+            f"rank {rank} of {world}: the backward raised on rank {names} (its own error says why), "
+            "which then left the collectives: this engine cannot go on in step with it. Restart every rank "
+            "from the last checkpoint")
+    return None
 
 
 class RollCall:

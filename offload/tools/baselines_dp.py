@@ -97,11 +97,13 @@ def runtime_data_parallel(case: Case, gloo: Cluster, device: Cluster | None = No
     """The runtime's path on ``gloo`` (a cluster with gloo's links), grads reduced (and, without ``shared``,
     weights gathered) on ``device`` if given: the single-GPU plan within the rank's budget, as
     ``Executor._build`` makes it (on the device path with the grad slots padded and any gather buffers out of
-    the budget: :func:`device_reduce_plan_inputs`), simulated by :func:`simulate_runtime_plan`. ``shared``: the
-    node's ranks share one host copy (one node only)."""
+    the budget: :func:`device_reduce_plan_inputs`), simulated by :func:`simulate_runtime_plan`. ``shared``: each
+    node's ranks share one host copy ([Note: the runtime's shared host copy])."""
     buckets, fixed = case.buckets, case.fixed_bytes
     if device is not None and device.world > 1:
-        buckets, fixed = device_reduce_plan_inputs(buckets, case.itemsize, device.world, fixed, shared)
+        # over several nodes a shared copy still takes its column's shards from the device's all-gather
+        buckets, fixed = device_reduce_plan_inputs(buckets, case.itemsize, device.world, fixed,
+                                                   shared and device.nodes == 1)
     try:
         plan = build_plan(case.trace, buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
                           fixed_bytes=fixed, hw=case.hw, compute_s=case.compute_s)

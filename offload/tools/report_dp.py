@@ -18,7 +18,10 @@ Two data paths, the flat keys for the one the code runs and ``*_design`` for the
   the default on one node, ``--share-host-copy``; [Note: the runtime's shared host copy]) nothing of the
   weights is gathered: each rank's AdamW writes its shard into the node's copy and one small check per
   backward says it is whole; no gather buffers (``weight_gather_bytes_per_rank`` 0), the grad slots
-  still padded; across nodes each rank keeps its own copy (``host_copy: "per rank"``). gloo, on its nominal
+  still padded; across nodes each node keeps one copy too, and each rank brings its column's shards (its
+  local rank on the other nodes) into it (the default wherever a node runs several ranks; on the device path
+  from the device's all-gather, whose gather buffers stay in the budget: [Note: one host copy per host] in
+  host/node_copy.py); ``host_copy: "per rank"`` with ``--share-host-copy no``. gloo, on its nominal
   presets (``collectives.GLOO_INTRA``, and over ``--inter``'s NICs ``GLOO_INTER_OF``), runs the checks there
   (``step()``'s, and with a shared copy one per backward). ``--grad-reduce host`` (the
   engine's ``grad_reduce="host"``, and what the CPU backend runs by default) costs the report's single-GPU
@@ -135,10 +138,11 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inte
     # with grads reduced on the device only this rank's shard lands on the host: no landing grad there
     if share_host_copy not in ("auto", "yes", "no"):
         raise ReportError(f"--share-host-copy must be auto, yes or no; got {share_host_copy!r}", usage=True)
-    if share_host_copy == "yes" and cluster.nodes > 1:
-        raise ReportError("--share-host-copy yes: the ranks share one host copy only where all run on one node "
-                          "(the engine raises with share_host_copy=True across nodes)", usage=True)
-    shared = share_host_copy == "yes" or (share_host_copy == "auto" and cluster.nodes == 1)
+    if share_host_copy == "yes" and cluster.nodes > 1 and cluster.gpus_per_node == 1:
+        raise ReportError("--share-host-copy yes: with one GPU per node there is nothing to share (the engine "
+                          "raises with share_host_copy=True there)", usage=True)
+    # [Note: one host copy per host]: one copy per node wherever a node runs several ranks
+    shared = share_host_copy != "no" and cluster.gpus_per_node > 1
     per_rank = runtime_host_bytes_per_rank(plan.buckets, plan.itemsize, cluster.world, accumulate,
                                            landing=not on_device, own_copy=not shared)
     node_copy = node_copy_layout(plan.buckets, plan.itemsize)[1] if shared else 0
@@ -179,16 +183,17 @@ def data_parallel(report: Report, gpus: int, nodes: int, intra: str | Link, inte
     tokens = cluster.world * r.batch * r.seq * micro_batches
     run_plan: Plan | None = plan
     if on_device:  # the engine's plan on this path: padded grad slots, any gather buffers out of the budget
+        gathered = not shared or cluster.nodes > 1  # over several nodes the column's shards come back from it
         buckets, fixed = device_reduce_plan_inputs(plan.buckets, plan.itemsize, cluster.world, plan.fixed_bytes,
-                                                   shared)
-        gather = 0 if shared else weight_gather_bytes(buckets, plan.itemsize)
+                                                   not gathered)
+        gather = weight_gather_bytes(buckets, plan.itemsize) if gathered else 0
         out.update(weight_gather_bytes_per_rank=gather, device_peak_note=device_peak_note(gather))
         try:
             run_plan = build_plan(plan.trace, buckets, itemsize=plan.itemsize, budget_bytes=r.budget_bytes,
                                   fixed_bytes=fixed, hw=r.hw, compute_s=report.compute_s,
                                   headroom_bytes=plan.headroom_bytes)
         except BudgetTooSmallError as e:
-            what = "padded grad slots" if shared else "the gather buffers and padded grad slots"
+            what = "the gather buffers and padded grad slots" if gathered else "padded grad slots"
             out.update(runtime_note=f"grad_reduce=\"device\" does not fit the budget: with {what} it needs at "
                                     f"least {format_bytes(e.min_budget_bytes)}")
             run_plan = None
@@ -245,11 +250,13 @@ def render_data_parallel(dp: dict, console: Console) -> None:
     nccl = dp["intra"] + (f" + {dp['inter']}" if dp["inter"] else "")
     gloo = "gloo on the host: " + dp["gloo_intra"] + (f" + {dp['gloo_inter']}" if dp["gloo_inter"] else "")
     shared = dp["host_copy"] == "shared"
+    several = dp["nodes"] > 1  # a shared copy over several nodes still gathers its column's shards
     if dp["grad_reduce"] == "device":
-        where = (f"grads NCCL on the device ({nccl}), checks {gloo}" if shared
+        where = (f"grads NCCL on the device ({nccl}), checks {gloo}" if shared and not several
                  else f"grads and weights NCCL on the device ({nccl}), checks {gloo}")
     else:
-        where = gloo + (" (grads; weights: a check)" if shared else "")
+        where = gloo + ((" (grads, weights over the nodes; a check)" if several else " (grads; weights: a check)")
+                        if shared else "")
     t.add_row("collectives", where, "NCCL on the device: " + nccl)
     t.add_row("host copy of the weights", "one shared by the node's ranks" if shared else "one per rank",
               "one per node")
@@ -271,7 +278,7 @@ def render_data_parallel(dp: dict, console: Console) -> None:
     on_device = dp["grad_reduce"] == "device"  # the collectives row says where they run
     reduce = dp["device_reduce_busy_s"] if on_device else dp["reduce_scatter_busy_s"]
     t.add_row("all-gather / reduce-scatter busy",
-              (f"none / {reduce:.3f} s" if reduce is not None else "-") if shared
+              (f"none / {reduce:.3f} s" if reduce is not None else "-") if shared and not several
               else _pair(dp["device_gather_busy_s"], reduce) if on_device else _pair(dp["all_gather_busy_s"], reduce),
               _pair(dp["all_gather_busy_s_design"], dp["reduce_scatter_busy_s_design"]))
     if dp["check_busy_s"] is not None:  # with a shared copy, one more per backward

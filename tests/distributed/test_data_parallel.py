@@ -377,8 +377,8 @@ def test_model_state_dict_on_every_rank_is_the_fp32_model(tmp_path):
 def _issued_inside_no_sync(step: int, micro: int) -> list[str]:
     """The collectives a micro-batch inside no_sync issues: none, but the very first forward (inside no_sync in
     these tests) makes the node's shared copy of the weights, once ([Note: one host copy per node]): its setup
-    collectives (the host names, the file's name, the mappings, the check after the first writes)."""
-    return ["_all_gather", "broadcast", "_all_gather", "_all_gather"] if (step, micro) == (0, 0) else []
+    collectives (the host names, the files' names, the mappings, the check after the first writes)."""
+    return ["_all_gather"] * 4 if (step, micro) == (0, 0) else []
 
 
 def _micro_grads(step: int, micro: int, rank: int, case: Case) -> list[torch.Tensor]:

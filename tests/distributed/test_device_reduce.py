@@ -83,18 +83,20 @@ def test_ranks_that_keep_other_buckets_resident_copy_them_whole(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_ranks_on_two_hosts_gather_resident_buckets_within_each_host(tmp_path):
-    """Four ranks on two hosts (faked: ``host_key``), chaos on: no shared copy (each rank its own, gathered on
-    the device during backward, [Note: weights gathered on the device]), and after step() each resident bucket
-    comes up as this rank's half, all-gathered over its host's two ranks only (a group of its own); within
-    1e-6 of the rank-ordered sum (gloo sums four addends in its own order)."""
-    case = Case(world=4, chaos=True, extra={**DEVICE, "hosts": 2})
+@pytest.mark.parametrize("share", [None, False])
+def test_four_ranks_on_two_hosts_gather_resident_buckets_within_each_host(tmp_path, share):
+    """Four ranks on two hosts (faked: ``host_key``), chaos on: one shared copy per host ([Note: one host
+    copy per host]) or each rank its own (``share_host_copy=False``), the updated shards gathered on the device
+    during backward ([Note: weights gathered on the device]), and after step() each resident bucket comes up
+    as this rank's half, all-gathered over its host's two ranks only (a group of its own); within 1e-6 of the
+    rank-ordered sum (gloo sums four addends in its own order)."""
+    case = Case(world=4, chaos=True, extra={**DEVICE, "hosts": 2, "share_host_copy": share})
     results = _ok(run_ranks(case, tmp_path))
     exact = reference(case, emulate_ranks=True)
     for r in results:
         _assert_weights(r["weights"], exact["weights"], 1e-6)
         _assert_weights(r["weights"], results[0]["weights"])
-        assert r["host_shared_bytes"] == 0 and r["counters"]["gather_h2d_bytes"] > 0
+        assert (r["host_shared_bytes"] > 0) == (share is None) and r["counters"]["gather_h2d_bytes"] > 0
         assert r["counters"]["refresh_gathers"] == (case.steps - 1) * len(r["buckets"]), r["counters"]
 
 

@@ -4,7 +4,8 @@ runs the shard's AdamW and no gather of the weights (gloo's on the host path, th
 the device path, gloo's in step() on the deferred path); one small check of every bucket written follows at
 the end of backward (or of step()'s updates), or earlier where a copy reads a bucket updated in the same
 step, and a bucket's next host-to-device copy waits for it, worked out by hand on each path; one rank is
-still the single-GPU simulation bit for bit; several nodes are refused."""
+still the single-GPU simulation bit for bit; over several nodes each node keeps one copy and each rank gathers
+its column's shards into it ([Note: one host copy per host])."""
 
 import dataclasses
 
@@ -153,13 +154,60 @@ def test_deferred_step_checks_once_instead_of_gathering():
 # -- limits ---------------------------------------------------------------------------------------------------
 
 
-def test_several_nodes_are_refused_and_one_rank_shares_nothing():
-    four = Cluster(2, 2, intra=LINK, inter=LINK)
-    with pytest.raises(ValueError, match="only on one node"):
-        simulate_runtime_path(TWO_BUCKETS, HW, four, shared=True)
-    with pytest.raises(ValueError, match="only on one node"):
-        simulate_runtime_deferred(FP32, HW, four, shared=True)
+FOUR = Cluster(2, 2, intra=LINK, inter=LINK)  # two nodes of two ranks
+CHECK4 = 3 * (0.5 + CHECK_BYTES * 4 / 4 / 1000)  # a check over the four ranks: 3 ring steps of 32 B
+RS4 = 2 * 3 * (0.5 + 250 / 1000) + (1000 + 250) / 2000  # gloo's all-reduce of 1000 B over 4, the clone, the shard
+ADAM4 = 125 / (1000 / 2)  # the shard's 125 params at half the node's rate
+# the column's all-gather (one rank a node: 1 step, the node's 2 columns sharing the stream: 500 B), the shard's
+# clone (250 B), the flat output copied (500 B), the other node's shard into the copy (250 B)
+COL = (0.5 + 500 / 1000) + (250 + 500 + 250) / 2000
+AG4 = 3 * (0.5 + 250 / 1000) + (250 + 2 * 1000) / 2000  # a copy per rank: every rank's shards
+
+
+def test_several_nodes_keep_one_copy_each_and_gather_the_column():
+    """[Note: one host copy per host]: two nodes of two ranks, host grads: after each AdamW the column's
+    all-gather (the other node's shard into this node's copy) on the CPU lane, then one check of both copies
+    at the end of backward over every rank, then step()'s."""
+    record: list = []
+    got = simulate_runtime_path(TWO_BUCKETS, HW, FOUR, record, shared=True)
+    landed = _span(record, "d2h")[1]
+    per_bucket = CHECK4 + RS4 + ADAM4 + COL
+    assert got.step_s == pytest.approx(landed + 2 * per_bucket + 2 * CHECK4)
+    cpu = _cpu_lane(record)
+    assert [r[0] for r in cpu] == ["reduce_scatter", "adam", "all_gather"] * 2 + ["copy_ready", "check"]
+    assert [r[3] - r[2] for r in cpu if r[0] == "all_gather"] == [pytest.approx(COL)] * 2
+    assert got.all_gather_busy_s == pytest.approx(2 * COL) and got.all_gather_bytes == 2 * 500  # the column's
+    assert (got.shared, got.host_copy) == (True, "shared")
+    per_rank = simulate_runtime_path(TWO_BUCKETS, HW, FOUR, shared=False)
+    assert per_rank.all_gather_bytes == 2 * 1000
+    assert per_rank.step_s - got.step_s == pytest.approx(2 * (AG4 - COL) - CHECK4)
+    deferred = simulate_runtime_deferred(FP32, HW, FOUR, record=(rec := []), shared=True)
+    assert [r[0] for r in _cpu_lane(rec)][-8:] == ["take_shard", "adam", "all_gather"] * 2 + ["copy_ready", "check"]
+    assert deferred.shared and deferred.all_gather_bytes == 2 * 1000  # the column's half of 2000-byte buckets
+
+
+def test_several_nodes_on_the_device_copy_back_the_column_only():
+    """Device grads over two nodes of two ranks: the weights' three pieces as with a copy per rank, but the
+    copy back is the other node's shard (250 of the 1000 bytes), and the end of backward's check waits for
+    the last one; the gather buffers stay."""
+    nv4 = Cluster(2, 2, intra=NV.intra, inter=NV.intra)
+    record: list = []
+    got = simulate_runtime_path(TWO_BUCKETS, HW, FOUR, record, device=nv4, shared=True)
+    backs = [_span(record, "d2h_gathered", k) for k in (0, 1)]
+    assert [b - a for a, b in backs] == [pytest.approx(250 / 1000)] * 2  # the other node's 250-byte shard
+    ready = _span(record, "copy_ready", -1)
+    assert ready[0] >= max(b for _, b in backs) - 1e-9
+    assert got.sim.d2h_bytes == 2 * 250 + 2 * 250  # the grads' shards, the column's shards back
+    per_rank = simulate_runtime_path(TWO_BUCKETS, HW, FOUR, device=nv4)
+    assert per_rank.sim.d2h_bytes == 2 * 250 + 2 * 1000 and not per_rank.shared
+    assert got.device_gather_busy_s == pytest.approx(per_rank.device_gather_busy_s)  # the same all-gathers
+
+
+def test_one_rank_or_one_gpu_a_node_shares_nothing():
     assert not simulate_runtime_path(TWO_BUCKETS, HW, gloo_cluster_of(1), shared=True).shared
+    one_a_node = Cluster(1, 2, intra=LINK, inter=LINK)
+    assert not simulate_runtime_path(TWO_BUCKETS, HW, one_a_node, shared=True).shared
+    assert not simulate_runtime_deferred(FP32, HW, one_a_node, shared=True).shared
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -43,10 +43,13 @@ def test_report_gpus_json(capsys):
     host = one["host_bytes"]["total"]
     assert host / 16 < dp["host_bytes_per_rank_design"] < host / 8
     assert dp["host_bytes_per_node_design"] == 8 * dp["host_bytes_per_rank_design"]
-    # the runtime today (equal to what gloo ranks allocate: tests/distributed), grads reduced on the device: the
-    # whole 16-bit copy on every rank, 2 B/param, and 1/16 of the master, m, v and grad shard (14 B/param)
-    assert dp["host_bytes_per_node"] == 8 * dp["host_bytes_per_rank"]
-    assert 2.8 * one["trainable_params"] < dp["host_bytes_per_rank"] < 3 * one["trainable_params"]
+    # the runtime today (equal to what gloo ranks allocate: tests/distributed), grads reduced on the device: 1/16
+    # of the master, m, v and grad shard (14 B/param) a rank, and one 16-bit copy a node, 2 B/param ([Note: one
+    # host copy per host])
+    copy = dp["host_shared_bytes_per_node"]
+    assert dp["host_copy"] == "shared" and dp["host_bytes_per_node"] == 8 * dp["host_bytes_per_rank"] + copy
+    assert 0.8 * one["trainable_params"] < dp["host_bytes_per_rank"] < 1.0 * one["trainable_params"]
+    assert 2 * one["trainable_params"] <= copy < 2.1 * one["trainable_params"]
     # what runs on CUDA with overlapped updates: grads reduce-scattered and weights all-gathered on the device,
     # neither on the CPU lane
     assert dp["grad_reduce"] == "device" and dp["device_reduce_busy_s"] > 0 and dp["reduce_scatter_busy_s"] == 0
@@ -190,14 +193,16 @@ def test_report_gpus_device_peak_counts_the_gather_buffers_and_the_padding():
 
 def test_report_gpus_shares_the_host_copy_on_one_node(capsys):
     """The engine's default on one node ([Note: the runtime's shared host copy]): one host copy for the node, no
-    all-gather of the weights (neither on the device nor by gloo), no gather buffers in the plan; across nodes,
-    or with --share-host-copy no, each rank's own copy as before. The JSON and the table say which."""
+    all-gather of the weights (neither on the device nor by gloo), no gather buffers in the plan; across nodes
+    one copy per node too, the column's shards gathered on the device (its gather buffers in the plan: [Note:
+    one host copy per host]); with --share-host-copy no each rank's own copy as before. The JSON and the table
+    say which."""
     rc, shared = _json(capsys, "--gpus", "8")
     rc2, own = _json(capsys, "--gpus", "8", "--share-host-copy", "no")
     rc3, nodes = _json(capsys, "--gpus", "16", "--nodes", "2")
     assert rc == rc2 == rc3 == 0
     s, o, n = shared["data_parallel"], own["data_parallel"], nodes["data_parallel"]
-    assert (s["host_copy"], o["host_copy"], n["host_copy"]) == ("shared", "per rank", "per rank")
+    assert (s["host_copy"], o["host_copy"], n["host_copy"]) == ("shared", "per rank", "shared")
     assert s["grad_reduce"] == o["grad_reduce"] == "device"
     assert s["device_gather_busy_s"] == 0 and s["all_gather_busy_s"] == 0 and o["device_gather_busy_s"] > 0
     assert s["device_reduce_busy_s"] == pytest.approx(o["device_reduce_busy_s"], rel=0.2)
@@ -215,7 +220,12 @@ def test_report_gpus_shares_the_host_copy_on_one_node(capsys):
     assert s["host_bytes_per_node"] == 8 * s["host_bytes_per_rank"] + copy
     assert o["host_bytes_per_rank"] - s["host_bytes_per_rank"] == copy
     assert o["host_bytes_per_node"] - s["host_bytes_per_node"] == 7 * copy
-    assert n["host_shared_bytes_per_node"] == 0 and n["weight_gather_bytes_per_rank"] > 0
-    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "16",
+    # two nodes: one copy per node (each node's 8 ranks hold what one node's do), gathered on the device
+    assert n["host_shared_bytes_per_node"] == copy and n["weight_gather_bytes_per_rank"] > 0
+    assert n["host_bytes_per_node"] == 8 * n["host_bytes_per_rank"] + copy
+    assert n["device_gather_busy_s"] > 0 and "gather buffers" in n["device_peak_note"]
+    rc4, own_nodes = _json(capsys, "--gpus", "16", "--nodes", "2", "--share-host-copy", "no")
+    assert own_nodes["data_parallel"]["host_bytes_per_node"] - n["host_bytes_per_node"] == 7 * copy
+    assert cli.main(["report", "--model", "gpt2", "--budget", "4GiB", "--host-ram", "64GiB", "--gpus", "2",
                      "--nodes", "2", "--share-host-copy", "yes"]) == 2
-    assert "one node" in capsys.readouterr().err
+    assert "nothing to share" in capsys.readouterr().err
