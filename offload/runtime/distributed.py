@@ -80,7 +80,8 @@ node_share.py): a rank whose collective failed writes that it saw the failure (o
 ``ROLL_CALL_S`` for the others to write theirs (a death fails every peer's collective at once; a hang fails
 the others' after the same timeout). The ranks that never answer are named: they died or hang. Nothing is
 written while training goes well (a FileStore would grow with every write). Where the store cannot be read
-(its server was on the rank that died), the error says so and names no one.
+(its server was on the rank that died), the error says so and names no one. While a roll call runs (``naming``
+clear), ``check_usable`` on the main thread waits for its error instead of raising a bare ``failed``.
 
 [Note: a read on one rank]
 With a 16-bit dtype the fp32 masters and Adam state are spread over the ranks, so ``model.state_dict()``,
@@ -99,6 +100,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import threading
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -143,6 +145,8 @@ class DataParallel:
         self._reduced: dict[int, tuple[Event, Event]] = {}  # bucket -> (the grads' ready event, its reduce)
         self.failed: str | None = None  # why this rank can no longer train in step with the others
         self.error: DistributedError | None = None  # the first collective failure (raised cleanly by step())
+        self.naming = threading.Event()  # clear while a failed collective's roll call runs ([Note: a fault named])
+        self.naming.set()
         self.closed_with_local = False  # close() gave the module the 16-bit copy (the masters could not be gathered)
         self._reduces = 0  # reduce-scatters issued since wrap (the same on every rank in step)
         self._joined = -1  # _reduces when the ranks last joined a collective read (see join_reads)
@@ -538,12 +542,16 @@ class DataParallel:
         try:
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError, DistBackendError, ...
-            self.failed = f"the {what} failed on rank {self.rank}"
-            who = ("Another rank of the process group raised, hung past the group's timeout or exited (its own "
-                   "error says why)" if self.roll_call is None else self.roll_call.silent())
-            raise self._first(DistributedError(
-                f"rank {self.rank} of {self.world}: the {what} failed: {e}. {who}; this engine cannot go on in "
-                "step with the others")) from e
+            self.naming.clear()  # check_usable() waits for the error naming the rank, not the bare `failed`
+            try:
+                self.failed = f"the {what} failed on rank {self.rank}"
+                who = ("Another rank of the process group raised, hung past the group's timeout or exited (its "
+                       "own error says why)" if self.roll_call is None else self.roll_call.silent())
+                raise self._first(DistributedError(
+                    f"rank {self.rank} of {self.world}: the {what} failed: {e}. {who}; this engine cannot go on "
+                    "in step with the others")) from e
+            finally:
+                self.naming.set()
 
     def _first(self, error: DistributedError) -> DistributedError:
         if self.error is None:
@@ -587,6 +595,7 @@ class DataParallel:
             pass
 
     def check_usable(self) -> None:
+        self.naming.wait(60.0)  # a collective failing on the lane now: wait for its roll call ([Note: a fault named])
         if self.error is not None:  # a collective failed: its error says who and why
             raise DistributedError(str(self.error))
         if self.failed is not None:

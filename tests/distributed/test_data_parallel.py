@@ -302,6 +302,7 @@ def test_device_optimizer_is_refused_under_data_parallel(monkeypatch):
     """A device-optimizer bucket is updated from this rank's own grads (no reduce-scatter on that path), so the
     combination is refused when a group is in use, and allowed without one."""
     from offload.runtime import context
+    from offload.errors import DistributedError
     from offload.runtime.distributed import DataParallel
 
     cpu = torch.device("cpu")
@@ -550,3 +551,35 @@ def test_ranks_that_cannot_share_a_host_copy_keep_their_own_and_say_why(tmp_path
     case = Case(world=2, steps=1, extra={"no_shm_room": True, "share_host_copy": True})
     for r in run_ranks(case, tmp_path / "must"):
         assert "share_host_copy=True" in r.get("error", ""), r
+
+
+def test_a_check_during_a_lanes_roll_call_raises_the_error_naming_the_rank():
+    """A collective failing on the CPU lane sets ``failed`` before its roll call (up to ``ROLL_CALL_S``) names
+    the rank; the main thread's ``check_usable`` in that window waits for that error instead of raising the
+    bare ``failed`` (seen once: test_a_rank_dying_in_backward_is_named_by_the_other lacked "Rank 1")."""
+    import threading
+    import time
+
+    from offload.errors import DistributedError
+    from offload.runtime.distributed import DataParallel
+
+    class SlowRollCall:
+        def silent(self):
+            time.sleep(0.3)
+            return "Rank 1 did not say it saw this collective fail within 2 s"
+
+    dp = DataParallel.__new__(DataParallel)
+    dp.rank, dp.world, dp.roll_call, dp.failed, dp.error = 0, 2, SlowRollCall(), None, None
+    dp.naming = threading.Event()
+    dp.naming.set()
+
+    def broken():
+        raise RuntimeError("Connection reset by peer")
+
+    lane = threading.Thread(target=lambda: pytest.raises(DistributedError, dp._call, "reduce-scatter", broken))
+    lane.start()
+    while dp.failed is None:
+        time.sleep(0.001)
+    with pytest.raises(DistributedError, match="Rank 1 did not say"):
+        dp.check_usable()
+    lane.join()
