@@ -148,11 +148,10 @@ class Program:
 # * the next step starts at R with the carry on its host-to-device lane: compute waits for a carried copy as
 #   for any copy, and the step's own copies queue behind the last one;
 # * step time is R of a step whose carry out equals its carry in (to 1e-9 of the step): the period of the
-#   steady state. The lanes iterate to it from a guess, the carry of a step bound by the CPU AdamW (the last
-#   refresh only, for its solo copy time: every earlier one ended beside a later update): a pass whose
-#   carry out matches its carry in is the answer, else the next pass starts from that carry out; after
-#   ``MAX_PASSES`` the last pass is taken (``SimResult.refresh_passes``: how many ran). One pass where the CPU
-#   AdamW is the wall (the common case), two or three elsewhere; the C++ lanes run the same passes, bitwise.
+#   steady state. Passes iterate to it from a guess, the carry of a step bound by the CPU AdamW (only the
+#   last refresh in flight, for its solo copy time); a pass whose carry out matches its carry in is the
+#   answer, else the next starts from that carry out; after ``MAX_PASSES`` the last is taken
+#   (``SimResult.refresh_passes``: how many ran). The C++ lanes run the same passes, bitwise.
 # A carried copy's stall belongs to the step it lands in (the same step, in the steady state) and is credited
 # like any copy's within the busy period the carried copies open (``copy_credit``; the credit scan runs in the
 # lane's order); ``h2d_busy_s`` counts each refresh once, as issued at R's side of the step. Device-optimizer
@@ -161,16 +160,13 @@ class Program:
 # data-parallel modules), and so do the baselines (offload/tools/baselines.py): DeepSpeed ZeRO-Offload copies a
 # param group's fp16 partition back only after that group's whole CPU step (``stage_1_and_2.py`` ``step()``:
 # ``self._optimizer_step(i)``, then ``bit16_partitions[partition_id].data.copy_(fp32_partition.data)``).
-# The lane order cuts both ways. Where the CPU AdamW outlasts backward, every refresh but the last hides beside
-# a later update (3 resident buckets, AdamW 1 s and copies 0.4 s each: 4.4 s -> 3.8 s, test_steady.py). Where
-# backward outlasts it, ``step()`` finds every update done and queues all refreshes at once, the first layers'
-# last, and the next forward waits for the whole queue where the refresh after the drain, in bucket order,
-# made it wait for one copy (compute 1 s an event: 6.5 s -> 7.2 s). The planner then rightly streams those
-# buckets; on the CPU backend's tests (pcie4 preset, compute far above a copy) that took 44 tests' resident
-# plans and the fast path away for microseconds of modelled stall. So ``build_plan`` models it only when asked
-# (``refresh_pipelined=True``; off by default, the runtime does not ask); the runtime change that makes it
-# safe to turn on: in ``step()``, refresh the buckets whose update already ended in bucket (first-use) order,
-# then the others as their updates end.
+# The lane order cuts both ways (test_steady.py's hand cases). Where the CPU AdamW outlasts backward, every
+# refresh but the last hides beside a later update (4.4 s -> 3.8 s). Where backward outlasts it, ``step()``
+# finds every update done and queues all refreshes at once, the first layers' last: the next forward waits for
+# the whole queue, not for one copy (6.5 s -> 7.2 s), and the planner rightly streams those buckets; on the CPU
+# backend's tests (pcie4 preset) that took 44 tests' resident plans and the fast path for microseconds of
+# modelled stall. So ``build_plan`` models it only with ``refresh_pipelined=True`` (the runtime does not ask);
+# to turn it on, ``step()`` should first refresh the buckets already updated, in bucket (first-use) order.
 
 
 @dataclass(frozen=True)
@@ -296,10 +292,8 @@ def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_eve
     1]]``, and the byte totals the result reports. Needs the C++ lanes (``_C``). None where a stall lands
     on a zero-length copy: the caller runs :func:`simulate_reference`, which raises its ZeroDivisionError.
     ``lazy``: a :class:`LaneResult` (the per-event and per-copy results stay arrays until ``result()``).
-    ``grad_wait_*``: :attr:`Program.grad_waits` the same way (empty: none). ``refresh_after``: per ``STEP_START``
-    copy, the grad copy its pipelined refresh follows (``steady.refresh_after``; empty: refreshes at the step
-    start), and ``tail``: the device AdamW's seconds after compute ends, which the step so waits for ([Note:
-    the refresh pipelined, modelled])."""
+    ``grad_wait_*``: :attr:`Program.grad_waits` the same way (empty: none). ``refresh_after``, ``tail``: the
+    pipelined refresh's (``steady.refresh_after``; the device AdamW after compute ends; empty: none)."""
     out = _C.simulate_lanes(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
                             adam_after_backward, duplex, grad_wait_ptr, grad_wait_copy, refresh_after, tail)
     if out[-1]:  # divided by zero
