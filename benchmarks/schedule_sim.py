@@ -37,6 +37,13 @@ them) and keeps its fastest fitting choice, as a user tuning it would; a MODEL o
 meta device, each block's forward recomputed in one lump where backward reaches it). Summarised apart
 (``goals_with_checkpointing``).
 
+``--pipelined-refresh``: the greedy plans and is simulated with resident buckets' refreshes pipelined as the
+runtime issues them with overlapped updates (``build_plan(..., refresh_pipelined=True)``: [Note: the refresh
+pipelined, modelled] in offload/planning/simulate.py; not the planner's default). The baselines keep the
+refresh after their CPU step: DeepSpeed's ZeRO-Offload copies a param group's fp16 partition back only after
+that group's whole CPU step (``stage_1_and_2.py`` ``step()``), and ZeRO-3, Gemini and double buffering are
+modelled with their updates after backward or streamed weights, as before.
+
 ``--chain N,...``: the planner's own speed on a plain stack of N one-parameter layers (N buckets, 4N trace
 events), the issue's "< 1 s for 10,000 buckets" case: wall and CPU seconds of ``build_plan``.
 """
@@ -64,7 +71,8 @@ from offload.planning.placement import placement_bound, placement_bytes
 from offload.planning.schedule import build_plan, least_traffic
 from offload.planning.simulate import physical_bound
 from offload.planning.trace import EventKind, Recorder
-from offload.tools.baselines import POLICIES, Case
+from offload.errors import BudgetTooSmallError
+from offload.tools.baselines import POLICIES, Case, PolicyResult
 from offload.tools.presets import MODELS, preset_inputs
 from offload.tools.report_activations import measure_activations
 
@@ -97,15 +105,16 @@ def chain(n: int, numel: int = 256):
     return trace, make_buckets([ParamSpec(numel, 0)] * n, list(range(n)), numel * 4, 4)
 
 
-def time_chain(n: int, device_optimizer: bool = False) -> dict:
+def time_chain(n: int, device_optimizer: bool = False, refresh_pipelined: bool = False) -> dict:
     """Wall and CPU seconds of build_plan on an n-bucket chain (budget: a quarter of the buckets)."""
     trace, buckets = chain(n)
     compute = [1e-5 if ev.kind in (EventKind.PRE, EventKind.UNPACK) else 0.0 for ev in trace.events]
     load = os.getloadavg()[0]
     w0, c0 = time.perf_counter(), time.process_time()
     plan = build_plan(trace, buckets, itemsize=4, budget_bytes=n * 1024 // 4, fixed_bytes=0, hw=PRESETS["pcie4"],
-                      compute_s=compute, device_optimizer=device_optimizer)
+                      compute_s=compute, device_optimizer=device_optimizer, refresh_pipelined=refresh_pipelined)
     return {"buckets": n, "events": len(trace.events), "buffers": len(plan.buffers), "device_optimizer": device_optimizer,
+            "refresh_pipelined": refresh_pipelined,
             "wall_s": time.perf_counter() - w0,
             "cpu_s": time.process_time() - c0, "load_avg_1m_before": load, "load_avg_1m_after": os.getloadavg()[0]}
 
@@ -145,7 +154,18 @@ def explain(console: Console, title: str, case: Case, greedy_result, causal) -> 
     console.print("  checkpointed blocks: none (not modelled in these traces)")
 
 
-def run_case(case: Case, row_base: dict, extra: int, out: list) -> dict:
+def greedy_pipelined(case: Case) -> PolicyResult:
+    """``baselines.greedy`` (device optimizer state allowed) with the pipelined refresh modelled."""
+    try:
+        plan = build_plan(case.trace, case.buckets, itemsize=case.itemsize, budget_bytes=case.budget_bytes,
+                          fixed_bytes=case.fixed_bytes, hw=case.hw, compute_s=case.compute_s, device_optimizer=True,
+                          refresh_pipelined=True)
+    except BudgetTooSmallError as e:
+        return PolicyResult("greedy", None, e.min_budget_bytes, False)
+    return PolicyResult("greedy", plan.simulated, plan.peak_bytes, True, plan=plan)
+
+
+def run_case(case: Case, row_base: dict, extra: int, out: list, policies=POLICIES) -> dict:
     """Every policy on one case; appends its JSON rows to ``out``; returns the table cells' inputs."""
     trace, buckets, hw = case.trace, case.buckets, case.hw
     compute = case.compute_s
@@ -156,7 +176,7 @@ def run_case(case: Case, row_base: dict, extra: int, out: list) -> dict:
     causal = placement_bound(trace, buckets, ITEMSIZE, cap, sum(compute), hw,
                              forward_s=sum(compute[:trace.num_forward]))
     row = {}
-    for pname, policy in POLICIES.items():
+    for pname, policy in policies.items():
         t1 = time.perf_counter()
         r = policy(case)
         row[pname] = r
@@ -192,7 +212,8 @@ MEDIAN_NOTE = ("median_speedup: median over the cases where greedy fits of (base
 CKPT_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)  # --checkpointing: shares of the blocks tried per policy
 
 
-def run_checkpointed(name: str, batch: int, seq: int, case: Case, row_base: dict, out: list) -> None:
+def run_checkpointed(name: str, batch: int, seq: int, case: Case, row_base: dict, out: list,
+                     policies=POLICIES) -> None:
     """``--checkpointing``: every policy on ``case`` with each share of the blocks checkpointed (largest
     saving first); its fastest fitting choice (or, where none fits, none checkpointed) as its row, with
     ``checkpointed_blocks``. The bounds are the chosen step's, for the greedy's choice."""
@@ -208,7 +229,7 @@ def run_checkpointed(name: str, batch: int, seq: int, case: Case, row_base: dict
                                            case.fixed_bytes)))
     rows: list[dict] = []
     greedy_case = variants[0][1]
-    for pname, policy in POLICIES.items():
+    for pname, policy in policies.items():
         best = None
         for k, c in variants:
             r = policy(c)
@@ -293,6 +314,8 @@ def main() -> int:
     ap.add_argument("--bucket-bytes", default="32MiB")
     ap.add_argument("--chain", default="", help="comma-separated bucket counts: time build_plan on a layer chain")
     ap.add_argument("--explain", action="store_true", help="print each case's greedy lanes and placements")
+    ap.add_argument("--pipelined-refresh", action="store_true",
+                    help="the greedy with the runtime's pipelined refresh modelled (build_plan(refresh_pipelined=True))")
     ap.add_argument("--checkpointing", action="store_true",
                     help="the GiB cases again, each policy with its best share of blocks checkpointed (a model)")
     args = ap.parse_args()
@@ -304,7 +327,8 @@ def main() -> int:
            "budget_rule": "fraction cases: activations + largest grad + buffers + fraction x bf16 parameter bytes; "
                           "gib cases: the named GPU budget",
            "compute_times": "estimated: per-operator roofline on the preset's assumed device throughput",
-           "greedy": "build_plan(..., device_optimizer=True)",
+           "greedy": "build_plan(..., device_optimizer=True" + (", refresh_pipelined=True)" if args.pipelined_refresh
+                                                                else ")"),
            "cases": [], "timings_s": {}}
     if args.checkpointing:
         out["checkpointing"] = (
@@ -313,6 +337,7 @@ def main() -> int:
             "estimated per block on the meta device; each block's forward recomputed in one lump where backward "
             "reaches it; [Note: the recompute model]); its bounds are those of the greedy's chosen share only, "
             "not the least over every share")
+    policies = {**POLICIES, "greedy": greedy_pipelined} if args.pipelined_refresh else POLICIES
     wanted = args.models.split(",")
     table = Table(title="SIMULATED step (s), nominal presets; x = over the budget")
     for col in ("model", "hw", "budget", "bound", "bound (placement)", *POLICIES, "greedy/bound_p"):
@@ -333,7 +358,7 @@ def main() -> int:
                         "activation_bytes": mt.trace.activation_peak_bytes}
                 with console.status(f"{name} {hw_name} {label}"):
                     t1 = time.perf_counter()
-                    got = run_case(case, base, extra, out["cases"])
+                    got = run_case(case, base, extra, out["cases"], policies)
                     out["timings_s"][f"case {name} {hw_name} {label}"] = time.perf_counter() - t1
                 row, bound, bound_p = got["row"], got["bound"], got["bound_p"]
                 if args.explain:
@@ -341,7 +366,8 @@ def main() -> int:
                 if args.checkpointing and frac is None:
                     with console.status(f"{name} {hw_name} {label} with checkpointing"):
                         t1 = time.perf_counter()
-                        run_checkpointed(name, batch, seq, case, base, out.setdefault("cases_checkpointing", []))
+                        run_checkpointed(name, batch, seq, case, base, out.setdefault("cases_checkpointing", []),
+                                         policies)
                         out["timings_s"][f"case {name} {hw_name} {label} checkpointing"] = time.perf_counter() - t1
                 g = row["greedy"].step_s if row["greedy"].fits else None
                 cells = [f"{r.step_s:.3f}{'' if r.fits else ' x'}" if r.step_s is not None else "-"
@@ -370,7 +396,7 @@ def main() -> int:
         for n in (int(x) for x in args.chain.split(",")):
             for device_optimizer in (False, True):
                 with console.status(f"planning a {n}-bucket chain"):
-                    r = time_chain(n, device_optimizer)
+                    r = time_chain(n, device_optimizer, args.pipelined_refresh)
                 out["chain"].append(r)
                 speed.add_row(str(n), str(r["events"]), str(r["buffers"]), str(device_optimizer), f"{r['wall_s']:.2f}",
                               f"{r['cpu_s']:.2f}", f"{r['load_avg_1m_before']:.1f}/{r['load_avg_1m_after']:.1f}")

@@ -100,18 +100,20 @@ std::int64_t arena_lower_bound_columns(const IntColumn& sizes, const IntColumn& 
 }
 
 // Returns (step, compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit,
-// grad stall, divided by zero), the two per-item results as numpy arrays; offload/planning/simulate.py builds the SimResult.
+// grad stall, refresh passes, divided by zero), the two per-item results as numpy arrays; offload/planning/simulate.py builds the SimResult.
 py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_event, const SecondsArray& h2d_solo,
                          const IndexArray& wait_ptr, const IndexArray& wait_copy, const IndexArray& d2h_event,
                          const SecondsArray& d2h_solo, const SecondsArray& adam_s, bool adam_after_backward,
-                         double duplex, const IndexArray& grad_wait_ptr, const IndexArray& grad_wait_copy) {
+                         double duplex, const IndexArray& grad_wait_ptr, const IndexArray& grad_wait_copy,
+                         const IndexArray& refresh_after, double tail) {
   const offload::LaneProgram program{
       view_of<double>(compute, "compute"),     view_of<std::int64_t>(h2d_event, "h2d_event"),
       view_of<double>(h2d_solo, "h2d_solo"),   view_of<std::int64_t>(wait_ptr, "wait_ptr"),
       view_of<std::int64_t>(wait_copy, "wait_copy"), view_of<std::int64_t>(d2h_event, "d2h_event"),
       view_of<double>(d2h_solo, "d2h_solo"),   view_of<double>(adam_s, "adam_s"),
       adam_after_backward,                     duplex,
-      view_of<std::int64_t>(grad_wait_ptr, "grad_wait_ptr"), view_of<std::int64_t>(grad_wait_copy, "grad_wait_copy")};
+      view_of<std::int64_t>(grad_wait_ptr, "grad_wait_ptr"), view_of<std::int64_t>(grad_wait_copy, "grad_wait_copy"),
+      view_of<std::int64_t>(refresh_after, "refresh_after"), tail};
   offload::LaneResult r;
   {
     py::gil_scoped_release release;
@@ -120,7 +122,7 @@ py::tuple simulate_lanes(const SecondsArray& compute, const IndexArray& h2d_even
   return py::make_tuple(r.step_s, r.compute_s, r.stall_s, r.h2d_busy_s, r.d2h_busy_s, r.adam_s, r.compute_end,
                         py::array_t<double>(static_cast<py::ssize_t>(r.stall_per_event.size()), r.stall_per_event.data()),
                         py::array_t<double>(static_cast<py::ssize_t>(r.copy_credit.size()), r.copy_credit.data()),
-                        r.grad_stall_s, r.divided_by_zero);
+                        r.grad_stall_s, r.refresh_passes, r.divided_by_zero);
 }
 
 // The scheduler's two sequential loops (cpp/schedule_kernels.h).
@@ -174,7 +176,7 @@ class GreedyKernel {
                const IndexArray& need_b, const IndexArray& need_e, const SecondsArray& compute,
                const IndexArray& d2h_event, const SecondsArray& d2h_solo, const SecondsArray& adam_s,
                const IndexArray& grad_wait_ptr, const IndexArray& grad_wait_copy, double duplex,
-               std::int64_t n_used, std::int64_t max_points) {
+               std::int64_t n_used, std::int64_t max_points, const IndexArray& refresh_after, double tail) {
     c_.n = n, c_.nb = nb;
     c_.use_b = vector_of<std::int64_t>(use_b, "use_b");
     c_.use_s = vector_of<std::int64_t>(use_s, "use_s");
@@ -202,11 +204,14 @@ class GreedyKernel {
     c_.duplex = duplex;
     c_.n_used = n_used;
     c_.max_points = max_points;
+    c_.refresh_after = vector_of<std::int64_t>(refresh_after, "refresh_after");
+    c_.tail = tail;
     offload::check_greedy_constants(c_);
   }
 
   // (points, fallback): each point (resident, flat rows, step, compute, stall, h2d busy, d2h busy, adam,
-  // compute end, stall per event, copy credit, h2d bytes, peak, resident bytes, grad stall); arrays are numpy.
+  // compute end, stall per event, copy credit, h2d bytes, peak, resident bytes, grad stall, refresh passes);
+  // arrays are numpy.
   py::tuple points(int mode, std::int64_t capacity) const {
     if (mode < 0 || mode > 2) throw std::invalid_argument("mode must be 0, 1 or 2, got " + std::to_string(mode));
     offload::GreedyRun run;
@@ -225,7 +230,7 @@ class GreedyKernel {
                                 p.lanes.stall_s, p.lanes.h2d_busy_s, p.lanes.d2h_busy_s, p.lanes.adam_s,
                                 p.lanes.compute_end, owning_array(std::move(p.lanes.stall_per_event), {events}),
                                 owning_array(std::move(p.lanes.copy_credit), {copies}), p.h2d_bytes, p.peak,
-                                p.resident_bytes, p.lanes.grad_stall_s));
+                                p.resident_bytes, p.lanes.grad_stall_s, p.lanes.refresh_passes));
     }
     return py::make_tuple(out, run.fallback);
   }
@@ -382,7 +387,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("simulate_lanes", &simulate_lanes, py::arg("compute"), py::arg("h2d_event"), py::arg("h2d_solo"),
         py::arg("wait_ptr"), py::arg("wait_copy"), py::arg("d2h_event"), py::arg("d2h_solo"), py::arg("adam_s"),
         py::arg("adam_after_backward"), py::arg("duplex"), py::arg("grad_wait_ptr") = IndexArray(0),
-        py::arg("grad_wait_copy") = IndexArray(0),
+        py::arg("grad_wait_copy") = IndexArray(0), py::arg("refresh_after") = IndexArray(0), py::arg("tail") = 0.0,
         "The step simulator's lane loop over flat arrays (see cpp/lane_sim.h and offload/planning/simulate.py).");
   m.def("latest_issue", &latest_issue, py::arg("deadline"), py::arg("duration"),
         "The latest copy placement's backward pass (see cpp/schedule_kernels.h).");
@@ -393,13 +398,14 @@ PYBIND11_MODULE(_C, m) {
                     const IndexArray&, const IndexArray&, const IndexArray&, const IndexArray&, const IndexArray&,
                     const SecondsArray&, const IndexArray&, const IndexArray&, const IndexArray&, const SecondsArray&,
                     const IndexArray&, const SecondsArray&, const SecondsArray&, const IndexArray&,
-                    const IndexArray&, double, std::int64_t, std::int64_t>(),
+                    const IndexArray&, double, std::int64_t, std::int64_t, const IndexArray&, double>(),
            py::arg("n"), py::arg("nb"), py::arg("use_b"), py::arg("use_s"), py::arg("use_e"), py::arg("size"),
            py::arg("nbytes"), py::arg("dur"), py::arg("updated_dur"), py::arg("updated"), py::arg("fwd_row"),
            py::arg("bwd_row"), py::arg("fwd_at"), py::arg("bwd_at"), py::arg("keepable"), py::arg("tau"),
            py::arg("grad_profile"), py::arg("need_b"), py::arg("need_e"), py::arg("compute"), py::arg("d2h_event"),
            py::arg("d2h_solo"), py::arg("adam_s"), py::arg("grad_wait_ptr"), py::arg("grad_wait_copy"),
-           py::arg("duplex"), py::arg("n_used"), py::arg("max_points"))
+           py::arg("duplex"), py::arg("n_used"), py::arg("max_points"), py::arg("refresh_after") = IndexArray(0),
+           py::arg("tail") = 0.0)
       .def("points", &GreedyKernel::points, py::arg("mode"), py::arg("capacity"),
            "Every point of one copy mode's sequence (0 latest, 1 lookahead, 2 just in time) whose peak fits "
            "capacity: (points, fallback), fallback non-empty where the Python loop must run instead.");

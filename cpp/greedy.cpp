@@ -102,7 +102,8 @@ class Sequence {
       if (!copies()) return fallback(out, "need without a live buffer");
       GreedyPoint point;
       simulate_lanes(LaneProgram{c_.compute, h2d_event_, h2d_solo_, wait_ptr_, wait_copy_, c_.d2h_event, c_.d2h_solo,
-                                 c_.adam_s, false, c_.duplex, c_.grad_wait_ptr, c_.grad_wait_copy},
+                                 c_.adam_s, false, c_.duplex, c_.grad_wait_ptr, c_.grad_wait_copy, refresh_after_,
+                                 c_.tail},
                      lane_scratch_, point.lanes);
       if (point.lanes.divided_by_zero) return fallback(out, "stall on a zero-length copy");
       for (i64 b : cb_) point.h2d_bytes += c_.nbytes[static_cast<std::size_t>(b)];
@@ -258,11 +259,12 @@ class Sequence {
   // `Greedy.copies`: the copies (refreshes, then the streamed buffers) and each event's waits. False where
   // a bucket with copies is needed where none ends after the need (the reference asserts).
   bool copies() {
-    cb_.clear(), ce_.clear();
+    cb_.clear(), ce_.clear(), refresh_after_.clear();
     refresh_ = 0;
     for (i64 b = 0; b < c_.nb; ++b) {
       if (resident_[static_cast<std::size_t>(b)] && c_.updated[static_cast<std::size_t>(b)]) {
         cb_.push_back(b), ce_.push_back(c_.n);
+        if (!c_.refresh_after.empty()) refresh_after_.push_back(c_.refresh_after[static_cast<std::size_t>(b)]);
         ++refresh_;
       }
     }
@@ -424,6 +426,7 @@ class Sequence {
   std::vector<double> deadline_, duration_, latest_, h2d_solo_, gain_;
   std::vector<Candidate> cand_;
   i64 refresh_ = 0;
+  std::vector<i64> refresh_after_;  // per refresh: the grad copy it follows (pipelined), else empty
   MaxTable rmq_;
   LaneScratch lane_scratch_;
 };
@@ -466,6 +469,10 @@ void check_greedy_constants(const GreedyConstants& c) {
   check_range(c.need_b, 0, c.nb, "need_b");
   check_range(c.need_e, 0, c.n, "need_e");
   check_range(c.keepable, 0, c.nb, "keepable");
+  if (!c.refresh_after.empty()) {
+    check_size(c.refresh_after.size(), nb, "refresh_after");
+    check_range(c.refresh_after, -1, static_cast<i64>(c.d2h_event.size()), "refresh_after");
+  }
   for (i64 kb : c.keepable) {
     const auto b = static_cast<std::size_t>(kb);
     if (c.fwd_row[b] < 0 || c.bwd_row[b] != c.fwd_row[b] + 1 || static_cast<std::size_t>(c.bwd_row[b]) >= u ||

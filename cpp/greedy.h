@@ -43,6 +43,10 @@ struct GreedyConstants {
   double duplex = 1.0;
   std::int64_t n_used = 0;      // buckets any event needs
   std::int64_t max_points = 32;  // MAX_POINTS
+  // Per bucket, the grad copy its pipelined refresh follows (-1: none), or empty: refreshes at the step start
+  // (LaneProgram.refresh_after, per point); tail: the device AdamW after compute ends (LaneProgram.tail).
+  std::vector<std::int64_t> refresh_after;
+  double tail = 0;
 };
 
 enum class CopyMode { kLatest = 0, kLookahead = 1, kJustInTime = 2 };  // MODES' order

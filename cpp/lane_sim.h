@@ -40,11 +40,18 @@ struct LaneProgram {
   // event ([Note: waits on a reused grad slot] in simulate.py).
   View<std::int64_t> grad_wait_ptr = {};
   View<std::int64_t> grad_wait_copy = {};
+  // Empty: the copies at -1 (refreshes) are queued at the step's start. Else one entry per copy at -1, in
+  // copy order: the device-to-host copy whose AdamW its refresh follows, and the step is the period of the
+  // steady state where each refresh is issued in the previous step as that AdamW ends ([Note: the refresh
+  // pipelined, modelled] in simulate.py; the Python reference is offload/planning/steady.py).
+  View<std::int64_t> refresh_after = {};
+  double tail = 0;  // with refresh_after: compute-lane seconds after compute ends (device AdamW) step() waits for
 };
 
 struct LaneResult {
   double step_s = 0, compute_s = 0, stall_s = 0, h2d_busy_s = 0, d2h_busy_s = 0, adam_s = 0, compute_end = 0;
   double grad_stall_s = 0;  // the part of stall_s spent waiting for grad copies (grad_wait_*)
+  std::int64_t refresh_passes = 0;  // passes run to the steady state (0: refresh_after empty)
   std::vector<double> stall_per_event, copy_credit;
   bool divided_by_zero = false;  // a stall on a zero-length busy period: the caller reruns the reference
 };
@@ -56,6 +63,10 @@ LaneResult simulate_lanes(const LaneProgram& p);
 struct LaneScratch {
   std::vector<double> done, dur, cum, stall_at, d2h_done;
   std::vector<std::int64_t> period_of, h2d_ptr, h2d_copy, d2h_ptr, d2h_copy, fill;
+  // the pipelined refresh: per refresh in lane order, its copy, the grad copy it follows, and the carry in
+  // and out (end from the step's start, seconds on the link); the copies in lane order; each AdamW's end
+  std::vector<std::int64_t> order, after, lane, credit_order;
+  std::vector<double> carry_done, carry_dur, out_done, out_dur, adam_end;
 };
 
 // simulate_lanes(p) into `r` (its vectors reused), with `scratch`'s buffers: the same result.

@@ -132,11 +132,14 @@ def simulate_lanes(
     compute: Sequence[float], h2d_event: Sequence[int], h2d_solo: Sequence[float], wait_ptr: Sequence[int],
     wait_copy: Sequence[int], d2h_event: Sequence[int], d2h_solo: Sequence[float], adam_s: Sequence[float],
     adam_after_backward: bool, duplex: float, grad_wait_ptr: Sequence[int] = ..., grad_wait_copy: Sequence[int] = ...,
+    refresh_after: Sequence[int] = ..., tail: float = ...,
 ) -> tuple[float, float, float, float, float, float, float, npt.NDArray[np.float64], npt.NDArray[np.float64], float,
-           bool]:
+           int, bool]:
     """The step simulator's lane loop (``cpp/lane_sim.h``) over one-dimensional numpy arrays (or sequences,
-    converted). ``grad_wait_*``: compute's waits on grad copies, per event (both empty: none). Returns (step,
-    compute, stall, h2d busy, d2h busy, adam, compute end, stall per event, copy credit, grad stall, divided
+    converted). ``grad_wait_*``: compute's waits on grad copies, per event (both empty: none). ``refresh_after``:
+    per copy at -1, the grad copy its pipelined refresh follows (empty: refreshes at the step start), and
+    ``tail``, the device AdamW after compute ends (offload/planning/steady.py). Returns (step, compute, stall,
+    h2d busy, d2h busy, adam, compute end, stall per event, copy credit, grad stall, refresh passes, divided
     by zero); the two per-item results are float64 numpy arrays."""
 
 def latest_issue(
@@ -164,6 +167,7 @@ class GreedyKernel:
         need_b: Sequence[int], need_e: Sequence[int], compute: Sequence[float], d2h_event: Sequence[int],
         d2h_solo: Sequence[float], adam_s: Sequence[float], grad_wait_ptr: Sequence[int],
         grad_wait_copy: Sequence[int], duplex: float, n_used: int, max_points: int,
+        refresh_after: Sequence[int] = ..., tail: float = ...,
     ) -> None:
         """The fields of ``offload.planning.greedy_inputs.GreedyInputs`` (names as there, passed by keyword; numpy arrays or sequences, copied). Raises
         ``ValueError`` naming the first inconsistent length, out-of-range index or unsorted input."""
@@ -171,6 +175,6 @@ class GreedyKernel:
         """Every point of mode ``mode`` (0 latest, 1 lookahead, 2 just in time) whose peak live bytes are
         ``<= capacity``, in sequence order, each (resident buckets, flat rows (k, 3), step, compute, stall,
         h2d busy, d2h busy, adam, compute end, stall per event, copy credit, h2d bytes, peak, resident
-        bytes, grad stall), arrays as numpy; and a fallback reason, non-empty where the Python loop must run instead
+        bytes, grad stall, refresh passes), arrays as numpy; and a fallback reason, non-empty where the Python loop must run instead
         (it raises the reference's error: a stall on a zero-length copy, a score dividing by zero). Releases
         the GIL."""

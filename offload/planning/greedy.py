@@ -80,8 +80,10 @@ class Greedy:
 
     @classmethod
     def of(cls, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,
-           compute: tuple[float, ...]) -> Greedy:
-        return cls(GreedyInputs.of(trace, buckets, itemsize, hw, compute))
+           compute: tuple[float, ...], refresh_pipelined: bool = False) -> Greedy:
+        """``refresh_pipelined``: the runtime refreshes resident buckets as their updates end (overlapped
+        updates, one GPU): [Note: the refresh pipelined, modelled] in simulate.py."""
+        return cls(GreedyInputs.of(trace, buckets, itemsize, hw, compute, refresh_pipelined))
 
     @property
     def uses(self) -> dict[int, list[tuple[int, int]]]:
@@ -154,7 +156,8 @@ class Greedy:
         """The host-to-device copies of a point and what each event waits for, as arrays: (number of
         refreshes ``m``, each copy's bucket, the waits' ``ptr`` and ``copies`` as in :class:`FlatWaits`).
         The copies are the ``m`` refreshes (resident buckets updated last step: refreshed before this
-        step's forward, runtime.step), then the streamed buffers in ``flat`` order."""
+        step's forward, runtime.step; by bucket, whatever order the lanes issue them in), then the streamed
+        buffers in ``flat`` order."""
         x = self.inputs
         n = x.n
         refresh = [b for b in sorted(resident) if b in x.grads]
@@ -197,7 +200,8 @@ class Greedy:
             compute_s=x.compute_s, h2d_event=(STEP_START,) * m + tuple(flat[:, 0].tolist()),
             h2d_bucket=tuple(cb.tolist()), h2d_bytes=tuple(x.nbytes[cb].tolist()),
             waits=FlatWaits(ptr.tolist(), found.tolist()), device_return_bytes=x.device_return_bytes,
-            grad_waits=FlatWaits(gptr.tolist(), gcopy.tolist()) if len(gptr) else (), **x.d2h_program)
+            grad_waits=FlatWaits(gptr.tolist(), gcopy.tolist()) if len(gptr) else (),
+            refresh_pipelined=x.refresh_pipelined, **x.d2h_program)
 
     def simulate(self, resident: frozenset, flat: np.ndarray,
                  grad_waits: GradWaits | None = None) -> tuple[SimResult | LaneResult, int]:
@@ -209,9 +213,11 @@ class Greedy:
         if _C is not None:
             gptr, gcopy = grad_waits if grad_waits is not None else (x.grad_wait_ptr, x.grad_wait_copy)
             h2d_event = np.concatenate([np.full(m, STEP_START, dtype=np.int64), flat[:, 0]])
+            after = x.refresh_after[cb[:m]] if x.refresh_pipelined and m else ()
             sim = simulate_arrays(x.compute, h2d_event, x.dur[cb], ptr, found, x.d2h_event, x.d2h_solo, x.adam_s,
                                   False, x.duplex, int(x.nbytes[cb].sum()), x.d2h_total,
-                                  lazy=True, grad_wait_ptr=gptr, grad_wait_copy=gcopy)
+                                  lazy=True, grad_wait_ptr=gptr, grad_wait_copy=gcopy, refresh_after=after,
+                                  tail=x.device_tail_s)
             if isinstance(sim, LaneResult):  # (lazy: a LaneResult, or None)
                 return sim.with_device_adam(x.device_tail_s, x.device_adam_s, x.device_return_s,
                                             sum(x.device_return_bytes)), m
@@ -355,9 +361,10 @@ class Greedy:
             if fallback:
                 return None
             for (res, flat, step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
-                 h2d_bytes, peak, resident_bytes, grad_stall) in got:
+                 h2d_bytes, peak, resident_bytes, grad_stall, passes) in got:
                 sim = LaneResult(step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit,
-                                 h2d_bytes, x.d2h_total, grad_stall_s=grad_stall).with_device_adam(x.device_tail_s, x.device_adam_s,
+                                 h2d_bytes, x.d2h_total, grad_stall_s=grad_stall,
+                                 refresh_passes=passes).with_device_adam(x.device_tail_s, x.device_adam_s,
                                                                           x.device_return_s,
                                                                           sum(x.device_return_bytes))
                 points.append(Point(mode, frozenset(res.tolist()), flat, sim, peak, (-h2d_bytes, resident_bytes, -m)))

@@ -5,6 +5,7 @@ keyword arguments (``cpp/greedy.h``'s ``GreedyConstants``, by the same names).""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Sequence, TypedDict
@@ -90,10 +91,13 @@ class GreedyInputs:
     # back in step(), before their device AdamW (the tail)
     device_return_bytes: tuple[int, ...] = ()  # per device bucket: the bytes of its fp32 sums copied back
     device_return_s: float = 0.0  # those copies' seconds
+    # the runtime pipelines resident buckets' refreshes (overlapped updates, one GPU): [Note: the refresh
+    # pipelined, modelled] in simulate.py; False: refreshes at the step start (deferred updates)
+    refresh_pipelined: bool = False
 
     @classmethod
     def of(cls, trace: Trace, buckets: Sequence[Bucket], itemsize: int, hw: HardwareModel,
-           compute: tuple[float, ...]) -> GreedyInputs:
+           compute: tuple[float, ...], refresh_pipelined: bool = False) -> GreedyInputs:
         n, nb = len(trace.events), len(buckets)
         bucket_of = locate(buckets)[0]
         grad_b, grad_s, grad_e, grad_issue = grad_arrays(trace, buckets, bucket_of)
@@ -149,11 +153,24 @@ class GreedyInputs:
             need_key=need_b * (n + 1) + need_e, grads=grads, grad_issue=grad_issue_of,
             grad_bytes=dict(zip(grad_b.tolist(), grad_bytes.tolist())), d2h_program=d2h_program,
             d2h_total=sum(d2h_program["d2h_bytes"]), slot_wait_event=slot_wait_event,
-            slot_wait_bucket=slot_wait_bucket)
+            slot_wait_bucket=slot_wait_bucket, refresh_pipelined=refresh_pipelined)
 
     def kernel_args(self) -> dict[str, Any]:
-        """The C++ ``GreedyKernel``'s keyword arguments: the fields from ``n`` to ``max_points``."""
-        return {name: getattr(self, name) for name in KERNEL_ARGS}
+        """The C++ ``GreedyKernel``'s keyword arguments: the fields from ``n`` to ``max_points``, and where the
+        refresh is pipelined :attr:`refresh_after` and the device AdamW's ``tail``."""
+        args = {name: getattr(self, name) for name in KERNEL_ARGS}
+        if self.refresh_pipelined:
+            args.update(refresh_after=self.refresh_after, tail=self.device_tail_s)
+        return args
+
+    @functools.cached_property
+    def refresh_after(self) -> np.ndarray:
+        """Per bucket: the grad copy its pipelined refresh follows, its last in the CPU lane's order (-1: none;
+        ``steady.refresh_after``'s choice: the copies are sorted by event)."""
+        out = np.full(self.nb, -1, dtype=np.int64)
+        for k, b in enumerate(self.d2h_program["d2h_bucket"]):
+            out[b] = k
+        return out
 
 
 KERNEL_ARGS = tuple(f.name for f in dataclasses.fields(GreedyInputs))[:28]

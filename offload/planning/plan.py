@@ -90,6 +90,10 @@ class Plan:
     # so device-optimizer buckets' grads make a round trip through the host ([Note: the deferred round trip]
     # in simulate.py)
     deferred: bool = False
+    # the cost model's refresh: True where ``simulated`` pipelines resident buckets' refreshes as the runtime
+    # does with overlapped updates ([Note: the refresh pipelined, modelled] in simulate.py;
+    # ``build_plan(..., refresh_pipelined=True)``), False where it refreshes them after the drain
+    refresh_pipelined: bool = False
 
     def placement_of(self, b: int) -> Placement:
         if self.placement:

@@ -48,7 +48,7 @@ DEFAULT_HW = PRESETS["pcie4"]  # the cost model's hardware when the caller gives
 def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget_bytes: int,
                fixed_bytes: int, hw: HardwareModel | None = None,
                compute_s: Sequence[float] | None = None, headroom_bytes: int = 0,
-               device_optimizer: bool = False, deferred: bool = False) -> Plan:
+               device_optimizer: bool = False, deferred: bool = False, refresh_pipelined: bool = False) -> Plan:
     """The greedy cost-model plan (see the module docstring) that fits ``budget_bytes``.
 
     ``hw`` defaults to :data:`DEFAULT_HW`; ``compute_s`` (seconds of compute per trace event) defaults to
@@ -65,11 +65,21 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
     bucket's grads then go to the host and come back summed in ``step()`` before its device update ([Note:
     the deferred round trip] in simulate.py), which the choice of device-optimizer buckets weighs. (The
     host buckets' CPU AdamW is modelled as overlapped with backward in both modes.)
+
+    ``refresh_pipelined`` (and not ``deferred``): model resident buckets' refreshes as the runtime issues them
+    with overlapped updates on one GPU, each as its CPU AdamW ends, in the CPU lane's order ([Note: the refresh
+    pipelined, modelled] in simulate.py). Off by default: that order refreshes the first layers last, where the
+    next forward needs them first, so wherever backward outlasts the CPU AdamW the model (rightly, for that
+    runtime) prefers streaming them, and the engine's resident plans and their fast path would go; see the
+    Note. Off, the refresh follows the drain, in bucket order (the plans of before).
     """
+    pipelined = refresh_pipelined and not deferred
     with _gc_paused():
         plan = _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes,
-                           device_optimizer, deferred)
-        return dataclasses.replace(plan, deferred=True) if deferred else plan
+                           device_optimizer, deferred, pipelined)
+        if deferred or pipelined:
+            return dataclasses.replace(plan, deferred=deferred, refresh_pipelined=pipelined)
+        return plan
 
 
 @contextlib.contextmanager
@@ -90,10 +100,10 @@ def _gc_paused():
 
 
 def _build_plan(trace, buckets, itemsize, budget_bytes, fixed_bytes, hw, compute_s, headroom_bytes,
-                device_optimizer, deferred) -> Plan:
+                device_optimizer, deferred, pipelined) -> Plan:
     hw = hw or DEFAULT_HW
     compute = compute_times(trace, compute_s)
-    g = Greedy.of(trace, buckets, itemsize, hw, compute)
+    g = Greedy.of(trace, buckets, itemsize, hw, compute, refresh_pipelined=pipelined)
     extra = trace.activation_peak_bytes + fixed_bytes + trace.max_grad_bytes + headroom_bytes
     capacity = budget_bytes - extra
     points = g.candidates(capacity)
@@ -227,9 +237,14 @@ def _laid_out(g: Greedy, option: _Option, single: dict[int, tuple], room: int):
     return specs, layout, after, sim.result() if isinstance(sim, LaneResult) else sim
 
 
-def program_of(plan: Plan, compute_s: Sequence[float] | None = None) -> Program:
-    """The lane program of a plan (what :func:`offload.planning.simulate.simulate` runs)."""
-    g = Greedy.of(plan.trace, plan.buckets, plan.itemsize, DEFAULT_HW, compute_times(plan.trace, compute_s))
+def program_of(plan: Plan, compute_s: Sequence[float] | None = None,
+               refresh_pipelined: bool | None = None) -> Program:
+    """The lane program of a plan (what :func:`offload.planning.simulate.simulate` runs). ``refresh_pipelined``:
+    its refresh model ([Note: the refresh pipelined, modelled] in simulate.py); None: the plan's own."""
+    if refresh_pipelined is None:
+        refresh_pipelined = plan.refresh_pipelined
+    g = Greedy.of(plan.trace, plan.buckets, plan.itemsize, DEFAULT_HW, compute_times(plan.trace, compute_s),
+                  refresh_pipelined=refresh_pipelined and not plan.deferred)
     device = plan.device_optimizer
     if device:
         g = Greedy(restrict(g.inputs, device, plan.buckets, plan.itemsize, plan.deferred))

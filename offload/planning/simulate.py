@@ -13,10 +13,13 @@ The lanes follow the runtime's rules (``offload/runtime/core.py``):
   (or, for the baseline policies that do so, only after backward);
 * at a bucket's first gradient event, compute waits for the gradient copy of the grad slot whose bytes
   its slot reuses ([Note: waits on a reused grad slot]), after the host-to-device waits;
-* resident buckets updated in the previous step are copied in again at the start of the step (the
-  runtime does it in ``step()``), ahead of any prefetch.
+* resident buckets updated in the previous step are copied in again (their *refresh*): with
+  ``Program.refresh_pipelined`` as the runtime pipelines it, each once its bucket's AdamW of the previous step
+  ended, and the step is the period of the steady state ([Note: the refresh pipelined, modelled]); otherwise
+  at the start of the step, ahead of any prefetch (deferred updates, data parallel, the baselines).
 
-The step ends when every lane is idle: ``optimizer.step()`` waits for the CPU lane. Copies are issued
+Without the pipelined refresh the step ends when every lane is idle: ``optimizer.step()`` waits for the CPU
+lane and the refresh follows. Copies are issued
 when compute *reaches* their event, which is what the CPU backend does; a CUDA host thread runs ahead of
 the device, so on a GPU a copy may start earlier: the simulator is conservative there.
 """
@@ -103,6 +106,9 @@ class Program:
     # the deferred round trip])
     grad_waits: Sequence[tuple[int, ...]] = ()  # per event, or empty (none): the device-to-host copies
     # compute waits for before it (after ``waits``): [Note: waits on a reused grad slot]
+    refresh_pipelined: bool = False  # True: the STEP_START copies are refreshes the runtime issues in the
+    # previous step's ``step()`` as each bucket's AdamW ends ([Note: the refresh pipelined, modelled]); each
+    # needs a grad copy of its bucket (its update). False: issued at the step start, after every lane is idle
 
 
 # [Note: waits on a reused grad slot]
@@ -126,6 +132,43 @@ class Program:
 # that copy-lane wait is not modelled (compute's is the one on the critical path of backward).
 
 
+# [Note: the refresh pipelined, modelled]
+# With overlapped updates and one GPU, the runtime's ``step()`` copies each resident bucket's new weights in as
+# soon as that bucket's CPU AdamW ends, in the CPU lane's order, then waits for the lane to drain ([Note: the
+# refresh pipelined] in runtime/executor.py); the next forward waits for a bucket's copy where it first uses
+# it. A step's refreshes so run into the next step. For a program with ``refresh_pipelined`` (steady.py):
+# * bucket b's refresh is issued at max(compute end, the end of b's AdamW): ``step()`` runs once backward
+#   ended (a CUDA host thread running ahead may issue it earlier: conservative), in the order the CPU lane
+#   runs the updates (``GradPipeline.lane_order``: that of their grad copies, by (event, index); a bucket's
+#   last copy is its update), queued on the FIFO host-to-device lane, at the duplex rate if the
+#   device-to-host lane is busy when it starts;
+# * the step ends at R, when ``step()`` returns: compute ended (the device AdamW after backward included),
+#   the device-to-host and CPU lanes idle, every earlier host-to-device copy done. The refreshes still in
+#   flight at R are the *carry*: per refresh, its end minus R and its duration;
+# * the next step starts at R with the carry on its host-to-device lane: compute waits for a carried copy as
+#   for any copy, and the step's own copies queue behind the last one;
+# * step time is R of a step whose carry out equals its carry in (to 1e-9 of the step): the period of the
+#   steady state. Passes iterate to it from a guess, the carry of a step bound by the CPU AdamW (only the
+#   last refresh in flight, for its solo copy time); a pass whose carry out matches its carry in is the
+#   answer, else the next starts from that carry out; after ``MAX_PASSES`` the last is taken
+#   (``SimResult.refresh_passes``: how many ran). The C++ lanes run the same passes, bitwise.
+# A carried copy's stall belongs to the step it lands in (the same step, in the steady state) and is credited
+# like any copy's within the busy period the carried copies open (``copy_credit``; the credit scan runs in the
+# lane's order); ``h2d_busy_s`` counts each refresh once, as issued at R's side of the step. Device-optimizer
+# and streamed buckets have no refresh. Deferred updates, re-planning steps and data parallel keep the refresh
+# after the drain: their programs leave ``refresh_pipelined`` False (``build_plan(deferred=True)``, the
+# data-parallel modules), and so do the baselines (offload/tools/baselines.py): DeepSpeed ZeRO-Offload copies a
+# param group's fp16 partition back only after that group's whole CPU step (``stage_1_and_2.py`` ``step()``:
+# ``self._optimizer_step(i)``, then ``bit16_partitions[partition_id].data.copy_(fp32_partition.data)``).
+# The lane order cuts both ways (test_steady.py's hand cases). Where the CPU AdamW outlasts backward, every
+# refresh but the last hides beside a later update (4.4 s -> 3.8 s). Where backward outlasts it, ``step()``
+# finds every update done and queues all refreshes at once, the first layers' last: the next forward waits for
+# the whole queue, not for one copy (6.5 s -> 7.2 s), and the planner rightly streams those buckets; on the CPU
+# backend's tests (pcie4 preset) that took 44 tests' resident plans and the fast path for microseconds of
+# modelled stall. So ``build_plan`` models it only with ``refresh_pipelined=True`` (the runtime does not ask);
+# to turn it on, ``step()`` should first refresh the buckets already updated, in bucket (first-use) order.
+
+
 @dataclass(frozen=True)
 class SimResult:
     step_s: float
@@ -142,6 +185,8 @@ class SimResult:
     device_adam_s: float = 0.0  # device AdamW seconds on the compute lane (included in compute_s)
     grad_stall_s: float = 0.0  # time compute waited for grad copies to the host (included in stall_s):
     # [Note: waits on a reused grad slot]
+    refresh_passes: int = 0  # passes run to the steady state (0: no pipelined refresh): [Note: the refresh
+    # pipelined, modelled]
 
     @property
     def copy_stall_s(self) -> float:
@@ -209,12 +254,19 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
     back_s, back_bytes = device_return_seconds(program, hw), sum(program.device_return_bytes)
     wait_ptr, wait_copy = flat_waits(program.waits)
     grad_ptr, grad_copy = flat_waits(program.grad_waits)
+    after: list[int] = []
+    if program.refresh_pipelined and STEP_START in program.h2d_event:
+        from .steady import refresh_after  # (steady.py builds on this module's lanes)
+
+        if back_bytes:
+            return simulate_reference(program, hw)  # (raises its ValueError)
+        after = refresh_after(program)
     out = simulate_arrays(
         compute, program.h2d_event, seconds_each(hw.h2d_seconds, program.h2d_bytes), wait_ptr, wait_copy,
         program.d2h_event, seconds_each(hw.d2h_seconds, program.d2h_bytes),
         seconds_each(hw.adam_seconds, program.adam_numel),
         program.adam_after_backward, hw.duplex_factor, sum(program.h2d_bytes), sum(program.d2h_bytes), lazy=True,
-        grad_wait_ptr=grad_ptr, grad_wait_copy=grad_copy)
+        grad_wait_ptr=grad_ptr, grad_wait_copy=grad_copy, refresh_after=after, tail=tail)
     if out is None:
         return simulate_reference(program, hw)
     if isinstance(out, LaneResult):
@@ -233,20 +285,22 @@ def flat_waits(waits: Sequence[tuple[int, ...]]) -> tuple[list[int], list[int]]:
 
 def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
                     adam_after_backward: bool, duplex: float, h2d_bytes: int, d2h_bytes: int,
-                    lazy: bool = False, grad_wait_ptr=(), grad_wait_copy=()) -> SimResult | LaneResult | None:
+                    lazy: bool = False, grad_wait_ptr=(), grad_wait_copy=(), refresh_after=(),
+                    tail: float = 0.0) -> SimResult | LaneResult | None:
     """:func:`simulate` on a program already in lane terms (numpy arrays or sequences; the scheduler keeps
     its points as arrays): per-copy seconds instead of bytes, waits as ``wait_copy[wait_ptr[i]:wait_ptr[i +
     1]]``, and the byte totals the result reports. Needs the C++ lanes (``_C``). None where a stall lands
     on a zero-length copy: the caller runs :func:`simulate_reference`, which raises its ZeroDivisionError.
     ``lazy``: a :class:`LaneResult` (the per-event and per-copy results stay arrays until ``result()``).
-    ``grad_wait_*``: :attr:`Program.grad_waits` the same way (empty: none)."""
+    ``grad_wait_*``: :attr:`Program.grad_waits` the same way (empty: none). ``refresh_after``, ``tail``: the
+    pipelined refresh's (``steady.refresh_after``; the device AdamW after compute ends; empty: none)."""
     out = _C.simulate_lanes(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,
-                            adam_after_backward, duplex, grad_wait_ptr, grad_wait_copy)
+                            adam_after_backward, duplex, grad_wait_ptr, grad_wait_copy, refresh_after, tail)
     if out[-1]:  # divided by zero
         return None
-    step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit, grad_stall, _ = out
+    step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit, grad_stall, passes, _ = out
     lanes = LaneResult(step, compute, stall, h2d_busy, d2h_busy, adam, compute_end, per_event, credit, h2d_bytes,
-                       d2h_bytes, grad_stall_s=grad_stall)
+                       d2h_bytes, grad_stall_s=grad_stall, refresh_passes=passes)
     return lanes if lazy else lanes.result()
 
 
@@ -269,6 +323,7 @@ class LaneResult:
     d2h_bytes: int
     device_adam_s: float = 0.0  # included in compute_s (see [Note: device AdamW lane])
     grad_stall_s: float = 0.0  # included in stall_s (see [Note: waits on a reused grad slot])
+    refresh_passes: int = 0  # see SimResult
 
     @property
     def copy_stall_s(self) -> float:
@@ -291,7 +346,7 @@ class LaneResult:
             stall_per_event=tuple(self.stall_per_event.tolist()), h2d_bytes=self.h2d_bytes,
             d2h_bytes=self.d2h_bytes, h2d_busy_s=self.h2d_busy_s, d2h_busy_s=self.d2h_busy_s, adam_s=self.adam_s,
             tail_s=self.step_s - self.compute_end, copy_credit=tuple(self.copy_credit.tolist()),
-            device_adam_s=self.device_adam_s, grad_stall_s=self.grad_stall_s)
+            device_adam_s=self.device_adam_s, grad_stall_s=self.grad_stall_s, refresh_passes=self.refresh_passes)
 
 
 def add_up(xs) -> float:
@@ -317,7 +372,14 @@ def simulate_reference(program: Program, hw: HardwareModel, record: list | None 
     ``record``: a list that gets one ``(lane, index, start, end)`` per piece of work (lanes ``"compute"``,
     ``"stall"``: event index; ``"h2d"``, ``"d2h"``, ``"adam"``: copy index), for a timeline of the step
     (offload/tools/timeline.py). The result does not depend on it.
+
+    A program with ``refresh_pipelined`` and refreshes runs :func:`offload.planning.steady.simulate_steady`
+    ([Note: the refresh pipelined, modelled]).
     """
+    if program.refresh_pipelined and STEP_START in program.h2d_event:
+        from .steady import simulate_steady  # (steady.py builds on this module's lanes)
+
+        return simulate_steady(program, hw, record)
     compute_s, device_tail, device_adam = with_device_adam(program, hw)
     lanes = Lanes(program, [hw.h2d_seconds(x) for x in program.h2d_bytes], program.d2h_bytes,
                   program.adam_numel, hw, hw, record)
@@ -365,6 +427,8 @@ class Lanes:
         self.period_start, self.period_len = 0, 0.0
         self.pending_adam: list[tuple[int, float, float]] = []  # (copy, grads on host at, AdamW s), after backward
         self.d2h_done = [-1.0] * len(d2h_bytes)  # per grad copy: when it is done (-1: not issued yet)
+        self.adam_end = [0.0] * len(d2h_bytes)  # per grad copy: when its AdamW ends
+        self.credit_order: Sequence[int] | None = None  # the copies in lane order for the credit scan (None: index order)
         self.grad_stall = 0.0
         self.stall: list[float] = []
         self.compute_end = 0.0
@@ -372,7 +436,7 @@ class Lanes:
     def issue_h2d(self, k: int, now: float) -> None:
         """Queue host-to-device copy ``k`` at ``now``."""
         start = max(now, self.h2d_free)
-        if start > self.h2d_free or k == 0:  # the lane was idle: a new busy period
+        if start > self.h2d_free or self.opens_period(k):  # the lane was idle: a new busy period
             self.period_start, self.period_len = k, 0.0
         dur = self.h2d_solo[k] / self.duplex if self.d2h_free > start else self.h2d_solo[k]
         self.h2d_free = start + dur
@@ -384,6 +448,11 @@ class Lanes:
             self.record.append(("h2d", k, start, self.h2d_free))
         self.period_of[k] = self.period_start
         self.cum[k] = self.period_len
+
+    def opens_period(self, k: int) -> bool:
+        """Whether copy ``k``, issued while the lane is not idle-with-a-gap, still opens a busy period: the
+        step's first copy."""
+        return k == 0
 
     def to_host(self, nbytes: int, ready: float) -> float:
         """Queue ``nbytes`` on the device-to-host lane once ``ready``; returns when the copy starts."""
@@ -406,7 +475,7 @@ class Lanes:
         if self.program.adam_after_backward:
             self.pending_adam.append((k, self.d2h_free, adam))
         else:
-            self.cpu_free = max(self.cpu_free, self.d2h_free) + adam
+            self.cpu_free = self.adam_end[k] = max(self.cpu_free, self.d2h_free) + adam
             if record is not None:
                 record.append(("adam", k, self.cpu_free - adam, self.cpu_free))
 
@@ -426,8 +495,7 @@ class Lanes:
         d2h_done = self.d2h_done
         stall = self.stall = [0.0] * n
         t = 0.0
-        for k in by_event.get(STEP_START, ()):
-            self.issue_h2d(k, 0.0)
+        self.start_step(by_event.get(STEP_START, ()))
         for i in range(n):
             for k in by_event.get(i, ()):
                 self.issue_h2d(k, t)
@@ -458,10 +526,15 @@ class Lanes:
         for k in d2h_by_event.get(n, ()):
             self.issue_d2h(k, t)
         for k, ready, adam in self.pending_adam:
-            self.cpu_free = max(self.cpu_free, ready, compute_end) + adam
+            self.cpu_free = self.adam_end[k] = max(self.cpu_free, ready, compute_end) + adam
             if record is not None:
                 record.append(("adam", k, self.cpu_free - adam, self.cpu_free))
         return compute_end
+
+    def start_step(self, step_start: Sequence[int]) -> None:
+        """The lanes at the step's start: the ``STEP_START`` copies (refreshes) queued at 0."""
+        for k in step_start:
+            self.issue_h2d(k, 0.0)
 
     def idle_at(self, compute_end: float) -> float:
         """When every lane is idle (the step's end) after compute ends at ``compute_end``."""
@@ -474,7 +547,8 @@ class Lanes:
             step_s=step, compute_s=compute_s, stall_s=add_up(self.stall), stall_per_event=tuple(self.stall),
             h2d_bytes=h2d_bytes, d2h_bytes=d2h_bytes, h2d_busy_s=self.h2d_busy, d2h_busy_s=self.d2h_busy,
             adam_s=self.adam_total, tail_s=step - self.compute_end,
-            copy_credit=_credit(self.h2d_dur, self.period_of, self.stall_at), device_adam_s=device_adam_s,
+            copy_credit=_credit(self.h2d_dur, self.period_of, self.stall_at, self.credit_order),
+            device_adam_s=device_adam_s,
             grad_stall_s=self.grad_stall)
 
 
@@ -491,15 +565,20 @@ def check_grad_waits(grad_waits: Sequence[tuple[int, ...]], d2h_event: Sequence[
                 raise ValueError(f"event {i} waits for grad copy {k}, which is not issued before it")
 
 
-def _credit(dur: Sequence[float], period_of: Sequence[int], stall_at: Sequence[float]) -> tuple[float, ...]:
-    """credit[j] = dur[j] * sum of stall_at[k] over later copies k of j's busy period (a reverse scan)."""
+def _credit(dur: Sequence[float], period_of: Sequence[int], stall_at: Sequence[float],
+            order: Sequence[int] | None = None) -> tuple[float, ...]:
+    """credit[j] = dur[j] * sum of stall_at[k] over later copies k of j's busy period (a reverse scan over the
+    copies in lane ``order``: index order where None)."""
+    seq = range(len(dur)) if order is None else order
     out = [0.0] * len(dur)
     acc = 0.0
-    for j in reversed(range(len(dur))):
-        if j + 1 < len(dur) and period_of[j + 1] != period_of[j]:
+    nxt = -1
+    for j in reversed(seq):
+        if nxt >= 0 and period_of[nxt] != period_of[j]:
             acc = 0.0
         acc += stall_at[j]
         out[j] = dur[j] * acc
+        nxt = j
     return tuple(out)
 
 

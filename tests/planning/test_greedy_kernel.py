@@ -43,6 +43,7 @@ def _assert_same_points(got, want):
         for f in ("stall_per_event", "copy_credit"):
             x, y = getattr(a.lanes, f), getattr(b.lanes, f)
             assert x.dtype == y.dtype == np.float64 and _bits(x) == _bits(y), (where, f)
+        assert a.lanes.refresh_passes == b.lanes.refresh_passes, where
         assert a.sim == b.sim, where  # the SimResult the plan keeps
 
 
@@ -58,7 +59,8 @@ def _compare(g, capacity):
 @given(traces(), machines(), st.data())
 def test_cpp_points_equal_the_python_loop_on_random_machines(case, hw, data):
     trace, buckets = case
-    g = Greedy.of(trace, buckets, 4, hw, tuple(draw_compute(data.draw, trace)))
+    # both refresh models ([Note: the refresh pipelined, modelled] in simulate.py)
+    g = Greedy.of(trace, buckets, 4, hw, tuple(draw_compute(data.draw, trace)), data.draw(st.booleans()))
     everything = _compare(g, 10**12)
     peaks = sorted({p.peak for p in everything})
     # capacities that cut each sequence somewhere (the point at the capacity is in, the next one out)
