@@ -225,3 +225,52 @@ def test_an_fp16_step_that_overflows_is_skipped_and_sends_no_batch(inline):
         assert fast >= 3 and batches == 0
     finally:
         engine.close()
+
+
+class Swapped(torch.nn.Module):
+    """An MLP whose forward, while ``swap`` is set, runs its first two linear layers in the other order: the same
+    root call (a fast step), but its bottom layers' grads come out of the plan's order (a departure late in
+    backward, after the top buckets' grads all came)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = tanh_mlp(12, 32)
+        self.swap = False
+
+    def forward(self, x):
+        layers = list(self.body)
+        if self.swap:
+            layers[0], layers[2] = layers[2], layers[0]
+        for layer in layers:
+            x = layer(x)
+        return x
+
+
+def test_a_departure_sends_the_complete_buckets_as_one_batch_first(inline):
+    """A fast step that departs in backward sends the buckets whose grads all came as one batch (with their
+    grads out of ``p.grad`` at once, not left for the exposure), then goes on grad by grad; bit for bit torch, the
+    steps before and after it too."""
+    model = Swapped()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    opt = offload.AdamW(model.parameters(), fused=False, **ADAMW)
+    engine = offload.wrap(model, opt, budget=4 * nbytes, bucket_bytes=max(256, nbytes // 10), dtype=torch.float32,
+                          device="cpu")
+    rt = engine._runtime
+    try:
+        losses, ref_losses = [], []
+        for step in range(STEPS):
+            model.swap = ref.swap = step == 5
+            departures, batches = rt.ctx.stats["plan_departures"], rt.grads.fast_send.batches
+            losses.append(finish_step(_loss(engine(_x(step))), opt))
+            ref_losses.append(finish_step(_loss(ref(_x(step))), ref_opt))
+            if step == 5:  # departed; its complete buckets went as one batch
+                assert rt.ctx.stats["plan_departures"] == departures + 1
+                assert rt.grads.fast_send.batches == batches + 1
+        assert_losses_bitwise(losses, ref_losses)
+        assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "model")
+        assert_bitwise(_adam_state(opt), _adam_state(ref_opt), "AdamW state")
+        assert rt.ctx.stats["fast_steps"] >= 4
+    finally:
+        engine.close()
