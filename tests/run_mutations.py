@@ -319,8 +319,7 @@ MUTATIONS = [
     ("R29", "a batch does not wait for its buckets' previous updates", "offload/runtime/bucket_send.py",
      "(slots.adam_event.get(r.b), slots.h2d_event.get(r.b))", "(slots.h2d_event.get(r.b),)", _BATCH),
     ("R30", "a batch's grads land in ring bytes before their previous CPU-lane reader is done ([Note: grad staging "
-     "ring])", "offload/runtime/bucket_send.py", "done = ctx.cpu.issue(run, [*waits, *after],",
-     "done = ctx.cpu.issue(run, [*waits],", _BATCH),
+     "ring])", "offload/runtime/bucket_send.py", "        waits = [*waits, *after]\n", "        waits = [*waits]\n", _BATCH),
     ("R31", "a batch's ring piece is not cleared where a bucket's grads do not fill it (padding sends old bytes)",
      "offload/runtime/bucket_send.py", "                        piece[:r.numel].zero_()", "                        pass",
      _BATCH),

@@ -37,10 +37,12 @@ no value changes: the hop through the device grad slot (on this backend a copy b
 same bytes; the plan's slot is not written, so its last reader is still the one recorded), one lane item and two
 events a bucket, and the Python around them. Its waits are the union of the buckets' (each bucket's last update,
 its last host-to-device copy, which reads the masters the update rewrites, and the ring bytes' earlier readers),
-all taken before the first bucket: none of them is later than the batch's start. Kept per bucket: the records
-``send`` leaves (``received``, ``finished``, ``pending``, ``adam_event``, ``lane_order``, ``d2h_bytes``, the lane
-log's two entries, whose times are the bucket's own part of the batch: :class:`Mark`), so a departure, ``step()``'s
-pipelined refresh and ``export_timeline`` see what they saw, but each bucket's event is the batch's. A bucket
+all taken before the first bucket, by the item itself (a failed wait fails every bucket's event). Kept per bucket:
+the records ``send`` leaves (``received``, ``finished``, ``pending``, ``adam_event``, ``lane_order``,
+``d2h_bytes``, the lane log's two entries), and an event of its own for its update, set as soon as it ran: where the
+batch is queued on the lane's thread (chaos, a busy lane), ``step()``'s pipelined refresh still copies each bucket
+as its update ends ([Note: the refresh pipelined] in executor.py). The copy's log entry carries the times of the
+bucket's copy (:class:`Mark`); the batch's own event is the ring bytes' reader and the copies' end. A bucket
 whose update raises stops no other; the batch raises the first failure once every bucket was tried. Not batched:
 fewer than two buckets, a bucket the routine declines, the lanes on threads (``OFFLOAD_CPU_COPIES=lanes``) and
 CUDA, where each bucket still goes at its last grad, overlapped with backward. One kernel call over several buckets
@@ -58,6 +60,7 @@ from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
 
+from ..backend.base import HostEvent
 from ..errors import InvariantError
 from .grad_records import PendingGrads
 
@@ -104,8 +107,8 @@ class Route:
 
 
 class Mark:
-    """When one bucket's part of a batch ran (``time.perf_counter()``), for the lane log's timeline: the batch's
-    event is the one to wait for ([Note: sent as one batch])."""
+    """When one bucket's grads were copied in a batch (``time.perf_counter()``), for the lane log's timeline: the
+    batch's event is the one to wait for ([Note: sent as one batch])."""
 
     __slots__ = ("started", "finished")
 
@@ -256,7 +259,7 @@ class FastSend:
             maybe = [params[q].grad for q in r.ps]
             if any(map(_is_none, maybe)):
                 raise InvariantError(f"bucket {r.b}: a grad of its plan's order is missing at its last grad")
-            work.append((r, cast("list[torch.Tensor]", maybe), Mark(), Mark()))
+            work.append((r, cast("list[torch.Tensor]", maybe), Mark(), HostEvent(what=r.what)))
             # the bucket's last update, and the host-to-device copy that still reads the masters it rewrites
             waits += [e for e in (slots.adam_event.get(r.b), slots.h2d_event.get(r.b)) if e is not None]
         lent, piece, after = host.ring.take(max(r.numel for r in routes))  # [Note: grad staging ring]
@@ -266,23 +269,36 @@ class FastSend:
 
         def run() -> None:
             counted: list[tuple[int, ...]] = []
-            failed: Exception | None = None
-            for (r, got, copied, updated), dst in zip(work, views):
-                try:  # each bucket's update as if it were its own lane item: one failing stops no other
-                    copied.started = clock()
-                    if not r.whole:
-                        piece[:r.numel].zero_()  # the padding between parameters sends zeros
-                    torch._foreach_copy_(dst, got)
-                    copied.finished = updated.started = clock()
-                    update(r.b, r.got, hp, (), piece, counts=counted)
-                    updated.finished = clock()
-                except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
-                    failed = failed or e
-            host.count_runs(counted)
+            failed: BaseException | None = None
+            try:
+                for w in waits:  # here, not the lane's: a failed wait fails every bucket's event too
+                    w.synchronize()
+                for (r, got, copied, updated), dst in zip(work, views):
+                    try:  # each bucket's update as if it were its own lane item: one failing stops no other
+                        copied.started = clock()
+                        if not r.whole:
+                            piece[:r.numel].zero_()  # the padding between parameters sends zeros
+                        torch._foreach_copy_(dst, got)
+                        copied.finished = updated.started = clock()
+                        update(r.b, r.got, hp, (), piece, counts=counted)
+                        updated.finished = clock()
+                        updated.set()  # its refresh copy may go now ([Note: the refresh pipelined])
+                    except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
+                        updated.set(e)
+                        failed = failed or e
+                host.count_runs(counted)
+            except BaseException as e:
+                failed = e
+                raise
+            finally:
+                for *_, updated in work:  # whatever happened, no bucket's event is left unset
+                    if not updated.query():
+                        updated.set(failed or InvariantError("a batch ended before this bucket's update"))
             if failed is not None:
                 raise failed
 
-        done = ctx.cpu.issue(run, [*waits, *after], f"grads and AdamW of buckets {[r.b for r in routes]}")
+        waits = [*waits, *after]
+        done = ctx.cpu.issue(run, (), f"grads and AdamW of buckets {[r.b for r in routes]}")
         host.staged_read_by(lent, done)
         grads.copies.append(done)
         log = ctx.lane_log
@@ -292,10 +308,10 @@ class FastSend:
             grads.finished.add(b)
             ctx.stats["d2h_bytes"] += r.numel * itemsize
             log.add("d2h", b, r.numel * itemsize, copied)
-            slots.adam_event[b] = done
+            slots.adam_event[b] = updated  # set as soon as its update ran: the batch's failures reach it too
             grads.lane_order[b] = None  # [Note: the refresh pipelined] (executor.py)
             log.add("cpu_adam", b, 0, updated)
-            grads.pending[b] = PendingGrads(r.got, done)
+            grads.pending[b] = PendingGrads(r.got, updated)
             if not leave:
                 for q in r.ps:
                     params[q].grad = None

@@ -274,3 +274,30 @@ def test_a_departure_sends_the_complete_buckets_as_one_batch_first(inline):
         assert rt.ctx.stats["fast_steps"] >= 4
     finally:
         engine.close()
+
+
+def test_a_batch_queued_on_a_slow_lane_keeps_the_refresh_pipelined(inline):
+    """A batch queued on the CPU lane's thread (here slowed: 20 ms before and after each item) sets each bucket's
+    update event as soon as that update ran, so ``step()`` copies each bucket's new weights while the later
+    buckets' updates still run ([Note: the refresh pipelined] in executor.py), as per-bucket items did; bit for bit
+    torch."""
+    import time
+
+    engine, opt, ref, ref_opt = _pair()
+    rt = engine._runtime
+    try:
+        _train(engine, opt, ref, ref_opt, steps=3)  # planned, verified, fast
+        rt.ctx.cpu._before = lambda: time.sleep(0.02)  # read when the lane's thread starts: now
+        batches = rt.grads.fast_send.batches
+        for step in range(3, 5):
+            finish_step(_loss(engine(_x(step))), opt)
+            finish_step(_loss(ref(_x(step))), ref_opt)
+            _, _, entries, _ = rt.ctx.lane_log.last_step
+            rt.ctx.backend.synchronize()  # every copy ran: its lane's times are set
+            last_update = max(ev.finished for lane, _, _, _, ev in entries if lane == "cpu_adam")
+            copies = [ev.started for lane, _, _, _, ev in entries if lane == "h2d"]
+            assert copies and min(copies) < last_update, step  # the first copy before the batch's last update
+        assert rt.grads.fast_send.batches == batches + 2
+        assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "model")
+    finally:
+        engine.close()
