@@ -34,6 +34,9 @@ _PIPE = "tests/runtime/test_refresh_pipelined.py::test_step_refreshes_each_resid
 # the routine's own simulated-GPU test, the fast path's, and the usual set
 _SEND = ["tests/runtime/test_bucket_send.py::test_on_the_simulated_gpu_a_fast_steps_buckets_go_by_the_routine_as_by_"
          "the_cpu_backend", f"{_FAST}[overlap]", "TESTS"]
+# [Note: sent as one batch]: the CPU backend's inline mode only (a simulated GPU never batches), under chaos
+_BATCH = ["tests/runtime/test_batch_send.py::test_under_chaos_a_batch_waits_for_the_refresh_copies_and_the_lane",
+          "tests/runtime/test_batch_send.py"]
 # issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
@@ -331,6 +334,20 @@ MUTATIONS = [
     ("S8", "a fast bucket's grad D2H does not wait for the ring bytes' previous CPU-lane reader ([Note: grad staging "
      "ring])", "offload/runtime/bucket_send.py", "after = [*waits, *landing.after]", "after = [*waits]",
      [*_SEND, "tests/runtime/test_chaos.py::test_one_slot_grad_ring_bitwise_equal_under_chaos"]),
+    # -- a fast step's buckets sent after backward as one batch ([Note: sent as one batch], bucket_send.py) ----
+    ("R28", "a batch's update rewrites a bucket's host copy while its last H2D may still read it (AdamW after H2D)",
+     "offload/runtime/bucket_send.py", "(slots.adam_event.get(r.b), slots.h2d_event.get(r.b))",
+     "(slots.adam_event.get(r.b),)", _BATCH),
+    ("R29", "a batch does not wait for its buckets' previous updates", "offload/runtime/bucket_send.py",
+     "(slots.adam_event.get(r.b), slots.h2d_event.get(r.b))", "(slots.h2d_event.get(r.b),)", _BATCH),
+    ("R30", "a batch's grads land in ring bytes before their previous CPU-lane reader is done ([Note: grad staging "
+     "ring])", "offload/runtime/bucket_send.py", "        waits = [*waits, *after]\n", "        waits = [*waits]\n", _BATCH),
+    ("R31", "a batch's ring piece is not cleared where a bucket's grads do not fill it (padding sends old bytes)",
+     "offload/runtime/bucket_send.py", "                        piece[:r.numel].zero_()", "                        pass",
+     _BATCH),
+    ("R32", "a batch's ring piece is lent without naming its reader (the next copy there would not wait for it)",
+     "offload/runtime/bucket_send.py", "        host.staged_read_by(lent, done)\n        grads.copies.append(done)",
+     "        grads.copies.append(done)", _BATCH),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

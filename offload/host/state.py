@@ -18,7 +18,7 @@ from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, HOST_ALI
                                 chunk_numel, grad_ring_chunk_bytes, host_layout, locate)
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step_at
-from .steps import count_run, step_tensors
+from .steps import count_all, count_run, step_tensors
 
 if TYPE_CHECKING:
     from ..backend.base import Event
@@ -396,7 +396,8 @@ class HostState:
         return flat[off: off + self.specs[p].numel].view(self.shapes[p])
 
     def update(self, b: int, params: frozenset, hparams, grad_factors: Sequence[float] = (),
-               grads: torch.Tensor | None = None, span: tuple[int, int] | None = None) -> None:
+               grads: torch.Tensor | None = None, span: tuple[int, int] | None = None,
+               counts: list[tuple[int, ...]] | None = None) -> None:
         """AdamW over bucket ``b``'s flat buffers for the parameters that got grads, one call per run of
         same-group, same-step parameters (runs a parameter with another step count apart). ``grads``: the
         bucket's grads (where they landed in the grad ring, overlapped); None: its fp32 sum (accumulation).
@@ -410,6 +411,8 @@ class HostState:
         ``span``: ``(lo, hi)``, only those elements of the bucket, whose grads ``grads`` holds (one piece of the
         ring, [Note: chunked grad staging]); each piece updates with the step counts the bucket had, and they
         go up with the piece that ends the bucket's trainable prefix.
+
+        ``counts``: the runs whose steps go up are added there for :meth:`count_runs`, not counted (a batch).
         """
         self.require_copy(b)
         self.materialize(b)  # a fresh device-homed bucket updated on the host (its plan keeps it home after all)
@@ -458,7 +461,10 @@ class HostState:
                 one(max(s, lo), min(e, hi), step, hp)
         if hi >= bucket.trainable_numel:
             for *_, counted in segments:
-                self._count(counted)
+                if counts is None:
+                    self._count(counted)
+                else:
+                    counts.append(counted)
 
     @staticmethod
     def _inf_error(b: int) -> None:
@@ -523,6 +529,13 @@ class HostState:
     def count_steps(self, params) -> None:
         """One more AdamW step for each of ``params``, taken elsewhere (on the device: issue 18)."""
         self._count(params)
+
+    def count_runs(self, runs: Sequence[tuple[int, ...]]) -> None:
+        """One more step for each parameter of ``runs`` (several buckets' :meth:`update`, ``counts``): one op where
+        they all have one count ([Note: sent as one batch] in runtime/bucket_send.py), else run by run."""
+        if not count_all(self.steps, self.step_values, self._step_index, runs):
+            for run in runs:
+                self._count(run)
 
     def _count(self, params) -> None:
         """One more step for each of ``params`` (a bucket run's, in the common case: one count for all)."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from itertools import chain
+from typing import Sequence
+
 import torch
 
 
@@ -33,3 +36,20 @@ def count_run(values: torch.Tensor, cache: dict[tuple[int, ...], torch.Tensor], 
         values.index_fill_(0, at, float(count))
     else:
         at.fill_(float(count))
+
+
+def count_all(steps: list[int], values: torch.Tensor, cache: dict[tuple[int, ...], torch.Tensor],
+              runs: Sequence[tuple[int, ...]]) -> bool:
+    """One more step for every parameter of ``runs`` (the runs of several buckets updated one after the other:
+    [Note: sent as one batch] in runtime/bucket_send.py) in ``steps`` and, with :func:`count_run`, in one op on
+    ``values``, where they all have one count now (the common case: every parameter has had every step); False,
+    with nothing changed, where they do not (the caller counts run by run then)."""
+    flat = tuple(sorted(chain.from_iterable(runs)))  # sorted: a model's parameters are its count vector's slice
+    counts = set(map(steps.__getitem__, flat))
+    if len(counts) != 1 or len(flat) < 2 or len(set(flat)) != len(flat):
+        return False
+    count = counts.pop() + 1
+    for p in flat:
+        steps[p] = count
+    count_run(values, cache, flat, count)
+    return True

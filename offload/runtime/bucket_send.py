@@ -25,21 +25,49 @@ accumulation, held or device updates, a bucket crossing in pieces, a slot off th
 Measured (benchmarks/results/cpu-2026-11-26/overhead-profile.md, section 14; the 200-module MLP, AMD EPYC VM):
 ~0.2 ms of CPU a step less over 10 buckets, i.e. ~20 us a bucket of the chain's bookkeeping; what is left of a
 bucket's Python is mostly the lane items, the grad ring and the update's own (``HostState.update``).
+
+[Note: sent as one batch] (issue 17, the hot path) Where a fast step's buckets are sent after backward ([Note: sent
+after backward] in fast_path.py: the CPU lane runs inline) on the CPU backend, whose device memory is host memory,
+``send_all`` sends the complete buckets as one CPU-lane item instead of two items each (the copy to the host, the
+update): per bucket, in the order their last grads came, its grads are copied from ``p.grad`` with one multi-tensor
+copy into one piece of the grad ring (the padding between parameters cleared first, as the slot was), and its
+AdamW reads them there; the next bucket's grads go into the same piece after that update. Then every bucket's step
+count goes up in one op (``HostState.count_runs``; run by run where the counts differ). What it leaves out, and why
+no value changes: the hop through the device grad slot (on this backend a copy between two host buffers of the
+same bytes; the plan's slot is not written, so its last reader is still the one recorded), one lane item and two
+events a bucket, and the Python around them. Its waits are the union of the buckets' (each bucket's last update,
+its last host-to-device copy, which reads the masters the update rewrites, and the ring bytes' earlier readers),
+all taken before the first bucket, by the item itself (a failed wait fails every bucket's event). Kept per bucket:
+the records ``send`` leaves (``received``, ``finished``, ``pending``, ``adam_event``, ``lane_order``,
+``d2h_bytes``, the lane log's two entries), and an event of its own for its update, set as soon as it ran: where the
+batch is queued on the lane's thread (chaos, a busy lane), ``step()``'s pipelined refresh still copies each bucket
+as its update ends ([Note: the refresh pipelined] in executor.py). The copy's log entry carries the times of the
+bucket's copy (:class:`Mark`); the batch's own event is the ring bytes' reader and the copies' end. A bucket
+whose update raises stops no other; the batch raises the first failure once every bucket was tried. Not batched:
+fewer than two buckets, a bucket the routine declines, the lanes on threads (``OFFLOAD_CPU_COPIES=lanes``) and
+CUDA, where each bucket still goes at its last grad, overlapped with backward. One kernel call over several buckets
+is not possible: ``host_layout`` puts each bucket's master, 16-bit copy, m and v side by side, so no two buckets'
+masters are adjacent in the host arena. Measured in overhead-profile.md, section 16.
 """
 
 from __future__ import annotations
 
 import operator
+import time
+import weakref
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
 
+from ..backend.base import HostEvent
 from ..errors import InvariantError
 from .grad_records import PendingGrads
 
 if TYPE_CHECKING:
+    from ..host.state import GradRing
     from ..planning.plan import Plan
+    from .fast_path import Closing
     from .grads import GradPipeline
 
 
@@ -78,6 +106,17 @@ class Route:
         self.what = f"AdamW of bucket {b}"
 
 
+class Mark:
+    """When one bucket's grads were copied in a batch (``time.perf_counter()``), for the lane log's timeline: the
+    batch's event is the one to wait for ([Note: sent as one batch])."""
+
+    __slots__ = ("started", "finished")
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.finished: float | None = None
+
+
 class FastSend:
     """Routes resolved per plan, and the routine that sends a fast step's bucket along one."""
 
@@ -85,7 +124,11 @@ class FastSend:
         self.grads = grads
         self._plan: Plan | None = None
         self._routes: dict[int, Route | None] = {}
-        self.sent = 0  # buckets sent by :meth:`send` (tests read it)
+        self.sent = 0  # buckets sent by :meth:`send` or in a batch (tests read it)
+        self.batches = 0  # batches sent by :meth:`send_all` ([Note: sent as one batch]; tests read it)
+        # per grad ring (held weakly: a new host arena has a new one): (offset, bucket) -> its grads' views there
+        self._ring_views: weakref.WeakKeyDictionary[GradRing, dict[tuple[int, int], list[torch.Tensor]]] = (
+            weakref.WeakKeyDictionary())
 
     def route(self, b: int, ps: tuple[int, ...], nbytes: int) -> Route | None:
         """Bucket ``b``'s route if it can be sent by :meth:`send` now, else None (the general chain)."""
@@ -185,3 +228,110 @@ class FastSend:
         slots.done[r.k] = d2h  # the slot is free once the copy read it
         grads.pending[b] = PendingGrads(covered, d2h)
         self.sent += 1
+
+    def send_all(self, closings: Sequence[Closing], leave: bool) -> None:
+        """The complete buckets of a fast step sent after backward, in this order ([Note: sent after backward] in
+        fast_path.py): as one batch where it can ([Note: sent as one batch]), else each as ``gather_bucket``
+        sends it."""
+        grads = self.grads
+        ctx = grads.ctx
+        routes = []
+        if len(closings) > 1 and ctx.cpu.inline and ctx.backend.device.type == "cpu":
+            for b, ps, nbytes in closings:
+                if (r := self.route(b, ps, nbytes)) is None:
+                    break
+                routes.append(r)
+        if len(routes) < 2 or len(routes) != len(closings):
+            for b, ps, nbytes in closings:
+                grads.gather_bucket(b, ps, nbytes, leave=leave)
+            return
+        self._send_batch(routes, leave)
+
+    def _send_batch(self, routes: list[Route], leave: bool) -> None:
+        """[Note: sent as one batch]: the buckets of ``routes`` (each as :meth:`route` allowed it) in one CPU-lane
+        item, each bucket's grads copied from ``p.grad`` into one piece of the grad ring and updated from there,
+        then their step counts in one op; the records :meth:`send` leaves, per bucket."""
+        grads = self.grads
+        ctx, slots = grads.ctx, grads.slots
+        params, host, itemsize = ctx.params, slots.hosted(), ctx.itemsize
+        work, waits = [], []
+        for r in routes:
+            maybe = [params[q].grad for q in r.ps]
+            if any(map(_is_none, maybe)):
+                raise InvariantError(f"bucket {r.b}: a grad of its plan's order is missing at its last grad")
+            work.append((r, cast("list[torch.Tensor]", maybe), Mark(), HostEvent(what=r.what)))
+            # the bucket's last update, and the host-to-device copy that still reads the masters it rewrites
+            waits += [e for e in (slots.adam_event.get(r.b), slots.h2d_event.get(r.b)) if e is not None]
+        lent, piece, after = host.ring.take(max(r.numel for r in routes))  # [Note: grad staging ring]
+        views = self._views_in(host.ring, lent.start, piece, work)
+        hp, update = grads.hparams, host.update
+        clock = time.perf_counter
+
+        def run() -> None:
+            counted: list[tuple[int, ...]] = []
+            failed: BaseException | None = None
+            try:
+                for w in waits:  # here, not the lane's: a failed wait fails every bucket's event too
+                    w.synchronize()
+                for (r, got, copied, updated), dst in zip(work, views):
+                    try:  # each bucket's update as if it were its own lane item: one failing stops no other
+                        copied.started = clock()
+                        if not r.whole:
+                            piece[:r.numel].zero_()  # the padding between parameters sends zeros
+                        torch._foreach_copy_(dst, got)
+                        copied.finished = updated.started = clock()
+                        update(r.b, r.got, hp, (), piece, counts=counted)
+                        updated.finished = clock()
+                        updated.set()  # its refresh copy may go now ([Note: the refresh pipelined])
+                    except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
+                        updated.set(e)
+                        failed = failed or e
+                host.count_runs(counted)
+            except BaseException as e:
+                failed = e
+                raise
+            finally:
+                for *_, updated in work:  # whatever happened, no bucket's event is left unset
+                    if not updated.query():
+                        updated.set(failed or InvariantError("a batch ended before this bucket's update"))
+            if failed is not None:
+                raise failed
+
+        waits = [*waits, *after]
+        done = ctx.cpu.issue(run, (), f"grads and AdamW of buckets {[r.b for r in routes]}")
+        host.staged_read_by(lent, done)
+        grads.copies.append(done)
+        log = ctx.lane_log
+        for r, _, copied, updated in work:
+            b = r.b
+            grads.received[b] = set(r.ps)
+            grads.finished.add(b)
+            ctx.stats["d2h_bytes"] += r.numel * itemsize
+            log.add("d2h", b, r.numel * itemsize, copied)
+            slots.adam_event[b] = updated  # set as soon as its update ran: the batch's failures reach it too
+            grads.lane_order[b] = None  # [Note: the refresh pipelined] (executor.py)
+            log.add("cpu_adam", b, 0, updated)
+            grads.pending[b] = PendingGrads(r.got, updated)
+            if not leave:
+                for q in r.ps:
+                    params[q].grad = None
+        self.sent += len(routes)
+        self.batches += 1
+
+    def _views_in(self, ring: GradRing, start: int, piece: torch.Tensor, work) -> list[list[torch.Tensor]]:
+        """Per bucket of ``work``, its parameters' views in the ``ring``'s ``piece`` that begins at byte ``start``,
+        in its plan's grad order (cached: a steady step takes the same pieces)."""
+        off, params = self.grads.slots.hosted().offset, self.grads.ctx.params
+        cache = self._ring_views.get(ring)
+        if cache is None:
+            cache = self._ring_views[ring] = {}
+        out = []
+        for r, *_ in work:
+            views = cache.get((start, r.b))
+            if views is None:
+                if len(cache) >= 256:
+                    cache.clear()
+                views = cache[(start, r.b)] = [piece[off[q]: off[q] + params[q].numel()].view(params[q].shape)
+                                               for q in r.ps]
+            out.append(views)
+        return out

@@ -312,8 +312,7 @@ class Runtime:
         complete = self.fast.complete()  # [Note: sent after backward]: whole buckets first, their grads held at once
         if complete:
             self.ctx.memory.passing(sum(c[2] for c in complete))
-            for closing in complete:
-                self.grads.gather_bucket(*closing, leave=at_end)
+            self.grads.fast_send.send_all(complete, leave=at_end)  # [Note: sent as one batch] (bucket_send.py)
         params, gather = self.ctx.params, self.grads.gather_in_order
         for q in self.fast.waiting():
             gather(q, params[q])

@@ -82,7 +82,7 @@ parallel, and only where all of the grads held at once fit the budget beside the
 step waits in ``p.grad``, the closing ones too, and the runtime sends the complete buckets at the end of backward
 (``complete``, from ``Runtime._gather_waiting``), in the order their last grads came, each by the same routine
 ([Note: one routine per fast bucket] in bucket_send.py): the same copies and updates in the same order, after the
-same waits, later. A departure sends the complete ones first, as the end of backward does, then the rest grad by
+same waits, later; on the CPU backend all of them in one CPU-lane item ([Note: sent as one batch] there). A departure sends the complete ones first, as the end of backward does, then the rest grad by
 grad as before. What changes: the accounted peak holds all of the grads at once (``DeviceMemory.passing``), and a
 user's grad hook sees every earlier grad still in ``p.grad``, as plain torch shows it. Measured on the 200-module
 MLP of ``benchmarks/overhead.py`` (AMD EPYC VM): ~0.2 ms of CPU a step less (overhead-profile.md, section 14); the

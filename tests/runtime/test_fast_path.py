@@ -502,11 +502,13 @@ def test_a_fast_steps_waiting_grads_are_taken_by_the_hooks_first_test():
 
 
 @pytest.mark.parametrize("width", [32, 5], ids=["whole", "padded"])
-def test_a_grad_slot_the_bucket_fills_whole_is_not_cleared_first(width):
+def test_a_grad_slot_the_bucket_fills_whole_is_not_cleared_first(width, monkeypatch):
     """A fast step gathering a bucket at once into a slot that its grads fill whole (no padding between
     parameters) skips clearing the slot: the copy writes every element. Checked by leaving garbage (NaN) in
     such a slot, as its previous occupant might: the weights stay bit for bit torch's. With padding (width 5:
-    20-byte rows, parameters aligned to 16 bytes) the slot is cleared as before."""
+    20-byte rows, parameters aligned to 16 bytes) the slot is cleared as before. Lanes mode: inline, the buckets go
+    as one batch through no slot ([Note: sent as one batch]; its clearing: tests/runtime/test_batch_send.py)."""
+    monkeypatch.setenv("OFFLOAD_CPU_COPIES", "lanes")
     engine, opt, ref, ref_opt = _pair(_mlp(depth=6, width=width), bucket_frac=0.3)
     grads = engine._runtime.grads
     grad_slot, cleared = grads._grad_slot, []
