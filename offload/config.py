@@ -114,10 +114,11 @@ class OffloadConfig:
     """True: run a bucket's AdamW on the CPU as soon as its grads reach the host, while backward goes on.
     That needs one backward per step and no look at the grads in between, so gradient accumulation and
     ``clip_grad_norm_`` need False: grads gather on the host and the updates run in ``step()`` (same
-    numbers, less overlap). ``None`` (default): True, except for float16, whose overflow check must see
-    every grad before any update."""
+    numbers, less overlap). ``None`` (default): True, except with a loss scale (float16 always has one), whose
+    unscaling and overflow check must see every grad before any update."""
     loss_scale: LossScaleConfig | None = None
-    """Dynamic loss scaling; used (with these defaults when None) for float16 only."""
+    """Dynamic loss scaling. float16 always has it (these defaults when None); another dtype has it only when
+    given, and then its updates run in ``step()`` (``overlap_optimizer`` resolves to False; True raises)."""
     activation_checkpointing: Union[None, str, Sequence[str], Callable] = None
     """Recompute some modules' forward in backward instead of keeping their activations (non-reentrant
     ``torch.utils.checkpoint``; numbers unchanged). ``"auto"``: the engine measures what each transformer
@@ -172,8 +173,8 @@ class OffloadConfig:
             raise ValueError(f"dtype {self.dtype} is not supported; use one of "
                              f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
         set_(self, "device", _resolve_device(self.device))
-        if self.overlap_optimizer is None:
-            set_(self, "overlap_optimizer", self.dtype != torch.float16)
+        if self.overlap_optimizer is None:  # a loss scale's unscaling and inf skip need every grad first
+            set_(self, "overlap_optimizer", self.dtype != torch.float16 and self.loss_scale is None)
         if not isinstance(self.overlap_optimizer, bool):
             raise TypeError(f"overlap_optimizer must be a bool or None; got {self.overlap_optimizer!r}")
         if self.overlap_optimizer and self.dtype == torch.float16:
@@ -182,6 +183,11 @@ class OffloadConfig:
                              "overlap_optimizer unset (or False), or compute in torch.bfloat16")
         if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
             raise TypeError(f"loss_scale must be an offload.LossScaleConfig; got {self.loss_scale!r}")
+        if self.overlap_optimizer and self.loss_scale is not None:
+            raise ValueError("overlap_optimizer=True cannot be used with loss_scale: the updates must unscale the "
+                             "grads and skip a step whose grads overflow, which is only known once every grad has "
+                             "arrived. Leave overlap_optimizer unset (or False) with a loss scale, or drop "
+                             "loss_scale (bfloat16 and float32 need none)")
         if self.dtype == torch.float16 and self.loss_scale is None:
             set_(self, "loss_scale", LossScaleConfig())
         set_(self, "activation_checkpointing", _checkpointing(self.activation_checkpointing))

@@ -53,6 +53,10 @@ def test_config_resolves_optimizer_overlap_by_dtype():
     half = OffloadConfig(budget="1GiB", dtype=torch.float16)
     assert half.overlap_optimizer is False and half.loss_scale == offload.LossScaleConfig()
     assert OffloadConfig(budget="1GiB", overlap_optimizer=False).loss_scale is None
+    # a loss scale with another dtype: its updates unscale and may skip, so they wait for step() (overlapped
+    # updates never unscaled: bf16 trained on grads 1024x too large, silently)
+    scaled = OffloadConfig(budget="1GiB", dtype=torch.bfloat16, loss_scale=offload.LossScaleConfig())
+    assert scaled.overlap_optimizer is False
 
 
 def test_config_rejects_unsupported():
@@ -60,6 +64,9 @@ def test_config_rejects_unsupported():
         OffloadConfig(budget="1GiB", dtype=torch.float64)
     with pytest.raises(ValueError, match="float16"):
         OffloadConfig(budget="1GiB", dtype=torch.float16, overlap_optimizer=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        with pytest.raises(ValueError, match="cannot be used with loss_scale"):
+            OffloadConfig(budget="1GiB", dtype=dtype, overlap_optimizer=True, loss_scale=offload.LossScaleConfig())
     with pytest.raises(TypeError, match="LossScaleConfig"):
         OffloadConfig(budget="1GiB", dtype=torch.float16, loss_scale=2.0)
     with pytest.raises(ValueError, match="backoff"):
