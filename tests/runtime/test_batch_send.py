@@ -277,7 +277,8 @@ def test_a_departure_sends_the_complete_buckets_as_one_batch_first(inline):
 
 
 def test_a_batch_queued_on_a_slow_lane_keeps_the_refresh_pipelined(inline):
-    """A batch queued on the CPU lane's thread (here slowed: 20 ms before and after each item) sets each bucket's
+    """A batch queued on the CPU lane's thread (here slowed: 20 ms before and after each item, 10 ms before each
+    bucket's update, so that under load its updates do not all end before ``step()`` copies) sets each bucket's
     update event as soon as that update ran, so ``step()`` copies each bucket's new weights while the later
     buckets' updates still run ([Note: the refresh pipelined] in executor.py), as per-bucket items did; bit for bit
     torch."""
@@ -288,6 +289,12 @@ def test_a_batch_queued_on_a_slow_lane_keeps_the_refresh_pipelined(inline):
     try:
         _train(engine, opt, ref, ref_opt, steps=3)  # planned, verified, fast
         rt.ctx.cpu._before = lambda: time.sleep(0.02)  # read when the lane's thread starts: now
+        host, update = rt.slots.host, rt.slots.host.update
+
+        def slow_update(*args, **kwargs):  # each bucket's update 10 ms: the batch's last ends well after its first
+            time.sleep(0.01)
+            return update(*args, **kwargs)
+        host.update = slow_update  # (read by the batch when it runs)
         batches = rt.grads.fast_send.batches
         for step in range(3, 5):
             finish_step(_loss(engine(_x(step))), opt)
