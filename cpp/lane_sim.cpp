@@ -78,7 +78,10 @@ void run_pass(const LaneProgram& p, LaneScratch& w, LaneResult& r, bool pipeline
       cpu_free = adam_end[k] = std::max(cpu_free, d2h_free) + p.adam_s[k];
   };
 
-  if (pipelined) {  // PipelinedLanes.start_step
+  if (pipelined) {  // PipelinedLanes.start_step; its credit_order: the carried refreshes, then the others
+    w.credit_order.assign(w.order.begin(), w.order.end());
+    for (std::size_t k = 0; k < nh; ++k)
+      if (p.h2d_event[k] != -1) w.credit_order.push_back(static_cast<std::int64_t>(k));
     for (std::size_t j = 0; j < w.order.size(); ++j) {
       const std::int64_t k = w.order[j];
       done[k] = w.carry_done[j], dur[k] = w.carry_dur[j];
@@ -125,14 +128,27 @@ void run_pass(const LaneProgram& p, LaneScratch& w, LaneResult& r, bool pipeline
   for (const auto& [k, ready] : pending) cpu_free = adam_end[k] = std::max(std::max(cpu_free, ready), t) + p.adam_s[k];
   if (pipelined) {  // PipelinedLanes.finish
     r.step_s = std::max(std::max(t + p.tail, h2d_free), std::max(d2h_free, cpu_free));
-    w.out_done.resize(w.order.size()), w.out_dur.resize(w.order.size());
-    for (std::size_t j = 0; j < w.order.size(); ++j) {
-      const std::int64_t k = w.order[j];
-      const double start = std::max(std::max(t, adam_end[w.after[j]]), h2d_free);
+    // step() issues first the refreshes whose AdamW has ended, in first-use order, then the others in the
+    // lane's order as their AdamW ends
+    const std::size_t m = w.lane_order.size();
+    w.issue.clear();
+    for (std::size_t j = 0; j < m; ++j)
+      if (adam_end[w.lane_after[j]] <= t) w.issue.push_back(static_cast<std::int64_t>(j));
+    std::sort(w.issue.begin(), w.issue.end(), [&](std::int64_t x, std::int64_t y) {
+      const std::int64_t kx = w.lane_order[x], ky = w.lane_order[y];
+      return w.first_use[kx] != w.first_use[ky] ? w.first_use[kx] < w.first_use[ky] : kx < ky;
+    });
+    for (std::size_t j = 0; j < m; ++j)
+      if (adam_end[w.lane_after[j]] > t) w.issue.push_back(static_cast<std::int64_t>(j));
+    w.out_order.resize(m), w.out_after.resize(m), w.out_done.resize(m), w.out_dur.resize(m);
+    for (std::size_t q = 0; q < m; ++q) {
+      const std::size_t j = static_cast<std::size_t>(w.issue[q]);
+      const std::int64_t k = w.lane_order[j], a = w.lane_after[j];
+      const double start = std::max(std::max(t, adam_end[a]), h2d_free);
       const double d = d2h_free > start ? p.h2d_solo[k] / p.duplex : p.h2d_solo[k];
       h2d_free = start + d;
       r.h2d_busy_s += d;
-      w.out_done[j] = h2d_free - r.step_s, w.out_dur[j] = d;
+      w.out_order[q] = k, w.out_after[q] = a, w.out_done[q] = h2d_free - r.step_s, w.out_dur[q] = d;
     }
   } else {
     r.step_s = std::max(std::max(t, h2d_free), std::max(d2h_free, cpu_free));
@@ -153,8 +169,9 @@ void run_pass(const LaneProgram& p, LaneScratch& w, LaneResult& r, bool pipeline
   }
 }
 
-// steady.py's Carry.settled: carry out == carry in, to kSettled of the step.
+// steady.py's Carry.settled: carry out == carry in (the same issue order), to kSettled of the step.
 bool settled(const LaneScratch& w, double step) {
+  if (w.order != w.out_order) return false;
   const double tol = kSettled * step;
   for (std::size_t j = 0; j < w.order.size(); ++j) {
     const double a = std::max(0.0, w.carry_done[j]), b = std::max(0.0, w.out_done[j]);
@@ -225,15 +242,20 @@ void simulate_lanes(const LaneProgram& p, LaneScratch& w, LaneResult& r) {
     w.carry_dur[j] = p.h2d_solo[w.order[j]];
   }
   w.carry_done.back() = w.carry_dur.back();
-  // the copies in lane order for the credit scan: the refreshes, then the others in index order
-  w.credit_order.assign(w.order.begin(), w.order.end());
-  for (std::size_t k = 0; k < nh; ++k)
-    if (p.h2d_event[k] != -1) w.credit_order.push_back(static_cast<std::int64_t>(k));
+  w.lane_order.assign(w.order.begin(), w.order.end()), w.lane_after.assign(w.after.begin(), w.after.end());
+  // steady.py's first_use: per copy, the first event that waits for it (n: none)
+  w.first_use.assign(nh, n);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = p.wait_ptr[i]; j < p.wait_ptr[i + 1]; ++j) {
+      const std::size_t k = static_cast<std::size_t>(p.wait_copy[j]);
+      if (w.first_use[k] == n) w.first_use[k] = i;
+    }
   for (std::int64_t pass = 1; pass <= kMaxPasses; ++pass) {
     run_pass(p, w, r, true);
     r.refresh_passes = pass;
     if (r.divided_by_zero || settled(w, r.step_s)) break;
     std::swap(w.carry_done, w.out_done), std::swap(w.carry_dur, w.out_dur);
+    std::swap(w.order, w.out_order), std::swap(w.after, w.out_after);
   }
 }
 

@@ -63,9 +63,12 @@ LaneResult simulate_lanes(const LaneProgram& p);
 struct LaneScratch {
   std::vector<double> done, dur, cum, stall_at, d2h_done;
   std::vector<std::int64_t> period_of, h2d_ptr, h2d_copy, d2h_ptr, d2h_copy, fill;
-  // the pipelined refresh: per refresh in lane order, its copy, the grad copy it follows, and the carry in
-  // and out (end from the step's start, seconds on the link); the copies in lane order; each AdamW's end
-  std::vector<std::int64_t> order, after, lane, credit_order;
+  // the pipelined refresh: per refresh of the carry in, in its issue order, its copy, the grad copy it follows
+  // (order, after) and the carry in (end from the step's start, seconds on the link); the same of the carry
+  // out (out_*); the refreshes in the CPU lane's order (lane_order, lane_after); the copies in lane order for
+  // the credit scan; each AdamW's end; each copy's first waiting event; the carry out's issue order (issue)
+  std::vector<std::int64_t> order, after, lane, credit_order, out_order, out_after, lane_order, lane_after,
+      first_use, issue;
   std::vector<double> carry_done, carry_dur, out_done, out_dur, adam_end;
 };
 

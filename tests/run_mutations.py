@@ -297,6 +297,17 @@ MUTATIONS = [
     ("R21", "step()'s pipelined refresh copies into the slots of a plan that step() then replaces (a re-plan)",
      "offload/runtime/executor.py", "        if self.replans_at_step():\n            return  # the arena goes",
      "        if False:\n            return  # the arena goes", [f"{_PIPE}[simulated_gpu]", f"{_PIPE}[cpu_backend]"]),
+    # step()'s refresh order (branch reforder): the updates already ended first, in first-use order
+    ("R33", "step()'s pipelined refresh asks no update whether it ended (every refresh in the lane's order)",
+     "offload/runtime/executor.py",
+     "        ended = {b for b in todo if (ev := adam.get(b)) is None or ev.query()}",
+     "        ended: set[int] = set()",
+     [_PIPE.replace("test_step_refreshes_each_resident_bucket_as_its_update_ends",
+                    "test_updates_ended_before_step_are_refreshed_in_first_use_order")]),
+    ("R34", "step()'s pipelined refresh takes every update as ended (all refreshes in first-use order)",
+     "offload/runtime/executor.py",
+     "        ended = {b for b in todo if (ev := adam.get(b)) is None or ev.query()}",
+     "        ended = set(todo)", [f"{_PIPE}[simulated_gpu]", f"{_PIPE}[cpu_backend]"]),
     # -- the fast path (commit 50c6a53) ----------------------------------------------------------------------
     ("F1", "the end of a fast backward marks no boundary (step()'s refresh copies vs the backward's reads)",
      "offload/runtime/core.py",

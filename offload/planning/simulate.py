@@ -134,39 +134,39 @@ class Program:
 
 # [Note: the refresh pipelined, modelled]
 # With overlapped updates and one GPU, the runtime's ``step()`` copies each resident bucket's new weights in as
-# soon as that bucket's CPU AdamW ends, in the CPU lane's order, then waits for the lane to drain ([Note: the
+# soon as that bucket's CPU AdamW ends, those already ended first, then waits for the lane to drain ([Note: the
 # refresh pipelined] in runtime/executor.py); the next forward waits for a bucket's copy where it first uses
 # it. A step's refreshes so run into the next step. For a program with ``refresh_pipelined`` (steady.py):
-# * bucket b's refresh is issued at max(compute end, the end of b's AdamW): ``step()`` runs once backward
-#   ended (a CUDA host thread running ahead may issue it earlier: conservative), in the order the CPU lane
-#   runs the updates (``GradPipeline.lane_order``: that of their grad copies, by (event, index); a bucket's
-#   last copy is its update), queued on the FIFO host-to-device lane, at the duplex rate if the
-#   device-to-host lane is busy when it starts;
+# * ``step()`` runs at compute end (a CUDA host thread running ahead may run it earlier: conservative); it
+#   issues first the refreshes whose AdamW has ended by then, in first-use order (the first event that waits
+#   for the copy, then copy index), then the others in the order the CPU lane runs the updates
+#   (``GradPipeline.lane_order``: that of their grad copies, by (event, index); a bucket's last copy is its
+#   update), each at max(compute end, the end of its AdamW), queued on the FIFO host-to-device lane, at the
+#   duplex rate if the device-to-host lane is busy when it starts;
 # * the step ends at R, when ``step()`` returns: compute ended (the device AdamW after backward included),
 #   the device-to-host and CPU lanes idle, every earlier host-to-device copy done. The refreshes still in
-#   flight at R are the *carry*: per refresh, its end minus R and its duration;
+#   flight at R are the *carry*: in issue order, per refresh, its end minus R and its duration;
 # * the next step starts at R with the carry on its host-to-device lane: compute waits for a carried copy as
 #   for any copy, and the step's own copies queue behind the last one;
-# * step time is R of a step whose carry out equals its carry in (to 1e-9 of the step): the period of the
-#   steady state. Passes iterate to it from a guess, the carry of a step bound by the CPU AdamW (only the
-#   last refresh in flight, for its solo copy time); a pass whose carry out matches its carry in is the
-#   answer, else the next starts from that carry out; after ``MAX_PASSES`` the last is taken
+# * step time is R of a step whose carry out equals its carry in (the order, ends to 1e-9 of the step): the
+#   period of the steady state. Passes iterate to it from a guess, the carry of a step bound by the CPU AdamW
+#   (only the last refresh in flight, for its solo copy time, lane order); a pass whose carry out matches its
+#   carry in is the answer, else the next starts from that carry out; after ``MAX_PASSES`` the last is taken
 #   (``SimResult.refresh_passes``: how many ran). The C++ lanes run the same passes, bitwise.
 # A carried copy's stall belongs to the step it lands in (the same step, in the steady state) and is credited
 # like any copy's within the busy period the carried copies open (``copy_credit``; the credit scan runs in the
-# lane's order); ``h2d_busy_s`` counts each refresh once, as issued at R's side of the step. Device-optimizer
+# issue order); ``h2d_busy_s`` counts each refresh once, as issued at R's side of the step. Device-optimizer
 # and streamed buckets have no refresh. Deferred updates, re-planning steps and data parallel keep the refresh
 # after the drain: their programs leave ``refresh_pipelined`` False (``build_plan(deferred=True)``, the
 # data-parallel modules), and so do the baselines (offload/tools/baselines.py): DeepSpeed ZeRO-Offload copies a
 # param group's fp16 partition back only after that group's whole CPU step (``stage_1_and_2.py`` ``step()``:
 # ``self._optimizer_step(i)``, then ``bit16_partitions[partition_id].data.copy_(fp32_partition.data)``).
-# The lane order cuts both ways (test_steady.py's hand cases). Where the CPU AdamW outlasts backward, every
-# refresh but the last hides beside a later update (4.4 s -> 3.8 s). Where backward outlasts it, ``step()``
-# finds every update done and queues all refreshes at once, the first layers' last: the next forward waits for
-# the whole queue, not for one copy (6.5 s -> 7.2 s), and the planner rightly streams those buckets; on the CPU
-# backend's tests (pcie4 preset) that took 44 tests' resident plans and the fast path for microseconds of
-# modelled stall. So ``build_plan`` models it only with ``refresh_pipelined=True`` (the runtime does not ask);
-# to turn it on, ``step()`` should first refresh the buckets already updated, in bucket (first-use) order.
+# test_steady.py's hand cases: where the CPU AdamW outlasts backward, every refresh but the last hides beside
+# a later update (4.4 s -> 3.8 s). Where backward outlasts it, ``step()`` finds the updates done; in the lane's
+# order alone (the first layers last) the next forward waited for the whole queue (6.4 s -> 7.2 s), and the
+# planner streamed those buckets (on the CPU backend's tests, pcie4 preset, 44 tests' resident plans and fast
+# path went); in first-use order, for the first copy only (6.4 s stays 6.4 s). The first layer's grads, copied
+# last, may be in flight at compute end: then its refresh comes last. ``build_plan`` models it where asked.
 
 
 @dataclass(frozen=True)

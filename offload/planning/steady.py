@@ -17,15 +17,19 @@ SETTLED = 1e-9  # a carry out matches the carry in within this share of the step
 
 @dataclass(frozen=True)
 class Carry:
-    """The refreshes of one step as the next step sees them, in the CPU lane's order."""
+    """The refreshes of one step as the next step sees them, in the order ``step()`` issued them (the CPU lane's
+    in the first guess)."""
 
-    order: tuple[int, ...]  # the refresh copies (host-to-device copy indices), in lane order
+    order: tuple[int, ...]  # the refresh copies (host-to-device copy indices), in issue order
     after: tuple[int, ...]  # per refresh: the grad copy whose AdamW (its bucket's update) it follows
     done: tuple[float, ...]  # per refresh: when it ends, from the step's start (<= 0: landed before it)
     dur: tuple[float, ...]  # per refresh: its seconds on the link
 
     def settled(self, out: Carry, step: float) -> bool:
-        """Whether ``out`` (a pass's carry out; this is its carry in) is the same state to ``SETTLED``."""
+        """Whether ``out`` (a pass's carry out; this is its carry in) is the same state to ``SETTLED``: the same
+        issue order, and the same ends and durations."""
+        if out.order != self.order:
+            return False
         tol = SETTLED * step
         for a, b, da, db in zip(self.done, out.done, self.dur, out.dur):
             a, b = max(0.0, a), max(0.0, b)
@@ -51,6 +55,18 @@ def refresh_after(program: Program) -> list[int]:
     return out
 
 
+def first_use(program: Program) -> list[int]:
+    """Per host-to-device copy: the first event that waits for it (``len(compute_s)``: none does). The next
+    forward's order of first use, which ``step()`` issues the refreshes of updates already ended in."""
+    n = len(program.compute_s)
+    first = [n] * len(program.h2d_event)
+    for i, waits in enumerate(program.waits):
+        for k in waits:
+            if first[k] == n:
+                first[k] = i
+    return first
+
+
 def first_carry(program: Program, h2d_solo: Sequence[float]) -> Carry:
     """The guess the passes start from: the carry of a step bound by the CPU AdamW (the last refresh in flight
     for its solo seconds, every earlier one landed)."""
@@ -74,6 +90,10 @@ class PipelinedLanes(Lanes):
         self.fresh = True  # no copy on the lane yet: the first one issued opens a busy period
         refreshes = set(carry.order)
         self.credit_order = list(carry.order) + [k for k in range(len(h2d_solo)) if k not in refreshes]
+        # the refreshes in the CPU lane's order (that of their updates: (event, index) of the grad copy; then
+        # copy order, as first_carry's stable sort)
+        self.lane = sorted(zip(carry.order, carry.after), key=lambda x: (program.d2h_event[x[1]], x[1], x[0]))
+        self.first_use = first_use(program)
 
     def start_step(self, step_start: Sequence[int]) -> None:
         """The carried refreshes, instead of ``STEP_START`` copies at 0: landed ones are no wait; those in
@@ -101,9 +121,13 @@ class PipelinedLanes(Lanes):
         """After :meth:`run`: the step's end (``step()`` returns) and its refreshes issued, as the carry out.
         ``tail``: device AdamW seconds on the compute lane after compute ends."""
         step = max(compute_end + tail, self.h2d_free, self.d2h_free, self.cpu_free)
-        c, solo, record = self.carry, self.h2d_solo, self.record
+        solo, record, adam_end, first = self.h2d_solo, self.record, self.adam_end, self.first_use
+        # step() issues first the refreshes whose update has ended, in first-use order, then the others in the
+        # lane's order as their updates end ([Note: the refresh pipelined, modelled])
+        ended = sorted((x for x in self.lane if adam_end[x[1]] <= compute_end), key=lambda x: (first[x[0]], x[0]))
+        issue = ended + [x for x in self.lane if adam_end[x[1]] > compute_end]
         done, dur = [], []
-        for k, a in zip(c.order, c.after):
+        for k, a in issue:
             start = max(compute_end, self.adam_end[a], self.h2d_free)
             d = solo[k] / self.duplex if self.d2h_free > start else solo[k]
             self.h2d_free = start + d
@@ -112,12 +136,17 @@ class PipelinedLanes(Lanes):
                 record.append(("h2d", k, start, self.h2d_free))
             done.append(self.h2d_free - step)
             dur.append(d)
-        return step, Carry(c.order, c.after, tuple(done), tuple(dur))
+        return step, Carry(tuple(k for k, _ in issue), tuple(a for _, a in issue), tuple(done), tuple(dur))
 
 
 def simulate_steady(program: Program, hw: HardwareModel, record: list | None = None) -> SimResult:
     """:func:`~offload.planning.simulate.simulate_reference` of a program whose refreshes are pipelined: the
     passes of [Note: the refresh pipelined, modelled] (``record``: the last pass's pieces of work)."""
+    return steady_state(program, hw, record)[0]
+
+
+def steady_state(program: Program, hw: HardwareModel, record: list | None = None) -> tuple[SimResult, Carry]:
+    """:func:`simulate_steady`, and the last pass's carry out: the refreshes its ``step()`` issues, in order."""
     if program.device_return_bytes:
         raise ValueError("a pipelined refresh with deferred updates (device_return_bytes): the runtime refreshes "
                          "after the drain there")
@@ -136,4 +165,4 @@ def simulate_steady(program: Program, hw: HardwareModel, record: list | None = N
         record.extend(rec)
     result = lanes.result(step, add_up(compute_s) + tail if tail else add_up(compute_s), sum(program.h2d_bytes),
                           sum(program.d2h_bytes), device_adam)
-    return dataclasses.replace(result, refresh_passes=passes)
+    return dataclasses.replace(result, refresh_passes=passes), out

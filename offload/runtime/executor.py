@@ -34,34 +34,31 @@ path feeds it. On an H200 (benchmarks/results/2026-11-27-h200, run 4) a timed st
 ms against 4.5 ms of the same forward + backward outside the engine, the ring waits left out: that gap is not
 explained yet (host-bound hooks, or the CPU AdamW's threads beside the launching ones).
 
-[Note: the refresh pipelined] (issue 18) With overlapped updates, ``step()`` used to wait for the CPU lane to end
-every update (``GradPipeline.run_step``'s ``drain``) and only then copy the resident buckets' new 16-bit weights
-to the device (``refresh``, in bucket order: the first layers first, whose grads come last and whose updates the
-lane runs last). PCIe stood idle while the lane finished, and the lane while PCIe refreshed; the next forward
-waits for those copies. On the H200 (benchmarks/results/2026-11-27-h200, run 5's trace, runs 7-8), gpt2-xl at 8
-GiB all resident: 386 copies, 3.1 GB, ~57-64 ms at 54 GB/s after the lane's last update, in a 0.53-0.55 s step
-whose bound is the CPU AdamW's 0.30 s. So now, before it waits for the lane, ``step()`` (``refresh_as_updated``)
-issues the refresh of each bucket the lane updated this step in the order the lane runs them
-(``GradPipeline.lane_order``: the order their updates were issued, general chain and fast send alike; one
-lane runs them in that order, a bucket's pieces in a row), each copy after its own bucket's update and nothing
-else: the one wait ``SlotTable.copy_in`` adds (``adam_event``). On CUDA no stream can wait for a host thread,
-so the backend waits at issue: ``step()`` blocks until bucket b's update ends, enqueues b's copy, then waits for
-the next one, so each copy runs beside the lane's later updates and only the copies of the buckets updated last
-are left after the last update. On the CPU backend a copy whose update has not ended goes to the copy lane,
-which waits for it. Then the lane drains and ``after_step`` refreshes what is left (nothing, or buckets whose
-update did not run on this lane), in the same way, and the fast path's ``settle`` runs once, after both.
-What stays as it was: a failed update raises where it did (on CUDA from the copy's wait in ``step()``, now once
-the lane has drained: ``run_step``'s ``finally``; from the drain if it was the lane's last item; else from the next
-forward's wait for its bucket's copy, which fails with it); ``after_step`` re-plans without a copy issued into the old
-plan's slots (``replans_at_step`` is asked first, and nothing between changes its answer without data parallel);
-device-optimizer buckets are not refreshed; deferred updates (and so the float16 overflow skip) and data parallel
-(whose refresh all ranks agree on, ``agree_refresh``) keep the refresh after the drain; a forward between backward
-and ``step()`` reads the weights before the update, since the copies are issued only inside ``step()``.
-What it saves is predicted, not measured (no GPU since): on that H200 case up to the ~57-64 ms of refresh a step,
-if the lane's tail after backward is at least as long, leaving one ~8 MB bucket's copy (~0.15 ms); it costs one
-host wake-up and GIL take per bucket on the main thread while the lane runs ([Note: the cost of a lane item] in
-backend/base.py). The simulator (planning/simulate.py) still copies resident buckets in at the step's start,
-after the lane is idle: it does not count the overlap.
+[Note: the refresh pipelined] (issue 18) With overlapped updates, ``step()`` used to drain the CPU lane
+(``GradPipeline.run_step``) and only then copy the resident buckets' new 16-bit weights in (``refresh``): PCIe
+idle while the lane finished, the lane while PCIe refreshed, and the next forward waits for those copies (H200,
+benchmarks/results/2026-11-27-h200 runs 7-8, gpt2-xl at 8 GiB all resident: 3.1 GB, ~57-64 ms after the lane's
+last update, in a 0.53-0.55 s step bound at 0.30 s by the CPU AdamW). So now, before it drains the lane,
+``step()`` (``refresh_as_updated``) issues the refresh of each bucket the lane updated this step, each copy
+after its own bucket's update only (``SlotTable.copy_in``'s ``adam_event``): first those whose update has
+already ended (that event's ``query()``: asked, never waited for), in the order the next forward first uses
+them (the training plan's first ``need``); then the others in the lane's order (``GradPipeline.lane_order``:
+that of their updates, general chain and fast send alike). The lane's order alone put the first layers last
+(their grads come last): where backward outlasts the CPU AdamW, every update has ended at ``step()`` and the
+next forward waited for the whole queue (test_steady.py's hand cases: 6.4 s against 7.2 s). On CUDA no stream
+can wait for a host thread: ``step()`` blocks until bucket b's update ends, then enqueues b's copy, so each copy
+runs beside the lane's later updates; on the CPU backend the copy lane waits. Then the lane drains and
+``after_step`` refreshes what is left (buckets whose update did not run on this lane), and the fast path's
+``settle`` runs once, after both. As before: a failed update raises where it did (its event is done, so its
+copy may come earlier: on CUDA from the copy's wait in ``step()``, once the lane has drained, ``run_step``'s
+``finally``; from the drain if it was the lane's last item; else from the next forward's wait for its copy);
+``after_step`` re-plans without a copy issued into the old plan's slots (``replans_at_step`` is asked first,
+and nothing between changes its answer without data parallel); device-optimizer buckets are not refreshed;
+deferred updates (and so the float16 overflow skip) and data parallel (``agree_refresh``) refresh after the
+drain; a forward between backward and ``step()`` reads the weights before the update. The saving is
+predicted, not measured (no GPU since): on that H200 case up to the ~57-64 ms a step; it costs a host wake-up
+and GIL take per bucket while the lane runs ([Note: the cost of a lane item] in backend/base.py). The simulator
+models this order with ``refresh_pipelined`` ([Note: the refresh pipelined, modelled] in planning/simulate.py).
 """
 
 from __future__ import annotations
@@ -119,6 +116,7 @@ class PlanExecutor:
         self._arena_slices: dict[tuple[int, int], torch.Tensor] = {}  # arena_view's, by (offset, numel)
         self.ahead: tuple[Trace, Plan] | None = None  # issue 18: the first plan, built as its backward ended
         self._issued_early: set[int] = set()  # refreshes step() issued as their updates ended (refresh_as_updated)
+        self._first_use: tuple[Plan | None, dict[int, int]] = (None, {})  # per bucket: its first need, per plan
         # [Note: timing compute]: the training plan whose compute times were checked (or came from a timed
         # record), the backend's timer once made, and what the last check found
         self.checked: Plan | None = None
@@ -419,19 +417,31 @@ class PlanExecutor:
     def refresh_as_updated(self, order: Iterable[int]) -> None:
         """``step()`` with overlapped updates and no data parallel, before it waits for the CPU lane ([Note: the
         refresh pipelined]): issue the refresh ``after_step`` would issue for each bucket of ``order`` (updated
-        this step, in the order the lane runs their updates), each copy after its own bucket's update."""
+        this step, in the order the lane runs their updates), each copy after its own bucket's update: first
+        those whose update has ended (asked, never waited for), in the order the next forward uses them."""
         self._issued_early = set()
         if self.replans_at_step():
             return  # the arena goes: nothing may be copied into its slots
-        keep = self._keeps_bound()
+        keep, adam, first = self._keeps_bound(), self.slots.adam_event, self._first_uses()
+        todo = self._refreshable(order)
+        ended = {b for b in todo if (ev := adam.get(b)) is None or ev.query()}
+        todo = sorted(ended, key=lambda b: (first.get(b, 1 << 62), b)) + [b for b in todo if b not in ended]
         try:
-            for b in self._refreshable(order):
+            for b in todo:
                 self._refresh_one(b, keep, None)
                 self._issued_early.add(b)
         except BaseException:  # a failed update (its copy's wait raised): what was issued lands as refresh's would
             for fn in self._copied_in:
                 fn()
             raise
+
+    def _first_uses(self) -> dict[int, int]:
+        """Per bucket the training plan needs: the first event that needs it (the next forward's order)."""
+        plan = self.train_plan
+        if self._first_use[0] is not plan:  # the earliest event last, so it wins
+            uses = reversed(list(enumerate(plan.actions if plan is not None else ())))
+            self._first_use = (plan, {b: i for i, actions in uses for b in actions.need})
+        return self._first_use[1]
 
     def _refreshable(self, buckets: Iterable[int]) -> list[int]:
         """Those of ``buckets`` that ``refresh`` copies in: on the device, and not updated there."""

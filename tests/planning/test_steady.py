@@ -1,9 +1,11 @@
 """[Note: the refresh pipelined, modelled] (offload/planning/simulate.py, steady.py): a resident bucket's refresh
-issued in the previous step as its CPU AdamW ends, in the CPU lane's order, and the step as the period of the
+issued in the previous step as its CPU AdamW ends (those ended at step() first, in first-use order, then the
+others in the CPU lane's order), and the step as the period of the
 steady state. Programs worked out by hand for both models, the C++ lanes against the Python reference, the
 period against many chained steps, the plans that keep the old model, and the runtime's refresh order."""
 
 import dataclasses
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -20,13 +22,13 @@ from tests.support.planning import chain_trace, flat_hw, lane_program
 needs_cpp = pytest.mark.skipif(simulate_module._C is None, reason="the C++ extension is not built")
 
 
-def _three_resident(compute: float, pipelined: bool):
+def _three_resident(compute: float, pipelined: bool, adam: int = 100):
     """Forward uses buckets 0, 1, 2 (events 0-2), backward 2, 1, 0 (events 3-5), each event ``compute`` s. All
     three resident: a refresh each (400 B: 0.4 s on flat_hw), grads of 100 B (0.1 s) at their backward event,
-    AdamW of 100 params (1 s) each, in the lane's order 2, 1, 0."""
+    AdamW of ``adam`` params (100: 1 s) each, in the lane's order 2, 1, 0."""
     return lane_program(compute_s=(compute,) * 6, h2d_event=(STEP_START,) * 3, h2d_bucket=(0, 1, 2),
                         h2d_bytes=(400,) * 3, waits=((0,), (1,), (2,), (2,), (1,), (0,)), d2h_event=(3, 4, 5),
-                        d2h_bucket=(2, 1, 0), d2h_bytes=(100,) * 3, adam_numel=(100,) * 3,
+                        d2h_bucket=(2, 1, 0), d2h_bytes=(100,) * 3, adam_numel=(adam,) * 3,
                         refresh_pipelined=pipelined)
 
 
@@ -55,17 +57,42 @@ def test_a_step_bound_by_the_cpu_adamw_hides_every_refresh_but_the_last():
 
 def test_refreshes_issued_when_backward_ends_queue_in_the_lanes_order():
     # Compute 1 s an event: every AdamW but the last ends before backward does (6.4 in the old model's step),
-    # so step() issues the refreshes at compute end, in the lane's order 2, 1, 0: the bucket the next forward
-    # needs first comes last, 1.2 s after compute end, 1.1 s after the step's end (R = the last AdamW). So
-    # event 0 waits 1.1 s (the old model: 0.4), forward + backward 6 s, the last AdamW 0.1 s after compute end:
-    # 7.2 s, against 6.5 s with the refreshes after the drain in bucket order. (What the runtime does:
-    # [Note: the refresh pipelined] in runtime/executor.py issues them in GradPipeline.lane_order.)
+    # so step() issues those refreshes at compute end, in first-use order 1, 2, then bucket 0's as its AdamW
+    # ends (6.1): the bucket the next forward needs first comes last (in the lane's order 2, 1, 0 too), 1.2 s
+    # after compute end, 1.1 s after the step's end (R = the last AdamW). So event 0 waits 1.1 s (the old
+    # model: 0.4), forward + backward 6 s, the last AdamW 0.1 s after compute end: 7.2 s, against 6.5 s with
+    # the refreshes after the drain in bucket order ([Note: the refresh pipelined] in runtime/executor.py).
     old = _both(_three_resident(1.0, pipelined=False))
     assert old.step_s == pytest.approx(6.5) and old.stall_s == pytest.approx(0.4)
     new = _both(_three_resident(1.0, pipelined=True))
     assert new.step_s == pytest.approx(7.2) and new.stall_s == pytest.approx(1.1)
     assert new.refresh_passes == 2  # the guess (only the last in flight, 0.4 s) is not the steady state
     assert sum(new.copy_credit) == pytest.approx(1.1)  # the busy period of the three carried copies
+
+
+def test_refreshes_of_updates_ended_at_step_go_in_first_use_order():
+    # Compute 1 s an event, AdamW 0.5 s: each AdamW ends 0.6 s after its grads are issued (3.6, 4.6, 5.6), all
+    # before compute ends (6.0), so step() finds every update ended and issues the refreshes in the order the next
+    # forward uses them, 0, 1, 2 (the lane's order 2, 1, 0 put bucket 0's last: 1.2 s after R, a 7.2 s step).
+    # Bucket 0 lands 0.4 s after R = 6.0; event 1 (at 1.4) and event 2 find theirs landed (0.8, 1.2): 6.4 s,
+    # the old model's step (the refreshes after the drain, in bucket order).
+    old = _both(_three_resident(1.0, pipelined=False, adam=50))
+    assert old.step_s == pytest.approx(6.4) and old.stall_s == pytest.approx(0.4)
+    new = _both(_three_resident(1.0, pipelined=True, adam=50))
+    assert new.step_s == pytest.approx(6.4) and new.stall_per_event == pytest.approx((0.4, 0, 0, 0, 0, 0))
+    program, hw = _three_resident(1.0, pipelined=True, adam=50), flat_hw()
+    _, carry = steady.steady_state(program, hw)
+    assert [program.h2d_bucket[k] for k in carry.order] == [0, 1, 2]
+    assert carry.done == pytest.approx((0.4, 0.8, 1.2))
+
+
+def test_refreshes_of_updates_not_ended_at_step_go_in_the_lanes_order_after_the_others():
+    # The 7.2 s case above: at compute end (6.0) buckets 2's and 1's AdamW have ended (4.1, 5.1), bucket 0's has
+    # not (6.1): step() issues 1, 2 (first-use order), then 0 as its AdamW ends: 6.0-6.4, 6.4-6.8, 6.8-7.2
+    program, hw = _three_resident(1.0, pipelined=True), flat_hw()
+    _, carry = steady.steady_state(program, hw)
+    assert [program.h2d_bucket[k] for k in carry.order] == [1, 2, 0]
+    assert carry.done == pytest.approx((6.4 - 6.1, 6.8 - 6.1, 7.2 - 6.1))
 
 
 def test_the_device_adamw_after_backward_delays_the_end_and_not_the_refresh():
@@ -180,20 +207,28 @@ def test_a_plan_models_the_pipelined_refresh_where_asked_and_updates_overlap(ask
     assert program_of(plan, compute, refresh_pipelined=not want).refresh_pipelined is (not want and not deferred)
 
 
-def test_the_simulators_refresh_order_is_the_runtimes_lane_order():
-    """On the CPU backend, every bucket resident: the order step() issues the refreshes in (the runtime's
-    GradPipeline.lane_order) is the order the simulator issues them in for the plan it executes. (Planned for
-    a CPU AdamW slow enough to be the wall, where keeping every bucket is the fastest plan.)"""
+@pytest.mark.parametrize("drained", [True, False], ids=["updates_ended", "lane_slowed"])
+def test_the_simulators_refresh_order_is_the_runtimes(drained):
+    """On the CPU backend, every bucket resident: the order step() issues the refreshes in is the order the
+    simulator issues them in for the plan it executes (planned for a CPU AdamW slow enough to be the wall, where
+    keeping every bucket is the fastest plan). ``drained``: backward outlasted the lane (it drained before
+    step()), and the simulator's step() comes after every AdamW: both in first-use order. Else the lane is
+    slowed 20 ms an item: the simulator's step() finds no AdamW ended (the lane's order), the runtime's those of
+    a prefix of the lane, issued first in first-use order."""
     case = CASES["mlp"]()
     opt = offload.AdamW(case.model.parameters(), fused=False, lr=1e-3)
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
-    engine = offload.wrap(case.model, opt, budget=4 * nbytes, bucket_bytes=nbytes // 10, device="cpu",
-                          hw=DEFAULT_HW.with_(adam_params_per_s=1e6))
+    hw = DEFAULT_HW.with_(adam_params_per_s=1e6)
+    engine = offload.wrap(case.model, opt, budget=4 * nbytes, bucket_bytes=nbytes // 10, device="cpu", hw=hw)
     rt = engine._runtime
+    if not drained:
+        rt.ctx.cpu._before = lambda: time.sleep(0.02)
     with engine:
         for step in range(3):
             batch = case.make_batch(step)
             engine.backward(case.loss_fn(run(engine, batch), batch))
+            if drained:
+                rt.ctx.cpu.drain()
             opt.step()
             opt.zero_grad()
             _, _, entries, _ = rt.ctx.lane_log.last_step
@@ -202,10 +237,21 @@ def test_the_simulators_refresh_order_is_the_runtimes_lane_order():
         plan = rt.executor.train_plan
     assert plan is not None and len(plan.resident) == len(plan.buckets) > 2
     program = program_of(plan, refresh_pipelined=True)
-    solo = [DEFAULT_HW.h2d_seconds(x) for x in program.h2d_bytes]
-    order = [program.h2d_bucket[k] for k in steady.first_carry(program, solo).order]
-    assert order == refreshed
-    assert order != sorted(order)  # not the old model's bucket order: the check can fail
+    solo = [hw.h2d_seconds(x) for x in program.h2d_bytes]
+    sim_hw = hw if drained else hw.with_(adam_params_per_s=1.0)  # the slowed lane: no AdamW ends in backward
+    compute_s, tail, _ = simulate_module.with_device_adam(program, sim_hw)
+    lanes = steady.PipelinedLanes(program, solo, sim_hw, None, steady.first_carry(program, solo))
+    compute_end = lanes.run(compute_s)
+    lane = [program.h2d_bucket[k] for k in steady.first_carry(program, solo).order]  # the lane's order
+    if drained:
+        compute_end = max(lanes.adam_end) + 1.0  # step() after every AdamW
+    order = [program.h2d_bucket[k] for k in lanes.finish(compute_end, tail)[1].order]
+    if drained:
+        assert order == refreshed == sorted(lane)  # first-use order: bucket order here
+    else:
+        assert order == lane  # none ended at the simulator's step()
+        assert refreshed in [sorted(order[:k]) + order[k:] for k in range(len(order))]
+    assert lane != sorted(lane)  # the two orders differ: the check can fail
 
 
 @pytest.mark.parametrize("compute", [0.1, 1.0])

@@ -51,6 +51,13 @@ def _lanes(engine) -> list[tuple[str, int, int]]:
     return [(lane, b, nbytes) for lane, b, nbytes, _, _ in entries]
 
 
+def _records(engine) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """``_lanes``, the refreshes apart and sorted: ``step()`` issues those of updates already ended first, so
+    their order depends on the lane's timing ([Note: the refresh pipelined] in runtime/executor.py)."""
+    lanes = _lanes(engine)
+    return [x for x in lanes if x[0] != "h2d"], sorted(x for x in lanes if x[0] == "h2d")
+
+
 @pytest.mark.parametrize("chaos", [None, ChaosConfig(seed=5)], ids=["plain", "chaos"])
 def test_a_fast_steps_buckets_go_by_one_routine_and_leave_the_records_the_general_chain_leaves(chaos):
     """Every bucket of every fast step is sent by ``FastSend.send``, bit for bit torch (with random delays on
@@ -69,7 +76,7 @@ def test_a_fast_steps_buckets_go_by_one_routine_and_leave_the_records_the_genera
         assert fast >= STEPS - 3 and buckets > 2
         assert rt.grads.fast_send.sent == fast * buckets  # every bucket of every fast step
         assert general._runtime.grads.fast_send.sent == 0
-        assert _lanes(engine) == _lanes(general)
+        assert _records(engine) == _records(general)
         assert dict(engine.memory_stats()["counters"]) == dict(general.memory_stats()["counters"])
         assert_bitwise(engine.state_dict()["model"], general.state_dict()["model"], "model")
     finally:

@@ -1,11 +1,12 @@
 """[Note: the refresh pipelined] (offload/runtime/executor.py): with overlapped updates, ``step()`` copies each
-resident bucket's new weights to the device as soon as that bucket's update on the CPU lane has ended, in the
-order the lane runs them, instead of after the last one. Checked with the lane slowed (its updates still run
-when ``step()`` is called), on the CPU backend and on the simulated GPU (which checks every copy against the
-events that order it): the first refresh copy begins before the last update ends, the copies follow the lane's
-order, a step that plans (the first, and one whose batch outgrew its plan) issues no copy before the lane's
-last update (its old plan's slots go), and the next training forward, which reads the refreshed slots, gives
-plain torch's output after torch.optim.AdamW's step, bit for bit."""
+resident bucket's new weights to the device as soon as that bucket's update on the CPU lane has ended (those
+ended at step() first, in the order the next forward uses them, then the others in the order the lane runs
+them), instead of after the last one. Checked with the lane slowed (its updates still run when ``step()`` is
+called) and with the lane drained before ``step()``, on the CPU backend and on the simulated GPU (which checks
+every copy against the events that order it): the first refresh copy begins before the last update ends, the
+copies follow that order, a step that plans (the first, and one whose batch outgrew its plan) issues no copy
+before the lane's last update (its old plan's slots go), and the next training forward, which reads the
+refreshed slots, gives plain torch's output after torch.optim.AdamW's step, bit for bit."""
 
 import time
 
@@ -32,6 +33,15 @@ def _step_lanes(engine, since: float) -> tuple[list[tuple[int, float, float]], l
               if lane == "h2d" and issued >= since]
     updates = [(b, ev.finished) for lane, b, _, _, ev in entries if lane == "cpu_adam"]
     return copies, updates
+
+
+def first_use(plan) -> dict[int, int]:
+    """Per bucket: the first event of ``plan`` that needs it (the order the next forward uses them)."""
+    first: dict[int, int] = {}
+    for i, actions in enumerate(plan.actions):
+        for b in actions.need:
+            first.setdefault(b, i)
+    return first
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu_backend", "simulated_gpu"])
@@ -73,6 +83,54 @@ def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, g
                 assert copies and all(began > last_update for _, _, began in copies), step
             else:
                 lane_order = list(dict.fromkeys(b for b, _ in updates))
-                assert [b for b, _, _ in copies] == lane_order, step  # every bucket once, in the lane's order
+                issued = [b for b, _, _ in copies]
+                # every bucket once: those whose update had ended at step() (a prefix of the lane's order) in
+                # first-use order, then the others in the lane's order
+                assert issued in [sorted(lane_order[:k], key=first_use(plan).__getitem__) + lane_order[k:]
+                                  for k in range(len(lane_order) + 1)], (step, issued, lane_order)
+                assert issued[-1] == lane_order[-1], step  # the lane's last update had not ended at step()
                 first = min(began for _, _, began in copies)
                 assert first < last_update, (step, first - last_update)  # the point: before the lane's end
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu_backend", "simulated_gpu"])
+def test_updates_ended_before_step_are_refreshed_in_first_use_order(simulated_gpu, gpu):
+    """A fast lane, a slow backward: every update has ended when ``step()`` is called (here: the lane drained
+    before it), so the refreshes go in the order the next forward uses the buckets, not the lane's (which puts
+    the first layers last); the next forward still gives plain torch's output, bit for bit."""
+    if gpu:
+        simulated_gpu()
+    case, ref = CASES["mlp"](), CASES["mlp"]()
+    ref_opt = torch.optim.AdamW(ref.model.parameters(), foreach=False, **ADAMW)
+    opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
+    nbytes = sum(p.numel() * 4 for p in case.model.parameters())
+    engine = offload.wrap(case.model, opt, budget=4 * nbytes, bucket_bytes=nbytes // 10, device="cpu")
+    rt = engine._runtime
+    checked = 0
+    with engine:
+        for step in range(5):
+            batch = case.make_batch(step)
+            got, want = run(engine, batch), run(ref.model, batch)
+            assert torch.equal(got, want), (step, (got - want).abs().max())
+            engine.backward(case.loss_fn(got, batch))
+            ref.loss_fn(want, batch).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            rt.ctx.cpu.drain()  # backward outlasted the lane: every update has ended
+            replans, called = rt.ctx.stats["replans"], time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            if rt.ctx.stats["replans"] != replans:
+                continue  # a step that plans refreshes nothing early
+            copies, updates = _step_lanes(engine, called)
+            plan = rt.executor.train_plan
+            assert plan is not None and len(plan.resident) == len(rt.slots.buckets) > 2  # all resident
+            first = first_use(plan)
+            lane_order = list(dict.fromkeys(b for b, _ in updates))
+            issued = [b for b, _, _ in copies]
+            assert issued == sorted(lane_order, key=first.__getitem__), (step, issued, lane_order)
+            assert issued != lane_order  # the lane's order differs (the first layers' grads come last)
+            checked += 1
+        batch = case.make_batch(99)
+        assert torch.equal(run(engine, batch), run(ref.model, batch))  # the forward after the last step
+    assert checked >= 3
