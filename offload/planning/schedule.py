@@ -67,11 +67,12 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
     host buckets' CPU AdamW is modelled as overlapped with backward in both modes.)
 
     ``refresh_pipelined`` (and not ``deferred``): model resident buckets' refreshes as the runtime issues them
-    with overlapped updates on one GPU, each as its CPU AdamW ends, in the CPU lane's order ([Note: the refresh
-    pipelined, modelled] in simulate.py). Off by default: that order refreshes the first layers last, where the
-    next forward needs them first, so wherever backward outlasts the CPU AdamW the model (rightly, for that
-    runtime) prefers streaming them, and the engine's resident plans and their fast path would go; see the
-    Note. Off, the refresh follows the drain, in bucket order (the plans of before).
+    with overlapped updates on one GPU: at ``step()`` those whose CPU AdamW ended in first-use order, then the
+    rest in the CPU lane's order as each ends ([Note: the refresh pipelined, modelled] in simulate.py). Off by
+    default: where each copy is slower than its AdamW the refreshes still queue behind one another with the
+    first layer's last, and the model then prefers streaming small all-resident plans (the CPU backend's, on
+    the ``pcie4`` preset), whose fast path would go; see the Note. Off, the refresh follows the drain, in bucket
+    order (the plans of before).
     """
     pipelined = refresh_pipelined and not deferred
     with _gc_paused():
