@@ -44,15 +44,22 @@ def first_use(plan) -> dict[int, int]:
     return first
 
 
-@pytest.mark.parametrize("gpu", [False, True], ids=["cpu_backend", "simulated_gpu"])
-def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, gpu):
-    if gpu:
-        simulated_gpu()
+def _all_resident_mlp():
+    """The mlp twice (engine and plain torch), wrapped with room for every bucket in ten: (case, reference
+    case, torch's AdamW, the engine's, the engine)."""
     case, ref = CASES["mlp"](), CASES["mlp"]()
     ref_opt = torch.optim.AdamW(ref.model.parameters(), foreach=False, **ADAMW)
     opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
     nbytes = sum(p.numel() * 4 for p in case.model.parameters())
     engine = offload.wrap(case.model, opt, budget=4 * nbytes, bucket_bytes=nbytes // 10, device="cpu")
+    return case, ref, ref_opt, opt, engine
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu_backend", "simulated_gpu"])
+def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, gpu):
+    if gpu:
+        simulated_gpu()
+    case, ref, ref_opt, opt, engine = _all_resident_mlp()
     rt = engine._runtime
     rt.ctx.cpu._before = lambda: time.sleep(LANE_DELAY_S)  # read when the lane's thread starts: now
     with engine:
@@ -100,11 +107,7 @@ def test_updates_ended_before_step_are_refreshed_in_first_use_order(simulated_gp
     the first layers last); the next forward still gives plain torch's output, bit for bit."""
     if gpu:
         simulated_gpu()
-    case, ref = CASES["mlp"](), CASES["mlp"]()
-    ref_opt = torch.optim.AdamW(ref.model.parameters(), foreach=False, **ADAMW)
-    opt = offload.AdamW(case.model.parameters(), fused=False, **ADAMW)
-    nbytes = sum(p.numel() * 4 for p in case.model.parameters())
-    engine = offload.wrap(case.model, opt, budget=4 * nbytes, bucket_bytes=nbytes // 10, device="cpu")
+    case, ref, ref_opt, opt, engine = _all_resident_mlp()
     rt = engine._runtime
     checked = 0
     with engine:
