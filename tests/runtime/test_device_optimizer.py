@@ -29,7 +29,7 @@ from tests.support.compare import FusedStepChecker, assert_bitwise, assert_losse
 from tests.runtime.test_replan import Branch, Swap
 from tests.runtime.test_replan import batch as replan_batch
 from tests.support.fake_cuda import simulated_gpu, with_chaos  # noqa: F401 (a fixture)
-from tests.support.loops import lockstep
+from tests.support.loops import lockstep, session_with_eval_and_reload
 from tests.support.models import CASES, run
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
@@ -564,23 +564,8 @@ def _session(overlap: bool, chaos=None):
     case = CASES["gpt"]()
     with with_chaos(chaos):
         engine, opt = wrap(case.model, **({} if overlap else {"overlap_optimizer": False}))
-    losses, outs = [], []
     try:
-        for i in range(6):
-            micro = [case.make_batch(i)] if overlap else [case.make_batch(2 * i), case.make_batch(2 * i + 1)]
-            for batch in micro:
-                loss = case.loss_fn(run(engine, batch), batch) / len(micro)
-                loss.backward()
-            if not overlap:
-                engine.clip_grad_norm_(0.05)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if i == 3:
-                with torch.no_grad():
-                    outs += torch.utils._pytree.tree_leaves(run(engine, case.make_batch(10_000)))
-            if i == 4:
-                engine.load_state_dict(copy.deepcopy(engine.state_dict()))
+        losses, outs = session_with_eval_and_reload(engine, opt, case, 6, overlap)
         assert_mixed(engine)
         return losses, outs, engine.state_dict()
     finally:

@@ -35,7 +35,7 @@ from tests.runtime.test_device_optimizer import (ADAMW, CASES, DetachedReuse, _S
 from tests.runtime.test_fast_path import Gated, _gated_x
 from tests.support.compare import assert_bitwise, assert_losses_bitwise
 from tests.support.fake_cuda import simulated_gpu, with_chaos  # noqa: F401 (a fixture)
-from tests.support.loops import lockstep
+from tests.support.loops import lockstep, session_with_eval_and_reload
 
 STEPS = 8
 MIXED_RESIDENT = 3.0  # budget / fp32 bytes at which the tiny GPT's plan is device-optimizer and resident buckets
@@ -434,23 +434,8 @@ def _session(chaos=None, overlap=True):
     case = CASES["gpt"]()
     with with_chaos(chaos):
         engine, opt = wrap(case.model, frac=MIXED_RESIDENT, **({} if overlap else {"overlap_optimizer": False}))
-    losses, outs = [], []
     try:
-        for i in range(7):
-            micro = [case.make_batch(i)] if overlap else [case.make_batch(2 * i), case.make_batch(2 * i + 1)]
-            for batch in micro:
-                loss = case.loss_fn(run(engine, batch), batch) / len(micro)
-                loss.backward()
-            if not overlap:
-                engine.clip_grad_norm_(0.05)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if i == 3:
-                with torch.no_grad():
-                    outs += torch.utils._pytree.tree_leaves(run(engine, case.make_batch(10_000)))
-            if i == 4:
-                engine.load_state_dict(copy.deepcopy(engine.state_dict()))
+        losses, outs = session_with_eval_and_reload(engine, opt, case, 7, overlap)
         assert_resident_with_device_buckets(engine, host_too=True)
         return losses, outs, engine.state_dict(), counters(engine)
     finally:

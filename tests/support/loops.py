@@ -122,3 +122,26 @@ def wrap_on_cpu(model, budget_frac: float, **kw) -> tuple[offload.Engine, offloa
     engine = offload.wrap(model, opt, budget=int(budget_frac * nbytes), bucket_bytes=nbytes // 10, device="cpu",
                           **kw)
     return engine, opt
+
+
+def session_with_eval_and_reload(engine, opt, case: Case, steps: int, overlap: bool) -> tuple[list[float], list]:
+    """``steps`` steps (overlapped: one batch each; deferred: two micro-batches and a clip at 0.05), an
+    evaluation forward after step 3 and a state-dict round trip after step 4: (losses, the eval's outputs)."""
+    losses: list[float] = []
+    outs: list = []
+    for i in range(steps):
+        micro = [case.make_batch(i)] if overlap else [case.make_batch(2 * i), case.make_batch(2 * i + 1)]
+        for batch in micro:
+            loss = case.loss_fn(run(engine, batch), batch) / len(micro)
+            loss.backward()
+        if not overlap:
+            engine.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if i == 3:
+            with torch.no_grad():
+                outs += torch.utils._pytree.tree_leaves(run(engine, case.make_batch(10_000)))
+        if i == 4:
+            engine.load_state_dict(copy.deepcopy(engine.state_dict()))
+    return losses, outs
