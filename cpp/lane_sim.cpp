@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <stdexcept>
 #include <utility>
 
@@ -128,18 +129,27 @@ void run_pass(const LaneProgram& p, LaneScratch& w, LaneResult& r, bool pipeline
   for (const auto& [k, ready] : pending) cpu_free = adam_end[k] = std::max(std::max(cpu_free, ready), t) + p.adam_s[k];
   if (pipelined) {  // PipelinedLanes.finish
     r.step_s = std::max(std::max(t + p.tail, h2d_free), std::max(d2h_free, cpu_free));
-    // step() issues first the refreshes whose AdamW has ended, in first-use order, then the others in the
-    // lane's order as their AdamW ends
+    // steady.py's issue_order: step() issues first the refreshes whose AdamW has ended, in first-use order,
+    // then the others in the lane's order as their AdamW ends; but the first-used one goes first where its
+    // AdamW is the lane's next (the first not ended)
     const std::size_t m = w.lane_order.size();
+    const auto used_before = [&](std::int64_t x, std::int64_t y) {
+      const std::int64_t kx = w.lane_order[x], ky = w.lane_order[y];
+      return w.first_use[kx] != w.first_use[ky] ? w.first_use[kx] < w.first_use[ky] : kx < ky;
+    };
     w.issue.clear();
     for (std::size_t j = 0; j < m; ++j)
       if (adam_end[w.lane_after[j]] <= t) w.issue.push_back(static_cast<std::int64_t>(j));
-    std::sort(w.issue.begin(), w.issue.end(), [&](std::int64_t x, std::int64_t y) {
-      const std::int64_t kx = w.lane_order[x], ky = w.lane_order[y];
-      return w.first_use[kx] != w.first_use[ky] ? w.first_use[kx] < w.first_use[ky] : kx < ky;
-    });
+    std::sort(w.issue.begin(), w.issue.end(), used_before);
+    const std::size_t e = w.issue.size();
     for (std::size_t j = 0; j < m; ++j)
       if (adam_end[w.lane_after[j]] > t) w.issue.push_back(static_cast<std::int64_t>(j));
+    if (e > 0 && e < m) {
+      bool head = used_before(w.issue[e], w.issue[0]);
+      for (std::size_t q = e + 1; head && q < m; ++q) head = used_before(w.issue[e], w.issue[q]);
+      if (head) std::rotate(w.issue.begin(), w.issue.begin() + static_cast<std::ptrdiff_t>(e),
+                            w.issue.begin() + static_cast<std::ptrdiff_t>(e + 1));
+    }
     w.out_order.resize(m), w.out_after.resize(m), w.out_done.resize(m), w.out_dur.resize(m);
     for (std::size_t q = 0; q < m; ++q) {
       const std::size_t j = static_cast<std::size_t>(w.issue[q]);

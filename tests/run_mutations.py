@@ -300,14 +300,19 @@ MUTATIONS = [
     # step()'s refresh order (branch reforder): the updates already ended first, in first-use order
     ("R33", "step()'s pipelined refresh asks no update whether it ended (every refresh in the lane's order)",
      "offload/runtime/executor.py",
-     "        ended = {b for b in todo if (ev := adam.get(b)) is None or ev.query()}",
-     "        ended: set[int] = set()",
+     "lambda b: (ev := adam.get(b)) is None or ev.query(),", "lambda b: False,",
      [_PIPE.replace("test_step_refreshes_each_resident_bucket_as_its_update_ends",
                     "test_updates_ended_before_step_are_refreshed_in_first_use_order")]),
     ("R34", "step()'s pipelined refresh takes every update as ended (all refreshes in first-use order)",
      "offload/runtime/executor.py",
-     "        ended = {b for b in todo if (ev := adam.get(b)) is None or ev.query()}",
-     "        ended = set(todo)", [f"{_PIPE}[simulated_gpu]", f"{_PIPE}[cpu_backend]"]),
+     "lambda b: (ev := adam.get(b)) is None or ev.query(),", "lambda b: True,",
+     [f"{_PIPE}[simulated_gpu]", f"{_PIPE}[cpu_backend]"]),
+    # session 23 (branch refon): the bucket used first goes first where its update is the lane's next
+    ("R40", "step()'s pipelined refresh queues the bucket used first behind the ended ones where its update is the "
+     "lane's next (the order before session 23)", "offload/planning/steady.py",
+     "    if done and rest and min(lane, key=key) == rest[0]:", "    if False:",
+     [_PIPE.replace("test_step_refreshes_each_resident_bucket_as_its_update_ends",
+                    "test_the_bucket_used_first_goes_first_where_its_update_is_the_lanes_next")]),
     # -- the fast path (commit 50c6a53) ----------------------------------------------------------------------
     ("F1", "the end of a fast backward marks no boundary (step()'s refresh copies vs the backward's reads)",
      "offload/runtime/core.py",

@@ -68,11 +68,10 @@ def build_plan(trace: Trace, buckets: Sequence[Bucket], *, itemsize: int, budget
 
     ``refresh_pipelined`` (and not ``deferred``): model resident buckets' refreshes as the runtime issues them
     with overlapped updates on one GPU: at ``step()`` those whose CPU AdamW ended in first-use order, then the
-    rest in the CPU lane's order as each ends ([Note: the refresh pipelined, modelled] in simulate.py). Off by
-    default: where each copy is slower than its AdamW the refreshes still queue behind one another with the
-    first layer's last, and the model then prefers streaming small all-resident plans (the CPU backend's, on
-    the ``pcie4`` preset), whose fast path would go; see the Note. Off, the refresh follows the drain, in bucket
-    order (the plans of before).
+    rest in the CPU lane's order as each ends, the first used first where its AdamW is the lane's next ([Note:
+    the refresh pipelined, modelled] in simulate.py). The engine asks for it wherever it pipelines (overlapped
+    updates, no data parallel: ``runtime/executor.py``); off here by default for the other callers (the
+    baselines, data parallel, reports): the refresh then follows the drain, in bucket order.
     """
     pipelined = refresh_pipelined and not deferred
     with _gc_paused():

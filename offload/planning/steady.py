@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from .hw import HardwareModel
 from .simulate import STEP_START, Lanes, Program, SimResult, add_up, with_device_adam
 
 MAX_PASSES = 16  # passes towards the steady state at most; then the last one is taken
 SETTLED = 1e-9  # a carry out matches the carry in within this share of the step
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,20 @@ def first_carry(program: Program, h2d_solo: Sequence[float]) -> Carry:
     return Carry(order, tuple(after[j] for j in lane), done, dur)
 
 
+def issue_order(lane: Sequence[T], ended: Callable[[T], bool], key: Callable[[T], tuple[int, int]]) -> list[T]:
+    """The order ``step()`` issues refreshes in, the runtime's (``runtime/executor.py``) and the model's: ``lane``
+    in the CPU lane's order, ``ended(x)`` whether x's update has ended (asked once each), ``key`` the order the
+    next forward uses them in (distinct keys). Those ended in that order, then the others in the lane's; but
+    where the first used is the lane's next update (the first not ended) it goes first, the ended ones after it:
+    queued ahead they would delay it, and the forward needs them later ([Note: the refresh pipelined])."""
+    flags = [ended(x) for x in lane]
+    done = sorted((x for x, f in zip(lane, flags) if f), key=key)
+    rest = [x for x, f in zip(lane, flags) if not f]
+    if done and rest and min(lane, key=key) == rest[0]:
+        return rest[:1] + done + rest[1:]
+    return done + rest
+
+
 class PipelinedLanes(Lanes):
     """The lanes of one step that starts with ``carry`` on its host-to-device lane and ends issuing its own
     refreshes (:meth:`finish`)."""
@@ -122,10 +137,8 @@ class PipelinedLanes(Lanes):
         ``tail``: device AdamW seconds on the compute lane after compute ends."""
         step = max(compute_end + tail, self.h2d_free, self.d2h_free, self.cpu_free)
         solo, record, adam_end, first = self.h2d_solo, self.record, self.adam_end, self.first_use
-        # step() issues first the refreshes whose update has ended, in first-use order, then the others in the
-        # lane's order as their updates end ([Note: the refresh pipelined, modelled])
-        ended = sorted((x for x in self.lane if adam_end[x[1]] <= compute_end), key=lambda x: (first[x[0]], x[0]))
-        issue = ended + [x for x in self.lane if adam_end[x[1]] > compute_end]
+        # step() at compute end: [Note: the refresh pipelined, modelled]
+        issue = issue_order(self.lane, lambda x: adam_end[x[1]] <= compute_end, lambda x: (first[x[0]], x[0]))
         done, dur = [], []
         for k, a in issue:
             start = max(compute_end, self.adam_end[a], self.h2d_free)

@@ -43,9 +43,10 @@ last update, in a 0.53-0.55 s step bound at 0.30 s by the CPU AdamW). So now, be
 after its own bucket's update only (``SlotTable.copy_in``'s ``adam_event``): first those whose update has
 already ended (that event's ``query()``: asked, never waited for), in the order the next forward first uses
 them (the training plan's first ``need``); then the others in the lane's order (``GradPipeline.lane_order``:
-that of their updates, general chain and fast send alike). The lane's order alone put the first layers last
-(their grads come last): where backward outlasts the CPU AdamW, every update has ended at ``step()`` and the
-next forward waited for the whole queue (test_steady.py's hand cases: 6.4 s against 7.2 s). On CUDA no stream
+that of their updates, general chain and fast send alike): the lane's order alone put the first layers last
+(test_steady.py: 6.4 s against 7.2 s). But where the bucket used first is the lane's next update (the first not
+ended), its copy goes first: queued behind the ended ones it was late (session 23: an 8-layer chain on pcie4
+waited 82 us at its first layer, its plan went to streaming). ``planning.steady.issue_order``. On CUDA no stream
 can wait for a host thread: ``step()`` blocks until bucket b's update ends, then enqueues b's copy, so each copy
 runs beside the lane's later updates; on the CPU backend the copy lane waits. Then the lane drains and
 ``after_step`` refreshes what is left (buckets whose update did not run on this lane), and the fast path's
@@ -56,8 +57,8 @@ copy may come earlier: on CUDA from the copy's wait in ``step()``, once the lane
 and nothing between changes its answer without data parallel); device-optimizer buckets are not refreshed;
 deferred updates (and so the float16 overflow skip) and data parallel (``agree_refresh``) refresh after the
 drain; a forward between backward and ``step()`` reads the weights before the update. The saving is
-predicted, not measured (no GPU since): on that H200 case up to the ~57-64 ms a step; it costs a host wake-up
-and GIL take per bucket while the lane runs ([Note: the cost of a lane item] in backend/base.py). The simulator
+predicted, not measured (no GPU since): on that H200 case up to ~57-64 ms a step; it costs a host wake-up and
+GIL take per bucket while the lane runs ([Note: the cost of a lane item] in backend/base.py). The simulator
 models this order with ``refresh_pipelined`` ([Note: the refresh pipelined, modelled] in planning/simulate.py).
 """
 
@@ -71,6 +72,7 @@ import torch
 from ..config import format_bytes
 from ..errors import BudgetTooSmallError, InvariantError, OffloadWarning
 from ..planning.schedule import Plan, build_plan, validate_plan
+from ..planning.steady import issue_order
 from ..planning.trace import EventKind, Recorder, Trace
 from .residency import Residency, Slot
 
@@ -416,16 +418,14 @@ class PlanExecutor:
 
     def refresh_as_updated(self, order: Iterable[int]) -> None:
         """``step()`` with overlapped updates and no data parallel, before it waits for the CPU lane ([Note: the
-        refresh pipelined]): issue the refresh ``after_step`` would issue for each bucket of ``order`` (updated
-        this step, in the order the lane runs their updates), each copy after its own bucket's update: first
-        those whose update has ended (asked, never waited for), in the order the next forward uses them."""
+        refresh pipelined]): issue the refresh ``after_step`` would for each bucket of ``order`` (updated this
+        step, in the lane's order), each after its own bucket's update, in the Note's order."""
         self._issued_early = set()
         if self.replans_at_step():
             return  # the arena goes: nothing may be copied into its slots
         keep, adam, first = self._keeps_bound(), self.slots.adam_event, self._first_uses()
-        todo = self._refreshable(order)
-        ended = {b for b in todo if (ev := adam.get(b)) is None or ev.query()}
-        todo = sorted(ended, key=lambda b: (first.get(b, 1 << 62), b)) + [b for b in todo if b not in ended]
+        todo = issue_order(self._refreshable(order), lambda b: (ev := adam.get(b)) is None or ev.query(),
+                           lambda b: (first.get(b, 1 << 62), b))
         try:
             for b in todo:
                 self._refresh_one(b, keep, None)
@@ -592,7 +592,7 @@ class PlanExecutor:
         plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
                           fixed_bytes=ctx.memory.fixed, hw=ctx.hw, headroom_bytes=headroom,
                           device_optimizer=ctx.config.device_optimizer,
-                          deferred=not ctx.config.overlap_optimizer)
+                          deferred=not ctx.config.overlap_optimizer, refresh_pipelined=ctx.dp is None)
         validate_plan(plan)
         return plan
 

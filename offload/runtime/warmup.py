@@ -184,7 +184,8 @@ class TracedWarmup:
         try:
             plan = build_plan(step, buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
                               fixed_bytes=ctx.memory.fixed, hw=ctx.hw, headroom_bytes=ctx.memory.parts["headroom"],
-                              device_optimizer=True, deferred=not ctx.config.overlap_optimizer)
+                              device_optimizer=True, deferred=not ctx.config.overlap_optimizer,
+                              refresh_pipelined=ctx.dp is None)
         except BudgetTooSmallError:
             return frozenset()
         return frozenset(plan.device_optimizer) - read_after_update(plan)

@@ -55,19 +55,23 @@ def test_a_step_bound_by_the_cpu_adamw_hides_every_refresh_but_the_last():
     assert new.h2d_busy_s == pytest.approx(1.2) and new.tail_s == pytest.approx(3.8 - 1.0)
 
 
-def test_refreshes_issued_when_backward_ends_queue_in_the_lanes_order():
-    # Compute 1 s an event: every AdamW but the last ends before backward does (6.4 in the old model's step),
-    # so step() issues those refreshes at compute end, in first-use order 1, 2, then bucket 0's as its AdamW
-    # ends (6.1): the bucket the next forward needs first comes last (in the lane's order 2, 1, 0 too), 1.2 s
-    # after compute end, 1.1 s after the step's end (R = the last AdamW). So event 0 waits 1.1 s (the old
-    # model: 0.4), forward + backward 6 s, the last AdamW 0.1 s after compute end: 7.2 s, against 6.5 s with
-    # the refreshes after the drain in bucket order ([Note: the refresh pipelined] in runtime/executor.py).
+def test_the_refresh_used_first_goes_first_where_its_update_is_the_lanes_next():
+    # Compute 1 s an event: at compute end (6.0) buckets 2's and 1's AdamW have ended (4.1, 5.1), bucket 0's, the
+    # lane's next, ends at 6.1. Issued first, 1 and 2 (first-use order) held bucket 0's copy, which the next
+    # forward needs first, behind them: 6.0-6.4, 6.4-6.8, then 0 at 6.8-7.2, 1.1 s after the step's end (R = 6.1),
+    # a 7.2 s step (the model before session 23). So step() issues 0 first, as its AdamW ends: 6.1-6.5, then 1
+    # and 2 (6.5-6.9, 6.9-7.3); event 0 waits 0.4 s, event 1 (at 1.4 after R) finds 1 landed (0.8): 0.4 + 6 s of
+    # compute + the last AdamW's 0.1 s after compute end = 6.5 s, the step with the refreshes after the drain.
     old = _both(_three_resident(1.0, pipelined=False))
     assert old.step_s == pytest.approx(6.5) and old.stall_s == pytest.approx(0.4)
     new = _both(_three_resident(1.0, pipelined=True))
-    assert new.step_s == pytest.approx(7.2) and new.stall_s == pytest.approx(1.1)
-    assert new.refresh_passes == 2  # the guess (only the last in flight, 0.4 s) is not the steady state
-    assert sum(new.copy_credit) == pytest.approx(1.1)  # the busy period of the three carried copies
+    assert new.step_s == pytest.approx(6.5) and new.stall_per_event == pytest.approx((0.4, 0, 0, 0, 0, 0))
+    assert new.refresh_passes == 2  # the guess (only the last in flight, in the lane's order) is not the steady state
+    assert new.copy_credit == pytest.approx((0.4, 0, 0))
+    program, hw = _three_resident(1.0, pipelined=True), flat_hw()
+    _, carry = steady.steady_state(program, hw)
+    assert [program.h2d_bucket[k] for k in carry.order] == [0, 1, 2]
+    assert carry.done == pytest.approx((6.5 - 6.1, 6.9 - 6.1, 7.3 - 6.1))
 
 
 def test_refreshes_of_updates_ended_at_step_go_in_first_use_order():
@@ -87,12 +91,17 @@ def test_refreshes_of_updates_ended_at_step_go_in_first_use_order():
 
 
 def test_refreshes_of_updates_not_ended_at_step_go_in_the_lanes_order_after_the_others():
-    # The 7.2 s case above: at compute end (6.0) buckets 2's and 1's AdamW have ended (4.1, 5.1), bucket 0's has
-    # not (6.1): step() issues 1, 2 (first-use order), then 0 as its AdamW ends: 6.0-6.4, 6.4-6.8, 6.8-7.2
-    program, hw = _three_resident(1.0, pipelined=True), flat_hw()
+    # AdamW 2 s: in the steady state event 0 waits 0.4 s for bucket 0's refresh, so grads go at 3.4, 4.4, 5.4
+    # (0.1 s each) and the AdamW of 2, 1, 0 run 3.5-5.5, 5.5-7.5, 7.5-9.5. At compute end (6.4) only 2's has ended;
+    # the next update, 1's, is not that of bucket 0 (used first): step() issues 2 (6.4-6.8), then 1 (7.5-7.9) and
+    # 0 (9.5-9.9) as their AdamW end, R = 9.5; the old model's step is the same (bound by the CPU lane)
+    program, hw = _three_resident(1.0, pipelined=True, adam=200), flat_hw()
+    got = _both(program)
+    assert got.step_s == pytest.approx(9.5) and got.stall_per_event == pytest.approx((0.4, 0, 0, 0, 0, 0))
+    assert _both(_three_resident(1.0, pipelined=False, adam=200)).step_s == pytest.approx(9.5)
     _, carry = steady.steady_state(program, hw)
-    assert [program.h2d_bucket[k] for k in carry.order] == [1, 2, 0]
-    assert carry.done == pytest.approx((6.4 - 6.1, 6.8 - 6.1, 7.2 - 6.1))
+    assert [program.h2d_bucket[k] for k in carry.order] == [2, 1, 0]
+    assert carry.done == pytest.approx((6.8 - 9.5, 7.9 - 9.5, 9.9 - 9.5))
 
 
 def test_the_device_adamw_after_backward_delays_the_end_and_not_the_refresh():
@@ -268,3 +277,23 @@ def test_a_pass_from_the_settled_carry_changes_nothing(compute):
         settled = carry.settled(out, step)
         carry = out
     assert settled and step == got.step_s
+
+
+def test_an_all_resident_chain_whose_copies_outlast_their_updates_stays_resident():
+    """Session 23 (issue 18): 8 layers of 16,512 params on pcie4, 10 us of compute an event: each refresh (12.6 us)
+    outlasts its AdamW (8.3 us), backward (10 us an event) outlasts both. At compute end every AdamW but the first
+    layer's (the lane's last, 10.9 us away) has ended; issued first, those seven refreshes (88 us) held the first
+    layer's behind them and the next forward waited 82 us for it at event 1 (a 433 us step against 353 us with the
+    refreshes after the drain), so the planner streamed 7 of the 8 layers. Issued first as its AdamW ends, the
+    first layer's refresh lands 12.6 us after the step, as after the drain: every layer stays resident."""
+    trace, buckets = chain_trace(8, 16512)
+    compute = [1e-5] * len(trace.events)
+    plans = {pipelined: build_plan(trace, buckets, itemsize=4, budget_bytes=10**9, fixed_bytes=0, compute_s=compute,
+                                   refresh_pipelined=pipelined) for pipelined in (False, True)}
+    assert len(plans[False].resident) == len(plans[True].resident) == len(buckets)
+    program = program_of(plans[True], compute)
+    got = simulate(program, DEFAULT_HW)
+    assert got == simulate_reference(program, DEFAULT_HW)
+    assert got.step_s == pytest.approx(plans[False].simulated.step_s, rel=1e-12)
+    assert got.stall_per_event[1] == pytest.approx(DEFAULT_HW.h2d_seconds(16512 * 4) - 1e-5)
+    assert [program.h2d_bucket[k] for k in steady.steady_state(program, DEFAULT_HW)[1].order] == list(range(8))

@@ -8,12 +8,14 @@ copies follow that order, a step that plans (the first, and one whose batch outg
 before the lane's last update (its old plan's slots go), and the next training forward, which reads the
 refreshed slots, gives plain torch's output after torch.optim.AdamW's step, bit for bit."""
 
+import threading
 import time
 
 import pytest
 import torch
 
 import offload
+from offload.backend.base import HostEvent
 from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 from tests.support.loops import ADAMW
 from tests.support.models import CASES, Batch, run
@@ -91,11 +93,15 @@ def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, g
             else:
                 lane_order = list(dict.fromkeys(b for b, _ in updates))
                 issued = [b for b, _, _ in copies]
-                # every bucket once: those whose update had ended at step() (a prefix of the lane's order) in
-                # first-use order, then the others in the lane's order
-                assert issued in [sorted(lane_order[:k], key=first_use(plan).__getitem__) + lane_order[k:]
-                                  for k in range(len(lane_order) + 1)], (step, issued, lane_order)
-                assert issued[-1] == lane_order[-1], step  # the lane's last update had not ended at step()
+                # every bucket once: those whose update had ended at step() (a prefix of the lane's order, not
+                # the lane's last) in first-use order, then the others in the lane's order; but the bucket used
+                # first (the lane's last) first where its update was the only one left
+                first, want = first_use(plan), []
+                for k in range(len(lane_order)):
+                    ended, rest = sorted(lane_order[:k], key=first.__getitem__), lane_order[k:]
+                    head = k and rest[0] == min(lane_order, key=first.__getitem__)
+                    want.append(rest[:1] + ended + rest[1:] if head else ended + rest)
+                assert issued in want, (step, issued, lane_order)
                 first = min(began for _, _, began in copies)
                 assert first < last_update, (step, first - last_update)  # the point: before the lane's end
 
@@ -133,6 +139,50 @@ def test_updates_ended_before_step_are_refreshed_in_first_use_order(simulated_gp
             issued = [b for b, _, _ in copies]
             assert issued == sorted(lane_order, key=first.__getitem__), (step, issued, lane_order)
             assert issued != lane_order  # the lane's order differs (the first layers' grads come last)
+            checked += 1
+        batch = case.make_batch(99)
+        assert torch.equal(run(engine, batch), run(ref.model, batch))  # the forward after the last step
+    assert checked >= 3
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu_backend", "simulated_gpu"])
+def test_the_bucket_used_first_goes_first_where_its_update_is_the_lanes_next(simulated_gpu, gpu):
+    """Every update has ended at ``step()`` but the first layer's (the lane's last: its grads come last), which
+    ends 30 ms later (its event, as ``step()`` sees it, is set then): its refresh goes first, as its update ends,
+    then the others in first-use order; queued behind them it would land last, and the next forward needs it
+    first ([Note: the refresh pipelined], session 23). Bit for bit torch after every step."""
+    if gpu:
+        simulated_gpu()
+    case, ref, ref_opt, opt, engine = _all_resident_mlp()
+    rt = engine._runtime
+    checked = 0
+    with engine:
+        for step in range(5):
+            batch = case.make_batch(step)
+            got, want = run(engine, batch), run(ref.model, batch)
+            assert torch.equal(got, want), (step, (got - want).abs().max())
+            engine.backward(case.loss_fn(got, batch))
+            ref.loss_fn(want, batch).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            rt.ctx.cpu.drain()
+            plan = rt.executor.train_plan
+            head = min(first_use(plan), key=first_use(plan).__getitem__) if plan is not None else None
+            if head in rt.slots.adam_event:  # its update, as step() sees it, ends 30 ms from now
+                real, late = rt.slots.adam_event[head], HostEvent()
+                threading.Timer(0.03, lambda real=real, late=late: (real.synchronize(), late.set())).start()
+                rt.slots.adam_event[head] = late
+            replans, called = rt.ctx.stats["replans"], time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            if rt.ctx.stats["replans"] != replans or plan is None:
+                continue  # a step that plans refreshes nothing early
+            copies, updates = _step_lanes(engine, called)
+            first = first_use(plan)
+            lane_order = list(dict.fromkeys(b for b, _ in updates))
+            issued = [b for b, _, _ in copies]
+            assert lane_order[-1] == head and len(plan.resident) == len(lane_order) > 2, (lane_order, head)
+            assert issued == [head] + sorted(lane_order[:-1], key=first.__getitem__), (step, issued, lane_order)
             checked += 1
         batch = case.make_batch(99)
         assert torch.equal(run(engine, batch), run(ref.model, batch))  # the forward after the last step
