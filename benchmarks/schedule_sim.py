@@ -37,9 +37,10 @@ them) and keeps its fastest fitting choice, as a user tuning it would; a MODEL o
 meta device, each block's forward recomputed in one lump where backward reaches it). Summarised apart
 (``goals_with_checkpointing``).
 
-``--pipelined-refresh``: the greedy plans and is simulated with resident buckets' refreshes pipelined as the
-runtime issues them with overlapped updates (``build_plan(..., refresh_pipelined=True)``: [Note: the refresh
-pipelined, modelled] in offload/planning/simulate.py; not the planner's default). The baselines keep the
+The greedy plans and is simulated with resident buckets' refreshes pipelined as the engine's runtime issues
+them with overlapped updates (``build_plan(..., refresh_pipelined=True)``, what the engine plans with since
+session 23: [Note: the refresh pipelined, modelled] in offload/planning/simulate.py); ``--refresh-after-drain``
+plans it with the refresh after the CPU lane's drain instead (the model before, for comparison). The baselines keep the
 refresh after their CPU step: DeepSpeed's ZeRO-Offload copies a param group's fp16 partition back only after
 that group's whole CPU step (``stage_1_and_2.py`` ``step()``), and ZeRO-3, Gemini and double buffering are
 modelled with their updates after backward or streamed weights, as before.
@@ -314,11 +315,13 @@ def main() -> int:
     ap.add_argument("--bucket-bytes", default="32MiB")
     ap.add_argument("--chain", default="", help="comma-separated bucket counts: time build_plan on a layer chain")
     ap.add_argument("--explain", action="store_true", help="print each case's greedy lanes and placements")
-    ap.add_argument("--pipelined-refresh", action="store_true",
-                    help="the greedy with the runtime's pipelined refresh modelled (build_plan(refresh_pipelined=True))")
+    ap.add_argument("--refresh-after-drain", action="store_true",
+                    help="the greedy with the refresh after the CPU lane's drain (the model before session 23), not "
+                         "pipelined as the runtime issues it (build_plan(refresh_pipelined=True), the default)")
     ap.add_argument("--checkpointing", action="store_true",
                     help="the GiB cases again, each policy with its best share of blocks checkpointed (a model)")
     args = ap.parse_args()
+    pipelined = not args.refresh_after_drain
     console = Console(width=None if sys.stdout.isatty() else 200)
     bucket_bytes = parse_bytes(args.bucket_bytes)
     out = {"machine": brief_machine(), "bucket_bytes": bucket_bytes, "itemsize": ITEMSIZE,
@@ -327,7 +330,7 @@ def main() -> int:
            "budget_rule": "fraction cases: activations + largest grad + buffers + fraction x bf16 parameter bytes; "
                           "gib cases: the named GPU budget",
            "compute_times": "estimated: per-operator roofline on the preset's assumed device throughput",
-           "greedy": "build_plan(..., device_optimizer=True" + (", refresh_pipelined=True)" if args.pipelined_refresh
+           "greedy": "build_plan(..., device_optimizer=True" + (", refresh_pipelined=True)" if pipelined
                                                                 else ")"),
            "cases": [], "timings_s": {}}
     if args.checkpointing:
@@ -337,7 +340,7 @@ def main() -> int:
             "estimated per block on the meta device; each block's forward recomputed in one lump where backward "
             "reaches it; [Note: the recompute model]); its bounds are those of the greedy's chosen share only, "
             "not the least over every share")
-    policies = {**POLICIES, "greedy": greedy_pipelined} if args.pipelined_refresh else POLICIES
+    policies = {**POLICIES, "greedy": greedy_pipelined} if pipelined else POLICIES
     wanted = args.models.split(",")
     table = Table(title="SIMULATED step (s), nominal presets; x = over the budget")
     for col in ("model", "hw", "budget", "bound", "bound (placement)", *POLICIES, "greedy/bound_p"):
@@ -396,7 +399,7 @@ def main() -> int:
         for n in (int(x) for x in args.chain.split(",")):
             for device_optimizer in (False, True):
                 with console.status(f"planning a {n}-bucket chain"):
-                    r = time_chain(n, device_optimizer, args.pipelined_refresh)
+                    r = time_chain(n, device_optimizer, pipelined)
                 out["chain"].append(r)
                 speed.add_row(str(n), str(r["events"]), str(r["buffers"]), str(device_optimizer), f"{r['wall_s']:.2f}",
                               f"{r['cpu_s']:.2f}", f"{r['load_avg_1m_before']:.1f}/{r['load_avg_1m_after']:.1f}")

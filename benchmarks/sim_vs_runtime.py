@@ -15,7 +15,7 @@ the engine's trace and plan (``engine._runtime``): the public API exposes only t
 The prediction above uses compute times from the resident run (the simulator's accuracy) and models resident
 buckets' refreshes as this runtime issues them, pipelined with the CPU lane ([Note: the refresh pipelined,
 modelled] in offload/planning/simulate.py); ``predicted_step_s_drained`` is the same plan with the refresh
-after the drain (the model before it, and the engine's planner's default). Beside them each case
+after the drain (the model before it, and the engine's planner's default until session 23). Beside them each case
 records the engine's own prediction, ``plan.simulated`` (``engine_predicted_step_s``): the step its plan was
 built for, from the compute times of the step it planned from: the traced first step, or with ``--calibrate``
 (``OffloadConfig(calibrate_compute=True)``, [Note: timing compute] in offload/runtime/executor.py) the first
