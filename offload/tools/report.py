@@ -186,14 +186,18 @@ def make_report(request: Request, progress: Callable[[str], None] = lambda msg: 
     progress("planning")
     min_budget = min_budget_bytes(mt, buckets, itemsize, fixed)
     fits = min_budget <= request.budget_bytes
+    # the engine's default: updates overlapped with backward and their refreshes pipelined into the next forward
+    # ([Note: the refresh pipelined, modelled] in planning/simulate.py), except float16's, deferred to step()
+    pipelined = request.dtype != torch.float16
     plan = build_plan(mt.trace, buckets, itemsize=itemsize, budget_bytes=max(request.budget_bytes, min_budget),
-                      fixed_bytes=fixed, hw=request.hw, compute_s=compute)  # (at min_budget it always fits)
+                      fixed_bytes=fixed, hw=request.hw, compute_s=compute,
+                      refresh_pipelined=pipelined)  # (at min_budget it always fits)
     weights_side = min_budget - mt.trace.activation_peak_bytes
     overflow = None if fits else ("weights" if weights_side > request.budget_bytes else "activations")
     device_plan = None
     if fits:  # where the budget leaves room, optimizer state on the device (issue 18)
         dev = build_plan(mt.trace, buckets, itemsize=itemsize, budget_bytes=request.budget_bytes, fixed_bytes=fixed,
-                         hw=request.hw, compute_s=compute, device_optimizer=True)
+                         hw=request.hw, compute_s=compute, device_optimizer=True, refresh_pipelined=pipelined)
         device_plan = {"predicted_step_s": dev.simulated.step_s, "device_optimizer_buckets": len(dev.device_optimizer),
                        "placement_bytes": placement_bytes(dev.buckets, itemsize, dev.placement),
                        "runtime": "what the engine runs with OffloadConfig(device_optimizer=True); `plan` without"}
