@@ -308,8 +308,9 @@ std::int64_t adamw_step_segments(std::uintptr_t table, std::int64_t first, std::
   for (std::size_t i = 0; i < n; ++i) {
     const std::int64_t* r = rows + i * kCols;
     if (r[3] < 0 || static_cast<std::size_t>(r[3]) >= ng || r[6] < 0 || static_cast<std::size_t>(r[6]) >= nh) {
-      throw std::invalid_argument("adamw_step_segments: segment " + std::to_string(first + static_cast<std::int64_t>(i)) +
-                                  " names grad " + std::to_string(r[3]) + " of " + std::to_string(ng) + " or hyper " +
+      throw std::invalid_argument("adamw_step_segments: segment " +
+                                  std::to_string(first + static_cast<std::int64_t>(i)) + " names grad " +
+                                  std::to_string(r[3]) + " of " + std::to_string(ng) + " or hyper " +
                                   std::to_string(r[6]) + " of " + std::to_string(nh));
     }
     offload::AdamWSegment& s = segments[i];
@@ -326,7 +327,8 @@ std::int64_t adamw_step_segments(std::uintptr_t table, std::int64_t first, std::
   for (std::size_t i = 0; i < nh; ++i) {
     const double* r = h + i * kCols;
     if (!(r[0] >= 1.0) || r[0] != static_cast<double>(static_cast<std::int64_t>(r[0]))) {
-      throw std::invalid_argument("adamw_step_segments: hyper " + std::to_string(i) + "'s step must be an integer >= 1");
+      throw std::invalid_argument("adamw_step_segments: hyper " + std::to_string(i) +
+                                  "'s step must be an integer >= 1");
     }
     hyper[i].step = static_cast<std::int64_t>(r[0]);
     hyper[i].lr = r[1];

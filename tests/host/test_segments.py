@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(not (KERNEL_AVAILABLE and hasattr(_C, "adamw_ste
 
 # odd lengths, a length of one, an empty one, one long enough for two OpenMP workers (1 << 16 elements)
 LENGTHS = (1037, 1, 15, 0, 4096, 7, 70_001, 64, 3)
-HYPERS = ((1, 1e-3, 0.9, 0.999, 1e-8, 0.1, 1.0), (7, 3e-3, 0.8, 0.99, 1e-6, 0.0, 0.5), (2, 1e-2, 0.9, 0.999, 1e-8, 0.01, 1.0))
+HYPERS = ((1, 1e-3, 0.9, 0.999, 1e-8, 0.1, 1.0), (7, 3e-3, 0.8, 0.99, 1e-6, 0.0, 0.5),
+          (2, 1e-2, 0.9, 0.999, 1e-8, 0.01, 1.0))
 
 
 def _segments(grad_dtype, lowp_dtype, seed=0):
