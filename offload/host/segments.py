@@ -141,7 +141,7 @@ class BatchUpdate:
     def prepare(self, grads: list[torch.Tensor], hparams, count: int) -> tuple[array, array]:
         """The grads' addresses (the zeros' last) and one row of hyperparameters per param group, for
         :meth:`run`: the batch's parameters at step ``count`` now (:meth:`ready`)."""
-        addrs = array("q", map(_data_ptr, grads))
+        addrs = array("q", list(map(_data_ptr, grads)))  # (from a list: an iterator costs ~half again)
         addrs.append(self.zeros.data_ptr())
         step = float(count + 1)
         hypers = array("d")
