@@ -282,6 +282,68 @@ bool adamw_step(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp
   return offload::adamw_step(b, h, check_finite, num_threads, isa);
 }
 
+// [Note: segmented AdamW] in cpu_adam.h, from three tables given by address (the engine keeps them as flat
+// int64 / float64 tensors, offload/host/segments.py): `table` rows [first, first + count) of 7 int64 each
+// (param, exp_avg, exp_avg_sq addresses, the index of the segment's grad in `grads`, the low-precision copy's
+// address or 0, numel, the index of its row in `hypers`), `grads` n_grads int64 addresses, `hypers` n_hypers
+// rows of 7 float64 (step, lr, beta1, beta2, eps, weight_decay, grad_scale). Indices are checked here; returns
+// adamw_step_segments' answer counted from `first`'s row (-1: none found inf).
+std::int64_t adamw_step_segments(std::uintptr_t table, std::int64_t first, std::int64_t count, std::uintptr_t grads,
+                                 std::int64_t n_grads, std::uintptr_t hypers, std::int64_t n_hypers,
+                                 const std::string& grad_dtype, const std::string& lowp_dtype, bool check_finite,
+                                 int num_threads, const std::string& isa) {
+  constexpr int kCols = 7;
+  non_negative(first, "first");
+  const std::size_t n = non_negative(count, "count");
+  const std::size_t ng = non_negative(n_grads, "n_grads");
+  const std::size_t nh = non_negative(n_hypers, "n_hypers");
+  if ((n > 0 && (table == 0 || grads == 0)) || (nh > 0 && hypers == 0)) {
+    throw std::invalid_argument("adamw_step_segments: a table address is null");
+  }
+  const auto grad_type = scalar_type(grad_dtype, "grad_dtype");
+  const auto lowp_type = scalar_type(lowp_dtype, "lowp_dtype");
+  const auto* rows = reinterpret_cast<const std::int64_t*>(table) + first * kCols;
+  const auto* grad_at = reinterpret_cast<const std::int64_t*>(grads);
+  std::vector<offload::AdamWSegment> segments(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int64_t* r = rows + i * kCols;
+    if (r[3] < 0 || static_cast<std::size_t>(r[3]) >= ng || r[6] < 0 || static_cast<std::size_t>(r[6]) >= nh) {
+      throw std::invalid_argument("adamw_step_segments: segment " +
+                                  std::to_string(first + static_cast<std::int64_t>(i)) + " names grad " +
+                                  std::to_string(r[3]) + " of " + std::to_string(ng) + " or hyper " +
+                                  std::to_string(r[6]) + " of " + std::to_string(nh));
+    }
+    offload::AdamWSegment& s = segments[i];
+    s.param = reinterpret_cast<float*>(static_cast<std::uintptr_t>(r[0]));
+    s.exp_avg = reinterpret_cast<float*>(static_cast<std::uintptr_t>(r[1]));
+    s.exp_avg_sq = reinterpret_cast<float*>(static_cast<std::uintptr_t>(r[2]));
+    s.grad = reinterpret_cast<const void*>(static_cast<std::uintptr_t>(grad_at[r[3]]));
+    s.lowp_out = reinterpret_cast<void*>(static_cast<std::uintptr_t>(r[4]));
+    s.numel = non_negative(r[5], "numel");
+    s.hyper = static_cast<std::size_t>(r[6]);
+  }
+  std::vector<offload::AdamWHyper> hyper(nh);
+  const auto* h = reinterpret_cast<const double*>(hypers);
+  for (std::size_t i = 0; i < nh; ++i) {
+    const double* r = h + i * kCols;
+    if (!(r[0] >= 1.0) || r[0] != static_cast<double>(static_cast<std::int64_t>(r[0]))) {
+      throw std::invalid_argument("adamw_step_segments: hyper " + std::to_string(i) +
+                                  "'s step must be an integer >= 1");
+    }
+    hyper[i].step = static_cast<std::int64_t>(r[0]);
+    hyper[i].lr = r[1];
+    hyper[i].beta1 = r[2];
+    hyper[i].beta2 = r[3];
+    hyper[i].eps = r[4];
+    hyper[i].weight_decay = r[5];
+    hyper[i].grad_scale = r[6];
+  }
+  py::gil_scoped_release release;  // pure arithmetic on raw memory: other Python threads may run
+  const std::int64_t bad = offload::adamw_step_segments(segments.data(), n, hyper.data(), nh, grad_type, lowp_type,
+                                                        check_finite, num_threads, isa);
+  return bad < 0 ? bad : first + bad;
+}
+
 void adamw_memory_traffic(std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
                           std::uintptr_t grad, const std::string& grad_dtype, std::uintptr_t lowp_out,
                           std::int64_t numel, int num_threads) {
@@ -365,6 +427,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("grad_scale") = 1.0, py::arg("check_finite") = false, py::arg("num_threads") = 1,
         py::arg("isa") = "auto",
         "Fused AdamW over raw fp32 buffers (addresses as ints). Returns found_inf; see cpp/cpu_adam.h.");
+  m.def("adamw_step_segments", &adamw_step_segments, py::arg("table"), py::arg("first"), py::arg("count"),
+        py::arg("grads"), py::arg("n_grads"), py::arg("hypers"), py::arg("n_hypers"), py::arg("grad_dtype"),
+        py::arg("lowp_dtype"), py::arg("check_finite") = false, py::arg("num_threads") = 1, py::arg("isa") = "auto",
+        "adamw_step over many segments in one call (tables by address); returns the first segment that found an "
+        "inf, or -1. See [Note: segmented AdamW] in cpp/cpu_adam.h.");
   m.def("adamw_memory_traffic", &adamw_memory_traffic, py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("grad"), py::arg("grad_dtype"), py::arg("lowp_out"), py::arg("numel"), py::arg("num_threads") = 1,
         "adamw_step's loads and stores without its arithmetic (overwrites the buffers): the bandwidth bound.");

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -627,12 +628,13 @@ bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check
   return adamw_step(buffers, hyper, check_finite, num_threads, "auto");
 }
 
-bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check_finite, int num_threads,
-                const std::string& isa) {
-  validate(buffers, hyper, num_threads, isa);
+namespace {
+
+// The body of adamw_step once its arguments are checked: shared by adamw_step and adamw_step_segments, so that
+// the two run the same code on every range.
+bool run_checked(const AdamWBuffers& buffers, const Coeffs& coeffs, const Kernels& k, bool check_finite,
+                 int num_threads) {
   if (buffers.numel == 0) return false;
-  const Kernels& k = kernels_for(isa == "auto" ? best_isa() : isa);
-  const Coeffs coeffs = make_coeffs(hyper);
   const int g = type_index(buffers.grad_type);
 
   if (check_finite) {
@@ -652,6 +654,57 @@ bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check
   parallel_runs(buffers.numel, num_threads,
                 [&](std::size_t begin, std::size_t end) { update(buffers, coeffs, begin, end); });
   return false;
+}
+
+AdamWBuffers buffers_of(const AdamWSegment& s, ScalarType grad_type, ScalarType lowp_type) {
+  AdamWBuffers b;
+  b.param = s.param;
+  b.exp_avg = s.exp_avg;
+  b.exp_avg_sq = s.exp_avg_sq;
+  b.grad = s.grad;
+  b.grad_type = grad_type;
+  b.lowp_out = s.lowp_out;
+  b.lowp_type = lowp_type;
+  b.numel = s.numel;
+  return b;
+}
+
+}  // namespace
+
+bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check_finite, int num_threads,
+                const std::string& isa) {
+  validate(buffers, hyper, num_threads, isa);
+  if (buffers.numel == 0) return false;
+  const Kernels& k = kernels_for(isa == "auto" ? best_isa() : isa);
+  return run_checked(buffers, make_coeffs(hyper), k, check_finite, num_threads);
+}
+
+std::int64_t adamw_step_segments(const AdamWSegment* segments, std::size_t count, const AdamWHyper* hypers,
+                                 std::size_t n_hypers, ScalarType grad_type, ScalarType lowp_type, bool check_finite,
+                                 int num_threads, const std::string& isa) {
+  if (count > 0 && (segments == nullptr || hypers == nullptr || n_hypers == 0)) {
+    throw std::invalid_argument("adamw_step_segments: segments and hypers must not be null");
+  }
+  for (std::size_t i = 0; i < count; ++i) {  // every argument before anything is written
+    if (segments[i].hyper >= n_hypers) {
+      throw std::invalid_argument("adamw_step_segments: segment " + std::to_string(i) + " names hyper " +
+                                  std::to_string(segments[i].hyper) + " of " + std::to_string(n_hypers));
+    }
+    validate(buffers_of(segments[i], grad_type, lowp_type), hypers[segments[i].hyper], num_threads, isa);
+  }
+  if (count == 0) return -1;
+  const Kernels& k = kernels_for(isa == "auto" ? best_isa() : isa);
+  // Each hyper's coefficients once (a few pow calls each), not once a segment.
+  std::vector<Coeffs> coeffs;
+  coeffs.reserve(n_hypers);
+  for (std::size_t h = 0; h < n_hypers; ++h) coeffs.push_back(make_coeffs(hypers[h]));
+  for (std::size_t i = 0; i < count; ++i) {
+    const AdamWSegment& s = segments[i];
+    if (run_checked(buffers_of(s, grad_type, lowp_type), coeffs[s.hyper], k, check_finite, num_threads)) {
+      return static_cast<std::int64_t>(i);
+    }
+  }
+  return -1;
 }
 
 void adamw_memory_traffic(const AdamWBuffers& buffers, int num_threads) {

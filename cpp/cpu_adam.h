@@ -73,6 +73,32 @@ bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check
 bool adamw_step(const AdamWBuffers& buffers, const AdamWHyper& hyper, bool check_finite, int num_threads,
                 const std::string& isa);
 
+// One range of adamw_step_segments: numel elements of its own buffers (as AdamWBuffers, the grad and copy types
+// shared by the call), updated with hypers[hyper].
+struct AdamWSegment {
+  float* param = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  const void* grad = nullptr;
+  void* lowp_out = nullptr;  // nullptr: no low-precision copy
+  std::size_t numel = 0;
+  std::size_t hyper = 0;  // index into the call's hypers
+};
+
+// [Note: segmented AdamW] (issue 17, the hot path) adamw_step on segments[0], ..., segments[count - 1], in that
+// order, each with hypers[segment.hyper], in one call: what one adamw_step call per segment does, element for
+// element. The update is element-wise (every element is computed by the same instructions wherever a call, a
+// chunk or a segment begins: [Note: work split under contention]), so cutting a range into segments, or joining
+// ranges into one call, cannot change a bit. It exists so that the engine can update many small ranges whose
+// grads lie in separate tensors (a fast step's parameters' own grads, read where autograd left them) with one
+// crossing from Python instead of a grad copy and a call per range (runtime/bucket_send.py, [Note: sent as one
+// batch]). With check_finite, each segment is checked before it is written, as adamw_step checks its range:
+// the first segment holding an inf or nan and every later one are left unwritten, and its index is returned;
+// otherwise -1. Every argument is checked before anything is written; the exceptions are adamw_step's.
+std::int64_t adamw_step_segments(const AdamWSegment* segments, std::size_t count, const AdamWHyper* hypers,
+                                 std::size_t n_hypers, ScalarType grad_type, ScalarType lowp_type, bool check_finite,
+                                 int num_threads, const std::string& isa = "auto");
+
 // The memory traffic of adamw_step (the same loads and stores, loop and threads) without its arithmetic:
 // it overwrites the buffers with meaningless values. Its speed is the bandwidth bound of the kernel on
 // this machine (benchmarks/cpu_adam.py). Same argument checks as adamw_step.

@@ -115,6 +115,18 @@ def adamw_step(
     Releases the GIL.
     """
 
+def adamw_step_segments(
+    table: int, first: int, count: int, grads: int, n_grads: int, hypers: int, n_hypers: int, grad_dtype: str,
+    lowp_dtype: str, check_finite: bool = False, num_threads: int = 1, isa: str = "auto",
+) -> int:
+    """``adamw_step`` over rows ``[first, first + count)`` of ``table`` in one call ([Note: segmented AdamW] in
+    cpp/cpu_adam.h), bit for bit one ``adamw_step`` a row. Tables by address: ``table`` int64 rows of 7 (param,
+    exp_avg, exp_avg_sq addresses, index of the grad in ``grads``, the 16-bit copy's address or 0, numel, index
+    of the row in ``hypers``), ``grads`` ``n_grads`` int64 addresses, ``hypers`` float64 rows of 7 (step, lr,
+    beta1, beta2, eps, weight_decay, grad_scale). Returns the first row that found an inf (it and later rows
+    unwritten), or -1. Use ``offload.host.segments``, which builds the tables. Releases the GIL.
+    """
+
 def adamw_memory_traffic(
     param: int, exp_avg: int, exp_avg_sq: int, grad: int, grad_dtype: str, lowp_out: int, numel: int,
     num_threads: int = 1,

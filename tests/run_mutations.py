@@ -37,6 +37,9 @@ _SEND = ["tests/runtime/test_bucket_send.py::test_on_the_simulated_gpu_a_fast_st
 # [Note: sent as one batch]: the CPU backend's inline mode only (a simulated GPU never batches), under chaos
 _BATCH = ["tests/runtime/test_batch_send.py::test_under_chaos_a_batch_waits_for_the_refresh_copies_and_the_lane",
           "tests/runtime/test_batch_send.py"]
+# [Note: updated from p.grad]: the fused kernel's batch (the slow lane's test first: the batch queued there)
+_DIRECT = ["tests/runtime/test_batch_send.py::test_a_batch_from_p_grad_queued_on_a_slow_lane_calls_the_kernel_per_"
+           "bucket", "tests/runtime/test_batch_send.py"]
 # issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
@@ -364,6 +367,19 @@ MUTATIONS = [
     ("R32", "a batch's ring piece is lent without naming its reader (the next copy there would not wait for it)",
      "offload/runtime/bucket_send.py", "        host.staged_read_by(lent, done)\n        grads.copies.append(done)",
      "        grads.copies.append(done)", _BATCH),
+    # -- [Note: updated from p.grad] (host/segments.py): a batch updated from the parameters' own grads ----------
+    ("R35", "a batch updated from p.grad queued on the lane's thread makes one kernel call for all its buckets (each "
+     "bucket's event set only once every bucket is updated: step()'s refresh waits for the whole batch)",
+     "offload/runtime/bucket_send.py", "            if threading.get_ident() == issuer:\n",
+     "            if True:\n", _DIRECT),
+    ("R36", "the padding between parameters is updated with grads that are not zeros", "offload/host/segments.py",
+     "zeros = torch.zeros(max(gap, 1), dtype=host.device_dtype)",
+     "zeros = torch.ones(max(gap, 1), dtype=host.device_dtype)", _DIRECT),
+    ("R37", "a grad of another layout than its parameter's is read as if it were contiguous",
+     "offload/host/segments.py", " or not all(map(_is_contiguous, grads)):", ":", _DIRECT),
+    ("R38", "a batch updated from p.grad leaves its parameters' step counts where they were",
+     "offload/runtime/bucket_send.py", "            if failed is None:\n                batch.count(count)\n",
+     "            if failed is None:\n                pass\n", _DIRECT),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -45,14 +45,28 @@ as its update ends ([Note: the refresh pipelined] in executor.py). The copy's lo
 bucket's copy (:class:`Mark`); the batch's own event is the ring bytes' reader and the copies' end. A bucket
 whose update raises stops no other; the batch raises the first failure once every bucket was tried. Not batched:
 fewer than two buckets, a bucket the routine declines, the lanes on threads (``OFFLOAD_CPU_COPIES=lanes``) and
-CUDA, where each bucket still goes at its last grad, overlapped with backward. One kernel call over several buckets
-is not possible: ``host_layout`` puts each bucket's master, 16-bit copy, m and v side by side, so no two buckets'
-masters are adjacent in the host arena. Measured in overhead-profile.md, section 16.
+CUDA, where each bucket still goes at its last grad, overlapped with backward. Measured in overhead-profile.md,
+section 16.
+
+With the default fused kernel (fp32 or bf16) the batch leaves out the copy too ([Note: updated from p.grad] in
+host/segments.py, session 23): every bucket's runs are updated in ONE kernel call over segments (one per parameter,
+its grad read in ``p.grad``; one per gap of padding, its grads zeros; ``host_layout`` keeps each bucket's regions
+side by side, so a segment names its own addresses), so the ring is neither written nor lent and the batch waits
+for no reader of it. Nothing but a batch's own updates reads its ring bytes (the grad norms read the accumulation's
+fp32 sums, which a batched step never has; the timeline reads the lane log; a departure, save/load and data parallel
+never read the ring bytes of an overlapped update), so no record changes. The per-bucket events, records and
+lane-log entries stay (a bucket's "d2h" entry: no time, its bytes counted as before). Where the batch runs on the
+issuing thread (the inline lane, unless its thread is busy), nothing can wait for a bucket's event before the batch
+returns (``step()`` comes after it), so one call serves every bucket and their events are set after it; on the
+lane's thread (queued: chaos, a busy lane) it calls the kernel once per bucket and sets each event as that call
+ends, so ``step()``'s pipelined refresh still copies each bucket as its update ends. Measured in
+overhead-profile.md, section 17.
 """
 
 from __future__ import annotations
 
 import operator
+import threading
 import time
 import weakref
 from functools import partial
@@ -62,10 +76,12 @@ import torch
 
 from ..backend.base import HostEvent
 from ..errors import InvariantError
+from ..host.segments import BatchUpdate
 from .grad_records import PendingGrads
 
 if TYPE_CHECKING:
-    from ..host.state import GradRing
+    from ..backend.base import Event
+    from ..host.state import GradRing, Lent
     from ..planning.plan import Plan
     from .fast_path import Closing
     from .grads import GradPipeline
@@ -126,6 +142,11 @@ class FastSend:
         self._routes: dict[int, Route | None] = {}
         self.sent = 0  # buckets sent by :meth:`send` or in a batch (tests read it)
         self.batches = 0  # batches sent by :meth:`send_all` ([Note: sent as one batch]; tests read it)
+        self.direct = 0  # of them, updated from the grads in ``p.grad`` ([Note: updated from p.grad]; tests read it)
+        # [Note: updated from p.grad]: per set of buckets, its table (or None), for one plan and host state
+        self._direct: dict[tuple[int, ...], BatchUpdate | None] = {}
+        self._direct_plan: Plan | None = None
+        self._direct_host: object = None
         # per grad ring (held weakly: a new host arena has a new one): (offset, bucket) -> its grads' views there
         self._ring_views: weakref.WeakKeyDictionary[GradRing, dict[tuple[int, int], list[torch.Tensor]]] = (
             weakref.WeakKeyDictionary())
@@ -249,8 +270,10 @@ class FastSend:
 
     def _send_batch(self, routes: list[Route], leave: bool) -> None:
         """[Note: sent as one batch]: the buckets of ``routes`` (each as :meth:`route` allowed it) in one CPU-lane
-        item, each bucket's grads copied from ``p.grad`` into one piece of the grad ring and updated from there,
-        then their step counts in one op; the records :meth:`send` leaves, per bucket."""
+        item, each bucket updated from its parameters' own grads in one kernel call for all ([Note: updated from
+        p.grad] in host/segments.py) or, where that does not cover them, each bucket's grads copied from
+        ``p.grad`` into one piece of the grad ring and updated from there; then their step counts in one op; the
+        records :meth:`send` leaves, per bucket."""
         grads = self.grads
         ctx, slots = grads.ctx, grads.slots
         params, host, itemsize = ctx.params, slots.hosted(), ctx.itemsize
@@ -262,31 +285,90 @@ class FastSend:
             work.append((r, cast("list[torch.Tensor]", maybe), Mark(), HostEvent(what=r.what)))
             # the bucket's last update, and the host-to-device copy that still reads the masters it rewrites
             waits += [e for e in (slots.adam_event.get(r.b), slots.h2d_event.get(r.b)) if e is not None]
-        lent, piece, after = host.ring.take(max(r.numel for r in routes))  # [Note: grad staging ring]
-        views = self._views_in(host.ring, lent.start, piece, work)
+        direct = self._batch_update(routes, host)
+        lent: Lent | None = None
+        after: tuple[Event, ...] = ()
+        if direct is None:  # into the ring: [Note: grad staging ring]
+            lent, ring_piece, after = host.ring.take(max(r.numel for r in routes))
+            ring_views = self._views_in(host.ring, lent.start, ring_piece, work)
         hp, update = grads.hparams, host.update
         clock = time.perf_counter
+        issuer = threading.get_ident()
+
+        def copied_then_updated(piece: torch.Tensor, views: list[list[torch.Tensor]]) -> BaseException | None:
+            """Each bucket's grads copied into ``piece`` and updated from there, as if each were its own lane item:
+            one failing stops no other; the first failure is returned."""
+            failed: BaseException | None = None
+            counted: list[tuple[int, ...]] = []
+            for (r, got, copied, updated), dst in zip(work, views):
+                try:
+                    copied.started = clock()
+                    if not r.whole:
+                        piece[:r.numel].zero_()  # the padding between parameters sends zeros
+                    torch._foreach_copy_(dst, got)
+                    copied.finished = updated.started = clock()
+                    update(r.b, r.got, hp, (), piece, counts=counted)
+                    updated.finished = clock()
+                    updated.set()  # its refresh copy may go now ([Note: the refresh pipelined])
+                except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
+                    updated.set(e)
+                    failed = failed or e
+            host.count_runs(counted)
+            return failed
+
+        def from_grads(batch: BatchUpdate, flat: list[torch.Tensor], count: int) -> BaseException | None:
+            """[Note: updated from p.grad]: one kernel call for every bucket where this runs on the issuing thread
+            (nothing there can wait for a bucket's event before the batch returns), else a call per bucket, its
+            event set as it ends (``step()``'s refresh, on another thread, copies each bucket as its update ends).
+            A call that fails fails its buckets only; the rest are updated and counted."""
+            failed: BaseException | None = None
+            prepared = batch.prepare(flat, hp, count)
+            calls: list[tuple[int, int | None, range]]  # (first row, rows or all, the buckets' positions in work)
+            if threading.get_ident() == issuer:
+                calls = [(0, None, range(len(work)))]
+            else:
+                calls = [(first, rows, range(i, i + 1)) for i, (first, rows) in enumerate(batch.spans)]
+            updated_ok: list[int] = []
+            for first, rows, at in calls:
+                began = clock()
+                for i in at:
+                    _, _, copied, updated = work[i]
+                    copied.started = copied.finished = updated.started = began  # nothing copied
+                try:
+                    batch.run(prepared, first, rows)
+                except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
+                    for i in at:
+                        work[i][3].set(e)
+                    failed = failed or e
+                    continue
+                ended = clock()
+                for i in at:
+                    work[i][3].finished = ended
+                    work[i][3].set()  # its refresh copy may go now ([Note: the refresh pipelined])
+                updated_ok += at
+            if failed is None:
+                batch.count(count)
+            else:  # only the buckets updated, as ``update(counts=)`` adds only theirs
+                host.count_runs([run for i in updated_ok for run in batch.bucket_runs[i]])
+            self.direct += 1
+            return failed
+
+        waits = [*waits, *after]
 
         def run() -> None:
-            counted: list[tuple[int, ...]] = []
             failed: BaseException | None = None
             try:
                 for w in waits:  # here, not the lane's: a failed wait fails every bucket's event too
                     w.synchronize()
-                for (r, got, copied, updated), dst in zip(work, views):
-                    try:  # each bucket's update as if it were its own lane item: one failing stops no other
-                        copied.started = clock()
-                        if not r.whole:
-                            piece[:r.numel].zero_()  # the padding between parameters sends zeros
-                        torch._foreach_copy_(dst, got)
-                        copied.finished = updated.started = clock()
-                        update(r.b, r.got, hp, (), piece, counts=counted)
-                        updated.finished = clock()
-                        updated.set()  # its refresh copy may go now ([Note: the refresh pipelined])
-                    except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
-                        updated.set(e)
-                        failed = failed or e
-                host.count_runs(counted)
+                if direct is not None:
+                    flat = [g for _, got, _, _ in work for g in got]
+                    if (count := direct.ready(host, flat)) >= 0:
+                        failed = from_grads(direct, flat, count)
+                    else:  # (rare: see the Note) from a copy, as into the ring
+                        scratch = torch.zeros(max(r.numel for r in routes), dtype=host.device_dtype)
+                        failed = copied_then_updated(scratch, self._views_of(scratch, work))
+                else:
+                    failed = copied_then_updated(ring_piece, ring_views)
             except BaseException as e:
                 failed = e
                 raise
@@ -297,7 +379,6 @@ class FastSend:
             if failed is not None:
                 raise failed
 
-        waits = [*waits, *after]
         done = ctx.cpu.issue(run, (), f"grads and AdamW of buckets {[r.b for r in routes]}")
         host.staged_read_by(lent, done)
         grads.copies.append(done)
@@ -317,6 +398,23 @@ class FastSend:
                     params[q].grad = None
         self.sent += len(routes)
         self.batches += 1
+
+    def _batch_update(self, routes: list[Route], host) -> BatchUpdate | None:
+        """[Note: updated from p.grad]'s table for these buckets (built once per plan, host state and set of
+        buckets), or None where it does not cover them."""
+        key = tuple(r.b for r in routes)
+        if self._direct_plan is not self._plan or self._direct_host is not host:
+            self._direct_plan, self._direct_host, self._direct = self._plan, host, {}
+        if key not in self._direct:
+            if len(self._direct) >= 16:
+                self._direct.clear()
+            self._direct[key] = BatchUpdate.build(host, [(r.b, r.got, r.ps) for r in routes])
+        return self._direct[key]
+
+    def _views_of(self, piece: torch.Tensor, work) -> list[list[torch.Tensor]]:
+        """Per bucket of ``work``, its parameters' views in ``piece`` (a scratch buffer: not cached)."""
+        off, params = self.grads.slots.hosted().offset, self.grads.ctx.params
+        return [[piece[off[q]: off[q] + params[q].numel()].view(params[q].shape) for q in r.ps] for r, *_ in work]
 
     def _views_in(self, ring: GradRing, start: int, piece: torch.Tensor, work) -> list[list[torch.Tensor]]:
         """Per bucket of ``work``, its parameters' views in the ``ring``'s ``piece`` that begins at byte ``start``,

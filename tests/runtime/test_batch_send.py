@@ -12,7 +12,7 @@ import torch
 
 import offload
 from offload.testing.chaos import ChaosConfig
-from tests.support.compare import assert_bitwise, assert_losses_bitwise
+from tests.support.compare import FusedStepChecker, assert_bitwise, assert_losses_bitwise
 from tests.support.fake_cuda import with_chaos
 from tests.support.loops import finish_step
 from tests.support.models import tanh_mlp
@@ -52,12 +52,12 @@ def _pair(kind="plain", chaos=None, depth=12, width=32, **kw):
     return engine, opt, ref, ref_opt
 
 
-def _engine(fused=True, dtype=torch.float32, width=32, depth=12, batch=True):
+def _engine(fused=True, dtype=torch.float32, width=32, depth=12, batch=True, kind="plain", model=None):
     """An engine alone (the fused kernel by default), all resident with room to hold every grad at once (budget 64x
-    its weights); ``batch=False``: its fast steps send bucket by bucket."""
-    model = tanh_mlp(depth, width)
+    its weights); ``batch=False``: its fast steps send bucket by bucket. ``kind``: as :func:`_groups`."""
+    model = tanh_mlp(depth, width) if model is None else model
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    opt = offload.AdamW(model.parameters(), fused=fused, **ADAMW)
+    opt = offload.AdamW(_groups(model, kind), fused=fused, **ADAMW)
     engine = offload.wrap(model, opt, budget=64 * nbytes, bucket_bytes=max(256, nbytes // 10), dtype=dtype,
                           device="cpu")
     if not batch:
@@ -136,13 +136,21 @@ def test_a_fast_steps_buckets_go_as_one_batch_bit_for_bit_torch(inline, kind):
         engine.close()
 
 
-@pytest.mark.parametrize("case", ["fp32", "bf16", "padded"])
+CASES = {"fp32": {}, "bf16": dict(dtype=torch.bfloat16), "padded": dict(width=5, depth=6),
+         "groups": dict(kind="groups"), "frozen": dict(kind="frozen"),
+         "bf16-groups": dict(dtype=torch.bfloat16, kind="groups"),
+         "padded-ring": dict(width=5, depth=6, fused=False)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_batch_leaves_what_sending_bucket_by_bucket_leaves(inline, case):
-    """Beside the same engine sending each bucket by the routine (``FastSend.send``), with the default fused kernel:
-    the same lane-log entries (lane, bucket, bytes, in order), counters, weights, and every byte of the host state
-    (masters, 16-bit copies, m, v, the padding between parameters, whose grads must be zeros: width 5) and step
-    counts, after every step."""
-    kw = dict(dtype=torch.bfloat16) if case == "bf16" else dict(width=5, depth=6) if case == "padded" else {}
+    """Beside the same engine sending each bucket by the routine (``FastSend.send``), with the default fused kernel
+    (the batch updated from ``p.grad`` in one kernel call: [Note: updated from p.grad]) or with torch's ops
+    ("padded-ring": the batch's grads through the grad ring): the same lane-log entries (lane, bucket, bytes, in
+    order), counters, weights, and every byte of the host state (masters, 16-bit copies, m, v, the padding between
+    parameters, whose grads must be zeros: width 5) and step counts, after every step; fp32 and bf16, two param
+    groups, a frozen weight."""
+    kw = CASES[case]
     width = kw.get("width", 32)
     (engine, opt), (single, single_opt) = _engine(**kw), _engine(**kw, batch=False)
     try:
@@ -155,9 +163,92 @@ def test_a_batch_leaves_what_sending_bucket_by_bucket_leaves(inline, case):
         assert_bitwise(engine.state_dict()["model"], single.state_dict()["model"], "model")
         fast, buckets, sent, batches = _sent(engine)
         assert fast >= STEPS - 3 and batches == fast and sent == fast * buckets
+        assert engine._runtime.grads.fast_send.direct == (0 if case == "padded-ring" else batches)
         assert _sent(single)[2:] == (sent, 0)
-        if case == "padded":  # the grads do not fill the ring piece: it is cleared first
+        if case.startswith("padded"):  # the grads do not fill the bucket: padding between parameters
             assert not all(r is None or r.whole for r in engine._runtime.grads.fast_send._routes.values())
+    finally:
+        engine.close()
+        single.close()
+
+
+class KernelCalls:
+    """Counts ``_C.adamw_step_segments`` calls made by ``offload.host.segments`` (and can slow each one)."""
+
+    def __init__(self, monkeypatch, delay: float = 0.0):
+        import offload.host.segments as segments
+
+        self.real, self.calls, self.delay = segments._C, 0, delay
+        monkeypatch.setattr(segments, "_C", self)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def adamw_step_segments(self, *args):
+        import time
+
+        self.calls += 1
+        if self.delay:
+            time.sleep(self.delay)
+        return self.real.adamw_step_segments(*args)
+
+
+@pytest.mark.parametrize("kind", ["plain", "groups", "frozen", "padded"])
+def test_a_batch_updated_from_p_grad_in_one_kernel_call_steps_as_torch(inline, monkeypatch, kind):
+    """The default fused kernel: every fast step's buckets are updated in ONE kernel call straight from the
+    parameters' grads ([Note: updated from p.grad]): the grad ring is not written, and at every step, from the
+    engine's own weights and AdamW state, plain PyTorch + torch.optim.AdamW takes the same step: m, v and the step
+    counts bit for bit, the masters within the fused kernel's bound (tests/support/compare.py); one group, two
+    groups, a frozen weight, padding between parameters (width 5)."""
+    width, depth = (5, 6) if kind == "padded" else (32, 12)
+    model = tanh_mlp(depth, width)
+    checker = FusedStepChecker(model, ADAMW, params=lambda m: _groups(m, "plain" if kind == "padded" else kind))
+    engine, opt = _engine(kind="plain" if kind == "padded" else kind, width=width, depth=depth, model=model)
+    calls = KernelCalls(monkeypatch)
+    try:
+        written = None
+        for step in range(STEPS):
+            fast_before = engine._runtime.ctx.stats["fast_steps"]
+            checker.before_step(engine)
+            finish_step(_loss(engine(_x(step, width))), opt)
+            checker.after_step(engine, lambda m, s=step: _loss(m(_x(s, width))), f"step {step}")
+            if engine._runtime.ctx.stats["fast_steps"] > fast_before:
+                ring = engine._runtime.slots.hosted().ring.region
+                if written is None:
+                    written = ring, ring.clone()  # the ring as the steps before the fast ones left it
+                assert ring is written[0] and torch.equal(ring, written[1]), f"step {step}: the grad ring was written"
+        fast, buckets, sent, batches = _sent(engine)
+        assert fast >= STEPS - 3 and buckets > 2 and batches == fast and sent == fast * buckets
+        assert engine._runtime.grads.fast_send.direct == batches == calls.calls  # one kernel call a batch
+        steps = {int(v["step"]) for v in opt.state_dict()["state"].values()}
+        assert steps == {STEPS}
+    finally:
+        engine.close()
+
+
+def test_a_grad_not_laid_out_as_its_parameter_is_copied_before_the_update(inline):
+    """A grad that a hook replaced by one of another layout (the same values, transposed strides) is not read as if
+    it were contiguous: that batch is updated from a copy of its grads, as before, bit for bit what sending bucket
+    by bucket gives."""
+    def engine_with_hook(batch):
+        engine, opt = _engine(batch=batch)
+        weight = engine.module[0].weight
+
+        def relayout(p):
+            if p.grad is not None:  # (a step that is not fast has taken it already)
+                p.grad = p.grad.t().contiguous().t()
+        weight.register_post_accumulate_grad_hook(relayout)
+        return engine, opt
+
+    (engine, opt), (single, single_opt) = engine_with_hook(True), engine_with_hook(False)
+    try:
+        for step in range(STEPS):
+            for e, o in ((engine, opt), (single, single_opt)):
+                finish_step(_loss(e(_x(step))), o)
+            assert_bitwise(_host(engine), _host(single), f"step {step}: host state")
+        fast, _, _, batches = _sent(engine)
+        assert fast >= STEPS - 3 and batches == fast
+        assert engine._runtime.grads.fast_send.direct == 0  # every batch from a copy
     finally:
         engine.close()
         single.close()
@@ -308,3 +399,34 @@ def test_a_batch_queued_on_a_slow_lane_keeps_the_refresh_pipelined(inline):
         assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "model")
     finally:
         engine.close()
+
+
+def test_a_batch_from_p_grad_queued_on_a_slow_lane_calls_the_kernel_per_bucket(inline, monkeypatch):
+    """[Note: updated from p.grad] on the lane's thread (the batch queued: here the lane slowed 20 ms before and
+    after each item, each kernel call 10 ms): one kernel call per bucket, each bucket's event set as its call ends,
+    so ``step()`` copies each bucket's new weights while later buckets still update ([Note: the refresh pipelined]
+    in executor.py), as with the grad ring; the host state bit for bit what sending bucket by bucket gives."""
+    import time
+
+    (engine, opt), (single, single_opt) = _engine(), _engine(batch=False)
+    rt = engine._runtime
+    try:
+        for step in range(3):  # planned, verified, fast
+            for e, o in ((engine, opt), (single, single_opt)):
+                finish_step(_loss(e(_x(step))), o)
+        rt.ctx.cpu._before = lambda: time.sleep(0.02)  # read when the lane's thread starts: now
+        calls = KernelCalls(monkeypatch, delay=0.01)
+        batches, buckets = rt.grads.fast_send.batches, len(rt.slots.buckets)
+        for step in range(3, 5):
+            for e, o in ((engine, opt), (single, single_opt)):
+                finish_step(_loss(e(_x(step))), o)
+            _, _, entries, _ = rt.ctx.lane_log.last_step
+            rt.ctx.backend.synchronize()  # every copy ran: its lane's times are set
+            last_update = max(ev.finished for lane, _, _, _, ev in entries if lane == "cpu_adam")
+            copies = [ev.started for lane, _, _, _, ev in entries if lane == "h2d"]
+            assert copies and min(copies) < last_update, step  # the first copy before the batch's last update
+        assert rt.grads.fast_send.batches == batches + 2 and calls.calls == 2 * buckets
+        assert_bitwise(_host(engine), _host(single), "host state")
+    finally:
+        engine.close()
+        single.close()
