@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -147,6 +148,9 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
 
     import offload
     torch.set_num_threads(max(1, args.threads))
+    # before the group: imported after it, torch keeps the group alive past destroy_process_group() and a gloo
+    # thread can abort the exiting process (tests/distributed/workers.py says how)
+    importlib.import_module("torch._dynamo")
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     gloo_times = _gloo_times(world) if world > 1 else {}

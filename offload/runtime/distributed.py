@@ -253,10 +253,14 @@ class DataParallel:
             self.weights.settle()
 
     def release(self) -> None:
-        """``close()``: the gather buffers go, and this rank's mapping of the node's copy."""
+        """``close()``: the gather buffers go, this rank's mapping of the node's copy, and every reference to a
+        process group or its store, so that ``destroy_process_group()`` frees the group (gloo's threads) at once,
+        as after DDP, while the user still holds the engine (else the group lives until the interpreter exits,
+        where a gloo thread freeing a tensor can abort the process)."""
         if self.weights is not None:
             self.weights.close()
         self.node_copy = None
+        self.group = self.tag_group = self.device = self.shards = self.roll_call = None
 
     def pad_buckets(self, buckets: Sequence[Bucket]) -> tuple[Bucket, ...]:
         """The buckets to plan: with grads reduced on the device, each grad slot padded to its shards."""

@@ -123,10 +123,13 @@ def _resume_in_one_process(path, case: Case) -> dict:
 def test_two_ranks_equal_one_process(tmp_path):
     """Two ranks, each on its half of the batch, with chaos delays on every lane (collectives included: still
     bit for bit), then a checkpoint they save resumed in one process; ``offload report --gpus 2`` gives each
-    rank's host arena bytes exactly."""
-    case = Case(world=2, save=str(tmp_path / "ck.pt"), chaos=True)
+    rank's host arena bytes exactly; after close(), destroy_process_group() frees the group's gloo threads
+    though the engine is still referenced."""
+    case = Case(world=2, save=str(tmp_path / "ck.pt"), chaos=True, extra={"destroy_group": True})
     results = _ok(run_ranks(case, tmp_path))
     assert all(r["chaos_draws"] > 0 for r in results)
+    assert all(r["gloo_threads_after_destroy"] == [] for r in results), [r["gloo_threads_after_destroy"]
+                                                                          for r in results]
     exact = reference(case, emulate_ranks=True)
     concat = reference(case, emulate_ranks=False)
     for r in results:

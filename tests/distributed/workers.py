@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import importlib
 import multiprocessing as mp
 import os
 import time
@@ -128,6 +129,11 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
     result: dict = {"rank": rank}
     stack = contextlib.ExitStack()
     started = time.monotonic()
+    # torch (2.13) keeps the default group alive past destroy_process_group() once torch.distributed._shard is
+    # imported after init_process_group (torch._dynamo imports it, and a torch.optim optimizer imports
+    # torch._dynamo when made); a gloo thread of that group can then free a Python-owned tensor while the
+    # interpreter exits, and the process aborts ("terminate called without an active exception"). Imported first:
+    importlib.import_module("torch._dynamo")
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.world,
                                 timeout=datetime.timedelta(seconds=case.timeout_s))
@@ -275,6 +281,9 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         result["weights"] = {k: v.detach().cpu().clone() for k, v in engine.state_dict()["model"].items()}
         engine.close()
         result["after_close"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if case.extra.get("destroy_group"):  # the group goes with the user's engine still held (close() let go)
+            dist.destroy_process_group()
+            result["gloo_threads_after_destroy"] = _gloo_threads()
         if sim is not None:
             result["races"], result["sim_log"] = list(sim.races), [x[0] for x in sim.log]
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
@@ -291,6 +300,12 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a failed group may not tear down cleanly
                 pass
+
+
+def _gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo's process groups run (their loops and workers)."""
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if "gloo" in n)
 
 
 def _one_gpu() -> None:
