@@ -40,6 +40,8 @@ _BATCH = ["tests/runtime/test_batch_send.py::test_under_chaos_a_batch_waits_for_
 # [Note: updated from p.grad]: the fused kernel's batch (the slow lane's test first: the batch queued there)
 _DIRECT = ["tests/runtime/test_batch_send.py::test_a_batch_from_p_grad_queued_on_a_slow_lane_calls_the_kernel_per_"
            "bucket", "tests/runtime/test_batch_send.py"]
+# issue 17's follow-up: the batch's fallbacks (the table refused at the call, a failing kernel call, bf16)
+_FALLBACK = ["tests/runtime/test_batch_send_fallbacks.py"]
 # issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
@@ -380,6 +382,9 @@ MUTATIONS = [
     ("R38", "a batch updated from p.grad leaves its parameters' step counts where they were",
      "offload/runtime/bucket_send.py", "            if failed is None:\n                batch.count(count)\n",
      "            if failed is None:\n                pass\n", _DIRECT),
+    ("R41", "a batch whose parameters are not all at one step count is updated from p.grad at the first one's count "
+     "(BatchUpdate.ready does not refuse it)", "offload/host/segments.py",
+     "counts.count(counts[0]) != len(counts) or ", "", _FALLBACK),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -143,6 +143,7 @@ class FastSend:
         self.sent = 0  # buckets sent by :meth:`send` or in a batch (tests read it)
         self.batches = 0  # batches sent by :meth:`send_all` ([Note: sent as one batch]; tests read it)
         self.direct = 0  # of them, updated from the grads in ``p.grad`` ([Note: updated from p.grad]; tests read it)
+        self.copied = 0  # batches with a table that ``ready`` refused at the call, updated from a copy (tests read it)
         # [Note: updated from p.grad]: per set of buckets, its table (or None), for one plan and host state
         self._direct: dict[tuple[int, ...], BatchUpdate | None] = {}
         self._direct_plan: Plan | None = None
@@ -365,6 +366,7 @@ class FastSend:
                     if (count := direct.ready(host, flat)) >= 0:
                         failed = from_grads(direct, flat, count)
                     else:  # (rare: see the Note) from a copy, as into the ring
+                        self.copied += 1
                         scratch = torch.zeros(max(r.numel for r in routes), dtype=host.device_dtype)
                         failed = copied_then_updated(scratch, self._views_of(scratch, work))
                 else:
