@@ -385,6 +385,12 @@ MUTATIONS = [
     ("R41", "a batch whose parameters are not all at one step count is updated from p.grad at the first one's count "
      "(BatchUpdate.ready does not refuse it)", "offload/host/segments.py",
      "counts.count(counts[0]) != len(counts) or ", "", _FALLBACK),
+    ("R42", "a batch from p.grad whose kernel call failed counts every bucket's step (the failed ones' too)",
+     "offload/runtime/bucket_send.py", "            if failed is None:\n                batch.count(count)\n",
+     "            if True:\n                batch.count(count)\n", _FALLBACK),
+    ("R43", "a failed kernel call's buckets have their update events set as if they were updated",
+     "offload/runtime/bucket_send.py", "                    for i in at:\n                        work[i][3].set(e)\n",
+     "                    for i in at:\n                        work[i][3].set()\n", _FALLBACK),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -73,3 +73,99 @@ def test_a_batch_whose_parameters_lag_in_step_count_is_updated_from_a_copy_as_to
     finally:
         engine.close()
         single.close()
+
+
+class FailingKernel:
+    """``_C.adamw_step_segments`` as ``offload.host.segments`` calls it, raising on call number ``fail_at`` (counted
+    from the first call made after ``arm``); each call may be slowed by ``delay`` seconds."""
+
+    def __init__(self, monkeypatch, delay: float = 0.0):
+        import offload.host.segments as segments
+
+        self.real, self.calls, self.fail_at, self.delay = segments._C, 0, None, delay
+        monkeypatch.setattr(segments, "_C", self)
+
+    def arm(self, nth: int) -> None:
+        self.fail_at = self.calls + nth
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def adamw_step_segments(self, *args):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("kernel failed on purpose")
+        if self.delay:
+            time.sleep(self.delay)
+        return self.real.adamw_step_segments(*args)
+
+
+def _bucket_state(engine, b: int) -> dict:
+    """Bucket ``b``'s host state an update writes (master, m, v, its 16-bit copy where there is one) and the step
+    counts of its parameters."""
+    host = engine._runtime.slots.hosted()
+    params = [p for run in host.buckets[b].runs for p in run.params]
+    out = {"steps": torch.tensor([host.steps[p] for p in params])}
+    for name in ("master", "exp_avg", "exp_avg_sq", "lowp"):
+        if getattr(host, name) is not None:
+            out[name] = getattr(host, name)[b].clone()
+    return out
+
+
+@pytest.mark.parametrize("where", ["inline", "queued"])
+def test_a_kernel_call_that_fails_raises_at_step_and_counts_only_the_buckets_it_updated(inline, monkeypatch, where):
+    """A segmented kernel call that raises: on the issuing thread ("inline": ONE call for every bucket) no bucket is
+    updated or counted; on the lane's thread ("queued": the lane slowed, one call per bucket) the second call's
+    bucket alone is not, and every other bucket is updated and counted exactly as the same engine sending bucket by
+    bucket updates it. Either way the failure surfaces at ``opt.step()`` as an ``OffloadError`` caused by the
+    kernel's exception ([Note: the refresh pipelined] in executor.py: a failed update raises from the refresh copy's
+    wait or the lane's drain), and the engine does not go on as if it had not happened: the next ``step()`` and
+    ``zero_grad()`` refuse, the next forward raises the failed bucket's update (its refresh copy's wait),
+    ``state_dict()`` and ``close()`` raise the failure."""
+    (engine, opt), (single, single_opt) = _engine(), _engine(batch=False)
+    rt, send = engine._runtime, engine._runtime.grads.fast_send
+    kernel = FailingKernel(monkeypatch, delay=0.01 if where == "queued" else 0.0)
+    closed = False
+    try:
+        for step in range(3):  # planned, verified, fast
+            for e, o in ((engine, opt), (single, single_opt)):
+                finish_step(_loss(e(_x(step))), o)
+        assert _sent(engine)[3] == 1 and send.direct == 1
+        if where == "queued":
+            rt.ctx.cpu._before = lambda: time.sleep(0.02)  # read when the lane's thread starts: now
+        buckets = len(rt.slots.buckets)
+        before = [_bucket_state(engine, b) for b in range(buckets)]
+        (batch,) = [t for t in send._direct.values() if t is not None]
+        failed = set(batch.buckets) if where == "inline" else {batch.buckets[1]}  # the second call: the 2nd bucket
+        kernel.arm(1 if where == "inline" else 2)
+        finish_step(_loss(single(_x(3))), single_opt)
+        _loss(engine(_x(3))).backward()
+        with pytest.raises(offload.OffloadError, match="kernel failed on purpose") as raised:
+            opt.step()
+        cause = raised.value
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        assert isinstance(cause, RuntimeError) and str(cause) == "kernel failed on purpose"
+        assert kernel.calls == kernel.fail_at + (0 if where == "inline" else buckets - 2)  # every other bucket tried
+        for b in range(buckets):
+            want = before[b] if b in failed else _bucket_state(single, b)
+            assert_bitwise(_bucket_state(engine, b), want, f"bucket {b} ({'failed' if b in failed else 'updated'})")
+        assert send.batches == 2 and send.direct == 2 and send.copied == 0  # the batch from p.grad ran
+        with pytest.raises(offload.OffloadError, match="no backward ran"):
+            opt.step()
+        with pytest.raises(offload.OffloadError, match="between backward and step"):
+            opt.zero_grad()
+        with pytest.raises(offload.OffloadError, match=f"AdamW of bucket {min(failed)} failed"):
+            engine(_x(4))  # the first failed bucket the forward uses
+        with pytest.raises(offload.OffloadError, match="kernel failed on purpose"):
+            engine.state_dict()
+        closed = True
+        with pytest.raises(offload.OffloadError, match="kernel failed on purpose"):
+            engine.close()
+    finally:
+        if not closed:
+            try:
+                engine.close()
+            except offload.OffloadError:
+                pass
+        single.close()
