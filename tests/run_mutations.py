@@ -42,6 +42,7 @@ _DIRECT = ["tests/runtime/test_batch_send.py::test_a_batch_from_p_grad_queued_on
            "bucket", "tests/runtime/test_batch_send.py"]
 # issue 17's follow-up: the batch's fallbacks (the table refused at the call, a failing kernel call, bf16)
 _FALLBACK = ["tests/runtime/test_batch_send_fallbacks.py"]
+_BF16 = ["tests/runtime/test_batch_send_fallbacks.py::test_bf16_batches_from_p_grad_follow_the_autocast_loss_curve"]
 # issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
@@ -391,6 +392,9 @@ MUTATIONS = [
     ("R43", "a failed kernel call's buckets have their update events set as if they were updated",
      "offload/runtime/bucket_send.py", "                    for i in at:\n                        work[i][3].set(e)\n",
      "                    for i in at:\n                        work[i][3].set()\n", _FALLBACK),
+    ("R44", "a batch from p.grad leaves the buckets' 16-bit copies as they were (bf16: the next forward reads the old "
+     "weights)", "offload/host/segments.py", "0 if lowp is None else lowp.data_ptr() + item * start, numel, hyper]",
+     "0, numel, hyper]", _BF16),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -169,3 +169,44 @@ def test_a_kernel_call_that_fails_raises_at_step_and_counts_only_the_buckets_it_
             except offload.OffloadError:
                 pass
         single.close()
+
+
+def test_bf16_batches_from_p_grad_follow_the_autocast_loss_curve(inline):
+    """bf16 through the segments path (every fast step's buckets updated from the bf16 ``p.grad`` in one kernel
+    call, writing the bf16 copies) beside plain PyTorch: torch.autocast(bf16) over fp32 parameters +
+    torch.optim.AdamW(foreach=False), the reference and tolerances of tests/runtime/test_training.py's
+    ``test_mixed_precision_loss_curve_follows_autocast`` ([Note: mixed-precision tolerance] there: 10-step mean
+    losses within ``CURVE_RTOL``, the first update's sign agreeing on ``SIGN_AGREEMENT`` of the weights), the tiny
+    GPT, 100 steps; here all resident, so that the steps are fast and batched."""
+    from tests.runtime.test_training import (CURVE_RTOL, MIXED_LR, SIGN_AGREEMENT, _autocast_reference, _masters,
+                                             _train, _wrap)
+    from tests.support.models import CASES
+
+    case = CASES["gpt"]()
+    steps = 100
+    want, want_first = _autocast_reference(case, torch.bfloat16, steps)
+    initial = {n: p.detach().clone() for n, p in case.model.named_parameters()}
+    engine, opt = _wrap(case.model, budget_frac=64, dtype=torch.bfloat16, lr=MIXED_LR)
+    send = engine._runtime.grads.fast_send
+    updates = []
+
+    def first_update():
+        if not updates:
+            updates.append({n: w - initial[n] for n, w in _masters(engine).items() if n in initial})
+    try:
+        assert opt.fused  # the default kernel: the one the segments path runs
+        losses = _train(engine, opt, case, steps, after_step=first_update)
+        fast, buckets, sent, batches = _sent(engine)
+        assert fast >= steps - 3 and buckets > 2 and batches == fast and sent == fast * buckets
+        assert send.direct == batches and send.copied == 0  # every fast step's batch from p.grad
+        windows = [(sum(losses[i:i + 10]) / 10, sum(want[i:i + 10]) / 10) for i in range(0, steps, 10)]
+        for ours, theirs in windows:
+            assert abs(ours - theirs) <= CURVE_RTOL * theirs, windows
+        assert windows[-1][0] < 0.9 * windows[0][0], "the model must learn"
+        first = updates[0]
+        same = sum(int((torch.sign(first[n]) == torch.sign(d)).sum()) for n, d in want_first.items())
+        total = sum(d.numel() for d in want_first.values())
+        assert same / total >= SIGN_AGREEMENT, same / total
+        assert all(v.dtype == torch.float32 for v in _masters(engine).values() if v.is_floating_point())
+    finally:
+        engine.close()
