@@ -40,6 +40,9 @@ _BATCH = ["tests/runtime/test_batch_send.py::test_under_chaos_a_batch_waits_for_
 # [Note: updated from p.grad]: the fused kernel's batch (the slow lane's test first: the batch queued there)
 _DIRECT = ["tests/runtime/test_batch_send.py::test_a_batch_from_p_grad_queued_on_a_slow_lane_calls_the_kernel_per_"
            "bucket", "tests/runtime/test_batch_send.py"]
+# issue 17's follow-up: the batch's fallbacks (the table refused at the call, a failing kernel call, bf16)
+_FALLBACK = ["tests/runtime/test_batch_send_fallbacks.py"]
+_BF16 = ["tests/runtime/test_batch_send_fallbacks.py::test_bf16_batches_from_p_grad_follow_the_autocast_loss_curve"]
 # issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
@@ -360,9 +363,10 @@ MUTATIONS = [
     ("R29", "a batch does not wait for its buckets' previous updates", "offload/runtime/bucket_send.py",
      "(slots.adam_event.get(r.b), slots.h2d_event.get(r.b))", "(slots.h2d_event.get(r.b),)", _BATCH),
     ("R30", "a batch's grads land in ring bytes before their previous CPU-lane reader is done ([Note: grad staging "
-     "ring])", "offload/runtime/bucket_send.py", "        waits = [*waits, *after]\n", "        waits = [*waits]\n", _BATCH),
+     "ring])", "offload/runtime/bucket_send.py", "        batch.waits = [*waits, *after]\n",
+     "        batch.waits = [*waits]\n", _BATCH),
     ("R31", "a batch's ring piece is not cleared where a bucket's grads do not fill it (padding sends old bytes)",
-     "offload/runtime/bucket_send.py", "                        piece[:r.numel].zero_()", "                        pass",
+     "offload/runtime/bucket_send.py", "                    piece[:r.numel].zero_()", "                    pass",
      _BATCH),
     ("R32", "a batch's ring piece is lent without naming its reader (the next copy there would not wait for it)",
      "offload/runtime/bucket_send.py", "        host.staged_read_by(lent, done)\n        grads.copies.append(done)",
@@ -370,16 +374,28 @@ MUTATIONS = [
     # -- [Note: updated from p.grad] (host/segments.py): a batch updated from the parameters' own grads ----------
     ("R35", "a batch updated from p.grad queued on the lane's thread makes one kernel call for all its buckets (each "
      "bucket's event set only once every bucket is updated: step()'s refresh waits for the whole batch)",
-     "offload/runtime/bucket_send.py", "            if threading.get_ident() == issuer:\n",
-     "            if True:\n", _DIRECT),
+     "offload/runtime/bucket_send.py", "        if threading.get_ident() == self.issuer:\n",
+     "        if True:\n", _DIRECT),
     ("R36", "the padding between parameters is updated with grads that are not zeros", "offload/host/segments.py",
      "zeros = torch.zeros(max(gap, 1), dtype=host.device_dtype)",
      "zeros = torch.ones(max(gap, 1), dtype=host.device_dtype)", _DIRECT),
     ("R37", "a grad of another layout than its parameter's is read as if it were contiguous",
      "offload/host/segments.py", " or not all(map(_is_contiguous, grads)):", ":", _DIRECT),
     ("R38", "a batch updated from p.grad leaves its parameters' step counts where they were",
-     "offload/runtime/bucket_send.py", "            if failed is None:\n                batch.count(count)\n",
-     "            if failed is None:\n                pass\n", _DIRECT),
+     "offload/runtime/bucket_send.py", "        if failed is None:\n            batch.count(count)\n",
+     "        if failed is None:\n            pass\n", _DIRECT),
+    ("R41", "a batch whose parameters are not all at one step count is updated from p.grad at the first one's count "
+     "(BatchUpdate.ready does not refuse it)", "offload/host/segments.py",
+     "counts.count(counts[0]) != len(counts) or ", "", _FALLBACK),
+    ("R42", "a batch from p.grad whose kernel call failed counts every bucket's step (the failed ones' too)",
+     "offload/runtime/bucket_send.py", "        if failed is None:\n            batch.count(count)\n",
+     "        if True:\n            batch.count(count)\n", _FALLBACK),
+    ("R43", "a failed kernel call's buckets have their update events set as if they were updated",
+     "offload/runtime/bucket_send.py", "                for i in at:\n                    work[i][3].set(e)\n",
+     "                for i in at:\n                    work[i][3].set()\n", _FALLBACK),
+    ("R44", "a batch from p.grad leaves the buckets' 16-bit copies as they were (bf16: the next forward reads the old "
+     "weights)", "offload/host/segments.py", "0 if lowp is None else lowp.data_ptr() + item * start, numel, hyper]",
+     "0, numel, hyper]", _BF16),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

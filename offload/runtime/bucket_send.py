@@ -143,6 +143,7 @@ class FastSend:
         self.sent = 0  # buckets sent by :meth:`send` or in a batch (tests read it)
         self.batches = 0  # batches sent by :meth:`send_all` ([Note: sent as one batch]; tests read it)
         self.direct = 0  # of them, updated from the grads in ``p.grad`` ([Note: updated from p.grad]; tests read it)
+        self.copied = 0  # batches with a table that ``ready`` refused at the call, updated from a copy (tests read it)
         # [Note: updated from p.grad]: per set of buckets, its table (or None), for one plan and host state
         self._direct: dict[tuple[int, ...], BatchUpdate | None] = {}
         self._direct_plan: Plan | None = None
@@ -270,10 +271,10 @@ class FastSend:
 
     def _send_batch(self, routes: list[Route], leave: bool) -> None:
         """[Note: sent as one batch]: the buckets of ``routes`` (each as :meth:`route` allowed it) in one CPU-lane
-        item, each bucket updated from its parameters' own grads in one kernel call for all ([Note: updated from
-        p.grad] in host/segments.py) or, where that does not cover them, each bucket's grads copied from
-        ``p.grad`` into one piece of the grad ring and updated from there; then their step counts in one op; the
-        records :meth:`send` leaves, per bucket."""
+        item (:class:`Batch`), each bucket updated from its parameters' own grads in one kernel call for all
+        ([Note: updated from p.grad] in host/segments.py) or, where that does not cover them, each bucket's grads
+        copied from ``p.grad`` into one piece of the grad ring and updated from there; then their step counts in
+        one op; the records :meth:`send` leaves, per bucket."""
         grads = self.grads
         ctx, slots = grads.ctx, grads.slots
         params, host, itemsize = ctx.params, slots.hosted(), ctx.itemsize
@@ -285,101 +286,14 @@ class FastSend:
             work.append((r, cast("list[torch.Tensor]", maybe), Mark(), HostEvent(what=r.what)))
             # the bucket's last update, and the host-to-device copy that still reads the masters it rewrites
             waits += [e for e in (slots.adam_event.get(r.b), slots.h2d_event.get(r.b)) if e is not None]
-        direct = self._batch_update(routes, host)
+        batch = Batch(self, work, host, self._batch_update(routes, host))
         lent: Lent | None = None
         after: tuple[Event, ...] = ()
-        if direct is None:  # into the ring: [Note: grad staging ring]
-            lent, ring_piece, after = host.ring.take(max(r.numel for r in routes))
-            ring_views = self._views_in(host.ring, lent.start, ring_piece, work)
-        hp, update = grads.hparams, host.update
-        clock = time.perf_counter
-        issuer = threading.get_ident()
-
-        def copied_then_updated(piece: torch.Tensor, views: list[list[torch.Tensor]]) -> BaseException | None:
-            """Each bucket's grads copied into ``piece`` and updated from there, as if each were its own lane item:
-            one failing stops no other; the first failure is returned."""
-            failed: BaseException | None = None
-            counted: list[tuple[int, ...]] = []
-            for (r, got, copied, updated), dst in zip(work, views):
-                try:
-                    copied.started = clock()
-                    if not r.whole:
-                        piece[:r.numel].zero_()  # the padding between parameters sends zeros
-                    torch._foreach_copy_(dst, got)
-                    copied.finished = updated.started = clock()
-                    update(r.b, r.got, hp, (), piece, counts=counted)
-                    updated.finished = clock()
-                    updated.set()  # its refresh copy may go now ([Note: the refresh pipelined])
-                except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
-                    updated.set(e)
-                    failed = failed or e
-            host.count_runs(counted)
-            return failed
-
-        def from_grads(batch: BatchUpdate, flat: list[torch.Tensor], count: int) -> BaseException | None:
-            """[Note: updated from p.grad]: one kernel call for every bucket where this runs on the issuing thread
-            (nothing there can wait for a bucket's event before the batch returns), else a call per bucket, its
-            event set as it ends (``step()``'s refresh, on another thread, copies each bucket as its update ends).
-            A call that fails fails its buckets only; the rest are updated and counted."""
-            failed: BaseException | None = None
-            prepared = batch.prepare(flat, hp, count)
-            calls: list[tuple[int, int | None, range]]  # (first row, rows or all, the buckets' positions in work)
-            if threading.get_ident() == issuer:
-                calls = [(0, None, range(len(work)))]
-            else:
-                calls = [(first, rows, range(i, i + 1)) for i, (first, rows) in enumerate(batch.spans)]
-            updated_ok: list[int] = []
-            for first, rows, at in calls:
-                began = clock()
-                for i in at:
-                    _, _, copied, updated = work[i]
-                    copied.started = copied.finished = updated.started = began  # nothing copied
-                try:
-                    batch.run(prepared, first, rows)
-                except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
-                    for i in at:
-                        work[i][3].set(e)
-                    failed = failed or e
-                    continue
-                ended = clock()
-                for i in at:
-                    work[i][3].finished = ended
-                    work[i][3].set()  # its refresh copy may go now ([Note: the refresh pipelined])
-                updated_ok += at
-            if failed is None:
-                batch.count(count)
-            else:  # only the buckets updated, as ``update(counts=)`` adds only theirs
-                host.count_runs([run for i in updated_ok for run in batch.bucket_runs[i]])
-            self.direct += 1
-            return failed
-
-        waits = [*waits, *after]
-
-        def run() -> None:
-            failed: BaseException | None = None
-            try:
-                for w in waits:  # here, not the lane's: a failed wait fails every bucket's event too
-                    w.synchronize()
-                if direct is not None:
-                    flat = [g for _, got, _, _ in work for g in got]
-                    if (count := direct.ready(host, flat)) >= 0:
-                        failed = from_grads(direct, flat, count)
-                    else:  # (rare: see the Note) from a copy, as into the ring
-                        scratch = torch.zeros(max(r.numel for r in routes), dtype=host.device_dtype)
-                        failed = copied_then_updated(scratch, self._views_of(scratch, work))
-                else:
-                    failed = copied_then_updated(ring_piece, ring_views)
-            except BaseException as e:
-                failed = e
-                raise
-            finally:
-                for *_, updated in work:  # whatever happened, no bucket's event is left unset
-                    if not updated.query():
-                        updated.set(failed or InvariantError("a batch ended before this bucket's update"))
-            if failed is not None:
-                raise failed
-
-        done = ctx.cpu.issue(run, (), f"grads and AdamW of buckets {[r.b for r in routes]}")
+        if batch.direct is None:  # into the ring: [Note: grad staging ring]
+            lent, batch.ring_piece, after = host.ring.take(max(r.numel for r in routes))
+            batch.ring_views = self._views_in(host.ring, lent.start, batch.ring_piece, work)
+        batch.waits = [*waits, *after]
+        done = ctx.cpu.issue(batch.run, (), f"grads and AdamW of buckets {[r.b for r in routes]}")
         host.staged_read_by(lent, done)
         grads.copies.append(done)
         log = ctx.lane_log
@@ -433,3 +347,109 @@ class FastSend:
                                                for q in r.ps]
             out.append(views)
         return out
+
+
+class Batch:
+    """One batch's CPU-lane item ([Note: sent as one batch]): per bucket of ``work`` (its route, its grads in
+    ``p.grad``, the :class:`Mark` of its copy, the event of its update), the waits taken first, then the updates
+    from the grads themselves (``direct``: [Note: updated from p.grad]) or from a copy (``ring_piece`` and
+    ``ring_views``: the grad ring's; a scratch buffer where ``direct`` refuses the call). Made on the issuing
+    thread (:meth:`FastSend._send_batch`); :meth:`run` may run on the lane's."""
+
+    __slots__ = ("send", "work", "host", "direct", "hparams", "update", "issuer", "waits", "ring_piece", "ring_views")
+
+    def __init__(self, send: FastSend, work: list, host, direct: BatchUpdate | None) -> None:
+        self.send, self.work, self.host, self.direct = send, work, host, direct
+        self.hparams, self.update = send.grads.hparams, host.update
+        self.issuer = threading.get_ident()
+        self.waits: list[Event] = []
+        self.ring_piece: torch.Tensor | None = None
+        self.ring_views: list[list[torch.Tensor]] = []
+
+    def run(self) -> None:
+        """The lane item: the waits, then every bucket's update; the first failure raised once every bucket was
+        tried, and no bucket's event left unset."""
+        work, host, direct = self.work, self.host, self.direct
+        failed: BaseException | None = None
+        try:
+            for w in self.waits:  # here, not the lane's: a failed wait fails every bucket's event too
+                w.synchronize()
+            if direct is not None:
+                flat = [g for _, got, _, _ in work for g in got]
+                if (count := direct.ready(host, flat)) >= 0:
+                    failed = self.from_grads(direct, flat, count)
+                else:  # (rare: see the Note) from a copy, as into the ring
+                    self.send.copied += 1
+                    scratch = torch.zeros(max(r.numel for r, *_ in work), dtype=host.device_dtype)
+                    failed = self.copied_then_updated(scratch, self.send._views_of(scratch, work))
+            else:
+                failed = self.copied_then_updated(cast(torch.Tensor, self.ring_piece), self.ring_views)
+        except BaseException as e:
+            failed = e
+            raise
+        finally:
+            for *_, updated in work:  # whatever happened, no bucket's event is left unset
+                if not updated.query():
+                    updated.set(failed or InvariantError("a batch ended before this bucket's update"))
+        if failed is not None:
+            raise failed
+
+    def copied_then_updated(self, piece: torch.Tensor, views: list[list[torch.Tensor]]) -> BaseException | None:
+        """Each bucket's grads copied into ``piece`` and updated from there, as if each were its own lane item:
+        one failing stops no other; the first failure is returned."""
+        hp, update, clock = self.hparams, self.update, time.perf_counter
+        failed: BaseException | None = None
+        counted: list[tuple[int, ...]] = []
+        for (r, got, copied, updated), dst in zip(self.work, views):
+            try:
+                copied.started = clock()
+                if not r.whole:
+                    piece[:r.numel].zero_()  # the padding between parameters sends zeros
+                torch._foreach_copy_(dst, got)
+                copied.finished = updated.started = clock()
+                update(r.b, r.got, hp, (), piece, counts=counted)
+                updated.finished = clock()
+                updated.set()  # its refresh copy may go now ([Note: the refresh pipelined])
+            except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
+                updated.set(e)
+                failed = failed or e
+        self.host.count_runs(counted)
+        return failed
+
+    def from_grads(self, batch: BatchUpdate, flat: list[torch.Tensor], count: int) -> BaseException | None:
+        """[Note: updated from p.grad]: one kernel call for every bucket where this runs on the issuing thread
+        (nothing there can wait for a bucket's event before the batch returns), else a call per bucket, its
+        event set as it ends (``step()``'s refresh, on another thread, copies each bucket as its update ends).
+        A call that fails fails its buckets only; the rest are updated and counted."""
+        work, clock = self.work, time.perf_counter
+        failed: BaseException | None = None
+        prepared = batch.prepare(flat, self.hparams, count)
+        calls: list[tuple[int, int | None, range]]  # (first row, rows or all, the buckets' positions in work)
+        if threading.get_ident() == self.issuer:
+            calls = [(0, None, range(len(work)))]
+        else:
+            calls = [(first, rows, range(i, i + 1)) for i, (first, rows) in enumerate(batch.spans)]
+        updated_ok: list[int] = []
+        for first, rows, at in calls:
+            began = clock()
+            for i in at:
+                _, _, copied, updated = work[i]
+                copied.started = copied.finished = updated.started = began  # nothing copied
+            try:
+                batch.run(prepared, first, rows)
+            except Exception as e:  # noqa: BLE001 - raised once every other bucket is done
+                for i in at:
+                    work[i][3].set(e)
+                failed = failed or e
+                continue
+            ended = clock()
+            for i in at:
+                work[i][3].finished = ended
+                work[i][3].set()  # its refresh copy may go now ([Note: the refresh pipelined])
+            updated_ok += at
+        if failed is None:
+            batch.count(count)
+        else:  # only the buckets updated, as ``update(counts=)`` adds only theirs
+            self.host.count_runs([run for i in updated_ok for run in batch.bucket_runs[i]])
+        self.send.direct += 1
+        return failed
