@@ -57,6 +57,18 @@ def _all_resident_mlp():
     return case, ref, ref_opt, opt, engine
 
 
+def _forward_backward_beside_torch(case, ref, ref_opt, engine, step: int) -> None:
+    """Step ``step``'s batch through the engine (forward and backward: its ``step()`` is the caller's) and
+    through plain torch with its AdamW step; the forwards agree bit for bit."""
+    batch = case.make_batch(step)
+    got, want = run(engine, batch), run(ref.model, batch)
+    assert torch.equal(got, want), (step, (got - want).abs().max())
+    engine.backward(case.loss_fn(got, batch))
+    ref.loss_fn(want, batch).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu_backend", "simulated_gpu"])
 def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, gpu):
     if gpu:
@@ -118,13 +130,7 @@ def test_updates_ended_before_step_are_refreshed_in_first_use_order(simulated_gp
     checked = 0
     with engine:
         for step in range(5):
-            batch = case.make_batch(step)
-            got, want = run(engine, batch), run(ref.model, batch)
-            assert torch.equal(got, want), (step, (got - want).abs().max())
-            engine.backward(case.loss_fn(got, batch))
-            ref.loss_fn(want, batch).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            _forward_backward_beside_torch(case, ref, ref_opt, engine, step)
             rt.ctx.cpu.drain()  # backward outlasted the lane: every update has ended
             replans, called = rt.ctx.stats["replans"], time.perf_counter()
             opt.step()
@@ -158,13 +164,7 @@ def test_the_bucket_used_first_goes_first_where_its_update_is_the_lanes_next(sim
     checked = 0
     with engine:
         for step in range(5):
-            batch = case.make_batch(step)
-            got, want = run(engine, batch), run(ref.model, batch)
-            assert torch.equal(got, want), (step, (got - want).abs().max())
-            engine.backward(case.loss_fn(got, batch))
-            ref.loss_fn(want, batch).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            _forward_backward_beside_torch(case, ref, ref_opt, engine, step)
             rt.ctx.cpu.drain()
             plan = rt.executor.train_plan
             head = min(first_use(plan), key=first_use(plan).__getitem__) if plan is not None else None
