@@ -43,6 +43,7 @@ _DIRECT = ["tests/runtime/test_batch_send.py::test_a_batch_from_p_grad_queued_on
 # issue 17's follow-up: the batch's fallbacks (the table refused at the call, a failing kernel call, bf16)
 _FALLBACK = ["tests/runtime/test_batch_send_fallbacks.py"]
 _BF16 = ["tests/runtime/test_batch_send_fallbacks.py::test_bf16_batches_from_p_grad_follow_the_autocast_loss_curve"]
+_STALE = ["tests/runtime/test_plain_torch_autograd.py::test_a_backward_through_a_graph_from_before_step_raises_as_torch_does"]
 # issue 20's device path (two spawned ranks on the simulated GPU, or on the CPU backend: the node's shared copy)
 GATHERED = [f"{_DEV}[gathered]", f"{_DP}[False]"]  # [Note: weights gathered on the device]
 SHARED = [f"{_DEV}[shared]", f"{_DP}[True]"]  # [Note: one host copy per node]
@@ -396,6 +397,17 @@ MUTATIONS = [
     ("R44", "a batch from p.grad leaves the buckets' 16-bit copies as they were (bf16: the next forward reads the old "
      "weights)", "offload/host/segments.py", "0 if lowp is None else lowp.data_ptr() + item * start, numel, hyper]",
      "0, numel, hyper]", _BF16),
+    ("R45", "a saved weight view whose bucket step() updated since it was saved is unpacked as any other (the "
+     "backward reads the new weights)", "offload/runtime/core.py",
+     "        self.slots.check_saved(saved)  # [Note: stale graphs] (slots.py)\n", "", _STALE),
+    ("R46", "step() does not count the updates it applied (saved weight views never go stale)",
+     "offload/runtime/core.py", "            self.slots.note_updates(updated)  # [Note: stale graphs] (slots.py)\n",
+     "", _STALE),
+    ("R47", "a state dict loaded does not count as a change of every bucket's weights (views saved before stay valid)",
+     "offload/runtime/weights.py",
+     "        self.slots.note_updates(range(len(self.slots.versions)))  # [Note: stale graphs] (slots.py)\n", "",
+     ["tests/runtime/test_plain_torch_autograd.py::"
+      "test_a_backward_after_a_state_dict_was_loaded_into_its_graphs_weights_raises_as_torch_does"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

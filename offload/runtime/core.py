@@ -242,6 +242,7 @@ class Runtime:
     def unpack_saved(self, saved: ParamRef) -> torch.Tensor:
         """The weight view ``saved`` names, for the autograd node unpacking it."""
         self._begin_backward()
+        self.slots.check_saved(saved)  # [Note: stale graphs] (slots.py)
         if self.executor.recorder.unpack(saved.param, torch._C._current_autograd_node()):
             self.access.new_node()
             self.executor.advance(EventKind.UNPACK, saved.param)
@@ -486,6 +487,7 @@ class Runtime:
             discard = self.grads.abort()
             executor.release_all()
             executor.refresh(discard.updated)  # updated before the fault and resident: bring the new weights
+            self.slots.note_updates(discard.updated)
             self._reset_step()
         return discard
 
@@ -508,8 +510,10 @@ class Runtime:
             # here (overlap: p.grad dropped after the update ran) leaves the backward counted for a retry
             self.grads.exposure.before_step()
             guards.check_step_has_grads(self.grads.consume_backward())
+            self.slots.stepped = True  # a backward from now to the next forward runs through an older graph
             self.guard.snapshot()
             updated = self.grads.run_step()
+            self.slots.note_updates(updated)  # [Note: stale graphs] (slots.py)
             if ctx.dp is not None:  # issue 20: every rank re-plans, or none ([Note: re-plans agreed])
                 self.slots.check_shared_copies()  # deferred updates: [Note: the shared copy checked once per
                 executor.agree(ctx.dp.agree_replan(executor.stale or executor.refit))  # backward] (node_share.py)

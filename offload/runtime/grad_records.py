@@ -43,3 +43,11 @@ SECOND_BACKWARD = (
     "between): offload gathers one backward's gradients per forward, so this one's would be lost. Run the forward "
     "again before each backward, or add the losses and call backward once (torch.autograd.grad(..., "
     "create_graph=True) before the backward, as for a gradient penalty, is fine: it accumulates nothing)")
+
+# A backward reads a weight its forward saved before a step changed it ([Note: stale graphs] in slots.py)
+STALE_GRAPH = (
+    "this backward runs through the graph of a forward that ran before its weights changed (optimizer.step() "
+    "or a state dict loaded since; e.g. loss.backward(retain_graph=True), step(), then loss.backward() again, or "
+    "a loss kept from before the step): it would read the new weights and its gradients would be wrong. torch "
+    "refuses it too (\"one of the variables needed for gradient computation has been modified by an inplace "
+    "operation\"). Run the forward again before each backward")

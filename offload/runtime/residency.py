@@ -55,11 +55,12 @@ class Slot:
 class ParamRef:
     """A saved tensor that is a view of a parameter (see [Note: saved parameters] in param_access.py)."""
 
-    __slots__ = ("param", "byte_offset", "size", "stride", "dtype")
+    __slots__ = ("param", "byte_offset", "size", "stride", "dtype", "version")
 
     def __init__(self, param: int, byte_offset: int, size: tuple[int, ...], stride: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, version: int = 0) -> None:
         self.param, self.byte_offset, self.size, self.stride, self.dtype = param, byte_offset, size, stride, dtype
+        self.version = version  # its bucket's SlotTable.versions when saved (0: the traced step, before any)
 
 
 class Freeing(NamedTuple):

@@ -33,6 +33,7 @@ import torch
 
 from ..backend.base import DONE, Event
 from ..errors import InvariantError, OffloadError
+from .grad_records import STALE_GRAPH
 from .idle_params import PLAIN_OF, bind_placeholder
 from .residency import Freeing, ParamRef, Residency, Slot, check_move
 
@@ -59,6 +60,8 @@ class SlotTable:
         self.h2d_event: dict[int, Event] = {}  # bucket -> its latest host-to-device copy
         self.adam_event: dict[int, Event] = {}  # bucket -> its latest AdamW (host master is written)
         self.updated: set[int] = set()  # buckets whose update was issued since this step's forward began
+        self.stepped = False  # step() began since this step's forward did: a backward now runs through an older graph
+        self.versions: list[int] = []  # per bucket: how often step() changed its weights ([Note: stale graphs])
         self.lru: OrderedDict[int, None] = OrderedDict()  # buckets fetched on demand, oldest first
         self.h2d_by_bucket: list[int] = []  # host-to-device bytes per bucket since wrap
         self.freeing: list[Freeing] = []  # on-demand grad slots until their D2H copy has read them
@@ -82,6 +85,7 @@ class SlotTable:
         self.host, self.buckets, self.bucket_of = host, host.buckets, host.bucket_of
         self.state = [Residency.HOST] * len(host.buckets)
         self.h2d_by_bucket = [0] * len(host.buckets)
+        self.versions = [0] * len(host.buckets)
 
     def hosted(self) -> HostState:
         """The host side (buckets exist only once the traced warm-up has made them)."""
@@ -100,6 +104,7 @@ class SlotTable:
     def reset_step(self) -> None:
         self.done = {}
         self.updated = set()
+        self.stepped = False
 
     def close(self) -> None:
         """The engine closed: nothing is on the device any more, and the host arena goes."""
@@ -189,6 +194,8 @@ class SlotTable:
     def fetch_on_demand(self, b: int) -> None:
         ctx = self.ctx
         if b in self.updated and ctx.phases.in_backward:  # [Note: a departed step's updates wait] (device_optim.py)
+            if self.stepped:  # updated by step(), after the forward whose graph this backward runs through
+                raise OffloadError(STALE_GRAPH)  # (a recompute's read: check_saved sees the others first)
             raise_read_after_update(b)
         nbytes = self.buckets[b].nbytes(ctx.itemsize)
         self.make_room(nbytes, b)
@@ -355,7 +362,30 @@ class SlotTable:
             return None
         j = bisect.bisect_right(bucket.offsets, rel // itemsize) - 1
         p = bucket.params[j]
-        return ParamRef(p, rel - bucket.offsets[j] * itemsize, tuple(t.shape), t.stride(), t.dtype)
+        return ParamRef(p, rel - bucket.offsets[j] * itemsize, tuple(t.shape), t.stride(), t.dtype, self.versions[b])
+
+    # [Note: stale graphs]
+    # torch refuses a backward whose graph saved a weight that changed since (each tensor has a version counter,
+    # which optimizer.step() bumps): loss.backward(retain_graph=True), step(), loss.backward() raises "one of the
+    # variables needed for gradient computation has been modified by an inplace operation". Our saved weights
+    # are ParamRefs to slots that the engine refills, so no counter sees the update: a backward through a graph
+    # from before step() read the new weights and its grads went into the next step, silently (found with an
+    # eval forward between step() and the second backward; without it the engine raised, by chance, from
+    # whichever of two unrelated checks came first). So each bucket counts the changes to its weights (step(),
+    # updates kept from a backward that failed, a state dict loaded), a ParamRef carries its bucket's count when
+    # saved, and Runtime.unpack_saved refuses one whose count is behind, as torch does.
+
+    def note_updates(self, updated: Iterable[int]) -> None:
+        """The weights of buckets ``updated`` changed: weight views saved before now are stale."""
+        versions = self.versions
+        for b in updated:
+            versions[b] += 1
+
+    def check_saved(self, ref: ParamRef) -> None:
+        """Refuse a saved weight view whose bucket was updated since it was saved ([Note: stale graphs])."""
+        versions = self.versions
+        if versions and ref.version != versions[self.bucket_of[ref.param]]:
+            raise OffloadError(STALE_GRAPH)
 
     def _index(self, b: int, slot: Slot) -> None:
         key = slot.storage.untyped_storage().data_ptr()

@@ -55,6 +55,7 @@ class Weights:
             return
         if self.ctx.dp is not None:  # issue 20: every rank's part of the node's shared copy is in first
             self.ctx.dp.copy_written()
+        self.slots.note_updates(range(len(self.slots.versions)))  # [Note: stale graphs] (slots.py)
         with torch.no_grad():
             self.executor.deactivate()
             if self.executor.plan is not None:
