@@ -408,6 +408,10 @@ MUTATIONS = [
      "        self.slots.note_updates(range(len(self.slots.versions)))  # [Note: stale graphs] (slots.py)\n", "",
      ["tests/runtime/test_plain_torch_autograd.py::"
       "test_a_backward_after_a_state_dict_was_loaded_into_its_graphs_weights_raises_as_torch_does"]),
+    ("R48", "a grad copy's host wait for the CPU lane to free its ring bytes is timed as compute",
+     "offload/runtime/grads.py", "        if ctx.backend.copy_waits_on_host(after):  # CPU-lane work not done",
+     "        if False:  # CPU-lane work not done",
+     ["tests/runtime/test_compute_timing.py::test_waiting_for_the_cpu_lane_is_not_compute"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",
