@@ -412,6 +412,10 @@ MUTATIONS = [
      "offload/runtime/grads.py", "        if ctx.backend.copy_waits_on_host(after):  # CPU-lane work not done",
      "        if False:  # CPU-lane work not done",
      ["tests/runtime/test_compute_timing.py::test_waiting_for_the_cpu_lane_is_not_compute"]),
+    ("R60", "a step of two training forwards verifies its plan for fast steps (whose backward interleaves the two "
+     "graphs otherwise: depart, re-plan, again)", "offload/runtime/core.py",
+     "                if self._forwards == 1:  # [Note: one forward per fast step]",
+     "                if True:  # [Note: one forward per fast step]", ["tests/runtime/test_two_forwards.py"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -91,6 +91,7 @@ class Runtime:
         self._module_hooks: list[tuple[nn.Module, Any, Any]] = []  # (module, pre hook, post hook), fixed at wrap
         self._contexts: list[Any] = []  # entered at the start of a forward, exited at its end
         self._between_passes = False  # [Note: a backward pass inside a step]
+        self._forwards = 0  # training forwards since the last backward ended ([Note: one forward per fast step])
         self.saving = 0  # module.state_dict() calls under way (idle_params.py: parameters pass through)
         self._reset_step()
         self._register_hooks()
@@ -341,6 +342,7 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         if not fast:
             check_enabled()  # issue 19: under disable_saved_tensors_hooks, refused before anything changes
+        self._forwards += torch.is_grad_enabled()
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
         self.saving = 0  # a state_dict() that raised half-way
@@ -462,7 +464,8 @@ class Runtime:
                 executor.record_step(memory.activation_peak)
                 self.recompute.measure(executor.recorder, memory.activation_peak)
                 self.warmup.check_first_plan()  # issue 18: may refuse ([Note: refusing the first step whole])
-                self.fast.verify()
+                if self._forwards == 1:  # [Note: one forward per fast step]
+                    self.fast.verify()
                 executor.release_all()
             self.slots.reclaim()
             self.grads.release_held()  # issue 18: the first step's overlapped updates, now that its plan fits
@@ -470,12 +473,24 @@ class Runtime:
         self.grads.backward_done()
         ctx.phases.enter(Pass.IDLE)
         executor.rewind()
+        self._forwards = 0
+
+    # [Note: one forward per fast step]
+    # Each forward of the root begins a step (Runtime._begin_forward): with two training forwards before one
+    # backward (loss = f(a) + f(b): siamese, contrastive, chosen/rejected pairs), the step's record holds the
+    # second forward and a backward through both graphs, whose nodes autograd interleaves by their sequence
+    # numbers. A full step adds nodes of its own (the module hooks'); a fast step (the fast path, fast_path.py)
+    # adds none, so its backward's order is not the record's: an all-resident plan ran fast, departed, was planned
+    # again from the departed step, departed again (session 24: 4 departures and re-plans in 8 steps, every
+    # third step on plan; bit for bit torch throughout). So only a step of one training forward verifies its plan
+    # for fast steps; such models run the full path, on their plan.
 
     def abort_backward(self) -> BackwardDiscard | None:
         """The backward raised (see [Note: what a fault discards] in faults.py); None if it never reached
         the engine (nothing was gathered: only what the forward streamed in is let go of)."""
         executor = self.executor
         self._between_passes = False
+        self._forwards = 0
         with torch.no_grad():
             for q in self.fast.waiting():  # left in p.grad for their bucket's last grad: they had arrived
                 self.grads.received.setdefault(self.slots.bucket_of[q], set()).add(q)

@@ -1,0 +1,72 @@
+"""Two training forwards before one backward (``loss = f(a) + f(b)``: siamese and contrastive models, chosen and
+rejected pairs): [Note: one forward per fast step] in offload/runtime/core.py. Bit for bit plain torch +
+``torch.optim.AdamW``, and the plan holds: no step departs from it and none is planned again."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.compare import assert_bitwise
+from tests.support.loops import PLAIN_ADAMW, wrap_on_cpu
+
+WIDTH = 128
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(6)], nn.Linear(WIDTH, 1))
+
+
+def _x(step: int) -> torch.Tensor:
+    return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))
+
+
+def _step(model, opt, step: int, forwards: int) -> float:
+    loss = sum(model(_x(100 * k + step)).pow(2).mean() for k in range(forwards))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+@pytest.mark.parametrize("budget", [0.7, 4.0], ids=["streamed", "resident"])
+def test_two_forwards_a_step_stay_on_their_plan_bit_for_bit_like_torch(budget, overlap):
+    """Before, all resident: the plan ran fast, departed in backward (a fast step's backward interleaves the two
+    graphs otherwise than the full step it was planned from), was planned again: 4 departures and re-plans in 8
+    steps. Streamed plans never ran fast and held."""
+    model, ref = _net(), _net()
+    engine, opt = wrap_on_cpu(model, budget, overlap_optimizer=overlap)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **PLAIN_ADAMW)
+    for step in range(8):
+        assert _step(model, opt, step, 2) == _step(ref, ref_opt, step, 2), step
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "two forwards a step")
+    stats = engine.memory_stats()
+    counters = stats["counters"]
+    assert (counters["plan_departures"], counters["replans"]) == (0, 0), counters
+    assert stats["device_peak_bytes"] <= stats["budget_bytes"]
+    assert (stats["plan"]["streamed_buckets"] > 0) == (budget == 0.7)
+    engine.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+def test_a_loop_that_turns_to_two_forwards_settles_on_the_full_path(overlap):
+    """One forward a step (fast steps), then two: the first such step departs (its plan was verified by
+    one-forward steps; a fast step is not planned from), the next, full, departs too and is planned from; the
+    rest hold that plan on the full path: two departures in all, never more."""
+    model, ref = _net(), _net()
+    engine, opt = wrap_on_cpu(model, 4.0, overlap_optimizer=overlap)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **PLAIN_ADAMW)
+    for step in range(5):
+        assert _step(model, opt, step, 1) == _step(ref, ref_opt, step, 1), step
+    fast = engine.memory_stats()["counters"]["fast_steps"]
+    assert fast >= 2  # the fast path ran: what this test leaves
+    for step in range(5, 12):
+        assert _step(model, opt, step, 2) == _step(ref, ref_opt, step, 2), step
+        if step == 6:
+            settled = dict(engine.memory_stats()["counters"])
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "one forward, then two")
+    counters = engine.memory_stats()["counters"]
+    assert counters["plan_departures"] <= 2 and counters["replans"] <= 2, counters
+    assert all(counters[k] == settled[k] for k in ("plan_departures", "replans", "fast_steps")), (settled, counters)
+    engine.close()
