@@ -416,6 +416,10 @@ MUTATIONS = [
      "graphs otherwise: depart, re-plan, again)", "offload/runtime/core.py",
      "                if self._forwards == 1:  # [Note: one forward per fast step]",
      "                if True:  # [Note: one forward per fast step]", ["tests/runtime/test_two_forwards.py"]),
+    ("R61", "a model with blocks measured for checkpointing (none checkpointed) counts as checkpointed at the end of "
+     "a first backward pass (every two-pass step departs)", "offload/runtime/core.py",
+     "not self.grads.received and not self.recompute.ckpt.active", "not self.grads.received and not self.recompute.ckpt.block_of",
+     ["tests/runtime/test_penalty_passes.py::test_two_pass_steps_of_a_model_with_blocks_stay_on_their_plan"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -437,9 +437,14 @@ class Runtime:
         next event is another pass's (an unpack or a grad), the step stays where it is on the plan for the next
         pass. Before, that end left the plan, and every such step departed and was planned again. Not with
         activation checkpointing (its recompute regions end with each pass) nor on a fast step (its first pass
-        reaches no hook at all). A forward that comes instead of the planned pass departs then."""
+        reaches no hook at all). A forward that comes instead of the planned pass departs then. "Checkpointing"
+        is blocks checkpointed now (``ckpt.active``), not blocks measured for it (``ckpt.block_of``, found in
+        most models with repeated blocks): until session 24 the latter kept every such model's two-pass steps
+        departing. Not covered: a second forward after the first pass (an adversarial example made from the
+        input's gradient, then trained on): each forward begins a step, so the plan never sees the first pass,
+        and such steps depart each time (bit for bit torch still)."""
         ctx, executor = self.ctx, self.executor
-        if (not self.fast.on and not self.grads.received and not self.recompute.ckpt.block_of
+        if (not self.fast.on and not self.grads.received and not self.recompute.ckpt.active
                 and executor.inner_pass_ends()):
             self.grads.backward_done()
             ctx.phases.enter(Pass.IDLE)

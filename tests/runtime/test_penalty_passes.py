@@ -21,10 +21,18 @@ from tests.support.models import tanh_mlp
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
-def _pair(budget_frac, chaos=None, **kw):
+def _blocks(depth: int = 6, width: int = 32) -> torch.nn.Sequential:
+    """``depth`` blocks of (Linear, Tanh), each its own Sequential: blocks the engine measures for activation
+    checkpointing (``ckpt.block_of``), as in most transformers."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                 for _ in range(depth)])
+
+
+def _pair(budget_frac, chaos=None, model=None, **kw):
     """(engine, opt, ref, ref_opt); ``chaos``: random delays on the copy and AdamW lanes (a wait missing across
     the passes' boundary shows up as wrong numbers)."""
-    model = tanh_mlp(depth=8)
+    model = tanh_mlp(depth=8) if model is None else model
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
@@ -96,5 +104,35 @@ def test_a_step_whose_planned_second_pass_does_not_come_departs_and_trains_right
         assert _counters(engine)["plan_departures"] > before
         assert_losses_bitwise(losses, ref_losses)
         assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "after a lone autograd.grad pass")
+    finally:
+        engine.close()
+
+
+def _input_grad_step(forward, opt, step: int) -> float:
+    """The input's gradient first (a saliency map, say: no create_graph), then the loss's backward: two passes."""
+    x = _x(step).requires_grad_(True)
+    loss = forward(x).square().mean()
+    g, = torch.autograd.grad(loss, x, retain_graph=True)
+    assert torch.isfinite(g).all()
+    return finish_step(loss, opt)
+
+
+@pytest.mark.parametrize("first_pass", ["penalty", "input grad"])
+@pytest.mark.parametrize("budget_frac, streamed", [(4.0, False), (0.8, True)], ids=["resident", "streamed"])
+def test_two_pass_steps_of_a_model_with_blocks_stay_on_their_plan(budget_frac, streamed, first_pass):
+    """The same, where the engine measures blocks for checkpointing (without checkpointing any): before, a
+    measured block counted as checkpointing here, and every such step departed and was planned again (an
+    input-grad step on a 6-block MLP: 5 departures in 6 steps)."""
+    engine, opt, ref, ref_opt = _pair(budget_frac, model=_blocks(depth=8))
+    try:
+        assert engine._runtime.recompute.ckpt.block_of and not engine._runtime.recompute.ckpt.active
+        step = _penalty_step if first_pass == "penalty" else _input_grad_step
+        losses = [step(engine, opt, s) for s in range(7)]
+        ref_losses = [step(ref, ref_opt, s) for s in range(7)]
+        assert_losses_bitwise(losses, ref_losses)
+        assert_bitwise(engine.state_dict()["model"], ref.state_dict(), f"{first_pass}, blocks")
+        c = _counters(engine)
+        assert c["plan_departures"] == 0 and c["replans"] == 0, c
+        assert (engine.memory_stats()["plan"]["streamed_buckets"] > 0) == streamed
     finally:
         engine.close()
