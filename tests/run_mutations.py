@@ -420,6 +420,12 @@ MUTATIONS = [
      "a first backward pass (every two-pass step departs)", "offload/runtime/core.py",
      "not self.grads.received and not self.recompute.ckpt.active", "not self.grads.received and not self.recompute.ckpt.block_of",
      ["tests/runtime/test_penalty_passes.py::test_two_pass_steps_of_a_model_with_blocks_stay_on_their_plan"]),
+    ("R62", "a plan's arena is laid out while buckets fetched on demand still hold their own slots (the slot index "
+     "breaks; over the budget)", "offload/runtime/executor.py",
+     "        for b in [b for b, slot in slots.slot.items() if slot.planned is None]:\n            slots.release(b)",
+     "        for b in []:\n            slots.release(b)",
+     ["tests/runtime/test_two_forwards.py::"
+      "test_the_root_and_a_submodule_called_directly_in_one_step_train_like_torch"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

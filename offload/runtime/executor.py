@@ -317,6 +317,8 @@ class PlanExecutor:
     def activate(self, plan: Plan) -> None:
         """Make ``plan`` the one executed: allocate its arena and bring in its resident buckets."""
         ctx, slots = self.ctx, self.slots
+        for b in [b for b, slot in slots.slot.items() if slot.planned is None]:
+            slots.release(b)  # fetched on demand off plan (a submodule called outside the root): its own slot goes
         self.plan = plan
         self.arena = arena = ctx.backend.empty(plan.arena_bytes)
         self._arena_views, self._arena_slices = {}, {}

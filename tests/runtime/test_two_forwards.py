@@ -70,3 +70,40 @@ def test_a_loop_that_turns_to_two_forwards_settles_on_the_full_path(overlap):
     assert counters["plan_departures"] <= 2 and counters["replans"] <= 2, counters
     assert all(counters[k] == settled[k] for k in ("plan_departures", "replans", "fast_steps")), (settled, counters)
     engine.close()
+
+
+class _EncoderHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+@pytest.mark.parametrize("budget", [1.0, 4.0], ids=["streamed", "resident"])
+def test_the_root_and_a_submodule_called_directly_in_one_step_train_like_torch(budget, overlap):
+    """``loss = f(model(a)) + g(model.enc(b))``: the direct call runs off plan, on demand. Before, all resident,
+    the next forward laid the plan's arena out over buckets still held on demand, without letting their slots
+    go: the slot index broke (a KeyError inside the next forward), and ``close()`` raised the same, so the
+    trained weights could not be had back. Now each such step departs and trains bit for bit like torch."""
+    model, ref = _EncoderHead(), _EncoderHead()
+    engine, opt = wrap_on_cpu(model, budget, overlap_optimizer=overlap)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **PLAIN_ADAMW)
+    for step in range(5):
+        losses = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = m(_x(step)).pow(2).mean() + 0.1 * m.enc(_x(100 + step)).pow(2).mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1], step
+    assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "root and a submodule called directly")
+    stats = engine.memory_stats()
+    assert stats["device_peak_bytes"] <= stats["budget_bytes"]
+    engine.close()
+    assert_bitwise(dict(model.state_dict()), ref.state_dict(), "after close()")
