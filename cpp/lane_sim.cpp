@@ -204,7 +204,7 @@ void run_pass(const LaneProgram& p, LaneScratch& w, LaneResult& r, bool pipeline
     if (e > 0 && e < m && f == e) {
       std::rotate(w.issue.begin(), w.issue.begin() + static_cast<std::ptrdiff_t>(e),
                   w.issue.begin() + static_cast<std::ptrdiff_t>(e + 1));
-    } else if (m - e >= 2 && f > e) {
+    } else if (m - e >= 2 && f > e && m == nh) {  // costs only where every copy is a refresh
       least_late(p, w, e, used_before);
     }
     w.out_order.resize(m), w.out_after.resize(m), w.out_done.resize(m), w.out_dur.resize(m);

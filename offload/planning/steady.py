@@ -17,9 +17,13 @@ and ``least_late`` compares that order with each order that keeps its first q re
 first-use order, q = m-1 .. 0, by the lateness above, and keeps the least late (the order before where none is
 less late). Releases are estimated pessimistically from what the runtime knows at ``step()`` (which updates
 ended; the model computes the same from its own ``ended``): each pending update whole, after all the pending
-grads' copies before it. Not optimal (the brute force finds orders outside that family: 3.2 vs 3.4 s on a
-5-layer case), but on 1,200 random chains (3-9 layers, test_steady.py's shapes) never slower in the model than
-the order before and faster in 14 %; it only runs in that case, in O(m^2) for m refreshes."""
+grads' copies before it. Only where the plan streams nothing (every copy a refresh): the lateness counts the
+refreshes alone, not the forward's prefetches queued behind them on the same stream, and on a plan that streams
+(schedule_sim's gpt3-6.7b, 40 GiB, pcie4: 160 refreshes, 8 updates ended at step(), 156 streamed copies) the
+order it chose made the model's step 1.4 ms longer (3.3797 -> 3.3810 s). Not optimal (the brute force finds
+orders outside that family: 3.2 against 3.4 s on a 5-layer case), but on 1,200 random all-resident chains (3-9
+layers, test_steady.py's shapes) never slower in the model than the order before, and faster in 187 (16 %); it
+only runs in that case, in O(m^2) for m refreshes."""
 
 from __future__ import annotations
 
@@ -164,13 +168,16 @@ def least_late(base: list[T], ended: int, cost: Sequence[Timing], key: Callable[
 
 def refresh_costs(program: Program, hw: HardwareModel) -> dict[int, tuple[int, Timing]]:
     """Per bucket a pipelined ``program`` refreshes: its first use (event) and its :class:`Timing`, as
-    :meth:`PipelinedLanes.finish` gives them to :func:`issue_order` (the runtime's, from its plan)."""
+    :meth:`PipelinedLanes.finish` gives them to :func:`issue_order` (the runtime's, from its plan); none where it
+    streams a copy (those get no costs: the order before session 24)."""
     compute_s = with_device_adam(program, hw)[0]
     before = [0.0]
     for c in compute_s:
         before.append(before[-1] + c)
     first, out = first_use(program), {}
     refreshes = [k for k, e in enumerate(program.h2d_event) if e == STEP_START]
+    if len(refreshes) < len(program.h2d_event):  # [Note: the refresh order when the lane is behind]: all resident
+        return {}
     for k, a in zip(refreshes, refresh_after(program)):
         out[program.h2d_bucket[k]] = (first[k], Timing(hw.d2h_seconds(program.d2h_bytes[a]), hw.adam_seconds(
             program.adam_numel[a]), hw.h2d_seconds(program.h2d_bytes[k]), before[first[k]]))
@@ -239,9 +246,9 @@ class PipelinedLanes(Lanes):
         solo, record, adam_end, first = self.h2d_solo, self.record, self.adam_end, self.first_use
         # step() at compute end: [Note: the refresh pipelined, modelled]
         adam, d2h, before = self.cpu.adam_seconds, self.hw.d2h_seconds, self.before
-        issue = issue_order(self.lane, lambda x: adam_end[x[1]] <= compute_end, lambda x: (first[x[0]], x[0]),
-                            lambda x: Timing(d2h(self.d2h_bytes[x[1]]), adam(self.adam_numel[x[1]]), solo[x[0]],
-                                             before[first[x[0]]]))
+        timing = None if len(self.lane) < len(solo) else (  # streamed copies too: no costs (see refresh_costs)
+            lambda x: Timing(d2h(self.d2h_bytes[x[1]]), adam(self.adam_numel[x[1]]), solo[x[0]], before[first[x[0]]]))
+        issue = issue_order(self.lane, lambda x: adam_end[x[1]] <= compute_end, lambda x: (first[x[0]], x[0]), timing)
         done, dur = [], []
         for k, a in issue:
             start = max(compute_end, self.adam_end[a], self.h2d_free)
