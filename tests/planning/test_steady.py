@@ -371,3 +371,29 @@ def test_the_order_against_every_order_on_small_chains(n, compute, adam, before,
     with mock.patch.object(steady, "issue_order", _order_before_session_24):
         assert steady.steady_state(program, hw)[0].step_s == pytest.approx(before)
     assert min(_every_order(program, hw).values()) == pytest.approx(best)
+
+
+def test_a_chain_whose_lane_is_two_updates_behind_stays_resident():
+    """[Note: the refresh order when the lane is behind], the planner's side: 8 layers of 16,512 params on pcie4,
+    6 us of compute an event; each refresh 12.6 us, its AdamW 8.3 us (+ its grad copy): at compute end the first
+    two layers' updates are pending. All resident, the order before (ended 2..7 in first-use order, then 1, 0)
+    lands layer 0's refresh last: event 1 waits 78 us, a 301 us step, so the greedy streamed 6 of the 8 layers
+    (240.9 us, its plan before session 24). Now 2 and 3 go first, then 0 as its update ends, 1, 4-7: event 1
+    waits 14.9 us, 238.7 us, and the greedy keeps all 8 (still above the 234.1 us of the refresh after the drain,
+    which the runtime does not do with overlapped updates)."""
+    trace, buckets = chain_trace(8, 16512)
+    compute = [6e-6] * len(trace.events)
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=10**9, fixed_bytes=0, compute_s=compute,
+                      refresh_pipelined=True)
+    assert len(plan.resident) == len(buckets)
+    program = program_of(plan, compute)
+    got = simulate(program, DEFAULT_HW)
+    assert got == simulate_reference(program, DEFAULT_HW)
+    assert got.step_s == pytest.approx(238.69e-6, abs=1e-8)
+    assert got.stall_per_event[1] == pytest.approx(14.89e-6, abs=1e-8)
+    assert [program.h2d_bucket[k] for k in steady.steady_state(program, DEFAULT_HW)[1].order] == [2, 3, 0, 1, 4, 5,
+                                                                                                  6, 7]
+    with mock.patch.object(steady, "issue_order", _order_before_session_24):
+        before, carry = steady.steady_state(program, DEFAULT_HW)
+    assert before.step_s == pytest.approx(301.16e-6, abs=1e-8) and before.stall_per_event[1] > 77e-6
+    assert [program.h2d_bucket[k] for k in carry.order] == [2, 3, 4, 5, 6, 7, 1, 0]
