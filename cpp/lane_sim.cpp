@@ -29,55 +29,6 @@ void group_by_event(const View<std::int64_t>& event, std::int64_t lo, std::int64
 constexpr std::int64_t kMaxPasses = 16;  // steady.py's MAX_PASSES
 constexpr double kSettled = 1e-9;        // steady.py's SETTLED
 
-// steady.py's least_late ([Note: the refresh order when the lane is behind]): of w.issue (its first `ended`
-// updates ended, the rest pending in the lane's order) and each w.issue[:q] + the rest in first-use order, the
-// one whose latest refresh is least late for the next forward; the first found of equals, from w.issue down.
-template <typename UsedBefore>
-void least_late(const LaneProgram& p, LaneScratch& w, std::size_t ended, const UsedBefore& used_before) {
-  const std::size_t m = w.issue.size();
-  std::vector<double> release(m, 0.0), copy(m), due(m);
-  double t = 0.0, grads = 0.0;
-  for (std::size_t i = 0; i < m; ++i) {
-    const std::size_t j = static_cast<std::size_t>(w.issue[i]);
-    const std::int64_t k = w.lane_order[j], a = w.lane_after[j];
-    copy[i] = p.h2d_solo[k], due[i] = w.before[static_cast<std::size_t>(w.first_use[k])];
-    if (i >= ended) {  // pessimistic: every pending update whole, after its grads, all yet to copy
-      grads += p.d2h_solo[a];
-      t = std::max(t, grads) + p.adam_s[a];
-      release[i] = t;
-    }
-  }
-  std::vector<std::size_t> used(m);
-  for (std::size_t i = 0; i < m; ++i) used[i] = i;
-  std::sort(used.begin(), used.end(),
-            [&](std::size_t x, std::size_t y) { return used_before(w.issue[x], w.issue[y]); });
-  std::vector<std::size_t> order(m), best(m);
-  const auto lateness = [&]() {
-    double at = 0.0, worst = -INFINITY;
-    for (std::size_t i : order) {
-      at = std::max(at, release[i]) + copy[i];
-      worst = std::max(worst, at - due[i]);
-    }
-    return worst;
-  };
-  for (std::size_t i = 0; i < m; ++i) order[i] = i;
-  best = order;
-  double least = lateness();
-  std::vector<char> taken(m, 1);  // w.issue[:q] for the q below
-  for (std::size_t q = m; q-- > 0;) {
-    taken[q] = 0;
-    std::size_t n = 0;
-    for (std::size_t i = 0; i < q; ++i) order[n++] = i;
-    for (std::size_t i : used)
-      if (!taken[i]) order[n++] = i;
-    const double late = lateness();
-    if (late < least) best = order, least = late;
-  }
-  std::vector<std::int64_t> issue(m);
-  for (std::size_t i = 0; i < m; ++i) issue[i] = w.issue[best[i]];
-  w.issue.swap(issue);
-}
-
 // One pass of the lanes over the step (grouped copies in `w`). `pipelined`: the refreshes are w.order (lane
 // order), carried in as w.carry_done/w.carry_dur and issued at the end into w.out_done/w.out_dur (steady.py's
 // PipelinedLanes); else the copies at -1 are queued at 0 (simulate.py's Lanes).
@@ -174,10 +125,6 @@ void run_pass(const LaneProgram& p, LaneScratch& w, LaneResult& r, bool pipeline
     t += p.compute[i];
   }
   r.compute_end = t;
-  if (pipelined) {  // PipelinedLanes.run's before: per event, the compute before it
-    w.before.assign(static_cast<std::size_t>(n) + 1, 0.0);
-    for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i) w.before[i + 1] = w.before[i] + p.compute[i];
-  }
   for (std::int64_t j = d2h_ptr[n]; j < d2h_ptr[n + 1]; ++j) issue_d2h(d2h_copy[j], t);
   for (const auto& [k, ready] : pending) cpu_free = adam_end[k] = std::max(std::max(cpu_free, ready), t) + p.adam_s[k];
   if (pipelined) {  // PipelinedLanes.finish
@@ -197,15 +144,11 @@ void run_pass(const LaneProgram& p, LaneScratch& w, LaneResult& r, bool pipeline
     const std::size_t e = w.issue.size();
     for (std::size_t j = 0; j < m; ++j)
       if (adam_end[w.lane_after[j]] > t) w.issue.push_back(static_cast<std::int64_t>(j));
-    // the first used, by position in w.issue; the first pending one is w.issue[e]
-    std::size_t f = 0;
-    for (std::size_t q = 1; q < m; ++q)
-      if (used_before(w.issue[q], w.issue[f])) f = q;
-    if (e > 0 && e < m && f == e) {
-      std::rotate(w.issue.begin(), w.issue.begin() + static_cast<std::ptrdiff_t>(e),
-                  w.issue.begin() + static_cast<std::ptrdiff_t>(e + 1));
-    } else if (m - e >= 2 && f > e && m == nh) {  // costs only where every copy is a refresh
-      least_late(p, w, e, used_before);
+    if (e > 0 && e < m) {
+      bool head = used_before(w.issue[e], w.issue[0]);
+      for (std::size_t q = e + 1; head && q < m; ++q) head = used_before(w.issue[e], w.issue[q]);
+      if (head) std::rotate(w.issue.begin(), w.issue.begin() + static_cast<std::ptrdiff_t>(e),
+                            w.issue.begin() + static_cast<std::ptrdiff_t>(e + 1));
     }
     w.out_order.resize(m), w.out_after.resize(m), w.out_done.resize(m), w.out_dur.resize(m);
     for (std::size_t q = 0; q < m; ++q) {

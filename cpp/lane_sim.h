@@ -69,8 +69,7 @@ struct LaneScratch {
   // the credit scan; each AdamW's end; each copy's first waiting event; the carry out's issue order (issue)
   std::vector<std::int64_t> order, after, lane, credit_order, out_order, out_after, lane_order, lane_after,
       first_use, issue;
-  std::vector<double> carry_done, carry_dur, out_done, out_dur, adam_end, before;  // before: per event, the
-  // compute before it (a refresh's due where that event uses it first)
+  std::vector<double> carry_done, carry_dur, out_done, out_dur, adam_end;
 };
 
 // simulate_lanes(p) into `r` (its vectors reused), with `scratch`'s buffers: the same result.

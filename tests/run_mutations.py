@@ -412,16 +412,6 @@ MUTATIONS = [
      "offload/runtime/grads.py", "        if ctx.backend.copy_waits_on_host(after):  # CPU-lane work not done",
      "        if False:  # CPU-lane work not done",
      ["tests/runtime/test_compute_timing.py::test_waiting_for_the_cpu_lane_is_not_compute"]),
-    # [Note: the refresh order when the lane is behind] (planning/steady.py): the order, not a wait
-    ("R52", "the model's step() with two or more updates pending issues the order before session 24 (the first "
-     "layer's refresh last)", "offload/planning/steady.py",
-     "    return done + rest if None in cost else least_late(done + rest, len(done), cost, key)",
-     "    return done + rest", ["tests/planning/test_steady.py::"
-                              "test_with_two_updates_pending_the_first_layer_is_not_copied_last"]),
-    ("R53", "the runtime's step() issues its refreshes without the plan's costs (not the model's order where two "
-     "or more updates are pending)", "offload/runtime/executor.py",
-     "                           lambda b: (first.get(b, 1 << 62), b), lambda b: cost.get(b, (0, None))[1])",
-     "                           lambda b: (first.get(b, 1 << 62), b))", [f"{_PIPE}[cpu_backend]", _PIPE]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

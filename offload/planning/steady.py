@@ -1,38 +1,14 @@
 """The steady state of a step whose refreshes run into the next step (pure): [Note: the refresh pipelined,
 modelled] in simulate.py. The Python reference of what ``cpp/lane_sim.cpp`` does for a program with
-``Program.refresh_pipelined``: the same passes, the same arithmetic in the same order (bitwise the same).
-
-[Note: the refresh order when the lane is behind] (issue 18, session 24) The refreshes go on ONE in-order copy
-stream, each after its own bucket's update: a copy queued behind one whose update has not ended waits too. The
-next forward runs its events in order, so it ends at max over refreshes j of (C_j + the compute from j's first
-use to the forward's end): minimising it is minimising the latest refresh's lateness max_j (C_j - due_j), due_j
-the compute before j's first use, with release times (update ends) and the stream's durations: 1|r_j|L_max,
-NP-hard in general. Where two or more updates are pending at step() and the bucket used first (the first layer:
-the lane's LAST update) is not the lane's next, the order before session 24 (the ended ones in first-use order,
-then the pending ones in the lane's) copied the first layer last, and the next forward's first event waited for
-every copy (test_steady.py's hand case: 3.2 s against the 2.7 s of the best order, found by trying all 24).
-Putting it first idles the stream until its update ends and delays every other copy: worse where updates are
-long (the CPU AdamW the wall). So there ``issue_order`` takes the costs of the plan's model (:class:`Timing`)
-and ``least_late`` compares that order with each order that keeps its first q refreshes and issues the rest in
-first-use order, q = m-1 .. 0, by the lateness above, and keeps the least late (the order before where none is
-less late). Releases are estimated pessimistically from what the runtime knows at ``step()`` (which updates
-ended; the model computes the same from its own ``ended``): each pending update whole, after all the pending
-grads' copies before it. Only where the plan streams nothing (every copy a refresh): the lateness counts the
-refreshes alone, not the forward's prefetches queued behind them on the same stream, and on a plan that streams
-(schedule_sim's gpt3-6.7b, 40 GiB, pcie4: 160 refreshes, 8 updates ended at step(), 156 streamed copies) the
-order it chose made the model's step 1.4 ms longer (3.3797 -> 3.3810 s). Not optimal (the brute force finds
-orders outside that family: 3.2 against 3.4 s on a 5-layer case), but on 1,200 random all-resident chains (3-9
-layers, test_steady.py's shapes) never slower in the model than the order before, and faster in 187 (16 %); it
-only runs in that case, in O(m^2) for m refreshes."""
+``Program.refresh_pipelined``: the same passes, the same arithmetic in the same order (bitwise the same)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 from .hw import HardwareModel
-from .plan import Plan
 from .simulate import STEP_START, Lanes, Program, SimResult, add_up, with_device_adam
 
 MAX_PASSES = 16  # passes towards the steady state at most; then the last one is taken
@@ -104,95 +80,18 @@ def first_carry(program: Program, h2d_solo: Sequence[float]) -> Carry:
     return Carry(order, tuple(after[j] for j in lane), done, dur)
 
 
-class Timing(NamedTuple):
-    """One refresh as the plan's cost model sees it at ``step()`` ([Note: the refresh order when the lane is
-    behind])."""
-
-    grad_s: float  # its bucket's grads' copy to the host, which the update waits for
-    update_s: float  # its bucket's update on the CPU lane
-    copy_s: float  # its copy on the link
-    due_s: float  # the next forward's compute before the event that uses it first (no wait)
-
-
-def issue_order(lane: Sequence[T], ended: Callable[[T], bool], key: Callable[[T], tuple[int, int]],
-                timing: Callable[[T], Timing | None] | None = None) -> list[T]:
+def issue_order(lane: Sequence[T], ended: Callable[[T], bool], key: Callable[[T], tuple[int, int]]) -> list[T]:
     """The order ``step()`` issues refreshes in, the runtime's (``runtime/executor.py``) and the model's: ``lane``
     in the CPU lane's order, ``ended(x)`` whether x's update has ended (asked once each), ``key`` the order the
     next forward uses them in (distinct keys). Those ended in that order, then the others in the lane's; but
     where the first used is the lane's next update (the first not ended) it goes first, the ended ones after it:
-    queued ahead they would delay it, and the forward needs them later ([Note: the refresh pipelined]). Where
-    it is a later one (two or more pending), ``timing`` (the plan's costs) chooses ([Note: the refresh order
-    when the lane is behind])."""
+    queued ahead they would delay it, and the forward needs them later ([Note: the refresh pipelined])."""
     flags = [ended(x) for x in lane]
     done = sorted((x for x, f in zip(lane, flags) if f), key=key)
     rest = [x for x, f in zip(lane, flags) if not f]
-    first = min(lane, key=key) if lane else None
-    if done and rest and first == rest[0]:
+    if done and rest and min(lane, key=key) == rest[0]:
         return rest[:1] + done + rest[1:]
-    if timing is None or len(rest) < 2 or first == rest[0] or first not in rest:
-        return done + rest
-    cost = [timing(x) for x in done + rest]
-    return done + rest if None in cost else least_late(done + rest, len(done), cost, key)  # type: ignore[arg-type]
-
-
-def least_late(base: list[T], ended: int, cost: Sequence[Timing], key: Callable[[T], tuple[int, int]]) -> list[T]:
-    """[Note: the refresh order when the lane is behind]: of ``base`` (the order above: its first ``ended``
-    updates have ended, the others end in that order) and each order ``base[:q]`` + the rest in first-use
-    order, the one whose latest refresh is least late for the next forward (the first found of equals, from
-    ``base`` down to q = 0)."""
-    m = len(base)
-    release, t, grads = [0.0] * m, 0.0, 0.0
-    for i in range(ended, m):  # pessimistic: every pending update whole, after its grads, all yet to copy
-        grads += cost[i].grad_s
-        t = max(t, grads) + cost[i].update_s
-        release[i] = t
-    used = sorted(range(m), key=lambda i: key(base[i]))
-
-    def lateness(order: Sequence[int]) -> float:
-        t, worst = 0.0, float("-inf")
-        for i in order:
-            t = max(t, release[i]) + cost[i].copy_s
-            worst = max(worst, t - cost[i].due_s)
-        return worst
-
-    best, least = list(range(m)), lateness(range(m))
-    taken = [True] * m  # base[:q] for the q below
-    for q in range(m - 1, -1, -1):
-        taken[q] = False
-        order = list(range(q)) + [i for i in used if not taken[i]]
-        late = lateness(order)
-        if late < least:
-            best, least = order, late
-    return [base[i] for i in best]
-
-
-def refresh_costs(program: Program, hw: HardwareModel) -> dict[int, tuple[int, Timing]]:
-    """Per bucket a pipelined ``program`` refreshes: its first use (event) and its :class:`Timing`, as
-    :meth:`PipelinedLanes.finish` gives them to :func:`issue_order` (the runtime's, from its plan); none where it
-    streams a copy (those get no costs: the order before session 24)."""
-    compute_s = with_device_adam(program, hw)[0]
-    before = [0.0]
-    for c in compute_s:
-        before.append(before[-1] + c)
-    first, out = first_use(program), {}
-    refreshes = [k for k, e in enumerate(program.h2d_event) if e == STEP_START]
-    if len(refreshes) < len(program.h2d_event):  # [Note: the refresh order when the lane is behind]: all resident
-        return {}
-    for k, a in zip(refreshes, refresh_after(program)):
-        out[program.h2d_bucket[k]] = (first[k], Timing(hw.d2h_seconds(program.d2h_bytes[a]), hw.adam_seconds(
-            program.adam_numel[a]), hw.h2d_seconds(program.h2d_bytes[k]), before[first[k]]))
-    return out
-
-
-def plan_costs(plan: Plan | None, hw: HardwareModel | None) -> dict[int, tuple[int, Timing]]:
-    """:func:`refresh_costs` of ``plan``'s pipelined program on the hardware model it was planned with (``hw``;
-    None: the planner's default), as the runtime asks (none where it has no plan)."""
-    from .schedule import DEFAULT_HW, program_of  # schedule imports this module
-
-    try:
-        return refresh_costs(program_of(plan, refresh_pipelined=True), hw or DEFAULT_HW) if plan else {}
-    except ValueError:  # a refreshed bucket with no update to follow (refresh_after): today's order
-        return {}
+    return done + rest
 
 
 class PipelinedLanes(Lanes):
@@ -226,12 +125,6 @@ class PipelinedLanes(Lanes):
             else:
                 self.period_of[k], self.cum[k] = k, dur
 
-    def run(self, compute_s: Sequence[float]) -> float:
-        self.before = [0.0]  # per event: the compute before it (its due for a refresh it is the first use of)
-        for c in compute_s:
-            self.before.append(self.before[-1] + c)
-        return super().run(compute_s)
-
     def opens_period(self, k: int) -> bool:
         return self.fresh
 
@@ -245,10 +138,7 @@ class PipelinedLanes(Lanes):
         step = max(compute_end + tail, self.h2d_free, self.d2h_free, self.cpu_free)
         solo, record, adam_end, first = self.h2d_solo, self.record, self.adam_end, self.first_use
         # step() at compute end: [Note: the refresh pipelined, modelled]
-        adam, d2h, before = self.cpu.adam_seconds, self.hw.d2h_seconds, self.before
-        timing = None if len(self.lane) < len(solo) else (  # streamed copies too: no costs (see refresh_costs)
-            lambda x: Timing(d2h(self.d2h_bytes[x[1]]), adam(self.adam_numel[x[1]]), solo[x[0]], before[first[x[0]]]))
-        issue = issue_order(self.lane, lambda x: adam_end[x[1]] <= compute_end, lambda x: (first[x[0]], x[0]), timing)
+        issue = issue_order(self.lane, lambda x: adam_end[x[1]] <= compute_end, lambda x: (first[x[0]], x[0]))
         done, dur = [], []
         for k, a in issue:
             start = max(compute_end, self.adam_end[a], self.h2d_free)

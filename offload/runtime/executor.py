@@ -72,7 +72,7 @@ import torch
 from ..config import format_bytes
 from ..errors import BudgetTooSmallError, InvariantError, OffloadWarning
 from ..planning.schedule import Plan, build_plan, validate_plan
-from ..planning.steady import Timing, issue_order, plan_costs
+from ..planning.steady import issue_order
 from ..planning.trace import EventKind, Recorder, Trace
 from .residency import Residency, Slot
 
@@ -118,7 +118,7 @@ class PlanExecutor:
         self._arena_slices: dict[tuple[int, int], torch.Tensor] = {}  # arena_view's, by (offset, numel)
         self.ahead: tuple[Trace, Plan] | None = None  # issue 18: the first plan, built as its backward ended
         self._issued_early: set[int] = set()  # refreshes step() issued as their updates ended (refresh_as_updated)
-        self._first_use: tuple[Plan | None, dict[int, int], dict] = (None, {}, {})  # _first_uses's, per plan
+        self._first_use: tuple[Plan | None, dict[int, int]] = (None, {})  # per bucket: its first need, per plan
         # [Note: timing compute]: the training plan whose compute times were checked (or came from a timed
         # record), the backend's timer once made, and what the last check found
         self.checked: Plan | None = None
@@ -423,9 +423,9 @@ class PlanExecutor:
         self._issued_early = set()
         if self.replans_at_step():
             return  # the arena goes: nothing may be copied into its slots
-        keep, adam, (first, cost) = self._keeps_bound(), self.slots.adam_event, self._first_uses()
+        keep, adam, first = self._keeps_bound(), self.slots.adam_event, self._first_uses()
         todo = issue_order(self._refreshable(order), lambda b: (ev := adam.get(b)) is None or ev.query(),
-                           lambda b: (first.get(b, 1 << 62), b), lambda b: cost.get(b, (0, None))[1])
+                           lambda b: (first.get(b, 1 << 62), b))
         try:
             for b in todo:
                 self._refresh_one(b, keep, None)
@@ -435,13 +435,13 @@ class PlanExecutor:
                 fn()
             raise
 
-    def _first_uses(self) -> tuple[dict[int, int], dict[int, tuple[int, Timing]]]:
-        """Per bucket: its first need in the training plan (the next forward's order); its refresh's costs."""
+    def _first_uses(self) -> dict[int, int]:
+        """Per bucket the training plan needs: the first event that needs it (the next forward's order)."""
         plan = self.train_plan
         if self._first_use[0] is not plan:  # the earliest event last, so it wins
             uses = reversed(list(enumerate(plan.actions if plan is not None else ())))
-            self._first_use = (plan, {b: i for i, actions in uses for b in actions.need}, plan_costs(plan, self.ctx.hw))
-        return self._first_use[1], self._first_use[2]
+            self._first_use = (plan, {b: i for i, actions in uses for b in actions.need})
+        return self._first_use[1]
 
     def _refreshable(self, buckets: Iterable[int]) -> list[int]:
         """Those of ``buckets`` that ``refresh`` copies in: on the device, and not updated there."""

@@ -16,7 +16,6 @@ import torch
 
 import offload
 from offload.backend.base import HostEvent
-from offload.planning import steady
 from tests.support.fake_cuda import simulated_gpu  # noqa: F401 (a fixture)
 from tests.support.loops import ADAMW
 from tests.support.models import CASES, Batch, run
@@ -106,12 +105,14 @@ def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, g
             else:
                 lane_order = list(dict.fromkeys(b for b, _ in updates))
                 issued = [b for b, _, _ in copies]
-                # every bucket once, in the model's order (steady.issue_order, with the plan's costs) for those
-                # whose update had ended at step(): a prefix of the lane's order, not the lane's last
-                first, cost = first_use(plan), steady.plan_costs(plan, rt.ctx.hw)
-                want = [steady.issue_order(lane_order, set(lane_order[:k]).__contains__,
-                                           lambda b: (first[b], b), lambda b: cost[b][1])
-                        for k in range(len(lane_order))]
+                # every bucket once: those whose update had ended at step() (a prefix of the lane's order, not
+                # the lane's last) in first-use order, then the others in the lane's order; but the bucket used
+                # first (the lane's last) first where its update was the only one left
+                first, want = first_use(plan), []
+                for k in range(len(lane_order)):
+                    ended, rest = sorted(lane_order[:k], key=first.__getitem__), lane_order[k:]
+                    head = k and rest[0] == min(lane_order, key=first.__getitem__)
+                    want.append(rest[:1] + ended + rest[1:] if head else ended + rest)
                 assert issued in want, (step, issued, lane_order)
                 first = min(began for _, _, began in copies)
                 assert first < last_update, (step, first - last_update)  # the point: before the lane's end
