@@ -22,25 +22,24 @@ update whole, after all the pending grads' copies before it). In the model: 2.7 
 238.7 us on the chain (which stays resident); on 1,200 random all-resident chains (3-9 layers) never slower
 than the order before and faster in 187 (16 %); not optimal (3.4 s against the best 3.2 s on a 5-layer chain).
 
-Why it is not used. (1) The model's per-event waits do not hold where the runtime uses this rule: an all-resident
-plan runs the fast path, whose ``settle`` ([Note: the fast path] in runtime/fast_path.py) makes compute wait, in
-``step()``, for every refresh in flight (``executor.need``: on CUDA a stream wait before the next forward's first
-kernel, on the CPU backend a host wait), so the next forward starts after the LAST refresh lands, whatever the
-order: only the stream's end counts, and in this case the order before issues in release order (the ended ones,
-then the lane's), which ends first (no idle while any copy is ready); every order the candidate prefers idles the
-stream until the first layer's update ends. Measured (``refresh_order.py --candidate --lane-delay 1.3``, CPU
-backend, copies throttled to 1 GB/s, 8 x Linear(1024) all resident, load 2.2-2.3, three runs,
-benchmarks/results/cpu-2026-11-28/ refresh_order_s24_weak_*.json): median step 117.8 / 92.2 / 94.2 ms with the
-candidate against 117.0 / 92.1 / 91.9 ms with ``issue_order`` (the model predicted 83.2 / 78.2 / 78.3 against 83.2
-/ 87.8 / 86.4; three earlier runs, load 2.1-2.6: 95.1 / 90.0 / 96.5 against 86.4 / 88.8 / 91.0); a step's lanes
-showed ``step()`` returning only as the last refresh landed (37.9 ms in it against 35.0 with ``issue_order``), the
-stream idle while the first layer's update ran (the lane slower than the plan's AdamW rate: two lane items a
-layer). (2) On plans that stream, the lateness counts the refreshes alone, not the forward's prefetches queued
-behind them: on ``schedule_sim``'s gpt3-6.7b 40 GiB ``pcie4`` plan (160 refreshes, 8 updates ended at step(), 156
-streamed copies) the candidate made the model's step 1.4 ms longer (3.3797 -> 3.3810 s). So the weak case is real
-in the model but, for all-resident plans, an artefact of modelling the fast path's forward as waiting per event;
-what would fix the model is to make a fast-path plan's next forward wait for every refresh (then the order before
-is the best there), left to the lead.
+Why it is not used. (1) Measured, it is not faster: ``refresh_order.py --candidate --lane-delay 1.3`` (CPU backend,
+copies throttled to 1 GB/s, 8 x Linear(1024) all resident, the lane slowed 1.3 ms an item so that two or more
+updates are pending at ``step()``; load 2.2-2.3, three runs,
+benchmarks/results/cpu-2026-11-28/refresh_order_s24_weak_*.json): median step 117.8 / 92.2 / 94.2 ms with the
+candidate against 117.0 / 92.1 / 91.9 ms with ``issue_order``, where the model predicted 83.2 / 78.2 / 78.3 against
+83.2 / 87.8 / 86.4 (three earlier runs of the same candidate, files not kept, load 2.1-2.6: 95.1 / 90.0 / 96.5
+against 86.4 / 88.8 / 91.0). Why is not established. What the lanes of single steps showed: the lane runs two items
+a layer (weight and bias), each slowed, so the first layer's update ends later than the plan's AdamW rate says and
+the candidate's stream waits for it while ready copies queue behind; the forward, the lane and both copy threads
+share this VM's two vCPUs with other jobs, so a copy's length varies (4.3 to 9.5 ms in one step) and the model's
+separate lanes do not hold; in some steps ``step()`` returned only as the last refresh landed, in others right
+after the lane's last update. (The fast path's ``settle``, which would make the next forward wait for every
+refresh, was NOT on in these runs: ``lands_at_once()`` False.) Not checked on a GPU. (2) On plans that stream, the
+lateness counts the refreshes alone, not the forward's prefetches queued behind them: on ``schedule_sim``'s
+gpt3-6.7b 40 GiB ``pcie4`` plan (160 refreshes, 8 updates ended at step(), 156 streamed copies) the candidate made
+the model's step 1.4 ms longer (3.3797 -> 3.3810 s). So the weak case is real in the model, and the model's exact
+answer is pinned in test_steady.py, but no measured gain backs changing the runtime's order; a GPU run of
+``refresh_order.py --candidate --lane-delay`` is the check that would decide it.
 """
 
 from __future__ import annotations
