@@ -5,7 +5,9 @@ steady state. Programs worked out by hand for both models, the C++ lanes against
 period against many chained steps, the plans that keep the old model, and the runtime's refresh order."""
 
 import dataclasses
+import itertools
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 
 import offload
 from offload.planning import simulate as simulate_module
-from offload.planning import steady
+from offload.planning import refresh_candidates, steady
 from offload.planning.schedule import DEFAULT_HW, build_plan, program_of
 from offload.planning.simulate import STEP_START, simulate, simulate_reference
 from tests.support.models import CASES, run
@@ -297,3 +299,95 @@ def test_an_all_resident_chain_whose_copies_outlast_their_updates_stays_resident
     assert got.step_s == pytest.approx(plans[False].simulated.step_s, rel=1e-12)
     assert got.stall_per_event[1] == pytest.approx(DEFAULT_HW.h2d_seconds(16512 * 4) - 1e-5)
     assert [program.h2d_bucket[k] for k in steady.steady_state(program, DEFAULT_HW)[1].order] == list(range(8))
+
+
+def _resident_chain(n: int, compute: float, adam: int):
+    """Forward uses buckets 0..n-1 (events 0..n-1), backward n-1..0, each event ``compute`` s. All resident: a
+    refresh each (400 B: 0.4 s on flat_hw, longer than its AdamW: pcie4-like), grads of 100 B (0.1 s) at their
+    backward event, AdamW of ``adam`` params (at 100/s) each, in the lane's order n-1..0."""
+    return lane_program(compute_s=(compute,) * (2 * n), h2d_event=(STEP_START,) * n, h2d_bucket=tuple(range(n)),
+                        h2d_bytes=(400,) * n, waits=tuple((i,) for i in range(n)) + tuple((i,) for i in
+                                                                                           reversed(range(n))),
+                        d2h_event=tuple(range(n, 2 * n)), d2h_bucket=tuple(reversed(range(n))),
+                        d2h_bytes=(100,) * n, adam_numel=(adam,) * n, refresh_pipelined=True)
+
+
+def _every_order(program, hw):
+    """The exact reference for a small chain: the steady step (Python model) of each fixed issue order (a
+    permutation of the lane's refreshes, the same in every pass), by bucket order."""
+    n = sum(1 for e in program.h2d_event if e == STEP_START)
+    out = {}
+    for perm in itertools.permutations(range(n)):
+        def fixed(lane, ended, key, perm=perm):
+            [ended(x) for x in lane]
+            return [lane[i] for i in perm]
+        with mock.patch.object(steady, "issue_order", fixed):
+            result, carry = steady.steady_state(program, hw)
+        out[tuple(program.h2d_bucket[k] for k in carry.order)] = result.step_s
+    return out
+
+
+def test_with_two_updates_pending_the_first_layer_is_copied_last_which_the_model_says_costs_0_5_s():
+    """[Note: the refresh order when the lane is behind] (planning/refresh_candidates.py), the model's answer
+    pinned: 4 layers, 0.2 s an event, AdamW 0.3 s, copies 0.4 s. Compute ends at 2.7 with layers 3's and 2's
+    AdamW ended (2.3, 2.6), 1's and 0's pending (2.9, 3.2 = R); step() issues 2, 3 (ended, first-use order), then
+    1, 0 (the lane's): 2.7-3.1, 3.1-3.5, 3.5-3.9 and layer 0 at 3.9-4.3, so the next forward's event 0 waits
+    1.1 s: a 3.2 s step. The best of the 24 orders (each in every pass to its steady state) is 2.7 s, and so is
+    the candidate's: 2 first, then 0 as its AdamW ends (2.7-3.1: event 0 waits 0.4 s), 1 (3.1-3.5: event 1 at
+    0.6 waits 0.2 s), 3 (3.5-3.9). Not adopted: measured on the runtime it was not faster (the Note)."""
+    program, hw = _resident_chain(4, 0.2, 30), flat_hw()
+    got = _both(program)
+    assert got.step_s == pytest.approx(3.2) and got.stall_per_event[0] == pytest.approx(1.1)
+    assert [program.h2d_bucket[k] for k in steady.steady_state(program, hw)[1].order] == [2, 3, 1, 0]
+    with mock.patch.object(steady, "issue_order", refresh_candidates.in_the_model(program, hw)):
+        cand, carry = steady.steady_state(program, hw)
+    assert cand.step_s == pytest.approx(2.7) and cand.stall_per_event == pytest.approx((0.4, 0.2) + (0.0,) * 6)
+    assert [program.h2d_bucket[k] for k in carry.order] == [2, 0, 1, 3]
+    every = _every_order(program, hw)
+    assert min(every.values()) == pytest.approx(2.7) and every[(2, 0, 1, 3)] == pytest.approx(2.7)
+    assert every[(2, 3, 1, 0)] == pytest.approx(3.2) and every[(0, 1, 2, 3)] == pytest.approx(3.1)  # all first-use
+
+
+@pytest.mark.parametrize("n, compute, adam, before, candidate, best", [
+    (5, 0.2, 30, 4.0, 3.4, 3.2),  # the best is outside the orders least_late compares
+    (6, 0.1, 20, 3.6, 3.3, 3.1),
+    (5, 0.1, 35, 3.0, 3.0, 2.9),  # nothing better found: the order before kept
+    (4, 0.05, 30, 2.2, 2.2, 2.2),  # no update ended at step(): the lane's order is the best
+    (3, 1.0, 200, 9.5, 9.5, 9.5),  # the CPU AdamW the wall
+])
+def test_the_order_against_the_candidate_and_every_order_on_small_chains(n, compute, adam, before, candidate, best):
+    """The model's step with ``issue_order`` (Python and C++ bitwise), with the candidate, and the best of every
+    order (the exact reference): how far the order is from the best on these chains."""
+    program, hw = _resident_chain(n, compute, adam), flat_hw()
+    assert _both(program).step_s == pytest.approx(before)
+    with mock.patch.object(steady, "issue_order", refresh_candidates.in_the_model(program, hw)):
+        assert steady.steady_state(program, hw)[0].step_s == pytest.approx(candidate)
+    assert min(_every_order(program, hw).values()) == pytest.approx(best)
+
+
+def test_a_chain_whose_lane_is_two_updates_behind_is_streamed_by_the_model():
+    """The planner's side, pinned: 8 layers of 16,512 params on pcie4, 6 us of compute an event; each refresh
+    12.6 us, its AdamW 8.3 us (+ its grad copy): at compute end the first two layers' updates are pending. All
+    resident, step() lands layer 0's refresh last (ended 2..7 in first-use order, then 1, 0): event 1 waits 78 us
+    in the model, a 301 us step, so the greedy streams 6 of the 8 layers (240.9 us). The candidate's order would
+    make the all-resident plan 238.7 us in the model (event 1 waits 14.9 us), not adopted ([Note: the refresh
+    order when the lane is behind]: measured on the runtime, not faster)."""
+    trace, buckets = chain_trace(8, 16512)
+    compute = [6e-6] * len(trace.events)
+    plan = build_plan(trace, buckets, itemsize=4, budget_bytes=10**9, fixed_bytes=0, compute_s=compute,
+                      refresh_pipelined=True)
+    assert len(plan.resident) == 2 and plan.simulated.step_s == pytest.approx(240.94e-6, abs=1e-8)
+    everything = build_plan(trace, buckets, itemsize=4, budget_bytes=10**9, fixed_bytes=0, compute_s=compute,
+                            refresh_pipelined=False)  # the refresh after the drain: all resident
+    assert len(everything.resident) == len(buckets)
+    program = program_of(everything, compute, refresh_pipelined=True)
+    got = simulate(program, DEFAULT_HW)
+    assert got == simulate_reference(program, DEFAULT_HW)
+    assert got.step_s == pytest.approx(301.16e-6, abs=1e-8) and got.stall_per_event[1] > 77e-6
+    assert [program.h2d_bucket[k] for k in steady.steady_state(program, DEFAULT_HW)[1].order] == [2, 3, 4, 5, 6, 7,
+                                                                                                  1, 0]
+    with mock.patch.object(steady, "issue_order", refresh_candidates.in_the_model(program, DEFAULT_HW)):
+        cand, carry = steady.steady_state(program, DEFAULT_HW)
+    assert cand.step_s == pytest.approx(238.69e-6, abs=1e-8)
+    assert cand.stall_per_event[1] == pytest.approx(14.89e-6, abs=1e-8)
+    assert [program.h2d_bucket[k] for k in carry.order] == [2, 3, 0, 1, 4, 5, 6, 7]
