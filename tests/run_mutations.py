@@ -270,8 +270,8 @@ MUTATIONS = [
      "            self.held, self.hold_only = [] if self.held is None else self.held, None  # [Note: a departed step's",
      "            pass  # [Note: a departed step's", [f"{_TORCHS}[streamed-simulated-gpu]", _LATE]),
     ("R25", "a forward call reading a parameter its planned call did not stays on the plan (check_use)",
-     "offload/runtime/executor.py", "        if i >= len(uses[1]) or p not in uses[1][i]:\n            self.leave()",
-     "        if i >= len(uses[1]) or p not in uses[1][i]:\n            pass",
+     "offload/runtime/executor.py", "        if i >= len(uses[1]) or p not in uses[1][i]:\n            self.leave(",
+     "        if i >= len(uses[1]) or p not in uses[1][i]:\n            pass  # self.leave(",
      [f"{_TORCHS}[resident-simulated-gpu]", f"{_TORCHS}[device-optimizer-simulated-gpu]"]),
     ("R26", "a device update in backward does not bump its parameters' version counters",
      "offload/runtime/device_optim.py", "            torch.autograd.graph.increment_version(ctx.params[p])",
@@ -426,6 +426,9 @@ MUTATIONS = [
      "        for b in []:\n            slots.release(b)",
      ["tests/runtime/test_two_forwards.py::"
       "test_the_root_and_a_submodule_called_directly_in_one_step_train_like_torch"]),
+    ("R63", "steps that keep departing are not counted (no warning)", "offload/runtime/core.py",
+     "            executor.departures.step_ended(ctx.module)  # [Note: steps that keep departing] (departures.py)\n",
+     "", ["tests/runtime/test_two_forwards.py::test_steps_that_keep_departing_warn_once_naming_where"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

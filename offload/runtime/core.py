@@ -37,6 +37,7 @@ from ..planning.trace import EventKind
 from . import faults, guards, idle_params
 from .accounting import SavedActivation
 from .context import Backend, RuntimeContext
+from .departures import Where
 from .executor import PlanExecutor
 from .fast_path import FastPath
 from .forward_only import EvalPlans
@@ -350,7 +351,7 @@ class Runtime:
         grad_enabled = torch.is_grad_enabled()
         if self._between_passes:  # the plan's next backward pass did not come: it departed, as it did before
             self._between_passes = False  # ([Note: a backward pass inside a step])
-            executor.leave()
+            executor.leave(Where(reason="at a forward where its plan expected another backward pass"))
         if ctx.phases.in_backward or executor.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
             executor.release_all()
@@ -422,7 +423,7 @@ class Runtime:
         between, self._between_passes = self._between_passes, False
         if (not self.fast.on and executor.on_plan and executor.plan is not None
                 and executor.pos != executor.plan.trace.num_forward and not between):
-            executor.leave()
+            executor.leave(Where(reason="at a backward that began before its plan's forward had ended"))
         Variable._execution_engine.queue_callback(self._end_backward)
 
     @idle_params.engine_code
@@ -537,6 +538,7 @@ class Runtime:
             if ctx.dp is not None:  # issue 20: every rank re-plans, or none ([Note: re-plans agreed])
                 self.slots.check_shared_copies()  # deferred updates: [Note: the shared copy checked once per
                 executor.agree(ctx.dp.agree_replan(executor.stale or executor.refit))  # backward] (node_share.py)
+            executor.departures.step_ended(ctx.module)  # [Note: steps that keep departing] (departures.py)
             with torch.no_grad():
                 executor.after_step(updated, self.recompute)
             ctx.lane_log.step_done(executor.recorder, ctx.memory)

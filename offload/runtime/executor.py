@@ -74,6 +74,7 @@ from ..errors import BudgetTooSmallError, InvariantError, OffloadWarning
 from ..planning.schedule import Plan, build_plan, validate_plan
 from ..planning.steady import issue_order
 from ..planning.trace import EventKind, Recorder, Trace
+from .departures import Departures, Where
 from .residency import Residency, Slot
 
 RETIME_BEYOND = 0.25  # [Note: timing compute]: plan again where the measured compute is off by more than this
@@ -110,6 +111,7 @@ class PlanExecutor:
         self.grad_enabled = True  # grad mode of this step's forward
         self._leaving: list[Callable[[], None]] = []  # what must move out of the arena before it goes
         self.device_state: DeviceOptimizer | None = None  # issue 18: optimizer state kept in the arena
+        self.departures = Departures()  # [Note: steps that keep departing] (departures.py)
         self._copied_in: list[Callable[[], None]] = []  # told when copies into slots were issued between passes
         self._lands_at_once: list[Callable[[], bool]] = []  # see after_copying_in
         # Views into the arena built once per arena (the grad pipeline's per-parameter grad views): dropped with
@@ -177,11 +179,11 @@ class PlanExecutor:
         events = plan.trace.events
         pos = self.pos
         if pos >= len(events):
-            self.leave()
+            self.leave(Where(None, (kind, key)))
             return
         event = events[pos]
         if event.kind != kind or event.key != key:
-            self.leave()
+            self.leave(Where((event.kind, event.key), (kind, key)))
             return
         actions = plan.actions[pos]
         self.pos = pos + 1
@@ -208,7 +210,7 @@ class PlanExecutor:
             uses = self._planned_uses = (plan, [frozenset(u) for u in plan.trace.uses])
         i = stack[-1]
         if i >= len(uses[1]) or p not in uses[1][i]:
-            self.leave()
+            self.leave(Where(reason="in forward, where a module call read a parameter its planned call did not"))
 
     def need(self, b: int) -> None:
         """Make compute wait until bucket ``b`` is on the device; fetch it now if it is not coming."""
@@ -221,14 +223,15 @@ class PlanExecutor:
         rec.exclude_begin()  # waiting is not compute: the cost model simulates it (trace.overhead)
         if state is Residency.HOST:
             if self.on_plan:
-                self.leave()
+                self.leave(Where(reason="where a bucket its plan had not brought was needed"))
             slots.fetch_on_demand(b)
         slots.land(b)
         rec.exclude_end()
 
-    def leave(self) -> None:
+    def leave(self, where: Where = Where(reason="where its plan did not foresee")) -> None:
         """The step departs from the plan: finish it on demand, within the budget, and plan again at
         ``step()``. The arena goes (its layout only fits the plan); grads gathered in it move out first."""
+        self.departures.left(where)  # [Note: steps that keep departing] (departures.py)
         self.on_plan = False
         self.ctx.stats["plan_departures"] += 1
         if self.grad_enabled:
@@ -244,6 +247,7 @@ class PlanExecutor:
         gathered in plan buffers move out and the rest are gathered on demand, since the plan's buffer
         lifetimes no longer hold; the resident weights stay where saved views point. No re-plan: a fast
         step's record is too thin to plan from, the next (full) step is planned from if it departs too."""
+        self.departures.left(Where(reason="in a fast step's backward, whose grads came in another order"))
         self.on_plan = False
         self.ctx.stats["plan_departures"] += 1
         with torch.no_grad():
@@ -255,7 +259,7 @@ class PlanExecutor:
         """The end of backward: a step that did not reach the end of its plan departed from it."""
         plan = self.plan
         if self.on_plan and plan is not None and self.pos != len(plan.trace.events):
-            self.leave()
+            self.leave(Where(reason="at the end of backward, before its plan's end"))
 
     def inner_pass_ends(self) -> bool:
         """A backward pass ends on the plan and the plan goes on with another backward pass of the same step

@@ -31,6 +31,7 @@ from tests.runtime.test_replan import batch as replan_batch
 from tests.support.fake_cuda import simulated_gpu, with_chaos  # noqa: F401 (a fixture)
 from tests.support.loops import lockstep, session_with_eval_and_reload
 from tests.support.models import CASES, run
+from tests.support.warnings_filters import DEPARTING
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -519,6 +520,7 @@ def test_memory_stats_report_bytes_per_placement():
         engine.close()
 
 
+@pytest.mark.filterwarnings(DEPARTING)  # each step departs, as this test means: [Note: steps that keep departing]
 @pytest.mark.parametrize("name", ["branch", "swap"])
 def test_replanning_moves_device_state_through_the_host(name):
     """An execution order that changes from step to step (tests/runtime/test_replan.py's patterns): each

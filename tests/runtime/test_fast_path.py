@@ -23,6 +23,7 @@ from tests.support.compare import assert_bitwise, assert_losses_bitwise
 from tests.support.fake_cuda import simulated_gpu, with_chaos  # noqa: F401 (a fixture)
 from tests.support.loops import finish_step
 from tests.support.models import tanh_mlp
+from tests.support.warnings_filters import DEPARTING
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -201,6 +202,7 @@ def _train_gated_alike(engine, opt, ref, ref_opt, takes) -> None:
     _assert_same(engine, ref)
 
 
+@pytest.mark.filterwarnings(DEPARTING)  # each step departs, as this test means: [Note: steps that keep departing]
 @pytest.mark.parametrize("bucket_frac", [0.12, 0.3], ids=["layer-buckets", "3-layer-buckets"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "deferred"])
 def test_branch_that_skips_a_module_loses_no_grad(overlap, bucket_frac):
@@ -229,6 +231,7 @@ def test_branch_that_skips_a_module_loses_no_grad(overlap, bucket_frac):
         engine.close()
 
 
+@pytest.mark.filterwarnings(DEPARTING)  # each step departs, as this test means: [Note: steps that keep departing]
 def test_branch_first_skipped_then_taken_gets_its_grads():
     """Planned with the branch skipped: its parameters never had a grad in the plan's step. A step that
     takes it must not lose their grads (a fast path trusting the plan's grads would finish their bucket
@@ -259,6 +262,7 @@ class Swappable(nn.Module):
         return self.out(second(first(h).tanh()).tanh())
 
 
+@pytest.mark.filterwarnings(DEPARTING)  # each step departs, as this test means: [Note: steps that keep departing]
 def test_departure_mid_forward_is_caught_and_the_next_step_runs_the_full_path():
     engine, opt, ref, ref_opt = _pair(Swappable(), bucket_frac=0.15)
     rt = engine._runtime
@@ -326,6 +330,7 @@ def test_a_plan_is_only_built_from_a_full_steps_record():
         engine.close()
 
 
+@pytest.mark.filterwarnings(DEPARTING)  # each step departs, as this test means: [Note: steps that keep departing]
 def test_submodule_called_directly_between_fast_steps():
     """With the hooks below the root removed, a direct call of a submodule is not seen by any hook: it must
     still read the updated weights, and its backward must lose no grad."""

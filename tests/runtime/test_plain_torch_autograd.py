@@ -29,6 +29,7 @@ from offload.testing.chaos import ChaosConfig
 from tests.support.compare import assert_bitwise
 from tests.support.fake_cuda import with_chaos
 from tests.support.loops import PLAIN_ADAMW, finish_step, wrap_on_cpu
+from tests.support.warnings_filters import DEPARTING
 
 ADAMW = PLAIN_ADAMW
 WIDTH = 64
@@ -137,6 +138,7 @@ def test_the_engines_checkpointing_of_the_same_blocks_is_torch_checkpoint_bit_fo
     engine.close()
 
 
+@pytest.mark.filterwarnings(DEPARTING)  # each step departs, as this test means: [Note: steps that keep departing]
 @pytest.mark.parametrize("budget", list(BUDGETS))
 def test_gradient_penalty_through_the_engines_checkpointing_is_plain_torch_bit_for_bit(budget):
     """``torch.autograd.grad(..., create_graph=True)`` then backward, with every block checkpointed by the engine:

@@ -2,12 +2,17 @@
 rejected pairs): [Note: one forward per fast step] in offload/runtime/core.py. Bit for bit plain torch +
 ``torch.optim.AdamW``, and the plan holds: no step departs from it and none is planned again."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
+import offload
+
 from tests.support.compare import assert_bitwise
 from tests.support.loops import PLAIN_ADAMW, wrap_on_cpu
+from tests.support.warnings_filters import DEPARTING
 
 WIDTH = 128
 
@@ -83,6 +88,7 @@ class _EncoderHead(nn.Module):
         return self.head(self.enc(x))
 
 
+@pytest.mark.filterwarnings(DEPARTING)  # each step departs: the next test is about its warning
 @pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
 @pytest.mark.parametrize("budget", [1.0, 4.0], ids=["streamed", "resident"])
 def test_the_root_and_a_submodule_called_directly_in_one_step_train_like_torch(budget, overlap):
@@ -107,3 +113,38 @@ def test_the_root_and_a_submodule_called_directly_in_one_step_train_like_torch(b
     assert stats["device_peak_bytes"] <= stats["budget_bytes"]
     engine.close()
     assert_bitwise(dict(model.state_dict()), ref.state_dict(), "after close()")
+
+
+def test_steps_that_keep_departing_warn_once_naming_where():
+    """[Note: steps that keep departing] (offload/runtime/departures.py): off plan every step, training is right
+    but slow, and nothing else would say so: one warning, at the user's ``opt.step()``, naming the call where the
+    latest step left its plan."""
+    model = _EncoderHead()
+    engine, opt = wrap_on_cpu(model, 4.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(8):
+            loss = model(_x(step)).pow(2).mean() + 0.1 * model.enc(_x(100 + step)).pow(2).mean()
+            loss.backward()
+            opt.step()  # the warning points here
+            opt.zero_grad()
+    ours = [w for w in seen if issubclass(w.category, offload.OffloadWarning)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    message = str(ours[0].message)
+    assert "of the last 4 steps departed from their plan" in message and "'enc'" in message, message
+    assert ours[0].filename == __file__, ours[0].filename
+    engine.close()
+
+
+@pytest.mark.parametrize("forwards", [1, 2])
+def test_steps_that_hold_their_plan_do_not_warn(forwards):
+    """One forward a step, or two after the loop settled (two departures, then the plan holds): no warning."""
+    model = _net()
+    engine, opt = wrap_on_cpu(model, 4.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(10):
+            _step(model, opt, step, 1 if step < 3 else forwards)
+    assert not [w for w in seen if issubclass(w.category, offload.OffloadWarning)], [str(w.message) for w in seen]
+    assert engine.memory_stats()["counters"]["plan_departures"] == (0 if forwards == 1 else 2)
+    engine.close()
