@@ -62,8 +62,10 @@ and the spares' dict becomes ``exposed`` as it is; ``_take_back_consumed`` sets 
 keeps the unheld ones as spares in that order again. A data-less grad has no epoch to renew: it is current while
 ``exposed`` holds it for its parameter (taking back empties ``exposed``, so one taken back, or held by the user
 and replaced by a new one, is stale and says so); a grad with data, and its views, keep their epoch. Measured
-on the 200-module MLP (section 18 of overhead-profile.md), in the step (where the metadata is cold after the
-AdamW pass): ``expose`` ~0.3 ms -> see there; each setter call still frees the grad autograd left there.
+on the 200-module MLP, one engine with the old and new code swapped per block (benchmarks/results/cpu-2026-11-26/
+overhead-profile.md, section 18): ``expose`` 224 -> 154 us a step. What is left is mostly torch's setter on
+metadata the batch's AdamW pass has just evicted, and the grads autograd left there, which it frees (plain
+torch frees them in ``zero_grad``).
 """
 
 from __future__ import annotations
