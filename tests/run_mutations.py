@@ -425,6 +425,10 @@ MUTATIONS = [
      "offload/runtime/plain_grads.py",
      '        _drain(map(setattr, owners, repeat("grad"), repeat(None)))  # [Note: exposed at C speed]',
      "        pass", [_EXPOSED]),
+    ("R52", "a refresh whose wait raised in the fast path's settle leaves its parameters bound to the slot",
+     "offload/runtime/fast_path.py", "                    slots.unbind(b)", "                    pass",
+     ["tests/runtime/test_batch_send_fallbacks.py::"
+      "test_a_kernel_call_that_fails_raises_at_step_and_counts_only_the_buckets_it_updated"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",
