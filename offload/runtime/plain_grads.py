@@ -88,7 +88,8 @@ if TYPE_CHECKING:
 
 _UNHELD = 2  # sys.getrefcount of an object referenced by one local name only (the call adds one)
 _GRAD = operator.attrgetter("grad")
-_drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend  # runs an iterator (a ``map`` of setters) to its end at C speed
+# runs an iterator (a ``map`` of setters) to its end at C speed ([Note: exposed at C speed])
+_drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
 _HOW_TO_READ_GRADS = ("To read, clip or scale gradients in p.grad (torch.nn.utils.clip_grad_norm_, "
                       "clip_grad_value_, p.grad.norm()), wrap with overlap_optimizer=False: gradients then stay "
                       "readable in p.grad until step(); engine.clip_grad_norm_(max_norm) needs it too")
@@ -291,13 +292,13 @@ class Exposure:
         if not exposed and len(spare) == len(ps) and list(spare) == ps:
             # [Note: exposed at C speed] every parameter has its spare, in this order (every step after the first
             # of a run of overlapped steps): the spares' dict becomes ``exposed`` as it is and the grads are set
-            # by ``map``, no Python loop, no dict built (~0.1 ms of a step of the 200-module MLP less; issue 17,
+            # by ``map``, no Python loop, no dict built (~70 us of a step of the 200-module MLP less; issue 17,
             # the hot path). torch's grad setter checks each grad before setting it; one refused (a spare of
             # another shape) stops the map, and the loop below sets them all
             cached = self._owners
             if cached[0] != ps:
                 cached = self._owners = (ps, list(map(params.__getitem__, ps)))
-            given: list[ExposedGrad | None] = list(spare.values())
+            given = list(spare.values())
             try:
                 _drain(map(setattr, cached[1], repeat("grad"), given))
             except RuntimeError:
@@ -513,8 +514,9 @@ class Exposure:
         200-parameter model (issue 17, the hot path). One that no one but this loop references once
         ``param.grad`` let go of it (``sys.getrefcount``: the local name and the call's argument) cannot be
         observed by anyone: giving it again at the next ``expose`` is the same as giving a new one (a data-less
-        grad is current while it is the one exposed for its parameter: [Note: exposed at C speed]). One the user still holds (a name, a list, a closure) is left to go stale, and raises "no
-        longer current" if used, as before. Grads with data (``overlap_optimizer=False``) are made anew: each
+        grad is current while it is the one exposed for its parameter: [Note: exposed at C speed]). One the user
+        still holds (a name, a list, a closure) is left to go stale, and raises "no longer current" if used, as
+        before. Grads with data (``overlap_optimizer=False``) are made anew: each
         shows this step's sums."""
         params, spare = self.ctx.params, self._spare
         exposed, self.exposed = self.exposed, {}
