@@ -34,6 +34,7 @@ _PIPE = "tests/runtime/test_refresh_pipelined.py::test_step_refreshes_each_resid
 # the routine's own simulated-GPU test, the fast path's, and the usual set
 _SEND = ["tests/runtime/test_bucket_send.py::test_on_the_simulated_gpu_a_fast_steps_buckets_go_by_the_routine_as_by_"
          "the_cpu_backend", f"{_FAST}[overlap]", "TESTS"]
+_EXPOSED = "tests/runtime/test_exposed_at_c_speed.py"
 # [Note: sent as one batch]: the CPU backend's inline mode only (a simulated GPU never batches), under chaos
 _BATCH = ["tests/runtime/test_batch_send.py::test_under_chaos_a_batch_waits_for_the_refresh_copies_and_the_lane",
           "tests/runtime/test_batch_send.py"]
@@ -429,6 +430,22 @@ MUTATIONS = [
     ("R63", "steps that keep departing are not counted (no warning)", "offload/runtime/core.py",
      "            executor.departures.step_ended(ctx.module)  # [Note: steps that keep departing] (departures.py)\n",
      "", ["tests/runtime/test_two_forwards.py::test_steps_that_keep_departing_warn_once_naming_where"]),
+    # [Note: exposed at C speed] (plain_grads.py): not waits, what a user sees of p.grad on the hot path
+    ("R49", "the fast exposure makes the spares `exposed` without setting them in p.grad",
+     "offload/runtime/plain_grads.py", '                _drain(map(setattr, cached[1], repeat("grad"), given))',
+     "                pass", [_EXPOSED]),
+    ("R50", "a data-less grad is current whatever `exposed` holds (no epoch renewed, no identity check either)",
+     "offload/runtime/plain_grads.py",
+     "        if (exposure.exposed.get(self._p) is not self) if self._data is None else exposure.epoch != self._epoch:",
+     "        if False if self._data is None else exposure.epoch != self._epoch:", [_EXPOSED]),
+    ("R51", "step() takes the exposed grads back without setting p.grad to None",
+     "offload/runtime/plain_grads.py",
+     '        _drain(map(setattr, owners, repeat("grad"), repeat(None)))  # [Note: exposed at C speed]',
+     "        pass", [_EXPOSED]),
+    ("R52", "a refresh whose wait raised in the fast path's settle leaves its parameters bound to the slot",
+     "offload/runtime/fast_path.py", "                    slots.unbind(b)", "                    pass",
+     ["tests/runtime/test_batch_send_fallbacks.py::"
+      "test_a_kernel_call_that_fails_raises_at_step_and_counts_only_the_buckets_it_updated"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -452,6 +452,19 @@ class FastPath:
         if not self.lands_at_once():
             return
         slots = self.slots
-        for b, state in enumerate(slots.state):
-            if state is Residency.IN_FLIGHT:
-                self.executor.need(b)
+        try:
+            for b, state in enumerate(slots.state):
+                if state is Residency.IN_FLIGHT:
+                    self.executor.need(b)
+        except BaseException:
+            # [Note: a refresh that did not land] Copies issued while this lands them at once kept their parameters
+            # bound to the slot (``SlotTable.copy_in``'s ``keep_bound``: nothing could read them before the wait).
+            # A wait that raised (the bucket's AdamW failed: the copy waited for it) breaks that: the buckets still
+            # in flight show their placeholders, as [Note: parameters show landed slots] in slots.py has it. Left
+            # bound, the next forward's ParamGuard found them pointing at their slot, not where the slot table
+            # says they point, and raised a false "parameters ... changed outside the engine" (".data
+            # reassigned") instead of the failure itself; a read between showed the slot's old bytes
+            for b, state in enumerate(slots.state):
+                if state is Residency.IN_FLIGHT:
+                    slots.unbind(b)
+            raise

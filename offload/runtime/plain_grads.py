@@ -53,6 +53,19 @@ there: a bucket sent during backward (a departure's, CUDA's, lanes mode's) still
 once, as a later hook of the same backward could see them. It saves 200 writes of ``p.grad`` a step of the
 200-module MLP (the grads are freed in ``expose`` instead); beside the same engine without it, in one process, no
 difference was measurable on our CPU (benchmarks/results/cpu-2026-11-26/overhead-profile.md, section 15).
+
+[Note: exposed at C speed] (issue 17, the hot path) With overlapped updates every step exposes a data-less grad
+for every parameter and ``step()`` takes them back: two writes of each ``p.grad`` that plain torch does not make
+(it writes each once, in ``zero_grad``). Where every parameter's spare is there, in the order of the pending
+parameters ([Note: reusing a data-less grad]), ``expose`` sets them all with one ``map`` of torch's grad setter
+and the spares' dict becomes ``exposed`` as it is; ``_take_back_consumed`` sets them to None with one ``map`` and
+keeps the unheld ones as spares in that order again. A data-less grad has no epoch to renew: it is current while
+``exposed`` holds it for its parameter (taking back empties ``exposed``, so one taken back, or held by the user
+and replaced by a new one, is stale and says so); a grad with data, and its views, keep their epoch. Measured
+on the 200-module MLP, one engine with the old and new code swapped per block (benchmarks/results/cpu-2026-11-26/
+overhead-profile.md, section 18): ``expose`` 224 -> 154 us a step. What is left is mostly torch's setter on
+metadata the batch's AdamW pass has just evicted, and the grads autograd left there, which it frees (plain
+torch frees them in ``zero_grad``).
 """
 
 from __future__ import annotations
@@ -60,7 +73,9 @@ from __future__ import annotations
 import operator
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from itertools import compress, repeat
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -73,6 +88,8 @@ if TYPE_CHECKING:
 
 _UNHELD = 2  # sys.getrefcount of an object referenced by one local name only (the call adds one)
 _GRAD = operator.attrgetter("grad")
+# runs an iterator (a ``map`` of setters) to its end at C speed ([Note: exposed at C speed])
+_drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
 _HOW_TO_READ_GRADS = ("To read, clip or scale gradients in p.grad (torch.nn.utils.clip_grad_norm_, "
                       "clip_grad_value_, p.grad.norm()), wrap with overlap_optimizer=False: gradients then stay "
                       "readable in p.grad until step(); engine.clip_grad_norm_(max_norm) needs it too")
@@ -175,7 +192,9 @@ class ExposedGrad(torch.Tensor):
         exposure = self._exposure()
         if exposure is None or exposure.closed:
             raise OffloadError("this gradient belonged to an offload engine that is closed; its gradients are gone")
-        if exposure.epoch != self._epoch:
+        # A data-less grad is current while it is the one exposed for its parameter (given again as it is, it
+        # keeps no epoch: [Note: exposed at C speed]); one with data, or a view of it, by its epoch
+        if (exposure.exposed.get(self._p) is not self) if self._data is None else exposure.epoch != self._epoch:
             raise OffloadError("this gradient is no longer current: step(), zero_grad() or the next forward took "
                                "it back (the engine sums gradients on the host). Read p.grad again after the "
                                "next backward")
@@ -251,6 +270,7 @@ class Exposure:
         # param -> a data-less grad taken back that nobody else held: given to it again ([Note: reusing a
         # data-less grad])
         self._spare: dict[int, ExposedGrad] = {}
+        self._owners: tuple[list[int], list[torch.nn.Parameter]] = ([], [])  # pending params -> their parameters
 
     # -- the runtime's calls ------------------------------------------------------------------------------
 
@@ -267,12 +287,29 @@ class Exposure:
                 param.grad = g
                 exposed[p] = g
             return
-        spare, epoch = self._spare, self.epoch
-        for p in grads.sums.pending_params():
+        spare = self._spare
+        ps = grads.sums.pending_params()
+        if not exposed and len(spare) == len(ps) and list(spare) == ps:
+            # [Note: exposed at C speed] every parameter has its spare, in this order (every step after the first
+            # of a run of overlapped steps): the spares' dict becomes ``exposed`` as it is and the grads are set
+            # by ``map``, no Python loop, no dict built (~70 us of a step of the 200-module MLP less; issue 17,
+            # the hot path). torch's grad setter checks each grad before setting it; one refused (a spare of
+            # another shape) stops the map, and the loop below sets them all
+            cached = self._owners
+            if cached[0] != ps:
+                cached = self._owners = (ps, list(map(params.__getitem__, ps)))
+            given = list(spare.values())
+            try:
+                _drain(map(setattr, cached[1], repeat("grad"), given))
+            except RuntimeError:
+                pass
+            else:
+                self.exposed, self._spare = spare, {}
+                return
+        for p in ps:
             param = params[p]
             again: ExposedGrad | None = spare.pop(p, None)
             if again is not None:
-                again._epoch = epoch
                 try:
                     # torch's grad setter checks that a grad has its parameter's shape, dtype and device
                     # before it sets anything: a spare made for another shape is refused there (a parameter's
@@ -337,21 +374,19 @@ class Exposure:
         ps = list(exposed)
         gs = list(exposed.values())
         del exposed
-        owners = list(map(self.ctx.params.__getitem__, ps))
+        cached = self._owners  # [Note: exposed at C speed]: the parameters of these pending ones, if expose cached them
+        owners = cached[1] if cached[0] == ps else list(map(self.ctx.params.__getitem__, ps))
         now = list(map(_GRAD, owners))
         changed = not all(map(operator.is_, now, gs))
         dropped = [p for p, t, g in zip(ps, now, gs) if t is None] if changed else []
         replaced = [p for p, t, g in zip(ps, now, gs) if t is not None and t is not g] if changed else []
         del now
-        for param in owners:
-            param.grad = None
+        _drain(map(setattr, owners, repeat("grad"), repeat(None)))  # [Note: exposed at C speed]
         # a grad that only ``gs`` holds now is one sys.getrefcount sees as _UNHELD (the list, the call's
-        # argument), as _retire sees one only its local name holds: kept to be given again
+        # argument), as _retire sees one only its local name holds: kept to be given again. Every grad here is
+        # data-less (overlapped updates: ``expose`` gives no other)
         held = list(map(sys.getrefcount, gs))
-        spare = self._spare
-        for p, g, n in zip(ps, gs, held):
-            if n <= _UNHELD and g._data is None:
-                spare[p] = g
+        self._spare.update(compress(zip(ps, gs), map(operator.le, held, repeat(_UNHELD))))
         del gs
         self.epoch += 1
         if dropped or replaced:  # named in the order they were exposed, the dropped first (as sync names them)
@@ -478,9 +513,10 @@ class Exposure:
         ``ExposedGrad`` after each backward; making one and freeing it cost ~10 us, about 2 ms per step of a
         200-parameter model (issue 17, the hot path). One that no one but this loop references once
         ``param.grad`` let go of it (``sys.getrefcount``: the local name and the call's argument) cannot be
-        observed by anyone: giving it again at the next ``expose`` (with the new epoch) is the same as giving a
-        new one. One the user still holds (a name, a list, a closure) is left to go stale, and raises "no
-        longer current" if used, as before. Grads with data (``overlap_optimizer=False``) are made anew: each
+        observed by anyone: giving it again at the next ``expose`` is the same as giving a new one (a data-less
+        grad is current while it is the one exposed for its parameter: [Note: exposed at C speed]). One the user
+        still holds (a name, a list, a closure) is left to go stale, and raises "no longer current" if used, as
+        before. Grads with data (``overlap_optimizer=False``) are made anew: each
         shows this step's sums."""
         params, spare = self.ctx.params, self._spare
         exposed, self.exposed = self.exposed, {}

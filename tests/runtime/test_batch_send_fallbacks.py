@@ -120,8 +120,9 @@ def test_a_kernel_call_that_fails_raises_at_step_and_counts_only_the_buckets_it_
     bucket updates it. Either way the failure surfaces at ``opt.step()`` as an ``OffloadError`` caused by the
     kernel's exception ([Note: the refresh pipelined] in executor.py: a failed update raises from the refresh copy's
     wait or the lane's drain), and the engine does not go on as if it had not happened: the next ``step()`` and
-    ``zero_grad()`` refuse, the next forward raises the failed bucket's update (its refresh copy's wait),
-    ``state_dict()`` and ``close()`` raise the failure."""
+    ``zero_grad()`` refuse, the next forward raises the failed bucket's update (its refresh copy's wait), and so
+    does the one after it (not the guard's "changed outside the engine": the parameters of the refresh that did not
+    land show their placeholders, as the guard expects), ``state_dict()`` and ``close()`` raise the failure."""
     (engine, opt), (single, single_opt) = _engine(), _engine(batch=False)
     rt, send = engine._runtime, engine._runtime.grads.fast_send
     kernel = FailingKernel(monkeypatch, delay=0.01 if where == "queued" else 0.0)
@@ -157,6 +158,10 @@ def test_a_kernel_call_that_fails_raises_at_step_and_counts_only_the_buckets_it_
             opt.zero_grad()
         with pytest.raises(offload.OffloadError, match=f"AdamW of bucket {min(failed)} failed"):
             engine(_x(4))  # the first failed bucket the forward uses
+        # [Note: a refresh that did not land] (fast_path.py): the refresh's parameters show their placeholders, so
+        # the next forward raises the failure again, not a false "parameters ... changed outside the engine"
+        with pytest.raises(offload.OffloadError, match="kernel failed on purpose"):
+            engine(_x(5))
         with pytest.raises(offload.OffloadError, match="kernel failed on purpose"):
             engine.state_dict()
         closed = True
