@@ -446,6 +446,10 @@ MUTATIONS = [
      "offload/runtime/fast_path.py", "                    slots.unbind(b)", "                    pass",
      ["tests/runtime/test_batch_send_fallbacks.py::"
       "test_a_kernel_call_that_fails_raises_at_step_and_counts_only_the_buckets_it_updated"]),
+    ("R64", "step() does not check the parameters (a .data reassigned after backward is rebound by the refresh, "
+     "silently)", "offload/runtime/core.py",
+     "            self.guard.check_at_step()  # a .data reassigned since the forward: refused before anything changes\n",
+     "", ["tests/runtime/test_guards.py::test_data_assigned_between_backward_and_step_is_refused_at_step"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

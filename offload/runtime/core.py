@@ -527,6 +527,7 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         with ctx.backend.compute():  # called outside the user's `with torch.cuda.stream(s)`, perhaps
             faults.check_backward_finished(self, "optimizer.step()")
+            self.guard.check_at_step()  # a .data reassigned since the forward: refused before anything changes
             # issue 19: user edits of p.grad honoured, p.grad taken back; before the check, so that a raise
             # here (overlap: p.grad dropped after the update ran) leaves the backward counted for a retry
             self.grads.exposure.before_step()

@@ -49,6 +49,14 @@ class ParamGuard:
         with torch._C.DisableTorchFunctionSubclass():  # idle parameters' metadata read at C speed (idle_params.py)
             self._check()
 
+    def check_at_step(self) -> None:
+        """``step()`` begins: a parameter's ``.data`` reassigned (or written) since the forward is refused here,
+        before the update: ``step()``'s refresh of a resident bucket rebinds its parameters to the slot, which
+        hid the reassignment from the next forward's check, and the user's value was dropped silently (session
+        24). The module tree is left to the next forward (its walk is the costly part of ``check``)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            self._check_params()
+
     def _check(self) -> None:
         ctx = self.ctx
         if self._tree is None or not self._tree.unchanged():
@@ -56,6 +64,10 @@ class ParamGuard:
             if len(current) != len(ctx.params) or any(id(p) not in ctx.param_index for p in current):
                 self._changed_set(current)
             self._tree = _Tree.of(ctx.module)
+        self._check_params()
+
+    def _check_params(self) -> None:
+        ctx = self.ctx
         moved = self._moved()
         written = []
         versions = self.versions

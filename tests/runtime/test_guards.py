@@ -219,6 +219,34 @@ def test_hostile_data_assignment(how):
     pair.check()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["deferred", "overlap"])
+@pytest.mark.parametrize("frac", [0.6, 3.0], ids=["streamed", "resident"])
+def test_data_assigned_between_backward_and_step_is_refused_at_step(frac, overlap):
+    """``p.data = t`` after backward, before ``step()``: refused at ``step()`` (``ParamGuard.check_at_step``),
+    undone, and training goes on as plain torch without the assignment. Before (session 24), all resident,
+    ``step()``'s refresh rebound the parameter to its slot: the next forward's check saw nothing, and the
+    assignment was dropped silently."""
+    model = _model()
+    pair = Pair(model, frac)
+    if overlap:
+        pair.engine.close()
+        pair.engine, pair.opt = _wrap(pair.model, frac, overlap_optimizer=True)
+    pair.step()
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(99))
+    pair.engine(x).square().mean().backward()
+    pair.model[0].weight.data = torch.zeros(32, 32)
+    with pytest.raises(offload.OffloadError, match="had .data reassigned: 0.weight.*undone.*load_state_dict"):
+        pair.opt.step()
+    pair.opt.step()  # refused before anything changed: the same step again, as the user would
+    pair.opt.zero_grad()
+    pair.ref(x).square().mean().backward()  # the reference, without the assignment
+    pair.ref_opt.step()
+    pair.ref_opt.zero_grad()
+    for _ in range(2):
+        pair.step()
+    pair.check()
+
+
 def test_hostile_torch_compile():
     """torch.compile of the wrapped module is refused clearly (a compiled graph would not replay the
     engine's parameter movement); the engine is untouched and trains on."""
