@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .errors import KernelUnavailableError, OptimizerBoundError
+from .errors import KernelUnavailableError, OffloadError, OptimizerBoundError
 from .host.cpu_adam import KERNEL_AVAILABLE, adamw_step
 
 
@@ -73,6 +73,18 @@ class AdamW(torch.optim.Optimizer):
         self.fused: bool = fused
         """Whether updates run on the C++ kernel (resolved: never None). Not part of ``state_dict()``."""
         self._engine = None  # set by offload.wrap; the engine owns the optimizer's state from then on
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, until the optimizer is bound: then refused. The engine lays out its buckets and their
+        optimizer state from the param groups at wrap, so a group added later would never be updated, silently
+        (session 24: progressive unfreezing with add_param_group trained nothing new)."""
+        if getattr(self, "_engine", None) is not None:
+            raise OffloadError(
+                "add_param_group on an offload.AdamW bound to an engine: the engine lays out its buckets and "
+                "optimizer state at wrap, so the new group's parameters would never be updated. engine.close(), "
+                "build the optimizer with every group, their parameters trainable, and wrap again; lr and other "
+                "hyperparameters of existing groups may be changed at any time")
+        super().add_param_group(param_group)
 
     def _bind(self, engine) -> None:
         if self._engine is not None:

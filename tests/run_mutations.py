@@ -450,6 +450,13 @@ MUTATIONS = [
      "silently)", "offload/runtime/core.py",
      "            self.guard.check_at_step()  # a .data reassigned since the forward: refused before anything changes\n",
      "", ["tests/runtime/test_guards.py::test_data_assigned_between_backward_and_step_is_refused_at_step"]),
+    ("R65", "a parameter frozen at wrap and made trainable later is not refused (never updated, silently)",
+     "offload/runtime/guards.py", "        if self._frozen and any(map(_REQUIRES_GRAD, self._frozen)):",
+     "        if False:", ["tests/runtime/test_guards.py::"
+                          "test_unfreezing_a_parameter_frozen_at_wrap_is_refused_where_torch_would_train_it"]),
+    ("R66", "add_param_group on a bound optimizer is torch's (the group is never updated, silently)",
+     "offload/optim.py", '        if getattr(self, "_engine", None) is not None:', "        if False:",
+     ["tests/runtime/test_guards.py::test_add_param_group_after_wrap_is_refused"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

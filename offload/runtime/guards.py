@@ -44,6 +44,8 @@ class ParamGuard:
         self._tree: _Tree | None = None  # the module tree the last walk accepted ([Note: the tree stamp])
         # (the host state, weakly; slot base per bucket; where each parameter should point): see ``_moved``
         self._wants: tuple[weakref.ref, list[int | None], list[int]] | None = None
+        # parameters frozen when wrapped: the engine keeps no optimizer state for them (``_unfrozen``)
+        self._frozen = [param for param, spec in zip(ctx.params, ctx.specs) if spec.group is None]
 
     def check(self) -> None:
         with torch._C.DisableTorchFunctionSubclass():  # idle parameters' metadata read at C speed (idle_params.py)
@@ -55,7 +57,7 @@ class ParamGuard:
         hid the reassignment from the next forward's check, and the user's value was dropped silently (session
         24). The module tree is left to the next forward (its walk is the costly part of ``check``)."""
         with torch._C.DisableTorchFunctionSubclass():
-            self._check_params()
+            self._check_params(versions=False)  # a device update in backward bumps them (device_optim.py)
 
     def _check(self) -> None:
         ctx = self.ctx
@@ -66,14 +68,18 @@ class ParamGuard:
             self._tree = _Tree.of(ctx.module)
         self._check_params()
 
-    def _check_params(self) -> None:
+    def _check_params(self, versions: bool = True) -> None:
+        """``versions``: also refuse parameters written in place since the last snapshot (at a forward; a user's
+        write outside one raises at once: [Note: parameters between forwards] in idle_params.py)."""
         ctx = self.ctx
+        if self._frozen and any(map(_REQUIRES_GRAD, self._frozen)):
+            self._unfrozen()
         moved = self._moved()
-        written = []
-        versions = self.versions
+        written: list[int] = []
+        snapshot = self.versions if versions else None
         # the usual case (nothing written) is one compare of two lists of counters read at C speed
-        if versions is not None and list(map(_VERSION, ctx.params)) != versions:
-            written = [p for p, param in enumerate(ctx.params) if param._version != versions[p] and p not in moved]
+        if snapshot is not None and list(map(_VERSION, ctx.params)) != snapshot:
+            written = [p for p, param in enumerate(ctx.params) if param._version != snapshot[p] and p not in moved]
         if moved or written:
             # issue 19: model.to()/.half()/... named (dtype/device read before the restore rebinds)
             conversion = describe_conversion(ctx, self.warmup.original, moved, self.names)
@@ -101,6 +107,19 @@ class ParamGuard:
         if self.slots.host is not None:
             with torch._C.DisableTorchFunctionSubclass():  # idle parameters' counters at C speed
                 self.versions = list(map(_VERSION, self.ctx.params))
+
+    def _unfrozen(self) -> None:
+        """A parameter frozen when wrapped (``requires_grad=False``) requires grad now: its grads would reach no
+        optimizer state and it would never be updated, silently (session 24; plain torch trains it if it is in the
+        optimizer). Refused at every forward and step() until it is frozen again or the model wrapped again."""
+        names = [self.names[p] for p, (param, spec) in enumerate(zip(self.ctx.params, self.ctx.specs))
+                 if spec.group is None and param.requires_grad]
+        raise OffloadError(
+            f"parameter(s) {', '.join(names[:8])}{f' (and {len(names) - 8} more)' if len(names) > 8 else ''} were "
+            "frozen (requires_grad=False) when the model was wrapped, so the engine keeps no optimizer state for "
+            "them and would never update them; they require grad now. To train them: engine.close(), make them "
+            "trainable, build the optimizer with them and wrap again (the model keeps the trained weights after "
+            "close()); else set requires_grad=False on them again")
 
     def _changed_set(self, current: list[nn.Parameter]) -> None:
         ctx = self.ctx
@@ -210,6 +229,7 @@ class _Tree:
 _DICTS = (operator.attrgetter("_parameters"), operator.attrgetter("_modules"))
 _DATA_PTR = torch.Tensor.data_ptr
 _VERSION = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def refuse_forward_in_backward(ctx: RuntimeContext, module: int) -> None:

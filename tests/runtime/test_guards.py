@@ -247,6 +247,55 @@ def test_data_assigned_between_backward_and_step_is_refused_at_step(frac, overla
     pair.check()
 
 
+def _frozen_first_layer():
+    model = _model()
+    model[0].requires_grad_(False)
+    return model
+
+
+def test_unfreezing_a_parameter_frozen_at_wrap_is_refused_where_torch_would_train_it():
+    """A parameter frozen when wrapped but in the optimizer, made trainable later: plain torch trains it; the
+    engine has no optimizer state for it and left it as it was, silently (session 24). Now the next forward
+    refuses, naming it and the way; frozen again, training goes on as torch's with it frozen."""
+    model, ref = _frozen_first_layer(), _frozen_first_layer()
+    engine, opt = _wrap(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).square().mean().backward()
+        o.step()
+        o.zero_grad()
+        m[0].requires_grad_(True)
+    before = ref[0].weight.detach().clone()
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    assert not torch.equal(ref[0].weight, before)  # what torch does with it
+    wrapped = model.state_dict()["0.weight"].clone()
+    with pytest.raises(offload.OffloadError, match=r"parameter\(s\) 0\.weight, 0\.bias were frozen .* when the model "
+                                                   r"was wrapped.*engine\.close\(\)"):
+        model(x)
+    model[0].requires_grad_(False)
+    model(x).square().mean().backward()  # frozen again: trains on
+    opt.step()
+    assert torch.equal(engine.state_dict()["model"]["0.weight"], wrapped)
+    engine.close()
+
+
+def test_add_param_group_after_wrap_is_refused():
+    """Groups added once bound would never be updated (progressive unfreezing trained nothing new, silently);
+    before wrap it is torch's."""
+    model = _frozen_first_layer()
+    opt = offload.AdamW([p for p in model.parameters() if p.requires_grad], fused=False, **ADAMW)
+    opt.add_param_group({"params": [], "lr": 1e-4})  # unbound: torch's
+    nbytes = sum(p.numel() * 4 for p in model.parameters())
+    engine = offload.wrap(model, opt, budget=int(0.6 * nbytes), bucket_bytes=nbytes // 10, device="cpu")
+    model[0].requires_grad_(True)
+    with pytest.raises(offload.OffloadError, match="add_param_group on an offload.AdamW bound to an engine"):
+        opt.add_param_group({"params": list(model[0].parameters())})
+    assert len(opt.param_groups) == 2
+    engine.close()
+
+
 def test_hostile_torch_compile():
     """torch.compile of the wrapped module is refused clearly (a compiled graph would not replay the
     engine's parameter movement); the engine is untouched and trains on."""

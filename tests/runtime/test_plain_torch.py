@@ -711,23 +711,26 @@ CONVERSIONS = {
 @pytest.mark.parametrize("call", list(CONVERSIONS))
 @pytest.mark.parametrize("when", ["after_step", "before_step"])
 def test_converting_the_wrapped_model_raises_naming_the_fix(call, when):
-    """``model.half()`` etc. after wrapping: the next forward raises, naming the call and offload.wrap's
-    dtype=/device=; the conversion is undone and training goes on exactly as torch's."""
+    """``model.half()`` etc. after wrapping: the next forward raises (or ``step()``, where the conversion came
+    between backward and step: ``ParamGuard.check_at_step``), naming the call and offload.wrap's dtype=/device=;
+    the conversion is undone and training goes on exactly as torch's without it."""
     case, engine, opt, ref, ref_opt = _pair("mlp", overlap_optimizer=False)
     model = engine.module
     _lockstep(case, engine, opt, ref, ref_opt, 1, lambda m, s: None)
+    refused = r"model\.to\(\.\.\.\).*\.half\(\).*dtype=/device= to offload\.wrap"
     if when == "before_step":  # with gradients exposed in p.grad
         _backward(case, model, 1)
         _backward(case, ref, 1)
         CONVERSIONS[call](model)
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        with pytest.raises(offload.OffloadError, match=refused):
+            opt.step()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()  # again, as the user would
     else:
         CONVERSIONS[call](model)
-    with pytest.raises(offload.OffloadError, match=r"model\.to\(\.\.\.\).*\.half\(\).*dtype=/device= to offload\.wrap"):
-        _backward(case, model, 2)
-    if when == "after_step":
-        _lockstep(case, engine, opt, ref, ref_opt, 2, lambda m, s: None)
-        _same_state(engine, ref)
+        with pytest.raises(offload.OffloadError, match=refused):
+            _backward(case, model, 2)
+    _lockstep(case, engine, opt, ref, ref_opt, 2, lambda m, s: None)
+    _same_state(engine, ref)
     engine.close()
 
 
