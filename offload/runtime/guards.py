@@ -52,10 +52,11 @@ class ParamGuard:
             self._check()
 
     def check_at_step(self) -> None:
-        """``step()`` begins: a parameter's ``.data`` reassigned (or written) since the forward is refused here,
+        """``step()`` begins: a parameter's ``.data`` reassigned since the forward is refused here,
         before the update: ``step()``'s refresh of a resident bucket rebinds its parameters to the slot, which
         hid the reassignment from the next forward's check, and the user's value was dropped silently (session
-        24). The module tree is left to the next forward (its walk is the costly part of ``check``)."""
+        24). The module tree and the version counters are left to the next forward (the walk is the costly part
+        of ``check``; a device update in backward bumps the counters, device_optim.py)."""
         with torch._C.DisableTorchFunctionSubclass():
             self._check_params(versions=False)  # a device update in backward bumps them (device_optim.py)
 
