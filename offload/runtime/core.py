@@ -527,11 +527,12 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         with ctx.backend.compute():  # called outside the user's `with torch.cuda.stream(s)`, perhaps
             faults.check_backward_finished(self, "optimizer.step()")
-            self.guard.check_at_step()  # a .data reassigned since the forward: refused before anything changes
             # issue 19: user edits of p.grad honoured, p.grad taken back; before the check, so that a raise
             # here (overlap: p.grad dropped after the update ran) leaves the backward counted for a retry
             self.grads.exposure.before_step()
-            guards.check_step_has_grads(self.grads.consume_backward())
+            guards.check_step_has_grads(self.grads.backward_seen)
+            self.guard.check_at_step()  # a .data reassigned since the forward: refused before anything changes
+            self.grads.consume_backward()
             self.slots.stepped = True  # a backward from now to the next forward runs through an older graph
             self.guard.snapshot()
             updated = self.grads.run_step()

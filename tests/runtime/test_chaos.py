@@ -156,8 +156,11 @@ def test_chaos_catches_a_missing_wait(monkeypatch):
     from offload.runtime.residency import Residency
     from offload.runtime.slots import SlotTable
 
-    def no_wait(self, b):  # SlotTable.land without waiting for the copy event
+    def no_wait(self, b):  # SlotTable.land without waiting for the copy event (and the rest as land does)
         self.set_state(b, Residency.DEVICE)
+        if b not in self._kept or not self._still_bound(b):
+            self.bind(b, self.slot[b])
+        self._kept.discard(b)
         self.touch(b)
 
     want = train(CASES["low_density"](), 3)
