@@ -57,10 +57,10 @@ def _all_resident_mlp():
     return case, ref, ref_opt, opt, engine
 
 
-def _forward_backward_beside_torch(case, ref, ref_opt, engine, step: int) -> None:
-    """Step ``step``'s batch through the engine (forward and backward: its ``step()`` is the caller's) and
-    through plain torch with its AdamW step; the forwards agree bit for bit."""
-    batch = case.make_batch(step)
+def _forward_backward_beside_torch(case, ref, ref_opt, engine, step: int, batch=None) -> None:
+    """Step ``step``'s batch (or ``batch``) through the engine (forward and backward: its ``step()`` is the
+    caller's) and through plain torch with its AdamW step; the forwards agree bit for bit."""
+    batch = case.make_batch(step) if batch is None else batch
     got, want = run(engine, batch), run(ref.model, batch)
     assert torch.equal(got, want), (step, (got - want).abs().max())
     engine.backward(case.loss_fn(got, batch))
@@ -85,12 +85,7 @@ def test_step_refreshes_each_resident_bucket_as_its_update_ends(simulated_gpu, g
                                                                                              more.target]))
             # The training forward reads the resident slots, as step() refreshed them (an evaluation forward
             # would not: its own plan brings every bucket in afresh)
-            got, want = run(engine, batch), run(ref.model, batch)
-            assert torch.equal(got, want), (step, (got - want).abs().max())
-            engine.backward(case.loss_fn(got, batch))
-            ref.loss_fn(want, batch).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            _forward_backward_beside_torch(case, ref, ref_opt, engine, step, batch)
             replans, called = rt.ctx.stats["replans"], time.perf_counter()
             opt.step()
             opt.zero_grad()
