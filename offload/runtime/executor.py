@@ -76,6 +76,7 @@ from ..planning.steady import issue_order
 from ..planning.trace import EventKind, Recorder, Trace
 from .departures import Departures, Where
 from .residency import Residency, Slot
+from .unforeseen_reads import UnforeseenReads
 
 RETIME_BEYOND = 0.25  # [Note: timing compute]: plan again where the measured compute is off by more than this
 
@@ -128,6 +129,7 @@ class PlanExecutor:
         self.timing: dict[str, object] | None = None
         self._untimed = False  # the timer failed once: no step is timed again
         self._planned_uses: tuple[Plan, list[frozenset[int]]] | None = None  # check_use's, once per plan
+        self.unforeseen = UnforeseenReads(slots)
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
@@ -182,20 +184,28 @@ class PlanExecutor:
             self.leave(Where(None, (kind, key)))
             return
         event = events[pos]
+        at: int | None = pos
         if event.kind != kind or event.key != key:
-            self.leave(Where((event.kind, event.key), (kind, key)))
-            return
-        actions = plan.actions[pos]
-        self.pos = pos + 1
-        if actions.release:
-            for k in actions.release:
-                self._release_buffer(plan, k)
-        if actions.prefetch:
-            for k in actions.prefetch:
-                self._prefetch(plan, k)
-        if actions.need:
-            for b in actions.need:
-                self.need(b)
+            at = self.unforeseen.at(plan, pos, kind, key)  # [Note: reads the plan did not foresee]
+            if at is None:
+                self.leave(Where((event.kind, event.key), (kind, key)))
+            if at is None or at < 0:
+                return
+        while True:  # up to ``at``: the actions of planned reads that did not come, then of the event that came
+            self.pos = pos + 1
+            actions = plan.actions[pos]
+            if actions.release:
+                for k in actions.release:
+                    self._release_buffer(plan, k)
+            if actions.prefetch:
+                for k in actions.prefetch:
+                    self._prefetch(plan, k)
+            if actions.need:
+                for b in actions.need:
+                    self.need(b)
+            if pos == at or not self.on_plan:
+                return
+            pos += 1
 
     def check_use(self, p: int) -> None:
         """A training forward's call reads parameter ``p``: if its planned call did not, the step departs now, in
@@ -277,19 +287,20 @@ class PlanExecutor:
         if self.plan is not None and activation_peak > self.plan.activation_bytes:
             self.stale = True  # same calls, larger activations (a longer sequence): plan again at step()
         if rec.timer is None:
-            self.trace = rec.finish()
+            self.trace = self.unforeseen.plan_from(rec.finish())  # [Note: reads the plan did not foresee]
             return
         try:
-            self.trace = rec.finish()
+            trace = rec.finish()
         except RuntimeError as e:  # a diagnostic must not end the training: say so, and go on with host times
             self._untimed = True
             rec.timer = None
-            self.trace = rec.finish()
+            self.trace = self.unforeseen.plan_from(rec.finish())
             warnings.warn(f"offload: timing this step's compute on the device failed ({e}); the plan keeps the "
                           "compute times it was built with and no later step is timed ([Note: timing compute]; "
                           "calibrate_compute=False turns the timing off)", OffloadWarning, stacklevel=2)
             return
-        self._check_compute(self.trace)
+        self.trace = self.unforeseen.plan_from(trace)
+        self._check_compute(trace)
 
     def _check_compute(self, trace: Trace) -> None:
         """A timed step's record is in ([Note: timing compute]): if it followed the training plan to its end,

@@ -138,7 +138,8 @@ def test_steps_that_keep_departing_warn_once_naming_where():
 
 @pytest.mark.parametrize("forwards", [1, 2])
 def test_steps_that_hold_their_plan_do_not_warn(forwards):
-    """One forward a step, or two after the loop settled (two departures, then the plan holds): no warning."""
+    """One forward a step, or two after the loop settled (one departure, then the plan holds; two before session
+    25, when a backward read the plan lacked departed too: [Note: reads the plan did not foresee]): no warning."""
     model = _net()
     engine, opt = wrap_on_cpu(model, 4.0)
     with warnings.catch_warnings(record=True) as seen:
@@ -146,5 +147,5 @@ def test_steps_that_hold_their_plan_do_not_warn(forwards):
         for step in range(10):
             _step(model, opt, step, 1 if step < 3 else forwards)
     assert not [w for w in seen if issubclass(w.category, offload.OffloadWarning)], [str(w.message) for w in seen]
-    assert engine.memory_stats()["counters"]["plan_departures"] == (0 if forwards == 1 else 2)
+    assert engine.memory_stats()["counters"]["plan_departures"] == (0 if forwards == 1 else 1)
     engine.close()
