@@ -58,11 +58,6 @@ _XNODE = "tests/distributed/test_host_copy_per_host.py::"  # N8-N10: one host co
 _SLOW_TOO = ["-m", "slow or not slow"]  # pytest's last -m wins over pyproject's: the slow tests listed run too  # [Note: a departed step's updates wait]
 _TORCHS = f"{_OFF}test_an_off_plan_read_after_the_update_reads_the_weights_torch_reads"
 
-# [Note: the refresh in one loop]: the line with the pipelined refresh's waits (R20, R83)
-_REFRESH_WAITS = ("            waits = [self.boundary] if update is None else [self.boundary, update]  # after b's update"
-                  " too\n")
-_R84 = "tests/runtime/test_refresh_in_one_loop.py"
-
 # (id, what it breaks, file, old text, new text[, the tests to run: TESTS if absent]): old must occur exactly
 # once in file
 MUTATIONS = [
@@ -302,16 +297,11 @@ MUTATIONS = [
      ["TESTS", "tests/runtime/test_chaos.py::test_one_slot_grad_ring_bitwise_equal_under_chaos"]),
     # [Note: the refresh pipelined] (executor.py): step() issues a resident bucket's refresh before the lane drained
     ("R20", "step()'s pipelined refresh: a copy does not wait for its bucket's update (AdamW->H2D, lane not drained)",
-     "offload/runtime/slots.py", _REFRESH_WAITS, "            waits = [self.boundary]\n",
+     "offload/runtime/executor.py",
+     "                self._refresh_one(b, keep, None)\n",
+     "                update = self.slots.adam_event.pop(b, None)\n                self._refresh_one(b, keep, None)\n"
+     "                if update is not None:\n                    self.slots.adam_event[b] = update\n",
      [f"{_PIPE}[simulated_gpu]", f"{_PIPE}[cpu_backend]", "TESTS"]),
-    # [Note: the refresh in one loop] (slots.py): the pipelined refresh's own waits, as R14 and R15 are refresh()'s
-    ("R83", "step()'s pipelined refresh: a copy does not wait for the compute issued before it (compute->H2D into "
-     "a slot compute reads)", "offload/runtime/slots.py", _REFRESH_WAITS,
-     "            waits = [] if update is None else [update]\n", [f"{_PIPE}[simulated_gpu]", "TESTS"]),
-    ("R84", "step()'s pipelined refresh: a bucket whose previous copy is still in flight is copied again without "
-     "landing it first (H2D->H2D into one slot)", "offload/runtime/slots.py",
-     "                need(b)  # its previous copy lands first: [Note: parameters show landed slots]\n",
-     "                state[b] = _DEVICE\n", [_R84, "TESTS"]),
     ("R21", "step()'s pipelined refresh copies into the slots of a plan that step() then replaces (a re-plan)",
      "offload/runtime/executor.py", "        if self.replans_at_step():\n            return  # the arena goes",
      "        if False:\n            return  # the arena goes", [f"{_PIPE}[simulated_gpu]", f"{_PIPE}[cpu_backend]"]),

@@ -3,7 +3,6 @@ lanes (ordered worker threads)."""
 
 from __future__ import annotations
 
-import operator
 import queue
 import threading
 import time
@@ -208,7 +207,6 @@ class HostEvent:
 
 
 DONE = HostEvent(done=True)
-_QUERY = operator.methodcaller("query")  # Event.query at C speed (Lane.run asks it of every wait)
 
 
 class Deferred(HostEvent):
@@ -287,11 +285,10 @@ class Lane:
         waits correctly for lane work waits correctly for this); else :meth:`submit` it. No thread hand-off:
         the CPU backend's copies, ``[Note: inline copies]`` in backend/cpu.py. A failure travels with the
         returned event, as from the lane. A lane with chaos delays (``before``) always submits."""
-        if self._closed:
-            self._check_open()
+        self._check_open()
         waits = tuple(waits)
         with self._issue:
-            if self._before is not None or not self._last.query() or not all(map(_QUERY, waits)):
+            if self._before is not None or not self._last.query() or not all(w.query() for w in waits):
                 return self._submit(fn, waits, what)
             return self._run_now(fn, waits, what)
 
@@ -368,8 +365,6 @@ def _run_item(fn: Callable[[], object], waits: Iterable[Event], ev: HostEvent,
     mode, timed for the timeline; its failure (or a wait's) set on ``ev``."""
     try:
         for w in waits:
-            if w is DONE:  # born complete and never failed (the CPU backend's compute events): nothing to ask
-                continue
             # A device event already complete is not synchronized ([Note: the cost of a lane item]); a host
             # event always is (cheap once set): its synchronize() raises the failure of the work it marks.
             if isinstance(w, HostEvent) or not w.query():

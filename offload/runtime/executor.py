@@ -40,9 +40,9 @@ idle while the lane finished, the lane while PCIe refreshed, and the next forwar
 benchmarks/results/2026-11-27-h200 runs 7-8, gpt2-xl at 8 GiB all resident: 3.1 GB, ~57-64 ms after the lane's
 last update, in a 0.53-0.55 s step bound at 0.30 s by the CPU AdamW). So now, before it drains the lane,
 ``step()`` (``refresh_as_updated``) issues the refresh of each bucket the lane updated this step, each copy
-after its own bucket's update only (``adam_event``; [Note: the refresh in one loop] in slots.py): first those whose
-update has already ended (that event's ``query()``: asked, never waited for), in the order the next forward first
-uses them (the training plan's first ``need``); then the others in the lane's order (``GradPipeline.lane_order``:
+after its own bucket's update only (``SlotTable.copy_in``'s ``adam_event``): first those whose update has
+already ended (that event's ``query()``: asked, never waited for), in the order the next forward first uses
+them (the training plan's first ``need``); then the others in the lane's order (``GradPipeline.lane_order``:
 that of their updates, general chain and fast send alike): the lane's order alone put the first layers last
 (test_steady.py: 6.4 s against 7.2 s). But where the bucket used first is the lane's next update (the first not
 ended), its copy goes first: queued behind the ended ones it was late (session 23: an 8-layer chain on pcie4
@@ -120,7 +120,7 @@ class PlanExecutor:
         self._arena_slices: dict[tuple[int, int], torch.Tensor] = {}  # arena_view's, by (offset, numel)
         self.ahead: tuple[Trace, Plan] | None = None  # issue 18: the first plan, built as its backward ended
         self._issued_early: set[int] = set()  # refreshes step() issued as their updates ended (refresh_as_updated)
-        self._first_use: tuple[Plan | None, dict[int, tuple[int, int]]] = (None, {})  # per plan: _first_uses
+        self._first_use: tuple[Plan | None, dict[int, int]] = (None, {})  # per bucket: its first need, per plan
         # [Note: timing compute]: the training plan whose compute times were checked (or came from a timed
         # record), the backend's timer once made, and what the last check found
         self.checked: Plan | None = None
@@ -431,22 +431,22 @@ class PlanExecutor:
             return  # the arena goes: nothing may be copied into its slots
         keep, adam, first = self._keeps_bound(), self.slots.adam_event, self._first_uses()
         todo = issue_order(self._refreshable(order), lambda b: (ev := adam.get(b)) is None or ev.query(),
-                           first.__getitem__)
+                           lambda b: (first.get(b, 1 << 62), b))
         try:
-            self.slots.refresh_each(todo, keep, self.need, self._issued_early)  # [Note: the refresh in one loop]
+            for b in todo:
+                self._refresh_one(b, keep, None)
+                self._issued_early.add(b)
         except BaseException:  # a failed update (its copy's wait raised): what was issued lands as refresh's would
             for fn in self._copied_in:
                 fn()
             raise
 
-    def _first_uses(self) -> dict[int, tuple[int, int]]:
-        """Per bucket: (the training plan's first event that needs it: the next forward's order, the bucket), the
-        order refreshes of ended updates are issued in; built once per plan, a bucket no event needs last."""
+    def _first_uses(self) -> dict[int, int]:
+        """Per bucket the training plan needs: the first event that needs it (the next forward's order)."""
         plan = self.train_plan
         if self._first_use[0] is not plan:  # the earliest event last, so it wins
             uses = reversed(list(enumerate(plan.actions if plan is not None else ())))
-            first = {b: i for i, actions in uses for b in actions.need}
-            self._first_use = (plan, {b: (first.get(b, 1 << 62), b) for b in range(len(self.slots.buckets))})
+            self._first_use = (plan, {b: i for i, actions in uses for b in actions.need})
         return self._first_use[1]
 
     def _refreshable(self, buckets: Iterable[int]) -> list[int]:

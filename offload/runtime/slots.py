@@ -35,7 +35,7 @@ from ..backend.base import DONE, Event
 from ..errors import InvariantError, OffloadError
 from .grad_records import STALE_GRAPH
 from .idle_params import PLAIN_OF, bind_placeholder
-from .residency import TRANSITIONS, Freeing, ParamRef, Residency, Slot, check_move
+from .residency import Freeing, ParamRef, Residency, Slot, check_move
 
 if TYPE_CHECKING:
     from torch import nn
@@ -44,11 +44,6 @@ if TYPE_CHECKING:
     from ..planning.buckets import Bucket
     from .device_collectives import RefreshCopy
     from .context import RuntimeContext
-
-
-_DEVICE, _IN_FLIGHT = Residency.DEVICE, Residency.IN_FLIGHT
-if (_DEVICE, _IN_FLIGHT) not in TRANSITIONS or (_IN_FLIGHT, _DEVICE) not in TRANSITIONS:
-    raise InvariantError("SlotTable.set_state takes DEVICE <-> IN_FLIGHT as legal without looking them up")
 
 
 class SlotTable:
@@ -80,8 +75,7 @@ class SlotTable:
         # bucket -> (the slot it holds, its parameters' views into it, those parameters, the views' addresses):
         # built once per slot (issue 17, hot path)
         self._param_views: dict[int, tuple[Slot, list[torch.Tensor], list[nn.Parameter], list[int]]] = {}
-        # bucket -> (its slot, the slot's bytes as its dtype, their byte count): built once per slot
-        self._dst: dict[int, tuple[Slot, torch.Tensor, int]] = {}
+        self._dst: dict[int, tuple[Slot, torch.Tensor]] = {}  # bucket -> (its slot, the slot's bytes as its dtype)
         self._kept: set[int] = set()  # refreshed buckets whose parameters stayed bound while in flight (copy_in)
         # issue 18: told (bytes, bucket) when an on-demand allocation cannot fit the budget; may raise (warmup.py)
         self.over_budget: Callable[[int, int | None], None] | None = None
@@ -135,13 +129,8 @@ class SlotTable:
     # -- transitions --------------------------------------------------------------------------------------
 
     def set_state(self, b: int, new: Residency) -> None:
-        state = self.state
-        old = state[b]
-        # a resident bucket's refresh and its landing, ten of each a step (issue 17, the hot path): legal moves,
-        # told apart by identity; every other move is checked against the table
-        if not ((old is _DEVICE and new is _IN_FLIGHT) or (old is _IN_FLIGHT and new is _DEVICE)):
-            check_move(b, old, new)
-        state[b] = new
+        check_move(b, self.state[b], new)
+        self.state[b] = new
 
     def copy_in(self, b: int, slot: Slot, waits: Iterable[Event], keep_bound: bool = False,
                 copy: RefreshCopy | None = None) -> None:
@@ -150,84 +139,37 @@ class SlotTable:
         (no placeholder in between, which nothing could read), and ``land`` finds them bound. ``copy``: how
         (issue 20: [Note: resident weights gathered in their slots] in device_collectives.py), if not whole."""
         ctx = self.ctx
+        n = self.buckets[b].numel
         hit = self._dst.get(b)
-        if hit is None or hit[0] is not slot:  # refreshed in the slot it holds (after every step()): one view
-            hit = self._slot_view(b, slot)
-        dst, nbytes = hit[1], hit[2]
+        if hit is not None and hit[0] is slot:  # refreshed in the slot it holds (after every step()): one view
+            dst = hit[1]
+        else:
+            dst = slot.storage[slot.offset: slot.offset + n * ctx.itemsize].view(ctx.dtype)
+            self._dst[b] = (slot, dst)
         dp = ctx.dp
         if dp is not None and b in dp.unchecked:  # issue 20: a read in the backward (since a fetch there raises,
             # fetch_on_demand, only a fault's refresh, out of step: a no-op; tests/MUTATIONS.md, N6)
             self.check_shared_copies(early=True)  # that updated it: [Note: the shared copy checked once per backward]
         waits = [w for w in (*waits, self.adam_event.get(b)) if w is not None]
         fresh = b not in self.slot
-        old = self.state[b]
-        if old is not _DEVICE:  # a refresh in place (DEVICE -> IN_FLIGHT, legal) needs no look-up: set_state's
-            check_move(b, old, _IN_FLIGHT)
-        self.state[b] = _IN_FLIGHT
+        self.set_state(b, Residency.IN_FLIGHT)
         self.slot[b] = slot
-        host = self.host
-        src = (host if host is not None else self.hosted()).source(b)
+        src = self.hosted().source(b)
         gathered = copy(b, dst, src, waits) if copy is not None else None
         if gathered is None:
-            event = ctx.backend.h2d(dst, src, waits)
+            gathered = ctx.backend.h2d(dst, src, waits), n * ctx.itemsize
         else:
-            event, nbytes = gathered
             ctx.stats["refresh_gathers"] += 1
-        self.h2d_event[b] = event
+        self.h2d_event[b], nbytes = gathered
         ctx.stats["h2d_bytes"] += nbytes
         self.h2d_by_bucket[b] += nbytes
-        ctx.lane_log.add("h2d", b, nbytes, event)
+        ctx.lane_log.add("h2d", b, nbytes, self.h2d_event[b])
         if fresh:
             self._index(b, slot)
         elif keep_bound:
             self._kept.add(b)
         else:  # refreshed in place (new weights after step()): see [Note: parameters show landed slots]
             self.unbind(b)
-
-    def _slot_view(self, b: int, slot: Slot) -> tuple[Slot, torch.Tensor, int]:
-        """(``slot``, its bytes for bucket ``b`` as the compute dtype, their count): built once per slot it holds."""
-        ctx = self.ctx
-        nbytes = self.buckets[b].numel * ctx.itemsize
-        hit = self._dst[b] = (slot, slot.storage[slot.offset: slot.offset + nbytes].view(ctx.dtype), nbytes)
-        return hit
-
-    def refresh_each(self, buckets: Iterable[int], keep_bound: bool, need: Callable[[int], None],
-                     issued: set[int]) -> None:
-        """[Note: the refresh in one loop] (issue 17, the hot path) ``step()``'s pipelined refresh
-        (``PlanExecutor.refresh_as_updated``): for each bucket of ``buckets``, in that order, what ``_refresh_one``
-        and ``copy_in`` do for a bucket refreshed in the slot it holds: a copy of it still in flight lands first
-        (``need``); its copy is issued after the compute issued so far (``boundary``) and its own update
-        (``adam_event``); its parameters stay bound (``keep_bound``) or show their placeholders; it joins
-        ``issued``. The same backend calls, with the same waits, in the same order, as bucket by bucket: only the
-        lookups are made once a call, not once a bucket (ten buckets a fast step of the overhead mlp, ~25 us of
-        Python each through three method calls). Without data parallel (its gathered copies take ``copy_in``)."""
-        ctx = self.ctx
-        if ctx.dp is not None:
-            raise InvariantError("refresh_each is the refresh without data parallel")
-        h2d, stats, lane_log, host = ctx.backend.h2d, ctx.stats, ctx.lane_log, self.hosted()
-        state, slots, views, adam, events = self.state, self.slot, self._dst, self.adam_event, self.h2d_event
-        for b in buckets:
-            if state[b] is _IN_FLIGHT:
-                need(b)  # its previous copy lands first: [Note: parameters show landed slots]
-            slot = slots.get(b)
-            if slot is None or state[b] is not _DEVICE:
-                raise InvariantError(f"bucket {b} is refreshed in place but is not on the device")
-            hit = views.get(b)
-            if hit is None or hit[0] is not slot:
-                hit = self._slot_view(b, slot)
-            update = adam.get(b)
-            waits = [self.boundary] if update is None else [self.boundary, update]  # after b's update too
-            state[b] = _IN_FLIGHT
-            event = events[b] = h2d(hit[1], host.source(b), waits)
-            nbytes = hit[2]
-            stats["h2d_bytes"] += nbytes
-            self.h2d_by_bucket[b] += nbytes
-            lane_log.add("h2d", b, nbytes, event)
-            if keep_bound:
-                self._kept.add(b)
-            else:  # see [Note: parameters show landed slots]
-                self.unbind(b)
-            issued.add(b)
 
     def land(self, b: int) -> None:
         """Compute waits until bucket ``b``'s copy (issued) has landed; its parameters show the slot from now."""
@@ -236,8 +178,7 @@ class SlotTable:
         if b not in self._kept or not self._still_bound(b):
             self.bind(b, self.slot[b])
         self._kept.discard(b)
-        if b in self.lru:  # touch(b), inline: ten landings a fast step
-            self.lru.move_to_end(b)
+        self.touch(b)
 
     def _still_bound(self, b: int) -> bool:
         """Bucket ``b``'s parameters point at their views of its slot (a refresh that kept them bound)."""
