@@ -477,6 +477,11 @@ MUTATIONS = [
      "            return None", "            return at",
      ["tests/runtime/test_off_plan_late_read.py::"
       "test_an_off_plan_read_after_the_update_reads_the_weights_torch_reads[resident-cpu]"]),
+    ("R96", "a pass that departed at a read once is planned from at once (a one-off's plan kept)",
+     "offload/runtime/unforeseen_reads.py",
+     "        again = read_more and self._departed_more is not None and trace.events == self._departed_more.events",
+     "        again = read_more",
+     ["tests/runtime/test_unforeseen_reads.py::test_the_record_to_plan_from_is_the_one_that_reads_more_only_once_both_kinds_of_pass_come"]),
     ("R95", "a record that reads more is never kept to plan from",
      "offload/runtime/unforeseen_reads.py",
      "            self.wider = trace  # both kinds of pass come: plan from the one that reads more", "            pass",

@@ -23,10 +23,10 @@ from a one-off pass (a data-dependent branch that read a weight late, once) may 
 that follow (tests/runtime/test_off_plan_late_read.py: 5 buckets streamed at 4x the weights), so a pass that
 reads less than its plan departs and is planned from, as before, unless the pass its plan came from comes again
 right after it. A record becomes ``wider`` (``plan_from``, at the end of each pass) when its pass departed at a
-read of a bucket not on the device, or when it is the plan's record again right after a pass that read less
-departed; later passes that read less are then planned from it rather than from their own records; a pass
-neither less nor the same forgets it. So both kinds of pass settle on one plan after at most one departure and
-one re-plan (before: one each per step, for good).
+read of a bucket not on the device for the second time (its kind comes again), or when it is the plan's record
+again right after a pass that read less departed; later passes that read less are then planned from it rather than
+from their own records; a pass neither less nor the same forgets it. So both kinds of pass settle on one plan
+after at most two departures and re-plans (before: one each per step, for good).
 Tests: tests/runtime/test_unforeseen_reads.py.
 """
 
@@ -93,12 +93,16 @@ class UnforeseenReads:
         self._read_more = False  # this pass departed at a read its plan lacks (its bucket not on the device)
         self._read_less: Trace | None = None  # this pass departed where reads its plan has did not come
         self._check: Trace | None = None  # the record the last pass read less than: it comes again, or not
+        self._departed_more: Trace | None = None  # the latest pass that departed at a read its plan lacks
 
     def plan_from(self, trace: Trace) -> Trace:
         """The record to plan from, ``trace`` being this pass's (its backward over)."""
         read_more, self._read_more = self._read_more, False
         check, self._check, self._read_less = self._check, self._read_less, None
-        if read_more or (check is not None and trace.events == check.events):
+        again = read_more and self._departed_more is not None and trace.events == self._departed_more.events
+        if read_more:
+            self._departed_more = trace
+        if again or (check is not None and trace.events == check.events):
             self.wider = trace  # both kinds of pass come: plan from the one that reads more
         elif self.wider is not None and reads_more(self.wider, trace):
             return self.wider
