@@ -457,6 +457,14 @@ MUTATIONS = [
     ("R66", "add_param_group on a bound optimizer is torch's (the group is never updated, silently)",
      "offload/optim.py", '        if getattr(self, "_engine", None) is not None:', "        if False:",
      ["tests/runtime/test_guards.py::test_add_param_group_after_wrap_is_refused"]),
+    ("R67", "a checkpointed BatchNorm's running statistics are not noted as updated by its forward (its kernel moves "
+     "no version counter): the recompute updates them again, silently", "offload/runtime/recompute.py",
+     "    return [(m._buffers, name, t, -1 if name in _RUNNING and m.training and isinstance(m, _NormBase) else t._version)",
+     "    return [(m._buffers, name, t, t._version)",
+     ["tests/runtime/test_plain_torch_models.py::test_checkpointed_blocks_update_their_buffers_once"]),
+    ("R68", "a recompute updates the block's buffers themselves, not clones (twice per step, silently)",
+     "offload/runtime/recompute.py", "                table[name] = t.detach().clone()", "                pass",
+     ["tests/runtime/test_plain_torch_models.py::test_checkpointed_blocks_update_their_buffers_once"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",
