@@ -465,6 +465,14 @@ MUTATIONS = [
     ("R68", "a recompute updates the block's buffers themselves, not clones (twice per step, silently)",
      "offload/runtime/recompute.py", "                table[name] = t.detach().clone()", "                pass",
      ["tests/runtime/test_plain_torch_models.py::test_checkpointed_blocks_update_their_buffers_once"]),
+    ("R69", "an op of the forward that writes a parameter in place is not refused (the write is lost, silently)",
+     "offload/runtime/param_access.py", "                if written and any(w in index for w in written):",
+     "                if False:",
+     ["tests/runtime/test_plain_torch_models.py::test_parameters_written_in_forward_are_refused"]),
+    ("R70", "F.embedding / F.embedding_bag with max_norm or sparse=True are not refused (max_norm's renorm is lost "
+     "silently; a sparse grad crashes in backward)", "offload/runtime/param_access.py",
+     "            lookup = _LOOKUPS.get(func)", "            lookup = None",
+     ["tests/runtime/test_plain_torch_models.py::test_parameters_written_in_forward_are_refused"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

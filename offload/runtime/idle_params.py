@@ -372,6 +372,16 @@ def _written(name: str, args: Any, kwargs: dict) -> set[int]:
     return {id(t) for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)}
 
 
+def written_by(func: Any, args: Any, kwargs: dict) -> set[int]:
+    """ids of the tensors ``func(*args, **kwargs)`` writes in place (none for metadata calls such as
+    ``requires_grad_`` and attribute setters): also used inside a forward ([Note: parameters written in forward]
+    in param_access.py)."""
+    kind, name = _name(func)
+    if kind is not None or name in _METADATA:
+        return set()
+    return _written(name, args, kwargs)
+
+
 def _unchanged(name: str, args: Any, kwargs: dict) -> bool:
     """Whether conversion ``name`` of ``args[0]`` returns the tensor itself in plain PyTorch (no copy)."""
     param = args[0]

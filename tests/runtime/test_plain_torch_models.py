@@ -11,7 +11,12 @@ checked to stream), ``overlap_optimizer`` False and True.
 Fixed in session 25 (each test below fails without its fix; see the README's *Plain PyTorch calls*):
 * the engine's activation checkpointing updated BatchNorm's running statistics, ``num_batches_tracked`` and a
   counter buffer of the user's twice per step (its recompute ran the forward again): [Note: buffers a recompute
-  updates] in offload/runtime/recompute.py.
+  updates] in offload/runtime/recompute.py;
+* ``nn.Embedding(max_norm=...)`` (and ``nn.EmbeddingBag``, ``F.embedding``, a weight clamped in place inside
+  ``forward``) wrote the device copy only, so the model trained differently from plain PyTorch, silently; now
+  refused ([Note: parameters written in forward] in offload/runtime/param_access.py);
+* ``sparse=True`` embeddings crashed in backward with torch's "reshape is not implemented for sparse tensors";
+  now refused at the first forward, naming ``sparse=False``.
 """
 
 import warnings
@@ -357,3 +362,94 @@ def test_checkpointed_blocks_update_their_buffers_once(name, streamed, overlap):
     stats = _beside_torch(build, _ROWS, streamed=streamed, overlap=overlap,
                           activation_checkpointing="auto" if streamed else _ALL, **extra)
     assert len(stats["activation_checkpointing"]["checkpointed"]) == 4
+
+
+class FunctionalMaxNorm(Lookup):
+    def forward(self, t):
+        return self.h(torch.tanh(self.l(F.embedding(t, self.e.weight, max_norm=1.0))))
+
+
+class ClampedInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.h = nn.Linear(W, W), nn.Linear(W, 1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.l.weight.clamp_(-0.1, 0.1)
+        return self.h(torch.tanh(self.l(x)))
+
+
+IN_PLACE = {
+    "embedding-max_norm": (lambda: Lookup(max_norm=1.0), _TOKENS, "e.weight.*max_norm"),
+    "embeddingbag-max_norm": (lambda: Lookup(bag=True, max_norm=0.5, norm_type=1.0), _TOKENS, "e.weight.*max_norm"),
+    "F.embedding-max_norm": (FunctionalMaxNorm, _TOKENS, "e.weight.*max_norm"),
+    "clamp_-in-forward": (ClampedInForward, _ROWS, r"clamp_\(\) writes parameter l.weight"),
+    "embedding-sparse": (lambda: Lookup(sparse=True), _TOKENS, "e.weight.*sparse=False"),
+    "embeddingbag-sparse": (lambda: Lookup(bag=True, sparse=True), _TOKENS, "e.weight.*sparse=False"),
+}
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("name", list(IN_PLACE))
+def test_parameters_written_in_forward_are_refused(name, streamed):
+    """An op of the forward that writes a parameter in place (max_norm's renorm, a clamp_ of a weight) would
+    change the device copy only (before session 25: trained on silently, 1.6 % off plain PyTorch's loss at the
+    second step with max_norm=1); a sparse embedding made a sparse gradient that crashed in backward with torch's
+    "reshape is not implemented for sparse tensors". Both raise an OffloadError at the first forward, before
+    the op, naming the parameter and the way; the engine then trains on as plain torch without the write."""
+    build, batch, match = IN_PLACE[name]
+    model, engine, opt = _wrap(build, 0.5 if streamed else 10.0, overlap=False)
+    try:
+        with pytest.warns(offload.OffloadWarning), pytest.raises(offload.OffloadError, match=match):
+            model(*batch(0))
+    finally:
+        engine.close()
+
+
+def test_training_goes_on_after_a_refused_write():
+    """After the refusal the engine is usable: max_norm removed, it trains as plain torch without it."""
+    model, engine, opt = _wrap(lambda: Lookup(max_norm=1.0), 2.0, overlap=False)
+    torch.manual_seed(0)
+    ref = Lookup()
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **PLAIN_ADAMW)
+    try:
+        with pytest.warns(offload.OffloadWarning), pytest.raises(offload.OffloadError, match="max_norm"):
+            model(_tokens(0))
+        model.e.max_norm = None
+        for i in range(3):
+            got = _loss(model(_tokens(i)))
+            got.backward()
+            opt.step()
+            opt.zero_grad()
+            want = _loss(ref(_tokens(i)))
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert got.item() == want.item()
+        state = engine.state_dict()["model"]
+    finally:
+        engine.close()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+def test_in_place_buffer_and_metadata_calls_in_forward_still_run():
+    """The refusal is for writes to parameters only: buffers updated in place, ``requires_grad_`` on a frozen
+    parameter and in-place ops on activations run as in plain torch (the models above cover the training)."""
+
+    class Forward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l, self.h = nn.Linear(W, W), nn.Linear(W, 1)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen.add_(1)
+            self.l.bias.requires_grad_(True)
+            y = self.l(x)
+            y.tanh_()
+            return self.h(y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _beside_torch(Forward, _ROWS, streamed=False, overlap=False, steps=2)
