@@ -453,3 +453,88 @@ def test_in_place_buffer_and_metadata_calls_in_forward_still_run():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _beside_torch(Forward, _ROWS, streamed=False, overlap=False, steps=2)
+
+
+class Symmetric(nn.Module):
+    def forward(self, x):
+        return x.triu() + x.triu(1).transpose(-1, -2)
+
+
+AFTER_WRAP = {
+    "weight_norm": (parametrizations.weight_norm, "nn.Parameter.*registered after offload.wrap"),
+    "spectral_norm": (parametrizations.spectral_norm, "registered after offload.wrap"),
+    "old-weight_norm-hook": (torch.nn.utils.weight_norm, "registered after offload.wrap"),
+    "register_parametrization": (
+        lambda m: torch.nn.utils.parametrize.register_parametrization(m, "weight", Symmetric()),
+        "registered after offload.wrap"),
+    "orthogonal": (parametrizations.orthogonal, "had .data reassigned: 0.weight"),
+}
+
+
+@pytest.mark.parametrize("name", list(AFTER_WRAP))
+def test_parametrizations_registered_after_wrap_are_refused(name):
+    """A parametrization registered after wrap (on an idle parameter) raises an OffloadError, at once or at the
+    next forward, that says to register it before wrapping (orthogonal: the guard's "had .data reassigned").
+    Before session 25, parametrizations.weight_norm raised torch's RuntimeError about IdleParameter's detach()
+    and the others named only an L2 penalty."""
+    register, match = AFTER_WRAP[name]
+    model, engine, opt = _wrap(_mlp, 10.0, overlap=False)
+    try:
+        _loss(model(*_ROWS(0))).backward()
+        opt.step()
+        opt.zero_grad()
+        with warnings.catch_warnings(), pytest.raises(offload.OffloadError, match=match):
+            warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm is deprecated
+            warnings.simplefilter("ignore", offload.OffloadWarning)  # "the forward raised"
+            register(model[0])
+            model(*_ROWS(1))
+    finally:
+        engine.close()
+
+
+def test_old_spectral_norm_registered_after_wrap_trains_as_torch():
+    """torch.nn.utils.spectral_norm (the hook API) keeps the parameter object (renamed weight_orig) and adds the
+    u, v buffers: registered after wrap, it trains bit for bit as torch registering it at the same step."""
+    model, engine, opt = _wrap(_mlp, 1.2, overlap=False)  # buckets stream (checked)
+    torch.manual_seed(0)
+    ref = _mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **PLAIN_ADAMW)
+    try:
+        for i in range(4):
+            if i == 1:
+                for m in (model, ref):
+                    torch.manual_seed(7)  # spectral_norm draws its u, v
+                    torch.nn.utils.spectral_norm(m[0])
+            got = _loss(model(*_ROWS(i)))
+            want = _loss(ref(*_ROWS(i)))
+            for loss, o in ((got, opt), (want, ref_opt)):
+                loss.backward()
+                o.step()
+                o.zero_grad()
+            assert got.item() == want.item()
+        state, stats = engine.state_dict()["model"], engine.memory_stats()
+    finally:
+        engine.close()
+    assert stats["plan"]["streamed_buckets"] > 0
+    want_state = ref.state_dict()
+    assert sorted(state) == sorted(want_state)
+    assert all(torch.equal(state[k], v) for k, v in want_state.items())
+
+
+def test_functional_call_with_tensors_of_ones_own_is_refused_naming_it():
+    """torch.func.functional_call(model, {name: tensor}, x) swaps the user's tensors into the parameters' places:
+    the engine refuses (OffloadError) and, since session 25, says that functional_call runs the model outside
+    the engine and to call it on a model that is not wrapped; the engine trains on after it."""
+    model, engine, opt = _wrap(_mlp, 10.0, overlap=False)
+    try:
+        _loss(model(*_ROWS(0))).backward()
+        opt.step()
+        opt.zero_grad()
+        own = {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}
+        with warnings.catch_warnings(), pytest.raises(offload.OffloadError, match="functional_call"):
+            warnings.simplefilter("ignore", offload.OffloadWarning)
+            torch.func.functional_call(model, own, _ROWS(1))
+        _loss(model(*_ROWS(1))).backward()
+        opt.step()
+    finally:
+        engine.close()
