@@ -248,6 +248,48 @@ class EvalOnly(nn.Module):
         return y if self.training else self.cal(y)
 
 
+class PackedRecurrent(nn.Module):
+    """An LSTM over a packed batch of two lengths, and an LSTMCell called once per time step."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.rnn = nn.Linear(8, W), nn.LSTM(W, W, batch_first=True)
+        self.cell, self.h = nn.LSTMCell(W, W), nn.Linear(W, 1)
+
+    def forward(self, x):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(self.pre(x), torch.tensor([3, 2]), batch_first=True)
+        out, _ = torch.nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        h = c = torch.zeros(x.shape[0], W)
+        for t in range(x.shape[1]):
+            h, c = self.cell(out[:, t], (h, c))
+        return self.h(h)
+
+
+class Convolutional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3)
+        self.gn, self.act, self.h = nn.GroupNorm(2, 8), nn.PReLU(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.h(self.act(self.gn(self.c2(torch.relu(self.bn(self.c1(x)))))).mean((2, 3)))
+
+
+class Seq2Seq(nn.Module):
+    """nn.Transformer (encoder and decoder) with dropout and a causal mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, W)
+        self.t = nn.Transformer(W, 4, 1, 1, 64, dropout=0.1, batch_first=True)
+        self.h = nn.Linear(W, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.h(self.t(h, h, tgt_mask=mask, tgt_is_causal=True))
+
+
 def _evaluate(batch):
     def evaluate(model, i):
         model.eval()
@@ -269,6 +311,7 @@ MODELS = {
     "gru-2-layers-bidirectional-seq-first": (lambda: Recurrent("GRU", 2, True, False), _SEQ, {}),
     "rnn-flatten_parameters-in-forward": (lambda: Recurrent("RNN", 2, flatten=True), _SEQ, {}),
     "lstm-2-layers-flatten_parameters": (lambda: Recurrent("LSTM", 2, flatten=True), _SEQ, {}),
+    "packed-lstm-and-lstmcell-loop": (PackedRecurrent, _SEQ, {}),
     "multihead-attention-kdim": (lambda: Attention(kdim=16), lambda i: (_x(i, 2, 3, W),), {}),
     "multihead-attention-self-no-bias-seq-first-eval": (
         lambda: Attention(bias=False, batch_first=False, self_attention=True), lambda i: (_x(i, 2, 3, W),),
@@ -277,6 +320,8 @@ MODELS = {
     "transformer-encoder-norm-first-dropout": (lambda: Encoder(norm_first=True), _SEQ, {}),
     "transformer-encoder-checkpointed-dropout": (lambda: Encoder(layers=3), _SEQ,
                                                  {"activation_checkpointing": "auto"}),
+    "transformer-encoder-decoder-causal-dropout": (Seq2Seq, _SEQ, {}),
+    "conv-batchnorm2d-groupnorm-prelu": (Convolutional, lambda i: (_x(i, 2, 3, 8, 8),), {}),
     "embedding-padding_idx": (lambda: Lookup(padding_idx=0), lambda i: (_tokens(i) % 5,), {}),
     "embedding-scale_grad_by_freq": (lambda: Lookup(scale_grad_by_freq=True), _TOKENS, {}),
     "embeddingbag-mean": (lambda: Lookup(bag=True), _TOKENS, {}),
