@@ -290,6 +290,17 @@ class Seq2Seq(nn.Module):
         return self.h(self.t(h, h, tgt_mask=mask, tgt_is_causal=True))
 
 
+class Functional(nn.Module):
+    """A forward through torch.func.functional_call with the submodule's own parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = Borrowing()
+
+    def forward(self, x):
+        return torch.func.functional_call(self.m, dict(self.m.named_parameters()), (x,))
+
+
 def _evaluate(batch):
     def evaluate(model, i):
         model.eval()
@@ -337,6 +348,7 @@ MODELS = {
                                         {"evaluate": _evaluate(_ROWS)}),
     "buffers-updated-in-forward": (Counted, _ROWS, {}),
     "weight-read-by-another-module": (Borrowing, _ROWS, {}),
+    "functional_call-with-its-own-parameters": (Functional, _ROWS, {}),
     "parameter-read-only-in-eval": (EvalOnly, _ROWS, {"evaluate": _evaluate(_ROWS)}),
 }
 
