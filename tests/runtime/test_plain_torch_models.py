@@ -6,7 +6,8 @@ other trained by plain PyTorch + ``torch.optim.AdamW(foreach=False)``, step by s
 same RNG state (dropout). Each loss, each evaluation after a step, and at the end every weight and buffer
 (``engine.state_dict()["model"]`` against the plain model's ``state_dict()``) must be equal bit for bit: all
 resident (a budget of 10x the weights) and with buckets streamed (a budget just above the least that fits,
-checked to stream), ``overlap_optimizer`` False and True.
+checked to stream), ``overlap_optimizer`` False and True (the two mixed placements by default, all four with
+``-m slow``).
 
 Fixed in session 25 (each test below fails without its fix; see the README's *Plain PyTorch calls*):
 * the engine's activation checkpointing updated BatchNorm's running statistics, ``num_batches_tracked`` and a
@@ -16,7 +17,10 @@ Fixed in session 25 (each test below fails without its fix; see the README's *Pl
   ``forward``) wrote the device copy only, so the model trained differently from plain PyTorch, silently; now
   refused ([Note: parameters written in forward] in offload/runtime/param_access.py);
 * ``sparse=True`` embeddings crashed in backward with torch's "reshape is not implemented for sparse tensors";
-  now refused at the first forward, naming ``sparse=False``.
+  now refused at the first forward, naming ``sparse=False``;
+* a parametrization registered after wrap raised torch's RuntimeError (``parametrizations.weight_norm``) or a
+  message about L2 penalties, and ``functional_call`` with one's own tensors a message that did not name it:
+  now OffloadErrors that name the way.
 """
 
 import warnings
