@@ -486,6 +486,22 @@ MUTATIONS = [
      "offload/runtime/unforeseen_reads.py",
      "            self.wider = trace  # both kinds of pass come: plan from the one that reads more", "            pass",
      ["tests/runtime/test_unforeseen_reads.py::test_the_record_to_plan_from_is_the_one_that_reads_more_only_once_both_kinds_of_pass_come"]),
+    ("R67", "a checkpointed BatchNorm's running statistics are not noted as updated by its forward (its kernel moves "
+     "no version counter): the recompute updates them again, silently", "offload/runtime/recompute.py",
+     "    return [(m._buffers, name, t, -1 if name in _RUNNING and m.training and isinstance(m, _NormBase) else t._version)",
+     "    return [(m._buffers, name, t, t._version)",
+     ["tests/runtime/test_plain_torch_models.py::test_checkpointed_blocks_update_their_buffers_once"]),
+    ("R68", "a recompute updates the block's buffers themselves, not clones (twice per step, silently)",
+     "offload/runtime/recompute.py", "                table[name] = t.detach().clone()", "                pass",
+     ["tests/runtime/test_plain_torch_models.py::test_checkpointed_blocks_update_their_buffers_once"]),
+    ("R69", "an op of the forward that writes a parameter in place is not refused (the write is lost, silently)",
+     "offload/runtime/param_access.py", "                if written and any(w in index for w in written):",
+     "                if False:",
+     ["tests/runtime/test_plain_torch_models.py::test_parameters_written_in_forward_are_refused"]),
+    ("R70", "F.embedding / F.embedding_bag with max_norm or sparse=True are not refused (max_norm's renorm is lost "
+     "silently; a sparse grad crashes in backward)", "offload/runtime/param_access.py",
+     "            lookup = _LOOKUPS.get(func)", "            lookup = None",
+     ["tests/runtime/test_plain_torch_models.py::test_parameters_written_in_forward_are_refused"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

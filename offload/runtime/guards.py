@@ -127,9 +127,15 @@ class ParamGuard:
         ours = set(map(id, current))
         added = [n for n, p in ctx.module.named_parameters() if id(p) not in ctx.param_index]
         gone = [self.names[p] for p, param in enumerate(ctx.params) if id(param) not in ours]
+        swapped = ""
+        new = [p for p in current if id(p) not in ctx.param_index]
+        if added and set(added) == set(gone) and not any(isinstance(p, nn.Parameter) for p in new):
+            swapped = (" Plain tensors in the parameters' places, under their names: torch.func.functional_call (or "
+                       "torch.nn.utils.stateless) with tensors of your own runs the model on them, outside the engine; "
+                       "call it on a model that is not wrapped (e.g. one built and loaded from model.state_dict()).")
         raise OffloadError(f"the wrapped model's parameters changed after wrapping (new: {added or 'none'}; no longer "
                            f"in the model: {gone or 'none'}). A parameter replaced or added after offload.wrap is not "
-                           f"offloaded or trained by the engine. {_HOW_TO_SET}.")
+                           f"offloaded or trained by the engine.{swapped} {_HOW_TO_SET}.")
 
     def _restore(self, moved: list[int], written: list[int]) -> None:
         """Point reassigned parameters back at what the engine gave them; copy the buckets written in place

@@ -59,6 +59,7 @@ defines its own ``__torch_function__`` keeps its class, and reads its placeholde
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
@@ -82,6 +83,13 @@ _OWNERS: dict[int, tuple[weakref.ref[Runtime], int, type]] = {}
 _HOW_TO_WRITE = ("To change the weights of a wrapped model use engine.load_state_dict({\"model\": ..., "
                  "\"optimizer\": ...}) or engine.load(path); to change the model itself, engine.close() it, change "
                  "it and wrap it again")
+
+# What registering a parametrization after wrap runs into (session 25: weight_norm, spectral_norm, orthogonal,
+# register_parametrization, the old weight_norm hook); nn.Parameter(p) is what parametrizations.weight_norm calls.
+_PARAMETRIZE = ("If this comes from a parametrization registered after offload.wrap (torch.nn.utils.parametrize, "
+                "parametrizations.weight_norm / spectral_norm / orthogonal, torch.nn.utils.weight_norm): register "
+                "it before wrapping, or engine.close() the engine, register it and wrap again.")
+_PARAMETER_NEW = nn.Parameter.__new__.__code__
 
 # Attributes (getters) that read values; every other getter and every setter reads or sets metadata.
 _VALUE_ATTRIBUTES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
@@ -255,6 +263,12 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
         return func(*args, **kwargs)
     if name in _CONVERSIONS and args and isinstance(args[0], IdleParameter) and _unchanged(name, args, kwargs):
         return args[0]
+    if name == "detach" and _in_parameter_new():  # nn.Parameter(p): it needs p's class back from detach()
+        param, rt, p = idle[0]
+        raise OffloadError(
+            f"nn.Parameter() of parameter {rt.guard.names[p]} of a model wrapped by offload: its weights live in "
+            f"the engine's memory, so a new parameter made from it would be neither offloaded nor trained by the "
+            f"engine. {_PARAMETRIZE} {_HOW_TO_WRITE}")
     written = _written(name, args, kwargs)
     _refuse_copy_writes(func, kind, name, args, kwargs, written)  # ParamCopy's own check does not run here
     for param, rt, p in idle:
@@ -272,7 +286,7 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
                     f"memory, so the result could carry no gradient to the parameter (a term such as an L2 "
                     f"penalty added to the loss after the forward would silently do nothing). Compute it inside "
                     f"the model's forward (for weight decay, use the optimizer's weight_decay), or read the "
-                    f"value under torch.no_grad() or from p.detach()")
+                    f"value under torch.no_grad() or from p.detach(). {_PARAMETRIZE}")
     for param, rt, p in idle:
         if not rt.grads.deferred and rt.grads.backward_seen:
             raise OffloadError(
@@ -293,6 +307,15 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
     out = func(*args, **kwargs)
     return _mark_aliases(out, {copies[id(param)].untyped_storage()._cdata: rt.guard.names[p]
                                for param, rt, p in idle})
+
+
+def _in_parameter_new() -> bool:
+    """Whether the call being handled comes from ``nn.Parameter.__new__`` (frames: this, ``_handle``,
+    ``IdleParameter.__torch_function__``, its caller)."""
+    try:
+        return sys._getframe(3).f_code is _PARAMETER_NEW
+    except ValueError:  # called with fewer Python frames above (from C++)
+        return False
 
 
 def _refuse_copy_writes(func: Any, kind: str | None, name: str, args: Any, kwargs: dict, written: set[int]) -> None:
@@ -370,6 +393,16 @@ def _written(name: str, args: Any, kwargs: dict) -> set[int]:
     if "out" in kwargs:
         targets.append(kwargs["out"])
     return {id(t) for t in pytree.tree_leaves(targets) if isinstance(t, torch.Tensor)}
+
+
+def written_by(func: Any, args: Any, kwargs: dict) -> set[int]:
+    """ids of the tensors ``func(*args, **kwargs)`` writes in place (none for metadata calls such as
+    ``requires_grad_`` and attribute setters): also used inside a forward ([Note: parameters written in forward]
+    in param_access.py)."""
+    kind, name = _name(func)
+    if kind is not None or name in _METADATA:
+        return set()
+    return _written(name, args, kwargs)
 
 
 def _unchanged(name: str, args: Any, kwargs: dict) -> bool:

@@ -27,6 +27,16 @@ parent reading a child's weight, tied weights and functional uses are all handle
 is somehow not on the device is fetched instead of read as garbage). Backward progress is autograd nodes
 reading saved parameters (unpack hook) and gradient accumulation (post-accumulate-grad hooks); the end of
 backward is a callback queued on the autograd engine.
+
+[Note: parameters written in forward] An op of the forward that writes a parameter in place (``nn.Embedding(
+max_norm=...)`` renormalizes the rows it looks up, under ``no_grad``; a clamp of a weight inside ``forward``)
+would write the device slot only: the engine's fp32 master never sees it, the next fetch or refresh brings the
+old values back, and the model trains differently from plain PyTorch, silently (session 25: the loss 1.6 % off
+at the second step with ``max_norm=1``). The use detector therefore refuses such an op before it runs, with an
+``OffloadError`` naming the parameter and the way. It sees the parameter itself as the op's first argument (or
+in a list there) or as ``out=``; a write through a view taken in the forward (``w = self.weight[0]``, then
+``w.zero_()``) is not seen. Fast steps run without the detector, so a write that begins after the first steps
+is not seen either; one present from the start is refused at the first forward (the traced step).
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
+from ..errors import OffloadError
+from .idle_params import written_by
 from .phases import Lifecycle
 from .residency import ParamRef, Residency
 from .saved_hooks import check_on_top
@@ -58,11 +70,23 @@ class UseDetector(TorchFunctionMode):
         self._index = access.ctx.param_index
         self._busy: Busy = access.ctx.busy
         self._touch: Callable[[], Callable[[int], None] | None] = weakref.WeakMethod(access.on_touch)
+        self._module = weakref.ref(access.ctx.module)
+
+    def _params(self) -> dict[int, str]:
+        module = self._module()
+        return {} if module is None else {id(q): n for n, q in module.named_parameters(remove_duplicate=False)}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         touch = self._touch()
         if touch is not None and not self._busy.depth:
             index = self._index
+            if args and (id(args[0]) in index or isinstance(args[0], (list, tuple))) or kwargs and "out" in kwargs:
+                written = written_by(func, args, kwargs or {})  # [Note: parameters written in forward]
+                if written and any(w in index for w in written):
+                    raise _written_in_forward(func, [w for w in written if w in index], self._params())
+            lookup = _LOOKUPS.get(func)
+            if lookup is not None:
+                _check_lookup(func, lookup, args, kwargs or {}, index, self._params)
             for a in args:
                 _scan(touch, index, a)
             if kwargs:
@@ -71,6 +95,50 @@ class UseDetector(TorchFunctionMode):
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)
+
+
+# F.embedding and F.embedding_bag: the positions of their max_norm and sparse arguments. Seen whole by the
+# detector (a mode is off while it handles a call), so their in-place renorm of the weight is not seen by itself.
+_LOOKUPS: dict[Any, tuple[int, int]] = {
+    torch.nn.functional.embedding: (3, 6), torch.nn.functional.embedding_bag: (3, 7)}
+
+
+def _check_lookup(func: Any, at: tuple[int, int], args: tuple, kwargs: dict, index: dict[int, int],
+                  names: Callable[[], dict[int, str]]) -> None:
+    """Refuse an embedding lookup of a parameter with ``max_norm`` ([Note: parameters written in forward]) or
+    ``sparse=True`` (a sparse gradient: offload.AdamW, as torch.optim.AdamW, updates dense weights only)."""
+    weight = args[1] if len(args) > 1 else kwargs.get("weight")
+    if id(weight) not in index:
+        return
+
+    def arg(i: int, key: str) -> Any:
+        return args[i] if len(args) > i else kwargs.get(key)
+
+    if arg(at[0], "max_norm") is not None:
+        raise _written_in_forward(torch.embedding_renorm_, [id(weight)], names())
+    if arg(at[1], "sparse"):
+        name = names().get(id(weight), "a parameter")
+        raise OffloadError(
+            f"{func.__name__}(..., sparse=True) of parameter {name} inside the forward of a model wrapped by "
+            f"offload: it makes a sparse gradient, and offload.AdamW (as torch.optim.AdamW, which refuses them "
+            f"too) updates dense fp32 weights. Construct the module with sparse=False (the default)")
+
+
+def _written_in_forward(func: Any, written: list[int], names: dict[int, str]) -> OffloadError:
+    """The error for an op of the forward that writes parameters in place: [Note: parameters written in forward]."""
+    name = getattr(func, "__name__", "an op")
+    which = ", ".join(names.get(w, "a parameter") for w in written)
+    why = ""
+    if name == "embedding_renorm_":
+        why = (" (nn.Embedding or nn.EmbeddingBag with max_norm=..., or F.embedding(..., max_norm=...): it "
+               "renormalizes the looked-up rows of the weight in place)")
+    return OffloadError(
+        f"{name}() writes parameter {which} in place inside the forward of a model wrapped by offload{why}. The "
+        f"engine keeps the weights as fp32 masters in its own memory and updates them only in optimizer.step(), "
+        f"so the write would be lost and training would silently differ from plain PyTorch. Remove the in-place "
+        f"write from the forward (for max_norm: construct the module with max_norm=None, or rescale the "
+        f"looked-up vectors out of place, e.g. e * (max_norm / e.norm(dim=-1, keepdim=True)).clamp(max=1)); to "
+        f"set weights between steps use engine.load_state_dict(...)")
 
 
 def _scan(touch: Callable[[int], None], index: dict[int, int], a: Any) -> None:

@@ -27,6 +27,19 @@ parameters]). The buckets are then held only while the recompute runs and go bac
 its end. On plan, (2) above holds: the plan laid out the RECOMPUTE event's needs until the call's backward is
 over, so there is no stand-in, and the trace records the same events either way.
 
+[Note: buffers a recompute updates] A checkpointed call's forward runs twice, so whatever it updates in
+place runs twice: BatchNorm's running statistics and ``num_batches_tracked``, a counter or an EMA buffer of the
+user's. Plain PyTorch without checkpointing (what the engine's option must train like) updates them once. The
+forward hooks therefore note which buffers of the block the call's forward changed (a version counter moved, the
+module holds another tensor under that name, or it is a norm layer's running statistics in training, which
+the native kernel updates without moving the counter), and the recompute runs on clones of exactly those: each
+clone is put in the module's place when the recompute begins, and the buffer the forward left is put back
+when it ends (also when checkpoint stops it early), untouched, so no version counter of it moves either. The
+clones hold the values the forward left, so a forward that reads a buffer it updated (``self.count`` used in
+the output) reads the updated value when recomputed, as under ``torch.utils.checkpoint``; BatchNorm in
+training normalizes by the batch's statistics and reads none. Before session 25 the statistics were updated
+twice (a momentum of 0.1 gave 0.19 of the batch's mean), silently.
+
 The bytes a checkpointed call would have saved are measured in forward by a pack hook placed above
 checkpoint's own (it passes every tensor on), so a step that checkpoints a block still measures what not
 checkpointing it would cost (see ``offload/planning/activations.py``).
@@ -40,6 +53,7 @@ from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, Union
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 # The implementation of torch.utils.checkpoint.checkpoint(..., use_reentrant=False), as a generator that a
 # forward pre-hook enters and a forward hook finishes (what torch.distributed._composable.checkpoint does).
@@ -199,7 +213,11 @@ class Checkpointer:
         self.rt = weakref.ref(runtime)
         self.active: frozenset = frozenset()  # module indices checkpointed now
         self.handles: dict[int, list] = {}
-        self.gens: list = []  # generators of the checkpointed calls in progress (innermost last)
+        self.gens: list = []  # (generator, region, buffers at its start) per checkpointed call in progress
+        # block -> its modules that have buffers
+        self.buffer_modules: dict[int, list[nn.Module]] = {
+            i: [sub for sub in m.modules() if sub._buffers] for i, m in enumerate(self.modules) if i in blocks}
+        self.updated: dict[int, list[tuple[dict, str]]] = {}  # region -> buffers its forward changed
         self.recomputing: int | None = None  # region being recomputed
         self.reset()
 
@@ -213,6 +231,7 @@ class Checkpointer:
         self.regions: list[int] = []  # region id -> module index
         self.region_bytes: dict[int, int] = {}  # region -> bytes its forward saved (what recompute makes)
         self._seen: dict[int, dict[int, weakref.ref]] = {}  # region -> address -> tensor counted there
+        self.updated = {}
 
     def set_active(self, modules: Iterable[int]) -> None:
         """Checkpoint exactly ``modules`` (module indices) from the next forward on."""
@@ -254,7 +273,7 @@ class Checkpointer:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             rt = self.rt()
             if rt is None or self.recomputing is not None or not torch.is_grad_enabled():
-                self.gens.append(None)
+                self.gens.append((None, -1, []))
                 return None
             region = len(self.regions)
             self.regions.append(index)
@@ -265,14 +284,18 @@ class Checkpointer:
                 module, True, lambda: self._contexts(rt, region, index), "default", False, True,
                 *args, **kwargs)
             next(gen)
-            self.gens.append(gen)
+            self.gens.append((gen, region, _buffer_versions(self.buffer_modules.get(index, ()))))
             return args, kwargs
         return hook
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        gen = self.gens.pop() if self.gens else None
+        gen, region, before = self.gens.pop() if self.gens else (None, -1, [])
         if gen is None:
             return None
+        changed = [(table, name) for table, name, t, version in before
+                   if version < 0 or table.get(name) is not t or t._version != version]
+        if changed:  # [Note: buffers a recompute updates]
+            self.updated[region] = changed
         try:
             next(gen)
         except StopIteration:
@@ -290,9 +313,16 @@ class _RecomputeScope:
     def __init__(self, owner: Checkpointer, rt: RecomputeCallbacks, region: int, index: int) -> None:
         self.owner, self.rt, self.region, self.index = owner, rt, region, index
         self.stack = contextlib.ExitStack()
+        self.kept: list[tuple[dict, str, torch.Tensor]] = []  # the buffers the forward left, put back at exit
 
     def __enter__(self) -> None:
         self.owner.recomputing = self.region
+        # [Note: buffers a recompute updates]: the recompute updates clones
+        for table, name in self.owner.updated.get(self.region, ()):
+            t = table.get(name)
+            if isinstance(t, torch.Tensor):
+                self.kept.append((table, name, t))
+                table[name] = t.detach().clone()
         try:
             for ctx in self.rt.recompute_begin(self.region, self.index):
                 self.stack.enter_context(ctx)
@@ -305,6 +335,9 @@ class _RecomputeScope:
         try:
             self.stack.close()  # also when checkpoint stops the recompute early (_StopRecomputationError)
         finally:
+            for table, name, t in self.kept:
+                table[name] = t
+            self.kept = []
             self.owner.recomputing = None
             self.rt.recompute_end(self.region)
         return False
@@ -336,6 +369,17 @@ def _mark_inputs(args: tuple, kwargs: dict, done: _Done) -> tuple[tuple, dict]:
         else:
             new_kwargs[k] = y
     return tuple(new_args), new_kwargs
+
+
+def _buffer_versions(modules: Iterable[nn.Module]) -> list[tuple[dict, str, torch.Tensor, int]]:
+    """Every tensor buffer of ``modules`` with its table (the module's ``_buffers``) and its version counter now;
+    -1 for a norm layer's running statistics in training, which its native kernel updates without moving the
+    version counter (checked with BatchNorm1d on the CPU)."""
+    return [(m._buffers, name, t, -1 if name in _RUNNING and m.training and isinstance(m, _NormBase) else t._version)
+            for m in modules for name, t in m._buffers.items() if isinstance(t, torch.Tensor)]
+
+
+_RUNNING = frozenset(("running_mean", "running_var", "num_batches_tracked"))
 
 
 def _nbytes(x: torch.Tensor) -> int:
