@@ -40,7 +40,8 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
 
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay; fp32 state on the host. Param groups may set lr, betas, eps,
-    weight_decay.
+    weight_decay. torch.optim.AdamW's other keywords are taken where they mean the arithmetic done here, and
+    refused otherwise ([Note: torch's AdamW options]).
 
     ``fused``: run the update with the fused C++ kernel (``offload.host.cpu_adam.adamw_step``: one pass over
     memory, the 16-bit copy for the next host-to-device copy written in the same pass). ``None`` (default):
@@ -56,8 +57,13 @@ class AdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
+        _check_torch_options(dict(amsgrad=amsgrad, maximize=maximize, capturable=capturable,
+                                  differentiable=differentiable), "offload.AdamW(...)")
+        del foreach  # [Note: torch's AdamW options]: how torch's update loops, not what it computes
         if fused is None:
             fused = KERNEL_AVAILABLE
         elif not isinstance(fused, bool):
@@ -96,9 +102,12 @@ class AdamW(torch.optim.Optimizer):
         self._engine = None
 
     def hparams(self) -> list[tuple[float, float, float, float, float]]:
-        """(lr, beta1, beta2, eps, weight_decay) per param group, read now."""
+        """(lr, beta1, beta2, eps, weight_decay) per param group, read now. A group whose torch option asks for
+        other arithmetic raises ([Note: torch's AdamW options])."""
         out = []
-        for g in self.param_groups:
+        for i, g in enumerate(self.param_groups):
+            if any(g.get(k, v) != v for k, v in _TORCH_OPTIONS.items()):
+                _check_torch_options(g, f"optimizer.param_groups[{i}]")
             lr = float(g["lr"])
             b1, b2 = (float(b) for b in g["betas"])
             out.append((lr, b1, b2, float(g["eps"]), float(g["weight_decay"])))
@@ -111,7 +120,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._engine is not None:
-            self._engine.step()
+            self._engine._run_step()
             return loss
         for (lr, b1, b2, eps, wd), group in zip(self.hparams(), self.param_groups):
             for p in group["params"]:
@@ -161,6 +170,8 @@ class AdamW(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for i, g in enumerate(state_dict.get("param_groups", ())):  # before anything changes
+            _check_torch_options(g, f"the loaded state_dict's param_groups[{i}]")
         self.check_state_shapes(state_dict)
         if self._engine is not None:
             self._engine.wait_for_updates()
@@ -173,6 +184,39 @@ def _kernel_can_take(*tensors: torch.Tensor) -> bool:
     """The kernel takes contiguous fp32 CPU buffers; anything else (a CUDA parameter, a strided one, a
     16-bit one) takes the torch path."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+# [Note: torch's AdamW options] torch.optim.AdamW's other options, with the value under which it computes what
+# offload.AdamW computes. offload.AdamW takes them (as keywords, and in param groups: a torch checkpoint loaded
+# with load_state_dict brings them, a user may set them later), and refuses any other value, at construction, at
+# load_state_dict and whenever the hyperparameters are read (each backward with overlap_optimizer=True, each
+# step()): an option ignored silently would train something else (session 25: a torch AdamW(amsgrad=True)
+# checkpoint loaded into offload.AdamW trained on without AMSGrad). ``foreach`` (torch's loop over tensors, the
+# same arithmetic) has no meaning here and is accepted; ``fused`` is offload's own (the C++ kernel).
+# ``decoupled_weight_decay=False`` is torch.optim.Adam's L2 penalty, the same as AdamW only without weight decay.
+_TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
+                  "decoupled_weight_decay": True}
+_TORCH_OPTION_WAY = {
+    "amsgrad": "offload's updates (the host kernel, the device update) keep Adam's m and v only, no running maximum "
+               "of v. Use amsgrad=False (a checkpoint trained with AMSGrad continues as plain AdamW only if you "
+               "set it so: its max_exp_avg_sq is dropped)",
+    "maximize": "negate the objective instead (loss = -objective): the same update",
+    "capturable": "offload's updates run on the host (or inside its own device step), never in a captured CUDA "
+                  "graph; use capturable=False",
+    "differentiable": "offload's updates run outside autograd; use differentiable=False",
+    "decoupled_weight_decay": "that is torch.optim.Adam's L2 penalty (weight decay added to the gradient), not "
+                              "AdamW's decoupled decay; use weight_decay=0 with it, or train with AdamW's decay",
+}
+
+
+def _check_torch_options(options: dict, where: str) -> None:
+    for key, value in _TORCH_OPTIONS.items():
+        got = options.get(key, value)
+        if key == "decoupled_weight_decay" and not options.get("weight_decay", 0):
+            continue
+        if got != value:
+            raise OffloadError(f"{where} has {key}={got!r}, which offload.AdamW does not implement: "
+                               f"{_TORCH_OPTION_WAY[key]}")
 
 
 def _check_hparams(lr, betas, eps, weight_decay) -> None:
