@@ -79,6 +79,7 @@ class AdamW(torch.optim.Optimizer):
         self.fused: bool = fused
         """Whether updates run on the C++ kernel (resolved: never None). Not part of ``state_dict()``."""
         self._engine = None  # set by offload.wrap; the engine owns the optimizer's state from then on
+        self._layout: list[tuple[int, int]] | None = None  # the groups' params lists at wrap (_bind)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, until the optimizer is bound: then refused. The engine lays out its buckets and their
@@ -97,13 +98,26 @@ class AdamW(torch.optim.Optimizer):
             raise OptimizerBoundError("this offload.AdamW is already bound to an engine; make one optimizer per "
                                       "engine")
         self._engine = engine
+        self._layout = self._group_layout()
 
+    def _group_layout(self) -> list[tuple[int, int]]:
+        """Each group's params list and its length: what the engine laid out at wrap (a cheap check, not the
+        parameters themselves: a list edited in place to another parameter at the same length is not seen)."""
+        return [(id(g["params"]), len(g["params"])) for g in self.param_groups]
     def _unbind(self) -> None:
         self._engine = None
+        self._layout = None
 
     def hparams(self) -> list[tuple[float, float, float, float, float]]:
         """(lr, beta1, beta2, eps, weight_decay) per param group, read now. A group whose torch option asks for
         other arithmetic raises ([Note: torch's AdamW options])."""
+        if self._layout is not None and self._group_layout() != self._layout:
+            raise OffloadError(
+                "optimizer.param_groups[...][\"params\"] changed after wrap (a parameter removed, added or moved "
+                "between groups): the engine laid out its buckets and optimizer state from the groups at wrap and "
+                "would go on updating every parameter it had, silently. To stop training a parameter, set its "
+                "requires_grad=False (works as in torch); otherwise engine.close(), build the optimizer with the new "
+                "groups and wrap again")
         out = []
         for i, g in enumerate(self.param_groups):
             if any(g.get(k, v) != v for k, v in _TORCH_OPTIONS.items()):

@@ -475,6 +475,10 @@ MUTATIONS = [
      "offload/runtime/plain_grads.py", "        if exposure.graph_asked and torch.is_grad_enabled():",
      "        if False:", ["tests/runtime/test_plain_torch_loops.py::test_a_penalty_on_p_grad_after_backward_with_"
                           "create_graph_is_refused[resident]"]),
+    ("R79", "a param group's params list changed after wrap is not refused (the engine updates the old set, silently)",
+     "offload/optim.py", "        if self._layout is not None and self._group_layout() != self._layout:",
+     "        if False:", ["tests/runtime/test_plain_torch_loops.py::test_a_param_groups_params_changed_after_wrap_is_"
+                          "refused[reassigned-resident-deferred]"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -438,6 +438,41 @@ def test_the_way_named_for_maximize_gives_torchs_maximize(budget, overlap):
         engine.close()
 
 
+@pytest.mark.parametrize("budget, overlap", TWO)
+@pytest.mark.parametrize("how", ["reassigned", "remove"])
+def test_a_param_groups_params_changed_after_wrap_is_refused(how, budget, overlap):
+    """A parameter taken out of its group: torch stops updating it; the engine (its buckets laid out at wrap) went
+    on updating it, silently, before session 25. Now the next backward raises, naming requires_grad=False; with
+    the list put back, training goes on as torch's."""
+    model = _net()
+    engine, opt = _wrap(model, budget, overlap)
+    ref, ref_opt = _torch()
+    try:
+        got, want = [_plain_step(0, model, opt)], [_plain_step(0, ref, ref_opt)]
+        params = opt.param_groups[0]["params"]
+        if how == "reassigned":
+            opt.param_groups[0]["params"] = [p for p in params if p is not model[0][0].weight]
+        else:
+            params.remove(model[0][0].weight)
+        loss = _loss(model, 1)
+        with pytest.raises(OffloadError, match="requires_grad=False"):
+            loss.backward()
+            opt.step()
+        del loss
+        if how == "reassigned":
+            opt.param_groups[0]["params"] = params
+        else:
+            params.insert(0, model[0][0].weight)
+        opt.zero_grad()
+        for i in (2, 3):
+            got.append(_plain_step(i, model, opt))
+            want.append(_plain_step(i, ref, ref_opt))
+        assert got == want
+        _same_weights(engine, ref)
+    finally:
+        engine.close()
+
+
 def _nanogpt_groups(model):
     """nanoGPT's / HF's: weight decay on matrices, none on biases; the head at another lr."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("6.")]
