@@ -9,6 +9,7 @@ default), ``step()`` waits for those updates, and ``state[p]`` holds views of th
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Callable, Iterable
 
 import torch
@@ -99,6 +100,7 @@ class AdamW(torch.optim.Optimizer):
                                       "engine")
         self._engine = engine
         self._layout = self._group_layout()
+        self.state = _BoundState(self.state)
 
     def _group_layout(self) -> list[tuple[int, int]]:
         """Each group's params list and its length: what the engine laid out at wrap (a cheap check, not the
@@ -107,10 +109,13 @@ class AdamW(torch.optim.Optimizer):
     def _unbind(self) -> None:
         self._engine = None
         self._layout = None
+        self.state = defaultdict(dict, self.state)
 
     def hparams(self) -> list[tuple[float, float, float, float, float]]:
         """(lr, beta1, beta2, eps, weight_decay) per param group, read now. A group whose torch option asks for
         other arithmetic raises ([Note: torch's AdamW options])."""
+        if self._engine is not None and type(self.state) is not _BoundState:
+            raise OffloadError(f"optimizer.state was replaced after wrap: {_HOW_TO_RESET}")
         if self._layout is not None and self._group_layout() != self._layout:
             raise OffloadError(
                 "optimizer.param_groups[...][\"params\"] changed after wrap (a parameter removed, added or moved "
@@ -191,7 +196,34 @@ class AdamW(torch.optim.Optimizer):
             self._engine.wait_for_updates()
         super().load_state_dict(state_dict)
         if self._engine is not None:
+            # torch starts a parameter without loaded state afresh (m, v zeros, step 0); the engine's arena would
+            # otherwise keep what it held (session 25: sd["state"] = {} reset nothing, silently)
+            zero = torch.zeros(())
+            for p in (p for g in self.param_groups for p in g["params"] if p not in self.state and p.requires_grad):
+                self.state[p] = {"step": zero, "exp_avg": zero.expand(p.shape), "exp_avg_sq": zero.expand(p.shape)}
+            self.state = _BoundState(self.state)  # torch's load replaced it
             self._engine._adopt_optimizer_state()
+
+
+_HOW_TO_RESET = (
+    "the engine keeps AdamW's state in its host arena, so entries taken out of optimizer.state would not reset "
+    "it. To start AdamW afresh (m, v zeros, step 0), load a state_dict without state: sd = opt.state_dict(); "
+    "sd[\"state\"] = {}; opt.load_state_dict(sd)")
+
+
+class _BoundState(defaultdict):
+    """``optimizer.state`` of a bound offload.AdamW: entries can be read and replaced (the engine re-points them),
+    not removed (``opt.state.clear()``, ``del opt.state[p]``): the arena's m, v and step would stay as they were,
+    silently, where torch starts those parameters afresh (session 25). :data:`_HOW_TO_RESET` names the way."""
+
+    def __init__(self, state: dict) -> None:
+        super().__init__(dict, state)
+
+    def _refuse(self, *args, **kwargs):
+        raise OffloadError(f"removing entries of optimizer.state of an offload.AdamW bound to an engine: "
+                           f"{_HOW_TO_RESET}")
+
+    clear = pop = popitem = __delitem__ = _refuse  # type: ignore[assignment]
 
 
 def _kernel_can_take(*tensors: torch.Tensor) -> bool:
@@ -212,8 +244,8 @@ _TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "dif
                   "decoupled_weight_decay": True}
 _TORCH_OPTION_WAY = {
     "amsgrad": "offload's updates (the host kernel, the device update) keep Adam's m and v only, no running maximum "
-               "of v. Use amsgrad=False (a checkpoint trained with AMSGrad continues as plain AdamW only if you "
-               "set it so: its max_exp_avg_sq is dropped)",
+               "of v. Use amsgrad=False; to go on from a checkpoint trained with AMSGrad as plain AdamW, set "
+               "amsgrad=False in its param_groups before loading it (its max_exp_avg_sq is then dropped)",
     "maximize": "negate the objective instead (loss = -objective): the same update",
     "capturable": "offload's updates run on the host (or inside its own device step), never in a captured CUDA "
                   "graph; use capturable=False",

@@ -479,6 +479,11 @@ MUTATIONS = [
      "offload/optim.py", "        if self._layout is not None and self._group_layout() != self._layout:",
      "        if False:", ["tests/runtime/test_plain_torch_loops.py::test_a_param_groups_params_changed_after_wrap_is_"
                           "refused[reassigned-resident-deferred]"]),
+    ("R80", "a parameter a loaded state_dict has no state for keeps the engine's (torch starts it afresh)",
+     "offload/optim.py", '                self.state[p] = {"step": zero, "exp_avg": zero.expand(p.shape), '
+     '"exp_avg_sq": zero.expand(p.shape)}', "                pass",
+     ["tests/runtime/test_plain_torch_loops.py::test_adamw_state_reset_by_loading_a_state_dict_without_it_trains_"
+      "like_torch[all-resident-deferred]"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

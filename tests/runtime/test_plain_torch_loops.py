@@ -473,6 +473,29 @@ def test_a_param_groups_params_changed_after_wrap_is_refused(how, budget, overla
         engine.close()
 
 
+@pytest.mark.parametrize("budget, overlap", TWO)
+@pytest.mark.parametrize("which", ["all", "one"])
+def test_adamw_state_reset_by_loading_a_state_dict_without_it_trains_like_torch(which, budget, overlap):
+    """``sd = opt.state_dict(); sd["state"] = {}`` (or without one parameter's entry), then
+    ``opt.load_state_dict(sd)``: torch starts those parameters' AdamW afresh (m, v zeros, step 0). Before session
+    25 the engine kept its arena's state, silently. ``opt.state.clear()`` (torch: the same reset) raises, naming
+    this way."""
+    def step(i, m, o, ctx):
+        if i == 2:
+            if ctx["engine"] is not None:
+                with pytest.raises(OffloadError, match="load a state_dict without state"):
+                    o.state.clear()
+            sd = o.state_dict()
+            if which == "all":
+                sd["state"] = {}
+            else:
+                del sd["state"][1]
+            o.load_state_dict(sd)
+        return _plain_step(i, m, o)
+
+    _side_by_side(step, budget, overlap)
+
+
 def _nanogpt_groups(model):
     """nanoGPT's / HF's: weight decay on matrices, none on biases; the head at another lr."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("6.")]
