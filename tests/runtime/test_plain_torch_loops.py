@@ -4,14 +4,18 @@ param groups, gradients the user makes, EMAs of the weights. Each trains as plai
 ``offload.AdamW(fused=False)`` against ``torch.optim.AdamW(foreach=False)``), or is refused by an ``OffloadError``
 naming the supported way.
 
-Every loop runs at two budgets, all resident (10x the weights: fast steps) and streamed (0.6x), and with
-``overlap_optimizer`` False and True where the loop allows it. The model is tests/support's small MLP shape: six
-64-wide tanh blocks and a head, so a case takes a fraction of a second.
+Loops run all resident (10x the weights: fast steps) and streamed (0.6x), with ``overlap_optimizer`` False and True
+where the loop allows it: all four for the loops whose numbers depend on when hyperparameters, grads and state are
+read, two (``TWO``: resident-deferred, streamed-overlapped) for the rest. The model is the loop audit's small MLP:
+six 64-wide tanh blocks and a head, so a case takes a fraction of a second.
 
-What failed before session 25 (checked by running this file with the fix reverted, see the README rows): ``p.grad.data
-= t`` (``torch.nn.utils.vector_to_parameters`` on grads) was dropped silently; a param group's ``amsgrad``,
-``maximize``, ``capturable`` or ``differentiable`` (set by hand or brought by a torch checkpoint) was ignored
-silently; torch.optim.AdamW's keywords (``amsgrad=False``, ``foreach=False``, ...) raised a ``TypeError``."""
+What failed before session 25 (each checked by running its tests with the fix reverted; mutations R75-R80 in
+tests/MUTATIONS.md): ``p.grad.data = t`` (``torch.nn.utils.vector_to_parameters`` on grads) was dropped silently; a
+penalty computed from ``p.grad`` after ``backward(create_graph=True)`` got no gradient, silently; a param group's
+``amsgrad``, ``maximize``, ``capturable`` or ``differentiable`` (set by hand or brought by a torch checkpoint) was
+ignored silently, as was a parameter taken out of a group's ``params`` and a state_dict loaded without some
+parameters' state (the engine kept its own); torch.optim.AdamW's keywords (``amsgrad=False``, ``foreach=False``,
+...) raised a ``TypeError``; ``engine.step()`` skipped the optimizer's step hooks and made schedulers warn."""
 
 import copy
 import io
