@@ -216,8 +216,8 @@ class _BoundState(defaultdict):
     not removed (``opt.state.clear()``, ``del opt.state[p]``): the arena's m, v and step would stay as they were,
     silently, where torch starts those parameters afresh (session 25). :data:`_HOW_TO_RESET` names the way."""
 
-    def __init__(self, state: dict) -> None:
-        super().__init__(dict, state)
+    def __init__(self, *args) -> None:  # (state) here; (factory[, state]) from copy.copy, deepcopy and pickle
+        super().__init__(dict, args[-1] if args and not callable(args[-1]) else ())
 
     def _refuse(self, *args, **kwargs):
         raise OffloadError(f"removing entries of optimizer.state of an offload.AdamW bound to an engine: "
