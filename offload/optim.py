@@ -9,6 +9,7 @@ default), ``step()`` waits for those updates, and ``state[p]`` holds views of th
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Callable, Iterable
 
 import torch
@@ -40,7 +41,8 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
 
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay; fp32 state on the host. Param groups may set lr, betas, eps,
-    weight_decay.
+    weight_decay. torch.optim.AdamW's other keywords are taken where they mean the arithmetic done here, and
+    refused otherwise ([Note: torch's AdamW options]).
 
     ``fused``: run the update with the fused C++ kernel (``offload.host.cpu_adam.adamw_step``: one pass over
     memory, the 16-bit copy for the next host-to-device copy written in the same pass). ``None`` (default):
@@ -56,8 +58,13 @@ class AdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
+        _check_torch_options(dict(amsgrad=amsgrad, maximize=maximize, capturable=capturable,
+                                  differentiable=differentiable), "offload.AdamW(...)")
+        del foreach  # [Note: torch's AdamW options]: how torch's update loops, not what it computes
         if fused is None:
             fused = KERNEL_AVAILABLE
         elif not isinstance(fused, bool):
@@ -73,6 +80,7 @@ class AdamW(torch.optim.Optimizer):
         self.fused: bool = fused
         """Whether updates run on the C++ kernel (resolved: never None). Not part of ``state_dict()``."""
         self._engine = None  # set by offload.wrap; the engine owns the optimizer's state from then on
+        self._layout: list[tuple[int, int]] | None = None  # the groups' params lists at wrap (_bind)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, until the optimizer is bound: then refused. The engine lays out its buckets and their
@@ -91,14 +99,34 @@ class AdamW(torch.optim.Optimizer):
             raise OptimizerBoundError("this offload.AdamW is already bound to an engine; make one optimizer per "
                                       "engine")
         self._engine = engine
+        self._layout = self._group_layout()
+        self.state = _BoundState(self.state)
 
+    def _group_layout(self) -> list[tuple[int, int]]:
+        """Each group's params list and its length: what the engine laid out at wrap (a cheap check, not the
+        parameters themselves: a list edited in place to another parameter at the same length is not seen)."""
+        return [(id(g["params"]), len(g["params"])) for g in self.param_groups]
     def _unbind(self) -> None:
         self._engine = None
+        self._layout = None
+        self.state = defaultdict(dict, self.state)
 
     def hparams(self) -> list[tuple[float, float, float, float, float]]:
-        """(lr, beta1, beta2, eps, weight_decay) per param group, read now."""
+        """(lr, beta1, beta2, eps, weight_decay) per param group, read now. A group whose torch option asks for
+        other arithmetic raises ([Note: torch's AdamW options])."""
+        if self._engine is not None and type(self.state) is not _BoundState:
+            raise OffloadError(f"optimizer.state was replaced after wrap: {_HOW_TO_RESET}")
+        if self._layout is not None and self._group_layout() != self._layout:
+            raise OffloadError(
+                "optimizer.param_groups[...][\"params\"] changed after wrap (a parameter removed, added or moved "
+                "between groups): the engine laid out its buckets and optimizer state from the groups at wrap and "
+                "would go on updating every parameter it had, silently. To stop training a parameter, set its "
+                "requires_grad=False (works as in torch); otherwise engine.close(), build the optimizer with the new "
+                "groups and wrap again")
         out = []
-        for g in self.param_groups:
+        for i, g in enumerate(self.param_groups):
+            if any(g.get(k, v) != v for k, v in _TORCH_OPTIONS.items()):
+                _check_torch_options(g, f"optimizer.param_groups[{i}]")
             lr = float(g["lr"])
             b1, b2 = (float(b) for b in g["betas"])
             out.append((lr, b1, b2, float(g["eps"]), float(g["weight_decay"])))
@@ -111,7 +139,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._engine is not None:
-            self._engine.step()
+            self._engine._run_step()
             return loss
         for (lr, b1, b2, eps, wd), group in zip(self.hparams(), self.param_groups):
             for p in group["params"]:
@@ -161,18 +189,80 @@ class AdamW(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for i, g in enumerate(state_dict.get("param_groups", ())):  # before anything changes
+            _check_torch_options(g, f"the loaded state_dict's param_groups[{i}]")
         self.check_state_shapes(state_dict)
         if self._engine is not None:
             self._engine.wait_for_updates()
         super().load_state_dict(state_dict)
         if self._engine is not None:
+            # torch starts a parameter without loaded state afresh (m, v zeros, step 0); the engine's arena would
+            # otherwise keep what it held (session 25: sd["state"] = {} reset nothing, silently)
+            zero = torch.zeros(())
+            for p in (p for g in self.param_groups for p in g["params"] if p not in self.state and p.requires_grad):
+                self.state[p] = {"step": zero, "exp_avg": zero.expand(p.shape), "exp_avg_sq": zero.expand(p.shape)}
+            self.state = _BoundState(self.state)  # torch's load replaced it
             self._engine._adopt_optimizer_state()
+
+
+_HOW_TO_RESET = (
+    "the engine keeps AdamW's state in its host arena, so entries taken out of optimizer.state would not reset "
+    "it. To start AdamW afresh (m, v zeros, step 0), load a state_dict without state: sd = opt.state_dict(); "
+    "sd[\"state\"] = {}; opt.load_state_dict(sd)")
+
+
+class _BoundState(defaultdict):
+    """``optimizer.state`` of a bound offload.AdamW: entries can be read and replaced (the engine re-points them),
+    not removed (``opt.state.clear()``, ``del opt.state[p]``): the arena's m, v and step would stay as they were,
+    silently, where torch starts those parameters afresh (session 25). :data:`_HOW_TO_RESET` names the way."""
+
+    def __init__(self, *args) -> None:  # (state) here; (factory[, state]) from copy.copy, deepcopy and pickle
+        super().__init__(dict, args[-1] if args and not callable(args[-1]) else ())
+
+    def _refuse(self, *args, **kwargs):
+        raise OffloadError(f"removing entries of optimizer.state of an offload.AdamW bound to an engine: "
+                           f"{_HOW_TO_RESET}")
+
+    clear = pop = popitem = __delitem__ = _refuse  # type: ignore[assignment]
 
 
 def _kernel_can_take(*tensors: torch.Tensor) -> bool:
     """The kernel takes contiguous fp32 CPU buffers; anything else (a CUDA parameter, a strided one, a
     16-bit one) takes the torch path."""
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+# [Note: torch's AdamW options] torch.optim.AdamW's other options, with the value under which it computes what
+# offload.AdamW computes. offload.AdamW takes them (as keywords, and in param groups: a torch checkpoint loaded
+# with load_state_dict brings them, a user may set them later), and refuses any other value, at construction, at
+# load_state_dict and whenever the hyperparameters are read (each backward with overlap_optimizer=True, each
+# step()): an option ignored silently would train something else (session 25: a torch AdamW(amsgrad=True)
+# checkpoint loaded into offload.AdamW trained on without AMSGrad). ``foreach`` (torch's loop over tensors, the
+# same arithmetic) has no meaning here and is accepted; ``fused`` is offload's own (the C++ kernel).
+# ``decoupled_weight_decay=False`` is torch.optim.Adam's L2 penalty, the same as AdamW only without weight decay.
+_TORCH_OPTIONS = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
+                  "decoupled_weight_decay": True}
+_TORCH_OPTION_WAY = {
+    "amsgrad": "offload's updates (the host kernel, the device update) keep Adam's m and v only, no running maximum "
+               "of v. Use amsgrad=False; to go on from a checkpoint trained with AMSGrad as plain AdamW, set "
+               "amsgrad=False in its param_groups before loading it (its max_exp_avg_sq is then dropped)",
+    "maximize": "negate the objective instead (loss = -objective): the same update",
+    "capturable": "offload's updates run on the host (or inside its own device step), never in a captured CUDA "
+                  "graph; use capturable=False",
+    "differentiable": "offload's updates run outside autograd; use differentiable=False",
+    "decoupled_weight_decay": "that is torch.optim.Adam's L2 penalty (weight decay added to the gradient), not "
+                              "AdamW's decoupled decay; use weight_decay=0 with it, or train with AdamW's decay",
+}
+
+
+def _check_torch_options(options: dict, where: str) -> None:
+    for key, value in _TORCH_OPTIONS.items():
+        got = options.get(key, value)
+        if key == "decoupled_weight_decay" and not options.get("weight_decay", 0):
+            continue
+        if got != value:
+            raise OffloadError(f"{where} has {key}={got!r}, which offload.AdamW does not implement: "
+                               f"{_TORCH_OPTION_WAY[key]}")
 
 
 def _check_hparams(lr, betas, eps, weight_decay) -> None:

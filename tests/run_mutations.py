@@ -502,6 +502,33 @@ MUTATIONS = [
      "silently; a sparse grad crashes in backward)", "offload/runtime/param_access.py",
      "            lookup = _LOOKUPS.get(func)", "            lookup = None",
      ["tests/runtime/test_plain_torch_models.py::test_parameters_written_in_forward_are_refused"]),
+    # session 25, the loop audit (tests/runtime/test_plain_torch_loops.py)
+    ("R75", "a param group's torch option (amsgrad, maximize, ...) set after wrap is not refused (ignored, silently)",
+     "offload/optim.py", "            if any(g.get(k, v) != v for k, v in _TORCH_OPTIONS.items()):",
+     "            if False:", ["tests/runtime/test_plain_torch_loops.py::test_a_torch_option_set_on_a_group_later_is_"
+                              "refused_and_training_goes_on[amsgrad-streamed-overlapped]"]),
+    ("R76", "a loaded state_dict's param groups are not checked (a torch amsgrad checkpoint trains on as AdamW)",
+     "offload/optim.py", '        for i, g in enumerate(state_dict.get("param_groups", ())):  # before anything changes',
+     "        for i, g in enumerate(()):", ["tests/runtime/test_plain_torch_loops.py::test_a_torch_amsgrad_or_adam_l2_"
+                                            "checkpoint_is_refused_before_anything_changes[resident]"]),
+    ("R77", "p.grad.data = t is torch's setter on the wrapper (dropped: the host sum keeps the old values)",
+     "offload/runtime/plain_grads.py", "            torch.Tensor.copy_(self, value)",
+     "            torch._C.TensorBase.data.__set__(self, value)",
+     ["tests/runtime/test_plain_torch_loops.py::test_gradients_the_user_rewrites_train_like_torch[grad.data=t-"
+      "resident]"]),
+    ("R78", "p.grad after backward(create_graph=True) is usable with grad mode on (a penalty on it is dropped)",
+     "offload/runtime/plain_grads.py", "        if exposure.graph_asked and torch.is_grad_enabled():",
+     "        if False:", ["tests/runtime/test_plain_torch_loops.py::test_a_penalty_on_p_grad_after_backward_with_"
+                          "create_graph_is_refused[resident]"]),
+    ("R79", "a param group's params list changed after wrap is not refused (the engine updates the old set, silently)",
+     "offload/optim.py", "        if self._layout is not None and self._group_layout() != self._layout:",
+     "        if False:", ["tests/runtime/test_plain_torch_loops.py::test_a_param_groups_params_changed_after_wrap_is_"
+                          "refused[reassigned-resident-deferred]"]),
+    ("R80", "a parameter a loaded state_dict has no state for keeps the engine's (torch starts it afresh)",
+     "offload/optim.py", '                self.state[p] = {"step": zero, "exp_avg": zero.expand(p.shape), '
+     '"exp_avg_sq": zero.expand(p.shape)}', "                pass",
+     ["tests/runtime/test_plain_torch_loops.py::test_adamw_state_reset_by_loading_a_state_dict_without_it_trains_"
+      "like_torch[all-resident-deferred]"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

@@ -112,6 +112,11 @@ _INPLACE_DUNDERS = frozenset({
     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__delitem__",
 })
 # Calls autograd does not record (or whose result does not require grad): allowed with grad mode on.
+_PARAM_GRADS = (
+    "{} with respect to parameter {} of a model wrapped by offload (torch.autograd.grad(loss, params), "
+    "loss.backward(inputs=params)): the engine gathers parameters' gradients through its own hooks over a whole "
+    "backward. Call loss.backward() and read or replace p.grad before optimizer.step() (wrap with "
+    "overlap_optimizer=False to use p.grad); gradients with respect to inputs alone work")
 _NOT_RECORDED = frozenset({
     "__repr__", "__str__", "__format__", "item", "tolist", "__bool__", "__int__", "__float__", "__index__",
     "__complex__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "eq", "ne", "lt", "le", "gt",
@@ -279,6 +284,8 @@ def _handle(func: Any, args: Any, kwargs: dict) -> Any:
                 f"masters), so the write would not reach them. {_HOW_TO_WRITE}")
     if torch.is_grad_enabled() and name not in _NOT_RECORDED:
         for param, rt, p in idle:
+            if param.requires_grad and name in ("grad", "backward"):  # session 25: autograd.grad(loss, params)
+                raise OffloadError(_PARAM_GRADS.format(_called(func, kind, name), rt.guard.names[p]))
             if param.requires_grad:
                 raise OffloadError(
                     f"{_called(func, kind, name)} on parameter {rt.guard.names[p]} of a model wrapped by offload, "

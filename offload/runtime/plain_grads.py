@@ -129,6 +129,32 @@ class ExposedGrad(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    # ``p.grad.data = t`` (torch.nn.utils.vector_to_parameters on grads, old code that rescales grads): torch's
+    # setter rebinds the tensor's storage, which for this wrapper never reaches the host sum the update reads, so
+    # the assignment was dropped silently (session 25). The values go into the sum instead, as ``copy_`` does;
+    # the getter stays torch's. (Torch's grad would alias ``t`` afterwards; here later writes to ``t`` are not seen.)
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if isinstance(value, torch.Tensor) and (value.dtype, value.device) != (self.dtype, self.device):
+            exposure = self._exposure()
+            param = exposure.ctx.params[self._p] if exposure is not None else None
+            if param is not None and (param.dtype, param.device) != (self.dtype, self.device):
+                return  # nn.Module._apply converting the model (model.half()): refused and undone, grads included
+        if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != (
+                self.shape, self.dtype, self.device):
+            got = (f"{tuple(value.shape)} {value.dtype} on {value.device}" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise OffloadError(f"p.grad.data = t with t {got} for a gradient {tuple(self.shape)} {self.dtype} on "
+                               f"{self.device}: a wrapped model's p.grad holds the host's gradient sum of its "
+                               "parameter, so only its values can change (p.grad.data = t of the same shape, dtype "
+                               "and device, p.grad.copy_(t) or p.grad = t)")
+        with torch.no_grad():
+            torch.Tensor.copy_(self, value)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         if self._data is None:  # a repr never raises (debuggers and error messages call it)
             return (f"ExposedGrad(consumed: overlap_optimizer=True applied the update during backward; "
@@ -211,6 +237,13 @@ class ExposedGrad(torch.Tensor):
                                "backward once")
         if exposure.local and func.overloadpacket.__name__ in _NORMS:
             raise OffloadError(_LOCAL_NORM.format(func))
+        if exposure.graph_asked and torch.is_grad_enabled():
+            raise OffloadError(f"p.grad after backward(create_graph=True) used with grad mode on ({func}): torch's "
+                               "p.grad would carry the graph of the gradient (for a penalty on it), but a wrapped "
+                               "model's p.grad is the host's sum of its values, so a term computed from it would "
+                               "silently get no gradient. Gradients of a gradient with respect to the inputs work "
+                               "(torch.autograd.grad(out, x, create_graph=True)); to read p.grad, use "
+                               "torch.no_grad() or backward() without create_graph")
         return exposure
 
     def _host_data(self) -> torch.Tensor:
@@ -265,6 +298,7 @@ class Exposure:
         self.final = False  # the sums were waited for since the last expose
         self.dirty: set[int] = set()  # params whose sum changed since the engine computed its norm
         self.closed = False
+        self.graph_asked = False  # the latest exposure came from a backward(create_graph=True) (see expose)
         self.local = False  # issue 20: inside no_sync() the sums are this rank's own (their norms raise)
         self._stride_cache: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}  # param -> (shape, its strides)
         # param -> a data-less grad taken back that nobody else held: given to it again ([Note: reusing a
@@ -279,6 +313,9 @@ class Exposure:
         what the grad pipeline left there: [Note: grads left for the exposure])."""
         grads = self.grads
         self.final = False
+        # backward(create_graph=True) runs with grad mode on: torch's p.grad would then carry a graph, which the
+        # sums here cannot ([Note: gradients in p.grad], session 25)
+        self.graph_asked = torch.is_grad_enabled()
         params, exposed = self.ctx.params, self.exposed
         if grads.deferred:
             for p in grads.sums.pending_params():
