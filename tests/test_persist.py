@@ -152,50 +152,76 @@ def test_truncated_or_foreign_files_give_clear_errors(tmp_path):
     engine.close()
 
 
-_CHILD = textwrap.dedent("""
-    import sys, torch, offload
+# One interpreter imports torch and offload once and forks a child per attempt (each fork is a real process that
+# trains and saves until the test kills it; the parent reaps it, so the next save sees it gone): the kill is the
+# same, without ~2 s of CPU for a fresh interpreter's imports each attempt. Nothing ran torch before the fork.
+_CHILDREN = textwrap.dedent("""
+    import os, sys, torch, offload
     from torch import nn
     path = sys.argv[1]
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 8.4M params: a ~100 MB checkpoint
-    opt = offload.AdamW(model.parameters(), lr=1e-3)
-    engine = offload.wrap(model, opt, budget="64MiB", device="cpu")
-    for i in range(1000):
-        engine.backward(engine(torch.randn(2, 1024)).square().mean())
-        opt.step()
-        print(f"saving {i}", flush=True)
-        engine.save(path, extra={"i": i})
-        print(f"saved {i}", flush=True)
+
+    def train_and_save():
+        print(f"pid {os.getpid()}", flush=True)
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 8.4M params: a ~100 MB checkpoint
+        opt = offload.AdamW(model.parameters(), lr=1e-3)
+        engine = offload.wrap(model, opt, budget="64MiB", device="cpu")
+        for i in range(1000):
+            engine.backward(engine(torch.randn(2, 1024)).square().mean())
+            opt.step()
+            print(f"saving {i}", flush=True)
+            engine.save(path, extra={"i": i})
+            print(f"saved {i}", flush=True)
+
+    for _ in sys.stdin:  # a line: one more child
+        pid = os.fork()
+        if pid == 0:
+            try:
+                train_and_save()
+            finally:
+                os._exit(1)
+        os.waitpid(pid, 0)
+        print("reaped", flush=True)
 """)
 
 
 def test_kill_minus_9_mid_save_leaves_the_previous_checkpoint_intact(tmp_path):
     path = str(tmp_path / "ckpt.pt")
-    script = tmp_path / "child.py"
-    script.write_text(_CHILD)
+    script = tmp_path / "children.py"
+    script.write_text(_CHILDREN)
     mid_write_kills = 0
-    for attempt, delay in enumerate((0.05, 0.15, 0.3, 0.02, 0.1)):
-        child = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE, text=True,
-                                 env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
-        try:
-            saved = None
-            for line in child.stdout:  # wait until one checkpoint is complete and the next one has begun
+    parent = subprocess.Popen([sys.executable, str(script), path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)},
+                              start_new_session=True)
+    try:
+        for attempt, delay in enumerate((0.05, 0.15, 0.3, 0.02, 0.1)):
+            parent.stdin.write("child\n")
+            parent.stdin.flush()
+            pid = saved = None
+            for line in parent.stdout:  # wait until one checkpoint is complete and the next one has begun
+                assert not line.startswith("reaped"), "the child ended before it was killed"
+                if line.startswith("pid"):
+                    pid = int(line.split()[1])
                 if line.startswith("saved"):
                     saved = int(line.split()[1])
                 if line.startswith("saving") and saved is not None:
                     break
             time.sleep(delay)
             temporaries = glob.glob(str(tmp_path / ".ckpt.pt.tmp-*"))
-            child.send_signal(signal.SIGKILL)
-        finally:
-            child.kill()
-            child.wait()
-            child.stdout.close()
-        mid_write_kills += bool(temporaries)
-        ck = torch.load(path, weights_only=True)  # complete and readable, whatever moment the kill hit
-        assert ck["format"] == "offload-checkpoint" and ck["extra"]["i"] >= saved
-        if mid_write_kills >= 2:
-            break
+            os.kill(pid, signal.SIGKILL)
+            for line in parent.stdout:  # its parent reaped it: a save now sees its pid gone
+                if line.startswith("reaped"):
+                    break
+            mid_write_kills += bool(temporaries)
+            ck = torch.load(path, weights_only=True)  # complete and readable, whatever moment the kill hit
+            assert ck["format"] == "offload-checkpoint" and ck["extra"]["i"] >= saved
+            if mid_write_kills >= 2:
+                break
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the parent and any child still running (their own session)
+        parent.wait()
+        parent.stdin.close()
+        parent.stdout.close()
     assert mid_write_kills >= 1, "no kill landed during a write: the test proved nothing"
     # the next save (in a live process) clears the temporaries the killed one left behind
     engine, _, _ = _wrap(_gpt_with_dropout())

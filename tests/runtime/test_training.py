@@ -1,6 +1,7 @@
 """Training features under offload: gradient accumulation, clipping, bf16/fp16 compute with fp32 masters,
 dynamic loss scaling. Each against plain PyTorch (torch.optim.AdamW, clip_grad_norm_, autocast, GradScaler)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -220,9 +221,29 @@ def test_overlapped_engine_refuses_clipping_with_the_fix():
 # lr 1e-3, 100 steps, 10-step mean losses: autocast vs fp32 differ by <= 2.1 %, the engine vs autocast by
 # <= 5.8 % (bf16) and 6.7 % (fp16). The test allows 12 %. A wrong gradient or a stale bucket shows up at
 # once in the first update, which must agree in sign with autocast's on >= 95 % of the weights.
+#
+# [Note: the reference on one thread] The autocast reference runs with one intra-op thread
+# (torch.set_num_threads(1) while it runs; the engine runs with the suite's count). The tiny GPT's ops are so small
+# that two threads meeting at every op cost far more than they share: on this 2-core VM under load (8-10), the 100
+# reference steps took 30-44 s of CPU with two threads and 1.3-1.8 s with one, and each curve test 17-22 s. The
+# reference is the same torch computation with another rounding of its parallel ops, so it is another sample of
+# the noise this Note allows for: measured against two threads (session 26), the first update bit for bit (fp16)
+# or with every sign equal (bf16), the 10-step means within 3.0 % (bf16) and 1.4 % (fp16), and the engine's
+# largest window gap to it 7.0 -> 6.9 % (bf16) and 7.6 -> 7.5 % (fp16): as far from the 12 % allowed as before.
 
 CURVE_RTOL = 0.12
 SIGN_AGREEMENT = 0.95
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread():
+    """torch's intra-op thread count 1 inside, as it was after: [Note: the reference on one thread]."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _autocast_reference(case, dtype, steps):
@@ -230,21 +251,22 @@ def _autocast_reference(case, dtype, steps):
     scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
     losses, first = [], None
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for step in range(steps):
-        b = case.make_batch(step)
-        with torch.autocast("cpu", dtype=dtype):
-            loss = case.loss_fn(run(model, b), b)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if first is None and any(not torch.equal(p, initial[n]) for n, p in model.named_parameters()):
-            first = {n: p.detach() - initial[n] for n, p in model.named_parameters()}
+    with _one_intra_op_thread():
+        for step in range(steps):
+            b = case.make_batch(step)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = case.loss_fn(run(model, b), b)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if first is None and any(not torch.equal(p, initial[n]) for n, p in model.named_parameters()):
+                first = {n: p.detach() - initial[n] for n, p in model.named_parameters()}
     return losses, first
 
 

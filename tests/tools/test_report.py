@@ -1,4 +1,5 @@
-"""``offload report``: driven as a subprocess (table text, JSON, errors), and checked against the engine."""
+"""``offload report``: driven as a subprocess (table text, JSON, errors) or through the same ``main()`` in this
+process (``_cli``), and checked against the engine."""
 
 import dataclasses
 import json
@@ -59,6 +60,28 @@ def _run(*args, cwd=None, timeout=600, env=None):
                           timeout=timeout, cwd=cwd, env=env)
 
 
+def _cli(capsys, *args):
+    """``offload report ARGS`` through the CLI's ``main()`` in this process, as ``python -m offload`` calls it,
+    without an interpreter and torch start-up (~2 s of CPU) each: a CompletedProcess (returncode, stdout,
+    stderr). Rich's console sees no terminal here either (width 140). An uncaught exception fails the test where
+    the subprocess would print a traceback. ``_run`` keeps what needs the process: the entry point's exit status
+    0, 1 and 2 (one test each), stderr empty at start-up, a PYTHONPATH."""
+    from offload.tools import cli
+    capsys.readouterr()
+    try:
+        code = cli.main(["report", *args])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["offload", "report", *args], code, out, err)
+
+
+def _factories_importable(monkeypatch, folder):
+    """``folder`` first on sys.path and its ``report_factories`` imported afresh (what a subprocess's cwd did)."""
+    monkeypatch.syspath_prepend(folder)
+    monkeypatch.delitem(sys.modules, "report_factories", raising=False)
+
+
 @pytest.fixture
 def factories(tmp_path):
     (tmp_path / "report_factories.py").write_text(FACTORIES)
@@ -76,8 +99,8 @@ def _one_line_error(r, status):
 # acceptance: GPT-2 XL
 
 
-def test_gpt2_xl_fits_8gib_at_batch_1():
-    r = _run("--model", "gpt2-xl", "--budget", "8GiB", "--batch", "1", "--seq", "1024", "--json",
+def test_gpt2_xl_fits_8gib_at_batch_1(capsys):
+    r = _cli(capsys, "--model", "gpt2-xl", "--budget", "8GiB", "--batch", "1", "--seq", "1024", "--json",
              "--host-ram", "64GiB")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -107,8 +130,8 @@ def test_gpt2_xl_100mib_does_not_fit():
                                  "min_budget_bytes": data["min_budget_bytes"], "estimated": False}
 
 
-def test_gpt2_xl_batch_8_activations_overflow_and_the_fix_is_named():
-    r = _run("--model", "gpt2-xl", "--budget", "8GiB", "--batch", "8", "--seq", "1024", "--host-ram", "64GiB")
+def test_gpt2_xl_batch_8_activations_overflow_and_the_fix_is_named(capsys):
+    r = _cli(capsys, "--model", "gpt2-xl", "--budget", "8GiB", "--batch", "8", "--seq", "1024", "--host-ram", "64GiB")
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
     out = " ".join(r.stdout.split())  # rich wraps long lines
@@ -122,9 +145,10 @@ def test_gpt2_xl_batch_8_activations_overflow_and_the_fix_is_named():
 # the table and the JSON on a small model
 
 
-def test_table_and_json_of_a_factory_model(factories):
-    table = _run("--model", "report_factories:small", "--budget", "64MiB", "--batch", "2", "--seq", "64",
-                 "--host-ram", "1GiB", cwd=factories)
+def test_table_and_json_of_a_factory_model(factories, capsys, monkeypatch):
+    _factories_importable(monkeypatch, factories)
+    table = _cli(capsys, "--model", "report_factories:small", "--budget", "64MiB", "--batch", "2", "--seq", "64",
+                 "--host-ram", "1GiB")
     assert table.returncode == 0, table.stderr
     for text in ("params", "grads", "master weights", "Adam m", "Adam v", "low-precision staging",
                  "activations", "workspace", "GPU", "pinned host", "plan", "tokens/s", "bound", "host RAM",
@@ -162,8 +186,8 @@ def test_unknown_preset_lists_the_known_ones():
     assert "gpt5" in err and "gpt2-xl" in err and "llama-70b" in err and "bert-large" in err
 
 
-def test_unparsable_budget():
-    err = _one_line_error(_run("--model", "gpt2", "--budget", "eight gigs"), 2)
+def test_unparsable_budget(capsys):
+    err = _one_line_error(_cli(capsys, "--model", "gpt2", "--budget", "eight gigs"), 2)
     assert "--budget" in err
 
 
@@ -177,13 +201,13 @@ def test_out_of_range_budget_is_a_usage_error(budget):
     assert e.value.usage
 
 
-def test_out_of_range_budget_exits_with_one_line():
-    err = _one_line_error(_run("--model", "gpt2", "--budget", "1e400"), 2)
+def test_out_of_range_budget_exits_with_one_line(capsys):
+    err = _one_line_error(_cli(capsys, "--model", "gpt2", "--budget", "1e400"), 2)
     assert "--budget" in err and "1e400" in err
 
 
-def test_bad_dtype_is_a_usage_error():
-    err = _one_line_error(_run("--model", "gpt2", "--budget", "8GiB", "--dtype", "int8"), 2)
+def test_bad_dtype_is_a_usage_error(capsys):
+    err = _one_line_error(_cli(capsys, "--model", "gpt2", "--budget", "8GiB", "--dtype", "int8"), 2)
     assert "bf16" in err
 
 
@@ -198,21 +222,23 @@ def test_bad_hardware_and_unknown_factory_are_usage_errors(factories, monkeypatc
     assert e.value.usage
 
 
-def test_a_factory_that_raises(factories):
-    err = _one_line_error(_run("--model", "report_factories:broken", "--budget", "8GiB", cwd=factories), 1)
+def test_a_factory_that_raises(factories, capsys, monkeypatch):
+    _factories_importable(monkeypatch, factories)
+    err = _one_line_error(_cli(capsys, "--model", "report_factories:broken", "--budget", "8GiB"), 1)
     assert "report_factories:broken raised RuntimeError: no such checkpoint" in err
 
 
-def test_budget_below_the_minimum(factories):
-    r = _run("--model", "report_factories:small", "--budget", "1MiB", "--seq", "64", "--host-ram", "1GiB",
-             cwd=factories)
+def test_budget_below_the_minimum(factories, capsys, monkeypatch):
+    _factories_importable(monkeypatch, factories)
+    r = _cli(capsys, "--model", "report_factories:small", "--budget", "1MiB", "--seq", "64", "--host-ram", "1GiB")
     err = _one_line_error(r, 1)
     assert "does not fit" in err and "--budget" in err
 
 
-def test_host_ram_that_cannot_hold_the_state(factories):
-    r = _run("--model", "report_factories:small", "--budget", "64MiB", "--seq", "64", "--host-ram", "4MiB",
-             "--json", cwd=factories)
+def test_host_ram_that_cannot_hold_the_state(factories, capsys, monkeypatch):
+    _factories_importable(monkeypatch, factories)
+    r = _cli(capsys, "--model", "report_factories:small", "--budget", "64MiB", "--seq", "64", "--host-ram", "4MiB",
+             "--json")
     err = _one_line_error(r, 1)
     assert "Host RAM" in err
     data = json.loads(r.stdout)
@@ -233,12 +259,12 @@ def test_transformers_config_needs_transformers(tmp_path):
 
 
 @pytest.mark.hf
-def test_transformers_config(tmp_path):
+def test_transformers_config(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
     path = tmp_path / "config.json"
     config.to_json_file(path)
-    r = _run("--model", "transformers.GPT2Config", "--config", str(path), "--budget", "64MiB", "--seq", "32",
+    r = _cli(capsys, "--model", "transformers.GPT2Config", "--config", str(path), "--budget", "64MiB", "--seq", "32",
              "--json", "--host-ram", "1GiB")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
@@ -434,9 +460,9 @@ def test_analytic_estimate_fixes_are_labelled_estimated(item_gpt):
     assert changes["activation_checkpointing"].min_budget_bytes <= 8 * MiB < changes["budget"].value
 
 
-def test_analytic_estimate_in_the_cli_text(item_gpt):
-    r = _run("--model", "item_gpt:item_gpt", "--budget", "64MiB", "--batch", "2", "--seq", "64", "--bucket-bytes", "256KiB",
-             cwd=item_gpt)
+def test_analytic_estimate_in_the_cli_text(item_gpt, capsys):
+    r = _cli(capsys, "--model", "item_gpt:item_gpt", "--budget", "64MiB", "--batch", "2", "--seq", "64",
+             "--bucket-bytes", "256KiB")
     assert r.returncode == 0, r.stderr
     assert "activations: analytic estimate" in " ".join(r.stdout.split())
 
