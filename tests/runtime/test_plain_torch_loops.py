@@ -100,6 +100,15 @@ def _plain_step(i, m, o) -> float:
     return loss.item()
 
 
+def _train_on_like_torch(engine, model, opt, ref, ref_opt, got: list, want: list) -> None:
+    """Steps 2 and 3 on both after a refusal: the losses so far and after, and the weights, are torch's."""
+    for i in (2, 3):
+        got.append(_plain_step(i, model, opt))
+        want.append(_plain_step(i, ref, ref_opt))
+    assert got == want
+    _same_weights(engine, ref)
+
+
 def _roundtrip(obj):
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -384,11 +393,7 @@ def test_a_torch_option_set_on_a_group_later_is_refused_and_training_goes_on(key
         del loss  # its graph holds saved activations (device memory) until it goes, as in torch
         opt.param_groups[0][key] = False
         opt.zero_grad()
-        for i in (2, 3):
-            got.append(_plain_step(i, model, opt))
-            want.append(_plain_step(i, ref, ref_opt))
-        assert got == want
-        _same_weights(engine, ref)
+        _train_on_like_torch(engine, model, opt, ref, ref_opt, got, want)
     finally:
         engine.close()
 
@@ -470,11 +475,7 @@ def test_a_param_groups_params_changed_after_wrap_is_refused(how, budget, overla
         else:
             params.insert(0, model[0][0].weight)
         opt.zero_grad()
-        for i in (2, 3):
-            got.append(_plain_step(i, model, opt))
-            want.append(_plain_step(i, ref, ref_opt))
-        assert got == want
-        _same_weights(engine, ref)
+        _train_on_like_torch(engine, model, opt, ref, ref_opt, got, want)
     finally:
         engine.close()
 
