@@ -6,7 +6,7 @@ asks the runtime to become is the other model, ``data_parallel.py`` ([Note: the 
 one is ``path="runtime"``, that one ``path="design"``.
 
 [Note: the runtime's data-parallel step]
-Every rank runs the single-GPU plan (the runtime plans each rank as one GPU: ``Executor._build``), on its own
+Every rank runs the single-GPU plan (the runtime plans each rank as one GPU: ``PlanBuilder.build``), on its own
 micro-batch, so one rank's timeline stands for all (no stragglers). With ``G`` ranks on each of ``M``
 nodes, ``N = G x M``, per bucket of ``S`` grad bytes (the device dtype: the overlapped path, where the grads
 land in the device dtype):

@@ -31,7 +31,7 @@ the first plan does not fill the budget to the byte. The first planned step meas
 check_transients`` runs at the end of its backward): its figure replaces the stand-in, up or down, and
 ``step()`` plans again (counted in ``transient_replans`` unless the compute timing re-plans at that step too);
 later it only grows, and ``step()`` plans again where the plan no longer fits beside it. Where no plan keeps
-all of it out, the plan keeps what it can and says so (``PlanExecutor._build``): training that ran before
+all of it out, the plan keeps what it can and says so (``PlanBuilder.build``): training that ran before
 still runs.
 
 Measured on the H200 (benchmarks/results/2026-11-27-h200): in run 6, gpt3-2.7b at 8 GiB, which ran out of memory

@@ -69,12 +69,12 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from ..config import format_bytes
 from ..errors import BudgetTooSmallError, InvariantError, OffloadWarning
-from ..planning.schedule import Plan, build_plan, validate_plan
+from ..planning.schedule import Plan
 from ..planning.steady import issue_order
 from ..planning.trace import EventKind, Recorder, Trace
 from .departures import Departures, Where
+from .plan_builder import PlanBuilder
 from .residency import Residency, Slot
 from .unforeseen_reads import UnforeseenReads
 
@@ -108,7 +108,6 @@ class PlanExecutor:
         # the plan no longer fits beside the transients learnt ([Note: transients] in accounting.py): plan again
         # at step()
         self.refit = False
-        self._short_said = 0  # the transients a plan could not keep out of the budget (warned once per figure)
         self.grad_enabled = True  # grad mode of this step's forward
         self._leaving: list[Callable[[], None]] = []  # what must move out of the arena before it goes
         self.device_state: DeviceOptimizer | None = None  # issue 18: optimizer state kept in the arena
@@ -130,6 +129,7 @@ class PlanExecutor:
         self._untimed = False  # the timer failed once: no step is timed again
         self._planned_uses: tuple[Plan, list[frozenset[int]]] | None = None  # check_use's, once per plan
         self.unforeseen = UnforeseenReads(slots)
+        self.builder = PlanBuilder(ctx, slots)  # the planner at the budget, beside the transients learnt
 
     def before_leaving(self, fn: Callable[[], None]) -> None:
         self._leaving.append(fn)
@@ -544,11 +544,11 @@ class PlanExecutor:
             if recompute.auto and recompute.choice is None and recompute.choose(trace):
                 return self.drop()  # other blocks are checkpointed from now on: the next step is planned
             try:
-                plan = self._build(trace)
+                plan = self.builder.build(trace)
             except BudgetTooSmallError as e:
                 if recompute.auto and recompute.choose(trace):
                     return self.drop()  # the activations grew (a longer sequence): checkpoint more blocks
-                raise self._hinted(e, recompute) from None
+                raise self.builder.hinted(e, recompute) from None
         recompute.decided()
         self.on_plan = False
         self.deactivate()
@@ -569,53 +569,14 @@ class PlanExecutor:
         if self.train_plan is not None or recompute.auto or trace is None or not trace.complete:
             return
         try:
-            self.ahead = (trace, self._build(trace))
+            self.ahead = (trace, self.builder.build(trace))
         except BudgetTooSmallError as e:
-            raise self._hinted(e, recompute) from None
+            raise self.builder.hinted(e, recompute) from None
 
     def plan_for(self, trace: Trace) -> Plan:
         """The training plan ``trace`` gets at the engine's budget ("auto" checkpointing weighs candidates
         with it); raises :class:`BudgetTooSmallError`."""
-        return self._build(trace)
-
-    def _build(self, trace: Trace) -> Plan:
-        """The training plan for ``trace`` at the budget, validated (raises :class:`BudgetTooSmallError`)."""
-        ctx = self.ctx
-        memory = ctx.memory
-        headroom = memory.parts["headroom"]
-        try:
-            plan = self._plan(trace, headroom)
-        except BudgetTooSmallError as e:
-            # [Note: transients]: no plan keeps all the transients learnt out of the budget; one keeps what it
-            # can (the minimum named is exact: [Note: the tight minimum budget] in planning/budget.py)
-            short = e.min_budget_bytes - ctx.budget
-            if short > memory.transients:
-                raise
-            plan = self._plan(trace, headroom - short)
-            if short != self._short_said:
-                self._short_said = short
-                warnings.warn(
-                    f"offload: no plan keeps all {format_bytes(memory.transients)} of the transients (what forward "
-                    f"and backward allocate beyond the plan, measured or, before the first planned step, estimated "
-                    f"as the largest saved activation: [Note: transients] in "
-                    f"offload/runtime/accounting.py) out of the budget of {format_bytes(ctx.budget)}; this one keeps "
-                    f"{format_bytes(memory.transients - short)}, so the device may go over the budget by up to "
-                    f"{format_bytes(short)}. A larger budget, or activation checkpointing, makes room.",
-                    OffloadWarning, stacklevel=4)
-        return plan
-
-    def _plan(self, trace: Trace, headroom: int) -> Plan:
-        ctx = self.ctx
-        plan = build_plan(trace, self.slots.buckets, itemsize=ctx.itemsize, budget_bytes=ctx.budget,
-                          fixed_bytes=ctx.memory.fixed, hw=ctx.hw, headroom_bytes=headroom,
-                          device_optimizer=ctx.config.device_optimizer,
-                          deferred=not ctx.config.overlap_optimizer, refresh_pipelined=ctx.dp is None)
-        validate_plan(plan)
-        return plan
-
-    def _hinted(self, e: BudgetTooSmallError, recompute: RecomputeCoordinator) -> BudgetTooSmallError:
-        need = e.breakdown
-        return recompute.activation_hint(e, self.ctx.budget - sum(need.values()) + need["activations"])
+        return self.builder.build(trace)
 
     def drop(self) -> None:
         """Run the next step on demand (its calls will differ from the plan's) and plan it at its step()."""

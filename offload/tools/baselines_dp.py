@@ -96,7 +96,7 @@ def runtime_data_parallel(case: Case, gloo: Cluster, device: Cluster | None = No
                           shared: bool = False) -> RankResult:
     """The runtime's path on ``gloo`` (a cluster with gloo's links), grads reduced (and, without ``shared``,
     weights gathered) on ``device`` if given: the single-GPU plan within the rank's budget, as
-    ``Executor._build`` makes it (on the device path with the grad slots padded and any gather buffers out of
+    ``PlanBuilder.build`` makes it (on the device path with the grad slots padded and any gather buffers out of
     the budget: :func:`device_reduce_plan_inputs`), simulated by :func:`simulate_runtime_plan`. ``shared``: each
     node's ranks share one host copy ([Note: the runtime's shared host copy])."""
     buckets, fixed = case.buckets, case.fixed_bytes
