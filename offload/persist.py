@@ -53,7 +53,7 @@ def save(engine: "Engine", rt: "Runtime", path: str | os.PathLike, extra: Any = 
         "extra": extra,
     }
     if rt.ctx.dp is not None:  # issue 20: every rank gathered the shards above; rank 0 writes the one file
-        rt.ctx.dp.on_rank0(lambda: _write(directory, name, path, content), f"writing the checkpoint {path}")
+        rt.ctx.dp.reads.on_rank0(lambda: _write(directory, name, path, content), f"writing the checkpoint {path}")
     else:
         _write(directory, name, path, content)
 

@@ -249,7 +249,7 @@ class WeightGather:
 
         self.backend, self.memory, self.dtype, self.rank, self.world, self.group = (backend, memory, dtype, rank,
                                                                                      world, group)
-        self._call = call  # DataParallel._call: a failed collective named
+        self._call = call  # DataParallel.call: a failed collective named
         self.stats = stats  # gather_h2d_bytes, gather_d2h_bytes: this lane's own counters
         self.nbytes = weight_gather_bytes(buckets, itemsize)
         each = self.nbytes // WEIGHT_GATHER_BUFFERS

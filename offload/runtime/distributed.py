@@ -83,17 +83,7 @@ written while training goes well (a FileStore would grow with every write). Wher
 (its server was on the rank that died), the error says so and names no one. While a roll call runs (``naming``
 clear), ``check_usable`` on the main thread waits for its error instead of raising a bare ``failed``.
 
-[Note: a read on one rank]
-With a 16-bit dtype the fp32 masters and Adam state are spread over the ranks, so ``model.state_dict()``,
-``engine.state_dict()``, ``engine.save`` and ``close()`` gather them: every rank must call them. The common
-``if rank == 0: torch.save(model.state_dict(), ...)`` would wait for the group's timeout (30 min by default)
-in a gather the other ranks never join. So the first gather since the last training collective is preceded
-by a small all-gather (a join tag, in the checks' format) waited for at most ``JOIN_WINDOW_S``: if the other
-ranks are already in their next training collective it pairs with their check at once, and both sides raise
-(the reader explaining that the call is collective and naming ``engine.save``; the others naming the reader);
-if they are not there yet the reader raises when the window has passed, and its posted tag makes the others'
-next check fail, naming it. The reader's engine is out of step after that (its tag stays posted): restart
-from the last checkpoint. In fp32 every rank holds the whole weights and ``model.state_dict()`` is local.
+[Note: a read on one rank] (collective_reads.py): ``model.state_dict()`` and the like on one rank alone.
 """
 
 from __future__ import annotations
@@ -113,11 +103,11 @@ from ..host.shard import ShardedHostState
 from ..host.state import HostState
 from ..backend.base import Deferred
 from .device_collectives import DeviceGroup, RefreshCopy, WeightGather, _all_gather, _reduce_scatter, pad_buckets
-from .node_share import COLLECTIVE_READS, FAULT, JOIN, RollCall, ShardGather, fault_in, make_node_copy
+from .collective_reads import CollectiveReads
+from .node_share import FAULT, TAG_SIZE, RollCall, ShardGather, fault_in, make_node_copy
 
 
-# The tags of the checks before a sum ([Note: a fault named]): (kind, two values, checks so far)
-_TAG = 4
+# The kinds of the checks' tags (node_share.TAG_SIZE: [Note: a fault named])
 _ONE_BUCKET, _BUCKET_SET, _REPLAN, _COPY_READY, _COPY_WRITTEN, _REFRESH = 0, 1, 2, 3, 4, 5
 
 if TYPE_CHECKING:
@@ -129,10 +119,6 @@ if TYPE_CHECKING:
 
 class DataParallel:
     """The collectives of one rank's engine, on its CPU lane (see the module docstring)."""
-
-    # How long a collective read of the host state (model.state_dict(), engine.save, close() with a 16-bit
-    # dtype) waits for the other ranks to join it before it raises: [Note: a read on one rank]
-    JOIN_WINDOW_S = 60.0
 
     def __init__(self, group: Any, lane: Lane, device: torch.device | None = None, share: bool | None = None) -> None:
         self.group = group
@@ -148,8 +134,7 @@ class DataParallel:
         self.naming = threading.Event()  # clear while a failed collective's roll call runs ([Note: a fault named])
         self.naming.set()
         self.closed_with_local = False  # close() gave the module the 16-bit copy (the masters could not be gathered)
-        self._reduces = 0  # reduce-scatters issued since wrap (the same on every rank in step)
-        self._joined = -1  # _reduces when the ranks last joined a collective read (see join_reads)
+        self.reduces = 0  # reduce-scatters issued since wrap (the same on every rank in step)
         # bucket -> its grads' ready event when :meth:`average_gathered` averaged its landing grad over the
         # ranks (then its shard of the sum is taken locally, no reduce-scatter: [Note: averaged p.grad])
         self._averaged: dict[int, Event] = {}
@@ -165,6 +150,7 @@ class DataParallel:
         self.node_copy: NodeCopy | None = None
         self.shards: ShardGather | None = None  # the host path's gather of the updated shards, if any
         self.unchecked: dict[int, None] = {}
+        self.reads = CollectiveReads(self)  # [Note: a read on one rank]: gathers of what other ranks own
 
     @classmethod
     def resolve(cls, process_group: Any, lane: Lane, device: torch.device | None = None,
@@ -192,7 +178,7 @@ class DataParallel:
 
     def host_state(self, buckets: Sequence[Bucket], specs: Sequence[ParamSpec], shapes: Sequence[torch.Size],
                    dtype: torch.dtype, fused: bool, accumulate: bool) -> ShardedHostState:
-        return ShardedHostState(buckets, specs, shapes, dtype, self.rank, self.world, self.gather,
+        return ShardedHostState(buckets, specs, shapes, dtype, self.rank, self.world, self.reads.gather,
                                 fused=fused, accumulate=accumulate, landing=self.device is None,
                                 node_copy=self.node_copy)
 
@@ -204,18 +190,18 @@ class DataParallel:
         on the device where grads are reduced there ([Note: weights gathered on the device]: the gather buffers,
         counted in ``memory``) or by gloo on the CPU lane."""
         if self.node_copy is None and self.weights is None and self.shards is None and self.share is not False:
-            self.node_copy = make_node_copy(buckets, itemsize, self._call, self.tag_group, self.rank, self.world,
+            self.node_copy = make_node_copy(buckets, itemsize, self.call, self.tag_group, self.rank, self.world,
                                             self.share)
         # [Note: one host copy per host]: over several hosts the column's shards are gathered (on the device
         # where grads are reduced there) into the host's copy
         hosts = self.node_copy.hosts if self.node_copy is not None else None
         column = hosts.column if hosts is not None and hosts.count > 1 else None
         if self.device is None and self.shards is None and (hosts is None or column is not None):
-            self.shards = (ShardGather.every(self.group, self.world, self._call) if hosts is None
-                           else ShardGather.column(self.group, hosts, self._call))
+            self.shards = (ShardGather.every(self.group, self.world, self.call) if hosts is None
+                           else ShardGather.column(self.group, hosts, self.call))
         if (hosts is None or column is not None) and self.device is not None and self.weights is None:
             self.weights = WeightGather(backend, memory, stats, buckets, itemsize, dtype, self.rank, self.world,
-                                        self.device.weights, self._call, column)
+                                        self.device.weights, self.call, column)
 
     def copy_written(self) -> None:
         """The main thread wrote this rank's part of the node's copy (the first masters, ``load_state_dict``, a
@@ -240,7 +226,7 @@ class DataParallel:
             self.raise_failure(e)
             raise
         self.settle()  # and its copies back from the device ([Note: one host copy per host])
-        tag = torch.tensor([kind, len(buckets), zlib.crc32(",".join(map(str, buckets)).encode()), self._reduces],
+        tag = torch.tensor([kind, len(buckets), zlib.crc32(",".join(map(str, buckets)).encode()), self.reduces],
                            dtype=torch.int64)
         self._require_same(tag, "check that every rank wrote its part of the node's copy of the weights", "ranks wrote "
                            "the weights apart", "the ranks reached the check that the node's copy of the weights is "
@@ -283,7 +269,7 @@ class DataParallel:
                                  "in offload, please report it")
         mine = slot[self.rank * size: (self.rank + 1) * size]  # NCCL's in-place form: no buffer outside the arena
         self._check_same_bucket(b)  # on the device group's host side, before the sum is issued
-        reduced = backend.collective(lambda: self._call(f"reduce-scatter of bucket {b}'s grads on the device",
+        reduced = backend.collective(lambda: self.call(f"reduce-scatter of bucket {b}'s grads on the device",
                                                         _reduce_scatter, mine, slot, group=device.group), [ready])
         return backend.d2h(dst, mine, [reduced, *waits]), size * slot.element_size()
 
@@ -336,14 +322,14 @@ class DataParallel:
 
     def _reduce(self, host: ShardedHostState, b: int) -> None:
         self._check_same_bucket(b)
-        self._call(f"reduce-scatter of bucket {b}'s grads", _reduce_scatter, host.grad_shard[b],
+        self.call(f"reduce-scatter of bucket {b}'s grads", _reduce_scatter, host.grad_shard[b],
                    host.landed(b, padded=True), group=self.group)
 
     def _check_same_bucket(self, b: int) -> None:
         """[Note: collectives on one thread]: collectives pair by order, so a rank whose grads completed
         another bucket (a data-dependent branch taken on one rank only) would sum another bucket's bytes,
         silently where the sizes agree. One small all-gather of (bucket, count so far) first makes it loud."""
-        tag = torch.tensor([_ONE_BUCKET, b, 0, self._reduces], dtype=torch.int64)
+        tag = torch.tensor([_ONE_BUCKET, b, 0, self.reduces], dtype=torch.int64)
         self._require_same(tag, f"check of bucket {b}'s reduce-scatter", "ranks reduced different buckets",
                            "the ranks are about to sum different buckets' grads ((bucket, reduce-scatters so far)",
                            "so that the same parameters get grads in the same order")
@@ -351,14 +337,14 @@ class DataParallel:
     def _check(self, tag: torch.Tensor, what: str) -> torch.Tensor:
         """All-gather every rank's ``tag`` (the checks before a sum: [Note: a fault named]); raise naming the
         ranks that sent a fault instead."""
-        tags = tag.new_empty(_TAG * self.world)
-        self._call(what, _all_gather, tags, tag, group=self.tag_group)
-        self._reduces += 1
-        others = tags.view(self.world, _TAG)
+        tags = tag.new_empty(TAG_SIZE * self.world)
+        self.call(what, _all_gather, tags, tag, group=self.tag_group)
+        self.reduces += 1
+        others = tags.view(self.world, TAG_SIZE)
         named = fault_in(others, self.rank, self.world)
         if named is not None:
             self.failed = named[0]
-            raise self._first(DistributedError(named[1]))
+            raise self.first_error(DistributedError(named[1]))
         return others
 
     # -- on the main thread, the lane drained ([Note: collectives on one thread]) -------------------------
@@ -391,7 +377,7 @@ class DataParallel:
         """[Note: re-plans agreed]: whether any rank's step departed from its plan (then every rank re-plans).
         Collective: every rank calls it in ``step()``, its lane drained."""
         self.check_usable()
-        tag = torch.tensor([_REPLAN, int(stale), 0, self._reduces], dtype=torch.int64)
+        tag = torch.tensor([_REPLAN, int(stale), 0, self.reduces], dtype=torch.int64)
         return bool(self._agree(tag, "agreement on re-planning")[:, 1].any())
 
     def _agree(self, tag: torch.Tensor, what: str) -> torch.Tensor:
@@ -414,10 +400,10 @@ class DataParallel:
             return None
         self.check_usable()
         tag = torch.tensor([_REFRESH, zlib.crc32(",".join(map(str, buckets)).encode()), len(buckets),
-                            self._reduces], dtype=torch.int64)
+                            self.reduces], dtype=torch.int64)
         if not bool((self._agree(tag, "agreement on the buckets gathered after step()")[:, 1:3] == tag[1:3]).all()):
             return None
-        return lambda b, dst, src, waits: device.refresh(backend, dst, src, waits, self._call,
+        return lambda b, dst, src, waits: device.refresh(backend, dst, src, waits, self.call,
                                                          f"all-gather of bucket {b}'s new weights in its slot")
 
     def average_gathered(self, grads: GradPipeline) -> None:
@@ -433,7 +419,7 @@ class DataParallel:
         self._check_same_buckets(buckets)
         for b in buckets:
             landed = host.landed(b, padded=True)
-            self._call(f"all-reduce of bucket {b}'s grads", dist.all_reduce, landed, group=self.group)
+            self.call(f"all-reduce of bucket {b}'s grads", dist.all_reduce, landed, group=self.group)
             landed.div_(self.world)  # exact for a power of two
             self._averaged[b] = grads.pending[b].ready
         grads.sums.refresh_norms(grads.sums.pending_params())
@@ -442,7 +428,7 @@ class DataParallel:
         """As :meth:`_check_same_bucket`, for the set of buckets :meth:`average_gathered` is about to sum:
         one all-gather of (count, a checksum of the set, collectives so far)."""
         checksum = sum((b + 1) * (2 * b + 3) for b in buckets)
-        tag = torch.tensor([_BUCKET_SET, len(buckets), checksum, self._reduces], dtype=torch.int64)
+        tag = torch.tensor([_BUCKET_SET, len(buckets), checksum, self.reduces], dtype=torch.int64)
         self._require_same(tag, "check of the buckets to average", "ranks gathered grads of different buckets",
                            "the ranks' backward passes reached different parameters ((buckets, checksum, "
                            "collectives so far)", "so that the same parameters get grads")
@@ -480,69 +466,13 @@ class DataParallel:
                 self._take_shard(host, b)
         params = grads.sums.pending_params()
         sq = host.shard_sq_norms(params)
-        self._call("all-reduce of the grad norms", dist.all_reduce, sq, group=self.group)
+        self.call("all-reduce of the grad norms", dist.all_reduce, sq, group=self.group)
         total = (sq.sqrt() / self.world).float()  # the norms of the averaged grads (world: exact if a power of 2)
         grads.norms.update({p: total[i] for i, p in enumerate(params)})
 
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``shard`` (same size on all), concatenated: for reads of values other ranks own."""
-        self.check_usable()
-        self.lane.drain()
-        self._join_reads()
-        full = shard.new_empty(shard.numel() * self.world)
-        self._call("all-gather of host state", _all_gather, full, shard, group=self.group)
-        return full
-
-    def _join_reads(self) -> None:
-        """[Note: a read on one rank]: before the first gather since the last training collective, every rank
-        joins one small all-gather, waited for at most ``JOIN_WINDOW_S``."""
-        if self._joined == self._reduces:
-            return
-        tag = torch.tensor([JOIN, 0, 0, self._reduces], dtype=torch.int64)
-        tags = tag.new_empty(_TAG * self.world)
-        try:
-            work = _all_gather(tags, tag, group=self.tag_group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=self.JOIN_WINDOW_S))
-        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a timeout
-            raise self._read_alone(f"the other ranks did not join within {self.JOIN_WINDOW_S:g} s ({e}); the read "
-                                   "this rank began is still posted") from e
-        self._reduces += 1
-        self._joined = self._reduces
-        others = tags.view(self.world, _TAG)
-        if not bool((others == tag).all()):
-            trained = [r for r in range(self.world) if int(others[r, 0]) != JOIN]
-            raise self._read_alone(f"rank {', '.join(map(str, trained))} issued a training collective instead "
-                                   f"(tags per rank: {others.tolist()})")
-
-    def _read_alone(self, why: str) -> DistributedError:
-        self.failed = f"a read of the sharded state on rank {self.rank} was not joined by the other ranks"
-        return self._first(DistributedError(
-            f"rank {self.rank} of {self.world}: reading the fp32 weights or Adam state (model.state_dict(), "
-            f"engine.state_dict(), engine.save, close()) needs every rank: with a 16-bit dtype the fp32 masters "
-            f"and Adam state are spread over the ranks, but {why}. {COLLECTIVE_READS} This engine is now out of "
-            "step with the others (their collectives fail, naming this rank): restart every rank from the last "
-            "checkpoint"))
-
-    def on_rank0(self, fn: Callable[[], None], what: str) -> None:
-        """Run ``fn`` on rank 0 (a checkpoint's write); every rank returns once it is done, or raises if it
-        failed there."""
-        self.check_usable()
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others were told
-                error = e
-        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
-        self._call(f"broadcast of the outcome of {what}", dist.broadcast, ok, group_src=0, group=self.group)
-        if error is not None:
-            raise error
-        if not int(ok):
-            raise DistributedError(f"rank {self.rank} of {self.world}: {what} failed on rank 0 (its error says why)")
-
     # -- faults --------------------------------------------------------------------------------------------
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         try:
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError, DistBackendError, ...
@@ -551,13 +481,13 @@ class DataParallel:
                 self.failed = f"the {what} failed on rank {self.rank}"
                 who = ("Another rank of the process group raised, hung past the group's timeout or exited (its "
                        "own error says why)" if self.roll_call is None else self.roll_call.silent())
-                raise self._first(DistributedError(
+                raise self.first_error(DistributedError(
                     f"rank {self.rank} of {self.world}: the {what} failed: {e}. {who}; this engine cannot go on "
                     "in step with the others")) from e
             finally:
                 self.naming.set()
 
-    def _first(self, error: DistributedError) -> DistributedError:
+    def first_error(self, error: DistributedError) -> DistributedError:
         if self.error is None:
             self.error = error
         return error
@@ -593,8 +523,8 @@ class DataParallel:
             return
         try:
             self.lane.drain()  # the collectives this rank issued before the fault: the others are in them too
-            tag = torch.tensor([FAULT, self.rank, 0, self._reduces], dtype=torch.int64)
-            _all_gather(tag.new_empty(_TAG * self.world), tag, group=self.tag_group)
+            tag = torch.tensor([FAULT, self.rank, 0, self.reduces], dtype=torch.int64)
+            _all_gather(tag.new_empty(TAG_SIZE * self.world), tag, group=self.tag_group)
         except Exception:  # noqa: BLE001 - a peer gone or timed out: it errs on its own; this rank's error stands
             pass
 

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 
 # [Note: a fault named]: the kinds of the tags a rank sends in place of a check's (distributed.py's others)
 FAULT, JOIN = -1, -2
+TAG_SIZE = 4  # the tags of the checks before a sum: (kind, two values, checks so far)
 COLLECTIVE_READS = ("Call model.state_dict() on every rank (sd = model.state_dict(); if rank == 0: torch.save(sd, "
                      "path)), or engine.save(path) on every rank (rank 0 writes the file).")
 _PATH_BYTES = 128  # a host copy's file name, all-gathered ([Note: one host copy per node])
@@ -159,7 +160,7 @@ class ShardGather:
 
     def __init__(self, group: Any, ranks: Sequence[int], call: Callable[..., None], what: str) -> None:
         self.group, self.ranks, self.what = group, tuple(ranks), what  # ranks: the group's, in gather order
-        self.call = call  # DataParallel._call: a failed collective named
+        self.call = call  # DataParallel.call: a failed collective named
 
     @classmethod
     def every(cls, group: Any, world: int, call: Callable[..., None]) -> ShardGather:

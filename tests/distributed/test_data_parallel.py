@@ -579,7 +579,7 @@ def test_a_check_during_a_lanes_roll_call_raises_the_error_naming_the_rank():
     def broken():
         raise RuntimeError("Connection reset by peer")
 
-    lane = threading.Thread(target=lambda: pytest.raises(DistributedError, dp._call, "reduce-scatter", broken))
+    lane = threading.Thread(target=lambda: pytest.raises(DistributedError, dp.call, "reduce-scatter", broken))
     lane.start()
     while dp.failed is None:
         time.sleep(0.001)

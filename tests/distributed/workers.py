@@ -138,8 +138,8 @@ def rank_main(rank: int, case: Case, init_file: str, out: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=case.world,
                                 timeout=datetime.timedelta(seconds=case.timeout_s))
         if "join_window_s" in case.extra:
-            from offload.runtime.distributed import DataParallel
-            DataParallel.JOIN_WINDOW_S = case.extra["join_window_s"]  # this spawned process only
+            from offload.runtime.collective_reads import CollectiveReads
+            CollectiveReads.JOIN_WINDOW_S = case.extra["join_window_s"]  # this spawned process only
         if "roll_call_s" in case.extra:
             from offload.runtime.node_share import RollCall
             RollCall.ROLL_CALL_S = case.extra["roll_call_s"]  # this spawned process only
