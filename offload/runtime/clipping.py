@@ -1,6 +1,7 @@
 """Clipping the gathered grads by their global norm (``engine.clip_grad_norm_``): the grad pipeline's norms
 (computed per parameter as each bucket's grads were gathered or summed), one total over both tiers and, under
-data parallel, over every rank."""
+data parallel, over every rank; and the factors ``step()`` applies to deferred updates (the loss scale's inverse,
+after the float16 overflow check, and the clip coefficient)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,25 @@ def clip_gathered(grads: GradPipeline, max_norm: float, norm_type: float = 2.0,
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads.clip_factor *= float(coef)
     return total
+
+
+def step_factors(grads: GradPipeline) -> tuple[float, ...] | None:
+    """The factors ``step()`` multiplies the gathered grads by before their deferred updates: with float16 loss
+    scaling the scale's inverse, once every norm is known finite (None: an inf or NaN, the step is skipped; the
+    scaler learns either way), then the clip coefficient."""
+    factors = []
+    if grads.scaler is not None:
+        grads.ctx.cpu.drain()  # the norms of accumulated grads are computed on the CPU lane
+        norms = [grads.norms[p] for pending in grads.pending.values() for p in pending.params]
+        found_inf = bool(norms) and not bool(torch.isfinite(norms_on_host(norms)).all())
+        inv_scale = 1.0 / grads.step_scale if grads.step_scale else 1.0
+        grads.scaler.update(found_inf)
+        if found_inf:
+            grads.ctx.stats["skipped_steps"] += 1
+            return None
+        factors.append(inv_scale)
+    factors.append(grads.clip_factor)
+    return tuple(factors)
 
 
 def norms_on_host(norms: list[torch.Tensor]) -> torch.Tensor:

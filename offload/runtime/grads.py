@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import InvariantError, OffloadError
 from .bucket_send import FastSend, copy_into_slot
-from .clipping import clip_gathered, norms_on_host
+from .clipping import clip_gathered, step_factors
 from .device_optim import DeviceOptimizer, Postponed, streamed_reads_after_update
 from .grad_records import SECOND_BACKWARD, BackwardDiscard, GradSlot, PendingGrads
 from .grad_sums import GatheredSums
@@ -509,30 +509,21 @@ class GradPipeline:
     def _step_deferred(self) -> bool:
         """Run the gathered updates (loss scale and clipping applied); return True if the step is skipped."""
         hparams = self.ctx.optimizer.hparams()  # read now, as torch.optim does
-        factors = []
         if self.ctx.dp is not None:  # issue 20: grads summed over ranks now; norms (overflow check) over all ranks
             self.ctx.dp.reduce_pending(self, norms=self.scaler is not None)
-        if self.scaler is not None:
-            self.ctx.cpu.drain()  # the norms of accumulated grads are computed on the CPU lane
-            norms = [self.norms[p] for pending in self.pending.values() for p in pending.params]
-            found_inf = bool(norms) and not bool(torch.isfinite(norms_on_host(norms)).all())
-            inv_scale = 1.0 / self.step_scale if self.step_scale else 1.0
-            self.scaler.update(found_inf)
-            if found_inf:
-                self.ctx.stats["skipped_steps"] += 1
-                return True
-            factors.append(inv_scale)
-        factors.append(self.clip_factor)
+        factors = step_factors(self)
+        if factors is None:
+            return True  # the float16 overflow check skips this step
         for b in sorted(self.pending):  # first-use order: the next forward's first buckets are done first
             params, ready = self.pending[b]
             if self.device.owns(b):  # issue 18: summed on the host, updated on the device (device_optim.py)
-                self.device.update_summed(b, params, ready, hparams, tuple(factors))
+                self.device.update_summed(b, params, ready, hparams, factors)
                 continue
             if self.device.will_own(b):  # its first update, once the plan is active ([Note: the first step's
                 # host memory] in warmup.py)
-                self.device.postpone(Postponed(b, params, ready, hparams, tuple(factors), None))
+                self.device.postpone(Postponed(b, params, ready, hparams, factors, None))
                 continue
-            self._submit_update(b, params, ready, hparams, tuple(factors))
+            self._submit_update(b, params, ready, hparams, factors)
         return False
 
     def check_can_clip(self) -> None:
