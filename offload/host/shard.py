@@ -41,7 +41,8 @@ from ..planning.buckets import HOST_ALIGN, Bucket, ParamSpec, locate
 from .arena import HostArena
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step_unchecked
 from .node_copy import NodeCopy, node_copy_layout
-from .state import HOST_RAM_HEADROOM, HostState, Landing
+from .grad_ring import Landing
+from .state import HOST_RAM_HEADROOM, HostState
 from .steps import step_tensors
 
 SHARD_ALIGN = 16  # elements: every shard starts 64-byte aligned in fp32 (the SIMD loads of the CPU AdamW)

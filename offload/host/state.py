@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import psutil
 import torch
@@ -14,9 +14,10 @@ import torch
 from ..config import format_bytes
 from ..errors import HostMemoryError, InvariantError, KernelUnavailableError
 from ..optim import adamw_
-from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, HOST_ALIGN, Bucket, HostLayout, ParamSpec,
+from ..planning.buckets import (GRAD_RING_CHUNK_BYTES, GRAD_RING_SLOTS, Bucket, HostLayout, ParamSpec,
                                 chunk_numel, grad_ring_chunk_bytes, host_layout, locate)
 from .arena import HostArena
+from .grad_ring import GradRing, Landing, Lent
 from .cpu_adam import KERNEL_AVAILABLE, adamw_step_at
 from .steps import count_all, count_run, step_tensors
 
@@ -25,64 +26,6 @@ if TYPE_CHECKING:
 
 _COUNT_LOCK = threading.Lock()
 HOST_RAM_HEADROOM = 1.05  # leave 5 % of available RAM to everything else when sizing the host arena
-
-
-class Landing(NamedTuple):
-    """Where one device-to-host grad copy goes (:meth:`HostState.landing`)."""
-
-    view: torch.Tensor  # the bucket's trainable prefix, in the device dtype (or the fp32 sum itself)
-    lent: Lent | None  # the bytes of the grad ring it borrows (hand them back with HostState.staged_read_by)
-    after: tuple[Event, ...]  # the copy may overwrite ``view`` only after these: those bytes' previous readers
-
-
-class Lent:
-    """Bytes ``[start, end)`` of the grad ring and the CPU-lane work that reads the grads they hold (None while
-    the runtime has not named it yet)."""
-
-    __slots__ = ("start", "end", "reader")
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start, self.end = start, end
-        self.reader: Event | None = None
-
-
-class GradRing:
-    """[Note: grad staging ring] in ``buckets.py``: bucket after bucket in one byte region, starting again at
-    the beginning when a bucket does not fit before the end; each piece is lent to one copy, and the copy that
-    next covers any of its bytes waits for its reader. Holds events but never waits: the runtime puts them
-    among the copy's waits."""
-
-    def __init__(self, region: torch.Tensor, dtype: torch.dtype) -> None:
-        self.region, self.dtype = region, dtype  # region: uint8
-        self.head = 0
-        self.live: list[Lent] = []  # pieces whose bytes no later piece has covered yet
-        # typed views by (start, end): a steady step takes the same pieces every time (a view costs ~5 us)
-        self._views: dict[tuple[int, int], torch.Tensor] = {}
-
-    def take(self, numel: int) -> tuple[Lent, torch.Tensor, tuple[Event, ...]]:
-        size, capacity = numel * self.dtype.itemsize, self.region.numel()
-        if size > capacity:
-            raise InvariantError(f"a grad copy of {size} bytes does not fit the host's grad staging ring of "
-                                 f"{capacity} bytes (sized by the largest pieces): a bug in offload, please report it")
-        start = self.head if self.head + size <= capacity else 0
-        end = start + size
-        covered = [x for x in self.live if x.start < end and start < x.end]
-        if any(x.reader is None for x in covered):  # nothing would keep this copy off grads not read yet
-            raise InvariantError("host grad staging bytes are lent out again before the reader of the grads they "
-                                 "hold was recorded: a bug in offload, please report it")
-        self.live = [x for x in self.live if x not in covered] + [piece := Lent(start, end)]
-        self.head = -(-end // HOST_ALIGN) * HOST_ALIGN
-        view = self._views.get((start, end))
-        if view is None:
-            if len(self._views) >= 256:  # pieces that keep moving (sizes that change): no unbounded cache
-                self._views.clear()
-            view = self._views[(start, end)] = self.region[start:end].view(self.dtype)
-        return piece, view, tuple(x.reader for x in covered if x.reader is not None)
-
-    def reset(self) -> None:
-        """Every copy and reader is done (the runtime drained and synchronized): forget them."""
-        self.head = 0
-        self.live = []
 
 
 class HostState:
@@ -108,7 +51,6 @@ class HostState:
         # before any update; the kernel checks each bucket again, so an inf that slipped past it could
         # never reach the weights.
         self.check_finite = lowp_dtype == torch.float16
-        lowp_itemsize = lowp_dtype.itemsize if lowp_dtype is not None else 0
         if ring_slots is None:
             ring_slots = GRAD_RING_SLOTS
         if ring_slots < 1:

@@ -81,7 +81,7 @@ from .grad_records import PendingGrads
 
 if TYPE_CHECKING:
     from ..backend.base import Event
-    from ..host.state import GradRing, Lent
+    from ..host.grad_ring import GradRing, Lent
     from ..planning.plan import Plan
     from .fast_path import Closing
     from .grads import GradPipeline

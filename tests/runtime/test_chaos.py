@@ -195,7 +195,8 @@ def test_chaos_catches_a_grad_copy_that_does_not_wait_for_its_ring_slot(monkeypa
     """Take the wait on the ring slot's previous reader out (HostState.landing forgets it): with one slot and
     chaos on, a copy overwrites grads the CPU AdamW has not read yet, and the numbers change."""
     import offload.host.state
-    from offload.host.state import HostState, Landing
+    from offload.host.grad_ring import Landing
+    from offload.host.state import HostState
 
     landing = HostState.landing
 
