@@ -83,7 +83,7 @@ def simulate_runtime_deferred(program: Program, hw: HardwareModel, cluster: Clus
         ended = lanes.average(compute_end) if synced else compute_end  # where the backward call returns
         start = max(ended, lanes.d2h_free)  # the next forward waits for this backward's grad copies
     step = lanes.step(compute_end, ended)
-    k, many = micro_batches, cluster.world > 1
+    k = micro_batches
     d2h = k * sum(program.d2h_bytes)
     sim = lanes.result(step, add_up(program.compute_s) * k, lanes.h2d_total, d2h)
     return RuntimePathResult(

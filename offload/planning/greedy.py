@@ -21,7 +21,8 @@ from .intervals import double_buffered_ends, latest_ended
 from .hw import HardwareModel
 from .layout import arena_of
 from .plan import BufferKind, align
-from .simulate import STEP_START, FlatWaits, LaneResult, Program, SimResult, simulate, simulate_arrays
+from .flat_waits import FlatWaits
+from .simulate import STEP_START, LaneResult, Program, SimResult, simulate, simulate_arrays
 from .trace import Trace
 
 try:

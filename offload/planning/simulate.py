@@ -26,14 +26,13 @@ the device, so on a GPU a copy may start earlier: the simulator is conservative 
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
-import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
+from .flat_waits import flat_waits
 from .hw import HardwareModel
 
 try:
@@ -42,46 +41,6 @@ except ImportError:  # a source tree without the built extension: the Python ref
     _C = None  # type: ignore[assignment]  # mypy types _C by its stub (offload/_C.pyi)
 
 STEP_START = -1  # Copy.event of a copy issued before event 0 (a resident bucket's refresh)
-
-
-class FlatWaits(collections.abc.Sequence):
-    """Per-event waits kept as two flat lists (what the scheduler builds and the C++ lanes read): event
-    ``i`` waits for ``copies[ptr[i]:ptr[i + 1]]``. A read-only sequence of tuples, equal (and hashing
-    equal) to the tuple of tuples it stands for, without building 40,000 tuples per simulated point."""
-
-    __slots__ = ("ptr", "copies")
-
-    def __init__(self, ptr: list[int], copies: list[int]):
-        self.ptr, self.copies = ptr, copies
-
-    def __len__(self) -> int:
-        return len(self.ptr) - 1
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self)[i]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return tuple(self.copies[self.ptr[i]:self.ptr[i + 1]])
-
-    def __iter__(self):
-        c, p = self.copies, self.ptr
-        return (tuple(c[p[i]:p[i + 1]]) for i in range(len(p) - 1))
-
-    def __eq__(self, other):
-        if isinstance(other, FlatWaits):
-            return self.ptr == other.ptr and self.copies == other.copies
-        if isinstance(other, collections.abc.Sequence):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
 
 
 @dataclass(frozen=True)
@@ -272,15 +231,6 @@ def simulate(program: Program, hw: HardwareModel) -> SimResult:
     if isinstance(out, LaneResult):
         return out.with_device_adam(tail, device_adam, back_s, back_bytes).result()
     return out
-
-
-def flat_waits(waits: Sequence[tuple[int, ...]]) -> tuple[list[int], list[int]]:
-    """Per-event waits as (ptr, copies) (:class:`FlatWaits`' fields); ([], []) for none at all (``()``)."""
-    if isinstance(waits, FlatWaits):
-        return waits.ptr, waits.copies
-    if not len(waits):
-        return [], []
-    return list(itertools.accumulate(map(len, waits), initial=0)), list(itertools.chain.from_iterable(waits))
 
 
 def simulate_arrays(compute_s, h2d_event, h2d_solo, wait_ptr, wait_copy, d2h_event, d2h_solo, adam_s,

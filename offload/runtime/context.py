@@ -5,7 +5,6 @@ accounting, counters, the CPU lane, the phases). Components own everything else 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Sequence
 

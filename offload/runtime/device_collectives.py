@@ -262,7 +262,7 @@ class WeightGather:
     def gather(self, host: ShardedHostState, b: int) -> Event:
         """On the CPU lane, the shard's update done: issue the copy in, the all-gather and the copy out of
         bucket ``b``; return the copy out's event."""
-        s, n, copy = host.shards[b], host.buckets[b].trainable_numel, host.source(b)  # the whole host copy
+        s, copy = host.shards[b], host.source(b)  # the whole host copy
         k, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
         buf = self.buffers[k][: s.size * self.world * self.dtype.itemsize].view(self.dtype)
         mine = buf[self.rank * s.size: (self.rank + 1) * s.size]

@@ -89,7 +89,6 @@ clear), ``check_usable`` on the main thread waits for its error instead of raisi
 from __future__ import annotations
 
 import contextlib
-import datetime
 import threading
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence

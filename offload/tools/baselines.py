@@ -37,7 +37,8 @@ from ..planning.intervals import grad_arrays, grad_intervals, grad_issue, grad_s
 from ..planning.placement import state_nbytes
 from ..planning.plan import ARENA_ALIGN, align
 from ..planning.schedule import build_plan
-from ..planning.simulate import STEP_START, FlatWaits, Program, SimResult, simulate
+from ..planning.flat_waits import FlatWaits
+from ..planning.simulate import STEP_START, Program, SimResult, simulate
 from ..planning.trace import Trace
 
 ZERO3_PREFETCH_NUMEL = 50_000_000  # stage3_prefetch_bucket_size default

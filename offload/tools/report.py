@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from ..errors import BudgetTooSmallError, InvariantError, ReportError
 from ..host.state import HOST_RAM_HEADROOM

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from offload.planning import simulate as simulate_module
 from offload.planning.hw import PRESETS, latency_curve, load_hw
+from offload.planning.flat_waits import FlatWaits
 from offload.planning.simulate import (
     STEP_START,
-    FlatWaits,
     Program,
     physical_bound,
     simulate,
