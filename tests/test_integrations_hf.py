@@ -275,7 +275,7 @@ def test_refuses_another_optimizer_and_needs_a_budget(tmp_path):
 @pytest.mark.slow
 def test_example_hf_trainer(tmp_path, capsys):
     """examples/hf_trainer.py: trains, evaluates, checkpoints, writes its timeline, stays within its budget."""
-    import hf_trainer  # examples/ is on sys.path (conftest.py)
+    import hf_trainer  # examples/ is on sys.path (pyproject's pytest `pythonpath`)
 
     status = hf_trainer.main(["--steps", "6", "--eval-every", "3", "--output-dir", str(tmp_path / "out"),
                               "--timeline", str(tmp_path / "step.json"), "--device", "cpu"])

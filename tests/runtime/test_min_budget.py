@@ -9,7 +9,7 @@ own minimum (exact).
 
 import pytest
 import torch
-from gpt import GPT, GPTConfig  # examples/gpt.py (conftest.py puts examples/ on sys.path)
+from gpt import GPT, GPTConfig  # examples/gpt.py (examples/ is on sys.path: pyproject's pytest `pythonpath`)
 from torch import nn
 
 import offload

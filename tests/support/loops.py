@@ -1,4 +1,4 @@
-"""Training loops several test files share (helpers, not tests; conftest.py puts tests/ on sys.path):
+"""Training loops several test files share (helpers, not tests; imported as `tests.support.loops`):
 
 * `train_streamed`: a test model (tests/support/models.py) trained by an engine with buckets streaming, with the
   training features as options (16-bit compute, gradient accumulation, clipping, chaos);

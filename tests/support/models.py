@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from gpt import (  # examples/gpt.py (conftest.py puts examples/ on sys.path)
+from gpt import (  # examples/gpt.py (examples/ is on sys.path: pyproject's pytest `pythonpath`)
     GPT,
     GPTConfig,
 )
