@@ -300,7 +300,8 @@ class Checkpointer:
             next(gen)
         except StopIteration:
             return None
-        raise RuntimeError("the checkpoint generator did not finish with its forward")
+        raise InvariantError("torch.utils.checkpoint's context generator did not finish with the checkpointed "
+                             "forward: a bug in offload (or a torch it does not know), please report it")
 
     def _contexts(self, rt: RecomputeCallbacks, region: int, index: int) -> tuple[_AboveCheckpoint, _RecomputeScope]:
         forward = _AboveCheckpoint(lambda x: rt.region_saved(index, region, x), rt.recomputed_unpacked)
