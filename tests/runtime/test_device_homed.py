@@ -12,7 +12,7 @@ import torch
 
 import offload.host.state
 import offload.planning.trace
-import offload.runtime.executor
+import offload.runtime.plan_builder
 from offload.planning.buckets import GRAD_RING_SLOTS, host_layout
 from offload.runtime.device_optim import read_after_update
 from tests.runtime.test_device_optimizer import (MIXED_BF16, _SteadyClock, assert_optimizer_state_bitwise, reference,
@@ -100,12 +100,12 @@ def test_a_replan_that_changes_placement_rehomes_the_host_arena_bit_for_bit(back
     larger arena) and back (a smaller one), bit for bit; on the simulated GPU the pinned range follows."""
     made = simulated_gpu() if backend == "simulated-gpu" else []
     device_optimizer = [True]
-    real = offload.runtime.executor.build_plan
+    real = offload.runtime.plan_builder.build_plan
 
     def build(*args, **kwargs):
         return real(*args, **(kwargs | {"device_optimizer": device_optimizer[0]}))
 
-    monkeypatch.setattr(offload.runtime.executor, "build_plan", build)
+    monkeypatch.setattr(offload.runtime.plan_builder, "build_plan", build)
     case = CASES["gpt"]()
     ref, ref_opt = reference(case.model)
     engine, opt = wrap(case.model)
