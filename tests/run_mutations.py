@@ -415,11 +415,11 @@ MUTATIONS = [
      ["tests/runtime/test_compute_timing.py::test_waiting_for_the_cpu_lane_is_not_compute"]),
     ("R60", "a step of two training forwards verifies its plan for fast steps (whose backward interleaves the two "
      "graphs otherwise: depart, re-plan, again)", "offload/runtime/core.py",
-     "                if self._forwards == 1:  # [Note: one forward per fast step]",
-     "                if True:  # [Note: one forward per fast step]", ["tests/runtime/test_two_forwards.py"]),
+     "                if self.passes.forwards == 1:  # [Note: one forward per fast step] (step_passes.py)",
+     "                if True:  # [Note: one forward per fast step] (step_passes.py)", ["tests/runtime/test_two_forwards.py"]),
     ("R61", "a model with blocks measured for checkpointing (none checkpointed) counts as checkpointed at the end of "
      "a first backward pass (every two-pass step departs)", "offload/runtime/core.py",
-     "not self.grads.received and not self.recompute.ckpt.active", "not self.grads.received and not self.recompute.ckpt.block_of",
+     "self.fast.on, bool(self.recompute.ckpt.active)):", "self.fast.on, bool(self.recompute.ckpt.block_of)):",
      ["tests/runtime/test_penalty_passes.py::test_two_pass_steps_of_a_model_with_blocks_stay_on_their_plan"]),
     ("R62", "a plan's arena is laid out while buckets fetched on demand still hold their own slots (the slot index "
      "breaks; over the budget)", "offload/runtime/executor.py",
