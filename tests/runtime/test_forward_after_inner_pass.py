@@ -158,3 +158,28 @@ def test_adversarial_training_steps_settle_on_one_plan_bit_for_bit(budget, overl
             assert stats["device_peak_bytes"] <= stats["budget_bytes"], stats
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("budget", [10.0, 0.6], ids=["resident", "streamed"])
+def test_adversarial_training_in_bfloat16_settles_on_one_plan(budget):
+    """bfloat16 compute with fp32 masters: the plan settles the same way; losses near torch autocast's (the input's
+    gradient in 16 bits may flip a sign of the adversarial step, so not bit for bit)."""
+    model, ref = _mlp(3, 8, 4), _mlp(3, 8, 4)
+    engine, opt = wrap_on_cpu(model, budget, dtype=torch.bfloat16)
+    ref_opt = _torch_opt(ref)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for i in range(7):
+                loss = _fgsm_step(model, opt, i, clean=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    ref_loss = _fgsm_step(ref, ref_opt, i, clean=True)
+                assert abs(loss - ref_loss) < 0.05, (i, loss, ref_loss)
+                if i == 3:
+                    at = _counters(engine)
+        _settled(engine, at)
+        stats = engine.memory_stats()
+        assert (stats["plan"]["streamed_buckets"] > 0) == (budget < 2), stats["plan"]
+        assert stats["device_peak_bytes"] <= stats["budget_bytes"], stats
+    finally:
+        engine.close()
