@@ -21,12 +21,14 @@ example made from its sign, then a forward of it and the backward). Each forward
 saw the inner pass and such steps departed every time (session 25: 17 departures and 11 re-plans in 6 WGAN-GP
 steps). Now a training forward that comes while the step is between passes (``Between.PASSES``: a pass that
 gathered no grad ended, no grad was received since the step began, and neither ``step()`` nor ``zero_grad()``
-ran since) continues the step: its record and its plan position go on (``continues``). A pass ends between
-passes where it ends on the plan and the plan goes on with another pass (above) or with a forward
-(``forward_planned_next``), or where the step runs off plan (the first, traced step, or one that departed), so
-that its record holds the whole step and the plan made from it does. Off plan a step takes at most
-``MAX_FORWARDS`` forwards so (a loop of forwards and ``autograd.grad`` that never trains, a saliency map say,
-would grow one record for good): the pass after the last ends the step, as every pass did before.
+ran since) continues the step: its record and its plan position go on (``continues``), and so do the step's
+later training forwards before its next pass (``Between.CONTINUED``: a fresh clean forward beside the adversarial
+one; before this, each of them began a step, as two forwards without an inner pass still do: [Note: one forward per
+fast step]). A pass ends between passes where it ends on the plan and the plan goes on with another pass
+(above) or with a forward (``forward_planned_next``), or where the step runs off plan (the first, traced step,
+or one that departed), so that its record holds the whole step and the plan made from it does. Off plan a step
+takes at most ``MAX_FORWARDS`` forwards so (a loop of forwards and ``autograd.grad`` that never trains, a saliency
+map say, would grow one record for good): the pass after the last ends the step, as every pass did before.
 
 The record's forward/backward split (``Trace.num_forward``, which the planner reads as one split) is the end of
 the step's last forward: the inner pass's reads and the forwards after it count as forward (the planner's forward
@@ -44,7 +46,8 @@ the plan, neither a departure nor a record to plan from. Kept as before: a no-gr
 with data parallel (not tested across ranks) and activation checkpointing a forward after an inner pass begins a
 step (it departs where the plan expected another pass), and a fast step ends at its first pass. Not covered: the
 critic's grads gathered in the generator's step (not frozen, dropped by its next ``zero_grad``) make a step of
-another shape than the critic's, which departs from the critic's plan every time; a forward after an inner pass
+another shape than the critic's, which departs from the critic's plan every time (the test's loop unfrozen: 6
+departures and 5 re-plans in 6 iterations, 17 and 11 before; bit for bit torch); a forward after an inner pass
 on data parallel, under activation checkpointing or after ``MAX_FORWARDS`` forwards departs as before.
 Tests: tests/runtime/test_forward_after_inner_pass.py, test_penalty_passes.py.
 

@@ -183,3 +183,32 @@ def test_adversarial_training_in_bfloat16_settles_on_one_plan(budget):
         assert stats["device_peak_bytes"] <= stats["budget_bytes"], stats
     finally:
         engine.close()
+
+
+def test_input_gradients_alone_keep_one_record_bounded_then_training_is_torchs():
+    """Forwards and ``autograd.grad`` of the input only (a saliency map), never a step: each pass continues the step
+    off plan up to ``MAX_FORWARDS`` forwards, then the step ends, so the record stays bounded; the input gradients are
+    torch's, and adversarial training after them is torch's bit for bit."""
+    from offload.runtime.step_passes import MAX_FORWARDS
+
+    model, ref = _mlp(3, 8, 4), _mlp(3, 8, 4)
+    engine, opt = wrap_on_cpu(model, 1.0)
+    ref_opt = _torch_opt(ref)
+    try:
+        events = []
+        for i in range(3 * MAX_FORWARDS):
+            grads = []
+            for m in (model, ref):
+                x = _randn(i, 16, 8).requires_grad_(True)
+                grads.append(torch.autograd.grad(m(x).square().sum(), x)[0])
+            assert torch.equal(*grads), i
+            events.append(len(engine._runtime.executor.recorder.events))
+        assert max(events) <= MAX_FORWARDS * max(events[:1]), events  # one forward and pass: events[0]
+        assert min(events[MAX_FORWARDS:]) < max(events), events  # it ended and began again
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for i in range(4):
+                assert _fgsm_step(model, opt, i, True) == _fgsm_step(ref, ref_opt, i, True), i
+        assert_bitwise(engine.state_dict()["model"], ref.state_dict(), "after input gradients")
+    finally:
+        engine.close()
