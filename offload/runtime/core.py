@@ -351,6 +351,7 @@ class Runtime:
         grad_enabled = torch.is_grad_enabled()
         if self.passes.continues(grad_enabled):  # [Note: a forward after an inner pass] (step_passes.py)
             self.passes.forward_continues(executor)
+            self.access.new_node()  # the pass's last node is over: its buckets may go, freed graph copies too
             ctx.phases.enter(Pass.FORWARD)
             self._enter_contexts(fast)
             return
