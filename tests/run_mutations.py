@@ -415,11 +415,11 @@ MUTATIONS = [
      ["tests/runtime/test_compute_timing.py::test_waiting_for_the_cpu_lane_is_not_compute"]),
     ("R60", "a step of two training forwards verifies its plan for fast steps (whose backward interleaves the two "
      "graphs otherwise: depart, re-plan, again)", "offload/runtime/core.py",
-     "                if self._forwards == 1:  # [Note: one forward per fast step]",
-     "                if True:  # [Note: one forward per fast step]", ["tests/runtime/test_two_forwards.py"]),
+     "                if self.passes.forwards == 1:  # [Note: one forward per fast step] (step_passes.py)",
+     "                if True:  # [Note: one forward per fast step] (step_passes.py)", ["tests/runtime/test_two_forwards.py"]),
     ("R61", "a model with blocks measured for checkpointing (none checkpointed) counts as checkpointed at the end of "
      "a first backward pass (every two-pass step departs)", "offload/runtime/core.py",
-     "not self.grads.received and not self.recompute.ckpt.active", "not self.grads.received and not self.recompute.ckpt.block_of",
+     "self.fast.on, bool(self.recompute.ckpt.active)):", "self.fast.on, bool(self.recompute.ckpt.block_of)):",
      ["tests/runtime/test_penalty_passes.py::test_two_pass_steps_of_a_model_with_blocks_stay_on_their_plan"]),
     ("R62", "a plan's arena is laid out while buckets fetched on demand still hold their own slots (the slot index "
      "breaks; over the budget)", "offload/runtime/executor.py",
@@ -486,6 +486,27 @@ MUTATIONS = [
      "offload/runtime/unforeseen_reads.py",
      "            self.wider = trace  # both kinds of pass come: plan from the one that reads more", "            pass",
      ["tests/runtime/test_unforeseen_reads.py::test_the_record_to_plan_from_is_the_one_that_reads_more_only_once_both_kinds_of_pass_come"]),
+    # [Note: a forward after an inner pass] (step_passes.py): WGAN-GP's critic and FGSM steps hold one plan
+    ("R97", "a training forward after an inner autograd pass begins a step (as before issue 17's change: every such "
+     "step departs)", "offload/runtime/step_passes.py",
+     "        return self.state in (Between.PASSES, Between.CONTINUED) and grad_enabled and self.ctx.dp is None",
+     "        return False",
+     ["tests/runtime/test_forward_after_inner_pass.py::test_adversarial_training_steps_settle_on_one_plan_bit_for_bit[resident-overlap-adversarial]"]),
+    ("R98", "an inner pass that ends off plan ends its step (the first step's record stops there: the plan never "
+     "sees the forward after it)", "offload/runtime/step_passes.py",
+     "            and (forward_planned_next(executor) or not executor.on_plan))",
+     "            and forward_planned_next(executor))",
+     ["tests/runtime/test_forward_after_inner_pass.py::test_adversarial_training_steps_settle_on_one_plan_bit_for_bit[streamed-deferred-adversarial]"]),
+    ("R99", "step() and zero_grad() do not end a step between its passes (the next step's forward continues it)",
+     "offload/runtime/step_passes.py",
+     "        if self.state in (Between.PASSES, Between.CONTINUED):\n            self.state = Between.ENDED",
+     "        if False:\n            self.state = Between.ENDED",
+     ["tests/runtime/test_forward_after_inner_pass.py::test_wgan_gp_critic_and_generator_settle_on_their_plans_bit_for_bit[resident-overlap]"]),
+    ("R100", "a backward pass that begins before its plan's last forward departs (an inner pass the plan has too)",
+     "offload/runtime/step_passes.py",
+     "    return pos == nf or (pos < nf and plan.trace.events[pos].kind in (EventKind.UNPACK, EventKind.GRAD))",
+     "    return pos == nf",
+     ["tests/runtime/test_forward_after_inner_pass.py::test_wgan_gp_critic_and_generator_settle_on_their_plans_bit_for_bit[streamed-deferred]"]),
     ("R67", "a checkpointed BatchNorm's running statistics are not noted as updated by its forward (its kernel moves "
      "no version counter): the recompute updates them again, silently", "offload/runtime/recompute.py",
      "    return [(m._buffers, name, t, -1 if name in _RUNNING and m.training and isinstance(m, _NormBase) else t._version)",

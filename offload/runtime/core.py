@@ -50,6 +50,7 @@ from .recompute_hooks import RecomputeCoordinator
 from .residency import ParamRef
 from .saved_hooks import UnderUserHooks, check_enabled, engine_hook, user_hooks
 from .slots import SlotTable
+from .step_passes import StepPasses, pass_planned_here
 from .warmup import TracedWarmup
 from .weights import Weights
 
@@ -91,8 +92,7 @@ class Runtime:
         self._module_handles: list[RemovableHandle] = []  # hooks of the modules below the root (the fast path)
         self._module_hooks: list[tuple[nn.Module, Any, Any]] = []  # (module, pre hook, post hook), fixed at wrap
         self._contexts: list[Any] = []  # entered at the start of a forward, exited at its end
-        self._between_passes = False  # [Note: a backward pass inside a step]
-        self._forwards = 0  # training forwards since the last backward ended ([Note: one forward per fast step])
+        self.passes = StepPasses(ctx)  # [Note: a backward pass inside a step] (step_passes.py)
         self.saving = 0  # module.state_dict() calls under way (idle_params.py: parameters pass through)
         self._reset_step()
         self._register_hooks()
@@ -172,7 +172,8 @@ class Runtime:
                 return
             if module is not None:
                 faults.check_backward_finished(self, None)  # before deciding: cleaning up drops the fast path
-            if module is not None and self.fast.wants(module, args, kwargs or {}):
+            if (module is not None and not self.passes.continues(torch.is_grad_enabled())
+                    and self.fast.wants(module, args, kwargs or {})):
                 self._begin_forward(index, fast=True)  # [Note: the fast path]
                 executor.recorder.pre(index)
                 return
@@ -343,15 +344,18 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         if not fast:
             check_enabled()  # issue 19: under disable_saved_tensors_hooks, refused before anything changes
-        self._forwards += torch.is_grad_enabled()
         ctx.backend.begin_forward()  # CUDA: binds to (or checks) the current stream
         faults.check_backward_finished(self, None)  # cleans up after a plain loss.backward() that raised
         self.saving = 0  # a state_dict() that raised half-way
         self.guard.check()  # replaced, added or reassigned parameters: a clear error, not garbage
         grad_enabled = torch.is_grad_enabled()
-        if self._between_passes:  # the plan's next backward pass did not come: it departed, as it did before
-            self._between_passes = False  # ([Note: a backward pass inside a step])
-            executor.leave(Where(reason="at a forward where its plan expected another backward pass"))
+        if self.passes.continues(grad_enabled):  # [Note: a forward after an inner pass] (step_passes.py)
+            self.passes.forward_continues(executor)
+            self.access.new_node()  # the pass's last node is over: its buckets may go, freed graph copies too
+            ctx.phases.enter(Pass.FORWARD)
+            self._enter_contexts(fast)
+            return
+        self.passes.step_begins(executor, grad_enabled)  # [Note: a backward pass inside a step]
         if ctx.phases.in_backward or executor.pos:
             # The previous forward was not followed by a (completed) backward: start over cleanly.
             executor.release_all()
@@ -363,6 +367,11 @@ class Runtime:
         ctx.phases.enter(Pass.FORWARD)
         self.grads.wait_for_copies()
         self.slots.mark_boundary()
+        self._enter_contexts(fast)
+
+    def _enter_contexts(self, fast: bool) -> None:
+        """What a forward runs under: autocast, and off the fast path the use detector and saved-tensor hooks."""
+        ctx = self.ctx
         hooks: tuple[Any, Any] = (self._pack, self._unpack)
         if not fast:  # issue 19: a user's saved-tensor hooks around the call ([Note: a user's saved-tensor hooks])
             below = user_hooks()
@@ -410,6 +419,7 @@ class Runtime:
             self.warmup.abort()
             executor.release_all()
             self._reset_step()
+            self.passes.forward_aborted()
         return found
 
     def _begin_backward(self) -> None:
@@ -420,9 +430,8 @@ class Runtime:
         phases.enter(Pass.BACKWARD)
         self.ctx.memory.backward_begins(self.ctx.backend.allocated_bytes())  # [Note: transients]
         executor = self.executor
-        between, self._between_passes = self._between_passes, False
-        if (not self.fast.on and executor.on_plan and executor.plan is not None
-                and executor.pos != executor.plan.trace.num_forward and not between):
+        between = self.passes.backward_begins()
+        if not self.fast.on and executor.on_plan and not between and not pass_planned_here(executor):
             executor.leave(Where(reason="at a backward that began before its plan's forward had ended"))
         Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -430,26 +439,11 @@ class Runtime:
     def _end_backward(self) -> None:
         """Queued on the autograd engine: runs once the whole backward has finished, on the stream current
         where backward was called; the runtime's kernels in it go on the engine's compute stream all the same.
-
-        [Note: a backward pass inside a step] A gradient penalty runs two backward passes per step:
-        ``torch.autograd.grad(out, x, create_graph=True)``, which accumulates nothing, then the loss's backward.
-        The plan is built from a record of both (a step's record ends with its last pass), so the end of the
-        first is not the end of the step: where a pass that gathered no grad ends on the plan and the plan's
-        next event is another pass's (an unpack or a grad), the step stays where it is on the plan for the next
-        pass. Before, that end left the plan, and every such step departed and was planned again. Not with
-        activation checkpointing (its recompute regions end with each pass) nor on a fast step (its first pass
-        reaches no hook at all). A forward that comes instead of the planned pass departs then. "Checkpointing"
-        is blocks checkpointed now (``ckpt.active``), not blocks measured for it (``ckpt.block_of``, found in
-        most models with repeated blocks): until session 24 the latter kept every such model's two-pass steps
-        departing. Not covered: a second forward after the first pass (an adversarial example made from the
-        input's gradient, then trained on): each forward begins a step, so the plan never sees the first pass,
-        and such steps depart each time (bit for bit torch still)."""
+        A pass inside its step ends here at once ([Note: a backward pass inside a step] in step_passes.py)."""
         ctx, executor = self.ctx, self.executor
-        if (not self.fast.on and not self.grads.received and not self.recompute.ckpt.active
-                and executor.inner_pass_ends()):
+        if self.passes.pass_ends(executor, bool(self.grads.received), self.fast.on, bool(self.recompute.ckpt.active)):
             self.grads.backward_done()
             ctx.phases.enter(Pass.IDLE)
-            self._between_passes = True
             return
         memory = ctx.memory
         with ctx.backend.compute(), torch.no_grad():
@@ -470,7 +464,7 @@ class Runtime:
                 executor.record_step(memory.activation_peak)
                 self.recompute.measure(executor.recorder, memory.activation_peak)
                 self.warmup.check_first_plan()  # issue 18: may refuse ([Note: refusing the first step whole])
-                if self._forwards == 1:  # [Note: one forward per fast step]
+                if self.passes.forwards == 1:  # [Note: one forward per fast step] (step_passes.py)
                     self.fast.verify()
                 executor.release_all()
             self.slots.reclaim()
@@ -479,24 +473,13 @@ class Runtime:
         self.grads.backward_done()
         ctx.phases.enter(Pass.IDLE)
         executor.rewind()
-        self._forwards = 0
-
-    # [Note: one forward per fast step]
-    # Each forward of the root begins a step (Runtime._begin_forward): with two training forwards before one
-    # backward (loss = f(a) + f(b): siamese, contrastive, chosen/rejected pairs), the step's record holds the
-    # second forward and a backward through both graphs, whose nodes autograd interleaves by their sequence
-    # numbers. A full step adds nodes of its own (the module hooks'); a fast step (the fast path, fast_path.py)
-    # adds none, so its backward's order is not the record's: an all-resident plan ran fast, departed, was planned
-    # again from the departed step, departed again (session 24: 4 departures and re-plans in 8 steps, every
-    # third step on plan; bit for bit torch throughout). So only a step of one training forward verifies its plan
-    # for fast steps; such models run the full path, on their plan.
+        self.passes.reset()
 
     def abort_backward(self) -> BackwardDiscard | None:
         """The backward raised (see [Note: what a fault discards] in faults.py); None if it never reached
         the engine (nothing was gathered: only what the forward streamed in is let go of)."""
         executor = self.executor
-        self._between_passes = False
-        self._forwards = 0
+        self.passes.reset()
         with torch.no_grad():
             for q in self.fast.waiting():  # left in p.grad for their bucket's last grad: they had arrived
                 self.grads.received.setdefault(self.slots.bucket_of[q], set()).add(q)
@@ -527,6 +510,7 @@ class Runtime:
         ctx, executor = self.ctx, self.executor
         with ctx.backend.compute():  # called outside the user's `with torch.cuda.stream(s)`, perhaps
             faults.check_backward_finished(self, "optimizer.step()")
+            self.passes.step_ran()  # a step between its passes ends ([Note: a forward after an inner pass])
             # issue 19: user edits of p.grad honoured, p.grad taken back; before the check, so that a raise
             # here (overlap: p.grad dropped after the update ran) leaves the backward counted for a retry
             self.grads.exposure.before_step()
@@ -556,6 +540,7 @@ class Runtime:
     @idle_params.engine_code
     def zero_grad(self, set_to_none: bool = True) -> None:
         faults.check_backward_finished(self, "zero_grad()")
+        self.passes.step_ran()
         self.grads.zero_grad(set_to_none)
 
     def wait_for_updates(self) -> None:

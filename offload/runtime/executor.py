@@ -273,7 +273,7 @@ class PlanExecutor:
 
     def inner_pass_ends(self) -> bool:
         """A backward pass ends on the plan and the plan goes on with another backward pass of the same step
-        ([Note: a backward pass inside a step] in core.py): the next planned event is an unpack or a grad."""
+        ([Note: a backward pass inside a step] in step_passes.py): the next planned event is an unpack or a grad."""
         plan = self.plan
         if not self.on_plan or plan is None:
             return False

@@ -1,4 +1,4 @@
-"""Two backward passes in one step ([Note: a backward pass inside a step] in offload/runtime/core.py): a gradient
+"""Two backward passes in one step ([Note: a backward pass inside a step] in offload/runtime/step_passes.py): a gradient
 penalty runs ``torch.autograd.grad(out, x, create_graph=True)`` (it accumulates nothing), then the loss's
 backward. The plan is built from a record of both passes, so the first pass's end is not the step's: the step
 stays on its plan. Before, that end left the plan: every penalty step departed, was planned again and fetched

@@ -1,5 +1,5 @@
 """Two training forwards before one backward (``loss = f(a) + f(b)``: siamese and contrastive models, chosen and
-rejected pairs): [Note: one forward per fast step] in offload/runtime/core.py. Bit for bit plain torch +
+rejected pairs): [Note: one forward per fast step] in offload/runtime/step_passes.py. Bit for bit plain torch +
 ``torch.optim.AdamW``, and the plan holds: no step departs from it and none is planned again."""
 
 import warnings
