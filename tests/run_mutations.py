@@ -482,6 +482,12 @@ MUTATIONS = [
      "        again = read_more and self._departed_more is not None and trace.events == self._departed_more.events",
      "        again = read_more",
      ["tests/runtime/test_unforeseen_reads.py::test_the_record_to_plan_from_is_the_one_that_reads_more_only_once_both_kinds_of_pass_come"]),
+    ("R101", "the pass a read-more departure left coming again after it is planned from its own record (a third "
+     "departure)", "offload/runtime/unforeseen_reads.py",
+     "        if (read_less is not None and read_less is more and self._departed_from is not None",
+     "        if (False and read_less is not None and read_less is more and self._departed_from is not None",
+     ["tests/runtime/test_unforeseen_reads.py::"
+      "test_the_pass_before_a_read_more_departure_coming_again_settles_on_the_wider_record_at_once"]),
     ("R95", "a record that reads more is never kept to plan from",
      "offload/runtime/unforeseen_reads.py",
      "            self.wider = trace  # both kinds of pass come: plan from the one that reads more", "            pass",

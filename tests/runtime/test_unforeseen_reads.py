@@ -199,3 +199,32 @@ def test_the_record_to_plan_from_is_the_one_that_reads_more_only_once_both_kinds
     assert both.plan_from(narrow) is narrow
     assert both.plan_from(again) is again and both.wider is again  # it came again right after: both kinds come
     assert both.plan_from(narrow) is again
+
+
+def test_the_pass_before_a_read_more_departure_coming_again_settles_on_the_wider_record_at_once():
+    """A plan made from the pass without the read (``narrow``); the pass with it departs at a read of a bucket not
+    on the device (a streamed plan) and is planned from; the pass without it then departs where the reads it lacks
+    did not come. It is the pass the read-more pass departed from, come again after it: both kinds come, so the plan
+    is made from the wider record there and the next passes of either kind follow it. Before (session 26's flake of
+    test_passes_with_and_without_the_input_grad_settle_on_one_plan[without-streamed-overlap]) it was planned from its
+    own record, and the pass with the read departed a third time: three departures in three steps, and the
+    departing-steps warning."""
+    forward = (("P", 0), ("P", 1))
+    wide = _trace(_events(*forward, ("U", 2), ("G", 2), ("U", 0), ("G", 0)))
+    narrow = _trace(_events(*forward, ("U", 2), ("G", 2), ("G", 0)))
+    reads = UnforeseenReads(slots=None)  # type: ignore[arg-type]
+    assert reads.plan_from(narrow) is narrow
+    reads._read_more, reads._more_from = True, narrow  # ``at``: the read departed from the plan made from narrow
+    assert reads.plan_from(wide) is wide and reads.wider is None
+    reads._read_less = wide  # ``at``: the pass without the read departed from the plan made from wide
+    assert reads.plan_from(_trace(narrow.events)) is wide and reads.wider is wide
+    assert reads.plan_from(_trace(wide.events)) is not None and reads.wider is wide  # on plan: the same record kept
+    assert reads.plan_from(_trace(narrow.events)) is wide
+
+    other = UnforeseenReads(slots=None)  # type: ignore[arg-type]
+    assert other.plan_from(narrow) is narrow
+    other._read_more, other._more_from = True, narrow
+    assert other.plan_from(wide) is wide
+    elsewhere = _trace(_events(*forward, ("G", 2), ("U", 2), ("G", 0)))
+    other._read_less = wide
+    assert other.plan_from(elsewhere) is elsewhere and other.wider is None  # not the pass it departed from
