@@ -19,9 +19,31 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # tests/backend/test_inline_copies.py trains in that mode against plain torch.
 os.environ.setdefault("OFFLOAD_CPU_COPIES", "lanes")
 
-# The reference and the engine run in this process with the same intra-op thread count, so results do not
-# depend on it; capping it keeps torch's pool from fighting the engine's copy and optimizer threads.
-torch.set_num_threads(min(4, os.cpu_count() or 1))
+# [Note: the suite's intra-op threads] The reference and the engine run in this process with the same intra-op thread
+# count, so results do not depend on it. The suite runs with one (SUITE_THREADS): the test models' ops are so small
+# that torch's OpenMP threads meeting at every op cost far more than they share, worst beside the engine's copy and
+# optimizer threads on a 2-core machine (under load ~2.2-3.8, two threads against one: test_numerics.py 150 s of wall
+# against 32 s; test_integrations_hf.py, test_hf.py, test_training.py and test_recompute.py 144 s against 45-48 s;
+# engine-bound files with tiny models about the same, within the load's noise). What one thread stops exercising is
+# torch's pool (and the fused C++ AdamW, which takes torch's count on the AdamW lane) running beside the engine's
+# threads; tests about threads keep that, at THREADED_THREADS: those marked `intra_op_threads` (all of tests/host/,
+# test_chaos.py, test_leaks.py and the tests of the lanes' threads) and every `gpu` test (its timings and the host
+# AdamW's speed are measured as a user's run would have them).
+SUITE_THREADS = 1
+THREADED_THREADS = min(4, os.cpu_count() or 1)
+torch.set_num_threads(SUITE_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def intra_op_threads(request):
+    """torch's intra-op thread count for this test: [Note: the suite's intra-op threads]."""
+    wanted = request.node.get_closest_marker("intra_op_threads") or request.node.get_closest_marker("gpu")
+    threads = THREADED_THREADS if wanted else SUITE_THREADS
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    yield
+    if torch.get_num_threads() != SUITE_THREADS:
+        torch.set_num_threads(SUITE_THREADS)
 
 
 @pytest.fixture(autouse=True)

@@ -121,6 +121,7 @@ def test_a_lane_item_synchronizes_only_device_events_not_yet_complete():
         lane.close()
 
 
+@pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
 def test_the_lane_thread_runs_items_with_grad_mode_off_entering_no_context_per_item(monkeypatch):
     """[Note: the cost of a lane item]: grad mode is off on the lane's thread for its life; an item does not
     enter ``torch.no_grad()`` (~5 us each). The calling thread's grad mode is its own."""

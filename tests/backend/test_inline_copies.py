@@ -23,6 +23,7 @@ from tests.runtime.test_numerics import (
 from tests.support.models import CASES
 
 
+@pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
 def test_an_idle_lane_runs_work_on_the_calling_thread():
     lane = Lane("offload-test")
     try:

@@ -18,7 +18,8 @@ from offload.host.cpu_adam import (
 )
 from offload.optim import adamw_
 
-pytestmark = pytest.mark.skipif(not KERNEL_AVAILABLE, reason="offload._C was built without the CPU AdamW")
+pytestmark = [pytest.mark.skipif(not KERNEL_AVAILABLE, reason="offload._C was built without the CPU AdamW"),
+              pytest.mark.intra_op_threads]  # [Note: the suite's intra-op threads] in tests/conftest.py
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 

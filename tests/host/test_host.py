@@ -13,6 +13,8 @@ from offload.host.state import HostState
 from offload.optim import adamw_
 from offload.planning.buckets import ParamSpec, make_buckets
 
+pytestmark = pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
+
 PATHS = [pytest.param(True, id="fused", marks=pytest.mark.skipif(not KERNEL_AVAILABLE, reason="kernel not built")),
          pytest.param(False, id="torch")]
 LOWP = [pytest.param(None, id="fp32"), pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]

@@ -19,6 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from offload import _C
 from offload.host.arena import HostArena, numa_node_of_pci_device
 
+pytestmark = pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
+
 MiB = 1 << 20
 HUGE_PAGE = 2 * MiB
 

@@ -11,7 +11,8 @@ from offload import _C
 from offload.host.cpu_adam import KERNEL_AVAILABLE
 from tests.host.test_cpu_adam import DTYPE_NAMES, ISAS, bits
 
-pytestmark = pytest.mark.skipif(not KERNEL_AVAILABLE, reason="offload._C was built without the CPU AdamW")
+pytestmark = [pytest.mark.skipif(not KERNEL_AVAILABLE, reason="offload._C was built without the CPU AdamW"),
+              pytest.mark.intra_op_threads]  # [Note: the suite's intra-op threads] in tests/conftest.py
 
 # odd lengths, a length of one, an empty one, one long enough for two OpenMP workers (1 << 16 elements)
 LENGTHS = (1037, 1, 15, 0, 4096, 7, 70_001, 64, 3)

@@ -11,6 +11,8 @@ from offload.host.state import HostState
 from offload.planning.buckets import make_buckets
 from tests.host.test_host import HPARAMS, LOWP, PATHS, SPECS
 
+pytestmark = pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
+
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100, 1000, 4099])

@@ -267,6 +267,7 @@ def test_under_chaos_a_batch_waits_for_the_refresh_copies_and_the_lane(inline):
         engine.close()
 
 
+@pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
 def test_with_the_lanes_on_threads_each_bucket_goes_at_its_last_grad(monkeypatch):
     """``OFFLOAD_CPU_COPIES=lanes`` (and CUDA): the buckets go during backward, each by the routine on its own,
     overlapped with backward; no batch."""

@@ -23,6 +23,8 @@ from tests.support.loops import Trained, torch_losses, train_streamed
 from tests.support.models import CASES
 from tests.support.warnings_filters import DEPARTING
 
+pytestmark = pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
+
 CHAOS = ChaosConfig(seed=0, max_delay_ms=2)
 STEPS = 8  # per model in the default run; the slow soak runs 1,000
 

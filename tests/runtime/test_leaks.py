@@ -20,6 +20,8 @@ from offload.backend import CUDABackend
 from tests.support.fake_cuda import FakeCuda
 from tests.support.models import CASES, run
 
+pytestmark = pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
+
 RSS_TOLERANCE = 8 * 2**20  # bytes of RSS growth allowed after step 10 (allocator noise; see the note)
 OBJECT_TOLERANCE = 50  # Python objects tracked by gc, allowed to be added after step 10
 

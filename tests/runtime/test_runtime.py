@@ -200,6 +200,7 @@ def test_exception_in_forward_leaves_engine_usable(device):
     _assert_same(engine, ref)
 
 
+@pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
 def test_close_returns_trained_weights_and_stops_threads(device):
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
     engine, opt, ref, ref_opt = _ref_and_engine(model, budget_frac=0.6, device=device)

@@ -122,6 +122,7 @@ def test_a_lane_of_queries_whose_count_does_not_check_is_not_read():
     assert "not two waits per item less one per later piece" in a["note"] and "params_per_s_queued" not in a
 
 
+@pytest.mark.intra_op_threads  # [Note: the suite's intra-op threads] in tests/conftest.py
 def test_a_thread_of_queries_is_the_lane_only_with_nothing_but_its_waits():
     for extra in (_x(LANE, "cuda_runtime", "cudaEventSynchronize", 250, 260),  # a synchronize after no query
                   _x(LANE, "cuda_runtime", "cudaStreamSynchronize", 1100, 1101)):  # not a wait of the lane
