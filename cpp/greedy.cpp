@@ -90,7 +90,14 @@ struct Move {
 class Sequence {
  public:
   Sequence(const GreedyConstants& c, CopyMode mode)
-      : c_(c), mode_(mode), resident_(static_cast<std::size_t>(c.nb), 0), kept_(static_cast<std::size_t>(c.nb), 0) {}
+      : c_(c), mode_(mode), resident_(static_cast<std::size_t>(c.nb), 0), kept_(static_cast<std::size_t>(c.nb), 0) {
+    // `Greedy.floor_bytes`: the most of the grad slots' (and device-optimizer buckets') live bytes over the events
+    i64 acc = 0;
+    for (i64 i = 0; i < c.n; ++i) {
+      acc += c.grad_profile[static_cast<std::size_t>(i)];
+      floor_ = std::max(floor_, acc);
+    }
+  }
 
   GreedyRun run(i64 capacity) {
     GreedyRun out;
@@ -98,7 +105,9 @@ class Sequence {
     while (true) {
       place();
       const i64 peak = live_bytes();
-      if (peak > capacity) break;  // resident bytes only grow along the sequence
+      // no later point fits (a peak is at least the floor plus the resident bytes, which only grow); a point
+      // over the capacity is simulated for its moves and left out ([Note: points over the capacity], greedy.py)
+      if (peak > capacity && floor_ + resident_bytes() > capacity) break;
       if (!copies()) return fallback(out, "need without a live buffer");
       GreedyPoint point;
       simulate_lanes(LaneProgram{c_.compute, h2d_event_, h2d_solo_, wait_ptr_, wait_copy_, c_.d2h_event, c_.d2h_solo,
@@ -121,7 +130,7 @@ class Sequence {
         point.flat[3 * r + 2] = rows_e_[r];
       }
       if (!next_moves(point.lanes, peak, moves)) return fallback(out, "zero score denominator");
-      out.points.push_back(std::move(point));
+      if (peak <= capacity) out.points.push_back(std::move(point));
       if (moves.empty()) break;
       for (const Move& mv : moves) {
         if (mv.resident) {
@@ -233,6 +242,13 @@ class Sequence {
   }
 
   // `Greedy.profile`: live arena bytes at each event (prof_); returns their max (0 without events).
+  i64 resident_bytes() const {
+    i64 res = 0;
+    for (i64 b = 0; b < c_.nb; ++b)
+      if (resident_[static_cast<std::size_t>(b)]) res += c_.size[static_cast<std::size_t>(b)];
+    return res;
+  }
+
   i64 live_bytes() {
     std::vector<i64>& diff = diff_;
     diff.assign(c_.grad_profile.begin(), c_.grad_profile.end());
@@ -426,6 +442,7 @@ class Sequence {
   std::vector<double> deadline_, duration_, latest_, h2d_solo_, gain_;
   std::vector<Candidate> cand_;
   i64 refresh_ = 0;
+  i64 floor_ = 0;  // the grad profile's most (np.cumsum(...).max(initial=0)): under every point's peak
   std::vector<i64> refresh_after_;  // per refresh: the grad copy it follows (pipelined), else empty
   MaxTable rmq_;
   LaneScratch lane_scratch_;
