@@ -90,14 +90,7 @@ struct Move {
 class Sequence {
  public:
   Sequence(const GreedyConstants& c, CopyMode mode)
-      : c_(c), mode_(mode), resident_(static_cast<std::size_t>(c.nb), 0), kept_(static_cast<std::size_t>(c.nb), 0) {
-    // `Greedy.floor_bytes`: the most of the grad slots' (and device-optimizer buckets') live bytes over the events
-    i64 acc = 0;
-    for (i64 i = 0; i < c.n; ++i) {
-      acc += c.grad_profile[static_cast<std::size_t>(i)];
-      floor_ = std::max(floor_, acc);
-    }
-  }
+      : c_(c), mode_(mode), resident_(static_cast<std::size_t>(c.nb), 0), kept_(static_cast<std::size_t>(c.nb), 0) {}
 
   GreedyRun run(i64 capacity) {
     GreedyRun out;
@@ -105,9 +98,9 @@ class Sequence {
     while (true) {
       place();
       const i64 peak = live_bytes();
-      // no later point fits (a peak is at least the floor plus the resident bytes, which only grow); a point
+      // no later point fits (its peak is at least this one's least_peak, which only grows); a point
       // over the capacity is simulated for its moves and left out ([Note: points over the capacity], greedy.py)
-      if (peak > capacity && floor_ + resident_bytes() > capacity) break;
+      if (peak > capacity && least_peak() > capacity) break;
       if (!copies()) return fallback(out, "need without a live buffer");
       GreedyPoint point;
       simulate_lanes(LaneProgram{c_.compute, h2d_event_, h2d_solo_, wait_ptr_, wait_copy_, c_.d2h_event, c_.d2h_solo,
@@ -242,11 +235,28 @@ class Sequence {
   }
 
   // `Greedy.profile`: live arena bytes at each event (prof_); returns their max (0 without events).
-  i64 resident_bytes() const {
+  // `Greedy.least_peak`: the live bytes with the resident buckets and the others' need intervals only, at their
+  // most (a lower bound of every later point's peak: [Note: points over the capacity] in greedy.py)
+  i64 least_peak() {
+    std::vector<i64>& diff = diff_;
+    diff.assign(c_.grad_profile.begin(), c_.grad_profile.end());
     i64 res = 0;
     for (i64 b = 0; b < c_.nb; ++b)
       if (resident_[static_cast<std::size_t>(b)]) res += c_.size[static_cast<std::size_t>(b)];
-    return res;
+    diff[0] += res;
+    diff[static_cast<std::size_t>(c_.n)] -= res;
+    for (std::size_t i = 0; i < c_.use_b.size(); ++i) {
+      const auto b = static_cast<std::size_t>(c_.use_b[i]);
+      if (resident_[b]) continue;
+      diff[static_cast<std::size_t>(c_.use_s[i])] += c_.size[b];
+      diff[static_cast<std::size_t>(c_.use_e[i])] -= c_.size[b];
+    }
+    i64 acc = 0, peak = 0;
+    for (i64 i = 0; i < c_.n; ++i) {
+      acc += diff[static_cast<std::size_t>(i)];
+      peak = std::max(peak, acc);
+    }
+    return peak;
   }
 
   i64 live_bytes() {
@@ -442,7 +452,6 @@ class Sequence {
   std::vector<double> deadline_, duration_, latest_, h2d_solo_, gain_;
   std::vector<Candidate> cand_;
   i64 refresh_ = 0;
-  i64 floor_ = 0;  // the grad profile's most (np.cumsum(...).max(initial=0)): under every point's peak
   std::vector<i64> refresh_after_;  // per refresh: the grad copy it follows (pipelined), else empty
   MaxTable rmq_;
   LaneScratch lane_scratch_;

@@ -385,7 +385,7 @@ class Greedy:
                 prof = self.profile(resident, None, flat)
                 peak = int(prof.max()) if len(prof) else 0
                 resident_bytes = sum(int(x.size[b]) for b in resident)
-                if peak > capacity and self.floor_bytes + resident_bytes > capacity:
+                if peak > capacity and self.least_peak(resident) > capacity:
                     break  # no later point fits: [Note: points over the capacity]
                 sim, refresh = self.simulate(resident, flat)
                 if peak <= capacity:
@@ -405,13 +405,19 @@ class Greedy:
                 resident, keep = frozenset(res), frozenset(kept)
         return points
 
-    @functools.cached_property
-    def floor_bytes(self) -> int:
-        """The live bytes every point holds at its fullest event besides its resident and streamed weights:
-        the grad slots' (and device-optimizer buckets', a floor of ``grad_profile``) most. A point's peak is at
-        least this plus its resident bytes ([Note: points over the capacity])."""
+    def least_peak(self, resident: frozenset) -> int:
+        """The least peak of any point whose resident buckets include ``resident``: the live bytes with the
+        other buckets held for their need intervals only, at their most ([Note: points over the capacity])."""
         x = self.inputs
-        return int(np.cumsum(x.grad_profile[:-1]).max(initial=0))
+        diff = x.grad_profile.copy()
+        res = np.fromiter(resident, dtype=np.int64, count=len(resident))
+        diff[0] += int(x.size[res].sum())
+        diff[x.n] -= int(x.size[res].sum())
+        live = ~np.isin(x.use_b, res)
+        size = x.size[x.use_b[live]]
+        np.add.at(diff, x.use_s[live], size)
+        np.add.at(diff, x.use_e[live], -size)
+        return int(np.cumsum(diff[:-1]).max(initial=0))
 
     # [Note: points over the capacity]
     # A mode's sequence only adds resident (and kept) buckets, yet its points' live bytes are not monotone in
@@ -422,8 +428,10 @@ class Greedy:
     # pcie4, 40 GiB, 96 device-optimizer buckets: ``latest`` starts at 38.7 GiB of live bytes, over the 37.9
     # GiB of capacity, falls as buckets become resident and fits from 37.8 GiB: 2.366 s at best, where the
     # best point of the other modes that fits is 2.471 s). So a point over the capacity is simulated (its moves need its lanes) and left out,
-    # and the sequence goes on; it stops where no later point can fit: a point's peak is at least
-    # ``floor_bytes`` plus its resident bytes, which only grow. The sequence itself does not depend on the
+    # and the sequence goes on; it stops where no later point can fit. That is ``least_peak``: at every event a
+    # point holds its resident buckets and every other bucket the event needs (and the grad slots open then),
+    # i.e. the bytes of (resident | needed there); a later point's resident set only grows, so that union
+    # does, and its peak is at least this point's ``least_peak``. The sequence itself does not depend on the
     # capacity, so the points that fit still only grow with it (a larger budget never gives a slower plan).
 
     def moves(self, keep, flat, refresh, sim, prof, peak) -> list[tuple[str, int]]:
