@@ -98,7 +98,9 @@ class Sequence {
     while (true) {
       place();
       const i64 peak = live_bytes();
-      if (peak > capacity) break;  // resident bytes only grow along the sequence
+      // no later point fits (its peak is at least this one's least_peak, which only grows); a point
+      // over the capacity is simulated for its moves and left out ([Note: points over the capacity], greedy.py)
+      if (peak > capacity && least_peak() > capacity) break;
       if (!copies()) return fallback(out, "need without a live buffer");
       GreedyPoint point;
       simulate_lanes(LaneProgram{c_.compute, h2d_event_, h2d_solo_, wait_ptr_, wait_copy_, c_.d2h_event, c_.d2h_solo,
@@ -121,7 +123,7 @@ class Sequence {
         point.flat[3 * r + 2] = rows_e_[r];
       }
       if (!next_moves(point.lanes, peak, moves)) return fallback(out, "zero score denominator");
-      out.points.push_back(std::move(point));
+      if (peak <= capacity) out.points.push_back(std::move(point));
       if (moves.empty()) break;
       for (const Move& mv : moves) {
         if (mv.resident) {
@@ -233,6 +235,30 @@ class Sequence {
   }
 
   // `Greedy.profile`: live arena bytes at each event (prof_); returns their max (0 without events).
+  // `Greedy.least_peak`: the live bytes with the resident buckets and the others' need intervals only, at their
+  // most (a lower bound of every later point's peak: [Note: points over the capacity] in greedy.py)
+  i64 least_peak() {
+    std::vector<i64>& diff = diff_;
+    diff.assign(c_.grad_profile.begin(), c_.grad_profile.end());
+    i64 res = 0;
+    for (i64 b = 0; b < c_.nb; ++b)
+      if (resident_[static_cast<std::size_t>(b)]) res += c_.size[static_cast<std::size_t>(b)];
+    diff[0] += res;
+    diff[static_cast<std::size_t>(c_.n)] -= res;
+    for (std::size_t i = 0; i < c_.use_b.size(); ++i) {
+      const auto b = static_cast<std::size_t>(c_.use_b[i]);
+      if (resident_[b]) continue;
+      diff[static_cast<std::size_t>(c_.use_s[i])] += c_.size[b];
+      diff[static_cast<std::size_t>(c_.use_e[i])] -= c_.size[b];
+    }
+    i64 acc = 0, peak = 0;
+    for (i64 i = 0; i < c_.n; ++i) {
+      acc += diff[static_cast<std::size_t>(i)];
+      peak = std::max(peak, acc);
+    }
+    return peak;
+  }
+
   i64 live_bytes() {
     std::vector<i64>& diff = diff_;
     diff.assign(c_.grad_profile.begin(), c_.grad_profile.end());

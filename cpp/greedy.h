@@ -1,6 +1,7 @@
 // The greedy scheduler's move sequence (offload/planning/greedy.py `Greedy.candidates_reference`) in C++: for
 // one copy mode, every point from "everything streamed" on, each placed, profiled, simulated (the lanes of
-// cpp/lane_sim) and followed by its batch of moves, until a point exceeds the capacity or no move is left.
+// cpp/lane_sim) and followed by its batch of moves, until no later point can fit the capacity or no move is
+// left; a point over the capacity is simulated for its moves and left out ([Note: points over the capacity]).
 // The Python loop is the reference (tests/test_greedy_kernel.py compares every field of every point).
 //
 // Bitwise agreement: the integer work (placing, merging, live bytes, range maxima) is exact in any order;

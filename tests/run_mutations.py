@@ -556,6 +556,16 @@ MUTATIONS = [
      '"exp_avg_sq": zero.expand(p.shape)}', "                pass",
      ["tests/runtime/test_plain_torch_loops.py::test_adamw_state_reset_by_loading_a_state_dict_without_it_trains_"
       "like_torch[all-resident-deferred]"]),
+    # -- the planner (issue 18, gap18): a point over the capacity does not end a greedy sequence --------------
+    # (the Python reference's loop: the C++ one is built, not mutated; test_greedy_kernel.py compares the two)
+    ("P40", "a point over the capacity ends its mode's sequence again (later points that fit are lost)",
+     "offload/planning/greedy.py",
+     "                if peak > capacity and self.least_peak(resident) > capacity:",
+     "                if peak > capacity:", ["tests/planning/test_greedy.py"]),
+    ("P41", "the stop rule's least peak counts the resident buckets' needs twice (it stops before points that fit)",
+     "offload/planning/greedy.py",
+     "        live = ~np.isin(x.use_b, res)\n",
+     "        live = np.ones(len(x.use_b), dtype=bool)\n", ["tests/planning/test_greedy.py"]),
     # -- pairs of waits that cover each other (each alone is redundant) -------------------------------------
     ("R19", "a streamed weight read after its update: its update does not wait for the end of backward",
      "offload/runtime/grads.py",

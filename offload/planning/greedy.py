@@ -384,12 +384,14 @@ class Greedy:
                 flat = self.placed(mode, resident, keep)
                 prof = self.profile(resident, None, flat)
                 peak = int(prof.max()) if len(prof) else 0
-                if peak > capacity:
-                    break  # resident bytes only grow along the sequence: every later point is larger too
+                resident_bytes = sum(int(x.size[b]) for b in resident)
+                if peak > capacity and self.least_peak(resident) > capacity:
+                    break  # no later point fits: [Note: points over the capacity]
                 sim, refresh = self.simulate(resident, flat)
-                # (the bytes this point's copies move: the deferred round trip's, the same at every point, aside)
-                rank = (-(sim.h2d_bytes - sum(x.device_return_bytes)), sum(int(x.size[b]) for b in resident), -m)
-                points.append(Point(mode, resident, flat, sim, peak, rank))
+                if peak <= capacity:
+                    # (the bytes this point's copies move: the deferred round trip's, the same at every point, aside)
+                    rank = (-(sim.h2d_bytes - sum(x.device_return_bytes)), resident_bytes, -m)
+                    points.append(Point(mode, resident, flat, sim, peak, rank))
                 moves = self.moves(keep, flat, refresh, sim, prof, peak)
                 if not moves:
                     break
@@ -402,6 +404,35 @@ class Greedy:
                         kept.add(b)
                 resident, keep = frozenset(res), frozenset(kept)
         return points
+
+    def least_peak(self, resident: frozenset) -> int:
+        """The least peak of any point whose resident buckets include ``resident``: the live bytes with the
+        other buckets held for their need intervals only, at their most ([Note: points over the capacity])."""
+        x = self.inputs
+        diff = x.grad_profile.copy()
+        res = np.fromiter(resident, dtype=np.int64, count=len(resident))
+        diff[0] += int(x.size[res].sum())
+        diff[x.n] -= int(x.size[res].sum())
+        live = ~np.isin(x.use_b, res)
+        size = x.size[x.use_b[live]]
+        np.add.at(diff, x.use_s[live], size)
+        np.add.at(diff, x.use_e[live], -size)
+        return int(np.cumsum(diff[:-1]).max(initial=0))
+
+    # [Note: points over the capacity]
+    # A mode's sequence only adds resident (and kept) buckets, yet its points' live bytes are not monotone in
+    # it: where the copies outlast the compute they are issued ahead of their use (``latest`` most of all, up
+    # to the step's start), and every copy queued ahead holds its buffer from its issue. A bucket made resident
+    # leaves the queue, and the copies before it are issued later by its copy time: their buffers shrink by
+    # about what residency adds, and the peak can fall (issue 18, gpt3-6.7b with every block checkpointed,
+    # pcie4, 40 GiB, 96 device-optimizer buckets: ``latest`` starts at 38.7 GiB of live bytes, over the 37.9
+    # GiB of capacity, falls as buckets become resident and fits from 37.8 GiB: 2.366 s at best, where the
+    # best point of the other modes that fits is 2.471 s). So a point over the capacity is simulated (its moves need its lanes) and left out,
+    # and the sequence goes on; it stops where no later point can fit. That is ``least_peak``: at every event a
+    # point holds its resident buckets and every other bucket the event needs (and the grad slots open then),
+    # i.e. the bytes of (resident | needed there); a later point's resident set only grows, so that union
+    # does, and its peak is at least this point's ``least_peak``. The sequence itself does not depend on the
+    # capacity, so the points that fit still only grow with it (a larger budget never gives a slower plan).
 
     def moves(self, keep, flat, refresh, sim, prof, peak) -> list[tuple[str, int]]:
         """The next batch of moves, best first: most stall removed per byte while there is stall, then most

@@ -10,8 +10,9 @@ backward use (the last layers). Once no stall is left, it goes on taking the mov
 copy time per byte, so that spare budget still cuts traffic. Every point of that sequence is simulated
 again as its plan will run (its grad slots single- or double-buffered, with waits on reused grad slots that
 no layout changes: [Note: dominating grad-slot waits]); the plan is the fastest of those whose layout fits
-the budget. The sequence does not depend on the budget (the budget only says where it stops) and neither
-does a plan's step, so a larger budget never gives a slower plan (issue 18).
+the budget. The sequence does not depend on the budget (the budget only says which of its points fit: [Note:
+points over the capacity] in greedy.py) and neither does a plan's step, so a larger budget never gives a
+slower plan (issue 18).
 
 The plan model is ``plan.py``; need intervals ``intervals.py``; arena layout ``layout.py``; the search
 ``greedy.py`` (its inputs ``greedy_inputs.py``); memory floors and budget errors ``budget.py``.
