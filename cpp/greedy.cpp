@@ -234,10 +234,9 @@ class Sequence {
     return std::upper_bound(tau + lo + 1, tau + hi, x, np_less) - tau;  // in (lo, hi]
   }
 
-  // `Greedy.profile`: live arena bytes at each event (prof_); returns their max (0 without events).
-  // `Greedy.least_peak`: the live bytes with the resident buckets and the others' need intervals only, at their
-  // most (a lower bound of every later point's peak: [Note: points over the capacity] in greedy.py)
-  i64 least_peak() {
+  // diff_ as the grad slots' profile plus the resident buckets, held from the first event to the end: the start
+  // of both live-byte profiles below.
+  std::vector<i64>& resident_diff() {
     std::vector<i64>& diff = diff_;
     diff.assign(c_.grad_profile.begin(), c_.grad_profile.end());
     i64 res = 0;
@@ -245,6 +244,13 @@ class Sequence {
       if (resident_[static_cast<std::size_t>(b)]) res += c_.size[static_cast<std::size_t>(b)];
     diff[0] += res;
     diff[static_cast<std::size_t>(c_.n)] -= res;
+    return diff;
+  }
+
+  // `Greedy.least_peak`: the live bytes with the resident buckets and the others' need intervals only, at their
+  // most (a lower bound of every later point's peak: [Note: points over the capacity] in greedy.py)
+  i64 least_peak() {
+    std::vector<i64>& diff = resident_diff();
     for (std::size_t i = 0; i < c_.use_b.size(); ++i) {
       const auto b = static_cast<std::size_t>(c_.use_b[i]);
       if (resident_[b]) continue;
@@ -259,14 +265,9 @@ class Sequence {
     return peak;
   }
 
+  // `Greedy.profile`: live arena bytes at each event (prof_); returns their max (0 without events).
   i64 live_bytes() {
-    std::vector<i64>& diff = diff_;
-    diff.assign(c_.grad_profile.begin(), c_.grad_profile.end());
-    i64 res = 0;
-    for (i64 b = 0; b < c_.nb; ++b)
-      if (resident_[static_cast<std::size_t>(b)]) res += c_.size[static_cast<std::size_t>(b)];
-    diff[0] += res;
-    diff[static_cast<std::size_t>(c_.n)] -= res;
+    std::vector<i64>& diff = resident_diff();
     for (std::size_t r = 0; r < rows_p_.size(); ++r) {
       const i64 size = c_.size[static_cast<std::size_t>(rows_b_[r])];
       diff[static_cast<std::size_t>(rows_p_[r])] += size;
