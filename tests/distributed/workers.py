@@ -1,6 +1,7 @@
 """What each spawned rank of tests/distributed runs (helpers, not tests), and the spawning itself.
 
-Ranks are separate processes (``multiprocessing`` spawn) joined over gloo with ``init_method=file://``; each
+Ranks are separate processes (forked from ``multiprocessing``'s forkserver: [Note: ranks forked from a warm
+server]) joined over gloo with ``init_method=file://``; each
 writes what it saw to ``<out>/rank<r>.pt``. Every wait has a timeout, so a bug cannot hang the suite.
 """
 
@@ -418,10 +419,31 @@ def _slow_writes():
     return mock.patch.object(ShardedHostState, "write_master", slow)
 
 
+# [Note: ranks forked from a warm server] A rank used to be spawned: a fresh interpreter importing torch,
+# torch._dynamo (rank_main's crash workaround, which a torch.optim optimizer imports anyway), offload and this
+# module, ~4.5 s of CPU a rank before it did anything, two to four ranks a test, some thirty tests in the default run.
+# Ranks now fork from multiprocessing's forkserver, started once per test process with those modules imported
+# (nothing else: no engine, no thread, no CUDA context; each rank still starts from a clean copy of that state,
+# and the test process's own state, its thread pools or CUDA, never reaches a rank). What a rank sees is as before:
+# the environment the server started with (tests/conftest.py's, set at import; no distributed test changes it
+# later) and its arguments, pickled.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "offload", "tests.distributed.workers"]
+_CONTEXT: list = []
+
+
+def _rank_context():
+    """The multiprocessing context ranks start from: [Note: ranks forked from a warm server]."""
+    if not _CONTEXT:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _CONTEXT.append(ctx)
+    return _CONTEXT[0]
+
+
 def run_ranks(case: Case, tmp: Path, timeout_s: float = 120.0) -> list[dict]:
     """Spawn ``case.world`` ranks; return each rank's result. A rank still running after ``timeout_s`` is
     killed and reported as hung (never a hang of the test itself)."""
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     out = tmp / "out"
     out.mkdir(parents=True, exist_ok=True)
     init = tmp / "init"
