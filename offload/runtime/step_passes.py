@@ -136,9 +136,12 @@ class StepPasses:
         not at the plan's position."""
         self.state = Between.CONTINUED
         self.forwards += 1
-        if executor.on_plan and (not forward_planned_next(executor) or len(executor.recorder.events) != executor.pos):
-            executor.leave(_EXPECTED_PASS if not forward_planned_next(executor) else
-                           Where(reason="at a forward after a pass whose reads were not its plan's"))
+        if not executor.on_plan:
+            return
+        if not forward_planned_next(executor):
+            executor.leave(_EXPECTED_PASS)
+        elif len(executor.recorder.events) != executor.pos:
+            executor.leave(Where(reason="at a forward after a pass whose reads were not its plan's"))
 
     def step_begins(self, executor: PlanExecutor, grad_enabled: bool) -> None:
         """A forward begins a step: one that ended between its passes is left as is; one still between passes

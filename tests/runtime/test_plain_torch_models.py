@@ -184,17 +184,22 @@ def _parametrized(register):
     return build
 
 
-class Normed(nn.Module):
-    def __init__(self, **kw):
+class Blocks(nn.Module):
+    """Four blocks made by ``block()``, then a head."""
+
+    def __init__(self, block):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(W, W), nn.BatchNorm1d(W, **kw), nn.Tanh())
-                                    for _ in range(4))
+        self.blocks = nn.ModuleList(block() for _ in range(4))
         self.h = nn.Linear(W, 1)
 
     def forward(self, x):
         for b in self.blocks:
             x = b(x)
         return self.h(x)
+
+
+def Normed(**kw) -> Blocks:
+    return Blocks(lambda: nn.Sequential(nn.Linear(W, W), nn.BatchNorm1d(W, **kw), nn.Tanh()))
 
 
 class Counting(nn.Module):
@@ -214,16 +219,8 @@ class Counting(nn.Module):
         return y
 
 
-class Counted(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Counting() for _ in range(4))
-        self.h = nn.Linear(W, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.h(x)
+def Counted() -> Blocks:
+    return Blocks(Counting)
 
 
 class Borrowing(nn.Module):
